@@ -1,0 +1,3 @@
+from src.cli import main
+
+main()

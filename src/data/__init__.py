@@ -1,0 +1,4 @@
+from src.data.classification import TextClassificationDataModule
+from src.data.mlm import MLMDataModule
+
+__all__ = ["TextClassificationDataModule", "MLMDataModule"]
