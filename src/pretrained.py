@@ -73,5 +73,10 @@ def load_tokenizer(name_or_path: str, lowercase: bool = True):
 def tokenizer_fingerprint(tok) -> str:
     """A short hash of the tokenizer's behaviour-defining state, for keying tokenized-data caches."""
     import hashlib
+    import json
 
-    return hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+    state = json.loads(tok.backend_tokenizer.to_str())
+    # truncation/padding are per-call settings the backend remembers from the last call: not identity
+    state.pop("truncation", None)
+    state.pop("padding", None)
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny data and tiny configs written by the tests themselves."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+SAMPLE = Path(__file__).resolve().parents[1] / "src" / "data" / "samples" / "sentiment"
+TINY_BERT = {
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Each test runs in its own folder with its own tokenized-data cache."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BERTACCEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def sample_rows(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+    rows = [json.loads(line) for line in (SAMPLE / f"{split}.jsonl").read_text().splitlines()]
+    random.Random(seed).shuffle(rows)
+    return rows[:n] if n else rows
+
+
+def write_jsonl(path: Path, rows: list[dict], gz: bool = False) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(json.dumps(r) + "\n" for r in rows)
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(data)
+    else:
+        path.write_text(data, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny_data(tmp_path) -> Path:
+    """A local classification directory: 160 train / 48 test rows of the sample corpus."""
+    d = tmp_path / "tiny_data"
+    write_jsonl(d / "train.jsonl", sample_rows("train", 160))
+    write_jsonl(d / "test.jsonl.gz", sample_rows("test", 48), gz=True)
+    return d
+
+
+@pytest.fixture
+def tiny_config(tmp_path, tiny_data):
+    """Write a tiny classification experiment config; returns a function(name, **overrides) -> path."""
+
+    def make(name: str = "tiny", epochs: int = 2, **data_overrides) -> str:
+        cfg = {
+            "seed_everything": 7,
+            "trainer": {
+                "max_epochs": epochs,
+                "accelerator": "cpu",
+                "devices": 1,
+                "log_every_n_steps": 1,
+                "enable_model_summary": False,
+                "logger": {
+                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                    "init_args": {"save_dir": str(tmp_path / "runs"), "name": name},
+                },
+            },
+            "model": {
+                "class_path": "src.modules.BertClassifier",
+                "init_args": {"config": TINY_BERT, "lr": 3e-3, "warmup_ratio": 0.1},
+            },
+            "data": {
+                "class_path": "src.data.TextClassificationDataModule",
+                "init_args": {
+                    "dataset": str(tiny_data),
+                    "tokenizer": "sample:sentiment",
+                    "max_length": 48,
+                    "batch_size": 16,
+                    "val_size": 0.2,
+                    **data_overrides,
+                },
+            },
+        }
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return str(path)
+
+    return make

@@ -1,0 +1,232 @@
+"""TextClassificationDataModule: local formats, splits, padding, caching, and bad input."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.data import TextClassificationDataModule
+from src.data.samplers import EpochSampler
+from src.errors import DataError
+from tests.conftest import sample_rows, write_jsonl
+
+
+def dm(dataset, **kw) -> TextClassificationDataModule:
+    kw.setdefault("tokenizer", "sample:sentiment")
+    kw.setdefault("max_length", 48)
+    kw.setdefault("batch_size", 8)
+    return TextClassificationDataModule(dataset=str(dataset), **kw)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=["text", "label"])
+        w.writeheader()
+        w.writerows(rows)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "csv", "parquet"])
+def test_local_formats_read_the_same_rows(tmp_path, fmt):
+    train, test = sample_rows("train", 40), sample_rows("test", 12)
+    d = tmp_path / fmt
+    d.mkdir()
+    for split, rows in (("train", train), ("test", test)):
+        path = d / f"{split}.{fmt}"
+        if fmt == "jsonl":
+            write_jsonl(path, rows)
+        elif fmt == "jsonl.gz":
+            write_jsonl(path, rows, gz=True)
+        elif fmt == "csv":
+            write_csv(path, rows)
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(rows), path)
+    m = dm(d, val_size=0.25)
+    m.setup("fit")
+    assert m.num_labels == 2
+    assert len(m.datasets["train"]) + len(m.datasets["validation"]) == 40
+    assert len(m.datasets["test"]) == 12
+    assert m.text_of("test", 3) == test[3]["text"]
+
+
+def test_validation_split_is_stratified_seeded_and_disjoint(tiny_data):
+    a, b, c = dm(tiny_data, val_size=0.25, seed=1), dm(tiny_data, val_size=0.25, seed=1), dm(tiny_data, val_size=0.25, seed=2)
+    for m in (a, b, c):
+        m.setup("fit")
+    val = a.datasets["validation"].indices
+    train = a.datasets["train"].indices
+    assert len(val) == 40 and len(train) == 120 and not set(val) & set(train)
+    assert val == b.datasets["validation"].indices
+    assert val != c.datasets["validation"].indices
+    labels = a._load_raw()["train"].labels
+    all_counts = Counter(labels)
+    val_counts = Counter(labels[i] for i in val)
+    for lab, n in all_counts.items():
+        assert abs(val_counts[lab] - n * 0.25) <= 1
+
+
+def test_an_existing_validation_file_is_used(tmp_path):
+    d = tmp_path / "withval"
+    write_jsonl(d / "train.jsonl", sample_rows("train", 30))
+    write_jsonl(d / "validation.jsonl", sample_rows("train", 10, seed=5))
+    write_jsonl(d / "test.jsonl", sample_rows("test", 10))
+    m = dm(d)
+    m.setup("fit")
+    assert len(m.datasets["train"]) == 30 and len(m.datasets["validation"]) == 10
+
+
+@pytest.mark.parametrize("multiple", [None, 8])
+def test_dynamic_padding(tiny_data, multiple):
+    m = dm(tiny_data, pad_to_multiple_of=multiple, batch_size=16)
+    m.setup("fit")
+    batch = next(iter(m.val_dataloader()))
+    lengths = batch["attention_mask"].sum(1)
+    T = batch["input_ids"].shape[1]
+    longest = int(lengths.max())
+    assert T == (longest if multiple is None else -(-longest // 8) * 8)
+    pad = m.tokenizer.pad_token_id
+    assert bool((batch["input_ids"][batch["attention_mask"] == 0] == pad).all())
+    # real rows are exactly the tokenized texts
+    for row, idx, n in zip(batch["input_ids"], batch["index"], lengths):
+        expect = m.tokenizer(m.text_of("validation", int(idx)), truncation=True, max_length=48)["input_ids"]
+        assert row[:n].tolist() == expect
+
+
+def test_truncation_to_max_length(tiny_data):
+    m = dm(tiny_data, max_length=10, pad_to_multiple_of=None)
+    m.setup("fit")
+    batch = next(iter(m.train_dataloader()))
+    assert batch["input_ids"].shape[1] <= 10
+
+
+def test_tokenized_data_is_cached(tiny_data, monkeypatch):
+    m = dm(tiny_data)
+    m.setup("fit")
+    first = m.datasets["train"][0]["input_ids"]
+
+    def boom(*a, **k):
+        raise AssertionError("tokenized again although the cache holds it")
+
+    m2 = dm(tiny_data)
+    monkeypatch.setattr(type(m2.tokenizer), "__call__", boom)
+    m2.setup("fit")
+    assert torch.equal(m2.datasets["train"][0]["input_ids"], first)
+
+
+def test_cache_key_changes_with_max_length(tiny_data):
+    a, b = dm(tiny_data, max_length=48), dm(tiny_data, max_length=12)
+    a.setup("fit")
+    b.setup("fit")
+    assert int(b.datasets["train"].lengths().max()) <= 12 < int(a.datasets["train"].lengths().max())
+
+
+def test_length_grouped_batches_have_less_padding(tmp_path):
+    d = tmp_path / "lens"
+    write_jsonl(d / "train.jsonl", sample_rows("train", 400))
+    write_jsonl(d / "test.jsonl", sample_rows("test", 10))
+
+    def padding(group: bool) -> float:
+        m = dm(d, group_by_length=group, batch_size=16, pad_to_multiple_of=None)
+        m.setup("fit")
+        real = total = 0
+        for b in m.train_dataloader():
+            real += int(b["attention_mask"].sum())
+            total += b["attention_mask"].numel()
+        return 1 - real / total
+
+    assert padding(True) < padding(False)
+
+
+def test_sampler_order_depends_on_seed_and_epoch_only():
+    lengths = torch.randint(1, 100, (100,))
+    s = EpochSampler(100, seed=3, lengths=lengths, batch_size=8)
+    s.set_epoch(0)
+    e0 = list(s)
+    s.set_epoch(1)
+    e1 = list(s)
+    s2 = EpochSampler(100, seed=3, lengths=lengths, batch_size=8)
+    s2.set_epoch(1)
+    assert sorted(e0) == list(range(100)) and e0 != e1 and list(s2) == e1
+
+
+def test_train_subset(tiny_data):
+    m = dm(tiny_data, train_subset=50, test_subset=20)
+    m.setup("fit")
+    assert len(m.datasets["train"]) == 50 and len(m.datasets["test"]) == 20
+
+
+def test_classes_file_sets_num_labels_and_names(tmp_path):
+    d = tmp_path / "cls"
+    write_jsonl(d / "train.jsonl", sample_rows("train", 20))
+    write_jsonl(d / "test.jsonl", sample_rows("test", 8))
+    (d / "classes.txt").write_text("neg\npos\nneutral\n")
+    m = dm(d)
+    assert m.num_labels == 3 and m.class_names == ["neg", "pos", "neutral"]
+
+
+# ------------------------------------------------------------------------------------ bad input
+def bad_dir(tmp_path, train_text: str) -> Path:
+    d = tmp_path / "bad"
+    d.mkdir(parents=True)
+    (d / "train.jsonl").write_text(train_text)
+    write_jsonl(d / "test.jsonl", sample_rows("test", 4))
+    return d
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"text": "fine", "label": 0}\n{"text": "broken", "label": 1\n', r"train.jsonl:2: not valid JSON"),
+        ('{"text": "fine", "label": 0}\n{"text": "  ", "label": 1}\n', r"train.jsonl:2: empty text"),
+        ('{"text": "fine", "label": 0}\n{"txt": "x", "label": 1}\n', r"train.jsonl:2: no 'text' field"),
+        ('{"text": "fine", "label": 0}\n{"text": "x", "label": "pos"}\n', r"train.jsonl:2: label 'pos' is not an integer"),
+        ('{"text": "fine", "label": 0}\n{"text": "x"}\n', r"train.jsonl:2: no 'label' field"),
+    ],
+)
+def test_malformed_rows_name_file_and_line(tmp_path, content, message):
+    with pytest.raises(DataError, match=message):
+        dm(bad_dir(tmp_path, content)).setup("fit")
+
+
+def test_label_out_of_range_names_the_row(tmp_path):
+    d = bad_dir(tmp_path, '{"text": "a", "label": 0}\n{"text": "b", "label": 1}\n{"text": "c", "label": 5}\n')
+    with pytest.raises(DataError, match=r"train.jsonl:3: label 5 is outside 0..1"):
+        dm(d, num_labels=2).setup("fit")
+    with pytest.raises(DataError, match=r"label -1 is outside"):
+        dm(bad_dir(tmp_path / "neg", '{"text": "a", "label": 0}\n{"text": "b", "label": -1}\n')).setup("fit")
+
+
+def test_missing_and_empty_directories(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        dm(tmp_path / "missing").setup("fit")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="needs a train and a test file"):
+        dm(tmp_path / "empty").setup("fit")
+    (tmp_path / "empty" / "train.jsonl").write_text("")
+    (tmp_path / "empty" / "test.jsonl").write_text("")
+    with pytest.raises(DataError, match="has no rows"):
+        dm(tmp_path / "empty").setup("fit")
+
+
+def test_unknown_dataset_and_offline_hub(tmp_path):
+    with pytest.raises(DataError, match="unknown dataset 'imbd'"):
+        dm("imbd").setup("fit")
+    with pytest.raises(DataError, match="point `data.dataset` at a local directory"):
+        dm("imdb").setup("fit")  # HF_HUB_OFFLINE=1 in tests
+
+
+def test_gz_jsonl_line_numbers(tmp_path):
+    d = tmp_path / "gz"
+    d.mkdir()
+    with gzip.open(d / "train.jsonl.gz", "wt") as f:
+        f.write('{"text": "a", "label": 0}\n\n{"text": "", "label": 1}\n')
+    write_jsonl(d / "test.jsonl", sample_rows("test", 4))
+    with pytest.raises(DataError, match=r"train.jsonl.gz:3: empty text"):
+        dm(d).setup("fit")

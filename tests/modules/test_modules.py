@@ -1,0 +1,116 @@
+"""BertClassifier / BertMLM: loss and metrics, perplexity, optimizer groups, and checkpoint checks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.cli import BertAccelCLI
+from src.errors import CheckpointError, ConfigError
+from src.modules import BertClassifier, BertMLM
+from src.modules.base import decay_groups
+from tests.conftest import TINY_BERT
+
+
+def test_weight_decay_groups_exclude_biases_and_layernorm():
+    m = BertClassifier(config=TINY_BERT, vocab_size=100)
+    decay, no_decay = decay_groups(m.model, 0.01)
+    names = {id(p): n for n, p in m.model.named_parameters()}
+    assert all(not names[id(p)].endswith("bias") and "LayerNorm" not in names[id(p)] for p in decay["params"])
+    assert any("LayerNorm" in names[id(p)] for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.model.parameters()))
+
+
+def test_master_weights_are_fp32_and_attention_is_selectable():
+    m = BertClassifier(config=TINY_BERT, vocab_size=100, attn_implementation="eager")
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    assert m.model.config._attn_implementation == "eager"
+    with pytest.raises(Exception, match="attn_implementation"):
+        BertClassifier(config=TINY_BERT, vocab_size=100, attn_implementation="flash")
+
+
+def test_mlm_loss_is_over_masked_positions_and_perplexity_is_exp_loss():
+    torch.manual_seed(0)
+    m = BertMLM(config=TINY_BERT, vocab_size=50).eval()
+    ids = torch.randint(5, 50, (3, 16))
+    labels = torch.full_like(ids, -100)
+    labels[:, 3] = ids[:, 3]
+    labels[0, 7] = ids[0, 7]
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    logits, sel = m.masked_logits(batch)
+    assert logits.shape == (4, 50) and torch.equal(sel, labels[labels != -100])
+    full = m.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+    ours = torch.nn.functional.cross_entropy(logits, sel)
+    torch.testing.assert_close(ours, full)
+    m.validation_step(batch, 0)
+    m.validation_step({k: v[:1] for k, v in batch.items()}, 1)
+    loss = m.val_loss.compute()
+    # token-weighted mean over both batches: 4 tokens then 2 tokens
+    l1 = ours
+    l2 = torch.nn.functional.cross_entropy(*m.masked_logits({k: v[:1] for k, v in batch.items()}))
+    torch.testing.assert_close(loss, (4 * l1 + 2 * l2) / 6)
+    assert math.isclose(math.exp(float(loss)), float(torch.exp(loss)), rel_tol=1e-6)
+
+
+def test_max_length_above_model_positions_is_refused(tiny_config):
+    cfg = tiny_config("long", max_length=128)  # TINY_BERT has 64 positions
+    with pytest.raises(ConfigError, match="above the model's 64 positions"):
+        BertAccelCLI(args=["fit", "-c", cfg])
+
+
+def test_checkpoint_with_other_labels_is_refused(tiny_config, tmp_path):
+    cfg = tiny_config("labels", epochs=1)
+    BertAccelCLI(args=["fit", "-c", cfg])
+    last = tmp_path / "runs" / "labels" / "checkpoints" / "last.ckpt"
+    (tmp_path / "tiny_data" / "classes.txt").write_text("a\nb\nc\n")  # the data now has 3 classes
+    with pytest.raises(CheckpointError, match="num_labels: checkpoint 2 vs config 3"):
+        BertAccelCLI(args=["test", "-c", cfg, "--ckpt_path", str(last)])
+
+
+def test_missing_and_corrupt_checkpoints(tiny_config, tmp_path):
+    cfg = tiny_config("ck", epochs=1)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        BertAccelCLI(args=["test", "-c", cfg, "--ckpt_path", str(tmp_path / "nope.ckpt")])
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        BertAccelCLI(args=["test", "-c", cfg, "--ckpt_path", str(bad)])
+    with pytest.raises(CheckpointError, match="does not exist"):
+        BertAccelCLI(args=["test", "-c", cfg, "--ckpt_path", "best"])  # no run yet
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    """Lightning writes checkpoints through an fsspec transaction (temp file + move): a save that
+    dies half-way must leave the old `last.ckpt` as it was."""
+    from lightning.fabric.utilities import cloud_io
+
+    path = tmp_path / "last.ckpt"
+    cloud_io._atomic_save({"state_dict": {"w": torch.ones(3)}}, path)
+    before = path.read_bytes()
+
+    from fsspec.implementations.local import LocalFileOpener
+
+    real_write = LocalFileOpener.write
+
+    def dies_half_way(self, data):
+        real_write(self, data[: len(data) // 2])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(LocalFileOpener, "write", dies_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        cloud_io._atomic_save({"state_dict": {"w": torch.zeros(3)}}, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert torch.load(path, weights_only=True)["state_dict"]["w"].sum() == 3
+
+
+def test_checkpoint_loads_with_weights_only(tiny_config, tmp_path):
+    BertAccelCLI(args=["fit", "-c", tiny_config("wo", epochs=1)])
+    ckpt = torch.load(tmp_path / "runs" / "wo" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["bertaccel"]["architecture"]["num_labels"] == 2
+    m = BertClassifier(config=TINY_BERT, vocab_size=ckpt["bertaccel"]["architecture"]["vocab_size"])
+    m.load_state_dict(ckpt["state_dict"])
+    assert isinstance(Path(tmp_path), Path)
