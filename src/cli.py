@@ -17,6 +17,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from src.callbacks.kernel_swap import KernelSwap
 from src.callbacks.prediction_writer import JsonlPredictionWriter
 from src.errors import BertAccelError, CheckpointError
 from src.modules.base import BertModule
@@ -94,6 +95,7 @@ class BertAccelCLI(LightningCLI):
         parser.add_lightning_class_args(JsonlPredictionWriter, "predictions")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.add_lightning_class_args(RichProgressBar, "progress_bar")
+        parser.add_lightning_class_args(KernelSwap, "kernel_swap")
         parser.add_argument(
             "--test_after_fit", type=bool, default=False,
             help="After `fit`, run `test` on the best checkpoint in the same process.",

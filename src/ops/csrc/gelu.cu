@@ -1,0 +1,209 @@
+// Fused bias + GELU (exact erf form, as HF's "gelu", or the tanh approximation), forward and backward.
+//
+// Launch: grid (ceil(cols / VEC / 128), row chunks), 128 threads. Thread t of block (bx, by) owns
+// the column vector bx * 128 + t and walks the rows of chunk by, so a warp touches 32 consecutive
+// 16-byte vectors of one row (coalesced) and the bias vector is loaded once. The backward keeps
+// its column's dbias partial in registers across the chunk and writes one partial row per chunk;
+// `column_sum_kernel` adds them (no atomics). Bytes: forward reads x, writes y; backward reads dy
+// and x, writes dx. FLOPs: ~20 per element (erf or tanh dominate).
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "common.cuh"
+
+namespace bertaccel {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+
+__device__ __forceinline__ float gelu(float x, bool tanh_form) {
+  if (tanh_form) {
+    float u = kSqrt2OverPi * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.f + tanhf(u));
+  }
+  return 0.5f * x * (1.f + erff(x * kInvSqrt2));
+}
+
+__device__ __forceinline__ float gelu_grad(float x, bool tanh_form) {
+  if (tanh_form) {
+    float u = kSqrt2OverPi * (x + 0.044715f * x * x * x);
+    float t = tanhf(u);
+    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * 0.044715f * x * x);
+  }
+  return 0.5f * (1.f + erff(x * kInvSqrt2)) + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
+                                                                 T* __restrict__ y, int64_t rows, int cols,
+                                                                 int rows_per_chunk, bool tanh_form) {
+  const int cv = blockIdx.x * kThreads + threadIdx.x;
+  if (cv * VEC >= cols) return;
+  float b[VEC];
+  if (bias != nullptr) load_f<T, VEC>(bias + cv * VEC, b);
+  else
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) b[j] = 0.f;
+  const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
+  const int64_t r1 = min(rows, r0 + rows_per_chunk);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t off = r * cols + (int64_t)cv * VEC;
+    float v[VEC];
+    load_f<T, VEC>(x + off, v);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = gelu(v[j] + b[j], tanh_form);
+    store_f<T, VEC>(y + off, v);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                                 const T* __restrict__ bias, T* __restrict__ dx,
+                                                                 float* __restrict__ dbias_part, int64_t rows, int cols,
+                                                                 int rows_per_chunk, bool tanh_form) {
+  const int cv = blockIdx.x * kThreads + threadIdx.x;
+  if (cv * VEC >= cols) return;
+  float b[VEC], acc[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+  if (bias != nullptr) load_f<T, VEC>(bias + cv * VEC, b);
+  else
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) b[j] = 0.f;
+  const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
+  const int64_t r1 = min(rows, r0 + rows_per_chunk);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t off = r * cols + (int64_t)cv * VEC;
+    float v[VEC], d[VEC];
+    load_f<T, VEC>(x + off, v);
+    load_f<T, VEC>(dy + off, d);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      v[j] = to_f(from_f<T>(d[j] * gelu_grad(v[j] + b[j], tanh_form)));
+      acc[j] += v[j];
+    }
+    store_f<T, VEC>(dx + off, v);
+  }
+  if (dbias_part != nullptr)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dbias_part[(int64_t)blockIdx.y * cols + cv * VEC + j] = acc[j];
+}
+
+int pick_vec(int cols, int max_vec, std::initializer_list<const at::Tensor*> ts) {
+  int vec = max_vec;
+  while (vec > 1) {
+    bool ok = cols % vec == 0;
+    for (auto* t : ts)
+      if (t->defined() && t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % (vec * t->element_size()) != 0) ok = false;
+    if (ok) break;
+    vec /= 2;
+  }
+  return vec;
+}
+
+// Rows per chunk: enough chunks to give every SM ~8 blocks, but at least 16 rows a chunk so the
+// dbias partials stay a small fraction of the traffic.
+int rows_per_chunk(int64_t rows, int col_blocks) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t chunks = std::max<int64_t>(1, (int64_t)sms * 8 / std::max(col_blocks, 1));
+  int64_t rpc = (rows + chunks - 1) / chunks;
+  return (int)std::max<int64_t>(16, rpc);
+}
+
+void check(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous(), "bertaccel bias_gelu: input must be a contiguous CUDA tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "bertaccel bias_gelu: input must be bfloat16 or float32, got ", x.scalar_type());
+  if (bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == x.scalar_type() && bias->numel() == x.size(-1),
+                "bertaccel bias_gelu: bias must be contiguous, of the input's dtype and of size ", x.size(-1));
+  }
+}
+
+at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias, bool tanh_form) {
+  check(x, bias);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty_like(x);
+  const int64_t cols = x.size(-1), rows = x.numel() / std::max<int64_t>(cols, 1);
+  if (rows == 0) return y;
+  at::Tensor b = bias ? *bias : at::Tensor();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto run = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    int vec = pick_vec((int)cols, 16 / sizeof(T), {&x, &b, &y});
+    int col_blocks = (int)((cols / vec + kThreads - 1) / kThreads);
+    int rpc = rows_per_chunk(rows, col_blocks);
+    dim3 grid(col_blocks, (unsigned)((rows + rpc - 1) / rpc));
+    const T* bp = b.defined() ? (const T*)b.data_ptr() : nullptr;
+#define BA_GELU_FWD(V) \
+  bias_gelu_fwd_kernel<T, V><<<grid, kThreads, 0, stream>>>((const T*)x.data_ptr(), bp, (T*)y.data_ptr(), rows, (int)cols, rpc, tanh_form)
+    if (vec == 8) { if constexpr (sizeof(T) == 2) BA_GELU_FWD(8); }
+    else if (vec == 4) BA_GELU_FWD(4);
+    else if (vec == 2) BA_GELU_FWD(2);
+    else BA_GELU_FWD(1);
+#undef BA_GELU_FWD
+  };
+  if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});
+  else run(float{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const at::Tensor& x,
+                                                 const std::optional<at::Tensor>& bias, bool tanh_form) {
+  check(x, bias);
+  at::Tensor dy = dy_in.contiguous();
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), "bertaccel bias_gelu: grad must match input");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor dx = at::empty_like(x);
+  const int64_t cols = x.size(-1), rows = x.numel() / std::max<int64_t>(cols, 1);
+  at::Tensor dbias = at::empty({bias ? cols : 0}, x.options().dtype(at::kFloat));
+  if (rows == 0) {
+    dbias.zero_();
+    return {dx, dbias};
+  }
+  at::Tensor b = bias ? *bias : at::Tensor();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto run = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    int vec = pick_vec((int)cols, 16 / sizeof(T), {&x, &b, &dy, &dx});
+    int col_blocks = (int)((cols / vec + kThreads - 1) / kThreads);
+    int rpc = rows_per_chunk(rows, col_blocks);
+    int chunks = (int)((rows + rpc - 1) / rpc);
+    dim3 grid(col_blocks, chunks);
+    at::Tensor part = bias ? at::empty({chunks, cols}, x.options().dtype(at::kFloat)) : at::Tensor();
+    const T* bp = b.defined() ? (const T*)b.data_ptr() : nullptr;
+    float* pp = part.defined() ? part.data_ptr<float>() : nullptr;
+#define BA_GELU_BWD(V)                                                                                     \
+  bias_gelu_bwd_kernel<T, V><<<grid, kThreads, 0, stream>>>((const T*)dy.data_ptr(), (const T*)x.data_ptr(), \
+                                                            bp, (T*)dx.data_ptr(), pp, rows, (int)cols, rpc, tanh_form)
+    if (vec == 8) { if constexpr (sizeof(T) == 2) BA_GELU_BWD(8); }
+    else if (vec == 4) BA_GELU_BWD(4);
+    else if (vec == 2) BA_GELU_BWD(2);
+    else BA_GELU_BWD(1);
+#undef BA_GELU_BWD
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (bias) {
+      dim3 cgrid((unsigned)((cols + 31) / 32)), cblock(32, 8);
+      column_sum_kernel<<<cgrid, cblock, 0, stream>>>(part.data_ptr<float>(), chunks, (int)cols, dbias.data_ptr<float>());
+    }
+  };
+  if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});
+  else run(float{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dx, dbias};
+}
+
+}  // namespace
+}  // namespace bertaccel
+
+TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
+  m.impl("bias_gelu_fwd", &bertaccel::bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &bertaccel::bias_gelu_bwd);
+}

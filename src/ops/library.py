@@ -1,0 +1,167 @@
+"""The `bertaccel` op namespace: schemas, reference CPU implementations, fake (meta) implementations
+and autograd formulas. The CUDA implementations come from `csrc/*.cu` (`TORCH_LIBRARY_IMPL(bertaccel,
+CUDA, ...)`), loaded by `src.ops.build.load()`.
+
+Defining the schemas here, in Python, means the ops exist on every machine: on CPU they run the
+PyTorch reference below, so `torch.library.opcheck` and the autograd formulas are tested in CI
+even without a GPU.
+
+Autocast: the ops are not autocast-aware. They compute in fp32 internally and return the dtype of
+their activation input; LayerNorm weights are passed as fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+NS = "bertaccel"
+lib = torch.library.Library(NS, "DEF")
+lib.define(
+    "layer_norm_fwd(Tensor x, Tensor? bias, Tensor? residual, Tensor weight, Tensor ln_bias, float p, float eps)"
+    " -> (Tensor y, Tensor z, Tensor mean, Tensor rstd, Tensor rng)"
+)
+lib.define(
+    "layer_norm_bwd(Tensor dy, Tensor z, Tensor weight, Tensor mean, Tensor rstd, Tensor rng, float p, bool want_dh)"
+    " -> (Tensor dz, Tensor dh, Tensor dweight, Tensor dln_bias, Tensor dbias)"
+)
+lib.define("bias_gelu_fwd(Tensor x, Tensor? bias, bool tanh) -> Tensor")
+lib.define("bias_gelu_bwd(Tensor dy, Tensor x, Tensor? bias, bool tanh) -> (Tensor, Tensor)")
+
+
+# ---------------------------------------------------------------------------- CPU reference
+def _cpu_dropout_keep(shape, p: float, rng: Tensor) -> Tensor:
+    g = torch.Generator().manual_seed(int(rng[0]))
+    return torch.rand(shape, generator=g) >= p
+
+
+@torch.library.impl(lib, "layer_norm_fwd", "CPU")
+def _ln_fwd_cpu(x, bias, residual, weight, ln_bias, p, eps):
+    fused = bias is not None or residual is not None or p > 0
+    h = x.float()
+    rng = torch.zeros(2, dtype=torch.long)
+    if bias is not None:
+        h = h + bias.float()
+    if p > 0:
+        rng[0] = int(torch.randint(0, 2**62, (1,)))
+        h = h * _cpu_dropout_keep(h.shape, p, rng) / (1 - p)
+    if residual is not None:
+        h = h + residual.float()
+    if fused:
+        h = h.to(x.dtype).float()  # z is saved in the input dtype; normalise what is saved
+    var, mean = torch.var_mean(h, dim=-1, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    y = ((h - mean[..., None]) * rstd[..., None] * weight + ln_bias).to(x.dtype)
+    z = h.to(x.dtype) if fused else x.new_empty(0)
+    return y, z, mean.reshape(-1), rstd.reshape(-1), rng
+
+
+@torch.library.impl(lib, "layer_norm_bwd", "CPU")
+def _ln_bwd_cpu(dy, z, weight, mean, rstd, rng, p, want_dh):
+    H = z.shape[-1]
+    zf, dyf = z.float().reshape(-1, H), dy.float().reshape(-1, H)
+    xhat = (zf - mean[:, None]) * rstd[:, None]
+    g = dyf * weight
+    dz = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    dweight, dln_bias = (dyf * xhat).sum(0), dyf.sum(0)
+    dz = dz.to(z.dtype).reshape(z.shape)
+    if not want_dh:
+        return dz, z.new_empty(0), dweight, dln_bias, dweight.new_empty(0)
+    dh = dz.float()
+    if p > 0:
+        dh = dh * _cpu_dropout_keep(z.shape, p, rng) / (1 - p)
+    dh = dh.to(z.dtype)
+    return dz, dh, dweight, dln_bias, dh.float().reshape(-1, H).sum(0)
+
+
+def gelu_reference(x: Tensor, tanh: bool) -> Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh" if tanh else "none")
+
+
+@torch.library.impl(lib, "bias_gelu_fwd", "CPU")
+def _gelu_fwd_cpu(x, bias, tanh):
+    h = x.float() if bias is None else x.float() + bias.float()
+    return gelu_reference(h, tanh).to(x.dtype)
+
+
+@torch.library.impl(lib, "bias_gelu_bwd", "CPU")
+def _gelu_bwd_cpu(dy, x, bias, tanh):
+    h = (x.float() if bias is None else x.float() + bias.float()).requires_grad_(True)
+    with torch.enable_grad():
+        (dx,) = torch.autograd.grad(gelu_reference(h, tanh), h, dy.float())
+    dx = dx.to(x.dtype)
+    dbias = dx.float().reshape(-1, x.shape[-1]).sum(0) if bias is not None else dx.new_empty(0, dtype=torch.float32)
+    return dx, dbias
+
+
+# --------------------------------------------------------------------------------- fake
+@torch.library.register_fake(f"{NS}::layer_norm_fwd")
+def _ln_fwd_fake(x, bias, residual, weight, ln_bias, p, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    fused = bias is not None or residual is not None or p > 0
+    f = x.new_empty(rows, dtype=torch.float32)
+    return (torch.empty_like(x), torch.empty_like(x) if fused else x.new_empty(0), f, torch.empty_like(f),
+            x.new_empty(2, dtype=torch.long))
+
+
+@torch.library.register_fake(f"{NS}::layer_norm_bwd")
+def _ln_bwd_fake(dy, z, weight, mean, rstd, rng, p, want_dh):
+    H = z.shape[-1]
+    w = z.new_empty(H, dtype=torch.float32)
+    if want_dh:
+        return torch.empty_like(z), torch.empty_like(z), w, torch.empty_like(w), torch.empty_like(w)
+    return torch.empty_like(z), z.new_empty(0), w, torch.empty_like(w), z.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NS}::bias_gelu_fwd")
+def _gelu_fwd_fake(x, bias, tanh):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake(f"{NS}::bias_gelu_bwd")
+def _gelu_bwd_fake(dy, x, bias, tanh):
+    return torch.empty_like(x), x.new_empty(x.shape[-1] if bias is not None else 0, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------ autograd
+def _ln_setup(ctx, inputs, output):
+    x, bias, residual, weight, ln_bias, p, eps = inputs
+    y, z, mean, rstd, rng = output
+    ctx.fused = bias is not None or residual is not None or p > 0
+    ctx.has_bias, ctx.has_residual, ctx.p = bias is not None, residual is not None, p
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(z if ctx.fused else x, weight, mean, rstd, rng)
+
+
+def _ln_backward(ctx, dy, _dz, _dmean, _drstd, _drng):
+    z, weight, mean, rstd, rng = ctx.saved_tensors
+    dz, dh, dweight, dln_bias, dbias = torch.ops.bertaccel.layer_norm_bwd(
+        dy, z, weight, mean, rstd, rng, ctx.p, ctx.fused
+    )
+    dx = dh if ctx.fused else dz
+    return (
+        dx,
+        dbias.to(ctx.bias_dtype) if ctx.has_bias else None,
+        dz if ctx.has_residual else None,
+        dweight,
+        dln_bias,
+        None,
+        None,
+    )
+
+
+def _gelu_setup(ctx, inputs, output):
+    x, bias, tanh = inputs
+    ctx.tanh = tanh
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(x, bias)
+
+
+def _gelu_backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, dbias = torch.ops.bertaccel.bias_gelu_bwd(dy, x, bias, ctx.tanh)
+    return dx, (dbias.to(ctx.bias_dtype) if bias is not None else None), None
+
+
+torch.library.register_autograd(f"{NS}::layer_norm_fwd", _ln_backward, setup_context=_ln_setup)
+torch.library.register_autograd(f"{NS}::bias_gelu_fwd", _gelu_backward, setup_context=_gelu_setup)

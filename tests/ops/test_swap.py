@@ -1,0 +1,125 @@
+"""The kernel swap on CPU: reversible, parameter-preserving, exactly PyTorch on the fallback path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+
+from src.errors import ConfigError
+from src.ops.gelu import FusedBertIntermediate
+from src.ops.layer_norm import FusedLayerNorm
+from src.ops.residual_layer_norm import FusedBertOutput
+from src.ops.swap import ORDER, swap
+
+CFG = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+           max_position_embeddings=64, num_labels=3)
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(**CFG)).eval()
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 120, (3, 17), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_swap_replaces_instances_and_revert_restores_them(model):
+    before = dict(model.named_modules())
+    params = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    report = swap(model, ORDER)
+    counts = report.counts()
+    assert counts == {"residual_layer_norm": 4, "bias_gelu": 2, "layer_norm": 1}  # 2 layers x 2 outputs; embeddings LN
+    types = {type(m) for m in model.modules()}
+    assert {FusedBertOutput, FusedBertIntermediate, FusedLayerNorm} <= types
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects
+    assert type(model.bert.encoder.layer[0].output.LayerNorm) is nn.LayerNorm  # left to its parent
+    report.revert()
+    after = dict(model.named_modules())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    # HF classes are untouched: a fresh model has no fused modules
+    fresh = BertForSequenceClassification(BertConfig(**CFG))
+    assert not any(isinstance(m, (FusedBertOutput, FusedLayerNorm)) for m in fresh.modules())
+
+
+@pytest.mark.parametrize("ops", [["layer_norm"], ["residual_layer_norm"], ["bias_gelu"], ORDER])
+def test_fallback_is_exactly_pytorch(model, ops):
+    b = batch()
+    with torch.no_grad():
+        ref = model(**b).logits
+        report = swap(model, ops)
+        out = model(**b).logits
+    assert report.replaced
+    assert torch.equal(out, ref)
+
+
+def test_fallback_is_exactly_pytorch_in_training_with_gradients(model):
+    model.train()
+    b, labels = batch(), torch.tensor([0, 2, 1])
+    torch.manual_seed(5)
+    loss_ref = model(**b, labels=labels).loss
+    loss_ref.backward()
+    grads_ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    swap(model, ORDER)
+    torch.manual_seed(5)  # same dropout masks
+    loss = model(**b, labels=labels).loss
+    loss.backward()
+    assert torch.equal(loss, loss_ref)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads_ref[n]), n
+
+
+def test_double_claims_and_unknown_ops_are_errors(model):
+    with pytest.raises(ConfigError, match="listed twice"):
+        swap(model, ["layer_norm", "layer_norm"])
+    with pytest.raises(ConfigError, match="unknown kernel-swap ops"):
+        swap(model, ["layernorm"])
+
+
+def test_checkpoint_round_trip_swapped_and_plain(model, tmp_path):
+    report = swap(model, ORDER)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    sd = model.state_dict()
+    plain = BertForSequenceClassification(BertConfig(**CFG)).eval()
+    plain.load_state_dict(sd)  # a checkpoint saved while swapped loads into plain HF BERT
+    b = batch()
+    with torch.no_grad():
+        assert torch.equal(plain(**b).logits, model(**b).logits)
+    # and back: plain weights into a swapped model; save_pretrained of a swapped model
+    other = BertForSequenceClassification(BertConfig(**CFG)).eval()
+    swap(other, ORDER)
+    other.load_state_dict(plain.state_dict())
+    model.save_pretrained(tmp_path / "hf")
+    loaded = BertForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(**b).logits, plain(**b).logits)
+        assert torch.equal(other(**b).logits, plain(**b).logits)
+    report.revert()
+
+
+def test_masked_lm_swaps_too():
+    m = BertForMaskedLM(BertConfig(**CFG)).eval()
+    report = swap(m, ORDER)
+    # the MLM head's transform LayerNorm is a plain LayerNorm: swapped as one
+    assert report.counts()["layer_norm"] == 2
+
+
+def test_kernel_swap_callback_through_the_cli(tiny_config):
+    from src.cli import BertAccelCLI
+
+    run = BertAccelCLI(args=["fit", "-c", tiny_config("swap", epochs=1), "--kernel_swap.ops", "[all]"])
+    # reverted at teardown: the trained module is plain HF again
+    assert not any(isinstance(m, (FusedBertOutput, FusedLayerNorm, FusedBertIntermediate)) for m in run.model.modules())
+    assert run.trainer.global_step > 0
