@@ -1,0 +1,41 @@
+"""Run every op benchmark in one process: a table of forward/backward effective bandwidth for
+PyTorch eager, torch.compile and bertaccel, and the share of the measured copy ceiling.
+
+    python -m benchmarks.bench_ops --out bench_results/ops.json [--ops layer_norm bias_gelu] [--fp32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+
+from benchmarks.common import copy_bandwidth_gbs, environment, print_table, write_json
+from src.ops import build
+
+OPS = ["layer_norm", "residual_layer_norm", "bias_gelu"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
+    ap.add_argument("--fp32", action="store_true", help="also run float32")
+    ap.add_argument("--out", default="bench_results/ops.json")
+    args = ap.parse_args()
+    if not build.load():
+        raise SystemExit(f"the CUDA ops are unavailable: {build.unavailable_reason()}")
+    ceiling = copy_bandwidth_gbs()
+    print(f"device-to-device copy ceiling: {ceiling:.0f} GB/s")
+    rows = []
+    dtypes = [torch.bfloat16] + ([torch.float32] if args.fp32 else [])
+    for op in args.ops:
+        mod = importlib.import_module(f"benchmarks.bench_{op}")
+        for dt in dtypes:
+            rows += mod.run(ceiling, dt)
+    write_json(args.out, {"environment": environment(), "copy_ceiling_GBs": round(ceiling), "rows": rows})
+    print_table(rows, ["op", "shape", "impl", "fwd_us", "fwd_GB/s", "fwd_%copy", "bwd_us", "bwd_GB/s", "bwd_%copy"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""LayerNorm(dropout(x + bias) + residual), training mode, p = 0.1: PyTorch eager vs torch.compile
+vs bertaccel's one kernel. Bytes: forward reads x and residual, writes y; backward reads dy and
+the saved sum, writes d(residual) and dx."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import measure_op
+from src.ops.residual_layer_norm import bias_dropout_add_layer_norm
+
+SHAPES = [(2048, 384), (2048, 768), (2048, 1024), (16384, 384), (16384, 768), (16384, 1024)]
+P = 0.1
+
+
+def reference(x, bias, r, w, b):
+    return F.layer_norm(F.dropout(x + bias, P, True) + r, (x.shape[-1],), w, b, 1e-12)
+
+
+def run(ceiling_gbs: float, dtype=torch.bfloat16) -> list[dict]:
+    impls = {"pytorch": reference, "compile": torch.compile(reference),
+             "bertaccel": lambda x, bias, r, w, b: bias_dropout_add_layer_norm(x, bias, r, w, b, P, 1e-12)}
+    rows = []
+    for n, h in SHAPES:
+        s = torch.finfo(dtype).bits // 8
+        make = lambda: (torch.randn(n, h, device="cuda", dtype=dtype), torch.randn(h, device="cuda", dtype=dtype),  # noqa: E731
+                        torch.randn(n, h, device="cuda", dtype=dtype), torch.randn(h, device="cuda"), torch.randn(h, device="cuda"))
+        rows += measure_op("residual_layer_norm", f"{n}x{h} {str(dtype)[6:]}", impls, make, (0, 1, 2, 3, 4),
+                           3 * n * h * s, 4 * n * h * s, ceiling_gbs)
+    return rows

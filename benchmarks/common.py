@@ -1,0 +1,109 @@
+"""Timing and reporting helpers shared by the benchmarks (CUDA events, medians, rotating inputs)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+
+def environment() -> dict:
+    env = {"date": str(date.today()), "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def cuda_time_ms(fn, inputs: list, warmup: int = 10, repeats: int = 50) -> float:
+    """Median time of fn(*inputs[i % len(inputs)]) in ms, measured with CUDA events per call.
+    Rotating over several input sets keeps repeated calls from being served by L2."""
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        args = inputs[i % len(inputs)]
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rotations(bytes_per_set: int, l2_bytes: int = 50 * 2**20) -> int:
+    """How many input sets to rotate through so that their total exceeds 4x the L2 cache."""
+    return max(2, min(64, -(-4 * l2_bytes // max(bytes_per_set, 1))))
+
+
+def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
+    """Device-to-device copy: bytes read + written over the time, GB/s."""
+    a = torch.empty(nbytes // 4, device="cuda", dtype=torch.float32).uniform_()
+    b = torch.empty_like(a)
+    ms = cuda_time_ms(lambda: b.copy_(a), [()], warmup=3, repeats=10)
+    return 2 * nbytes / ms / 1e6
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    line = " | ".join(c.ljust(w) for c, w in zip(columns, widths))
+    print(line)
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+
+
+class Stopwatch:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.s = time.perf_counter() - self.t0
+
+
+def measure_op(op: str, shape: str, impls: dict, make_args, grad_args: tuple[int, ...],
+               fwd_bytes: int, bwd_bytes: int, ceiling_gbs: float) -> list[dict]:
+    """Time forward and backward of every implementation of one op on the same inputs.
+
+    `make_args()` returns fresh random inputs; `grad_args` are the indices that need gradients.
+    Effective bandwidth = the bytes the op must move at least once / time."""
+    sets = [make_args() for _ in range(rotations(fwd_bytes))]
+    rows = []
+    for name, fn in impls.items():
+        with torch.no_grad():
+            fwd_ms = cuda_time_ms(fn, sets)
+        graphs = []
+        for args in sets[: max(2, len(sets) // 2)]:
+            args = [a.detach().requires_grad_(i in grad_args) if torch.is_tensor(a) and i in grad_args else a
+                    for i, a in enumerate(args)]
+            y = fn(*args)
+            graphs.append((y, [args[i] for i in grad_args], torch.randn_like(y)))
+        bwd_ms = cuda_time_ms(lambda y, leaves, dy: torch.autograd.grad(y, leaves, dy, retain_graph=True), graphs)
+        fwd_gbs, bwd_gbs = fwd_bytes / fwd_ms / 1e6, bwd_bytes / bwd_ms / 1e6
+        rows.append({
+            "op": op, "shape": shape, "impl": name,
+            "fwd_us": round(fwd_ms * 1e3, 1), "fwd_GB/s": round(fwd_gbs), "fwd_%copy": round(100 * fwd_gbs / ceiling_gbs),
+            "bwd_us": round(bwd_ms * 1e3, 1), "bwd_GB/s": round(bwd_gbs), "bwd_%copy": round(100 * bwd_gbs / ceiling_gbs),
+        })
+        del graphs
+    return rows

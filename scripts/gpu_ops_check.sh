@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On the GPU host: build the CUDA ops, run the `cuda` tests of src/ops, benchmark the ops.
+# Logs and JSON go to $OUT (default ./bench_results). Usage: bash scripts/gpu_ops_check.sh
+set -uo pipefail
+OUT=${OUT:-bench_results}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+start=$(date +%s)
+python -c "from src.ops import build; assert build.load(verbose=True), build.unavailable_reason()" > "$OUT/build.log" 2>&1
+echo "build rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/gpu.txt"
+tail -5 "$OUT/build.log"
+python -m pytest -m cuda tests/ops -q -x -p no:cacheprovider "$@" > "$OUT/cuda_tests.log" 2>&1
+echo "cuda tests rc=$?" | tee -a "$OUT/gpu.txt"
+grep -E "passed|failed|Error" "$OUT/cuda_tests.log" | tail -15
+python -m benchmarks.bench_ops --out "$OUT/ops.json" > "$OUT/bench_ops.log" 2>&1
+echo "bench rc=$?" | tee -a "$OUT/gpu.txt"
+tail -60 "$OUT/bench_ops.log"
