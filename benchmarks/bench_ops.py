@@ -23,6 +23,9 @@ def main() -> None:
     ap.add_argument("--fp32", action="store_true", help="also run float32")
     ap.add_argument("--out", default="bench_results/ops.json")
     args = ap.parse_args()
+    # Backward is timed by re-running one graph (retain_graph=True), which compile's donated
+    # buffers forbid; donation only saves memory, not time.
+    torch._functorch.config.donated_buffer = False
     if not build.load():
         raise SystemExit(f"the CUDA ops are unavailable: {build.unavailable_reason()}")
     ceiling = copy_bandwidth_gbs()
