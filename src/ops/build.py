@@ -149,6 +149,12 @@ def _build_and_load(verbose: bool) -> None:
         while not done.exists() and time.time() < deadline:
             time.sleep(1.0)
     t0 = time.time()
+    library_file = build_dir / f"bertaccel_ops_{key}.so"
+    if done.exists() and library_file.exists():
+        # The folder is keyed by sources, flags, versions and arch: a finished build is current.
+        torch.ops.load_library(str(library_file))
+        log.info("bertaccel CUDA ops loaded from %s", library_file)
+        return
     with BuildLock(build_dir / "bertaccel.lock"):
         # torch's own baton file: we hold our lock, so any baton left here is from a dead build.
         (build_dir / "lock").unlink(missing_ok=True)
