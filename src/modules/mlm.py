@@ -57,6 +57,8 @@ class BertMLM(BertModule):
         self.val_loss = MeanMetric()
         self.val_correct = MeanMetric()
 
+    flops_head = "mlm"
+
     def masked_logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (M, V) at the M selected positions, and their labels (M,)."""
         hidden = self.model.bert(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).last_hidden_state

@@ -1,0 +1,131 @@
+"""End-to-end BERT step times: HF eager fp32, HF eager bf16-mixed, HF bf16 SDPA, HF + torch.compile,
+and this project's presets, all in one process on the same inputs.
+
+    python -m benchmarks.e2e --out bench_results/e2e.json
+    python -m benchmarks.e2e --models bert-base --shapes 16x128 --variants hf-sdpa-bf16 fused
+
+"train" = forward + backward + fused AdamW step; "infer" = forward under no_grad. Random-init
+`BertForSequenceClassification`, attention mask all ones. Each cell: warm-up (compilation
+included), then the median of CUDA-event step times. Speed-up is over HF bf16 SDPA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from benchmarks.common import environment, print_table, write_json
+from src.modules.flops import bert_step_flops
+from src.ops.swap import ORDER, swap
+
+MODELS = {
+    "bert-base": dict(),
+    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+}
+# name: (attention implementation, autocast bf16, kernel swap, torch.compile)
+VARIANTS = {
+    "hf-eager-fp32": ("eager", False, False, False),
+    "hf-eager-bf16": ("eager", True, False, False),
+    "hf-sdpa-bf16": ("sdpa", True, False, False),
+    "hf-compile": ("sdpa", True, False, True),
+    "fused": ("sdpa", True, True, False),
+    "fused-compile": ("sdpa", True, True, True),
+}
+BASELINE = "hf-sdpa-bf16"
+
+
+def step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int) -> list[float]:
+    attn, bf16, fused, compiled = VARIANTS[variant]
+    torch.manual_seed(0)
+    cfg = BertConfig(num_labels=2, **MODELS[model_name])
+    model = BertForSequenceClassification(cfg).cuda()
+    model.set_attn_implementation(attn)
+    if fused:
+        swap(model, ORDER)
+    train = workload == "train"
+    model.train(train)
+    if compiled:
+        model.compile(mode="reduce-overhead")  # in place: state_dict keys unchanged
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if train else None
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(1000, cfg.vocab_size, (batch, seq), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    labels = torch.randint(0, 2, (batch,), device="cuda", generator=g)
+
+    def one_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            if train:
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            else:
+                with torch.no_grad():
+                    return model(input_ids=ids, attention_mask=mask).logits
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        torch.compiler.cudagraph_mark_step_begin() if compiled else None
+        one_step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        one_step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--shapes", nargs="+", default=["16x128", "32x512"], help="batch x seq")
+    ap.add_argument("--workloads", nargs="+", default=["train", "infer"], choices=["train", "infer"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", default="bench_results/e2e.json")
+    args = ap.parse_args()
+    rows = []
+    for model_name in args.models:
+        cfg = BertConfig(num_labels=2, **MODELS[model_name])
+        for shape in args.shapes:
+            batch, seq = map(int, shape.split("x"))
+            for workload in args.workloads:
+                cell = {}
+                for variant in args.variants:
+                    try:
+                        t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps)
+                        cell[variant] = statistics.median(t)
+                    except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
+                        print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
+                        cell[variant] = float("nan")
+                flops = bert_step_flops(cfg, batch, seq, training=workload == "train")
+                base = cell.get(BASELINE)
+                for variant, ms in cell.items():
+                    rows.append({
+                        "model": model_name, "shape": shape, "workload": workload, "variant": variant,
+                        "ms": round(ms, 3), "speedup_vs_sdpa": round(base / ms, 2) if base and ms == ms else "",
+                        "TFLOP/s": round(flops / ms / 1e9, 1) if ms == ms else "",
+                    })
+                print_table([r for r in rows if r["model"] == model_name and r["shape"] == shape and r["workload"] == workload],
+                            ["model", "shape", "workload", "variant", "ms", "speedup_vs_sdpa", "TFLOP/s"])
+    write_json(args.out, {"environment": environment(), "baseline": BASELINE, "rows": rows})
+    print()
+    print_table(rows, ["model", "shape", "workload", "variant", "ms", "speedup_vs_sdpa", "TFLOP/s"])
+
+
+if __name__ == "__main__":
+    main()

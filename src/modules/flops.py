@@ -1,0 +1,30 @@
+"""Matmul FLOPs of a BERT step, counted from the model's config (what MFU is computed from).
+
+Per sequence of T tokens, per layer: Q, K, V and output projections 4 * 2*T*H*H; attention scores
+and the weighted sum 2 * 2*T*T*H; the feed-forward block 2 * 2*T*H*F. Heads: the classifier's pooler
+2*H*H and classifier 2*H*C per sequence; the masked-LM head 2*H*H + 2*H*V per predicted token.
+Elementwise work (LayerNorm, GELU, softmax, embeddings) is under 1% at BERT sizes and not counted,
+as in the usual MFU convention. Training = 3x forward (backward = 2x forward).
+"""
+
+from __future__ import annotations
+
+
+def bert_forward_flops(config, batch: int, seq: int, head: str = "classifier", predicted_tokens: int | None = None) -> int:
+    H, L, F = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    per_layer = 2 * seq * (4 * H * H + 2 * H * F) + 4 * seq * seq * H
+    flops = batch * L * per_layer
+    if head == "classifier":
+        flops += batch * (2 * H * H + 2 * H * config.num_labels)
+    elif head == "mlm":
+        m = batch * seq if predicted_tokens is None else predicted_tokens
+        flops += m * (2 * H * H + 2 * H * config.vocab_size)
+    elif head != "none":
+        raise ValueError(f"unknown head {head!r}")
+    return flops
+
+
+def bert_step_flops(config, batch: int, seq: int, head: str = "classifier", predicted_tokens: int | None = None,
+                    training: bool = True) -> int:
+    fwd = bert_forward_flops(config, batch, seq, head, predicted_tokens)
+    return 3 * fwd if training else fwd
