@@ -10,6 +10,7 @@ import argparse
 import importlib
 
 import torch
+import torch._functorch.config
 
 from benchmarks.common import copy_bandwidth_gbs, environment, print_table, write_json
 from src.ops import build

@@ -19,6 +19,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from src.callbacks.kernel_swap import KernelSwap
 from src.callbacks.prediction_writer import JsonlPredictionWriter
+from src.callbacks.profiler import ProfilerCallback
 from src.callbacks.throughput import ThroughputMeter
 from src.errors import BertAccelError, CheckpointError
 from src.modules.base import BertModule
@@ -98,6 +99,7 @@ class BertAccelCLI(LightningCLI):
         parser.add_lightning_class_args(RichProgressBar, "progress_bar")
         parser.add_lightning_class_args(KernelSwap, "kernel_swap")
         parser.add_lightning_class_args(ThroughputMeter, "throughput")
+        parser.add_lightning_class_args(ProfilerCallback, "profiler")
         parser.add_argument(
             "--test_after_fit", type=bool, default=False,
             help="After `fit`, run `test` on the best checkpoint in the same process.",

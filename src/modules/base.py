@@ -74,7 +74,9 @@ class BertModule(pl.LightningModule):
     # ------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self):
         groups = decay_groups(self.model, self.weight_decay)
-        fused = self.device.type == "cuda"
+        # Fused AdamW unscales gradients inside its kernel, so Lightning cannot clip them first.
+        clipping = bool(self._trainer is not None and self.trainer.gradient_clip_val)
+        fused = self.device.type == "cuda" and not clipping
         optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, fused=fused)
         total = int(self.trainer.estimated_stepping_batches)
         warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total)

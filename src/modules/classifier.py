@@ -60,6 +60,9 @@ class BertClassifier(BertModule):
             num_labels=num_labels,
             vocab_size=vocab_size if pretrained is None else None,
         )
+        # from_pretrained returns the model in eval mode, and Lightning keeps each submodule's mode:
+        # without this, fine-tuning a pretrained model would silently run without dropout.
+        self.model.train()
         metrics = MetricCollection(
             {
                 "acc": MulticlassAccuracy(num_labels, average="micro"),

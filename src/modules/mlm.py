@@ -54,6 +54,9 @@ class BertMLM(BertModule):
             BertForMaskedLM, pretrained, config, attn_implementation,
             vocab_size=vocab_size if pretrained is None else None,
         )
+        # from_pretrained returns the model in eval mode, and Lightning keeps each submodule's mode:
+        # without this, fine-tuning a pretrained model would silently run without dropout.
+        self.model.train()
         self.val_loss = MeanMetric()
         self.val_correct = MeanMetric()
 

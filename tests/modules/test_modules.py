@@ -114,3 +114,12 @@ def test_checkpoint_loads_with_weights_only(tiny_config, tmp_path):
     m = BertClassifier(config=TINY_BERT, vocab_size=ckpt["bertaccel"]["architecture"]["vocab_size"])
     m.load_state_dict(ckpt["state_dict"])
     assert isinstance(Path(tmp_path), Path)
+
+
+def test_pretrained_models_train_with_dropout(tmp_path):
+    """HF's from_pretrained returns an eval-mode model; the module must put it back in train mode."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    BertForSequenceClassification(BertConfig(**TINY_BERT, vocab_size=100)).save_pretrained(tmp_path / "m")
+    m = BertClassifier(pretrained=str(tmp_path / "m"), num_labels=2)
+    assert all(mod.training for mod in m.modules())

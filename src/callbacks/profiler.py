@@ -1,0 +1,288 @@
+"""`ProfilerCallback`: a torch.profiler trace of a few steps of any stage, labelled by BERT region,
+plus per-kernel and per-operator statistics and a category breakdown.
+
+Outputs, in `<log_dir>/profiler/` (named in the log when written):
+- `<host>_<pid>.<stage>.<time>.pt.trace.json.gz`: Chrome trace; opens in Perfetto, chrome://tracing,
+  Holistic Trace Analysis and TensorBoard's profiler plugin (`pip install torch-tb-profiler`;
+  `tensorboard --logdir runs`), which finds it under the run's folder;
+- `kernel_statistics.json`: every GPU kernel: total ms, calls, mean us, share of GPU time, category;
+- `operator_statistics.json`: every aten op: self CPU ms, self device ms, calls, mean, device memory;
+- `profile_summary.json`: GPU time by category and by labelled region.
+The top kernels, top operators and category shares are printed at the end of the stage.
+
+Labelled regions are `record_function` ranges opened by module hooks (HF code is not edited):
+`embeddings`, `layer{i}.attention`, `layer{i}.ffn` (intermediate + output), `head` (pooler,
+classifier or MLM head), and in training `backward` and `optimizer_step`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections import defaultdict
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.autograd import DeviceType
+from typing_extensions import override
+
+# Checked in order; the first pattern that matches a kernel's name gives its category.
+CATEGORIES: list[tuple[str, str]] = [
+    ("memcpy/memset", r"memcpy|memset|Memcpy|Memset"),
+    ("optimizer", r"adam|Adam|multi_tensor|_foreach|fused_sgd|lamb"),
+    ("attention", r"flash|fmha|attention|Attention|sdpa|efficient_attention|cutlassF|cutlassB"),
+    ("softmax", r"softmax|Softmax"),
+    ("layernorm", r"layer_norm|layernorm|LayerNorm|ln_fwd|ln_bwd|rms_norm"),
+    ("gelu/activation", r"gelu|GELU|relu|tanh|silu|erf"),
+    ("gemm", r"gemm|GEMM|cutlass|cublas|nvjet|xmma|sm90|sm80|wgmma|matmul|Kernel2"),
+    ("reduction", r"reduce|Reduce|sum_|norm_kernel|column_sum|argmax|cross_entropy|nll_loss|log_softmax"),
+    ("elementwise", r"elementwise|vectorized|unrolled|CatArray|copy|fill|index|dropout|where|add|mul|cast"),
+]
+CATEGORY_NAMES = [c for c, _ in CATEGORIES] + ["other"]
+_COMPILED = [(c, re.compile(p)) for c, p in CATEGORIES]
+
+
+def categorize(kernel: str) -> str:
+    """The category of a GPU kernel by its (mangled or demangled) name."""
+    for cat, pat in _COMPILED:
+        if pat.search(kernel):
+            return cat
+    return "other"
+
+
+class _RegionHooks:
+    """Forward pre/post hooks that open and close profiler ranges around BERT's submodules."""
+
+    def __init__(self) -> None:
+        self.handles: list = []
+        self.open: dict[int, list] = defaultdict(list)
+
+    def add(self, module: torch.nn.Module, label: str) -> None:
+        def pre(mod, args):
+            self.open[id(mod)].append(torch.ops.profiler._record_function_enter_new(label, None))
+
+        def post(mod, args, out):
+            if self.open[id(mod)]:
+                torch.ops.profiler._record_function_exit(self.open[id(mod)].pop())
+
+        self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def attach(self, root: torch.nn.Module) -> None:
+        for name, m in root.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            tname = type(m).__name__
+            if tname == "BertEmbeddings":
+                self.add(m, "embeddings")
+            elif re.search(r"encoder\.layer\.\d+\.attention$", name):
+                self.add(m, f"layer{name.split('.')[-2]}.attention")
+            elif re.search(r"encoder\.layer\.\d+\.(intermediate|output)$", name):
+                self.add(m, f"layer{name.split('.')[-2]}.ffn")
+            elif leaf in ("pooler", "classifier", "cls") and tname != "Dropout":
+                self.add(m, "head")
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+class ProfilerCallback(pl.Callback):
+    """Profile a few steps of each stage with torch.profiler.
+
+    Args:
+        enabled: Turn profiling on (off by default; `configs/profile.yaml` turns it on).
+        stages: Stages to profile: any of "train", "validate", "test", "predict".
+        skip_first: Steps ignored before the schedule starts (compilation, warm-up, allocator growth).
+        wait: Steps the profiler idles at the start of each cycle.
+        warmup: Steps traced but discarded (profiler start-up cost).
+        active: Steps recorded per cycle; keep it at 1-3, traces grow fast.
+        repeat: Cycles to record (0: until the stage ends).
+        record_shapes: Record operator input shapes.
+        profile_memory: Record tensor allocations (larger trace).
+        with_stack: Record Python stacks (much larger trace).
+        row_limit: Rows of the printed kernel and operator tables.
+    """
+
+    def __init__(self, enabled: bool = False, stages: list[str] | None = None, skip_first: int = 5, wait: int = 1,
+                 warmup: int = 2, active: int = 3, repeat: int = 1, record_shapes: bool = True,
+                 profile_memory: bool = False, with_stack: bool = False, row_limit: int = 30) -> None:
+        self.enabled = enabled
+        self.stages = stages or ["train", "validate", "test", "predict"]
+        self.skip_first, self.wait, self.warmup, self.active, self.repeat = skip_first, wait, warmup, active, repeat
+        self.record_shapes, self.profile_memory, self.with_stack = record_shapes, profile_memory, with_stack
+        self.row_limit = row_limit
+        self._prof: torch.profiler.profile | None = None
+        self._stage: str | None = None
+        self._hooks = _RegionHooks()
+        self._ranges: dict[str, object] = {}
+        self.outputs: dict[str, Path] = {}
+
+    # ------------------------------------------------------------------------------- control
+    def _dir(self, trainer) -> Path:
+        return Path(trainer.log_dir or trainer.default_root_dir) / "profiler"
+
+    def _begin(self, trainer, pl_module, stage: str) -> None:
+        if not self.enabled or stage not in self.stages or self._prof is not None or trainer.sanity_checking:
+            return
+        out = self._dir(trainer)
+        out.mkdir(parents=True, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if trainer.strategy.root_device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        worker = f"{socket.gethostname()}_{trainer.global_rank}.{stage}"
+        self._stage = stage
+        self._prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(skip_first=self.skip_first, wait=self.wait, warmup=self.warmup,
+                                             active=self.active, repeat=self.repeat),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out), worker_name=worker, use_gzip=True),
+            record_shapes=self.record_shapes, profile_memory=self.profile_memory, with_stack=self.with_stack,
+            acc_events=True,
+        )
+        self._hooks.attach(pl_module)
+        self._prof.__enter__()
+
+    def _step(self, stage: str) -> None:
+        if self._prof is not None and self._stage == stage:
+            self._prof.step()
+
+    def _finish(self, trainer, stage: str) -> None:
+        if self._prof is None or self._stage != stage:
+            return
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self._hooks.remove()
+        for handle in self._ranges.values():
+            torch.ops.profiler._record_function_exit(handle)
+        self._ranges.clear()
+        if trainer.is_global_zero:
+            self._report(trainer, prof, stage)
+
+    def _range(self, name: str, open_: bool) -> None:
+        if self._prof is None or self._stage != "train":
+            return
+        if open_:
+            self._ranges[name] = torch.ops.profiler._record_function_enter_new(name, None)
+        elif name in self._ranges:
+            torch.ops.profiler._record_function_exit(self._ranges.pop(name))
+
+    # -------------------------------------------------------------------------------- report
+    def _report(self, trainer, prof, stage: str) -> None:
+        out = self._dir(trainer)
+        try:
+            averages = prof.key_averages()
+        except (AssertionError, RuntimeError):
+            rank_zero_info(f"profiler ({stage}): no step was recorded (fewer steps than skip_first+wait+warmup+active)")
+            return
+        kernels = [e for e in averages if e.device_type == DeviceType.CUDA]
+        gpu_total = sum(e.self_device_time_total for e in kernels) or 1.0
+        kernel_rows = sorted(
+            ({"name": e.key, "category": categorize(e.key), "total_ms": e.self_device_time_total / 1e3,
+              "calls": e.count, "mean_us": e.self_device_time_total / max(e.count, 1),
+              "share": e.self_device_time_total / gpu_total} for e in kernels),
+            key=lambda r: -r["total_ms"],
+        )
+        ops = [e for e in averages if e.device_type == DeviceType.CPU]
+        op_rows = sorted(
+            ({"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "self_device_ms": e.self_device_time_total / 1e3,
+              "calls": e.count, "mean_cpu_us": e.cpu_time_total / max(e.count, 1),
+              "device_memory_mb": e.self_device_memory_usage / 2**20} for e in ops if e.key.startswith("aten::")
+             or e.key.startswith("bertaccel::")),
+            key=lambda r: (-r["self_device_ms"], -r["self_cpu_ms"]),
+        )
+        by_cat: dict[str, float] = defaultdict(float)
+        for r in kernel_rows:
+            by_cat[r["category"]] += r["total_ms"]
+        region_names = re.compile(r"^(embeddings|layer\d+\.(attention|ffn)|head|backward|optimizer_step)$")
+        regions = {e.key: {"device_ms": e.device_time_total / 1e3, "cpu_ms": e.cpu_time_total / 1e3, "calls": e.count}
+                   for e in ops if region_names.match(e.key)}
+        summary = {
+            "stage": stage, "active_steps": self.active * max(self.repeat, 1),
+            "gpu_ms": gpu_total / 1e3,
+            "categories": {c: {"ms": by_cat[c], "share": by_cat[c] * 1e3 / gpu_total} for c in CATEGORY_NAMES if by_cat[c]},
+            "regions": regions,
+        }
+        for name, rows in (("kernel_statistics.json", kernel_rows), ("operator_statistics.json", op_rows),
+                           ("profile_summary.json", summary)):
+            (out / f"{stage}_{name}" if stage != "train" else out / name).write_text(json.dumps(rows, indent=2))
+        self.outputs[stage] = out
+        traces = sorted(p.name for p in out.glob(f"*{stage}*.pt.trace.json.gz"))
+        lines = [f"profiler ({stage}): trace {out}/{traces[-1] if traces else '?'}; statistics in {out}"]
+        lines.append(f"  GPU time {gpu_total / 1e3:.2f} ms over {summary['active_steps']} steps; by category: "
+                     + ", ".join(f"{c} {v['share']:.1%}" for c, v in sorted(summary["categories"].items(), key=lambda kv: -kv[1]["ms"])))
+        lines.append(f"  top kernels by GPU time:")
+        for r in kernel_rows[: self.row_limit]:
+            lines.append(f"    {r['share']:6.1%} {r['total_ms']:8.3f} ms {r['calls']:5d}x {r['mean_us']:8.1f} us  [{r['category']}] {r['name'][:90]}")
+        lines.append(f"  top operators by self device time:")
+        for r in op_rows[: self.row_limit]:
+            lines.append(f"    {r['self_device_ms']:8.3f} ms dev {r['self_cpu_ms']:8.3f} ms cpu {r['calls']:5d}x  {r['name'][:80]}")
+        if regions:
+            lines.append("  regions (device ms / cpu ms): " + ", ".join(
+                f"{k} {v['device_ms']:.2f}/{v['cpu_ms']:.2f}" for k, v in sorted(regions.items())[:40]))
+        rank_zero_info("\n".join(lines))
+
+    # -------------------------------------------------------------------------------- hooks
+    @override
+    def on_train_start(self, trainer, pl_module):
+        self._begin(trainer, pl_module, "train")
+
+    @override
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._range("backward", True)
+
+    @override
+    def on_after_backward(self, trainer, pl_module):
+        self._range("backward", False)
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._range("optimizer_step", True)
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._range("optimizer_step", False)
+        self._step("train")
+
+    @override
+    def on_train_end(self, trainer, pl_module):
+        self._finish(trainer, "train")
+
+    @override
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.state.fn == "validate":
+            self._begin(trainer, pl_module, "validate")
+
+    @override
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._step("validate")
+
+    @override
+    def on_validation_end(self, trainer, pl_module):
+        self._finish(trainer, "validate")
+
+    @override
+    def on_test_start(self, trainer, pl_module):
+        self._begin(trainer, pl_module, "test")
+
+    @override
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._step("test")
+
+    @override
+    def on_test_end(self, trainer, pl_module):
+        self._finish(trainer, "test")
+
+    @override
+    def on_predict_start(self, trainer, pl_module):
+        self._begin(trainer, pl_module, "predict")
+
+    @override
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._step("predict")
+
+    @override
+    def on_predict_end(self, trainer, pl_module):
+        self._finish(trainer, "predict")
