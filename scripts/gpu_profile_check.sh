@@ -7,8 +7,9 @@ OUT=${OUT:-bench_results}
 mkdir -p "$OUT"
 export BERTACCEL_CACHE=${BERTACCEL_CACHE:-$PWD/.carry/cache}
 python -m benchmarks.bench_ops --out "$OUT/ops.json" > "$OUT/bench_ops.log" 2>&1; echo "bench rc=$?"
-COMMON=(--data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500
-        --progress_bar.refresh_rate 200 --test_after_fit false)
+DATA=(--data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500
+      --progress_bar.refresh_rate 200)
+COMMON=("${DATA[@]}" --test_after_fit false)
 profile() {  # name, extra args...
   local name=$1; shift
   python -m src fit -c configs/imdb_minilm.yaml -c configs/profile.yaml "${COMMON[@]}" "$@" \
@@ -25,7 +26,7 @@ BASE=(--model.init_args.pretrained null --model.init_args.config '{}' --data.ini
 profile bert_base_plain "${BASE[@]}"
 profile bert_base_fused "${BASE[@]}" -c configs/presets/fused.yaml
 for name in bert_base_plain bert_base_fused; do
-  python -m src test -c configs/imdb_minilm.yaml -c configs/profile.yaml "${COMMON[@]/--test_after_fit/}" "${BASE[@]}" \
+  python -m src test -c configs/imdb_minilm.yaml -c configs/profile.yaml "${DATA[@]}" "${BASE[@]}" \
     $( [ $name = bert_base_fused ] && echo "-c configs/presets/fused.yaml" ) \
     --trainer.logger.init_args.name "prof_${name}_test" > "$OUT/prof_${name}_test.log" 2>&1
   echo "profile ${name}_test rc=$?"
