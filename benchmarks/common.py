@@ -81,29 +81,66 @@ class Stopwatch:
         self.s = time.perf_counter() - self.t0
 
 
+def graph_time_ms(fn, inputs: list, calls: int = 20, replays: int = 10) -> float:
+    """GPU time per call of fn(*inputs[i % len(inputs)]), from replays of a CUDA graph holding
+    `calls` calls: launch and Python overhead are gone, only the kernels' time remains."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compilation, autotuning, lazy init) off the capture
+        for i in range(3):
+            fn(*inputs[i % len(inputs)])
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(*inputs[i % len(inputs)])
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    del g
+    return statistics.median(times)
+
+
 def measure_op(op: str, shape: str, impls: dict, make_args, grad_args: tuple[int, ...],
                fwd_bytes: int, bwd_bytes: int, ceiling_gbs: float) -> list[dict]:
-    """Time forward and backward of every implementation of one op on the same inputs.
+    """Forward and backward of every implementation of one op on the same inputs.
 
-    `make_args()` returns fresh random inputs; `grad_args` are the indices that need gradients.
-    Effective bandwidth = the bytes the op must move at least once / time."""
+    GPU time per call comes from CUDA-graph replays (kernels only); `eager_fwd_us` is one eager
+    call timed with events, launch and Python overhead included. Effective bandwidth = the bytes
+    the op must move at least once / GPU time. `make_args()` returns fresh random inputs;
+    `grad_args` are the indices that need gradients."""
     sets = [make_args() for _ in range(rotations(fwd_bytes))]
     rows = []
     for name, fn in impls.items():
         with torch.no_grad():
-            fwd_ms = cuda_time_ms(fn, sets)
+            eager_ms = cuda_time_ms(fn, sets)
+            fwd_ms = graph_time_ms(fn, sets)
         graphs = []
         for args in sets[: max(2, len(sets) // 2)]:
-            args = [a.detach().requires_grad_(i in grad_args) if torch.is_tensor(a) and i in grad_args else a
+            args = [a.detach().requires_grad_(True) if torch.is_tensor(a) and i in grad_args else a
                     for i, a in enumerate(args)]
             y = fn(*args)
             graphs.append((y, [args[i] for i in grad_args], torch.randn_like(y)))
-        bwd_ms = cuda_time_ms(lambda y, leaves, dy: torch.autograd.grad(y, leaves, dy, retain_graph=True), graphs)
+        bwd = lambda y, leaves, dy: torch.autograd.grad(y, leaves, dy, retain_graph=True)  # noqa: E731
+        try:
+            bwd_ms, how = graph_time_ms(bwd, graphs), "graph"
+        except Exception:  # noqa: BLE001 - a backward that cannot be captured is timed eagerly
+            torch.cuda.synchronize()
+            bwd_ms, how = cuda_time_ms(bwd, graphs), "eager"
         fwd_gbs, bwd_gbs = fwd_bytes / fwd_ms / 1e6, bwd_bytes / bwd_ms / 1e6
         rows.append({
-            "op": op, "shape": shape, "impl": name,
+            "op": op, "shape": shape, "impl": name, "eager_fwd_us": round(eager_ms * 1e3, 1),
             "fwd_us": round(fwd_ms * 1e3, 1), "fwd_GB/s": round(fwd_gbs), "fwd_%copy": round(100 * fwd_gbs / ceiling_gbs),
             "bwd_us": round(bwd_ms * 1e3, 1), "bwd_GB/s": round(bwd_gbs), "bwd_%copy": round(100 * bwd_gbs / ceiling_gbs),
+            "bwd_timing": how,
         })
         del graphs
     return rows

@@ -11,11 +11,11 @@ python -c "import torch, transformers; print('torch', torch.__version__, 'cuda',
 start=$(date +%s)
 python -c "from src.ops import build; assert build.load(verbose=True), build.unavailable_reason()" > "$OUT/build.log" 2>&1
 echo "build rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/gpu.txt"
-tail -5 "$OUT/build.log"
+grep -E "registers|spill|bytes stack" "$OUT/build.log" | head -40
 python -m pytest -m cuda tests/ops -q -p no:cacheprovider "$@" > "$OUT/cuda_tests.log" 2>&1
 echo "cuda tests rc=$?" | tee -a "$OUT/gpu.txt"
 grep -E "passed|failed|Error" "$OUT/cuda_tests.log" | tail -15
 python -m benchmarks.bench_ops --out "$OUT/ops.json" > "$OUT/bench_ops.log" 2>&1
 echo "bench rc=$?" | tee -a "$OUT/gpu.txt"
-tail -60 "$OUT/bench_ops.log"
-tar czf "$OUT/ext_cache.tgz" -C "$BERTACCEL_CACHE" extensions 2>/dev/null
+tail -62 "$OUT/bench_ops.log"
+(cd "$BERTACCEL_CACHE" && tar czf "$OUT/ext_cache.tgz" extensions/*/BUILT extensions/*/*.so) 2>/dev/null

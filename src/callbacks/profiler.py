@@ -177,7 +177,9 @@ class ProfilerCallback(pl.Callback):
         except (AssertionError, RuntimeError):
             rank_zero_info(f"profiler ({stage}): no step was recorded (fewer steps than skip_first+wait+warmup+active)")
             return
-        kernels = [e for e in averages if e.device_type == DeviceType.CUDA]
+        # GPU-side copies of record_function ranges (our region labels, Lightning's optimizer ranges)
+        # also carry device_type CUDA: they are not kernels.
+        kernels = [e for e in averages if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         gpu_total = sum(e.self_device_time_total for e in kernels) or 1.0
         kernel_rows = sorted(
             ({"name": e.key, "category": categorize(e.key), "total_ms": e.self_device_time_total / 1e3,

@@ -21,14 +21,17 @@ def kernels_loaded() -> bool:
     return build.load()
 
 
-def why_not(x: torch.Tensor, hidden: int | None = None) -> str | None:
-    """None when `x` can go through the kernels, else the reason it takes the PyTorch path."""
+def why_not(x: torch.Tensor, hidden: int | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """None when `x` (or, with `dtype`, x computed in that dtype) can go through the kernels, else
+    the reason it takes the PyTorch path."""
     if not x.is_cuda:
         return "input is not on a CUDA device"
-    if x.dtype not in KERNEL_DTYPES:
-        return f"dtype {x.dtype} (kernels take bfloat16 and float32)"
-    if (hidden or x.shape[-1]) > MAX_HIDDEN:
-        return f"last dimension {x.shape[-1]} is above {MAX_HIDDEN}"
+    dtype = dtype or x.dtype
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype} (kernels take bfloat16 and float32)"
+    hidden = hidden or x.shape[-1]
+    if hidden > MAX_HIDDEN:
+        return f"last dimension {hidden} is above {MAX_HIDDEN}"
     if not kernels_loaded():
         return build._state["reason"] or "kernels not built"
     return None
@@ -41,3 +44,10 @@ def note_fallback(op: str, reason: str) -> None:
         return
     _warned.add(key)
     warnings.warn(f"bertaccel {op} uses PyTorch: {reason}.", stacklevel=3)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on `x` produces here: the autocast dtype when autocast is on."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["layer_norm.cu", "gelu.cu"]
 HEADERS = ["common.cuh"]
-CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+# --resource-usage prints registers / shared memory / spills per kernel into the (verbose) build log.
+CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]
 
 _state: dict[str, object] = {"loaded": None, "reason": ""}
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from src.ops import library  # noqa: F401
-from src.ops._dispatch import note_fallback, why_not
+from src.ops import library
+from src.ops._dispatch import compute_dtype, note_fallback, why_not
 
 TANH_ACTIVATIONS = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
 ERF_ACTIVATIONS = {"GELUActivation"}
@@ -25,7 +25,7 @@ def bias_gelu(x: Tensor, bias: Tensor | None = None, approximate: str = "none") 
         note_fallback("bias_gelu", reason)
         return bias_gelu_reference(x, bias, approximate)
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    return torch.ops.bertaccel.bias_gelu_fwd(x.contiguous(), b, approximate == "tanh")
+    return library.bias_gelu_fwd(x.contiguous(), b, approximate == "tanh")
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
@@ -58,9 +58,8 @@ class FusedBertIntermediate(nn.Module):
         self.train(original.training)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        probe = hidden_states
-        if torch.is_autocast_enabled(hidden_states.device.type):
-            probe = hidden_states.new_empty(0, dtype=torch.get_autocast_dtype(hidden_states.device.type))
-        if self.dense.bias is None or why_not(probe, self.dense.out_features) is not None:
+        # The dtype the matmul will produce (bf16 under autocast) decides eligibility.
+        dtype = compute_dtype(hidden_states)
+        if self.dense.bias is None or why_not(hidden_states, self.dense.out_features, dtype) is not None:
             return self.intermediate_act_fn(self.dense(hidden_states))
         return bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, self.approximate)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from src.ops import library  # noqa: F401 - registers the bertaccel ops
+from src.ops import library
 from src.ops._dispatch import note_fallback, why_not
 
 
@@ -24,7 +24,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         note_fallback("layer_norm", reason)
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     shape = x.shape
-    y = torch.ops.bertaccel.layer_norm_fwd(
+    y = library.layer_norm_fwd(
         x.contiguous().view(-1, shape[-1]), None, None, weight.float(), bias.float(), 0.0, eps
     )[0]
     return y.view(shape)

@@ -165,3 +165,50 @@ def _gelu_backward(ctx, dy):
 
 torch.library.register_autograd(f"{NS}::layer_norm_fwd", _ln_backward, setup_context=_ln_setup)
 torch.library.register_autograd(f"{NS}::bias_gelu_fwd", _gelu_backward, setup_context=_gelu_setup)
+
+
+# ------------------------------------------------------------------------- eager entry points
+# The registered autograd formula above is what torch.compile traces. In eager mode, going through
+# it costs a Python autograd kernel per call (~100 us on a slow CPU; a CPU-bound training step calls
+# these ops dozens of times), so eager calls use a plain autograd.Function that runs the op below
+# the autograd layer and reuses the same setup/backward formulas.
+class _LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, residual, weight, ln_bias, p, eps):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            out = torch.ops.bertaccel.layer_norm_fwd(x, bias, residual, weight, ln_bias, p, eps)
+        _ln_setup(ctx, (x, bias, residual, weight, ln_bias, p, eps), out)
+        ctx.mark_non_differentiable(*out[1:])
+        return out
+
+    @staticmethod
+    def backward(ctx, dy, dz, dmean, drstd, drng):
+        return _ln_backward(ctx, dy, dz, dmean, drstd, drng)
+
+
+class _BiasGeluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, tanh):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            y = torch.ops.bertaccel.bias_gelu_fwd(x, bias, tanh)
+        _gelu_setup(ctx, (x, bias, tanh), y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gelu_backward(ctx, dy)
+
+
+def layer_norm_fwd(x, bias, residual, weight, ln_bias, p: float, eps: float):
+    """`bertaccel::layer_norm_fwd` with autograd: the registered op under torch.compile, the lean
+    autograd.Function in eager mode."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return torch.ops.bertaccel.layer_norm_fwd(x, bias, residual, weight, ln_bias, p, eps)
+    return _LayerNormFn.apply(x, bias, residual, weight, ln_bias, p, eps)
+
+
+def bias_gelu_fwd(x, bias, tanh: bool):
+    """`bertaccel::bias_gelu_fwd` with autograd (see `layer_norm_fwd`)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return torch.ops.bertaccel.bias_gelu_fwd(x, bias, tanh)
+    return _BiasGeluFn.apply(x, bias, tanh)

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from src.ops import library  # noqa: F401
-from src.ops._dispatch import note_fallback, why_not
+from src.ops import library
+from src.ops._dispatch import compute_dtype, note_fallback, why_not
 
 
 def bias_dropout_add_layer_norm_reference(x, bias, residual, weight, ln_bias, p, eps, training=True) -> Tensor:
@@ -27,7 +27,7 @@ def bias_dropout_add_layer_norm(
         return bias_dropout_add_layer_norm_reference(x, bias, residual, weight, ln_bias, p, eps, training)
     shape = x.shape
     H = shape[-1]
-    y = torch.ops.bertaccel.layer_norm_fwd(
+    y = library.layer_norm_fwd(
         x.contiguous().view(-1, H),
         bias.to(x.dtype).contiguous(),
         residual.to(x.dtype).contiguous().view(-1, H),
@@ -52,10 +52,8 @@ class FusedBertOutput(nn.Module):
 
     def forward(self, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
         # The dtype the matmul will produce (bf16 under autocast) decides eligibility.
-        probe = hidden_states
-        if torch.is_autocast_enabled(hidden_states.device.type):
-            probe = hidden_states.new_empty(0, dtype=torch.get_autocast_dtype(hidden_states.device.type))
-        if self.dense.bias is None or why_not(probe, self.dense.out_features) is not None:
+        dtype = compute_dtype(hidden_states)
+        if self.dense.bias is None or why_not(hidden_states, self.dense.out_features, dtype) is not None:
             return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
         h = F.linear(hidden_states, self.dense.weight)
         return bias_dropout_add_layer_norm(

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.ops import library  # noqa: F401
+from src.ops import library
 
 
 def rand(*shape, **kw):
@@ -69,3 +69,20 @@ def test_gelu_backward_formula_matches_autograd():
         rx, rb = torch.autograd.grad(F.gelu(xr + br, approximate=approximate), (xr, br), dy)
         torch.testing.assert_close(gx, rx)
         torch.testing.assert_close(gb, rb)
+
+
+def test_eager_entry_points_match_the_registered_ops():
+    """The eager autograd.Function path and the registered op (what torch.compile traces) agree."""
+    H = 24
+    x, w, b = rand(6, H, requires_grad=True), rand(H, requires_grad=True), rand(H, requires_grad=True)
+    bias, res = rand(H, requires_grad=True), rand(6, H, requires_grad=True)
+    for args in ((x, None, None, w, b, 0.0, 1e-5), (x, bias, res, w, b, 0.0, 1e-5)):
+        leaves = [a for a in args if torch.is_tensor(a)]
+        y1 = torch.ops.bertaccel.layer_norm_fwd(*args)[0]
+        y2 = library.layer_norm_fwd(*args)[0]
+        assert torch.equal(y1, y2)
+        for g1, g2 in zip(torch.autograd.grad(y1.sum(), leaves), torch.autograd.grad(y2.sum(), leaves)):
+            assert torch.equal(g1, g2)
+    y1, y2 = torch.ops.bertaccel.bias_gelu_fwd(x, bias, False), library.bias_gelu_fwd(x, bias, False)
+    for g1, g2 in zip(torch.autograd.grad(y1.sum(), (x, bias)), torch.autograd.grad(y2.sum(), (x, bias))):
+        assert torch.equal(g1, g2)

@@ -134,7 +134,6 @@ __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
     int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
-  __shared__ float red[kThreads];
   __shared__ float red2[2][kThreads / 32];
   const int nvec = H / VEC;
   const int rpb = kThreads / tpr;
@@ -225,27 +224,39 @@ __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(
       }
     }
   }
-  // Reduce the per-thread column partials over the block's row slots; one partial row per block.
+  // Reduce the per-thread column partials over the block's row slots, one accumulator at a time:
+  // every thread parks its columns in shared memory ([row slot][column], at most 256 / tpr x H <=
+  // 8192 floats), then all threads sum the slots of strided columns and write one coalesced partial
+  // row per block. Two barriers per accumulator.
+  __shared__ __align__(16) float park[kThreads * kElemsPerThread];
   const bool with_bias = dbias_part != nullptr;
 #pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    const int c = t + k * tpr;
+  for (int which = 0; which < 3; ++which) {
+    if (which == 2 && !with_bias) break;
+    __syncthreads();
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-#pragma unroll
-      for (int which = 0; which < 3; ++which) {
-        if (which == 2 && !with_bias) continue;
-        float val = which == 0 ? acc_g[k][j] : which == 1 ? acc_b[k][j] : acc_h[k][j];
-        __syncthreads();
-        red[threadIdx.x] = val;
-        __syncthreads();
-        if (local_row == 0 && c < nvec) {
-          float s = 0.f;
-          for (int r = 0; r < rpb; ++r) s += red[r * tpr + t];
-          float* part = which == 0 ? dgamma_part : which == 1 ? dbeta_part : dbias_part;
-          part[(int64_t)blockIdx.x * H + c * VEC + j] = s;
-        }
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (c < nvec) {
+        float* dst = park + local_row * H + c * VEC;
+        // Selected by compile-time indices only, so the accumulators stay in registers.
+#define BA_PARK(ACC)                                                                                  \
+  if constexpr (VEC % 4 == 0) { /* 16-byte stores: 2-way bank conflicts instead of 8-way */          \
+    _Pragma("unroll") for (int j = 0; j < VEC; j += 4)                                               \
+      *reinterpret_cast<float4*>(dst + j) = make_float4(ACC[k][j], ACC[k][j + 1], ACC[k][j + 2], ACC[k][j + 3]); \
+  } else {                                                                                            \
+    _Pragma("unroll") for (int j = 0; j < VEC; ++j) dst[j] = ACC[k][j];                              \
+  }
+        if (which == 0) { BA_PARK(acc_g) } else if (which == 1) { BA_PARK(acc_b) } else { BA_PARK(acc_h) }
+#undef BA_PARK
       }
+    }
+    __syncthreads();
+    float* part = which == 0 ? dgamma_part : which == 1 ? dbeta_part : dbias_part;
+    for (int col = threadIdx.x; col < H; col += kThreads) {
+      float s = 0.f;
+      for (int r = 0; r < rpb; ++r) s += park[r * H + col];
+      part[(int64_t)blockIdx.x * H + col] = s;
     }
   }
 }
