@@ -34,7 +34,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("memcpy/memset", r"memcpy|memset|Memcpy|Memset"),
     ("optimizer", r"adam|Adam|multi_tensor|_foreach|fused_sgd|lamb"),
     ("attention", r"flash|fmha|attention|Attention|sdpa|efficient_attention|cutlassF|cutlassB"),
-    ("softmax", r"softmax|Softmax"),
+    ("softmax", r"softmax|Softmax|SoftMax"),
     ("layernorm", r"layer_norm|layernorm|LayerNorm|ln_fwd|ln_bwd|rms_norm"),
     ("gelu/activation", r"gelu|GELU|relu|tanh|silu|erf"),
     ("gemm", r"gemm|GEMM|cutlass|cublas|nvjet|xmma|sm90|sm80|wgmma|matmul|Kernel2"),

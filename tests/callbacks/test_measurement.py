@@ -1,0 +1,63 @@
+"""FLOP count vs torch.utils.flop_counter, the throughput meter's token counts, profiler outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import BertConfig, BertForSequenceClassification
+
+from src.callbacks.profiler import CATEGORY_NAMES, categorize
+from src.cli import BertAccelCLI
+from src.modules.flops import bert_step_flops
+
+
+def test_flop_formula_matches_torch_flop_counter():
+    cfg = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=256, max_position_embeddings=128, num_labels=3)
+    model = BertForSequenceClassification(cfg)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, 500, (4, 96))
+    with FlopCounterMode(display=False) as fc:
+        model(input_ids=ids).logits.sum().backward()
+    counted = fc.get_total_flops()
+    ours = bert_step_flops(cfg, 4, 96, training=True)
+    assert abs(ours - counted) / counted < 0.02, (ours, counted)
+
+
+def test_kernel_categories_cover_real_kernel_names():
+    names = {
+        "nvjet_sm90_tst_96x128_64x6_2x1_v_bz_NNN": "gemm",
+        "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_256x64_32x4_nn_align2>": "gemm",
+        "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>": "attention",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>": "layernorm",
+        "void bertaccel::(anonymous namespace)::bias_gelu_fwd_kernel<__nv_bfloat16, 8>": "gelu/activation",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4>": "softmax",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "Memcpy HtoD (Pageable -> Device)": "memcpy/memset",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "elementwise",
+        "void at::native::reduce_kernel<512, 1, ReduceOp<float, func_wrapper_t<float, sum_functor>>>": "reduction",
+        "some_unknown_kernel": "other",
+    }
+    for name, cat in names.items():
+        assert categorize(name) == cat, name
+        assert cat in CATEGORY_NAMES
+
+
+def test_profiler_and_meter_write_their_files(tiny_config, tmp_path):
+    cfg = tiny_config("prof", epochs=1)
+    BertAccelCLI(args=["fit", "-c", cfg, "--profiler.enabled", "true", "--profiler.skip_first", "1",
+                       "--profiler.warmup", "1", "--profiler.active", "2", "--throughput.enabled", "true",
+                       "--throughput.warmup_steps", "2"])
+    run = tmp_path / "runs" / "prof" / "version_0"
+    prof = run / "profiler"
+    assert list(prof.glob("*.pt.trace.json.gz"))
+    ops = json.loads((prof / "operator_statistics.json").read_text())
+    assert any(r["name"] == "aten::mm" or r["name"] == "aten::addmm" for r in ops)
+    summary = json.loads((prof / "profile_summary.json").read_text())
+    assert {"embeddings", "layer0.attention", "layer0.ffn", "backward", "optimizer_step"} <= set(summary["regions"])
+    stats = json.loads((run / "benchmark_stats.json").read_text())["train"]
+    assert stats["samples_per_s"] > 0 and 0 <= stats["padding_fraction"] < 1
+    assert stats["real_tokens_per_s"] < stats["padded_tokens_per_s"] or stats["padding_fraction"] == 0
