@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import time
 
 import torch
 from transformers import BertConfig, BertForSequenceClassification
@@ -25,6 +26,9 @@ from src.ops.swap import ORDER, swap
 MODELS = {
     "bert-base": dict(),
     "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+    # For smoke runs of the harness on CPU.
+    "tiny": dict(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                 max_position_embeddings=128),
 }
 # name: (attention implementation, autocast bf16, kernel swap, torch.compile)
 VARIANTS = {
@@ -36,13 +40,17 @@ VARIANTS = {
     "fused-compile": ("sdpa", True, True, True),
 }
 BASELINE = "hf-sdpa-bf16"
+COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
 
 
-def step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int) -> list[float]:
+def step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int,
+               device: str = "cuda") -> list[float]:
+    """Step times in ms of one variant: CUDA events on a GPU, a wall clock on CPU (smoke runs only)."""
     attn, bf16, fused, compiled = VARIANTS[variant]
+    cuda = device == "cuda"
     torch.manual_seed(0)
     cfg = BertConfig(num_labels=2, **MODELS[model_name])
-    model = BertForSequenceClassification(cfg).cuda()
+    model = BertForSequenceClassification(cfg).to(device)
     model.set_attn_implementation(attn)
     if fused:
         swap(model, ORDER)
@@ -50,14 +58,16 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
     model.train(train)
     if compiled:
         model.compile(mode="reduce-overhead")  # in place: state_dict keys unchanged
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if train else None
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(1000, cfg.vocab_size, (batch, seq), device="cuda", generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda) if train else None
+    g = torch.Generator(device=device).manual_seed(1)
+    ids = torch.randint(min(1000, cfg.vocab_size // 2), cfg.vocab_size, (batch, seq), device=device, generator=g)
     mask = torch.ones_like(ids)
-    labels = torch.randint(0, 2, (batch,), device="cuda", generator=g)
+    labels = torch.randint(0, 2, (batch,), device=device, generator=g)
 
     def one_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             if train:
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             else:
@@ -68,34 +78,39 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
         opt.zero_grad(set_to_none=True)
 
     for _ in range(warmup):
-        torch.compiler.cudagraph_mark_step_begin() if compiled else None
         one_step()
-    torch.cuda.synchronize()
     times = []
-    for _ in range(steps):
-        if compiled:
-            torch.compiler.cudagraph_mark_step_begin()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        one_step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    if cuda:
+        torch.cuda.synchronize()
+        for _ in range(steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            one_step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    else:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            one_step()
+            times.append((time.perf_counter() - t0) * 1e3)
     del model, opt
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     torch._dynamo.reset()
     return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=["bert-base", "minilm"], choices=list(MODELS))
     ap.add_argument("--shapes", nargs="+", default=["16x128", "32x512"], help="batch x seq")
     ap.add_argument("--workloads", nargs="+", default=["train", "infer"], choices=["train", "infer"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke runs of the harness only")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
     rows = []
@@ -107,7 +122,7 @@ def main() -> None:
                 cell = {}
                 for variant in args.variants:
                     try:
-                        t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps)
+                        t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps, args.device)
                         cell[variant] = statistics.median(t)
                     except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
                         print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
@@ -117,14 +132,15 @@ def main() -> None:
                 for variant, ms in cell.items():
                     rows.append({
                         "model": model_name, "shape": shape, "workload": workload, "variant": variant,
-                        "ms": round(ms, 3), "speedup_vs_sdpa": round(base / ms, 2) if base and ms == ms else "",
+                        "ms": round(ms, 3), "samples/s": round(batch / ms * 1e3, 1) if ms == ms else "",
+                        "speedup_vs_sdpa": round(base / ms, 2) if base and ms == ms else "",
                         "TFLOP/s": round(flops / ms / 1e9, 1) if ms == ms else "",
                     })
                 print_table([r for r in rows if r["model"] == model_name and r["shape"] == shape and r["workload"] == workload],
-                            ["model", "shape", "workload", "variant", "ms", "speedup_vs_sdpa", "TFLOP/s"])
+                            COLUMNS)
     write_json(args.out, {"environment": environment(), "baseline": BASELINE, "rows": rows})
     print()
-    print_table(rows, ["model", "shape", "workload", "variant", "ms", "speedup_vs_sdpa", "TFLOP/s"])
+    print_table(rows, COLUMNS)
 
 
 if __name__ == "__main__":

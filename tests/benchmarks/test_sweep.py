@@ -1,0 +1,42 @@
+"""The batch-size sweep and the end-to-end harness run end to end (on CPU, a tiny model) and write
+their table, JSON and plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+
+from benchmarks import e2e, sweep
+
+
+def test_sweep_writes_table_json_and_plot(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sweep"
+    monkeypatch.setattr(sys, "argv", ["sweep", "--device", "cpu", "--models", "tiny", "--seq-lens", "16",
+                                      "--batch-sizes", "1", "4", "--workloads", "infer", "train",
+                                      "--variants", "hf-eager-fp32", "--warmup", "1", "--steps", "3", "--out", str(out)])
+    sweep.main()
+    rows = list(csv.DictReader(open(out / "sweep.csv")))
+    assert [(r["workload"], int(r["batch"])) for r in rows] == [("infer", 1), ("infer", 4), ("train", 1), ("train", 4)]
+    for r in rows:
+        assert float(r["ms"]) > 0 and float(r["p90_ms"]) >= float(r["ms"])
+        assert float(r["samples_per_s"]) == pytest.approx(int(r["batch"]) / float(r["ms"]) * 1e3, rel=1e-2)
+    payload = json.loads((out / "sweep.json").read_text())
+    assert payload["device"] == "cpu" and len(payload["rows"]) == 4
+    png = (out / "sweep.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_e2e_harness_writes_its_table(tmp_path, monkeypatch):
+    out = tmp_path / "e2e.json"
+    monkeypatch.setattr(sys, "argv", ["e2e", "--device", "cpu", "--models", "tiny", "--shapes", "2x16",
+                                      "--variants", "hf-eager-fp32", "fused", "--warmup", "1", "--steps", "2",
+                                      "--out", str(out)])
+    e2e.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["workload"], r["variant"]) for r in rows} == {
+        (w, v) for w in ("train", "infer") for v in ("hf-eager-fp32", "fused")}
+    assert all(r["ms"] > 0 for r in rows)
