@@ -16,7 +16,7 @@ import torch._functorch.config
 from benchmarks.common import copy_bandwidth_gbs, environment, print_table, write_json
 from src.ops import build
 
-OPS = ["layer_norm", "residual_layer_norm", "bias_gelu"]
+OPS = ["layer_norm", "residual_layer_norm", "bias_gelu", "rms_norm", "softmax", "embeddings"]
 
 
 def main() -> None:

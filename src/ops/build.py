@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["layer_norm.cu", "gelu.cu"]
+SOURCES = ["layer_norm_fwd.cu", "layer_norm_bwd.cu", "embeddings.cu", "softmax.cu", "gelu.cu"]
 HEADERS = ["common.cuh"]
 # --resource-usage prints registers / shared memory / spills per kernel into the (verbose) build log.
 CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]

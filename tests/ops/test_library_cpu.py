@@ -86,3 +86,60 @@ def test_eager_entry_points_match_the_registered_ops():
     y1, y2 = torch.ops.bertaccel.bias_gelu_fwd(x, bias, False), library.bias_gelu_fwd(x, bias, False)
     for g1, g2 in zip(torch.autograd.grad(y1.sum(), (x, bias)), torch.autograd.grad(y2.sum(), (x, bias))):
         assert torch.equal(g1, g2)
+
+
+def test_new_ops_opcheck_cpu():
+    H = 40
+    x, w = rand(7, H, requires_grad=True), rand(H, requires_grad=True)
+    torch.library.opcheck(torch.ops.bertaccel.rms_norm_fwd.default, (x, w, 1e-6))
+    scores = rand(2, 3, 5, 16, requires_grad=True)
+    keep = torch.rand(2, 1, 1, 16) > 0.3
+    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, None, 0.5))
+    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, keep, 0.5))
+    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, rand(2, 1, 5, 16), 0.5))
+    ids = torch.randint(0, 30, (3, 9))
+    pos = torch.arange(9).expand(3, 9).contiguous()
+    tables = [rand(n, H, requires_grad=True) for n in (30, 9, 2)]
+    b = rand(H, requires_grad=True)
+    torch.library.opcheck(torch.ops.bertaccel.embedding_layer_norm_fwd.default,
+                          (ids, pos, torch.zeros_like(ids), *tables, w, b, 0.0, 1e-12, False, 0))
+
+
+def test_rms_norm_and_softmax_backward_formulas_match_autograd():
+    H = 33
+    x, w, dy = rand(9, H), rand(H), rand(9, H)
+    a = [t.clone().requires_grad_(True) for t in (x, w)]
+    r = [t.clone().requires_grad_(True) for t in (x, w)]
+    y = torch.ops.bertaccel.rms_norm_fwd(a[0], a[1], 1e-6)[0]
+    yr = F.rms_norm(r[0], (H,), r[1], 1e-6)
+    torch.testing.assert_close(y, yr)
+    for g, gr in zip(torch.autograd.grad(y, a, dy), torch.autograd.grad(yr, r, dy)):
+        torch.testing.assert_close(g, gr, rtol=1e-4, atol=1e-5)
+    s = rand(2, 3, 4, 10)
+    mask = torch.randn(2, 1, 1, 10)
+    sa, sr = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
+    y = torch.ops.bertaccel.softmax_fwd(sa, mask, 0.3)
+    yr = torch.softmax(sr * 0.3 + mask, -1)
+    torch.testing.assert_close(y, yr)
+    dy = rand(2, 3, 4, 10)
+    torch.testing.assert_close(torch.autograd.grad(y, sa, dy)[0], torch.autograd.grad(yr, sr, dy)[0])
+
+
+def test_embedding_backward_matches_autograd_and_skips_the_padding_row():
+    H, V = 24, 30
+    ids = torch.randint(0, V, (4, 7))
+    ids[0, :3] = 1  # padding id 1
+    pos = torch.arange(7).expand(4, 7).contiguous()
+    tt = torch.randint(0, 2, (4, 7))
+    base = [rand(V, H), rand(7, H), rand(2, H), rand(H), rand(H)]
+    a = [t.clone().requires_grad_(True) for t in base]
+    r = [t.clone().requires_grad_(True) for t in base]
+    y = torch.ops.bertaccel.embedding_layer_norm_fwd(ids, pos, tt, *a, 0.0, 1e-12, False, 1)[0]
+    h = F.embedding(ids, r[0], padding_idx=1) + F.embedding(tt, r[2]) + F.embedding(pos, r[1])
+    yr = F.layer_norm(h, (H,), r[3], r[4], 1e-12)
+    torch.testing.assert_close(y, yr)
+    dy = rand(4, 7, H)
+    for g, gr in zip(torch.autograd.grad(y, a, dy), torch.autograd.grad(yr, r, dy)):
+        torch.testing.assert_close(g, gr, rtol=1e-4, atol=1e-5)
+    assert torch.all(torch.autograd.grad(torch.ops.bertaccel.embedding_layer_norm_fwd(
+        ids, pos, tt, *a, 0.0, 1e-12, False, 1)[0], a[0], dy)[0][1] == 0)

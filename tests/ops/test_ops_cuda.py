@@ -11,9 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from src.ops import build
+from src.ops import library
 from src.ops.gelu import bias_gelu
 from src.ops.layer_norm import layer_norm
 from src.ops.residual_layer_norm import bias_dropout_add_layer_norm
+from src.ops.rms_norm import rms_norm
+from src.ops.softmax import softmax
 
 pytestmark = pytest.mark.cuda
 
@@ -145,6 +148,135 @@ def test_bias_gelu(shape, approximate, dtype):
         check(a, t, r, dtype, name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 128, 768, 1000, 4096, 8192])
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm(rows, hidden, dtype):
+    x = torch.randn(rows, hidden, device="cuda") * 3 + 1
+    w, dy = torch.randn(hidden, device="cuda"), torch.randn(rows, hidden, device="cuda")
+
+    def run(fn, dt, wdt):
+        ins = leaves(x.to(dt), w.to(wdt))
+        out = fn(*ins)
+        return out, torch.autograd.grad(out, ins, dy.to(dt))
+
+    ref, ref_g = run(lambda a, b: F.rms_norm(a, (hidden,), b, 1e-6), torch.float64, torch.float64)
+    th, th_g = run(lambda a, b: F.rms_norm(a, (hidden,), b, 1e-6), dtype, dtype)
+    poison()
+    ours, our_g = run(lambda a, b: rms_norm(a, b, 1e-6), dtype, torch.float32)
+    assert ours.dtype == dtype
+    check(ours, th, ref, dtype, "y")
+    for name, a, t, r in zip(("dx", "dweight"), our_g, th_g, ref_g):
+        check(a, t, r, dtype, name)
+
+
+def _mask(kind, b, h, q, k):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    if kind == "none":
+        return None
+    if kind == "key_padding_additive":  # HF eager: [b, 1, 1 or q, k] with finfo.min at padded keys
+        keep = torch.rand(b, 1, 1, k, device="cuda", generator=g) > 0.3
+        keep[..., 0] = True
+        return torch.zeros(b, 1, 1, k, device="cuda").masked_fill(~keep, torch.finfo(torch.float32).min)
+    if kind == "bool_expanded":  # HF sdpa-style boolean mask, expanded over queries (stride 0)
+        keep = torch.rand(b, 1, 1, k, device="cuda", generator=g) > 0.3
+        keep[..., 0] = True
+        return keep.expand(b, 1, q, k)
+    if kind == "full_additive":  # a distinct additive bias per head and query
+        return torch.randn(b, h, q, k, device="cuda", generator=g)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask_kind", ["none", "key_padding_additive", "bool_expanded", "full_additive"])
+@pytest.mark.parametrize("shape", [(2, 12, 128, 128), (1, 3, 7, 1000), (4, 2, 33, 512), (1, 1, 5, 4097), (1, 2, 4, 8192)])
+def test_softmax(shape, mask_kind, dtype):
+    b, h, q, k = shape
+    x, dy = torch.randn(shape, device="cuda") * 4, torch.randn(shape, device="cuda")
+    mask, scale = _mask(mask_kind, b, h, q, k), 0.125
+
+    def run(fn, dt):
+        (xi,) = leaves(x.to(dt))
+        out = fn(xi)
+        return out, torch.autograd.grad(out, xi, dy.to(dt))[0]
+
+    def torch_softmax(xi):
+        v = xi * scale
+        if mask is not None:
+            v = v.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else v + mask.to(v.dtype)
+        return torch.softmax(v, dim=-1)
+
+    ref, ref_g = run(torch_softmax, torch.float64)
+    th, th_g = run(torch_softmax, dtype)
+    poison()
+    ours, our_g = run(lambda xi: softmax(xi, mask, scale), dtype)
+    assert ours.dtype == dtype
+    check(ours, th, ref, dtype, "y")
+    check(our_g, th_g, ref_g, dtype, "dx")
+
+
+def test_softmax_fully_masked_rows_are_zero():
+    x = torch.randn(2, 1, 3, 64, device="cuda", dtype=torch.bfloat16)
+    keep = torch.ones(2, 1, 1, 64, dtype=torch.bool, device="cuda")
+    keep[1] = False
+    y = softmax(x, keep, 1.0)
+    assert torch.all(y[1] == 0) and torch.allclose(y[0].float().sum(-1), torch.ones(1, 3, device="cuda"), atol=1e-2)
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [128, 384, 768, 1000])
+def test_embeddings(hidden, out_dtype):
+    V, P, T, B, S = 1000, 512, 2, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(4)
+    ids = torch.randint(0, V, (B, S), device="cuda", generator=g)
+    ids[0, -5:] = 0  # padding ids: the padding row gets no gradient
+    pos = torch.arange(S, device="cuda").expand(B, S).contiguous()
+    tt = torch.randint(0, T, (B, S), device="cuda", generator=g)
+    tables = [torch.randn(n, hidden, device="cuda") for n in (V, P, T)]
+    w, b = torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda")
+    dy = torch.randn(B, S, hidden, device="cuda")
+
+    def hf_like(word, position, token_type, w, b):
+        word = word.clone()
+        h = F.embedding(ids, word, padding_idx=0) + F.embedding(tt, token_type) + F.embedding(pos, position)
+        return F.layer_norm(h, (hidden,), w, b, 1e-12)
+
+    ref_in = leaves(*(t.double() for t in tables), w.double(), b.double())
+    ref = hf_like(*ref_in)
+    ref_g = torch.autograd.grad(ref, ref_in, dy.double())
+    th_in = leaves(*(t.to(out_dtype) for t in (*tables, w, b)))  # PyTorch in the output dtype
+    th = hf_like(*th_in)
+    th_g = torch.autograd.grad(th, th_in, dy.to(out_dtype))
+    poison()
+    our_in = leaves(*tables, w, b)
+    ours = library.embedding_layer_norm_fwd(ids, pos, tt, *our_in, 0.0, 1e-12, out_dtype == torch.bfloat16, 0)[0]
+    our_g = torch.autograd.grad(ours, our_in, dy.to(out_dtype))
+    assert ours.dtype == out_dtype
+    check(ours, th, ref, out_dtype, "y")
+    for name, a, t, r in zip(("dword", "dposition", "dtoken_type", "dweight", "dbias"), our_g, th_g, ref_g):
+        check(a, t, r, out_dtype, name)
+    assert torch.all(our_g[0][0] == 0), "padding row got a gradient"
+
+
+def test_embeddings_dropout_is_consistent():
+    V, H, B, S, p = 500, 768, 16, 128, 0.1
+    ids = torch.randint(0, V, (B, S), device="cuda")
+    pos = torch.arange(S, device="cuda").expand(B, S).contiguous()
+    tt = torch.zeros_like(ids)
+    tables = leaves(torch.randn(V, H, device="cuda"), torch.randn(S, H, device="cuda"), torch.randn(2, H, device="cuda"))
+    w, b = leaves(torch.ones(H, device="cuda"), torch.zeros(H, device="cuda"))
+    y = library.embedding_layer_norm_fwd(ids, pos, tt, *tables, w, b, p, 1e-12, True, -1)[0]
+    y0 = library.embedding_layer_norm_fwd(ids, pos, tt, *tables, w, b, 0.0, 1e-12, True, -1)[0]
+    dropped = y == 0
+    assert abs(dropped.float().mean().item() - p) < 0.005
+    torch.testing.assert_close(y[~dropped].float(), y0[~dropped].float() / (1 - p), atol=2e-2, rtol=1e-2)
+    # d(ln bias) = sum of the gradient over kept elements / (1 - p): the backward used the same mask
+    dy = torch.randn_like(y)
+    db = torch.autograd.grad(y, b, dy)[0]
+    expect = (dy.float() * (~dropped).float() / (1 - p)).sum((0, 1))
+    torch.testing.assert_close(db, expect, atol=1e-1, rtol=1e-2)
+
+
 def test_non_contiguous_inputs():
     big = torch.randn(64, 1536, device="cuda", dtype=torch.bfloat16)
     x = big[:, ::2]  # (64, 768), strided
@@ -166,6 +298,16 @@ def test_opcheck_cuda(dtype):
     torch.library.opcheck(torch.ops.bertaccel.layer_norm_fwd.default, (x, None, None, w, b, 0.0, 1e-5))
     torch.library.opcheck(torch.ops.bertaccel.layer_norm_fwd.default, (x, bias, res, w, b, 0.0, 1e-5))
     torch.library.opcheck(torch.ops.bertaccel.bias_gelu_fwd.default, (x, bias, False))
+    torch.library.opcheck(torch.ops.bertaccel.rms_norm_fwd.default, (x, w, 1e-6))
+    scores = torch.randn(2, 3, 5, 40, device="cuda", dtype=dtype, requires_grad=True)
+    keep = torch.rand(2, 1, 1, 40, device="cuda") > 0.2
+    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, None, 0.5))
+    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, keep, 0.5))
+    ids = torch.randint(0, 50, (3, 11), device="cuda")
+    pos = torch.arange(11, device="cuda").expand(3, 11).contiguous()
+    tables = [torch.randn(n, H, device="cuda", requires_grad=True) for n in (50, 11, 2)]
+    torch.library.opcheck(torch.ops.bertaccel.embedding_layer_norm_fwd.default,
+                          (ids, pos, torch.zeros_like(ids), *tables, w, b, 0.0, 1e-12, dtype == torch.bfloat16, 0))
 
 
 def test_torch_compile_fullgraph():
@@ -175,7 +317,9 @@ def test_torch_compile_fullgraph():
     bias = torch.randn(H, device="cuda", dtype=torch.bfloat16)
 
     def f(x, w, b):
-        return bias_gelu(layer_norm(x, w, b), bias).float().square().mean()
+        h = bias_gelu(layer_norm(x, w, b), bias)
+        h = rms_norm(h, w, 1e-6)
+        return softmax(h.view(4, 4, 16, H), None, 0.5).float().square().mean()
 
     compiled = torch.compile(f, fullgraph=True)
     eager, comp = f(x, w, b), compiled(x, w, b)

@@ -8,9 +8,12 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
 
 from src.errors import ConfigError
+from src.ops.embeddings import FusedBertEmbeddings
 from src.ops.gelu import FusedBertIntermediate
 from src.ops.layer_norm import FusedLayerNorm
 from src.ops.residual_layer_norm import FusedBertOutput
+from src.ops.rms_norm import FusedRMSNorm
+from src.ops.softmax import FusedBertSelfAttention
 from src.ops.swap import ORDER, swap
 
 CFG = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
@@ -37,9 +40,12 @@ def test_swap_replaces_instances_and_revert_restores_them(model):
     keys = list(model.state_dict())
     report = swap(model, ORDER)
     counts = report.counts()
-    assert counts == {"residual_layer_norm": 4, "bias_gelu": 2, "layer_norm": 1}  # 2 layers x 2 outputs; embeddings LN
+    # 2 layers x 2 outputs; the embeddings' LayerNorm goes with the embeddings; SDPA attention stays
+    assert counts == {"embeddings": 1, "residual_layer_norm": 4, "bias_gelu": 2}
+    assert [(n, f) for n, f, _ in report.skipped] == [
+        (f"bert.encoder.layer.{i}.attention.self", "softmax") for i in range(2)]
     types = {type(m) for m in model.modules()}
-    assert {FusedBertOutput, FusedBertIntermediate, FusedLayerNorm} <= types
+    assert {FusedBertEmbeddings, FusedBertOutput, FusedBertIntermediate} <= types
     assert list(model.state_dict()) == keys
     assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects
     assert type(model.bert.encoder.layer[0].output.LayerNorm) is nn.LayerNorm  # left to its parent
@@ -51,8 +57,12 @@ def test_swap_replaces_instances_and_revert_restores_them(model):
     assert not any(isinstance(m, (FusedBertOutput, FusedLayerNorm)) for m in fresh.modules())
 
 
-@pytest.mark.parametrize("ops", [["layer_norm"], ["residual_layer_norm"], ["bias_gelu"], ORDER])
-def test_fallback_is_exactly_pytorch(model, ops):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("ops", [["layer_norm"], ["residual_layer_norm"], ["bias_gelu"], ["embeddings"], ["softmax"], ORDER])
+def test_fallback_is_exactly_pytorch(model, ops, attn):
+    model.set_attn_implementation(attn)
+    if ops == ["softmax"] and attn == "sdpa":
+        pytest.skip("the softmax family takes eager attention only")
     b = batch()
     with torch.no_grad():
         ref = model(**b).logits
@@ -62,7 +72,9 @@ def test_fallback_is_exactly_pytorch(model, ops):
     assert torch.equal(out, ref)
 
 
-def test_fallback_is_exactly_pytorch_in_training_with_gradients(model):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_fallback_is_exactly_pytorch_in_training_with_gradients(model, attn):
+    model.set_attn_implementation(attn)
     model.train()
     b, labels = batch(), torch.tensor([0, 2, 1])
     torch.manual_seed(5)
@@ -113,7 +125,32 @@ def test_masked_lm_swaps_too():
     m = BertForMaskedLM(BertConfig(**CFG)).eval()
     report = swap(m, ORDER)
     # the MLM head's transform LayerNorm is a plain LayerNorm: swapped as one
-    assert report.counts()["layer_norm"] == 2
+    assert report.counts()["layer_norm"] == 1 and report.counts()["embeddings"] == 1
+
+
+def test_eager_attention_takes_the_softmax_family():
+    m = BertForSequenceClassification(BertConfig(**CFG, attn_implementation="eager")).eval()
+    report = swap(m, ["softmax"])
+    assert report.counts() == {"softmax": 2}
+    assert isinstance(m.bert.encoder.layer[0].attention.self, FusedBertSelfAttention)
+    b = batch()
+    with torch.no_grad():
+        out = m(**b, output_attentions=True)
+    assert out.attentions[0].shape == (3, 4, 17, 17)  # the probabilities, as eager attention returns them
+    report.revert()
+    assert type(m.bert.encoder.layer[0].attention.self).__name__ == "BertSelfAttention"
+
+
+def test_rms_norm_family_swaps_nn_rmsnorm():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.RMSNorm(32, eps=1e-6), nn.Linear(32, 4))
+    x = torch.randn(5, 16)
+    ref = m(x)
+    report = swap(m, ["rms_norm"])
+    assert isinstance(m[1], FusedRMSNorm) and m[1].weight is report.replaced[0].original.weight
+    assert torch.equal(m(x), ref)  # CPU: PyTorch's own op
+    report.revert()
+    assert type(m[1]) is nn.RMSNorm
 
 
 def test_kernel_swap_callback_through_the_cli(tiny_config):

@@ -1,9 +1,11 @@
 // Shared device helpers for bertaccel's kernels: 16-byte vector packs, bf16/fp32 conversion,
 // Welford merging, Philox dropout draws, and the column-sum kernel used by every backward.
 #pragma once
+#include <ATen/core/Tensor.h>
 #include <cuda_bf16.h>
 #include <curand_kernel.h>
 #include <cstdint>
+#include <initializer_list>
 
 namespace bertaccel {
 
@@ -33,26 +35,31 @@ __device__ __forceinline__ void store_f(T* p, const float (&in)[VEC]) {
   *reinterpret_cast<Pack<T, VEC>*>(p) = pk;
 }
 
-// Welford state (count, mean, sum of squared deviations) and Chan et al.'s merge.
-struct Welford {
-  float n, mean, m2;
+// Row reductions for kernels whose rows are handled by `tpr` consecutive threads of a block
+// (tpr a power of two): xor shuffles within groups of min(tpr, 32) lanes, then, when a row spans
+// several warps, one value per warp through shared memory `red` (one float per warp of the block).
+// Every thread of the block must call them (they may synchronise the block).
+template <typename Op>
+__device__ __forceinline__ float row_reduce(float v, int tpr, float* red, int local_row, Op op) {
+  const int width = tpr < 32 ? tpr : 32;
+  for (int m = width / 2; m > 0; m >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, m, width));
+  if (tpr > 32) {
+    __syncthreads();  // `red` may still be read by a previous reduction
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    const int first = (local_row * tpr) >> 5;
+    v = red[first];
+    for (int i = 1; i < tpr / 32; ++i) v = op(v, red[first + i]);
+  }
+  return v;
+}
+
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };
-
-__device__ __forceinline__ Welford welford_merge(Welford a, Welford b) {
-  float n = a.n + b.n;
-  if (n == 0.f) return {0.f, 0.f, 0.f};
-  float d = b.mean - a.mean;
-  float wb = b.n / n;
-  return {n, a.mean + d * wb, a.m2 + b.m2 + d * d * a.n * wb};
-}
-
-__device__ __forceinline__ Welford welford_shfl_xor(Welford w, int lane_mask, int width) {
-  Welford o;
-  o.n = __shfl_xor_sync(0xffffffffu, w.n, lane_mask, width);
-  o.mean = __shfl_xor_sync(0xffffffffu, w.mean, lane_mask, width);
-  o.m2 = __shfl_xor_sync(0xffffffffu, w.m2, lane_mask, width);
-  return welford_merge(w, o);
-}
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
 
 // Dropout: element i of a launch keeps its value when the Philox uniform number
 // (seed, subsequence i / 4, offset)[i % 4] exceeds p. A pure function of (seed, offset, i): the
@@ -102,6 +109,65 @@ static __global__ void column_sum_kernel(const float* __restrict__ part, int par
     for (int k = 0; k < 8; ++k) t += red[k][threadIdx.x];
     out[c] = t;
   }
+}
+
+// ------------------------------------------------------------------------- host-side launch helpers
+// The widest vector (elements) in {max_vec, max_vec / 2, ..., 1} that divides H and that every
+// tensor's data pointer is aligned to.
+inline int pick_vec(int64_t H, int max_vec, std::initializer_list<const at::Tensor*> ts) {
+  int vec = max_vec;
+  while (vec > 1) {
+    bool ok = H % vec == 0;
+    for (auto* t : ts)
+      if (t->defined() && t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % (vec * t->element_size()) != 0)
+        ok = false;
+    if (ok) break;
+    vec /= 2;
+  }
+  return vec;
+}
+
+// Row kernels keep up to 32 elements per thread in registers: ITEMS vectors of VEC. At the widest
+// vector the fewest ITEMS that let one warp (or fewer threads) hold the row are instantiated, so a
+// BERT row (768 bf16 = 96 vectors of 8) takes 3 vectors per thread and no dead registers; narrower
+// vectors (odd sizes, unaligned views) take 32 / VEC.
+constexpr int kMaxElemsPerThread = 32;
+inline int pick_items(int nvec, int vec, int max_vec) {
+  if (vec != max_vec) return kMaxElemsPerThread / vec;
+  const int max_items = kMaxElemsPerThread / vec;
+  for (int items : {1, 2, 3, 4})
+    if (items <= max_items && (nvec + items - 1) / items <= 32) return items;
+  return max_items;
+}
+
+// Threads per row: the power of two that covers the row's vectors with `items` each.
+inline int pick_tpr(int nvec, int items) {
+  const int need = (nvec + items - 1) / items;
+  int tpr = 1;
+  while (tpr < need) tpr <<= 1;
+  return tpr;
+}
+
+// Calls LAUNCH(VEC, ITEMS) for the pair picked above. ACT_BYTES: bytes of the type the 16-byte
+// vectors are made of (2: up to 8 per vector; 4: up to 4).
+#define BA_DISPATCH_VEC_ITEMS(ACT_BYTES, vec, items, LAUNCH)                                            \
+  do {                                                                                                  \
+    if constexpr ((ACT_BYTES) == 2) {                                                                   \
+      if ((vec) == 8) {                                                                                 \
+        if ((items) == 1) LAUNCH(8, 1); else if ((items) == 2) LAUNCH(8, 2);                            \
+        else if ((items) == 3) LAUNCH(8, 3); else LAUNCH(8, 4);                                         \
+      } else if ((vec) == 4) LAUNCH(4, 8); else if ((vec) == 2) LAUNCH(2, 16); else LAUNCH(1, 32);       \
+    } else {                                                                                            \
+      if ((vec) == 4) {                                                                                 \
+        if ((items) == 1) LAUNCH(4, 1); else if ((items) == 2) LAUNCH(4, 2);                            \
+        else if ((items) == 3) LAUNCH(4, 3); else if ((items) == 4) LAUNCH(4, 4); else LAUNCH(4, 8);    \
+      } else if ((vec) == 2) LAUNCH(2, 16); else LAUNCH(1, 32);                                         \
+    }                                                                                                   \
+  } while (0)
+
+inline void check_cuda_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "bertaccel: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), "bertaccel: ", name, " must be contiguous");
 }
 
 }  // namespace bertaccel

@@ -41,6 +41,17 @@ __device__ __forceinline__ float gelu_grad(float x, bool tanh_form) {
   return 0.5f * (1.f + erff(x * kInvSqrt2)) + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
 }
 
+// The bias vector of column vector cv, or zeros without a bias.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_bias(const T* __restrict__ bias, int cv, float (&b)[VEC]) {
+  if (bias != nullptr) {
+    load_f<T, VEC>(bias + cv * VEC, b);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) b[j] = 0.f;
+  }
+}
+
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                                                  T* __restrict__ y, int64_t rows, int cols,
@@ -48,10 +59,7 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_fwd_kernel(const T* __rest
   const int cv = blockIdx.x * kThreads + threadIdx.x;
   if (cv * VEC >= cols) return;
   float b[VEC];
-  if (bias != nullptr) load_f<T, VEC>(bias + cv * VEC, b);
-  else
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) b[j] = 0.f;
+  load_bias<T, VEC>(bias, cv, b);
   const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
   const int64_t r1 = min(rows, r0 + rows_per_chunk);
   for (int64_t r = r0; r < r1; ++r) {
@@ -74,10 +82,7 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __rest
   float b[VEC], acc[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
-  if (bias != nullptr) load_f<T, VEC>(bias + cv * VEC, b);
-  else
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) b[j] = 0.f;
+  load_bias<T, VEC>(bias, cv, b);
   const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
   const int64_t r1 = min(rows, r0 + rows_per_chunk);
   for (int64_t r = r0; r < r1; ++r) {
@@ -95,18 +100,6 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __rest
   if (dbias_part != nullptr)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) dbias_part[(int64_t)blockIdx.y * cols + cv * VEC + j] = acc[j];
-}
-
-int pick_vec(int cols, int max_vec, std::initializer_list<const at::Tensor*> ts) {
-  int vec = max_vec;
-  while (vec > 1) {
-    bool ok = cols % vec == 0;
-    for (auto* t : ts)
-      if (t->defined() && t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % (vec * t->element_size()) != 0) ok = false;
-    if (ok) break;
-    vec /= 2;
-  }
-  return vec;
 }
 
 // Rows per chunk: enough chunks to give every SM ~8 blocks, but at least 16 rows a chunk so the

@@ -1,0 +1,224 @@
+// Softmax over the last dimension with a scale and a mask, as attention scores need it:
+//   y = softmax(x * scale + mask)         mask additive (float32), or boolean (true = attend),
+//                                         broadcast over [batch, heads, query, key] through strides
+//   dx = scale * y * (dy - sum(dy * y))   (backward; the mask gets no gradient)
+// A row whose keys are all masked out gives zeros (PyTorch gives NaN).
+//
+// Launch: like the LayerNorm kernels, `tpr` threads per row (a power of two; 16 for a 128-key bf16
+// row, so two rows share a warp and reduce with width-16 shuffles; up to 256 for 8192 keys), each
+// holding ITEMS 16-byte vectors in registers: one read and one write of the scores, max and sum by
+// shuffles (block reduction through shared memory when a row spans several warps). The mask is read
+// with scalar loads through L1/L2 (a key-padding mask is one row per sequence). Bytes: forward 2 x
+// sizeof(T) per element, backward 3 x.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "common.cuh"
+
+namespace bertaccel {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct MaskView {
+  const float* add = nullptr;  // additive mask, or
+  const bool* keep = nullptr;  // boolean mask (true = attend)
+  int64_t sb = 0, sh = 0, sq = 0;  // element strides of batch, head, query (0: broadcast)
+  int heads = 1, q_len = 1;
+
+  __device__ __forceinline__ int64_t row_offset(int64_t row) const {
+    const int64_t q = row % q_len, bh = row / q_len;
+    return (bh / heads) * sb + (bh % heads) * sh + q * sq;
+  }
+};
+
+template <typename T, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                               MaskView mask, int64_t rows, int S, int tpr, float scale) {
+  __shared__ float red[kThreads / 32];
+  const int nvec = S / VEC;
+  const int local_row = threadIdx.x / tpr;
+  const int t = threadIdx.x % tpr;
+  const int64_t row = (int64_t)blockIdx.x * (kThreads / tpr) + local_row;
+  const bool active = row < rows;
+  const int64_t moff = active ? mask.row_offset(row) : 0;
+  float v[ITEMS][VEC];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int c = t + k * tpr;
+    if (active && c < nvec) {
+      load_f<T, VEC>(x + row * S + (int64_t)c * VEC, v[k]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const int64_t mi = moff + c * VEC + j;
+        float s = v[k][j] * scale;
+        if (mask.add != nullptr) s += mask.add[mi];
+        else if (mask.keep != nullptr && !mask.keep[mi]) s = -INFINITY;
+        v[k][j] = s;
+        mx = fmaxf(mx, s);
+      }
+    }
+  }
+  mx = row_reduce(mx, tpr, red, local_row, MaxOp());
+  const float base = mx == -INFINITY ? 0.f : mx;  // all keys masked: exp(-inf) = 0 everywhere
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int c = t + k * tpr;
+    if (active && c < nvec)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        v[k][j] = __expf(v[k][j] - base);
+        sum += v[k][j];
+      }
+  }
+  sum = row_reduce(sum, tpr, red, local_row, SumOp());
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  if (!active) return;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int c = t + k * tpr;
+    if (c < nvec) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[k][j] *= inv;
+      store_f<T, VEC>(y + row * S + (int64_t)c * VEC, v[k]);
+    }
+  }
+}
+
+template <typename T, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kThreads) softmax_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ y,
+                                                               T* __restrict__ dx, int64_t rows, int S, int tpr, float scale) {
+  __shared__ float red[kThreads / 32];
+  const int nvec = S / VEC;
+  const int local_row = threadIdx.x / tpr;
+  const int t = threadIdx.x % tpr;
+  const int64_t row = (int64_t)blockIdx.x * (kThreads / tpr) + local_row;
+  const bool active = row < rows;
+  float yv[ITEMS][VEC], dv[ITEMS][VEC];
+  float dot = 0.f;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int c = t + k * tpr;
+    if (active && c < nvec) {
+      const int64_t off = row * S + (int64_t)c * VEC;
+      load_f<T, VEC>(y + off, yv[k]);
+      load_f<T, VEC>(dy + off, dv[k]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dot += yv[k][j] * dv[k][j];
+    }
+  }
+  dot = row_reduce(dot, tpr, red, local_row, SumOp());
+  if (!active) return;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int c = t + k * tpr;
+    if (c < nvec) {
+      float o[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = scale * yv[k][j] * (dv[k][j] - dot);
+      store_f<T, VEC>(dx + row * S + (int64_t)c * VEC, o);
+    }
+  }
+}
+
+struct RowLaunch {
+  int vec, items, tpr;
+  dim3 grid;
+};
+
+template <typename T>
+RowLaunch plan(int64_t S, int64_t rows, std::initializer_list<const at::Tensor*> ts) {
+  constexpr int max_vec = 16 / sizeof(T);
+  RowLaunch l;
+  l.vec = pick_vec(S, max_vec, ts);
+  l.items = pick_items((int)(S / l.vec), l.vec, max_vec);
+  l.tpr = pick_tpr((int)(S / l.vec), l.items);
+  TORCH_CHECK(l.tpr <= kThreads, "bertaccel softmax: rows of ", S, " are above ", kThreads * kMaxElemsPerThread);
+  const int rpb = kThreads / l.tpr;
+  l.grid = dim3((unsigned)((rows + rpb - 1) / rpb));
+  return l;
+}
+
+void check_scores(const at::Tensor& x, const char* name) {
+  check_cuda_contiguous(x, name);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "bertaccel softmax: ", name, " must be bfloat16 or float32, got ", x.scalar_type());
+}
+
+at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mask_in, double scale) {
+  check_scores(x, "input");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty_like(x);
+  const int64_t S = x.dim() ? x.size(-1) : 1;
+  if (x.numel() == 0 || S == 0) return y;
+  const int64_t rows = x.numel() / S;
+  MaskView mv;
+  at::Tensor mask;  // keeps a converted mask alive during the launch
+  if (mask_in) {
+    TORCH_CHECK(x.dim() == 4, "bertaccel softmax: a mask needs 4-d scores [batch, heads, query, key], got ", x.dim(), "-d");
+    mask = *mask_in;
+    TORCH_CHECK(mask.is_cuda() && mask.dim() == 4, "bertaccel softmax: the mask must be a 4-d CUDA tensor broadcastable to ",
+                x.sizes());
+    if (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kFloat) mask = mask.to(at::kFloat);
+    mask = mask.expand(x.sizes());
+    if (mask.stride(3) != 1) mask = mask.contiguous();
+    mv.sb = mask.size(0) > 1 ? mask.stride(0) : 0;
+    mv.sh = mask.size(1) > 1 ? mask.stride(1) : 0;
+    mv.sq = mask.size(2) > 1 ? mask.stride(2) : 0;
+    mv.heads = (int)x.size(1);
+    mv.q_len = (int)x.size(2);
+    if (mask.scalar_type() == at::kBool) mv.keep = mask.data_ptr<bool>();
+    else mv.add = mask.data_ptr<float>();
+  }
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto run = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    RowLaunch l = plan<T>(S, rows, {&x, &y});
+#define BA_SOFTMAX_FWD(V, I)                                                                             \
+  softmax_fwd_kernel<T, V, I><<<l.grid, kThreads, 0, stream>>>((const T*)x.data_ptr(), (T*)y.data_ptr(), mv, \
+                                                               rows, (int)S, l.tpr, (float)scale)
+    BA_DISPATCH_VEC_ITEMS(sizeof(T), l.vec, l.items, BA_SOFTMAX_FWD);
+#undef BA_SOFTMAX_FWD
+  };
+  if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});
+  else run(float{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
+at::Tensor softmax_bwd(const at::Tensor& dy_in, const at::Tensor& y, double scale) {
+  check_scores(y, "saved output");
+  at::Tensor dy = dy_in.contiguous();
+  TORCH_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(), "bertaccel softmax: grad must match the output");
+  c10::cuda::CUDAGuard guard(y.device());
+  at::Tensor dx = at::empty_like(y);
+  const int64_t S = y.dim() ? y.size(-1) : 1;
+  if (y.numel() == 0 || S == 0) return dx;
+  const int64_t rows = y.numel() / S;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto run = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    RowLaunch l = plan<T>(S, rows, {&y, &dy, &dx});
+#define BA_SOFTMAX_BWD(V, I)                                                                              \
+  softmax_bwd_kernel<T, V, I><<<l.grid, kThreads, 0, stream>>>((const T*)dy.data_ptr(), (const T*)y.data_ptr(), \
+                                                               (T*)dx.data_ptr(), rows, (int)S, l.tpr, (float)scale)
+    BA_DISPATCH_VEC_ITEMS(sizeof(T), l.vec, l.items, BA_SOFTMAX_BWD);
+#undef BA_SOFTMAX_BWD
+  };
+  if (y.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});
+  else run(float{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return dx;
+}
+
+}  // namespace
+}  // namespace bertaccel
+
+TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
+  m.impl("softmax_fwd", &bertaccel::softmax_fwd);
+  m.impl("softmax_bwd", &bertaccel::softmax_bwd);
+}
