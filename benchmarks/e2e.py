@@ -38,6 +38,8 @@ VARIANTS = {
     "hf-compile": ("sdpa", True, False, True),
     "fused": ("sdpa", True, True, False),
     "fused-compile": ("sdpa", True, True, True),
+    # eager attention, with the softmax family (scale + mask + softmax in one kernel) swapped in too
+    "fused-eager": ("eager", True, True, False),
 }
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]

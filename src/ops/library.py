@@ -359,21 +359,6 @@ class _BiasGeluFn(torch.autograd.Function):
         return _gelu_backward(ctx, dy)
 
 
-def layer_norm_fwd(x, bias, residual, weight, ln_bias, p: float, eps: float):
-    """`bertaccel::layer_norm_fwd` with autograd: the registered op under torch.compile, the lean
-    autograd.Function in eager mode."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return torch.ops.bertaccel.layer_norm_fwd(x, bias, residual, weight, ln_bias, p, eps)
-    return _LayerNormFn.apply(x, bias, residual, weight, ln_bias, p, eps)
-
-
-def bias_gelu_fwd(x, bias, tanh: bool):
-    """`bertaccel::bias_gelu_fwd` with autograd (see `layer_norm_fwd`)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return torch.ops.bertaccel.bias_gelu_fwd(x, bias, tanh)
-    return _BiasGeluFn.apply(x, bias, tanh)
-
-
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -416,15 +401,25 @@ class _SoftmaxFn(torch.autograd.Function):
 
 
 def _eager(fn_class, op):
+    """The entry point for one op: the registered op under torch.compile; in eager mode without
+    grad, the op *below* the autograd layer (the registered Python autograd kernel would cost a
+    Python call per op even under no_grad); with grad, the lean autograd.Function."""
+    below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
+
     def call(*args):
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if torch.compiler.is_compiling():
             return op(*args)
+        if not torch.is_grad_enabled():
+            with below_autograd():
+                return op(*args)
         return fn_class.apply(*args)
 
-    call.__doc__ = f"`{op}` with autograd (see `layer_norm_fwd`)."
+    call.__doc__ = f"`{op}` with autograd: the registered op under torch.compile, lean eager paths otherwise."
     return call
 
 
-rms_norm_fwd = _eager(_RMSNormFn, torch.ops.bertaccel.rms_norm_fwd)
-embedding_layer_norm_fwd = _eager(_EmbeddingLayerNormFn, torch.ops.bertaccel.embedding_layer_norm_fwd)
-softmax_fwd = _eager(_SoftmaxFn, torch.ops.bertaccel.softmax_fwd)
+layer_norm_fwd = _eager(_LayerNormFn, torch.ops.bertaccel.layer_norm_fwd.default)
+bias_gelu_fwd = _eager(_BiasGeluFn, torch.ops.bertaccel.bias_gelu_fwd.default)
+rms_norm_fwd = _eager(_RMSNormFn, torch.ops.bertaccel.rms_norm_fwd.default)
+embedding_layer_norm_fwd = _eager(_EmbeddingLayerNormFn, torch.ops.bertaccel.embedding_layer_norm_fwd.default)
+softmax_fwd = _eager(_SoftmaxFn, torch.ops.bertaccel.softmax_fwd.default)

@@ -41,10 +41,10 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
     auto s = at::cuda::philox::unpack(philox);
     seed = std::get<0>(s);
     offset = std::get<1>(s);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      rng_out[0] = (int64_t)seed;
-      rng_out[1] = (int64_t)offset;
-    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without dropout: no separate fill kernel
+    rng_out[0] = (int64_t)seed;
+    rng_out[1] = (int64_t)offset;
   }
   const float* wr = word;
   const float* pr = pos;
@@ -139,8 +139,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding
   const int64_t rows = ids.numel();
   auto fopts = word.options();
   at::Tensor mean = at::empty({rows}, fopts), rstd = at::empty({rows}, fopts);
-  at::Tensor rng = at::zeros({2}, word.options().dtype(at::kLong));
-  if (rows == 0 || H == 0) return {y, z, mean, rstd, rng};
+  at::Tensor rng = at::empty({2}, word.options().dtype(at::kLong));  // written by the kernel
+  if (rows == 0 || H == 0) return {y, z, mean, rstd, rng.zero_()};
   const int vec = pick_vec(H, 4, {&word, &pos, &type, &y, &z});
   const int items = pick_items((int)(H / vec), vec, 4);
   const int tpr = pick_tpr((int)(H / vec), items);

@@ -43,10 +43,10 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     auto s = at::cuda::philox::unpack(philox);
     seed = std::get<0>(s);
     offset = std::get<1>(s);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      rng_out[0] = (int64_t)seed;
-      rng_out[1] = (int64_t)offset;
-    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without dropout: no separate fill kernel
+    rng_out[0] = (int64_t)seed;
+    rng_out[1] = (int64_t)offset;
   }
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 
@@ -130,7 +130,10 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
                 const at::Tensor& beta, at::Tensor& y, at::Tensor& z, at::Tensor& mean, at::Tensor& rstd, double eps,
                 double p, at::Tensor& rng, bool rms) {
   const int64_t H = x.size(-1);
-  if (H == 0 || x.numel() == 0) return;
+  if (H == 0 || x.numel() == 0) {
+    rng.zero_();
+    return;
+  }
   const int64_t rows = x.numel() / H;
   constexpr int max_vec = 16 / sizeof(T);
   const int vec = pick_vec(H, max_vec, {&x, &bias, &residual, &y, &z});
@@ -200,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_nor
   at::Tensor z = fused ? at::empty_like(x) : at::Tensor();
   auto fopts = x.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({rows}, fopts), rstd = at::empty({rows}, fopts);
-  at::Tensor rng = at::zeros({2}, x.options().dtype(at::kLong));
+  at::Tensor rng = at::empty({2}, x.options().dtype(at::kLong));  // written by the kernel
   at::Tensor b = bias ? *bias : at::Tensor(), r = residual ? *residual : at::Tensor();
   launch_any(x, b, r, gamma, beta, y, z, mean, rstd, eps, p, rng, false);
   if (!fused) z = at::empty({0}, x.options());

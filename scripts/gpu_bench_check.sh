@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# On the GPU host (after `source .carry/env.sh`): the measurements behind the README's performance
+# section, in stages so that each device call stays under its time limit:
+#   STAGES="build tests ops e2e finetune"  bash scripts/gpu_bench_check.sh
+#   STAGES="build e2e_compile profile sweep" bash scripts/gpu_bench_check.sh
+# Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
+# kept while the machine stays warm).
+set -uo pipefail
+OUT=${OUT:-bench_results}
+mkdir -p "$OUT"
+export BERTACCEL_CACHE=${BERTACCEL_CACHE:-/tmp/bc}
+STAGES=${STAGES:-build tests ops e2e}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+if has build; then
+  s=$(date +%s)
+  python -c "from src.ops import build; assert build.load(verbose=True), build.unavailable_reason()" > "$OUT/build.log" 2>&1
+  echo "build rc=$? in $(( $(date +%s) - s ))s"
+fi
+if has tests; then
+  python -m pytest -m cuda tests/ops -q -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/cuda_tests.log" | tail -12
+fi
+if has ops; then
+  python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops.json" > "$OUT/bench_ops.log" 2>&1
+  echo "bench rc=$?"; grep -E "^(layer_norm|residual|rms_norm|softmax|embeddings|bias_gelu) " "$OUT/bench_ops.log" | cut -c1-120
+fi
+if has e2e; then
+  python -m benchmarks.e2e --variants hf-eager-fp32 hf-eager-bf16 hf-sdpa-bf16 fused fused-eager --warmup 10 --steps 30 \
+    --out "$OUT/e2e_eager.json" > "$OUT/e2e_eager.log" 2>&1
+  echo "e2e rc=$?"
+fi
+if has e2e_compile; then
+  python -m benchmarks.e2e --variants hf-sdpa-bf16 hf-compile fused fused-compile --warmup 15 --steps 30 \
+    --out "$OUT/e2e_compile.json" > "$OUT/e2e_compile.log" 2>&1
+  echo "e2e compile rc=$?"
+fi
+if has finetune; then  # MiniLM on the staged IMDB subset through the CLI, plain and fused (issue 2's recipe)
+  for preset in plain fused; do
+    extra=(); [ "$preset" = fused ] && extra=(-c configs/presets/fused.yaml)
+    python -m src fit -c configs/imdb_minilm.yaml "${extra[@]}" --data.init_args.dataset .carry/imdb \
+      --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500 \
+      --throughput.enabled true --progress_bar.refresh_rate 500 --trainer.logger.init_args.name "ft_$preset" \
+      > "$OUT/ft_$preset.log" 2>&1
+    echo "finetune $preset rc=$?"
+    cp runs/ft_$preset/version_0/benchmark_stats.json "$OUT/ft_${preset}_stats.json" 2>/dev/null
+    grep -E "test/acc|throughput \(|kernel swap: replaced" "$OUT/ft_$preset.log" | cut -c1-300
+  done
+fi
+if has profile; then  # BERT-base, batch 16 x seq 128, train and test, plain and fused
+  BASE=(--data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500
+        --model.init_args.pretrained null --model.init_args.config '{}' --data.init_args.max_length 128 --data.init_args.pad_to_multiple_of 128 --data.init_args.batch_size 16
+        --data.init_args.eval_batch_size 16 --test_after_fit false --progress_bar.refresh_rate 500)
+  for preset in plain fused; do
+    extra=(); [ "$preset" = fused ] && extra=(-c configs/presets/fused.yaml)
+    for stage in fit test; do
+      name=prof_bert_${preset}_$stage
+      python -m src $stage -c configs/imdb_minilm.yaml -c configs/profile.yaml "${extra[@]}" "${BASE[@]}" \
+        --trainer.logger.init_args.name $name > "$OUT/$name.log" 2>&1
+      echo "profile $name rc=$?"
+      prefix=$([ $stage = fit ] && echo "" || echo "test_")
+      cp runs/$name/version_0/profiler/${prefix}profile_summary.json "$OUT/${name}_summary.json" 2>/dev/null
+      cp runs/$name/version_0/profiler/${prefix}kernel_statistics.json "$OUT/${name}_kernels.json" 2>/dev/null
+    done
+  done
+fi
+if has sweep; then
+  python -m benchmarks.sweep --models bert-base --seq-lens 128 --variants hf-eager-bf16 hf-sdpa-bf16 fused \
+    --workloads infer train --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
+  echo "sweep rc=$?"
+fi
+cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null
+for f in e2e_eager e2e_compile; do [ -f "$f.log" ] && grep -A80 "^$" "$f.log" | grep -E "^(model|bert|minilm)" | tail -41; done
