@@ -32,11 +32,12 @@ from typing_extensions import override
 # Checked in order; the first pattern that matches a kernel's name gives its category.
 CATEGORIES: list[tuple[str, str]] = [
     ("memcpy/memset", r"memcpy|memset|Memcpy|Memset"),
-    ("optimizer", r"adam|Adam|multi_tensor|_foreach|fused_sgd|lamb"),
+    # (not a bare "lamb": demangled names are full of "{lambda()#1}")
+    ("optimizer", r"adam|Adam|multi_tensor|_foreach|fused_sgd|\bLAMB|lamb_"),
     ("attention", r"flash|fmha|attention|Attention|sdpa|efficient_attention|cutlassF|cutlassB"),
     ("softmax", r"softmax|Softmax|SoftMax"),
     ("layernorm", r"layer_norm|layernorm|LayerNorm|ln_fwd|ln_bwd|rms_norm"),
-    ("gelu/activation", r"gelu|GELU|relu|tanh|silu|erf"),
+    ("gelu/activation", r"gelu|Gelu|GELU|relu|tanh|silu|erf_kernel|\berf\b"),
     ("gemm", r"gemm|GEMM|cutlass|cublas|nvjet|xmma|sm90|sm80|wgmma|matmul|Kernel2"),
     ("reduction", r"reduce|Reduce|sum_|norm_kernel|column_sum|argmax|cross_entropy|nll_loss|log_softmax"),
     ("elementwise", r"elementwise|vectorized|unrolled|CatArray|copy|fill|index|dropout|where|add|mul|cast"),
