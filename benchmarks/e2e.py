@@ -30,16 +30,20 @@ MODELS = {
     "tiny": dict(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                  max_position_embeddings=128),
 }
-# name: (attention implementation, autocast bf16, kernel swap, torch.compile)
+# name: (attention implementation, autocast bf16, kernel swap, torch.compile, whole-step CUDA graph)
 VARIANTS = {
-    "hf-eager-fp32": ("eager", False, False, False),
-    "hf-eager-bf16": ("eager", True, False, False),
-    "hf-sdpa-bf16": ("sdpa", True, False, False),
-    "hf-compile": ("sdpa", True, False, True),
-    "fused": ("sdpa", True, True, False),
-    "fused-compile": ("sdpa", True, True, True),
+    "hf-eager-fp32": ("eager", False, False, False, False),
+    "hf-eager-bf16": ("eager", True, False, False, False),
+    "hf-sdpa-bf16": ("sdpa", True, False, False, False),
+    "hf-compile": ("sdpa", True, False, True, False),
+    "fused": ("sdpa", True, True, False, False),
+    "fused-compile": ("sdpa", True, True, True, False),
     # eager attention, with the softmax family (scale + mask + softmax in one kernel) swapped in too
-    "fused-eager": ("eager", True, True, False),
+    "fused-eager": ("eager", True, True, False, False),
+    # the product's graphed step (src/modules/graphs.py, as `model.cuda_graphs` runs it): forward,
+    # backward and capturable fused AdamW captured once and replayed
+    "graphs": ("sdpa", True, False, False, True),
+    "fused-graphs": ("sdpa", True, True, False, True),
 }
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
@@ -48,8 +52,9 @@ COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_
 def step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int,
                device: str = "cuda") -> list[float]:
     """Step times in ms of one variant: CUDA events on a GPU, a wall clock on CPU (smoke runs only)."""
-    attn, bf16, fused, compiled = VARIANTS[variant]
+    attn, bf16, fused, compiled, graphed = VARIANTS[variant]
     cuda = device == "cuda"
+    graphed = graphed and cuda
     torch.manual_seed(0)
     cfg = BertConfig(num_labels=2, **MODELS[model_name])
     model = BertForSequenceClassification(cfg).to(device)
@@ -60,13 +65,37 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
     model.train(train)
     if compiled:
         model.compile(mode="reduce-overhead")  # in place: state_dict keys unchanged
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda) if train else None
+    opt = None
+    if train:
+        lr = torch.tensor(1e-5, device=device) if graphed else 1e-5
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=cuda, capturable=graphed)
     g = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(min(1000, cfg.vocab_size // 2), cfg.vocab_size, (batch, seq), device=device, generator=g)
     mask = torch.ones_like(ids)
     labels = torch.randint(0, 2, (batch,), device=device, generator=g)
 
+    if graphed:
+        from src.modules.graphs import StepGraphs
+
+        runner = StepGraphs(variant)
+        if train:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)  # static gradients, as the product's graphed step keeps them
+
+        def graph_step(ids, mask, labels):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+                if not train:
+                    with torch.no_grad():
+                        return {"logits": model(input_ids=ids, attention_mask=mask).logits}
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return {"loss": loss.detach()}
+
     def one_step():
+        if graphed:
+            return runner.run("step", graph_step, {"ids": ids, "mask": mask, "labels": labels})
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):

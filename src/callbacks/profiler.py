@@ -122,6 +122,11 @@ class ProfilerCallback(pl.Callback):
         self.outputs: dict[str, Path] = {}
 
     # ------------------------------------------------------------------------------- control
+    @property
+    def eager_steps_reason(self) -> str | None:
+        """Why the model must run eager steps while this callback is on (read by `cuda_graphs`)."""
+        return "is on (its labelled regions need eager steps)" if self.enabled else None
+
     def _dir(self, trainer) -> Path:
         return Path(trainer.log_dir or trainer.default_root_dir) / "profiler"
 

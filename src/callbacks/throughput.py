@@ -133,10 +133,11 @@ class ThroughputMeter(pl.Callback):
         st.steps += 1
         if counted and isinstance(batch, dict) and "input_ids" in batch:
             ids = batch["input_ids"]
-            st.samples += ids.shape[0]
+            rows = int(batch.get("num_rows", ids.shape[0]))  # static-shape batches: padding rows excluded
+            st.samples += rows
             st.padded += ids.numel()
             mask = batch.get("attention_mask")
-            st.real = st.real + (mask.sum() if mask is not None else ids.numel())
+            st.real = st.real + (mask[:rows].sum() if mask is not None else ids[:rows].numel())
             if hasattr(pl_module, "flops_per_batch"):
                 st.flops = st.flops + pl_module.flops_per_batch(batch, training=stage == "train")
             if self._cuda(trainer):

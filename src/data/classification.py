@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from src.data.collate import ClassificationCollator
+from src.data.collate import ClassificationCollator, bucket_lengths
 from src.data.samplers import EpochSampler
 from src.data.sources import RawSplit, find_split_file, load_hub_dataset, read_table
 from src.data.tokenized import TokenizedTexts, tokenize_texts
@@ -70,7 +70,13 @@ class TextClassificationDataModule(pl.LightningDataModule):
         val_size: Validation split carved from train (stratified, seeded) when the data has none: a
             fraction in (0, 1) or a number of rows.
         pad_to_multiple_of: Pad each batch's length up to a multiple of this (8 suits tensor cores);
-            None pads to the longest row.
+            None pads to the longest row. Not used with `static_shapes`.
+        static_shapes: Give every batch one of a few shapes, as CUDA graphs need: the length is
+            padded up to the next of `length_buckets`, and a short last batch is filled up with
+            padding rows (label -100, index -1; never counted by losses, metrics or predictions).
+            Turned on by the model when it runs CUDA graphs (`model.cuda_graphs`).
+        length_buckets: With `static_shapes`: the lengths a batch may be padded to, as a multiple
+            (64: 64, 128, ... up to `max_length`) or a list; `max_length` is always one of them.
         group_by_length: Batch training texts of similar length together (less padding).
         train_subset: Use only this many training rows (seeded random subset), e.g. for quick runs.
         test_subset: Use only this many test rows (seeded random subset).
@@ -94,6 +100,8 @@ class TextClassificationDataModule(pl.LightningDataModule):
         eval_batch_size: int | None = None,
         val_size: float = 0.1,
         pad_to_multiple_of: int | None = 8,
+        static_shapes: bool = False,
+        length_buckets: int | list[int] = 64,
         group_by_length: bool = False,
         train_subset: int | None = None,
         test_subset: int | None = None,
@@ -117,6 +125,12 @@ class TextClassificationDataModule(pl.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self.val_size = val_size
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.static_shapes = static_shapes
+        self.length_buckets = length_buckets
+        try:
+            bucket_lengths(max_length, length_buckets)
+        except ValueError as e:
+            raise DataError(f"{e} Set `data.length_buckets` to e.g. 64 or [128, 256, 512].") from None
         self.group_by_length = group_by_length
         self.train_subset, self.test_subset = train_subset, test_subset
         self.predict_split = predict_split
@@ -283,6 +297,16 @@ class TextClassificationDataModule(pl.LightningDataModule):
         """The raw text of row `index` (as in a batch's `index`) of `split`."""
         return self._texts[split][index]
 
+    def use_static_shapes(self) -> None:
+        """Pad batches to bucketed lengths and full batch size from now on (see `static_shapes`)."""
+        self.static_shapes = True
+
+    def collator(self, batch_size: int) -> ClassificationCollator:
+        pad_id = self.tokenizer.pad_token_id
+        if self.static_shapes:
+            return ClassificationCollator(pad_id, buckets=bucket_lengths(self.max_length, self.length_buckets), batch_size=batch_size)
+        return ClassificationCollator(pad_id, self.pad_to_multiple_of)
+
     def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
         ds = self.datasets[split]
         sampler = EpochSampler(
@@ -296,7 +320,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             ds,
             batch_size=batch_size,
             sampler=sampler,
-            collate_fn=ClassificationCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of),
+            collate_fn=self.collator(batch_size),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,

@@ -1,16 +1,41 @@
 """What the classifier and the masked LM share: the HF model, AdamW with decoupled weight decay,
-the linear warm-up/decay schedule, checkpoint/architecture checks."""
+the linear warm-up/decay schedule, checkpoint/architecture checks, and the step engine.
+
+Steps run one of two ways, with the same loss and metric code:
+
+- **eager** (CPU, or `cuda_graphs: false`): Lightning's automatic optimization.
+- **CUDA graphs** (`cuda_graphs: true` on a GPU): manual optimization; forward + backward +
+  gradient clipping + fused AdamW (`capturable=True`, learning rate a device tensor filled by the
+  schedule) are captured once per batch shape (`src/modules/graphs.py`) and replayed. Gradient
+  clipping and accumulation are taken over from `trainer.gradient_clip_val` /
+  `trainer.accumulate_grad_batches`. Evaluation and prediction forwards are graphed likewise.
+
+Neither path reads a device value on the host per step: the loss and metrics accumulate on the
+device and are read when logged (every `trainer.log_every_n_steps` steps and at epoch ends).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import logging
+import math
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import get_linear_schedule_with_warmup
 
 from src.errors import CheckpointError, ConfigError
 from src.modules.bert import architecture_of
+from src.modules.graphs import StepGraphs
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune")
+GRAPH_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
+# The batch fields a step function takes (tensors of static shape under graphs).
+STEP_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "labels")
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -40,10 +65,30 @@ class BertModule(pl.LightningModule):
         warmup_steps: int | None,
         adam_betas: tuple[float, float],
         adam_eps: float,
+        cuda_graphs: bool = False,
+        compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        if compile not in COMPILE_MODES:
+            raise ConfigError(f"compile must be one of {COMPILE_MODES}, got {compile!r}.")
+        if cuda_graphs and compile:
+            raise ConfigError(
+                "model.cuda_graphs and model.compile both capture the step; choose one "
+                "(cuda_graphs: the whole step, with optimizer; compile: torch.compile of the HF model)."
+            )
+        self.cuda_graphs = cuda_graphs
+        self.compile_mode = compile
+        # graph-mode state: decided per trainer stage, see `graphs_unavailable`
+        self._graph_decisions: dict[str, str | None] = {}
+        self._graphs: dict[str, StepGraphs] = {}
+        self._graph_pool = None
+        self._capture_without_gpu = False  # tests: run the graph-mode loop eagerly on CPU
+        self._clip: tuple[float, str] | None = None
+        self._accumulate = 1
+        self._micro = 0
+        self._train_loss_window: torch.Tensor | None = None
         self.lr = lr
         self.weight_decay = weight_decay
         self.warmup_ratio = warmup_ratio
@@ -54,6 +99,10 @@ class BertModule(pl.LightningModule):
     # ----------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.compile_mode and not getattr(self, "_compiled", False):
+            # in place (nn.Module.compile): state_dict keys and Parameters unchanged
+            self.model.compile(mode=None if self.compile_mode == "default" else self.compile_mode)
+            self._compiled = True
         if dm is None:
             return
         max_pos = self.model.config.max_position_embeddings
@@ -70,18 +119,235 @@ class BertModule(pl.LightningModule):
                 f"the tokenizer has {vocab} tokens but the model's embedding table has {emb}; "
                 "use the tokenizer that belongs to the model (`data.tokenizer`)."
             )
+        if self._graphs_on() and hasattr(dm, "use_static_shapes") and not getattr(dm, "static_shapes", True):
+            dm.use_static_shapes()
+            rank_zero_info("bertaccel: CUDA graphs: batches padded to `data.length_buckets` lengths and full batch size.")
+
+    def teardown(self, stage: str) -> None:
+        self.release_graphs()
+
+    def on_train_end(self) -> None:
+        self.release_graphs("train")
+
+    def release_graphs(self, which: str | None = None) -> None:
+        """Free captured graphs (all, or "train" / "eval"); they are captured again when needed."""
+        for name in [which] if which else list(self._graphs):
+            self._graphs.pop(name, None)
+        if not self._graphs:
+            self._graph_pool = None
+
+    # -------------------------------------------------------------------------- graphs or eager
+    def graphs_blocker(self) -> str | None:
+        """Why this model's steps cannot be captured at all (subclasses); None: they can."""
+        return None
+
+    def graphs_unavailable(self) -> str | None:
+        """Why the steps of the current trainer stage cannot run as CUDA graphs; None: they can."""
+        if self._capture_without_gpu:
+            return None
+        trainer = self.trainer
+        if trainer.strategy.root_device.type != "cuda":
+            return "no CUDA device (graphs need an NVIDIA GPU)"
+        if trainer.world_size > 1:
+            return (f"{trainer.world_size} processes ({type(trainer.strategy).__name__}): steps that all-reduce "
+                    "gradients through NCCL are not captured yet")
+        precision = str(trainer.precision)
+        if precision not in GRAPH_PRECISIONS:
+            return f"precision {precision} (fp16 loss scaling reads the host every step); use bf16-mixed"
+        for cb in trainer.callbacks:
+            reason = getattr(cb, "eager_steps_reason", None)
+            if reason:
+                return f"{type(cb).__name__} {reason}"
+        return self.graphs_blocker()
+
+    def _graphs_on(self) -> bool:
+        """Whether the steps of the current trainer stage run as CUDA graphs (decided once per stage,
+        said in one line)."""
+        if not self.cuda_graphs or self._trainer is None or self.trainer.state.fn is None:
+            return False
+        fn = self.trainer.state.fn.value
+        if fn not in self._graph_decisions:
+            reason = self.graphs_unavailable()
+            self._graph_decisions[fn] = reason
+            if reason:
+                rank_zero_info(f"bertaccel: model.cuda_graphs is on, but `{fn}` runs eager steps: {reason}.")
+            else:
+                if fn == "fit":
+                    self._adopt_trainer_step_options()
+                rank_zero_info(f"bertaccel: `{fn}` steps run as CUDA graphs (captured once per batch shape, then replayed).")
+        return self._graph_decisions[fn] is None
+
+    def _adopt_trainer_step_options(self) -> None:
+        """Under graphs the module runs the optimizer (manual optimization): it takes over the
+        trainer's gradient clipping and accumulation, which Lightning only applies itself in
+        automatic optimization."""
+        t = self.trainer
+        if t.gradient_clip_val:
+            algorithm = t.gradient_clip_algorithm or "norm"
+            self._clip = (float(t.gradient_clip_val), str(getattr(algorithm, "value", algorithm)))
+            t.gradient_clip_val = None
+        self._accumulate = int(t.accumulate_grad_batches)
+        t.accumulate_grad_batches = 1
+
+    @property
+    def automatic_optimization(self) -> bool:  # type: ignore[override]
+        if self.cuda_graphs and self._trainer is not None and self.trainer.state.fn is not None \
+                and self.trainer.state.fn.value == "fit":
+            return not self._graphs_on()
+        return self._automatic_optimization
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self._automatic_optimization = value
 
     # ------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self):
         groups = decay_groups(self.model, self.weight_decay)
-        # Fused AdamW unscales gradients inside its kernel, so Lightning cannot clip them first.
-        clipping = bool(self._trainer is not None and self.trainer.gradient_clip_val)
-        fused = self.device.type == "cuda" and not clipping
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, fused=fused)
+        graphed = not self.automatic_optimization
+        on_gpu = self.device.type == "cuda"
+        if graphed:
+            # capturable: step count and learning rate live on the device, so the step can be captured
+            kwargs = {"fused": True, "capturable": True} if on_gpu else {}
+        else:
+            # Fused AdamW unscales gradients inside its kernel, so Lightning cannot clip them first.
+            clipping = bool(self._trainer is not None and self.trainer.gradient_clip_val)
+            kwargs = {"fused": on_gpu and not clipping}
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, **kwargs)
         total = int(self.trainer.estimated_stepping_batches)
+        if graphed and self._accumulate > 1 and self.trainer.max_steps == -1:
+            total = math.ceil(total / self._accumulate)  # the trainer's accumulation was taken over
         warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total)
         scheduler = get_linear_schedule_with_warmup(optimizer, warmup, max(total, 1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------ steps
+    def step_outputs(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's step on one batch's tensors (`STEP_FIELDS`), capturable: returns at least
+        "loss" (the mean to differentiate). No host reads, no data-dependent shapes."""
+        raise NotImplementedError
+
+    def update_metrics(self, stage: str, batch: dict[str, Any], out: dict[str, torch.Tensor]) -> None:
+        """Accumulate the step's outputs into the stage's metrics, on the device."""
+
+    @staticmethod
+    def step_inputs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {k: batch[k] for k in STEP_FIELDS if isinstance(batch.get(k), torch.Tensor)}
+
+    def _autocast(self):
+        if self._trainer is not None and str(self.trainer.precision) == "bf16-mixed":
+            # no weight-cast cache: a cache filled before a capture would freeze stale bf16 weights into it
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
+        return contextlib.nullcontext()
+
+    def _graph_runner(self, name: str) -> StepGraphs:
+        runner = self._graphs.get(name)
+        if runner is None:
+            capture = not self._capture_without_gpu
+            if capture and self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            runner = self._graphs[name] = StepGraphs(name, capture=capture, pool=self._graph_pool)
+        return runner
+
+    @staticmethod
+    def _key(inputs: dict[str, torch.Tensor], *extra: Any) -> tuple:
+        return (*extra, *((k, tuple(v.shape), v.dtype) for k, v in inputs.items()))
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            out = self.step_outputs(**self.step_inputs(batch))
+            self.update_metrics("train", batch, out)
+            self._log_train_loss(out["loss"])
+            return out["loss"]
+        return self._graphed_training_step(batch, batch_idx)
+
+    def _prepare_graphed_training(self) -> None:
+        optimizer = self.optimizers().optimizer
+        for group in optimizer.param_groups:
+            if not self._capture_without_gpu and not isinstance(group["lr"], torch.Tensor):
+                # the schedule fills this tensor in place; a float would be frozen into the graph
+                group["lr"] = torch.tensor(float(group["lr"]), device=self.device)
+            for p in group["params"]:
+                # static gradients: backward accumulates into them, the captured step zeroes them
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
+    def _train_fn(self, last: bool):
+        optimizer = self.optimizers().optimizer
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        scale = 1.0 / self._accumulate
+
+        def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+            with self._autocast():
+                out = self.step_outputs(**inputs)
+            (out["loss"] * scale if scale != 1.0 else out["loss"]).backward()
+            if last:
+                if self._clip is not None:
+                    value, algorithm = self._clip
+                    if algorithm == "value":
+                        torch.nn.utils.clip_grad_value_(params, value, foreach=True)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(params, value, foreach=True)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+            return {k: v.detach() for k, v in out.items()}
+
+        return step
+
+    def _graphed_training_step(self, batch, batch_idx):
+        if "train" not in self._graphs:
+            self._prepare_graphed_training()
+        runner = self._graph_runner("train")
+        self._micro += 1
+        n_batches = self.trainer.num_training_batches
+        last = self._micro >= self._accumulate or (math.isfinite(n_batches) and batch_idx + 1 >= n_batches)
+        if last:
+            self._micro = 0
+        inputs = self.step_inputs(batch)
+        lightning_optimizer = self.optimizers()
+        if last:
+            lightning_optimizer._on_before_step()  # Lightning's step counter (global_step), as opt.step() would
+        out = runner.run(self._key(inputs, "train", last), self._train_fn(last), inputs)
+        if last:
+            lightning_optimizer._on_after_step()
+            schedulers = self.lr_schedulers()
+            for scheduler in schedulers if isinstance(schedulers, list) else [schedulers] if schedulers else []:
+                scheduler.step()
+        self.update_metrics("train", batch, out)
+        self._log_train_loss(out["loss"])
+        return None
+
+    def _log_train_loss(self, loss: torch.Tensor) -> None:
+        """Sum the step losses on the device; every `log_every_n_steps` batches read the window's mean
+        once (the only host read) and log it (as a CPU tensor, so the progress bar reads no device)."""
+        loss = loss.detach()
+        if self._train_loss_window is None or self._train_loss_window.device != loss.device:
+            self._train_loss_window = torch.zeros(2, dtype=torch.float64, device=loss.device)
+        self._train_loss_window += torch.stack((loss.double(), torch.ones((), dtype=torch.float64, device=loss.device)))
+        loop = self.trainer.fit_loop.epoch_loop
+        done = getattr(loop, "_batches_that_stepped", self.global_step) + 1
+        if done % max(1, self.trainer.log_every_n_steps) == 0:
+            total, n = self._train_loss_window.cpu().tolist()
+            self._train_loss_window.zero_()
+            self.log("train/loss", torch.tensor(total / max(n, 1.0)), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+
+    def _eval_fn(self):
+        def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+            with self._autocast():
+                out = self.step_outputs(**inputs)
+            return {k: v.detach() for k, v in out.items()}
+
+        return step
+
+    def eval_outputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Forward (and loss, when labelled) of an evaluation or prediction batch: graphed or eager."""
+        inputs = self.step_inputs(batch)
+        if self._graphs_on():
+            return self._graph_runner("eval").run(self._key(inputs, "eval", self.training), self._eval_fn(), inputs)
+        return self.step_outputs(**inputs)
+
+    def graph_stats(self) -> dict[str, Any]:
+        """Captures, eager steps and replays per runner (for benchmarks and tests)."""
+        return {k: vars(r.stats) | {"disabled": r.disabled_reason} for k, r in self._graphs.items()}
 
     # ----------------------------------------------------------------------------------- FLOPs
     flops_head = "classifier"
@@ -103,8 +369,20 @@ class BertModule(pl.LightningModule):
     # ------------------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["bertaccel"] = {"architecture": architecture_of(self.model), "class": type(self).__name__}
+        # Graphed runs keep learning rates in device tensors; store plain floats so the checkpoint
+        # resumes the same way eager, on another device or on CPU.
+        for state in checkpoint.get("optimizer_states", []):
+            for group in state.get("param_groups", []):
+                for key in ("lr", "initial_lr"):
+                    if isinstance(group.get(key), torch.Tensor):
+                        group[key] = float(group[key])
+        for state in checkpoint.get("lr_schedulers", []):
+            for key in ("base_lrs", "_last_lr"):
+                if isinstance(state.get(key), list):
+                    state[key] = [float(v) if isinstance(v, torch.Tensor) else v for v in state[key]]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.release_graphs()  # loaded optimizer state replaces tensors that graphs point to
         saved = checkpoint.get("bertaccel", {})
         if saved.get("class") not in (None, type(self).__name__):
             raise CheckpointError(

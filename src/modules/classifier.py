@@ -6,12 +6,12 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torchmetrics import MetricCollection
-from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from transformers import BertForSequenceClassification
 
+from src.data.masking import IGNORE_INDEX
 from src.modules.base import BertModule
 from src.modules.bert import build_bert
+from src.modules.metrics import ClassificationStats
 
 
 class BertClassifier(BertModule):
@@ -30,6 +30,12 @@ class BertClassifier(BertModule):
         warmup_steps: Warm-up steps; overrides `warmup_ratio` when set.
         adam_betas: AdamW betas.
         adam_eps: AdamW epsilon.
+        cuda_graphs: On a GPU, run each training, evaluation and prediction step as a replayed
+            CUDA graph (captured once per batch shape; batches get static shapes, see
+            `data.static_shapes`). Falls back to eager steps, saying why, on CPU, under DDP, with
+            fp16 or with the profiler on.
+        compile: `torch.compile` the HF model in place with this mode (default, reduce-overhead,
+            max-autotune); for comparison with `cuda_graphs`, not together with it.
     """
 
     def __init__(
@@ -45,8 +51,10 @@ class BertClassifier(BertModule):
         warmup_steps: int | None = None,
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
+        cuda_graphs: bool = False,
+        compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None,
     ) -> None:
-        super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps)
+        super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile)
         # num_labels and vocab_size are filled in from the data: keep them out of the hyperparameters
         # the CLI restores from a checkpoint (a link target cannot be overridden), and check them on
         # load instead (`BertModule.on_load_checkpoint`).
@@ -63,40 +71,54 @@ class BertClassifier(BertModule):
         # from_pretrained returns the model in eval mode, and Lightning keeps each submodule's mode:
         # without this, fine-tuning a pretrained model would silently run without dropout.
         self.model.train()
-        metrics = MetricCollection(
-            {
-                "acc": MulticlassAccuracy(num_labels, average="micro"),
-                "f1": MulticlassF1Score(num_labels, average="macro"),
-            }
-        )
         # ("train" cannot be a ModuleDict key: it would shadow nn.Module.train)
-        self.metrics = torch.nn.ModuleDict({f"{s}_metrics": metrics.clone(prefix=f"{s}/") for s in ("train", "val", "test")})
+        self.metrics = torch.nn.ModuleDict({f"{s}_metrics": ClassificationStats(num_labels) for s in ("train", "val", "test")})
 
     def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
         """Logits, (B, num_labels)."""
         return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
 
-    def model_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        logits = self(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
-        loss = F.cross_entropy(logits.float(), batch["labels"])
-        metrics = self.metrics[f"{stage}_metrics"]
-        metrics.update(logits.detach(), batch["labels"])
-        bs = batch["labels"].shape[0]
-        on_step = stage == "train"
-        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, batch_size=bs)
-        self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=stage != "train", batch_size=bs)
-        return loss
+    def step_outputs(self, input_ids, attention_mask, token_type_ids=None, labels=None) -> dict[str, torch.Tensor]:
+        logits = self(input_ids, attention_mask, token_type_ids)
+        if labels is None:
+            return {"logits": logits}
+        # summed over the labelled rows (padding rows carry -100), then the mean for backward
+        loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        rows = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return {"loss": loss_sum / rows, "loss_sum": loss_sum.detach(), "logits": logits}
 
-    def training_step(self, batch, batch_idx):
-        return self.model_step(batch, "train")
+    def update_metrics(self, stage: str, batch, out) -> None:
+        self.metrics[f"{stage}_metrics"].update(out["logits"], batch["labels"], out["loss_sum"])
+
+    def _log_epoch(self, stage: str) -> None:
+        metric = self.metrics[f"{stage}_metrics"]
+        values = metric.compute()  # one host read per epoch (and the DDP reduction)
+        metric.reset()
+        loss_name = "train/loss_epoch" if stage == "train" else f"{stage}/loss"
+        self.log(loss_name, values["loss"], prog_bar=stage != "train", sync_dist=False)
+        self.log(f"{stage}/acc", values["acc"], prog_bar=stage != "train")
+        self.log(f"{stage}/f1", values["f1"], prog_bar=stage != "train")
 
     def validation_step(self, batch, batch_idx):
-        self.model_step(batch, "val")
+        self.update_metrics("val", batch, self.eval_outputs(batch))
 
     def test_step(self, batch, batch_idx):
-        self.model_step(batch, "test")
+        self.update_metrics("test", batch, self.eval_outputs(batch))
+
+    def on_train_epoch_end(self) -> None:
+        self._log_epoch("train")
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            self.metrics["val_metrics"].reset()
+            return
+        self._log_epoch("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test")
 
     def predict_step(self, batch, batch_idx, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
-        logits = self(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
-        probs = logits.float().softmax(-1)
-        return {"index": batch["index"], "label": probs.argmax(-1), "probs": probs}
+        logits = self.eval_outputs(batch)["logits"]
+        n = batch.get("num_rows", logits.shape[0])  # padding rows of static-shape batches are dropped
+        probs = logits[:n].float().softmax(-1)
+        return {"index": batch["index"][:n], "label": probs.argmax(-1), "probs": probs}

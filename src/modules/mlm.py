@@ -7,12 +7,12 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torchmetrics import MeanMetric
 from transformers import BertForMaskedLM
 
 from src.data.masking import IGNORE_INDEX
 from src.modules.base import BertModule
 from src.modules.bert import build_bert
+from src.modules.metrics import WeightedMean
 
 
 class BertMLM(BertModule):
@@ -33,6 +33,9 @@ class BertMLM(BertModule):
         warmup_steps: Warm-up steps; overrides `warmup_ratio`.
         adam_betas: AdamW betas.
         adam_eps: AdamW epsilon.
+        cuda_graphs: Run steps as CUDA graphs. Not available for the masked-LM yet (the masked
+            positions make the head's shape data-dependent): steps stay eager, said in one line.
+        compile: `torch.compile` the HF model in place with this mode.
     """
 
     def __init__(
@@ -47,8 +50,10 @@ class BertMLM(BertModule):
         warmup_steps: int | None = None,
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-6,
+        cuda_graphs: bool = False,
+        compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None,
     ) -> None:
-        super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps)
+        super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile)
         self.save_hyperparameters(ignore=["vocab_size"])
         self.model = build_bert(
             BertForMaskedLM, pretrained, config, attn_implementation,
@@ -57,10 +62,13 @@ class BertMLM(BertModule):
         # from_pretrained returns the model in eval mode, and Lightning keeps each submodule's mode:
         # without this, fine-tuning a pretrained model would silently run without dropout.
         self.model.train()
-        self.val_loss = MeanMetric()
-        self.val_correct = MeanMetric()
+        self.val_loss = WeightedMean()
+        self.val_correct = WeightedMean()
 
     flops_head = "mlm"
+
+    def graphs_blocker(self) -> str | None:
+        return "masked-LM steps pick the masked positions with a data-dependent shape (not captured yet)"
 
     def masked_logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (M, V) at the M selected positions, and their labels (M,)."""
@@ -69,19 +77,21 @@ class BertMLM(BertModule):
         logits = self.model.cls(hidden[selected])  # (M, V)
         return logits, batch["labels"][selected]
 
-    def training_step(self, batch, batch_idx):
-        logits, labels = self.masked_logits(batch)
-        loss = F.cross_entropy(logits.float(), labels)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        return loss
+    def step_outputs(self, input_ids, attention_mask=None, labels=None, token_type_ids=None) -> dict[str, torch.Tensor]:
+        logits, y = self.masked_logits({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
+        n = y.numel()
+        loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
+        return {
+            "loss": loss_sum / max(n, 1),
+            "count": torch.tensor(float(n), device=loss_sum.device),
+            "correct": (logits.argmax(-1) == y).sum().float(),
+        }
 
     def validation_step(self, batch, batch_idx):
-        logits, labels = self.masked_logits(batch)
-        loss = F.cross_entropy(logits.float(), labels)
-        n = labels.numel()
+        out = self.eval_outputs(batch)
         # weighted by the number of masked tokens: the epoch value is the per-token mean
-        self.val_loss.update(loss, weight=n)
-        self.val_correct.update((logits.argmax(-1) == labels).float().mean(), weight=n)
+        self.val_loss.update(out["loss"], weight=out["count"])
+        self.val_correct.update(out["correct"] / out["count"].clamp(min=1), weight=out["count"])
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()

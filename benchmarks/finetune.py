@@ -1,0 +1,204 @@
+"""The fine-tune headline: the plain PyTorch loop a user would write against `bertaccel fit`, in one
+run on one GPU, on the same data, model and recipe (docs: PERFORMANCE.md's plain loop).
+
+    python -m benchmarks.finetune --data .carry/imdb --model .carry/minilm --out ft.json
+
+Variants:
+  plain           HF BertForSequenceClassification, SDPA, bf16 autocast, fused AdamW, linear
+                  schedule with 6% warm-up, padded to max_length, DataLoader; what PERFORMANCE.md
+                  measured as the reference.
+  plain-compile   the same with `model.compile(mode="reduce-overhead")` (compile time included).
+  cli-bf16        `bertaccel fit -c configs/imdb_minilm.yaml` (bf16-mixed, SDPA).
+  cli-fused       + configs/presets/fused.yaml (kernel swap).
+  cli-graphs      + configs/presets/graphs.yaml (whole-step CUDA graphs).
+  cli-fused-graphs  both presets.
+
+Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
+does the same with its warm-up steps; graph captures of lengths first seen later stay in the
+measured time). Test accuracy is on the whole test file; the CLI holds out `--val-size` train rows
+for validation, the plain loop trains on the same remaining rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CLI_PRESETS = {
+    "cli-bf16": [],
+    "cli-fused": ["configs/presets/fused.yaml"],
+    "cli-graphs": ["configs/presets/graphs.yaml"],
+    "cli-fused-graphs": ["configs/presets/graphs.yaml", "configs/presets/fused.yaml"],
+}
+
+
+def read_rows(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def find(data: Path, split: str) -> Path:
+    for name in (f"{split}.jsonl.gz", f"{split}.jsonl"):
+        if (data / name).is_file():
+            return data / name
+    raise SystemExit(f"finetune: no {split}.jsonl(.gz) in {data}")
+
+
+def plain_loop(args, compiled: bool) -> dict:
+    """The loop of PERFORMANCE.md, written the way a user would."""
+    from transformers import AutoTokenizer, BertForSequenceClassification, get_linear_schedule_with_warmup
+
+    torch.manual_seed(args.seed)
+    dev = torch.device("cuda")
+    train = read_rows(find(args.data, "train"))
+    test = read_rows(find(args.data, "test"))
+    # the CLI holds `val_size` rows out of train; use the same number of training rows
+    g = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(train), generator=g).tolist()
+    train = [train[i] for i in order[: len(train) - args.val_size]]
+    tok = AutoTokenizer.from_pretrained(args.model)
+
+    def encode(rows):
+        enc = tok([r["text"] for r in rows], padding="max_length", truncation=True, max_length=args.max_length,
+                  return_tensors="pt")
+        return enc["input_ids"], enc["attention_mask"], torch.tensor([r["label"] for r in rows])
+
+    tr, te = encode(train), encode(test)
+    model = BertForSequenceClassification.from_pretrained(args.model, dtype=torch.float32, num_labels=2,
+                                                          attn_implementation="sdpa").to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=True)
+    steps = math.ceil(len(train) / args.batch_size)
+    sched = get_linear_schedule_with_warmup(opt, int(0.06 * steps), steps)
+    if compiled:
+        model.compile(mode="reduce-overhead")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*tr), batch_size=args.batch_size, shuffle=True,
+                                         generator=torch.Generator().manual_seed(args.seed), pin_memory=True)
+    t_start = time.perf_counter()
+    t0, n = None, 0
+    for i, (ids, mask, y) in enumerate(loader):
+        if i == args.skip:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        ids, mask, y = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = torch.nn.functional.cross_entropy(logits.float(), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= args.skip:
+            n += ids.shape[0]
+    torch.cuda.synchronize()
+    t_end = time.perf_counter()
+    model.eval()
+    correct, t1 = 0, time.perf_counter()
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for s in range(0, te[0].shape[0], args.eval_batch_size):
+            ids, mask, y = (t[s : s + args.eval_batch_size].to(dev, non_blocking=True) for t in te)
+            correct += (model(input_ids=ids, attention_mask=mask).logits.argmax(-1) == y).sum()
+    correct = int(correct)
+    t2 = time.perf_counter()
+    return {
+        "train_samples_per_s": n / (t_end - t0),
+        "train_wall_s": t_end - t_start,
+        "test_samples_per_s": te[0].shape[0] / (t2 - t1),
+        "test_acc": correct / te[0].shape[0],
+    }
+
+
+def cli_run(args, name: str, presets: list[str]) -> dict:
+    run_name = f"bench_{name}"
+    cmd = [sys.executable, "-m", "src", "fit", "-c", "configs/imdb_minilm.yaml"]
+    for p in presets:
+        cmd += ["-c", p]
+    cmd += ["--data.init_args.dataset", str(args.data), "--model.init_args.pretrained", str(args.model),
+            "--data.init_args.tokenizer", str(args.model), "--data.init_args.val_size", str(args.val_size),
+            "--data.init_args.max_length", str(args.max_length), "--data.init_args.batch_size", str(args.batch_size),
+            "--data.init_args.num_workers", str(args.workers), "--model.init_args.lr", str(args.lr),
+            "--throughput.enabled", "true", "--throughput.warmup_steps", str(args.skip),
+            "--progress_bar.refresh_rate", "100", "--trainer.logger.init_args.name", run_name,
+            "--trainer.logger.init_args.save_dir", str(args.runs), "--seed_everything", str(args.seed)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    log = proc.stdout + proc.stderr
+    (args.runs / f"{run_name}.log").parent.mkdir(parents=True, exist_ok=True)
+    (args.runs / f"{run_name}.log").write_text(log)
+    if proc.returncode != 0:
+        return {"error": f"rc={proc.returncode}: {log.strip().splitlines()[-1][:300] if log.strip() else ''}"}
+    versions = sorted((args.runs / run_name).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    stats = {}
+    for v in versions:
+        f = v / "benchmark_stats.json"
+        if f.is_file():
+            stats.update(json.loads(f.read_text()))
+    acc = re.findall(r"test/acc\s*[│|]\s*([0-9.]+)", log)
+    out = {
+        "train_samples_per_s": stats.get("train", {}).get("samples_per_s"),
+        "test_samples_per_s": stats.get("test", {}).get("samples_per_s"),
+        "train_step_ms_p50": stats.get("train", {}).get("step_ms_p50"),
+        "peak_memory_gb": stats.get("train", {}).get("peak_memory_gb"),
+        "test_acc": float(acc[-1]) if acc else None,
+        "process_wall_s": wall,
+        "graph_lines": [line.strip()[:200] for line in log.splitlines() if "cuda_graphs" in line or "CUDA graphs" in line][:4],
+    }
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--variants", nargs="+", default=["plain", "plain-compile", *CLI_PRESETS])
+    ap.add_argument("--max-length", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--eval-batch-size", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--val-size", type=int, default=500)
+    ap.add_argument("--skip", type=int, default=10, help="steps excluded from train samples/s")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--runs", type=Path, default=Path("runs"))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    args.data, args.model, args.runs = args.data.resolve(), args.model.resolve(), args.runs.resolve()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+    for v in args.variants:
+        t0 = time.perf_counter()
+        if v in ("plain", "plain-compile"):
+            results[v] = plain_loop(args, compiled=v == "plain-compile")
+        else:
+            results[v] = cli_run(args, v, CLI_PRESETS[v])
+        print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+    base = results.get("plain", {}).get("train_samples_per_s")
+    print(f"\n{results['device']}, IMDB rows from {args.data.name}, max_length {args.max_length}, batch {args.batch_size}")
+    print(f"{'run':<18} {'train samples/s':>16} {'x plain':>8} {'test samples/s':>15} {'test acc':>9}")
+    for v in args.variants:
+        r = results[v]
+        if "error" in r:
+            print(f"{v:<18} failed: {r['error']}")
+            continue
+        tr = r.get("train_samples_per_s")
+        ratio = f"{tr / base:.2f}" if tr and base else "-"
+        te, acc = r.get("test_samples_per_s"), r.get("test_acc")
+        print(f"{v:<18} {tr or 0:>16,.0f} {ratio:>8} {te or 0:>15,.0f} {acc * 100 if acc else 0:>8.2f}%")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,154 @@
+"""Whole-step CUDA graphs on the GPU: graphed training equals eager training, dropout draws new
+masks each replay, one capture per batch shape, flat memory, resume, and no host syncs per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
+
+from src.data import TextClassificationDataModule  # noqa: E402
+from src.modules import BertClassifier  # noqa: E402
+from src.modules.graphs import StepGraphs  # noqa: E402
+from tests.conftest import TINY_BERT  # noqa: E402
+
+SMALL = {**TINY_BERT, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
+
+
+def fit(tiny_data, tmp_path, graphs: bool, dropout: float = 0.0, ckpt_path=None, callbacks=(), **kw):
+    pl.seed_everything(5)
+    cfg = {**SMALL, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    model = BertClassifier(config=cfg, vocab_size=256, num_labels=2, lr=2e-3, cuda_graphs=graphs)
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
+                                      batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
+    args = dict(accelerator="gpu", devices=1, precision="bf16-mixed", max_epochs=3, logger=False,
+                enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=4,
+                default_root_dir=tmp_path, callbacks=list(callbacks))
+    args.update(kw)
+    trainer = pl.Trainer(**args)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def test_graphed_training_equals_eager_training(tiny_data, tmp_path):
+    eager, te = fit(tiny_data, tmp_path / "e", graphs=False)
+    graphed, tg = fit(tiny_data, tmp_path / "g", graphs=True, gradient_clip_val=1.0)
+    eager_clip, _ = fit(tiny_data, tmp_path / "c", graphs=False, gradient_clip_val=1.0)
+    assert not graphed.automatic_optimization
+    stats = graphed.graph_stats()
+    assert stats["train"]["disabled"] is None and stats["train"]["replays"] > stats["train"]["eager_steps"]
+    assert tg.global_step == te.global_step
+    # bf16 autocast + atomics in backward: equal within bf16 noise, not bitwise
+    for (name, a), b in zip(eager_clip.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=name)
+    torch.testing.assert_close(tg.callback_metrics["val/loss"], te.callback_metrics["val/loss"], rtol=5e-2, atol=5e-2)
+
+
+def test_dropout_draws_new_masks_each_replay():
+    runner = StepGraphs("t", warmup=1)
+    x = torch.ones(4096, device="cuda")
+
+    def step(x):
+        return {"y": torch.nn.functional.dropout(x, 0.5, training=True)}
+
+    outs = [runner.run(("k",), step, {"x": x})["y"].clone() for _ in range(4)]
+    assert runner.stats.captured == [("k",)] and runner.stats.replays == 3
+    assert not torch.equal(outs[2], outs[3]) and not torch.equal(outs[1], outs[2])
+    assert abs(outs[3].count_nonzero().item() / 4096 - 0.5) < 0.05
+
+
+def test_each_bucket_is_captured_once_and_memory_stays_flat():
+    runner = StepGraphs("t", warmup=1)
+    w = torch.randn(64, 64, device="cuda", requires_grad=True)
+
+    def step(x):
+        y = (x @ w).relu().sum()
+        return {"y": y.detach()}
+
+    shapes = [(8, 64), (16, 64), (8, 64), (32, 64)]
+    for _ in range(3):
+        for s in shapes:
+            runner.run(("k", s), step, {"x": torch.randn(s, device="cuda")})
+    assert sorted(runner.stats.captured) == sorted({("k", s) for s in shapes})
+    x = torch.randn(16, 64, device="cuda")
+    runner.run(("k", (16, 64)), step, {"x": x})
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(500):
+        runner.run(("k", (16, 64)), step, {"x": x})
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_graphed_fit_memory_is_flat_over_many_replays(tiny_data, tmp_path):
+    class Memory(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append(torch.cuda.memory_allocated())
+
+    mem = Memory()
+    model, trainer = fit(tiny_data, tmp_path, graphs=True, dropout=0.1, max_epochs=60, callbacks=[mem],
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    assert len(mem.seen) >= 500
+    assert max(mem.seen[100:]) == min(mem.seen[100:])
+
+
+def test_resume_under_graphs_reaches_the_straight_run(tiny_data, tmp_path):
+    straight, t1 = fit(tiny_data, tmp_path / "s", graphs=True, max_epochs=2)
+    first, t2 = fit(tiny_data, tmp_path / "r", graphs=True, max_epochs=1)
+    ckpt = tmp_path / "r" / "mid.ckpt"
+    t2.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=True)
+    assert all(isinstance(g["lr"], float) for g in state["optimizer_states"][0]["param_groups"])
+    resumed, t3 = fit(tiny_data, tmp_path / "r", graphs=True, max_epochs=2, ckpt_path=str(ckpt))
+    assert t3.global_step == t1.global_step
+    sched_1 = t1.lr_scheduler_configs[0].scheduler.get_last_lr()
+    sched_3 = t3.lr_scheduler_configs[0].scheduler.get_last_lr()
+    assert [float(v) for v in sched_3] == pytest.approx([float(v) for v in sched_1])
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=name)
+
+
+def test_graphed_steps_do_not_synchronize_with_the_host(tiny_data, tmp_path):
+    """Between log steps a graphed training step reads nothing back from the GPU."""
+    import warnings
+
+    class SyncWatch(Callback):
+        """Watches from one batch start to the next: the step, Lightning's bookkeeping, the next fetch."""
+
+        def __init__(self):
+            self.syncs, self._open = {}, None
+
+        def _close(self):
+            if self._open is not None:
+                idx, ctx, caught = self._open
+                torch.cuda.set_sync_debug_mode("default")
+                ctx.__exit__(None, None, None)
+                self.syncs[idx] = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+                self._open = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._close()
+            if trainer.current_epoch == 1:
+                ctx = warnings.catch_warnings(record=True)
+                caught = ctx.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                self._open = (batch_idx, ctx, caught)
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self._close()
+
+    watch = SyncWatch()
+    fit(tiny_data, tmp_path, graphs=True, max_epochs=2, callbacks=[watch], log_every_n_steps=1000,
+        limit_val_batches=0, num_sanity_val_steps=0)
+    assert watch.syncs, "no steady-state steps watched"
+    steps = sorted(watch.syncs)[:-1]  # the last window holds the epoch's end (metrics read once)
+    offending = {i: watch.syncs[i] for i in steps if watch.syncs[i]}
+    assert not offending, offending

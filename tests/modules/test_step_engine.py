@@ -1,0 +1,117 @@
+"""The step engine on CPU: static-shape batches, sync-free metrics, and the graph-mode loop (manual
+optimization, the optimizer inside the step) run without capture, which must train exactly like
+Lightning's automatic optimization: same parameters, global step, learning rate, clipping and
+accumulation. The capture itself is tested on the GPU (test_graphs_cuda.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+
+from src.data import TextClassificationDataModule
+from src.data.collate import ClassificationCollator, bucket_lengths
+from src.modules import BertClassifier
+from src.modules.metrics import ClassificationStats
+from tests.conftest import TINY_BERT
+
+
+def rows(lengths, label=1):
+    return [{"input_ids": torch.arange(5, 5 + n), "label": label, "index": i} for i, n in enumerate(lengths)]
+
+
+def test_bucket_lengths():
+    assert bucket_lengths(256, 64) == [64, 128, 192, 256]
+    assert bucket_lengths(200, 64) == [64, 128, 192, 200]
+    assert bucket_lengths(512, [128, 256, 1024]) == [128, 256, 512]
+    with pytest.raises(ValueError):
+        bucket_lengths(256, 0)
+
+
+def test_static_shape_collator_buckets_lengths_and_pads_the_last_batch():
+    c = ClassificationCollator(pad_id=0, buckets=[64, 128, 192], batch_size=4)
+    full = c(rows([10, 70, 3, 65]))
+    assert full["input_ids"].shape == (4, 128) and full["num_rows"] == 4
+    assert full["attention_mask"][1].sum() == 70 and full["attention_mask"][2].sum() == 3
+    short = c(rows([5, 9]))
+    assert short["input_ids"].shape == (4, 64) and short["num_rows"] == 2
+    assert short["labels"].tolist() == [1, 1, -100, -100]
+    assert short["index"].tolist() == [0, 1, -1, -1]
+    # a padding row attends to one token, so no attention row is fully masked (no NaN)
+    assert short["attention_mask"][2:].sum(1).tolist() == [1, 1]
+    with pytest.raises(ValueError, match="longer than the largest bucket"):
+        c(rows([193]))
+    dynamic = ClassificationCollator(pad_id=0, pad_to_multiple_of=8)(rows([10, 3]))
+    assert dynamic["input_ids"].shape == (2, 16) and dynamic["num_rows"] == 2
+
+
+def test_classification_stats_match_torchmetrics_and_skip_padding_rows():
+    torch.manual_seed(0)
+    c = 5
+    stats = ClassificationStats(c)
+    acc, f1 = MulticlassAccuracy(c, average="micro"), MulticlassF1Score(c, average="macro")
+    for _ in range(4):
+        logits = torch.randn(32, c)
+        labels = torch.randint(0, c - 1, (32,))  # class 4 never a label: still counted when predicted
+        padded = labels.clone()
+        padded[-3:] = -100
+        stats.update(logits, padded, torch.tensor(2.0))
+        acc.update(logits[:-3], labels[:-3])
+        f1.update(logits[:-3], labels[:-3])
+    out = stats.compute()
+    torch.testing.assert_close(out["acc"], acc.compute())
+    torch.testing.assert_close(out["f1"], f1.compute())
+    torch.testing.assert_close(out["loss"], torch.tensor(8.0 / (4 * 29)))
+
+
+def _train(graph_loop: bool, tiny_data, tmp_path, **trainer_kwargs):
+    pl.seed_everything(3)
+    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
+    model._capture_without_gpu = graph_loop  # the graph-mode loop, run eagerly
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
+                                      batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2,
+                         default_root_dir=tmp_path, **trainer_kwargs)
+    trainer.fit(model, datamodule=dm)
+    lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
+    return model, trainer, lr
+
+
+@pytest.mark.parametrize("options", [{}, {"gradient_clip_val": 0.05}, {"accumulate_grad_batches": 3},
+                                     {"gradient_clip_val": 0.1, "gradient_clip_algorithm": "value"}],
+                         ids=["plain", "clip-norm", "accumulate", "clip-value"])
+def test_graph_mode_loop_trains_like_automatic_optimization(options, tiny_data, tmp_path):
+    eager, t_eager, lr_eager = _train(False, tiny_data, tmp_path / "a", **options)
+    graph, t_graph, lr_graph = _train(True, tiny_data, tmp_path / "b", **options)
+    assert eager.automatic_optimization and not graph.automatic_optimization
+    assert t_graph.global_step == t_eager.global_step > 0
+    assert lr_graph == pytest.approx(lr_eager)
+    for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    for key in ("val/acc", "val/loss", "train/acc"):
+        torch.testing.assert_close(t_graph.callback_metrics[key], t_eager.callback_metrics[key], rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_graphs_on_cpu_fall_back_to_eager_with_one_line(tiny_data, tmp_path, caplog):
+    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, cuda_graphs=True)
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48, batch_size=16)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                         default_root_dir=tmp_path, gradient_clip_val=1.0)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, datamodule=dm)
+    lines = [r.getMessage() for r in caplog.records if "model.cuda_graphs" in r.getMessage()]
+    assert lines == ["bertaccel: model.cuda_graphs is on, but `fit` runs eager steps: no CUDA device (graphs need an NVIDIA GPU)."]
+    assert model.automatic_optimization and trainer.gradient_clip_val == 1.0  # nothing taken over
+    assert not dm.static_shapes
+
+
+def test_compile_and_graphs_are_exclusive():
+    with pytest.raises(Exception, match="choose one"):
+        BertClassifier(config=TINY_BERT, vocab_size=50, cuda_graphs=True, compile="default")
+    with pytest.raises(Exception, match="compile must be one of"):
+        BertClassifier(config=TINY_BERT, vocab_size=50, compile="fast")
