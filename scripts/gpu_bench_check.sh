@@ -3,6 +3,7 @@
 # section, in stages so that each device call stays under its time limit:
 #   STAGES="build tests ops e2e finetune"  bash scripts/gpu_bench_check.sh
 #   STAGES="build e2e_compile profile sweep" bash scripts/gpu_bench_check.sh
+#   STAGES="build graph_tests headline e2e_graphs" bash scripts/gpu_bench_check.sh   (issue 8)
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm).
 set -uo pipefail
@@ -19,6 +20,21 @@ fi
 if has tests; then
   python -m pytest -m cuda tests/ops -q -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/cuda_tests.log" | tail -12
+fi
+if has graph_tests; then  # whole-step CUDA graphs: equality with eager, dropout, captures, memory, resume, syncs
+  python -m pytest -m cuda tests/modules -q -p no:cacheprovider > "$OUT/graph_tests.log" 2>&1
+  echo "graph tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/graph_tests.log" | head -30
+fi
+if has headline; then  # the README's fine-tune table: plain loop, compile, and the CLI variants in one run
+  python -m benchmarks.finetune --data .carry/imdb --model .carry/minilm --runs /tmp/ft_runs --out "$OUT/finetune.json" \
+    --variants ${FT_VARIANTS:-plain cli-graphs cli-fused-graphs cli-bf16 cli-fused plain-compile} > "$OUT/finetune.log" 2>&1
+  echo "finetune rc=$?"; tail -9 "$OUT/finetune.log"
+  grep -h "CUDA graphs\|cuda_graphs\|captured\|Error\|error" /tmp/ft_runs/*.log | sort | uniq -c | head -20
+fi
+if has e2e_graphs; then
+  python -m benchmarks.e2e --models bert-base --shapes 16x128 32x512 --variants hf-sdpa-bf16 hf-compile graphs fused-graphs \
+    --warmup 10 --steps 30 --out "$OUT/e2e_graphs.json" > "$OUT/e2e_graphs.log" 2>&1
+  echo "e2e graphs rc=$?"; grep -E "^bert" "$OUT/e2e_graphs.log"
 fi
 if has ops; then
   python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops.json" > "$OUT/bench_ops.log" 2>&1
