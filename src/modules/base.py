@@ -84,6 +84,7 @@ class BertModule(pl.LightningModule):
         self._graph_decisions: dict[str, str | None] = {}
         self._graphs: dict[str, StepGraphs] = {}
         self._graph_pool = None
+        self._released_stats: dict[str, dict[str, Any]] = {}
         self._capture_without_gpu = False  # tests: run the graph-mode loop eagerly on CPU
         self._clip: tuple[float, str] | None = None
         self._accumulate = 1
@@ -132,7 +133,9 @@ class BertModule(pl.LightningModule):
     def release_graphs(self, which: str | None = None) -> None:
         """Free captured graphs (all, or "train" / "eval"); they are captured again when needed."""
         for name in [which] if which else list(self._graphs):
-            self._graphs.pop(name, None)
+            runner = self._graphs.pop(name, None)
+            if runner is not None:
+                self._released_stats[name] = vars(runner.stats) | {"disabled": runner.disabled_reason}
         if not self._graphs:
             self._graph_pool = None
 
@@ -346,8 +349,8 @@ class BertModule(pl.LightningModule):
         return self.step_outputs(**inputs)
 
     def graph_stats(self) -> dict[str, Any]:
-        """Captures, eager steps and replays per runner (for benchmarks and tests)."""
-        return {k: vars(r.stats) | {"disabled": r.disabled_reason} for k, r in self._graphs.items()}
+        """Captures, eager steps and replays per runner, released ones included (benchmarks, tests)."""
+        return self._released_stats | {k: vars(r.stats) | {"disabled": r.disabled_reason} for k, r in self._graphs.items()}
 
     # ----------------------------------------------------------------------------------- FLOPs
     flops_head = "classifier"

@@ -146,7 +146,8 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self._stream()):
+            # thread_local: other threads (the DataLoader's pin-memory thread) may keep calling CUDA
+            with torch.cuda.graph(graph, pool=self.pool, stream=self._stream(), capture_error_mode="thread_local"):
                 outputs = fn(**static)
         except Exception as e:  # noqa: BLE001 - any capture failure means: this step cannot be graphed
             torch.cuda.synchronize()

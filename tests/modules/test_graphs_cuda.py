@@ -44,7 +44,7 @@ def test_graphed_training_equals_eager_training(tiny_data, tmp_path):
     assert tg.global_step == te.global_step
     # bf16 autocast + atomics in backward: equal within bf16 noise, not bitwise
     for (name, a), b in zip(eager_clip.named_parameters(), graphed.parameters()):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=name)
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(tg.callback_metrics["val/loss"], te.callback_metrics["val/loss"], rtol=5e-2, atol=5e-2)
 
 
@@ -93,17 +93,19 @@ def test_graphed_fit_memory_is_flat_over_many_replays(tiny_data, tmp_path):
             self.seen.append(torch.cuda.memory_allocated())
 
     mem = Memory()
-    model, trainer = fit(tiny_data, tmp_path, graphs=True, dropout=0.1, max_epochs=60, callbacks=[mem],
+    model, trainer = fit(tiny_data, tmp_path, graphs=True, dropout=0.1, max_epochs=70, callbacks=[mem],
                          limit_val_batches=0, num_sanity_val_steps=0)
     assert len(mem.seen) >= 500
-    assert max(mem.seen[100:]) == min(mem.seen[100:])
+    # batches of different length buckets differ by a few KB of input; nothing grows
+    assert max(mem.seen[-100:]) <= max(mem.seen[100:200])
 
 
 def test_resume_under_graphs_reaches_the_straight_run(tiny_data, tmp_path):
-    straight, t1 = fit(tiny_data, tmp_path / "s", graphs=True, max_epochs=2)
-    first, t2 = fit(tiny_data, tmp_path / "r", graphs=True, max_epochs=1)
-    ckpt = tmp_path / "r" / "mid.ckpt"
-    t2.save_checkpoint(ckpt)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1, filename="e{epoch}")
+    straight, t1 = fit(tiny_data, tmp_path / "s", graphs=True, max_epochs=2, callbacks=[every_epoch])
+    ckpt = tmp_path / "ckpt" / "e0.ckpt"  # after epoch 0 of the same 2-epoch schedule
     state = torch.load(ckpt, weights_only=True)
     assert all(isinstance(g["lr"], float) for g in state["optimizer_states"][0]["param_groups"])
     resumed, t3 = fit(tiny_data, tmp_path / "r", graphs=True, max_epochs=2, ckpt_path=str(ckpt))
@@ -112,7 +114,7 @@ def test_resume_under_graphs_reaches_the_straight_run(tiny_data, tmp_path):
     sched_3 = t3.lr_scheduler_configs[0].scheduler.get_last_lr()
     assert [float(v) for v in sched_3] == pytest.approx([float(v) for v in sched_1])
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=name)
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
 def test_graphed_steps_do_not_synchronize_with_the_host(tiny_data, tmp_path):
@@ -130,7 +132,8 @@ def test_graphed_steps_do_not_synchronize_with_the_host(tiny_data, tmp_path):
                 idx, ctx, caught = self._open
                 torch.cuda.set_sync_debug_mode("default")
                 ctx.__exit__(None, None, None)
-                self.syncs[idx] = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+                self.syncs[idx] = [str(w.message)[:160] for w in caught
+                                   if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)]
                 self._open = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
