@@ -34,17 +34,35 @@ def fit(tiny_data, tmp_path, graphs: bool, dropout: float = 0.0, ckpt_path=None,
     return model, trainer
 
 
+def assert_same_training(a: torch.nn.Module, b: torch.nn.Module, init: dict[str, torch.Tensor], tol: float = 0.05):
+    """Same parameters up to bf16 noise: Adam turns tiny gradient differences on near-zero gradients
+    into full-size updates, so compare the difference with the size of the training's update."""
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        update = (pa.detach().float() - init[name].to(pa.device)).norm()
+        diff = (pa.detach().float() - pb.detach().float()).norm()
+        assert diff <= tol * update + 1e-6, f"{name}: |a-b| {diff:.3g} vs update {update:.3g}"
+
+
+def initial_parameters() -> dict[str, torch.Tensor]:
+    pl.seed_everything(5)
+    cfg = {**SMALL, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    m = BertClassifier(config=cfg, vocab_size=256, num_labels=2)
+    return {k: v.detach().float().clone() for k, v in m.named_parameters()}
+
+
 def test_graphed_training_equals_eager_training(tiny_data, tmp_path):
+    init = initial_parameters()
     eager, te = fit(tiny_data, tmp_path / "e", graphs=False)
-    graphed, tg = fit(tiny_data, tmp_path / "g", graphs=True, gradient_clip_val=1.0)
-    eager_clip, _ = fit(tiny_data, tmp_path / "c", graphs=False, gradient_clip_val=1.0)
+    graphed, tg = fit(tiny_data, tmp_path / "g", graphs=True)
+    eager_clip, _ = fit(tiny_data, tmp_path / "c", graphs=False, gradient_clip_val=0.5)
+    graphed_clip, _ = fit(tiny_data, tmp_path / "gc", graphs=True, gradient_clip_val=0.5)
     assert not graphed.automatic_optimization
     stats = graphed.graph_stats()
     assert stats["train"]["disabled"] is None and stats["train"]["replays"] > stats["train"]["eager_steps"]
+    assert stats["eval"]["disabled"] is None and stats["eval"]["replays"] > 0
     assert tg.global_step == te.global_step
-    # bf16 autocast + atomics in backward: equal within bf16 noise, not bitwise
-    for (name, a), b in zip(eager_clip.named_parameters(), graphed.parameters()):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert_same_training(eager, graphed, init)
+    assert_same_training(eager_clip, graphed_clip, init)
     torch.testing.assert_close(tg.callback_metrics["val/loss"], te.callback_metrics["val/loss"], rtol=5e-2, atol=5e-2)
 
 
@@ -101,9 +119,11 @@ def test_graphed_fit_memory_is_flat_over_many_replays(tiny_data, tmp_path):
 
 
 def test_resume_under_graphs_reaches_the_straight_run(tiny_data, tmp_path):
+    init = initial_parameters()
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1, filename="e{epoch}")
+    every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1, filename="e{epoch}",
+                                  auto_insert_metric_name=False)
     straight, t1 = fit(tiny_data, tmp_path / "s", graphs=True, max_epochs=2, callbacks=[every_epoch])
     ckpt = tmp_path / "ckpt" / "e0.ckpt"  # after epoch 0 of the same 2-epoch schedule
     state = torch.load(ckpt, weights_only=True)
@@ -113,8 +133,7 @@ def test_resume_under_graphs_reaches_the_straight_run(tiny_data, tmp_path):
     sched_1 = t1.lr_scheduler_configs[0].scheduler.get_last_lr()
     sched_3 = t3.lr_scheduler_configs[0].scheduler.get_last_lr()
     assert [float(v) for v in sched_3] == pytest.approx([float(v) for v in sched_1])
-    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert_same_training(straight, resumed, init)
 
 
 def test_graphed_steps_do_not_synchronize_with_the_host(tiny_data, tmp_path):
