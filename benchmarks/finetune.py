@@ -12,6 +12,7 @@ Variants:
   cli-fused       + configs/presets/fused.yaml (kernel swap).
   cli-graphs      + configs/presets/graphs.yaml (whole-step CUDA graphs).
   cli-fused-graphs  both presets.
+  A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
 does the same with its warm-up steps; graph captures of lengths first seen later stay in the
@@ -119,15 +120,15 @@ def plain_loop(args, compiled: bool) -> dict:
     }
 
 
-def cli_run(args, name: str, presets: list[str]) -> dict:
-    run_name = f"bench_{name}"
+def cli_run(args, name: str, presets: list[str], workers: int) -> dict:
+    run_name = f"bench_{name.replace(':', '_')}"
     cmd = [sys.executable, "-m", "src", "fit", "-c", "configs/imdb_minilm.yaml"]
     for p in presets:
         cmd += ["-c", p]
     cmd += ["--data.init_args.dataset", str(args.data), "--model.init_args.pretrained", str(args.model),
             "--data.init_args.tokenizer", str(args.model), "--data.init_args.val_size", str(args.val_size),
             "--data.init_args.max_length", str(args.max_length), "--data.init_args.batch_size", str(args.batch_size),
-            "--data.init_args.num_workers", str(args.workers), "--model.init_args.lr", str(args.lr),
+            "--data.init_args.num_workers", str(workers), "--model.init_args.lr", str(args.lr),
             "--throughput.enabled", "true", "--throughput.warmup_steps", str(args.skip),
             "--progress_bar.refresh_rate", "100", "--trainer.logger.init_args.name", run_name,
             "--trainer.logger.init_args.save_dir", str(args.runs), "--seed_everything", str(args.seed)]
@@ -180,8 +181,9 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         if v in ("plain", "plain-compile"):
             results[v] = plain_loop(args, compiled=v == "plain-compile")
-        else:
-            results[v] = cli_run(args, v, CLI_PRESETS[v])
+        else:  # "cli-graphs:w0": the variant with 0 DataLoader workers
+            base_name, _, w = v.partition(":w")
+            results[v] = cli_run(args, v, CLI_PRESETS[base_name], int(w) if w else args.workers)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))
