@@ -83,7 +83,6 @@ class BertModule(pl.LightningModule):
         # graph-mode state: decided per trainer stage, see `graphs_unavailable`
         self._graph_decisions: dict[str, str | None] = {}
         self._graphs: dict[str, StepGraphs] = {}
-        self._graph_pool = None
         self._released_stats: dict[str, dict[str, Any]] = {}
         self._capture_without_gpu = False  # tests: run the graph-mode loop eagerly on CPU
         self._clip: tuple[float, str] | None = None
@@ -136,8 +135,6 @@ class BertModule(pl.LightningModule):
             runner = self._graphs.pop(name, None)
             if runner is not None:
                 self._released_stats[name] = vars(runner.stats) | {"disabled": runner.disabled_reason}
-        if not self._graphs:
-            self._graph_pool = None
 
     # -------------------------------------------------------------------------- graphs or eager
     def graphs_blocker(self) -> str | None:
@@ -245,10 +242,10 @@ class BertModule(pl.LightningModule):
     def _graph_runner(self, name: str) -> StepGraphs:
         runner = self._graphs.get(name)
         if runner is None:
-            capture = not self._capture_without_gpu
-            if capture and self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            runner = self._graphs[name] = StepGraphs(name, capture=capture, pool=self._graph_pool)
+            # One memory pool per runner (train, eval), shared by that runner's graphs. A pool shared by
+            # the train and eval runners gave NaN parameters in 1 of 2 tiny GPU fits (fp32 and bf16; see
+            # scripts/debug_graph_nan.py); separate pools did not in the runs made so far.
+            runner = self._graphs[name] = StepGraphs(name, capture=not self._capture_without_gpu)
         return runner
 
     @staticmethod
