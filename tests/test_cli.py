@@ -128,3 +128,14 @@ def test_presets_compose_with_an_experiment(tiny_config):
     run = BertAccelCLI(args=["-c", tiny_config("preset"), "-c", str(presets["bf16"])], run=False)
     assert run.model.model.config._attn_implementation == "sdpa"
     assert run.trainer.precision == "bf16-mixed"
+
+
+def test_every_preset_composes_and_graphs_fall_back_on_cpu(tiny_config):
+    for preset in sorted((REPO / "configs" / "presets").glob("*.yaml")):
+        run = BertAccelCLI(args=["-c", tiny_config("preset"), "-c", str(preset)], run=False)
+        assert run.model is not None, preset.name
+    graphs = BertAccelCLI(args=["-c", tiny_config("graphs"), "-c", str(REPO / "configs/presets/graphs.yaml"),
+                                "--trainer.precision", "32-true"], run=False)
+    assert graphs.model.cuda_graphs
+    graphs.trainer.fit(graphs.model, datamodule=graphs.datamodule)
+    assert graphs.model.automatic_optimization  # CPU: eager steps, said in one line
