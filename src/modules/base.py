@@ -84,6 +84,7 @@ class BertModule(pl.LightningModule):
         self._graph_decisions: dict[str, str | None] = {}
         self._graphs: dict[str, StepGraphs] = {}
         self._released_stats: dict[str, dict[str, Any]] = {}
+        self._train_fns: dict[bool, Any] = {}
         self._capture_without_gpu = False  # tests: run the graph-mode loop eagerly on CPU
         self._clip: tuple[float, str] | None = None
         self._accumulate = 1
@@ -131,10 +132,12 @@ class BertModule(pl.LightningModule):
 
     def release_graphs(self, which: str | None = None) -> None:
         """Free captured graphs (all, or "train" / "eval"); they are captured again when needed."""
+        if which in (None, "train"):
+            self._train_fns.clear()  # they hold the optimizer of this run
         for name in [which] if which else list(self._graphs):
             runner = self._graphs.pop(name, None)
             if runner is not None:
-                self._released_stats[name] = vars(runner.stats) | {"disabled": runner.disabled_reason}
+                self._released_stats[name] = runner.summary()
 
     # -------------------------------------------------------------------------- graphs or eager
     def graphs_blocker(self) -> str | None:
@@ -272,6 +275,10 @@ class BertModule(pl.LightningModule):
                     p.grad = torch.zeros_like(p)
 
     def _train_fn(self, last: bool):
+        """The training step function; built once per `last` flag and kept until the graphs are released."""
+        cached = self._train_fns.get(last)
+        if cached is not None:
+            return cached
         optimizer = self.optimizers().optimizer
         params = [p for g in optimizer.param_groups for p in g["params"]]
         scale = 1.0 / self._accumulate
@@ -291,6 +298,7 @@ class BertModule(pl.LightningModule):
                 optimizer.zero_grad(set_to_none=False)
             return {k: v.detach() for k, v in out.items()}
 
+        self._train_fns[last] = step
         return step
 
     def _graphed_training_step(self, batch, batch_idx):
@@ -347,7 +355,7 @@ class BertModule(pl.LightningModule):
 
     def graph_stats(self) -> dict[str, Any]:
         """Captures, eager steps and replays per runner, released ones included (benchmarks, tests)."""
-        return self._released_stats | {k: vars(r.stats) | {"disabled": r.disabled_reason} for k, r in self._graphs.items()}
+        return self._released_stats | {k: r.summary() for k, r in self._graphs.items()}
 
     # ----------------------------------------------------------------------------------- FLOPs
     flops_head = "classifier"

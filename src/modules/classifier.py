@@ -95,7 +95,7 @@ class BertClassifier(BertModule):
         values = metric.compute()  # one host read per epoch (and the DDP reduction)
         metric.reset()
         loss_name = "train/loss_epoch" if stage == "train" else f"{stage}/loss"
-        self.log(loss_name, values["loss"], prog_bar=stage != "train", sync_dist=False)
+        self.log(loss_name, values["loss"], prog_bar=stage != "train")
         self.log(f"{stage}/acc", values["acc"], prog_bar=stage != "train")
         self.log(f"{stage}/f1", values["f1"], prog_bar=stage != "train")
 

@@ -28,6 +28,7 @@ Lightning integration is tested on machines without a GPU.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -88,6 +89,10 @@ class StepGraphs:
             log.warning("bertaccel: CUDA graphs off for %s steps: %s; running them eagerly.", self.name, reason)
         self.graphs.clear()
 
+    def summary(self) -> dict:
+        """Captured keys, eager steps, replays, capture seconds, and why capture is off (if it is)."""
+        return vars(self.stats) | {"disabled": self.disabled_reason}
+
     def reset(self) -> None:
         """Drop every graph (after the model's parameters or the optimizer's state were replaced)."""
         self.graphs.clear()
@@ -138,8 +143,6 @@ class StepGraphs:
         return self.stream
 
     def _capture(self, key: Hashable, fn: StepFn, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        import time
-
         t0 = time.perf_counter()
         static = {k: v.detach().clone() for k, v in inputs.items()}
         if self.pool is None:
@@ -157,6 +160,7 @@ class StepGraphs:
         self.graphs[key] = _Graph(graph, static, outputs, replays=1)
         self.stats.replays += 1
         self.stats.captured.append(key)
-        self.stats.capture_s += time.perf_counter() - t0
-        log.info("bertaccel: captured %s graph %s in %.2f s", self.name, key, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.stats.capture_s += seconds
+        log.info("bertaccel: captured %s graph %s in %.2f s", self.name, key, seconds)
         return outputs
