@@ -25,6 +25,15 @@ if has graph_tests; then  # whole-step CUDA graphs: equality with eager, dropout
   python -m pytest -m cuda tests/modules -q -p no:cacheprovider > "$OUT/graph_tests.log" 2>&1
   echo "graph tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/graph_tests.log" | head -30
 fi
+if has nan_debug; then  # which part of the graphed step gives the intermittent NaN (scripts/debug_graph_nan.py)
+  for v in ${NAN_VARIANTS:-eager graphs nopin mainwarm evaleager poolper}; do
+    python scripts/debug_graph_nan.py ${NAN_TRIALS:-3} $v > "$OUT/nan_$v.log" 2>&1
+    grep SUMMARY "$OUT/nan_$v.log" || tail -3 "$OUT/nan_$v.log"
+  done
+fi
+if has host_profile; then
+  bash scripts/host_profile.sh > /dev/null 2>&1; echo "host profile done"
+fi
 if has headline; then  # the README's fine-tune table: plain loop, compile, and the CLI variants in one run
   python -m benchmarks.finetune --data .carry/imdb --model .carry/minilm --runs /tmp/ft_runs --out "$OUT/finetune.json" \
     --variants ${FT_VARIANTS:-plain cli-graphs cli-fused-graphs cli-bf16 cli-fused plain-compile} > "$OUT/finetune.log" 2>&1
@@ -86,3 +95,21 @@ if has sweep; then
 fi
 cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null
 for f in e2e_eager e2e_compile; do [ -f "$f.log" ] && grep -A80 "^$" "$f.log" | grep -E "^(model|bert|minilm)" | tail -41; done
+if has host_steps; then  # host time per steady-state graphed step, cProfile of the main thread
+  python scripts/host_steps.py fit -c configs/imdb_minilm.yaml -c configs/presets/graphs.yaml \
+    --data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm \
+    --data.init_args.val_size 500 --trainer.limit_train_batches 300 --trainer.limit_val_batches 0 --test_after_fit false \
+    --progress_bar.refresh_rate 100 --trainer.logger.init_args.name host_steps > "$OUT/host_steps.log" 2>&1
+  echo "host steps rc=$?"; head -1 "$OUT/host_steps.txt"
+  python -X importtime -c "import src.ops.library" 2> "$OUT/importtime.txt"; sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -4
+fi
+if has startup; then  # who registers custom ops at startup, and what it costs
+  python - > "$OUT/startup.txt" 2>&1 <<'PY'
+import cProfile, pstats, time
+t = time.time()
+cProfile.run("import src.cli; from src.modules import BertClassifier; m = BertClassifier(config={'hidden_size': 64, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'intermediate_size': 64}, vocab_size=128).cuda()", "/tmp/start.prof")
+print(f"startup {time.time() - t:.1f}s")
+s = pstats.Stats("/tmp/start.prof"); s.sort_stats("cumulative").print_callers("_register_to_dispatcher"); s.sort_stats("tottime").print_stats(12)
+PY
+  head -40 "$OUT/startup.txt"
+fi

@@ -90,6 +90,7 @@ class BertModule(pl.LightningModule):
         self._accumulate = 1
         self._micro = 0
         self._train_loss_window: torch.Tensor | None = None
+        self._static_grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.lr = lr
         self.weight_decay = weight_decay
         self.warmup_ratio = warmup_ratio
@@ -134,6 +135,7 @@ class BertModule(pl.LightningModule):
         """Free captured graphs (all, or "train" / "eval"); they are captured again when needed."""
         if which in (None, "train"):
             self._train_fns.clear()  # they hold the optimizer of this run
+            self._static_grads = []
         for name in [which] if which else list(self._graphs):
             runner = self._graphs.pop(name, None)
             if runner is not None:
@@ -265,14 +267,39 @@ class BertModule(pl.LightningModule):
 
     def _prepare_graphed_training(self) -> None:
         optimizer = self.optimizers().optimizer
+        static_grads = []
         for group in optimizer.param_groups:
             if not self._capture_without_gpu and not isinstance(group["lr"], torch.Tensor):
                 # the schedule fills this tensor in place; a float would be frozen into the graph
                 group["lr"] = torch.tensor(float(group["lr"]), device=self.device)
             for p in group["params"]:
                 # static gradients: backward accumulates into them, the captured step zeroes them
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                if p.requires_grad:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    static_grads.append((p, p.grad))
+        # Held here as well as in `p.grad`: the captured backward and optimizer step write and read
+        # these very buffers. If anything sets `p.grad` to None (Lightning's zero_grad before
+        # validation, a user's callback), a buffer referenced only by the parameter would be
+        # freed and reused by later allocations while the graph keeps writing to it: silent
+        # corruption, then NaN. `_restore_static_grads` puts them back before each step.
+        self._static_grads = static_grads
+
+    def _restore_static_grads(self) -> None:
+        for p, g in self._static_grads:
+            if p.grad is not g:
+                if p.grad is None:  # someone zeroed by dropping the gradient: zero the static buffer
+                    g.zero_()
+                else:  # someone assigned a gradient: keep its values in the buffer the graph uses
+                    g.copy_(p.grad)
+                p.grad = g
+
+    def on_validation_model_zero_grad(self) -> None:
+        # Lightning drops gradients (set to None) before validation inside fit. Graphed training keeps
+        # them as static buffers, which the captured step already leaves zeroed after each update.
+        if self._static_grads:
+            return
+        super().on_validation_model_zero_grad()
 
     def _train_fn(self, last: bool):
         """The training step function; built once per `last` flag and kept until the graphs are released."""
@@ -304,6 +331,8 @@ class BertModule(pl.LightningModule):
     def _graphed_training_step(self, batch, batch_idx):
         if "train" not in self._graphs:
             self._prepare_graphed_training()
+        else:
+            self._restore_static_grads()
         runner = self._graph_runner("train")
         self._micro += 1
         n_batches = self.trainer.num_training_batches

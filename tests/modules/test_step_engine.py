@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import lightning.pytorch as pl
+from lightning.pytorch import Callback
 import pytest
 import torch
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
@@ -115,3 +116,28 @@ def test_compile_and_graphs_are_exclusive():
         BertClassifier(config=TINY_BERT, vocab_size=50, cuda_graphs=True, compile="default")
     with pytest.raises(Exception, match="compile must be one of"):
         BertClassifier(config=TINY_BERT, vocab_size=50, compile="fast")
+
+
+def test_graph_mode_keeps_its_gradient_buffers_across_validation(tiny_data, tmp_path):
+    """A captured step writes into the gradient buffers it was captured with. Lightning drops
+    gradients before validation (set to None): the buffers would be freed and reused while the graph
+    kept writing into them (GPU: NaN parameters after the first validation). The step engine keeps
+    the same buffers for the whole fit, and a gradient dropped or replaced by someone else is put back."""
+
+    class GradBuffers(Callback):
+        def __init__(self):
+            self.first, self.same = None, []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            grads = [p.grad for p in pl_module.parameters()]
+            if self.first is None:
+                self.first = grads
+            else:
+                self.same.append(all(a is b for a, b in zip(grads, self.first)))
+            if trainer.current_epoch == 1 and batch_idx == 1:
+                next(pl_module.parameters()).grad = None  # a callback dropping a gradient
+
+    watch = GradBuffers()
+    _train(True, tiny_data, tmp_path, callbacks=[watch])
+    assert watch.first is not None and all(g is not None for g in watch.first)
+    assert len(watch.same) > 4 and all(watch.same), "gradient buffers changed during the fit"

@@ -1,0 +1,63 @@
+"""Where the host's time goes in steady-state training steps of `bertaccel fit` (GPU host).
+
+    python scripts/host_steps.py fit -c configs/imdb_minilm.yaml -c configs/presets/graphs.yaml ...
+
+Runs the CLI in this process with one extra callback that, between training steps `START` and
+`STOP` (env, default 60 and 260), profiles the main thread with cProfile and times the window.
+Writes `$OUT/host_steps.txt`: ms per step (wall), host ms per step spent inside Lightning's hooks,
+and the functions taking the host's time, by own and cumulative time.
+"""
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, ".")
+START, STOP = int(os.environ.get("START", 60)), int(os.environ.get("STOP", 260))
+OUT = os.environ.get("OUT", ".")
+
+
+class HostSteps(pl.Callback):
+    def __init__(self):
+        self.prof = cProfile.Profile()
+        self.t0 = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == START and self.t0 is None:
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+            self.prof.enable()
+        elif trainer.global_step == STOP and self.t0 is not None and self.prof is not None:
+            self.prof.disable()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t0
+            s = io.StringIO()
+            st = pstats.Stats(self.prof, stream=s)
+            st.sort_stats("tottime").print_stats(30)
+            st.sort_stats("cumulative").print_stats(70)
+            n = STOP - START
+            head = f"steps {START}..{STOP}: {1e3 * wall / n:.2f} ms per step wall (profiled; cProfile adds overhead)\n"
+            with open(os.path.join(OUT, "host_steps.txt"), "w") as f:
+                f.write(head + s.getvalue())
+            print(head, flush=True)
+            self.prof = None
+
+
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
+_instantiate = LightningCLI._instantiate_trainer
+
+
+def instantiate(self, config, callbacks):
+    return _instantiate(self, config, [*callbacks, HostSteps()])
+
+
+LightningCLI._instantiate_trainer = instantiate
+from src.cli import main  # noqa: E402
+
+main(sys.argv[1:])
