@@ -12,6 +12,8 @@ Variants:
   cli-fused       + configs/presets/fused.yaml (kernel swap).
   cli-graphs      + configs/presets/graphs.yaml (whole-step CUDA graphs).
   cli-fused-graphs  both presets.
+  cli-compile-graphs  graphs + configs/presets/compile.yaml (inductor kernels inside the step graph).
+  cli-fused-compile-graphs  all three.
   A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
@@ -41,6 +43,8 @@ CLI_PRESETS = {
     "cli-fused": ["configs/presets/fused.yaml"],
     "cli-graphs": ["configs/presets/graphs.yaml"],
     "cli-fused-graphs": ["configs/presets/graphs.yaml", "configs/presets/fused.yaml"],
+    "cli-compile-graphs": ["configs/presets/graphs.yaml", "configs/presets/compile.yaml"],
+    "cli-fused-compile-graphs": ["configs/presets/graphs.yaml", "configs/presets/fused.yaml", "configs/presets/compile.yaml"],
 }
 
 

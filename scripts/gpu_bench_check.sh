@@ -93,7 +93,6 @@ if has sweep; then
     --workloads infer train --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
   echo "sweep rc=$?"
 fi
-cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null
 for f in e2e_eager e2e_compile; do [ -f "$f.log" ] && grep -A80 "^$" "$f.log" | grep -E "^(model|bert|minilm)" | tail -41; done
 if has host_steps; then  # host time per steady-state graphed step, cProfile of the main thread
   python scripts/host_steps.py fit -c configs/imdb_minilm.yaml -c configs/presets/graphs.yaml \
@@ -113,3 +112,4 @@ s = pstats.Stats("/tmp/start.prof"); s.sort_stats("cumulative").print_callers("_
 PY
   head -40 "$OUT/startup.txt"
 fi
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)

@@ -4,7 +4,9 @@ memory and MFU, per stage, logged every N steps and written to `benchmark_stats.
 How it stays honest:
 - step times come from CUDA events recorded around each step (no host sync per step, so the CPU
   keeps running ahead as in a normal run); events are read at the end of each logging window;
-- wall-clock rates are taken between synchronized points (window boundaries);
+- wall-clock rates are taken between synchronized points (window boundaries), and count only the
+  time a stage's loop runs: the training clock stops (synchronized) when validation starts or an
+  epoch ends, so validation, checkpoint saving and epoch-end work are not charged to training;
 - real tokens are the attention mask's ones (padding excluded), summed on the device and read lazily;
 - the first `warmup_steps` of every stage (compilation, cuDNN autotune, allocator growth) are excluded;
 - MFU = the model's matmul FLOPs (src/modules/flops.py; the executed, padded shape) / time / peak;
@@ -74,6 +76,8 @@ class _Stage:
         self.t0: float | None = None  # wall clock at the end of warm-up
         self.t_last_end: float | None = None
         self.t_start: float | None = None
+        self.paused_at: float | None = None  # wall clock when the stage's clock was stopped
+        self.paused_s = 0.0  # stopped time since t0 (validation inside fit, epoch ends)
         self.window: dict[str, Any] = {}
 
 
@@ -110,6 +114,10 @@ class ThroughputMeter(pl.Callback):
         if not self.enabled or trainer.sanity_checking:
             return
         st = self.stages.setdefault(stage, _Stage())
+        if st.paused_at is not None:  # restart the clock once the work in between has finished
+            self._sync(trainer)
+            st.paused_s += time.perf_counter() - st.paused_at
+            st.paused_at = None
         now = time.perf_counter()
         if st.steps == self.warmup_steps:
             self._sync(trainer)
@@ -152,6 +160,19 @@ class ThroughputMeter(pl.Callback):
             pl_module.log_dict({f"throughput/{k}": v for k, v in stats.items() if isinstance(v, (int, float))},
                                on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
 
+    def _pause(self, trainer, stage: str) -> None:
+        """Stop the stage's clock (synchronized) until its next batch starts."""
+        st = self.stages.get(stage)
+        if not self.enabled or st is None or st.t0 is None or st.paused_at is not None:
+            return
+        self._sync(trainer)
+        st.paused_at = time.perf_counter()
+        st.t_last_end = None  # the pause is not data wait
+
+    def _elapsed(self, st: _Stage) -> float:
+        end = st.paused_at if st.paused_at is not None else time.perf_counter()
+        return end - st.t0 - st.paused_s
+
     def _read_events(self, st: _Stage) -> None:
         for a, b in st.pending:
             if b is not None:
@@ -164,7 +185,7 @@ class ThroughputMeter(pl.Callback):
             return {}
         self._sync(trainer)
         self._read_events(st)
-        elapsed = time.perf_counter() - st.t0
+        elapsed = self._elapsed(st)
         real = float(st.real)
         out = {
             "steps": float(st.steps - self.warmup_steps),
@@ -218,8 +239,21 @@ class ThroughputMeter(pl.Callback):
         self._end(trainer, pl_module, "train", batch)
 
     @override
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._pause(trainer, "train")
+
+    @override
     def on_train_end(self, trainer, pl_module):
+        self._pause(trainer, "train")
         self._finish(trainer, "train")
+
+    @override
+    def on_validation_start(self, trainer, pl_module):
+        self._pause(trainer, "train")
+
+    @override
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self._pause(trainer, "validate")
 
     @override
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):

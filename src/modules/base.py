@@ -32,7 +32,9 @@ from src.modules.graphs import StepGraphs
 
 log = logging.getLogger(__name__)
 
-COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# torch.compile modes that capture CUDA graphs themselves (cannot run inside the whole-step graph)
+SELF_GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 GRAPH_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
 # The batch fields a step function takes (tensors of static shape under graphs).
 STEP_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "labels")
@@ -73,10 +75,11 @@ class BertModule(pl.LightningModule):
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
         if compile not in COMPILE_MODES:
             raise ConfigError(f"compile must be one of {COMPILE_MODES}, got {compile!r}.")
-        if cuda_graphs and compile:
+        if cuda_graphs and compile in SELF_GRAPHING_MODES:
             raise ConfigError(
-                "model.cuda_graphs and model.compile both capture the step; choose one "
-                "(cuda_graphs: the whole step, with optimizer; compile: torch.compile of the HF model)."
+                f"model.compile: {compile} captures CUDA graphs itself, and so does model.cuda_graphs "
+                "(the whole step, with the optimizer); with cuda_graphs use compile: default or "
+                "max-autotune-no-cudagraphs (compiled kernels inside the whole-step graph), or turn one off."
             )
         self.cuda_graphs = cuda_graphs
         self.compile_mode = compile
@@ -103,7 +106,10 @@ class BertModule(pl.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if self.compile_mode and not getattr(self, "_compiled", False):
             # in place (nn.Module.compile): state_dict keys and Parameters unchanged
-            self.model.compile(mode=None if self.compile_mode == "default" else self.compile_mode)
+            # under whole-step graphs the batch shapes are static buckets: one specialised compile per
+            # bucket (warm-up steps compile it before the capture), no dynamic-shape kernels
+            self.model.compile(mode=None if self.compile_mode == "default" else self.compile_mode,
+                               dynamic=False if self.cuda_graphs else None)
             self._compiled = True
         if dm is None:
             return

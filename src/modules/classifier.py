@@ -35,7 +35,8 @@ class BertClassifier(BertModule):
             `data.static_shapes`). Falls back to eager steps, saying why, on CPU, under DDP, with
             fp16 or with the profiler on.
         compile: `torch.compile` the HF model in place with this mode (default, reduce-overhead,
-            max-autotune); for comparison with `cuda_graphs`, not together with it.
+            max-autotune, max-autotune-no-cudagraphs). With `cuda_graphs`, default or
+            max-autotune-no-cudagraphs: the compiled kernels run inside the whole-step graph.
     """
 
     def __init__(
@@ -52,7 +53,7 @@ class BertClassifier(BertModule):
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
         cuda_graphs: bool = False,
-        compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None,
+        compile: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile)
         # num_labels and vocab_size are filled in from the data: keep them out of the hyperparameters

@@ -51,7 +51,7 @@ class BertMLM(BertModule):
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-6,
         cuda_graphs: bool = False,
-        compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None,
+        compile: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile)
         self.save_hyperparameters(ignore=["vocab_size"])
