@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import measure_op
-from src.ops.gelu import bias_gelu
+from bertaccel.ops.gelu import bias_gelu
 
 SHAPES = [(2048, 1536), (2048, 3072), (2048, 4096), (16384, 1536), (16384, 3072), (16384, 4096)]
 

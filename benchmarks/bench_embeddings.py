@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import measure_op
-from src.ops import library
+from bertaccel.ops import library
 
 SHAPES = [(16, 128, 768), (128, 128, 384), (128, 128, 768), (32, 512, 1024)]
 VOCAB = 30522

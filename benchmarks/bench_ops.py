@@ -14,7 +14,7 @@ import torch
 import torch._functorch.config
 
 from benchmarks.common import copy_bandwidth_gbs, environment, print_table, write_json
-from src.ops import build
+from bertaccel.ops import build
 
 OPS = ["layer_norm", "residual_layer_norm", "bias_gelu", "rms_norm", "softmax", "embeddings"]
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import measure_op
-from src.ops.residual_layer_norm import bias_dropout_add_layer_norm
+from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
 
 SHAPES = [(2048, 384), (2048, 768), (2048, 1024), (16384, 384), (16384, 768), (16384, 1024)]
 P = 0.1

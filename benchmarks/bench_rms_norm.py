@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import measure_op
-from src.ops.rms_norm import rms_norm
+from bertaccel.ops.rms_norm import rms_norm
 
 SHAPES = [(2048, 768), (16384, 768), (16384, 1024), (16384, 4096)]
 

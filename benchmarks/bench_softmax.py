@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.common import measure_op
-from src.ops.softmax import softmax
+from bertaccel.ops.softmax import softmax
 
 SHAPES = [(16, 12, 128), (32, 12, 512), (8, 12, 1024)]
 SCALE = 0.125

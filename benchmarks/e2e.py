@@ -20,8 +20,8 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from benchmarks.common import environment, print_table, write_json
-from src.modules.flops import bert_step_flops
-from src.ops.swap import ORDER, swap
+from bertaccel.modules.flops import bert_step_flops
+from bertaccel.ops.swap import ORDER, swap
 
 MODELS = {
     "bert-base": dict(),
@@ -40,7 +40,7 @@ VARIANTS = {
     "fused-compile": ("sdpa", True, True, True, False),
     # eager attention, with the softmax family (scale + mask + softmax in one kernel) swapped in too
     "fused-eager": ("eager", True, True, False, False),
-    # the product's graphed step (src/modules/graphs.py, as `model.cuda_graphs` runs it): forward,
+    # the product's graphed step (src/bertaccel/modules/graphs.py, as `model.cuda_graphs` runs it): forward,
     # backward and capturable fused AdamW captured once and replayed
     "graphs": ("sdpa", True, False, False, True),
     "fused-graphs": ("sdpa", True, True, False, True),
@@ -75,7 +75,7 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
     labels = torch.randint(0, 2, (batch,), device=device, generator=g)
 
     if graphed:
-        from src.modules.graphs import StepGraphs
+        from bertaccel.modules.graphs import StepGraphs
 
         runner = StepGraphs(variant)
         if train:

@@ -126,7 +126,7 @@ def plain_loop(args, compiled: bool) -> dict:
 
 def cli_run(args, name: str, presets: list[str], workers: int) -> dict:
     run_name = f"bench_{name.replace(':', '_')}"
-    cmd = [sys.executable, "-m", "src", "fit", "-c", "configs/imdb_minilm.yaml"]
+    cmd = [sys.executable, "-m", "bertaccel", "fit", "-c", "configs/imdb_minilm.yaml"]
     for p in presets:
         cmd += ["-c", p]
     cmd += ["--data.init_args.dataset", str(args.data), "--model.init_args.pretrained", str(args.model),

@@ -20,7 +20,7 @@ from transformers import BertConfig
 
 from benchmarks.common import environment, print_table, write_json
 from benchmarks.e2e import MODELS, VARIANTS, step_times
-from src.modules.flops import bert_step_flops
+from bertaccel.modules.flops import bert_step_flops
 
 COLUMNS = ["model", "seq", "workload", "variant", "batch", "ms", "p90_ms", "samples_per_s", "tokens_per_s", "TFLOP/s"]
 

@@ -14,11 +14,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback
 
-sys.path.insert(0, ".")
-from src.data import TextClassificationDataModule  # noqa: E402
-from src.modules import BertClassifier  # noqa: E402
-from src.modules import graphs as graphs_mod  # noqa: E402
-from src.modules.base import BertModule  # noqa: E402
+sys.path[:0] = ["src", "."]
+from bertaccel.data import TextClassificationDataModule  # noqa: E402
+from bertaccel.modules import BertClassifier  # noqa: E402
+from bertaccel.modules import graphs as graphs_mod  # noqa: E402
+from bertaccel.modules.base import BertModule  # noqa: E402
 from tests.conftest import TINY_BERT, sample_rows, write_jsonl  # noqa: E402
 
 d = Path("/tmp/tiny_data")

@@ -7,6 +7,7 @@
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm).
 set -uo pipefail
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package (src layout) without installing it
 OUT=${OUT:-bench_results}
 mkdir -p "$OUT"
 export BERTACCEL_CACHE=${BERTACCEL_CACHE:-/tmp/bc}
@@ -14,7 +15,7 @@ STAGES=${STAGES:-build tests ops e2e}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has build; then
   s=$(date +%s)
-  python -c "from src.ops import build; assert build.load(verbose=True), build.unavailable_reason()" > "$OUT/build.log" 2>&1
+  python -c "from bertaccel.ops import build; assert build.load(verbose=True), build.unavailable_reason()" > "$OUT/build.log" 2>&1
   echo "build rc=$? in $(( $(date +%s) - s ))s"
 fi
 if has tests; then
@@ -62,7 +63,7 @@ fi
 if has finetune; then  # MiniLM on the staged IMDB subset through the CLI, plain and fused (issue 2's recipe)
   for preset in plain fused; do
     extra=(); [ "$preset" = fused ] && extra=(-c configs/presets/fused.yaml)
-    python -m src fit -c configs/imdb_minilm.yaml "${extra[@]}" --data.init_args.dataset .carry/imdb \
+    python -m bertaccel fit -c configs/imdb_minilm.yaml "${extra[@]}" --data.init_args.dataset .carry/imdb \
       --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500 \
       --throughput.enabled true --progress_bar.refresh_rate 500 --trainer.logger.init_args.name "ft_$preset" \
       > "$OUT/ft_$preset.log" 2>&1
@@ -79,7 +80,7 @@ if has profile; then  # BERT-base, batch 16 x seq 128, train and test, plain and
     extra=(); [ "$preset" = fused ] && extra=(-c configs/presets/fused.yaml)
     for stage in fit test; do
       name=prof_bert_${preset}_$stage
-      python -m src $stage -c configs/imdb_minilm.yaml -c configs/profile.yaml "${extra[@]}" "${BASE[@]}" \
+      python -m bertaccel $stage -c configs/imdb_minilm.yaml -c configs/profile.yaml "${extra[@]}" "${BASE[@]}" \
         --trainer.logger.init_args.name $name > "$OUT/$name.log" 2>&1
       echo "profile $name rc=$?"
       prefix=$([ $stage = fit ] && echo "" || echo "test_")
@@ -100,13 +101,13 @@ if has host_steps; then  # host time per steady-state graphed step, cProfile of 
     --data.init_args.val_size 500 --trainer.limit_train_batches 300 --trainer.limit_val_batches 0 --test_after_fit false \
     --progress_bar.refresh_rate 100 --trainer.logger.init_args.name host_steps > "$OUT/host_steps.log" 2>&1
   echo "host steps rc=$?"; head -1 "$OUT/host_steps.txt"
-  python -X importtime -c "import src.ops.library" 2> "$OUT/importtime.txt"; sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -4
+  python -X importtime -c "import bertaccel.ops.library" 2> "$OUT/importtime.txt"; sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -4
 fi
 if has startup; then  # who registers custom ops at startup, and what it costs
   python - > "$OUT/startup.txt" 2>&1 <<'PY'
 import cProfile, pstats, time
 t = time.time()
-cProfile.run("import src.cli; from src.modules import BertClassifier; m = BertClassifier(config={'hidden_size': 64, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'intermediate_size': 64}, vocab_size=128).cuda()", "/tmp/start.prof")
+cProfile.run("import bertaccel.cli; from bertaccel.modules import BertClassifier; m = BertClassifier(config={'hidden_size': 64, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'intermediate_size': 64}, vocab_size=128).cuda()", "/tmp/start.prof")
 print(f"startup {time.time() - t:.1f}s")
 s = pstats.Stats("/tmp/start.prof"); s.sort_stats("cumulative").print_callers("_register_to_dispatcher"); s.sort_stats("tottime").print_stats(12)
 PY

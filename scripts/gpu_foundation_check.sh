@@ -5,6 +5,7 @@
 #    same with the `fused` preset (kernel swap);
 # 2. a short BERT-base masked-LM fit from scratch on local text (loss going down, tokens/s).
 set -uo pipefail
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package (src layout) without installing it
 OUT=${OUT:-bench_results}
 mkdir -p "$OUT"
 export BERTACCEL_CACHE=${BERTACCEL_CACHE:-$PWD/.carry/cache}
@@ -13,13 +14,13 @@ LOCAL=(--data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/
        --progress_bar.refresh_rate 200)
 for preset in plain fused; do
   extra=(); [ "$preset" = fused ] && extra=(-c configs/presets/fused.yaml)
-  python -m src fit -c configs/imdb_minilm.yaml "${extra[@]}" "${LOCAL[@]}" \
+  python -m bertaccel fit -c configs/imdb_minilm.yaml "${extra[@]}" "${LOCAL[@]}" \
     --trainer.logger.init_args.name "imdb_minilm_$preset" > "$OUT/imdb_minilm_$preset.log" 2>&1
   echo "imdb minilm $preset rc=$?"
   cp runs/imdb_minilm_$preset/version_0/benchmark_stats.json "$OUT/imdb_minilm_${preset}_stats.json" 2>/dev/null
   grep -E "test/acc|test/f1|throughput \(|kernel swap:|Error" "$OUT/imdb_minilm_$preset.log" | grep -v "stays\|restored\|->" | cut -c1-400
 done
-python -m src fit -c configs/mlm_local.yaml --data.init_args.train_files '[.carry/imdb/train.jsonl.gz]' \
+python -m bertaccel fit -c configs/mlm_local.yaml --data.init_args.train_files '[.carry/imdb/train.jsonl.gz]' \
   --data.init_args.val_files null --data.init_args.exclude_files null --data.init_args.tokenizer .carry/minilm \
   --trainer.max_steps 400 --trainer.val_check_interval 100 --trainer.limit_val_batches 20 --throughput.enabled true \
   --trainer.log_every_n_steps 25 --progress_bar.refresh_rate 200 \

@@ -3,6 +3,7 @@
 # MiniLM IMDB fine-tune with and without the kernel swap, and of BERT-base at batch 16 x seq 128
 # (train and test). Statistics are copied to $OUT.
 set -uo pipefail
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package (src layout) without installing it
 OUT=${OUT:-bench_results}
 mkdir -p "$OUT"
 export BERTACCEL_CACHE=${BERTACCEL_CACHE:-$PWD/.carry/cache}
@@ -12,7 +13,7 @@ DATA=(--data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/min
 COMMON=("${DATA[@]}" --test_after_fit false)
 profile() {  # name, extra args...
   local name=$1; shift
-  python -m src fit -c configs/imdb_minilm.yaml -c configs/profile.yaml "${COMMON[@]}" "$@" \
+  python -m bertaccel fit -c configs/imdb_minilm.yaml -c configs/profile.yaml "${COMMON[@]}" "$@" \
     --trainer.logger.init_args.name "prof_$name" > "$OUT/prof_$name.log" 2>&1
   echo "profile $name rc=$?"
   local d=runs/prof_$name/version_0
@@ -26,13 +27,13 @@ BASE=(--model.init_args.pretrained null --model.init_args.config '{}' --data.ini
 profile bert_base_plain "${BASE[@]}"
 profile bert_base_fused "${BASE[@]}" -c configs/presets/fused.yaml
 for name in bert_base_plain bert_base_fused; do
-  python -m src test -c configs/imdb_minilm.yaml -c configs/profile.yaml "${DATA[@]}" "${BASE[@]}" \
+  python -m bertaccel test -c configs/imdb_minilm.yaml -c configs/profile.yaml "${DATA[@]}" "${BASE[@]}" \
     $( [ $name = bert_base_fused ] && echo "-c configs/presets/fused.yaml" ) \
     --trainer.logger.init_args.name "prof_${name}_test" > "$OUT/prof_${name}_test.log" 2>&1
   echo "profile ${name}_test rc=$?"
   cp runs/prof_${name}_test/version_0/profiler/test_profile_summary.json "$OUT/prof_${name}_test_summary.json" 2>/dev/null
 done
-python -m src fit -c configs/mlm_local.yaml --data.init_args.train_files '[.carry/imdb/train.jsonl.gz]' \
+python -m bertaccel fit -c configs/mlm_local.yaml --data.init_args.train_files '[.carry/imdb/train.jsonl.gz]' \
   --data.init_args.val_files null --data.init_args.exclude_files null --data.init_args.tokenizer .carry/minilm \
   --trainer.max_steps 400 --trainer.val_check_interval 100 --trainer.limit_val_batches 20 --throughput.enabled true \
   --trainer.log_every_n_steps 25 --progress_bar.refresh_rate 200 \

@@ -17,7 +17,7 @@ import time
 import lightning.pytorch as pl
 import torch
 
-sys.path.insert(0, ".")
+sys.path[:0] = ["src", "."]
 START, STOP = int(os.environ.get("START", 60)), int(os.environ.get("STOP", 260))
 OUT = os.environ.get("OUT", ".")
 
@@ -58,6 +58,6 @@ def instantiate(self, config, callbacks):
 
 
 LightningCLI._instantiate_trainer = instantiate
-from src.cli import main  # noqa: E402
+from bertaccel.cli import main  # noqa: E402
 
 main(sys.argv[1:])

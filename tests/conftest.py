@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-SAMPLE = Path(__file__).resolve().parents[1] / "src" / "data" / "samples" / "sentiment"
+SAMPLE = Path(__file__).resolve().parents[1] / "src" / "bertaccel" / "data" / "samples" / "sentiment"
 TINY_BERT = {
     "hidden_size": 32,
     "num_hidden_layers": 1,
@@ -87,11 +87,11 @@ def tiny_config(tmp_path, tiny_data):
                 },
             },
             "model": {
-                "class_path": "src.modules.BertClassifier",
+                "class_path": "bertaccel.modules.BertClassifier",
                 "init_args": {"config": TINY_BERT, "lr": 3e-3, "warmup_ratio": 0.1},
             },
             "data": {
-                "class_path": "src.data.TextClassificationDataModule",
+                "class_path": "bertaccel.data.TextClassificationDataModule",
                 "init_args": {
                     "dataset": str(tiny_data),
                     "tokenizer": "sample:sentiment",

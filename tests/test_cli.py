@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from src.cli import BertAccelCLI, main
+from bertaccel.cli import BertAccelCLI, main
 from tests.conftest import TINY_BERT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,3 +139,26 @@ def test_every_preset_composes_and_graphs_fall_back_on_cpu(tiny_config):
     assert graphs.model.cuda_graphs
     graphs.trainer.fit(graphs.model, datamodule=graphs.datamodule)
     assert graphs.model.automatic_optimization  # CPU: eager steps, said in one line
+
+
+def test_shipped_configs_resolve_from_any_directory(tmp_path, monkeypatch):
+    """The package is `bertaccel` (src layout) and ships its configs: `-c configs/quickstart.yaml`,
+    `-c quickstart` and `-c presets/graphs` work outside the repository; a wrong name lists them."""
+    import subprocess
+    import sys
+
+    from bertaccel.cli import SHIPPED_CONFIGS, resolve_config
+    from bertaccel.errors import BertAccelError
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config("configs/quickstart.yaml") == str(SHIPPED_CONFIGS / "quickstart.yaml")
+    assert resolve_config("quickstart") == str(SHIPPED_CONFIGS / "quickstart.yaml")
+    assert resolve_config("presets/graphs") == str(SHIPPED_CONFIGS / "presets" / "graphs.yaml")
+    (tmp_path / "mine.yaml").write_text("trainer: {max_epochs: 1}\n")
+    assert resolve_config("mine.yaml") == "mine.yaml"  # a file that exists is taken as given
+    with pytest.raises(BertAccelError, match=r"configs/nope.yaml does not exist.*quickstart.yaml"):
+        resolve_config("configs/nope.yaml")
+    out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", "configs/quickstart.yaml", "--print_config"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "class_path: bertaccel.modules.BertClassifier" in out.stdout

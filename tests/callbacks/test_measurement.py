@@ -9,9 +9,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, BertForSequenceClassification
 
-from src.callbacks.profiler import CATEGORY_NAMES, categorize
-from src.cli import BertAccelCLI
-from src.modules.flops import bert_step_flops
+from bertaccel.callbacks.profiler import CATEGORY_NAMES, categorize
+from bertaccel.cli import BertAccelCLI
+from bertaccel.modules.flops import bert_step_flops
 
 
 def test_flop_formula_matches_torch_flop_counter():
@@ -77,9 +77,9 @@ def test_training_throughput_leaves_out_validation_and_checkpoint_time(tiny_data
 
     import lightning.pytorch as pl
 
-    from src.callbacks.throughput import ThroughputMeter
-    from src.data import TextClassificationDataModule
-    from src.modules import BertClassifier
+    from bertaccel.callbacks.throughput import ThroughputMeter
+    from bertaccel.data import TextClassificationDataModule
+    from bertaccel.modules import BertClassifier
     from tests.conftest import TINY_BERT
 
     class SlowValidation(pl.Callback):

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from src.cli import BertAccelCLI
+from bertaccel.cli import BertAccelCLI
 
 pytest.importorskip("torch_tb_profiler", reason="the TensorBoard profiler plugin is the `profile` extra")
 

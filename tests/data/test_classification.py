@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.data import TextClassificationDataModule
-from src.data.samplers import EpochSampler
-from src.errors import DataError
+from bertaccel.data import TextClassificationDataModule
+from bertaccel.data.samplers import EpochSampler
+from bertaccel.errors import DataError
 from tests.conftest import sample_rows, write_jsonl
 
 

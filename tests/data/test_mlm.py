@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from src.data import MLMDataModule
-from src.data.masking import IGNORE_INDEX, continuation_table, mask_tokens, special_table
-from src.data.mlm import pack_blocks
-from src.data.tokenized import TokenizedTexts
-from src.errors import DataError
-from src.pretrained import load_tokenizer
+from bertaccel.data import MLMDataModule
+from bertaccel.data.masking import IGNORE_INDEX, continuation_table, mask_tokens, special_table
+from bertaccel.data.mlm import pack_blocks
+from bertaccel.data.tokenized import TokenizedTexts
+from bertaccel.errors import DataError
+from bertaccel.pretrained import load_tokenizer
 from tests.conftest import SAMPLE
 
 

@@ -11,9 +11,9 @@ pytestmark = pytest.mark.cuda
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 
-from src.data import TextClassificationDataModule  # noqa: E402
-from src.modules import BertClassifier  # noqa: E402
-from src.modules.graphs import StepGraphs  # noqa: E402
+from bertaccel.data import TextClassificationDataModule  # noqa: E402
+from bertaccel.modules import BertClassifier  # noqa: E402
+from bertaccel.modules.graphs import StepGraphs  # noqa: E402
 from tests.conftest import TINY_BERT  # noqa: E402
 
 SMALL = {**TINY_BERT, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.cli import BertAccelCLI
-from src.errors import CheckpointError, ConfigError
-from src.modules import BertClassifier, BertMLM
-from src.modules.base import decay_groups
+from bertaccel.cli import BertAccelCLI
+from bertaccel.errors import CheckpointError, ConfigError
+from bertaccel.modules import BertClassifier, BertMLM
+from bertaccel.modules.base import decay_groups
 from tests.conftest import TINY_BERT
 
 

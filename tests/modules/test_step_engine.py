@@ -13,10 +13,10 @@ import pytest
 import torch
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
-from src.data import TextClassificationDataModule
-from src.data.collate import ClassificationCollator, bucket_lengths
-from src.modules import BertClassifier
-from src.modules.metrics import ClassificationStats
+from bertaccel.data import TextClassificationDataModule
+from bertaccel.data.collate import ClassificationCollator, bucket_lengths
+from bertaccel.modules import BertClassifier
+from bertaccel.modules.metrics import ClassificationStats
 from tests.conftest import TINY_BERT
 
 

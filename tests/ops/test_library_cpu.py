@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.ops import library
+from bertaccel.ops import library
 
 
 def rand(*shape, **kw):

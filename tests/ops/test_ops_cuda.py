@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.ops import build
-from src.ops import library
-from src.ops.gelu import bias_gelu
-from src.ops.layer_norm import layer_norm
-from src.ops.residual_layer_norm import bias_dropout_add_layer_norm
-from src.ops.rms_norm import rms_norm
-from src.ops.softmax import softmax
+from bertaccel.ops import build
+from bertaccel.ops import library
+from bertaccel.ops.gelu import bias_gelu
+from bertaccel.ops.layer_norm import layer_norm
+from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
+from bertaccel.ops.rms_norm import rms_norm
+from bertaccel.ops.softmax import softmax
 
 pytestmark = pytest.mark.cuda
 

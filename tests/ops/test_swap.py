@@ -7,14 +7,14 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
 
-from src.errors import ConfigError
-from src.ops.embeddings import FusedBertEmbeddings
-from src.ops.gelu import FusedBertIntermediate
-from src.ops.layer_norm import FusedLayerNorm
-from src.ops.residual_layer_norm import FusedBertOutput
-from src.ops.rms_norm import FusedRMSNorm
-from src.ops.softmax import FusedBertSelfAttention
-from src.ops.swap import ORDER, swap
+from bertaccel.errors import ConfigError
+from bertaccel.ops.embeddings import FusedBertEmbeddings
+from bertaccel.ops.gelu import FusedBertIntermediate
+from bertaccel.ops.layer_norm import FusedLayerNorm
+from bertaccel.ops.residual_layer_norm import FusedBertOutput
+from bertaccel.ops.rms_norm import FusedRMSNorm
+from bertaccel.ops.softmax import FusedBertSelfAttention
+from bertaccel.ops.swap import ORDER, swap
 
 CFG = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
            max_position_embeddings=64, num_labels=3)
@@ -154,7 +154,7 @@ def test_rms_norm_family_swaps_nn_rmsnorm():
 
 
 def test_kernel_swap_callback_through_the_cli(tiny_config):
-    from src.cli import BertAccelCLI
+    from bertaccel.cli import BertAccelCLI
 
     run = BertAccelCLI(args=["fit", "-c", tiny_config("swap", epochs=1), "--kernel_swap.ops", "[all]"])
     # reverted at teardown: the trained module is plain HF again

@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from src.ops import build
-from src.ops.swap import ORDER, swap
+from bertaccel.ops import build
+from bertaccel.ops.swap import ORDER, swap
 
 pytestmark = pytest.mark.cuda
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,3 +1,0 @@
-from src.cli import main
-
-main()

@@ -1,0 +1,3 @@
+from bertaccel.cli import main
+
+main()

@@ -1,0 +1,36 @@
+"""`KernelSwap`: put the fused CUDA ops into the model at setup, take them out at teardown."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from bertaccel.ops.swap import ORDER, SwapReport, swap
+
+
+class KernelSwap(pl.Callback):
+    """Swap BERT submodules for fused equivalents for the length of a run (fit/validate/test/predict).
+
+    Args:
+        ops: Op families to swap, any of "residual_layer_norm", "bias_gelu", "layer_norm", or "all".
+            Empty: no swap (the default).
+    """
+
+    def __init__(self, ops: list[str] | None = None) -> None:
+        ops = list(ops or [])
+        self.ops = ORDER if ops == ["all"] else ops
+        self.report: SwapReport | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not self.ops or self.report is not None:
+            return
+        self.report = swap(pl_module, self.ops)
+        rank_zero_info(self.report.summary())
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.report is not None:
+            self.report.revert()
+            self.report = None

@@ -1,0 +1,293 @@
+"""`ThroughputMeter`: samples/s, real and padded tokens/s, step-time percentiles, data wait, peak
+memory and MFU, per stage, logged every N steps and written to `benchmark_stats.json`.
+
+How it stays honest:
+- step times come from CUDA events recorded around each step (no host sync per step, so the CPU
+  keeps running ahead as in a normal run); events are read at the end of each logging window;
+- wall-clock rates are taken between synchronized points (window boundaries), and count only the
+  time a stage's loop runs: the training clock stops (synchronized) when validation starts or an
+  epoch ends, so validation, checkpoint saving and epoch-end work are not charged to training;
+- real tokens are the attention mask's ones (padding excluded), summed on the device and read lazily;
+- the first `warmup_steps` of every stage (compilation, cuDNN autotune, allocator growth) are excluded;
+- MFU = the model's matmul FLOPs (src/bertaccel/modules/flops.py; the executed, padded shape) / time / peak;
+  backward counts as 2x forward. Lightning's sanity-check batches are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+# Dense peak FLOP/s by device name fragment: (bf16/fp16 tensor cores, fp32 without TF32).
+PEAK_FLOPS = {
+    "H200": (989.4e12, 66.9e12),
+    "H100 PCIe": (756.5e12, 51.2e12),
+    "H100": (989.4e12, 66.9e12),
+    "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "A10G": (70e12, 31.2e12),
+}
+
+
+def peak_flops(device: torch.device, precision: str, override: float | None = None) -> float | None:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (half, single) in PEAK_FLOPS.items():
+        if key in name:
+            return half if ("bf16" in precision or "16" in precision) else single
+    return None
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+class _Stage:
+    """Accumulators of one stage (train, validate, test, predict)."""
+
+    def __init__(self) -> None:
+        self.steps = 0  # batches seen, warm-up included
+        self.samples = 0
+        self.padded = 0
+        self.real: torch.Tensor | int = 0
+        self.flops: torch.Tensor | int = 0
+        self.step_ms: list[float] = []
+        self.wait_s = 0.0
+        self.pending: list[tuple[Any, Any]] = []  # CUDA event pairs not yet read
+        self.t0: float | None = None  # wall clock at the end of warm-up
+        self.t_last_end: float | None = None
+        self.t_start: float | None = None
+        self.paused_at: float | None = None  # wall clock when the stage's clock was stopped
+        self.paused_s = 0.0  # stopped time since t0 (validation inside fit, epoch ends)
+        self.window: dict[str, Any] = {}
+
+
+class ThroughputMeter(pl.Callback):
+    """Measure throughput and efficiency of every stage.
+
+    Args:
+        enabled: Turn the meter on (off by default: it adds a little bookkeeping per step).
+        warmup_steps: Steps at the start of each stage left out of every number.
+        log_every_n_steps: Log the running numbers to the logger every N steps.
+        peak_tflops: Peak TFLOP/s for MFU; default from a table (H100/H200/A100/... bf16 or fp32).
+        output_file: File name written in the run's log folder at the end of each stage.
+    """
+
+    def __init__(self, enabled: bool = False, warmup_steps: int = 10, log_every_n_steps: int = 50,
+                 peak_tflops: float | None = None, output_file: str = "benchmark_stats.json") -> None:
+        self.enabled = enabled
+        self.warmup_steps = warmup_steps
+        self.log_every_n_steps = log_every_n_steps
+        self.peak_tflops = peak_tflops
+        self.output_file = output_file
+        self.stages: dict[str, _Stage] = {}
+        self.results: dict[str, dict[str, float]] = {}
+
+    # -------------------------------------------------------------------------------- helpers
+    def _cuda(self, trainer) -> bool:
+        return trainer.strategy.root_device.type == "cuda"
+
+    def _sync(self, trainer) -> None:
+        if self._cuda(trainer):
+            torch.cuda.synchronize(trainer.strategy.root_device)
+
+    def _start(self, trainer, pl_module, stage: str, batch) -> None:
+        if not self.enabled or trainer.sanity_checking:
+            return
+        st = self.stages.setdefault(stage, _Stage())
+        if st.paused_at is not None:  # restart the clock once the work in between has finished
+            self._sync(trainer)
+            st.paused_s += time.perf_counter() - st.paused_at
+            st.paused_at = None
+        now = time.perf_counter()
+        if st.steps == self.warmup_steps:
+            self._sync(trainer)
+            now = time.perf_counter()
+            st.t0 = now
+            if self._cuda(trainer):
+                torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        if st.steps >= self.warmup_steps and st.t_last_end is not None:
+            st.wait_s += now - st.t_last_end
+        st.t_start = now
+        if self._cuda(trainer) and st.steps >= self.warmup_steps:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            st.pending.append((ev, None))
+
+    def _end(self, trainer, pl_module, stage: str, batch) -> None:
+        if not self.enabled or trainer.sanity_checking or stage not in self.stages:
+            return
+        st = self.stages[stage]
+        counted = st.steps >= self.warmup_steps
+        st.steps += 1
+        if counted and isinstance(batch, dict) and "input_ids" in batch:
+            ids = batch["input_ids"]
+            rows = int(batch.get("num_rows", ids.shape[0]))  # static-shape batches: padding rows excluded
+            st.samples += rows
+            st.padded += ids.numel()
+            mask = batch.get("attention_mask")
+            st.real = st.real + (mask[:rows].sum() if mask is not None else ids[:rows].numel())
+            if hasattr(pl_module, "flops_per_batch"):
+                st.flops = st.flops + pl_module.flops_per_batch(batch, training=stage == "train")
+            if self._cuda(trainer):
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                st.pending[-1] = (st.pending[-1][0], ev)
+            else:
+                st.step_ms.append((time.perf_counter() - st.t_start) * 1e3)
+        st.t_last_end = time.perf_counter()
+        if counted and stage == "train" and st.steps % self.log_every_n_steps == 0:
+            stats = self._summary(trainer, stage)
+            pl_module.log_dict({f"throughput/{k}": v for k, v in stats.items() if isinstance(v, (int, float))},
+                               on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+
+    def _pause(self, trainer, stage: str) -> None:
+        """Stop the stage's clock (synchronized) until its next batch starts."""
+        st = self.stages.get(stage)
+        if not self.enabled or st is None or st.t0 is None or st.paused_at is not None:
+            return
+        self._sync(trainer)
+        st.paused_at = time.perf_counter()
+        st.t_last_end = None  # the pause is not data wait
+
+    def _elapsed(self, st: _Stage) -> float:
+        end = st.paused_at if st.paused_at is not None else time.perf_counter()
+        return end - st.t0 - st.paused_s
+
+    def _read_events(self, st: _Stage) -> None:
+        for a, b in st.pending:
+            if b is not None:
+                st.step_ms.append(a.elapsed_time(b))
+        st.pending = [p for p in st.pending if p[1] is None]
+
+    def _summary(self, trainer, stage: str) -> dict[str, float]:
+        st = self.stages[stage]
+        if st.t0 is None or st.samples == 0:
+            return {}
+        self._sync(trainer)
+        self._read_events(st)
+        elapsed = self._elapsed(st)
+        real = float(st.real)
+        out = {
+            "steps": float(st.steps - self.warmup_steps),
+            "samples_per_s": st.samples / elapsed,
+            "real_tokens_per_s": real / elapsed,
+            "padded_tokens_per_s": st.padded / elapsed,
+            "padding_fraction": 1 - real / st.padded if st.padded else 0.0,
+            "step_ms_mean": statistics.fmean(st.step_ms) if st.step_ms else float("nan"),
+            "step_ms_p50": percentile(st.step_ms, 0.5),
+            "step_ms_p90": percentile(st.step_ms, 0.9),
+            "data_wait_ms_mean": 1e3 * st.wait_s / max(st.steps - self.warmup_steps, 1),
+            "tflops_per_s": float(st.flops) / elapsed / 1e12,
+        }
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        peak = peak_flops(device, str(trainer.precision), self.peak_tflops * 1e12 if self.peak_tflops else None)
+        if peak:
+            out["mfu"] = float(st.flops) / elapsed / peak
+        return out
+
+    def _finish(self, trainer, stage: str) -> None:
+        if not self.enabled or stage not in self.stages:
+            return
+        stats = self._summary(trainer, stage)
+        del self.stages[stage]
+        if not stats:
+            if trainer.state.fn != "fit":
+                rank_zero_info(f"throughput ({stage}): fewer steps than warmup_steps={self.warmup_steps}; nothing measured")
+            return
+        self.results[stage] = stats
+        if trainer.is_global_zero:
+            root = Path(trainer.log_dir or trainer.default_root_dir)
+            root.mkdir(parents=True, exist_ok=True)
+            path = root / self.output_file
+            old = json.loads(path.read_text()) if path.is_file() else {}
+            old[stage] = {k: round(v, 6) for k, v in stats.items()}
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(old, indent=2))
+            tmp.replace(path)
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in stats.items())
+            rank_zero_info(f"throughput ({stage}): {shown}  -> {path}")
+
+    # -------------------------------------------------------------------------------- hooks
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start(trainer, pl_module, "train", batch)
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._end(trainer, pl_module, "train", batch)
+
+    @override
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._pause(trainer, "train")
+
+    @override
+    def on_train_end(self, trainer, pl_module):
+        self._pause(trainer, "train")
+        self._finish(trainer, "train")
+
+    @override
+    def on_validation_start(self, trainer, pl_module):
+        self._pause(trainer, "train")
+
+    @override
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self._pause(trainer, "validate")
+
+    @override
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._start(trainer, pl_module, "validate", batch)
+
+    @override
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._end(trainer, pl_module, "validate", batch)
+
+    @override
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.state.fn == "validate" or not trainer.training:
+            self._finish(trainer, "validate")
+
+    @override
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._start(trainer, pl_module, "test", batch)
+
+    @override
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._end(trainer, pl_module, "test", batch)
+
+    @override
+    def on_test_end(self, trainer, pl_module):
+        self._finish(trainer, "test")
+
+    @override
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._start(trainer, pl_module, "predict", batch)
+
+    @override
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._end(trainer, pl_module, "predict", batch)
+
+    @override
+    def on_predict_end(self, trainer, pl_module):
+        self._finish(trainer, "predict")

@@ -1,0 +1,185 @@
+"""The `bertaccel` command: LightningCLI with this project's defaults, links and checks.
+
+    bertaccel fit -c configs/quickstart.yaml
+    bertaccel test -c configs/imdb.yaml --ckpt_path best
+    python -m bertaccel validate -c configs/ag_news.yaml --ckpt_path runs/ag_news/checkpoints/last.ckpt
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.cli import LightningCLI
+
+from bertaccel.callbacks.kernel_swap import KernelSwap
+from bertaccel.callbacks.prediction_writer import JsonlPredictionWriter
+from bertaccel.callbacks.profiler import ProfilerCallback
+from bertaccel.callbacks.throughput import ThroughputMeter
+from bertaccel.errors import BertAccelError, CheckpointError
+from bertaccel.modules.base import BertModule
+
+
+def default_precision() -> str:
+    """bf16-mixed where the GPU supports it, fp32 elsewhere (CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "32-true"
+
+
+def best_checkpoint_in(dirpath: Path) -> Path:
+    """The best checkpoint recorded by ModelCheckpoint in `dirpath`'s last.ckpt."""
+    last = dirpath / "last.ckpt"
+    state = load_checkpoint(last)
+    for key, cb in state.get("callbacks", {}).items():
+        if key.startswith("ModelCheckpoint") and cb.get("best_model_path"):
+            best = Path(cb["best_model_path"])
+            if not best.is_file():  # the run directory may have moved since
+                best = dirpath / best.name
+            return best
+    raise CheckpointError(f"{last} records no best checkpoint (was `checkpoint.monitor` set?); pass a file path.")
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """torch.load(weights_only=True) with missing or damaged files turned into clear errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist. Pass an existing .ckpt file, 'last' or 'best'.")
+    try:
+        ckpt = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - zip, pickle and EOF errors all mean the same to the user
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}); it is damaged or not a Lightning checkpoint."
+        ) from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"{path} is not a Lightning checkpoint (no state_dict).")
+    return ckpt
+
+
+class BertAccelCLI(LightningCLI):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_kwargs", {"default_env": True})
+        kwargs.setdefault(
+            "trainer_defaults",
+            {
+                "precision": default_precision(),
+                "logger": {
+                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                    "init_args": {"save_dir": "runs", "name": "default"},
+                },
+            },
+        )
+        super().__init__(BertModule, LightningDataModule, *args, **kwargs)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("data.num_labels", "model.init_args.num_labels", apply_on="instantiate")
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+        # Always-present callbacks, each configurable under its own key (e.g. --checkpoint.monitor).
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.monitor": "val/acc",
+                "checkpoint.mode": "max",
+                "checkpoint.save_last": True,
+                "checkpoint.save_top_k": 1,
+                "checkpoint.filename": "epoch{epoch}-step{step}",
+                "checkpoint.auto_insert_metric_name": False,
+            }
+        )
+        parser.add_lightning_class_args(JsonlPredictionWriter, "predictions")
+        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+        parser.add_lightning_class_args(RichProgressBar, "progress_bar")
+        parser.add_lightning_class_args(KernelSwap, "kernel_swap")
+        parser.add_lightning_class_args(ThroughputMeter, "throughput")
+        parser.add_lightning_class_args(ProfilerCallback, "profiler")
+        parser.add_argument(
+            "--test_after_fit", type=bool, default=False,
+            help="After `fit`, run `test` on the best checkpoint in the same process.",
+        )
+
+    # ------------------------------------------------------------------------ checkpoint paths
+    def _checkpoint_dir(self) -> Path:
+        cfg = self.config[self.config.subcommand]
+        if cfg.get("checkpoint") and cfg.checkpoint.get("dirpath"):
+            return Path(cfg.checkpoint.dirpath)
+        logger = cfg.trainer.get("logger")
+        init = getattr(logger, "init_args", None) or {}
+        save_dir = init.get("save_dir", "runs") if hasattr(init, "get") else "runs"
+        name = init.get("name", "default") if hasattr(init, "get") else "default"
+        return Path(save_dir) / (name or "default") / "checkpoints"
+
+    def _parse_ckpt_path(self) -> None:
+        if not self.config.get("subcommand"):
+            return
+        cfg = self.config[self.config.subcommand]
+        # A fixed checkpoint folder per experiment (not per logger version), so that
+        # `fit --ckpt_path last` and `test --ckpt_path best` find the checkpoints of earlier runs.
+        if "checkpoint" in cfg and not cfg.checkpoint.get("dirpath"):
+            cfg.checkpoint.dirpath = str(self._checkpoint_dir())
+        ckpt_path = cfg.get("ckpt_path")
+        if ckpt_path in ("best", "last") and self.config.subcommand != "fit":
+            directory = self._checkpoint_dir()
+            resolved = best_checkpoint_in(directory) if ckpt_path == "best" else directory / "last.ckpt"
+            cfg.ckpt_path = ckpt_path = str(resolved)
+            print(f"bertaccel: --ckpt_path {'best' if 'last' not in resolved.name else 'last'} is {resolved}")
+        if ckpt_path and ckpt_path not in ("best", "last", "hpc", "registry"):
+            load_checkpoint(ckpt_path)  # fails with a clear message when missing or damaged
+        super()._parse_ckpt_path()
+
+    def after_fit(self) -> None:
+        if self.config.fit.get("test_after_fit") and not self.trainer.interrupted:
+            ckpt = "best" if self.trainer.checkpoint_callback and self.trainer.checkpoint_callback.best_model_path else None
+            self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=ckpt)
+
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def resolve_config(value: str) -> str:
+    """A `-c` path as given if it exists; otherwise the shipped config it names (`configs/imdb.yaml`,
+    `imdb.yaml`, `imdb`, `presets/graphs`), so the commands work from any directory once installed."""
+    if Path(value).is_file() or value.lstrip().startswith(("{", "[")):  # a file, or an inline YAML/JSON config
+        return value
+    name = value[len("configs/"):] if value.startswith("configs/") else value
+    for candidate in (name, f"{name}.yaml"):
+        path = SHIPPED_CONFIGS / candidate
+        if path.is_file():
+            return str(path)
+    shipped = sorted(str(p.relative_to(SHIPPED_CONFIGS)) for p in SHIPPED_CONFIGS.rglob("*.yaml"))
+    raise BertAccelError(f"config {value} does not exist, here or among the shipped configs ({', '.join(shipped)}).")
+
+
+def resolve_config_args(args: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-c", "--config") and i + 1 < len(args):
+            out += [a, resolve_config(args[i + 1])]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            a = "--config=" + resolve_config(a.split("=", 1)[1])
+        out.append(a)
+        i += 1
+    return out
+
+
+def main(args: list[str] | None = None) -> None:
+    try:
+        args = resolve_config_args(list(sys.argv[1:] if args is None else args))
+        BertAccelCLI(args=args)
+    except BertAccelError as e:
+        print(f"bertaccel: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,4 @@
+from bertaccel.data.classification import TextClassificationDataModule
+from bertaccel.data.mlm import MLMDataModule
+
+__all__ = ["TextClassificationDataModule", "MLMDataModule"]

@@ -1,0 +1,339 @@
+"""`TextClassificationDataModule`: IMDB, AG News, any Hub dataset with a text and a label column,
+or a local directory of train/test(/validation) files."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from bertaccel.data.collate import ClassificationCollator, bucket_lengths
+from bertaccel.data.samplers import EpochSampler
+from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, read_table
+from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
+from bertaccel.errors import DataError
+from bertaccel.pretrained import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+# Short names for the datasets this project is built around: (Hub name, Hub config, class names).
+KNOWN_DATASETS = {
+    "imdb": ("stanfordnlp/imdb", None, ["neg", "pos"]),
+    "ag_news": ("fancyzhx/ag_news", None, ["World", "Sports", "Business", "Sci/Tech"]),
+}
+SAMPLE_DIR = Path(__file__).parent / "samples"
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~"))
+
+
+class ClassificationDataset(Dataset):
+    def __init__(self, tokens: TokenizedTexts, labels: list[int] | None, indices: list[int]) -> None:
+        self.tokens, self.labels, self.indices = tokens, labels, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        j = self.indices[i]
+        return {
+            "input_ids": self.tokens[j].long(),
+            "label": None if self.labels is None else self.labels[j],
+            "index": j,
+        }
+
+    def lengths(self) -> torch.Tensor:
+        return self.tokens.lengths()[torch.tensor(self.indices, dtype=torch.long)]
+
+
+class TextClassificationDataModule(pl.LightningDataModule):
+    """Text classification data: tokenized once (cached), dynamically padded batches.
+
+    Args:
+        dataset: "imdb", "ag_news", a Hub dataset name ("owner/name"), "sample:sentiment" (the small
+            corpus shipped with the project), or a local directory with `train` and `test` files
+            (and optionally `validation`) as .jsonl, .jsonl.gz, .csv or .parquet.
+        tokenizer: Hub name or directory of a model's tokenizer, or a WordPiece vocab.txt.
+        hub_config: Configuration name of the Hub dataset, if it has several.
+        text_column: Column holding the text.
+        label_column: Column holding the integer label (0..num_labels-1).
+        num_labels: Number of classes; inferred (classes.txt, Hub features, or the largest label + 1)
+            when not set.
+        max_length: Longest tokenized input; longer texts are truncated.
+        batch_size: Training batch size.
+        eval_batch_size: Batch size for validation/test/predict (default: batch_size).
+        val_size: Validation split carved from train (stratified, seeded) when the data has none: a
+            fraction in (0, 1) or a number of rows.
+        pad_to_multiple_of: Pad each batch's length up to a multiple of this (8 suits tensor cores);
+            None pads to the longest row. Not used with `static_shapes`.
+        static_shapes: Give every batch one of a few shapes, as CUDA graphs need: the length is
+            padded up to the next of `length_buckets`, and a short last batch is filled up with
+            padding rows (label -100, index -1; never counted by losses, metrics or predictions).
+            Turned on by the model when it runs CUDA graphs (`model.cuda_graphs`).
+        length_buckets: With `static_shapes`: the lengths a batch may be padded to, as a multiple
+            (64: 64, 128, ... up to `max_length`) or a list; `max_length` is always one of them.
+        group_by_length: Batch training texts of similar length together (less padding).
+        train_subset: Use only this many training rows (seeded random subset), e.g. for quick runs.
+        test_subset: Use only this many test rows (seeded random subset).
+        predict_split: Which split `predict` runs on: "test", "validation" or "train".
+        num_workers: DataLoader worker processes.
+        pin_memory: Pin host memory for faster copies to the GPU (only used when a GPU is present).
+        seed: Seed for the validation split, subsets and the shuffling order.
+        cache_dir: Where tokenized data is cached (default: $BERTACCEL_CACHE or ~/.cache/bertaccel).
+    """
+
+    def __init__(
+        self,
+        dataset: str = "imdb",
+        tokenizer: str = "bert-base-uncased",
+        hub_config: str | None = None,
+        text_column: str = "text",
+        label_column: str = "label",
+        num_labels: int | None = None,
+        max_length: int = 512,
+        batch_size: int = 16,
+        eval_batch_size: int | None = None,
+        val_size: float = 0.1,
+        pad_to_multiple_of: int | None = 8,
+        static_shapes: bool = False,
+        length_buckets: int | list[int] = 64,
+        group_by_length: bool = False,
+        train_subset: int | None = None,
+        test_subset: int | None = None,
+        predict_split: str = "test",
+        num_workers: int = 0,
+        pin_memory: bool = True,
+        seed: int = 42,
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if predict_split not in ("train", "validation", "test"):
+            raise DataError(f"predict_split must be train, validation or test, got '{predict_split}'.")
+        if max_length < 8:
+            raise DataError(f"max_length {max_length} is too small; use at least 8 tokens.")
+        self.dataset = dataset
+        self.tokenizer_name = tokenizer
+        self.text_column, self.label_column = text_column, label_column
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.val_size = val_size
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.static_shapes = static_shapes
+        self.length_buckets = length_buckets
+        try:
+            bucket_lengths(max_length, length_buckets)
+        except ValueError as e:
+            raise DataError(f"{e} Set `data.length_buckets` to e.g. 64 or [128, 256, 512].") from None
+        self.group_by_length = group_by_length
+        self.train_subset, self.test_subset = train_subset, test_subset
+        self.predict_split = predict_split
+        self.num_workers, self.pin_memory, self.seed = num_workers, pin_memory, seed
+        self.cache_dir = cache_dir
+        self.hub_config = hub_config
+        self._num_labels = num_labels
+        self._raw: dict[str, RawSplit] | None = None
+        self.class_names: list[str] | None = None
+        self.datasets: dict[str, ClassificationDataset] = {}
+
+    # --------------------------------------------------------------------- what the model needs
+    @property
+    def tokenizer(self):
+        return load_tokenizer(self.tokenizer_name)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def num_labels(self) -> int:
+        if self._num_labels is None:
+            self._load_raw()
+        return self._num_labels
+
+    # ------------------------------------------------------------------------------ raw data
+    def _load_raw(self) -> dict[str, RawSplit]:
+        if self._raw is not None:
+            return self._raw
+        name = self.dataset
+        if name.startswith("sample:"):
+            directory = SAMPLE_DIR / name.split(":", 1)[1]
+            if not directory.is_dir():
+                raise DataError(f"no sample '{name}'; shipped samples: {[f'sample:{p.name}' for p in SAMPLE_DIR.iterdir() if p.is_dir()]}.")
+            raw = self._load_local(directory)
+        elif os.path.isdir(os.path.expanduser(name)):
+            raw = self._load_local(Path(name).expanduser())
+        elif name in KNOWN_DATASETS or (name.count("/") == 1 and not _looks_local(name)):
+            raw = self._load_hub(name)
+        elif _looks_local(name) or os.path.exists(name):
+            raise DataError(f"local dataset directory {name} does not exist (or is not a directory).")
+        else:
+            raise DataError(
+                f"unknown dataset '{name}': not a local directory, not one of {sorted(KNOWN_DATASETS)}, "
+                "and not a Hub name of the form owner/name."
+            )
+        self._check_labels(raw)
+        self._raw = raw
+        return raw
+
+    def _load_local(self, directory: Path) -> dict[str, RawSplit]:
+        files = {s: find_split_file(directory, s) for s in ("train", "validation", "test")}
+        if files["train"] is None or files["test"] is None:
+            present = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+            raise DataError(
+                f"{directory} needs a train and a test file (.jsonl, .jsonl.gz, .csv or .parquet); "
+                f"found {present or 'nothing'}."
+            )
+        raw = {s: read_table(f, self.text_column, self.label_column) for s, f in files.items() if f is not None}
+        classes = directory / "classes.txt"
+        if classes.is_file():
+            self.class_names = [c.strip() for c in classes.read_text(encoding="utf-8").splitlines() if c.strip()]
+            if self._num_labels is None:
+                self._num_labels = len(self.class_names)
+        return raw
+
+    def _load_hub(self, name: str) -> dict[str, RawSplit]:
+        hub_name, hub_config, names = KNOWN_DATASETS.get(name, (name, self.hub_config, None))
+        ds = load_hub_dataset(hub_name, self.hub_config or hub_config)
+        if "train" not in ds or "test" not in ds:
+            raise DataError(f"Hub dataset '{hub_name}' has splits {list(ds)}; bertaccel needs 'train' and 'test'.")
+        raw = {}
+        for split, hub_split in (("train", "train"), ("validation", "validation"), ("test", "test")):
+            if hub_split not in ds:
+                continue
+            cols = ds[hub_split].column_names
+            for col in (self.text_column, self.label_column):
+                if col not in cols:
+                    raise DataError(
+                        f"Hub dataset '{hub_name}' split '{hub_split}' has no column '{col}' (columns: {cols}); "
+                        "set `data.text_column` / `data.label_column`."
+                    )
+            texts = ds[hub_split][self.text_column]
+            labels = [int(x) for x in ds[hub_split][self.label_column]]
+            for i, t in enumerate(texts):
+                if not isinstance(t, str) or not t.strip():
+                    raise DataError(f"Hub dataset '{hub_name}' split '{hub_split}' row {i}: empty text.")
+            raw[split] = RawSplit(texts, labels, f"{hub_name}:{hub_split}")
+        feature = ds["train"].features.get(self.label_column)
+        self.class_names = getattr(feature, "names", None) or names
+        if self._num_labels is None and self.class_names:
+            self._num_labels = len(self.class_names)
+        return raw
+
+    def _check_labels(self, raw: dict[str, RawSplit]) -> None:
+        if self._num_labels is None:
+            self._num_labels = max(max(r.labels) for r in raw.values()) + 1
+        if self._num_labels < 2:
+            raise DataError(f"num_labels is {self._num_labels}; classification needs at least 2 classes.")
+        n = self._num_labels
+        for split, r in raw.items():
+            for i, label in enumerate(r.labels):
+                if not 0 <= label < n:
+                    where = f"{r.locations[i][0]}:{r.locations[i][1]}" if r.locations else f"{r.origin} row {i}"
+                    raise DataError(
+                        f"{where}: label {label} is outside 0..{n - 1} (num_labels={n}). "
+                        "Fix the row, or set `data.num_labels` if there are more classes."
+                    )
+
+    # ---------------------------------------------------------------------------- splitting
+    def _split_validation(self, labels: list[int]) -> tuple[list[int], list[int]]:
+        """Stratified, seeded (train, validation) index lists."""
+        n = len(labels)
+        n_val = int(round(self.val_size * n)) if self.val_size < 1 else int(self.val_size)
+        if not 0 < n_val < n:
+            raise DataError(f"val_size {self.val_size} leaves no training or no validation rows of {n}.")
+        g = torch.Generator().manual_seed(self.seed)
+        by_label: dict[int, list[int]] = {}
+        for i in torch.randperm(n, generator=g).tolist():
+            by_label.setdefault(labels[i], []).append(i)
+        val: list[int] = []
+        for lab in sorted(by_label):
+            idx = by_label[lab]
+            val += idx[: int(round(n_val * len(idx) / n))]
+        val_set = set(val)
+        return [i for i in range(n) if i not in val_set], sorted(val)
+
+    def _subset(self, indices: list[int], size: int | None, salt: int) -> list[int]:
+        if size is None or size >= len(indices):
+            return indices
+        g = torch.Generator().manual_seed(self.seed + salt)
+        return sorted(indices[i] for i in torch.randperm(len(indices), generator=g)[:size].tolist())
+
+    # ------------------------------------------------------------------------------- Lightning
+    def prepare_data(self) -> None:
+        # Runs on one process per node: download (Hub) and tokenize into the cache once.
+        for split in self._load_raw().values():
+            tokenize_texts(split.texts, self.tokenizer, self.max_length, cache_dir=self.cache_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        raw = self._load_raw()
+        tokens = {s: tokenize_texts(r.texts, self.tokenizer, self.max_length, cache_dir=self.cache_dir) for s, r in raw.items()}
+        if "validation" in raw:
+            train_idx, val_idx = list(range(len(raw["train"].texts))), list(range(len(raw["validation"].texts)))
+            val_split = "validation"
+        else:
+            train_idx, val_idx = self._split_validation(raw["train"].labels)
+            val_split = "train"  # the validation rows are rows of the train file
+        train_idx = self._subset(train_idx, self.train_subset, 1)
+        test_idx = self._subset(list(range(len(raw["test"].texts))), self.test_subset, 2)
+        self.datasets = {
+            "train": ClassificationDataset(tokens["train"], raw["train"].labels, train_idx),
+            "validation": ClassificationDataset(tokens[val_split], raw[val_split].labels, val_idx),
+            "test": ClassificationDataset(tokens["test"], raw["test"].labels, test_idx),
+        }
+        self._texts = {"train": raw["train"].texts, "validation": raw[val_split].texts, "test": raw["test"].texts}
+        sizes = {k: len(v) for k, v in self.datasets.items()}
+        log.info("data %s: %s rows, %d labels", self.dataset, sizes, self.num_labels)
+
+    def text_of(self, split: str, index: int) -> str:
+        """The raw text of row `index` (as in a batch's `index`) of `split`."""
+        return self._texts[split][index]
+
+    def use_static_shapes(self) -> None:
+        """Pad batches to bucketed lengths and full batch size from now on (see `static_shapes`)."""
+        self.static_shapes = True
+
+    def collator(self, batch_size: int) -> ClassificationCollator:
+        pad_id = self.tokenizer.pad_token_id
+        if self.static_shapes:
+            return ClassificationCollator(pad_id, buckets=bucket_lengths(self.max_length, self.length_buckets), batch_size=batch_size)
+        return ClassificationCollator(pad_id, self.pad_to_multiple_of)
+
+    def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
+        ds = self.datasets[split]
+        sampler = EpochSampler(
+            len(ds),
+            self.seed,
+            shuffle=train,
+            lengths=ds.lengths() if train and self.group_by_length else None,
+            batch_size=batch_size,
+        )
+        return DataLoader(
+            ds,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=self.collator(batch_size),
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", self.batch_size, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation", self.eval_batch_size, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", self.eval_batch_size, train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.predict_split, self.eval_batch_size, train=False)

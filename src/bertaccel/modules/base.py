@@ -1,0 +1,452 @@
+"""What the classifier and the masked LM share: the HF model, AdamW with decoupled weight decay,
+the linear warm-up/decay schedule, checkpoint/architecture checks, and the step engine.
+
+Steps run one of two ways, with the same loss and metric code:
+
+- **eager** (CPU, or `cuda_graphs: false`): Lightning's automatic optimization.
+- **CUDA graphs** (`cuda_graphs: true` on a GPU): manual optimization; forward + backward +
+  gradient clipping + fused AdamW (`capturable=True`, learning rate a device tensor filled by the
+  schedule) are captured once per batch shape (`src/bertaccel/modules/graphs.py`) and replayed. Gradient
+  clipping and accumulation are taken over from `trainer.gradient_clip_val` /
+  `trainer.accumulate_grad_batches`. Evaluation and prediction forwards are graphed likewise.
+
+Neither path reads a device value on the host per step: the loss and metrics accumulate on the
+device and are read when logged (every `trainer.log_every_n_steps` steps and at epoch ends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from transformers import get_linear_schedule_with_warmup
+
+from bertaccel.errors import CheckpointError, ConfigError
+from bertaccel.modules.bert import architecture_of
+from bertaccel.modules.graphs import StepGraphs
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# torch.compile modes that capture CUDA graphs themselves (cannot run inside the whole-step graph)
+SELF_GRAPHING_MODES = ("reduce-overhead", "max-autotune")
+GRAPH_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
+# The batch fields a step function takes (tensors of static shape under graphs).
+STEP_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "labels")
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW parameter groups: no weight decay on biases and LayerNorm weights (BERT's recipe)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_norm = "LayerNorm" in name or "layer_norm" in name or name.endswith("norm.weight")
+        (no_decay if p.ndim < 2 or is_norm or name.endswith(".bias") else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+class BertModule(pl.LightningModule):
+    """Base LightningModule. Subclasses set `self.model` (an HF model) in `__init__`."""
+
+    model: torch.nn.Module
+
+    def __init__(
+        self,
+        lr: float,
+        weight_decay: float,
+        warmup_ratio: float,
+        warmup_steps: int | None,
+        adam_betas: tuple[float, float],
+        adam_eps: float,
+        cuda_graphs: bool = False,
+        compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ConfigError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        if compile not in COMPILE_MODES:
+            raise ConfigError(f"compile must be one of {COMPILE_MODES}, got {compile!r}.")
+        if cuda_graphs and compile in SELF_GRAPHING_MODES:
+            raise ConfigError(
+                f"model.compile: {compile} captures CUDA graphs itself, and so does model.cuda_graphs "
+                "(the whole step, with the optimizer); with cuda_graphs use compile: default or "
+                "max-autotune-no-cudagraphs (compiled kernels inside the whole-step graph), or turn one off."
+            )
+        self.cuda_graphs = cuda_graphs
+        self.compile_mode = compile
+        # graph-mode state: decided per trainer stage, see `graphs_unavailable`
+        self._graph_decisions: dict[str, str | None] = {}
+        self._graphs: dict[str, StepGraphs] = {}
+        self._released_stats: dict[str, dict[str, Any]] = {}
+        self._train_fns: dict[bool, Any] = {}
+        self._capture_without_gpu = False  # tests: run the graph-mode loop eagerly on CPU
+        self._clip: tuple[float, str] | None = None
+        self._accumulate = 1
+        self._micro = 0
+        self._train_loss_window: torch.Tensor | None = None
+        self._static_grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.warmup_ratio = warmup_ratio
+        self.warmup_steps = warmup_steps
+        self.adam_betas = tuple(adam_betas)
+        self.adam_eps = adam_eps
+
+    # ----------------------------------------------------------------------------------- setup
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.compile_mode and not getattr(self, "_compiled", False):
+            # in place (nn.Module.compile): state_dict keys and Parameters unchanged
+            # under whole-step graphs the batch shapes are static buckets: one specialised compile per
+            # bucket (warm-up steps compile it before the capture), no dynamic-shape kernels
+            self.model.compile(mode=None if self.compile_mode == "default" else self.compile_mode,
+                               dynamic=False if self.cuda_graphs else None)
+            self._compiled = True
+        if dm is None:
+            return
+        max_pos = self.model.config.max_position_embeddings
+        max_length = getattr(dm, "max_length", None) or getattr(dm, "block_size", None)
+        if max_length is not None and max_length > max_pos:
+            raise ConfigError(
+                f"data max_length/block_size {max_length} is above the model's {max_pos} positions; "
+                f"set `data.max_length` (or `data.block_size`) to at most {max_pos}."
+            )
+        vocab = getattr(dm, "vocab_size", None)
+        emb = self.model.get_input_embeddings().num_embeddings
+        if vocab is not None and vocab > emb:
+            raise ConfigError(
+                f"the tokenizer has {vocab} tokens but the model's embedding table has {emb}; "
+                "use the tokenizer that belongs to the model (`data.tokenizer`)."
+            )
+        if self._graphs_on() and hasattr(dm, "use_static_shapes") and not getattr(dm, "static_shapes", True):
+            dm.use_static_shapes()
+            rank_zero_info("bertaccel: CUDA graphs: batches padded to `data.length_buckets` lengths and full batch size.")
+
+    def teardown(self, stage: str) -> None:
+        self.release_graphs()
+
+    def on_train_end(self) -> None:
+        self.release_graphs("train")
+
+    def release_graphs(self, which: str | None = None) -> None:
+        """Free captured graphs (all, or "train" / "eval"); they are captured again when needed."""
+        if which in (None, "train"):
+            self._train_fns.clear()  # they hold the optimizer of this run
+            self._static_grads = []
+        for name in [which] if which else list(self._graphs):
+            runner = self._graphs.pop(name, None)
+            if runner is not None:
+                self._released_stats[name] = runner.summary()
+
+    # -------------------------------------------------------------------------- graphs or eager
+    def graphs_blocker(self) -> str | None:
+        """Why this model's steps cannot be captured at all (subclasses); None: they can."""
+        return None
+
+    def graphs_unavailable(self) -> str | None:
+        """Why the steps of the current trainer stage cannot run as CUDA graphs; None: they can."""
+        if self._capture_without_gpu:
+            return None
+        trainer = self.trainer
+        if trainer.strategy.root_device.type != "cuda":
+            return "no CUDA device (graphs need an NVIDIA GPU)"
+        if trainer.world_size > 1:
+            return (f"{trainer.world_size} processes ({type(trainer.strategy).__name__}): steps that all-reduce "
+                    "gradients through NCCL are not captured yet")
+        precision = str(trainer.precision)
+        if precision not in GRAPH_PRECISIONS:
+            return f"precision {precision} (fp16 loss scaling reads the host every step); use bf16-mixed"
+        for cb in trainer.callbacks:
+            reason = getattr(cb, "eager_steps_reason", None)
+            if reason:
+                return f"{type(cb).__name__} {reason}"
+        return self.graphs_blocker()
+
+    def _graphs_on(self) -> bool:
+        """Whether the steps of the current trainer stage run as CUDA graphs (decided once per stage,
+        said in one line)."""
+        if not self.cuda_graphs or self._trainer is None or self.trainer.state.fn is None:
+            return False
+        fn = self.trainer.state.fn.value
+        if fn not in self._graph_decisions:
+            reason = self.graphs_unavailable()
+            self._graph_decisions[fn] = reason
+            if reason:
+                rank_zero_info(f"bertaccel: model.cuda_graphs is on, but `{fn}` runs eager steps: {reason}.")
+            else:
+                if fn == "fit":
+                    self._adopt_trainer_step_options()
+                rank_zero_info(f"bertaccel: `{fn}` steps run as CUDA graphs (captured once per batch shape, then replayed).")
+        return self._graph_decisions[fn] is None
+
+    def _adopt_trainer_step_options(self) -> None:
+        """Under graphs the module runs the optimizer (manual optimization): it takes over the
+        trainer's gradient clipping and accumulation, which Lightning only applies itself in
+        automatic optimization."""
+        t = self.trainer
+        if t.gradient_clip_val:
+            algorithm = t.gradient_clip_algorithm or "norm"
+            self._clip = (float(t.gradient_clip_val), str(getattr(algorithm, "value", algorithm)))
+            t.gradient_clip_val = None
+        self._accumulate = int(t.accumulate_grad_batches)
+        t.accumulate_grad_batches = 1
+
+    @property
+    def automatic_optimization(self) -> bool:  # type: ignore[override]
+        if self.cuda_graphs and self._trainer is not None and self.trainer.state.fn is not None \
+                and self.trainer.state.fn.value == "fit":
+            return not self._graphs_on()
+        return self._automatic_optimization
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self._automatic_optimization = value
+
+    # ------------------------------------------------------------------------------- optimizer
+    def configure_optimizers(self):
+        groups = decay_groups(self.model, self.weight_decay)
+        graphed = not self.automatic_optimization
+        on_gpu = self.device.type == "cuda"
+        if graphed:
+            # capturable: step count and learning rate live on the device, so the step can be captured
+            kwargs = {"fused": True, "capturable": True} if on_gpu else {}
+        else:
+            # Fused AdamW unscales gradients inside its kernel, so Lightning cannot clip them first.
+            clipping = bool(self._trainer is not None and self.trainer.gradient_clip_val)
+            kwargs = {"fused": on_gpu and not clipping}
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, **kwargs)
+        total = int(self.trainer.estimated_stepping_batches)
+        if graphed and self._accumulate > 1 and self.trainer.max_steps == -1:
+            total = math.ceil(total / self._accumulate)  # the trainer's accumulation was taken over
+        warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total)
+        scheduler = get_linear_schedule_with_warmup(optimizer, warmup, max(total, 1))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------ steps
+    def step_outputs(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's step on one batch's tensors (`STEP_FIELDS`), capturable: returns at least
+        "loss" (the mean to differentiate). No host reads, no data-dependent shapes."""
+        raise NotImplementedError
+
+    def update_metrics(self, stage: str, batch: dict[str, Any], out: dict[str, torch.Tensor]) -> None:
+        """Accumulate the step's outputs into the stage's metrics, on the device."""
+
+    @staticmethod
+    def step_inputs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {k: batch[k] for k in STEP_FIELDS if isinstance(batch.get(k), torch.Tensor)}
+
+    def _autocast(self):
+        if self._trainer is not None and str(self.trainer.precision) == "bf16-mixed":
+            # no weight-cast cache: a cache filled before a capture would freeze stale bf16 weights into it
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
+        return contextlib.nullcontext()
+
+    def _graph_runner(self, name: str) -> StepGraphs:
+        runner = self._graphs.get(name)
+        if runner is None:
+            # One memory pool per runner (train, eval), shared by that runner's graphs. A pool shared by
+            # the train and eval runners gave NaN parameters in 1 of 2 tiny GPU fits (fp32 and bf16; see
+            # scripts/debug_graph_nan.py); separate pools did not in the runs made so far.
+            runner = self._graphs[name] = StepGraphs(name, capture=not self._capture_without_gpu)
+        return runner
+
+    @staticmethod
+    def _key(inputs: dict[str, torch.Tensor], *extra: Any) -> tuple:
+        return (*extra, *((k, tuple(v.shape), v.dtype) for k, v in inputs.items()))
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            out = self.step_outputs(**self.step_inputs(batch))
+            self.update_metrics("train", batch, out)
+            self._log_train_loss(out["loss"])
+            return out["loss"]
+        return self._graphed_training_step(batch, batch_idx)
+
+    def _prepare_graphed_training(self) -> None:
+        optimizer = self.optimizers().optimizer
+        static_grads = []
+        for group in optimizer.param_groups:
+            if not self._capture_without_gpu and not isinstance(group["lr"], torch.Tensor):
+                # the schedule fills this tensor in place; a float would be frozen into the graph
+                group["lr"] = torch.tensor(float(group["lr"]), device=self.device)
+            for p in group["params"]:
+                # static gradients: backward accumulates into them, the captured step zeroes them
+                if p.requires_grad:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    static_grads.append((p, p.grad))
+        # Held here as well as in `p.grad`: the captured backward and optimizer step write and read
+        # these very buffers. If anything sets `p.grad` to None (Lightning's zero_grad before
+        # validation, a user's callback), a buffer referenced only by the parameter would be
+        # freed and reused by later allocations while the graph keeps writing to it: silent
+        # corruption, then NaN. `_restore_static_grads` puts them back before each step.
+        self._static_grads = static_grads
+
+    def _restore_static_grads(self) -> None:
+        for p, g in self._static_grads:
+            if p.grad is not g:
+                if p.grad is None:  # someone zeroed by dropping the gradient: zero the static buffer
+                    g.zero_()
+                else:  # someone assigned a gradient: keep its values in the buffer the graph uses
+                    g.copy_(p.grad)
+                p.grad = g
+
+    def on_validation_model_zero_grad(self) -> None:
+        # Lightning drops gradients (set to None) before validation inside fit. Graphed training keeps
+        # them as static buffers, which the captured step already leaves zeroed after each update.
+        if self._static_grads:
+            return
+        super().on_validation_model_zero_grad()
+
+    def _train_fn(self, last: bool):
+        """The training step function; built once per `last` flag and kept until the graphs are released."""
+        cached = self._train_fns.get(last)
+        if cached is not None:
+            return cached
+        optimizer = self.optimizers().optimizer
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        scale = 1.0 / self._accumulate
+
+        def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+            with self._autocast():
+                out = self.step_outputs(**inputs)
+            (out["loss"] * scale if scale != 1.0 else out["loss"]).backward()
+            if last:
+                if self._clip is not None:
+                    value, algorithm = self._clip
+                    if algorithm == "value":
+                        torch.nn.utils.clip_grad_value_(params, value, foreach=True)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(params, value, foreach=True)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+            return {k: v.detach() for k, v in out.items()}
+
+        self._train_fns[last] = step
+        return step
+
+    def _graphed_training_step(self, batch, batch_idx):
+        if "train" not in self._graphs:
+            self._prepare_graphed_training()
+        else:
+            self._restore_static_grads()
+        runner = self._graph_runner("train")
+        self._micro += 1
+        n_batches = self.trainer.num_training_batches
+        last = self._micro >= self._accumulate or (math.isfinite(n_batches) and batch_idx + 1 >= n_batches)
+        if last:
+            self._micro = 0
+        inputs = self.step_inputs(batch)
+        lightning_optimizer = self.optimizers()
+        if last:
+            lightning_optimizer._on_before_step()  # Lightning's step counter (global_step), as opt.step() would
+        out = runner.run(self._key(inputs, "train", last), self._train_fn(last), inputs)
+        if last:
+            lightning_optimizer._on_after_step()
+            schedulers = self.lr_schedulers()
+            for scheduler in schedulers if isinstance(schedulers, list) else [schedulers] if schedulers else []:
+                scheduler.step()
+        self.update_metrics("train", batch, out)
+        self._log_train_loss(out["loss"])
+        return None
+
+    def _log_train_loss(self, loss: torch.Tensor) -> None:
+        """Sum the step losses on the device; every `log_every_n_steps` batches read the window's mean
+        once (the only host read) and log it (as a CPU tensor, so the progress bar reads no device)."""
+        loss = loss.detach()
+        if self._train_loss_window is None or self._train_loss_window.device != loss.device:
+            self._train_loss_window = torch.zeros(2, dtype=torch.float64, device=loss.device)
+        self._train_loss_window += torch.stack((loss.double(), torch.ones((), dtype=torch.float64, device=loss.device)))
+        loop = self.trainer.fit_loop.epoch_loop
+        done = getattr(loop, "_batches_that_stepped", self.global_step) + 1
+        if done % max(1, self.trainer.log_every_n_steps) == 0:
+            total, n = self._train_loss_window.cpu().tolist()
+            self._train_loss_window.zero_()
+            self.log("train/loss", torch.tensor(total / max(n, 1.0)), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+
+    def _eval_fn(self):
+        def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+            with self._autocast():
+                out = self.step_outputs(**inputs)
+            return {k: v.detach() for k, v in out.items()}
+
+        return step
+
+    def eval_outputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Forward (and loss, when labelled) of an evaluation or prediction batch: graphed or eager."""
+        inputs = self.step_inputs(batch)
+        if self._graphs_on():
+            return self._graph_runner("eval").run(self._key(inputs, "eval", self.training), self._eval_fn(), inputs)
+        return self.step_outputs(**inputs)
+
+    def graph_stats(self) -> dict[str, Any]:
+        """Captures, eager steps and replays per runner, released ones included (benchmarks, tests)."""
+        return self._released_stats | {k: r.summary() for k, r in self._graphs.items()}
+
+    # ----------------------------------------------------------------------------------- FLOPs
+    flops_head = "classifier"
+
+    def flops_per_batch(self, batch: dict[str, torch.Tensor], training: bool):
+        """Matmul FLOPs this batch costs (src/bertaccel/modules/flops.py); an int, or a 0-d tensor when it
+        depends on device values (masked-LM: the number of predicted tokens), read lazily."""
+        from bertaccel.modules.flops import bert_step_flops
+
+        B, T = batch["input_ids"].shape
+        if self.flops_head == "mlm" and "labels" in batch:
+            n = (batch["labels"] != -100).sum()
+            cfg = self.model.config
+            per_token = 2 * cfg.hidden_size * cfg.hidden_size + 2 * cfg.hidden_size * cfg.vocab_size
+            body = bert_step_flops(cfg, B, T, head="none", training=training)
+            return body + n * per_token * (3 if training else 1)
+        return bert_step_flops(self.model.config, B, T, head=self.flops_head, training=training)
+
+    # ------------------------------------------------------------------------------ checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["bertaccel"] = {"architecture": architecture_of(self.model), "class": type(self).__name__}
+        # Graphed runs keep learning rates in device tensors; store plain floats so the checkpoint
+        # resumes the same way eager, on another device or on CPU.
+        for state in checkpoint.get("optimizer_states", []):
+            for group in state.get("param_groups", []):
+                for key in ("lr", "initial_lr"):
+                    if isinstance(group.get(key), torch.Tensor):
+                        group[key] = float(group[key])
+        for state in checkpoint.get("lr_schedulers", []):
+            for key in ("base_lrs", "_last_lr"):
+                if isinstance(state.get(key), list):
+                    state[key] = [float(v) if isinstance(v, torch.Tensor) else v for v in state[key]]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.release_graphs()  # loaded optimizer state replaces tensors that graphs point to
+        saved = checkpoint.get("bertaccel", {})
+        if saved.get("class") not in (None, type(self).__name__):
+            raise CheckpointError(
+                f"the checkpoint holds a {saved['class']} but the config builds a {type(self).__name__}; "
+                "use the config the checkpoint was trained with."
+            )
+        want = architecture_of(self.model)
+        have = saved.get("architecture", {})
+        diffs = {k: (have[k], v) for k, v in want.items() if k in have and have[k] != v}
+        if diffs:
+            detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diffs.items())
+            hint = " (num_labels comes from the data: is this the dataset it was trained on?)" if "num_labels" in diffs else ""
+            raise CheckpointError(f"the checkpoint does not match the model: {detail}{hint}.")
+        state = checkpoint.get("state_dict", {})
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
+        if missing or unexpected or shapes:
+            raise CheckpointError(
+                "the checkpoint's weights do not fit this model: "
+                f"{len(missing)} missing (e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}), "
+                f"{len(shapes)} with other shapes (e.g. {shapes[:3]}). Use the config it was trained with."
+            )

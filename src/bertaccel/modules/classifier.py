@@ -1,0 +1,125 @@
+"""`BertClassifier`: sequence classification with an HF BERT (IMDB, AG News, any text/label set)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from transformers import BertForSequenceClassification
+
+from bertaccel.data.masking import IGNORE_INDEX
+from bertaccel.modules.base import BertModule
+from bertaccel.modules.bert import build_bert
+from bertaccel.modules.metrics import ClassificationStats
+
+
+class BertClassifier(BertModule):
+    """Fine-tune (or train from scratch) a BERT sequence classifier.
+
+    Args:
+        pretrained: Hub name or local directory of a BERT checkpoint. None: random init from `config`.
+        config: `BertConfig` fields for random init (e.g. hidden_size, num_hidden_layers), or
+            overrides such as dropout probabilities for a pretrained model.
+        num_labels: Number of classes; linked from the data module, no need to set it.
+        vocab_size: Tokenizer size; linked from the data module, used for random init.
+        attn_implementation: "sdpa" (PyTorch scaled_dot_product_attention) or "eager".
+        lr: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay (not applied to biases and LayerNorm weights).
+        warmup_ratio: Fraction of the training steps spent warming the learning rate up linearly.
+        warmup_steps: Warm-up steps; overrides `warmup_ratio` when set.
+        adam_betas: AdamW betas.
+        adam_eps: AdamW epsilon.
+        cuda_graphs: On a GPU, run each training, evaluation and prediction step as a replayed
+            CUDA graph (captured once per batch shape; batches get static shapes, see
+            `data.static_shapes`). Falls back to eager steps, saying why, on CPU, under DDP, with
+            fp16 or with the profiler on.
+        compile: `torch.compile` the HF model in place with this mode (default, reduce-overhead,
+            max-autotune, max-autotune-no-cudagraphs). With `cuda_graphs`, default or
+            max-autotune-no-cudagraphs: the compiled kernels run inside the whole-step graph.
+    """
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        config: dict[str, Any] | None = None,
+        num_labels: int = 2,
+        vocab_size: int | None = None,
+        attn_implementation: Literal["eager", "sdpa"] = "sdpa",
+        lr: float = 2e-5,
+        weight_decay: float = 0.01,
+        warmup_ratio: float = 0.06,
+        warmup_steps: int | None = None,
+        adam_betas: tuple[float, float] = (0.9, 0.999),
+        adam_eps: float = 1e-8,
+        cuda_graphs: bool = False,
+        compile: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None,
+    ) -> None:
+        super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile)
+        # num_labels and vocab_size are filled in from the data: keep them out of the hyperparameters
+        # the CLI restores from a checkpoint (a link target cannot be overridden), and check them on
+        # load instead (`BertModule.on_load_checkpoint`).
+        self.save_hyperparameters(ignore=["num_labels", "vocab_size"])
+        self.num_labels = num_labels
+        self.model = build_bert(
+            BertForSequenceClassification,
+            pretrained,
+            config,
+            attn_implementation,
+            num_labels=num_labels,
+            vocab_size=vocab_size if pretrained is None else None,
+        )
+        # from_pretrained returns the model in eval mode, and Lightning keeps each submodule's mode:
+        # without this, fine-tuning a pretrained model would silently run without dropout.
+        self.model.train()
+        # ("train" cannot be a ModuleDict key: it would shadow nn.Module.train)
+        self.metrics = torch.nn.ModuleDict({f"{s}_metrics": ClassificationStats(num_labels) for s in ("train", "val", "test")})
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
+        """Logits, (B, num_labels)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+
+    def step_outputs(self, input_ids, attention_mask, token_type_ids=None, labels=None) -> dict[str, torch.Tensor]:
+        logits = self(input_ids, attention_mask, token_type_ids)
+        if labels is None:
+            return {"logits": logits}
+        # summed over the labelled rows (padding rows carry -100), then the mean for backward
+        loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        rows = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return {"loss": loss_sum / rows, "loss_sum": loss_sum.detach(), "logits": logits}
+
+    def update_metrics(self, stage: str, batch, out) -> None:
+        self.metrics[f"{stage}_metrics"].update(out["logits"], batch["labels"], out["loss_sum"])
+
+    def _log_epoch(self, stage: str) -> None:
+        metric = self.metrics[f"{stage}_metrics"]
+        values = metric.compute()  # one host read per epoch (and the DDP reduction)
+        metric.reset()
+        loss_name = "train/loss_epoch" if stage == "train" else f"{stage}/loss"
+        self.log(loss_name, values["loss"], prog_bar=stage != "train")
+        self.log(f"{stage}/acc", values["acc"], prog_bar=stage != "train")
+        self.log(f"{stage}/f1", values["f1"], prog_bar=stage != "train")
+
+    def validation_step(self, batch, batch_idx):
+        self.update_metrics("val", batch, self.eval_outputs(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.update_metrics("test", batch, self.eval_outputs(batch))
+
+    def on_train_epoch_end(self) -> None:
+        self._log_epoch("train")
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            self.metrics["val_metrics"].reset()
+            return
+        self._log_epoch("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test")
+
+    def predict_step(self, batch, batch_idx, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
+        logits = self.eval_outputs(batch)["logits"]
+        n = batch.get("num_rows", logits.shape[0])  # padding rows of static-shape batches are dropped
+        probs = logits[:n].float().softmax(-1)
+        return {"index": batch["index"][:n], "label": probs.argmax(-1), "probs": probs}

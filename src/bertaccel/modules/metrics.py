@@ -1,0 +1,82 @@
+"""Classification metrics that update without a host synchronisation.
+
+torchmetrics' `MulticlassAccuracy` / `MulticlassF1Score` validate their inputs and count with
+`torch.bincount`, both of which read device values on the host: one stall per step, which keeps
+the CPU from queueing the next CUDA-graph replay while the GPU works. `ClassificationStats` keeps a
+confusion matrix updated with `scatter_add_` (device only) plus the summed loss; accuracy, macro-F1
+and the mean loss are computed from it once per epoch (`compute`, synced across DDP ranks by
+torchmetrics). Rows labelled -100 (the padding rows of static-shape batches) are not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import Metric
+
+from bertaccel.data.masking import IGNORE_INDEX
+
+
+class ClassificationStats(Metric):
+    """Confusion matrix, row count and summed loss of a classifier over an epoch.
+
+    `compute()` returns `{"loss": mean loss per row, "acc": accuracy, "f1": macro-F1}`; macro-F1
+    averages over the classes that occur in the labels or the predictions (torchmetrics' rule).
+    """
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self, num_classes: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.num_classes = num_classes
+        self.add_state("confmat", torch.zeros(num_classes, num_classes, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("loss_sum", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor | None = None) -> None:
+        """`logits` (B, C), `labels` (B,) with -100 for rows to skip, `loss_sum`: the summed loss of
+        the counted rows (optional)."""
+        c = self.num_classes
+        preds = logits.argmax(-1)
+        valid = labels != IGNORE_INDEX
+        cell = torch.where(valid, labels.clamp(0, c - 1) * c + preds, c * c)  # skipped rows: a spare cell
+        counts = torch.zeros(c * c + 1, dtype=torch.long, device=logits.device)
+        counts.scatter_add_(0, cell, torch.ones_like(cell))
+        self.confmat += counts[:-1].view(c, c)
+        if loss_sum is not None:
+            self.loss_sum += loss_sum.detach().to(torch.float64)
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        cm = self.confmat.double()
+        n = cm.sum()
+        tp = cm.diagonal()
+        support, predicted = cm.sum(1), cm.sum(0)
+        denom = support + predicted
+        present = denom > 0
+        f1 = torch.where(present, 2 * tp / denom.clamp(min=1), torch.zeros_like(tp))
+        n_safe = n.clamp(min=1)
+        return {
+            "loss": (self.loss_sum / n_safe).float(),
+            "acc": (tp.sum() / n_safe).float(),
+            "f1": (f1.sum() / present.sum().clamp(min=1)).float(),
+        }
+
+
+class WeightedMean(Metric):
+    """Weighted mean of per-batch values, updated without host reads (torchmetrics' `MeanMetric`
+    checks for NaN on the host, and with that check disabled it drops the weights)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("weight", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
+        value = value.detach().to(torch.float64)
+        weight = torch.as_tensor(weight, dtype=torch.float64, device=value.device)
+        self.total += (value * weight).sum()
+        self.weight += weight.sum()
+
+    def compute(self) -> torch.Tensor:
+        return (self.total / self.weight.clamp(min=1e-12)).float()

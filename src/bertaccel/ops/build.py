@@ -1,0 +1,174 @@
+"""Build the CUDA extension on first use and load it into the `bertaccel` op namespace.
+
+`torch.utils.cpp_extension.load` + ninja compiles `csrc/*.cu` into a folder keyed by a hash of
+the sources, the flags, the torch/CUDA versions and the GPU arch, so a change to any of them
+rebuilds and nothing stale is loaded. Builds are serialised by a lock file that records the PID of
+its holder: a lock whose holder is dead (a build killed half-way) is removed instead of waited on
+forever (pytorch #189245). Under DDP, local rank 0 builds first and the other ranks load after.
+
+When there is no GPU, no CUDA compiler, or the build fails, `load()` returns False once with a
+clear message, and every op falls back to PyTorch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ["layer_norm_fwd.cu", "layer_norm_bwd.cu", "embeddings.cu", "softmax.cu", "gelu.cu"]
+HEADERS = ["common.cuh"]
+# --resource-usage prints registers / shared memory / spills per kernel into the (verbose) build log.
+CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]
+
+_state: dict[str, object] = {"loaded": None, "reason": ""}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BERTACCEL_CACHE", Path.home() / ".cache" / "bertaccel")) / "extensions"
+
+
+def _arch() -> str:
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if env:
+        return env
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor}"
+
+
+def build_key() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update(name.encode())
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join(CUDA_FLAGS).encode())
+    h.update(f"{torch.__version__}|{torch.version.cuda}|{_arch()}".encode())
+    return h.hexdigest()[:12]
+
+
+class BuildLock:
+    """An exclusive lock file holding `host:pid`; a lock left by a dead process is broken."""
+
+    def __init__(self, path: Path, poll: float = 1.0, timeout: float = 1800.0) -> None:
+        self.path, self.poll, self.timeout = path, poll, timeout
+
+    def _holder_alive(self) -> bool:
+        try:
+            host, pid = self.path.read_text().strip().split(":")
+        except (OSError, ValueError):
+            # unreadable or half-written: alive only if very fresh (the holder may be writing it now)
+            return self.path.exists() and time.time() - self.path.stat().st_mtime < 5
+        if host != socket.gethostname():
+            return time.time() - self.path.stat().st_mtime < self.timeout
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def __enter__(self) -> BuildLock:
+        start = time.time()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.write(fd, f"{socket.gethostname()}:{os.getpid()}".encode())
+                os.close(fd)
+                return self
+            except FileExistsError:
+                if not self._holder_alive():
+                    log.warning("removing a stale build lock %s (its process is gone)", self.path)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                if time.time() - start > self.timeout:
+                    raise TimeoutError(f"waited {self.timeout:.0f}s for the build lock {self.path}") from None
+                time.sleep(self.poll)
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _why_not() -> str | None:
+    if os.environ.get("BERTACCEL_DISABLE_CUDA_OPS") == "1":
+        return "BERTACCEL_DISABLE_CUDA_OPS=1"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None or shutil.which("nvcc", path=os.path.join(CUDA_HOME, "bin")) is None:
+        return "no CUDA compiler (nvcc) was found; install the CUDA toolkit or set CUDA_HOME"
+    return None
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (if needed) and load the kernels. True when the CUDA ops are registered."""
+    if _state["loaded"] is not None:
+        return bool(_state["loaded"])
+    reason = _why_not()
+    if reason is None:
+        try:
+            _build_and_load(verbose)
+        except Exception as e:  # noqa: BLE001 - any build failure means: use PyTorch
+            reason = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
+    _state["loaded"] = reason is None
+    _state["reason"] = reason or ""
+    if reason:
+        warnings.warn(f"bertaccel CUDA ops are off: {reason}. Falling back to PyTorch ops.", stacklevel=2)
+    return reason is None
+
+
+def unavailable_reason() -> str:
+    load()
+    return str(_state["reason"])
+
+
+def _build_and_load(verbose: bool) -> None:
+    from torch.utils.cpp_extension import load as cpp_load
+
+    from bertaccel.ops import library  # noqa: F401 - the schemas must exist before the kernels register
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _arch())
+    key = build_key()
+    build_dir = cache_root() / f"bertaccel_ops_{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    done = build_dir / "BUILT"
+    if local_rank != 0:  # rank 0 builds; the others wait for it, then load the same library
+        deadline = time.time() + 1800
+        while not done.exists() and time.time() < deadline:
+            time.sleep(1.0)
+    t0 = time.time()
+    library_file = build_dir / f"bertaccel_ops_{key}.so"
+    if done.exists() and library_file.exists():
+        # The folder is keyed by sources, flags, versions and arch: a finished build is current.
+        torch.ops.load_library(str(library_file))
+        log.info("bertaccel CUDA ops loaded from %s", library_file)
+        return
+    with BuildLock(build_dir / "bertaccel.lock"):
+        # torch's own baton file: we hold our lock, so any baton left here is from a dead build.
+        (build_dir / "lock").unlink(missing_ok=True)
+        if not done.exists():
+            print(f"bertaccel: building the CUDA ops (first use, about a minute) in {build_dir}", flush=True)
+        cpp_load(
+            name=f"bertaccel_ops_{key}",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=CUDA_FLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+        done.touch()
+    log.info("bertaccel CUDA ops loaded in %.1fs from %s", time.time() - t0, build_dir)

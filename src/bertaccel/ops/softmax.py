@@ -1,0 +1,64 @@
+"""Softmax over the last dimension with a scale and an additive or boolean mask (csrc/softmax.cu),
+and the BERT self-attention that uses it in place of eager attention's scale, mask-add and softmax."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bertaccel.ops import library
+from bertaccel.ops._dispatch import compute_dtype, note_fallback, why_not
+from bertaccel.ops.library import softmax_reference
+
+__all__ = ["softmax", "softmax_reference", "FusedBertSelfAttention"]
+
+
+def softmax(x: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
+    """softmax(x * scale + mask, dim=-1) in one pass. `mask`: None, additive (any float dtype) or
+    boolean (True = attend), 4-d and broadcastable to x [batch, heads, query, key]. A row whose keys
+    are all masked gives zeros. Runs PyTorch (same result) where the kernel cannot."""
+    reason = why_not(x, hidden=1)  # rows of any length up to 8192 are fine; check the length below
+    if reason is None and x.shape[-1] > 8192:
+        reason = f"rows of {x.shape[-1]} are above 8192"
+    if reason is None and mask is not None and (x.dim() != 4 or mask.dim() != 4 or not mask.is_cuda):
+        reason = "mask is not a 4-d CUDA tensor beside 4-d scores"
+    if reason is not None:
+        note_fallback("softmax", reason)
+        return softmax_reference(x, mask, scale).to(x.dtype)
+    return library.softmax_fwd(x.contiguous(), mask, float(scale))
+
+
+class FusedBertSelfAttention(nn.Module):
+    """Replaces an HF `BertSelfAttention` that runs *eager* attention: the scores matmul, then
+    scale + mask + softmax in one kernel (eager runs three), dropout, and the values matmul. Holds
+    the original's `query`/`key`/`value`/`dropout` (same Parameters and state_dict keys) and runs
+    the original module for what it does not cover (a KV cache, no GPU). SDPA and flash attention
+    never materialise the softmax, so the kernel swap leaves those modules alone."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.query, self.key, self.value, self.dropout = original.query, original.key, original.value, original.dropout
+        self.config = original.config
+        self.num_attention_heads, self.attention_head_size = original.num_attention_heads, original.attention_head_size
+        self.all_head_size, self.scaling = original.all_head_size, original.scaling
+        self.is_decoder, self.is_causal, self.layer_idx = original.is_decoder, original.is_causal, original.layer_idx
+        object.__setattr__(self, "_original", original)  # not a submodule: its children are ours
+        self.train(original.training)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, past_key_values=None, **kwargs):
+        reason = "a KV cache is in use" if past_key_values is not None else why_not(
+            hidden_states, hidden=1, dtype=compute_dtype(hidden_states))
+        if reason is not None:
+            note_fallback("attention softmax", reason)
+            # the original's forward, not its __call__: the hooks it shares with this module fire once
+            return type(self._original).forward(self._original, hidden_states, attention_mask, past_key_values, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.attention_head_size)
+        q = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+        probs = softmax(torch.matmul(q, k.transpose(2, 3)), attention_mask, self.scaling)
+        probs = F.dropout(probs, p=self.dropout.p, training=self.training)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        return out, probs
