@@ -76,10 +76,11 @@ def test_predict_writes_labels_and_probabilities(tiny_config, tmp_path):
     assert len(rows) == 48  # every test row, once
     assert sorted(r["index"] for r in rows) == list(range(48))
     for r in rows:
-        assert r["label"] == max(range(2), key=lambda i: r["probs"][i])
+        assert r["prediction"] == max(range(2), key=lambda i: r["probs"][i])
         assert sum(r["probs"]) == pytest.approx(1.0, abs=1e-4)
-        assert r["text"]
-    assert not out.with_name(out.name + ".partial").exists()
+        assert r["text"] and r["label"] in (0, 1)  # the true class of the labelled test split
+    assert sum(r["prediction"] == r["label"] for r in rows) > 0
+    assert not list(out.parent.glob("*.partial"))
 
 
 def test_python_dash_m_entry_point_errors_cleanly(tmp_path, capsys):

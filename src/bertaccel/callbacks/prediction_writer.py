@@ -1,4 +1,10 @@
-"""Write `predict` results as JSON Lines: one row per input with its predicted label and class probabilities."""
+"""Write `predict` results as JSON Lines: one row per input with the predicted class, its
+probabilities and, when the split is labelled, the true label.
+
+Works under DDP: every rank streams its share to a shard next to the target, and rank 0 merges the
+shards once all ranks are done (rows in dataset order, each exactly once: `DistributedSampler` pads
+the last ranks' shares with repeated rows, which are dropped by their index).
+"""
 
 from __future__ import annotations
 
@@ -16,10 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class JsonlPredictionWriter(BasePredictionWriter):
-    """Writes `{"index", "text", "label", "label_name", "probs"}` per input to a .jsonl file.
+    """Writes `{"index", "text", "prediction", "prediction_name", "probs", "label", "label_name"}`
+    per input to a .jsonl file (`label` / `label_name`: the true class, when the split has labels;
+    `*_name` when the class names are known).
 
-    Rows are streamed to `<path>.partial` and renamed when prediction ends, so an interrupted run
-    never leaves a truncated file under the final name.
+    Rows are streamed to `<path>.rank<N>.partial` and merged and renamed when prediction ends, so an
+    interrupted run never leaves a truncated file under the final name.
 
     Args:
         output_path: Where to write; default `<log_dir>/predictions.jsonl`.
@@ -34,16 +42,23 @@ class JsonlPredictionWriter(BasePredictionWriter):
     def _target(self, trainer: pl.Trainer) -> Path:
         if self.output_path:
             return Path(self.output_path)
-        root = trainer.log_dir or trainer.default_root_dir
+        root = trainer.log_dir or trainer.default_root_dir  # collective under DDP: every rank calls it
         return Path(root) / "predictions.jsonl"
+
+    def _shard(self, rank: int) -> Path:
+        return self._path.with_name(f"{self._path.name}.rank{rank}.partial")
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "predict":
+            self._path = self._target(trainer)
 
     @override
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero and trainer.world_size > 1:
-            return
-        self._path = self._target(trainer)
+        if self._path is None:
+            self._path = self._target(trainer)
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self._path.with_name(self._path.name + ".partial"), "w", encoding="utf-8")
+        self._file = open(self._shard(trainer.global_rank), "w", encoding="utf-8")
 
     @override
     def write_on_batch_end(self, trainer, pl_module, prediction: Any, batch_indices, batch, batch_idx, dataloader_idx=0):
@@ -52,14 +67,21 @@ class JsonlPredictionWriter(BasePredictionWriter):
         dm = trainer.datamodule
         names = getattr(dm, "class_names", None)
         split = getattr(dm, "predict_split", None)
-        for idx, label, probs in zip(prediction["index"].tolist(), prediction["label"].tolist(), prediction["probs"].tolist()):
-            row = {"index": idx}
+        labels = prediction.get("label")
+        labels = labels.tolist() if labels is not None else [None] * len(prediction["index"])
+        for idx, pred, probs, label in zip(prediction["index"].tolist(), prediction["prediction"].tolist(),
+                                           prediction["probs"].tolist(), labels):
+            row: dict[str, Any] = {"index": idx}
             if split is not None and hasattr(dm, "text_of"):
                 row["text"] = dm.text_of(split, idx)
-            row["label"] = label
+            row["prediction"] = pred
             if names:
-                row["label_name"] = names[label]
+                row["prediction_name"] = names[pred]
             row["probs"] = [round(p, 6) for p in probs]
+            if label is not None and label >= 0:
+                row["label"] = label
+                if names:
+                    row["label_name"] = names[label]
             self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     @override
@@ -68,6 +90,20 @@ class JsonlPredictionWriter(BasePredictionWriter):
             return
         self._file.close()
         self._file = None
-        os.replace(self._path.with_name(self._path.name + ".partial"), self._path)
-        log.info("predictions written to %s", self._path)
-        print(f"predictions written to {self._path}")
+        trainer.strategy.barrier("predictions_written")
+        if trainer.is_global_zero:
+            rows: dict[int, str] = {}
+            for rank in range(trainer.world_size):
+                shard = self._shard(rank)
+                with open(shard, encoding="utf-8") as f:
+                    for line in f:
+                        rows.setdefault(json.loads(line)["index"], line)  # padded repeats: first copy wins
+            partial = self._path.with_name(self._path.name + ".partial")
+            with open(partial, "w", encoding="utf-8") as f:
+                f.writelines(rows[i] for i in sorted(rows))
+            os.replace(partial, self._path)
+            for rank in range(trainer.world_size):
+                self._shard(rank).unlink(missing_ok=True)
+            log.info("predictions written to %s", self._path)
+            print(f"predictions written to {self._path} ({len(rows)} rows)")
+        trainer.strategy.barrier("predictions_merged")

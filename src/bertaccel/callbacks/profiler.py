@@ -54,6 +54,13 @@ def categorize(kernel: str) -> str:
     return "other"
 
 
+
+def _enter_range(name: str) -> torch.profiler.record_function:
+    """Open a labelled profiler range that a later hook closes (`.__exit__(None, None, None)`)."""
+    rf = torch.profiler.record_function(name)
+    rf.__enter__()
+    return rf
+
 class _RegionHooks:
     """Forward pre/post hooks that open and close profiler ranges around BERT's submodules."""
 
@@ -63,11 +70,11 @@ class _RegionHooks:
 
     def add(self, module: torch.nn.Module, label: str) -> None:
         def pre(mod, args):
-            self.open[id(mod)].append(torch.ops.profiler._record_function_enter_new(label, None))
+            self.open[id(mod)].append(_enter_range(label))
 
         def post(mod, args, out):
             if self.open[id(mod)]:
-                torch.ops.profiler._record_function_exit(self.open[id(mod)].pop())
+                self.open[id(mod)].pop().__exit__(None, None, None)
 
         self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
@@ -133,7 +140,7 @@ class ProfilerCallback(pl.Callback):
     def _begin(self, trainer, pl_module, stage: str) -> None:
         if not self.enabled or stage not in self.stages or self._prof is not None or trainer.sanity_checking:
             return
-        out = self._dir(trainer)
+        out = self._out = self._dir(trainer)  # every rank: `trainer.log_dir` is a collective under DDP
         out.mkdir(parents=True, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if trainer.strategy.root_device.type == "cuda":
@@ -162,7 +169,7 @@ class ProfilerCallback(pl.Callback):
         prof.__exit__(None, None, None)
         self._hooks.remove()
         for handle in self._ranges.values():
-            torch.ops.profiler._record_function_exit(handle)
+            handle.__exit__(None, None, None)
         self._ranges.clear()
         if trainer.is_global_zero:
             self._report(trainer, prof, stage)
@@ -171,13 +178,13 @@ class ProfilerCallback(pl.Callback):
         if self._prof is None or self._stage != "train":
             return
         if open_:
-            self._ranges[name] = torch.ops.profiler._record_function_enter_new(name, None)
+            self._ranges[name] = _enter_range(name)
         elif name in self._ranges:
-            torch.ops.profiler._record_function_exit(self._ranges.pop(name))
+            self._ranges.pop(name).__exit__(None, None, None)
 
     # -------------------------------------------------------------------------------- report
     def _report(self, trainer, prof, stage: str) -> None:
-        out = self._dir(trainer)
+        out = self._out
         try:
             averages = prof.key_averages()
         except (AssertionError, RuntimeError):

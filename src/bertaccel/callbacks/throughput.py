@@ -9,6 +9,8 @@ How it stays honest:
   epoch ends, so validation, checkpoint saving and epoch-end work are not charged to training;
 - real tokens are the attention mask's ones (padding excluded), summed on the device and read lazily;
 - the first `warmup_steps` of every stage (compilation, cuDNN autotune, allocator growth) are excluded;
+- under DDP the numbers are global: samples, tokens and FLOPs summed over ranks, over the slowest
+  rank's time; step times are each rank's own (`step_ms_p50_per_rank`);
 - MFU = the model's matmul FLOPs (src/bertaccel/modules/flops.py; the executed, padded shape) / time / peak;
   backward counts as 2x forward. Lightning's sanity-check batches are skipped.
 """
@@ -100,6 +102,7 @@ class ThroughputMeter(pl.Callback):
         self.peak_tflops = peak_tflops
         self.output_file = output_file
         self.stages: dict[str, _Stage] = {}
+        self._root: Path | None = None
         self.results: dict[str, dict[str, float]] = {}
 
     # -------------------------------------------------------------------------------- helpers
@@ -186,25 +189,44 @@ class ThroughputMeter(pl.Callback):
         self._sync(trainer)
         self._read_events(st)
         elapsed = self._elapsed(st)
-        real = float(st.real)
+        samples, real, padded, flops = float(st.samples), float(st.real), float(st.padded), float(st.flops)
+        p50 = percentile(st.step_ms, 0.5)
+        world = trainer.world_size
+        per_rank_p50 = [p50]
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # every rank reaches this point at the same step (same batch counts under DDP)
+            dev = trainer.strategy.root_device
+            totals = torch.tensor([samples, real, padded, flops], dtype=torch.float64, device=dev)
+            torch.distributed.all_reduce(totals)
+            slowest = torch.tensor([elapsed], dtype=torch.float64, device=dev)
+            torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+            mine = torch.tensor([p50], dtype=torch.float64, device=dev)
+            gathered = [torch.zeros_like(mine) for _ in range(world)]
+            torch.distributed.all_gather(gathered, mine)
+            samples, real, padded, flops = totals.tolist()
+            elapsed = float(slowest)
+            per_rank_p50 = [float(t) for t in gathered]
         out = {
             "steps": float(st.steps - self.warmup_steps),
-            "samples_per_s": st.samples / elapsed,
+            "samples_per_s": samples / elapsed,
             "real_tokens_per_s": real / elapsed,
-            "padded_tokens_per_s": st.padded / elapsed,
-            "padding_fraction": 1 - real / st.padded if st.padded else 0.0,
+            "padded_tokens_per_s": padded / elapsed,
+            "padding_fraction": 1 - real / padded if padded else 0.0,
             "step_ms_mean": statistics.fmean(st.step_ms) if st.step_ms else float("nan"),
-            "step_ms_p50": percentile(st.step_ms, 0.5),
+            "step_ms_p50": p50,
             "step_ms_p90": percentile(st.step_ms, 0.9),
             "data_wait_ms_mean": 1e3 * st.wait_s / max(st.steps - self.warmup_steps, 1),
-            "tflops_per_s": float(st.flops) / elapsed / 1e12,
+            "tflops_per_s": flops / elapsed / 1e12,
+            "world_size": float(world),
         }
+        if world > 1:
+            out["step_ms_p50_per_rank"] = per_rank_p50
         device = trainer.strategy.root_device
         if device.type == "cuda":
             out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         peak = peak_flops(device, str(trainer.precision), self.peak_tflops * 1e12 if self.peak_tflops else None)
         if peak:
-            out["mfu"] = float(st.flops) / elapsed / peak
+            out["mfu"] = flops / elapsed / peak / world  # of the peak of all the ranks' GPUs
         return out
 
     def _finish(self, trainer, stage: str) -> None:
@@ -218,18 +240,23 @@ class ThroughputMeter(pl.Callback):
             return
         self.results[stage] = stats
         if trainer.is_global_zero:
-            root = Path(trainer.log_dir or trainer.default_root_dir)
+            root = self._root or Path(trainer.default_root_dir)
             root.mkdir(parents=True, exist_ok=True)
             path = root / self.output_file
             old = json.loads(path.read_text()) if path.is_file() else {}
-            old[stage] = {k: round(v, 6) for k, v in stats.items()}
+            old[stage] = {k: [round(x, 6) for x in v] if isinstance(v, list) else round(v, 6) for k, v in stats.items()}
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(old, indent=2))
             tmp.replace(path)
-            shown = ", ".join(f"{k}={v:.4g}" for k, v in stats.items())
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in stats.items() if not isinstance(v, list))
             rank_zero_info(f"throughput ({stage}): {shown}  -> {path}")
 
     # -------------------------------------------------------------------------------- hooks
+    @override
+    def setup(self, trainer, pl_module, stage):
+        # every rank: `trainer.log_dir` broadcasts under DDP, so rank 0 alone must not ask for it later
+        self._root = Path(trainer.log_dir or trainer.default_root_dir) if self.enabled else None
+
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._start(trainer, pl_module, "train", batch)

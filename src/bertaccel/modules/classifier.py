@@ -122,4 +122,7 @@ class BertClassifier(BertModule):
         logits = self.eval_outputs(batch)["logits"]
         n = batch.get("num_rows", logits.shape[0])  # padding rows of static-shape batches are dropped
         probs = logits[:n].float().softmax(-1)
-        return {"index": batch["index"][:n], "label": probs.argmax(-1), "probs": probs}
+        out = {"index": batch["index"][:n], "prediction": probs.argmax(-1), "probs": probs}
+        if isinstance(batch.get("labels"), torch.Tensor):
+            out["label"] = batch["labels"][:n]  # the true class (-100 where the split has none)
+        return out
