@@ -52,12 +52,16 @@ class StopAfterEpochs(Callback):
             trainer.should_stop = True
 
 
-def test_resume_from_last_equals_an_uninterrupted_run(tiny_config):
-    straight = cli("fit", "-c", tiny_config("straight", epochs=2))
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_resume_from_last_equals_an_uninterrupted_run(tiny_config, dropout):
+    """With dropout on, equality needs the random states in the checkpoint (dropout masks)."""
+    model = ["--model.init_args.config", json.dumps({**TINY_BERT, "hidden_dropout_prob": dropout,
+                                                      "attention_probs_dropout_prob": dropout})]
+    straight = cli("fit", "-c", tiny_config("straight", epochs=2), *model)
     cfg = tiny_config("resumed", epochs=2)
-    first = cli("fit", "-c", cfg, "--trainer.callbacks", "tests.test_cli.StopAfterEpochs")
+    first = cli("fit", "-c", cfg, *model, "--trainer.callbacks", "tests.test_cli.StopAfterEpochs")
     assert first.trainer.global_step * 2 == straight.trainer.global_step
-    resumed = cli("fit", "-c", cfg, "--ckpt_path", "last")
+    resumed = cli("fit", "-c", cfg, *model, "--ckpt_path", "last")
     assert resumed.trainer.global_step == straight.trainer.global_step
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     for k in a:
@@ -163,3 +167,39 @@ def test_shipped_configs_resolve_from_any_directory(tmp_path, monkeypatch):
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "class_path: bertaccel.modules.BertClassifier" in out.stdout
+
+
+def test_last_checkpoint_is_always_the_latest_state(tiny_config, tmp_path):
+    """Lightning writes last.ckpt only with a new top-k file: with a diverging lr (no improvement)
+    and validation every 3 batches, the steps after the last save were lost. Now last.ckpt holds the
+    final step, a second fit replaces it (no last-v1.ckpt), and says so."""
+    cfg = tiny_config("latest", epochs=2)
+    args = ["--trainer.val_check_interval", "3", "--model.init_args.lr", "0.5"]
+    run = cli("fit", "-c", cfg, *args)
+    ckpt_dir = tmp_path / "runs" / "latest" / "checkpoints"
+    last = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
+    assert last["global_step"] == run.trainer.global_step == 16
+    again = cli("fit", "-c", cfg, *args, "--trainer.max_epochs", "1")
+    assert not list(ckpt_dir.glob("last-v*.ckpt"))
+    assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == again.trainer.global_step == 8
+    assert not list(ckpt_dir.glob(".*.partial"))  # written next to the target and renamed
+
+
+def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
+    """A save that dies midway leaves the previous checkpoint intact and no temporary file."""
+    from bertaccel.callbacks.checkpoint import AtomicCheckpointIO
+
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, target)
+
+    def dies(obj, f, *a, **k):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dies)
+    with pytest.raises(OSError):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}}, target)
+    monkeypatch.undo()
+    assert torch.equal(torch.load(target, weights_only=True)["state_dict"]["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

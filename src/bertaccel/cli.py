@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from bertaccel.callbacks.checkpoint import AtomicCheckpointIO, LatestCheckpoint
 from bertaccel.callbacks.kernel_swap import KernelSwap
 from bertaccel.callbacks.prediction_writer import JsonlPredictionWriter
 from bertaccel.callbacks.profiler import ProfilerCallback
@@ -37,7 +39,7 @@ def best_checkpoint_in(dirpath: Path) -> Path:
     last = dirpath / "last.ckpt"
     state = load_checkpoint(last)
     for key, cb in state.get("callbacks", {}).items():
-        if key.startswith("ModelCheckpoint") and cb.get("best_model_path"):
+        if isinstance(cb, dict) and cb.get("best_model_path"):  # a ModelCheckpoint's state (any subclass)
             best = Path(cb["best_model_path"])
             if not best.is_file():  # the run directory may have moved since
                 best = dirpath / best.name
@@ -83,7 +85,7 @@ class BertAccelCLI(LightningCLI):
         parser.link_arguments("data.num_labels", "model.init_args.num_labels", apply_on="instantiate")
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
         # Always-present callbacks, each configurable under its own key (e.g. --checkpoint.monitor).
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(LatestCheckpoint, "checkpoint")
         parser.set_defaults(
             {
                 "checkpoint.monitor": "val/acc",
@@ -92,6 +94,8 @@ class BertAccelCLI(LightningCLI):
                 "checkpoint.save_top_k": 1,
                 "checkpoint.filename": "epoch{epoch}-step{step}",
                 "checkpoint.auto_insert_metric_name": False,
+                # one last.ckpt per experiment: a second fit replaces it rather than writing last-v1.ckpt
+                "checkpoint.enable_version_counter": False,
             }
         )
         parser.add_lightning_class_args(JsonlPredictionWriter, "predictions")
@@ -133,6 +137,20 @@ class BertAccelCLI(LightningCLI):
         if ckpt_path and ckpt_path not in ("best", "last", "hpc", "registry"):
             load_checkpoint(ckpt_path)  # fails with a clear message when missing or damaged
         super()._parse_ckpt_path()
+
+    def instantiate_trainer(self, **kwargs: Any):
+        trainer = super().instantiate_trainer(**kwargs)
+        # checkpoints written next to their target and renamed into place (never half-written)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
+
+    def before_fit(self) -> None:
+        directory = self._checkpoint_dir()
+        earlier = sorted(directory.glob("*.ckpt")) if directory.is_dir() else []
+        if earlier and not self.config.fit.get("ckpt_path") and self.trainer.is_global_zero:
+            print(f"bertaccel: {directory} holds {len(earlier)} checkpoint(s) of an earlier run; this run replaces "
+                  "last.ckpt and records its own best (to continue the earlier run instead: --ckpt_path last).")
 
     def after_fit(self) -> None:
         if self.config.fit.get("test_after_fit") and not self.trainer.interrupted:

@@ -324,6 +324,9 @@ class TextClassificationDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            # worker seeds from the loader's own generator: making an iterator does not draw from the
+            # global RNG, whose state checkpoints carry (exact resume with dropout)
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def train_dataloader(self) -> DataLoader:

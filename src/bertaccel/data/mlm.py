@@ -238,6 +238,9 @@ class MLMDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            # worker seeds from the loader's own generator: making an iterator does not draw from the
+            # global RNG, whose state checkpoints carry (exact resume with dropout)
+            generator=torch.Generator().manual_seed(self.seed),
             drop_last=train,
         )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -52,6 +53,37 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def rng_states() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and CUDA random states, as tensors and plain values (loadable with
+    `torch.load(weights_only=True)`)."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    import numpy as np
+
+    if "python" in states:
+        version, internal, gauss = states["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in states:
+        kind, keys, pos, has_gauss, gauss = states["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 class BertModule(pl.LightningModule):
@@ -94,6 +126,7 @@ class BertModule(pl.LightningModule):
         self._micro = 0
         self._train_loss_window: torch.Tensor | None = None
         self._static_grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._rng_to_restore: dict[str, Any] | None = None
         self.lr = lr
         self.weight_decay = weight_decay
         self.warmup_ratio = warmup_ratio
@@ -411,7 +444,8 @@ class BertModule(pl.LightningModule):
 
     # ------------------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["bertaccel"] = {"architecture": architecture_of(self.model), "class": type(self).__name__}
+        checkpoint["bertaccel"] = {"architecture": architecture_of(self.model), "class": type(self).__name__,
+                                   "rng": rng_states()}
         # Graphed runs keep learning rates in device tensors; store plain floats so the checkpoint
         # resumes the same way eager, on another device or on CPU.
         for state in checkpoint.get("optimizer_states", []):
@@ -424,9 +458,17 @@ class BertModule(pl.LightningModule):
                 if isinstance(state.get(key), list):
                     state[key] = [float(v) if isinstance(v, torch.Tensor) else v for v in state[key]]
 
+    def on_train_start(self) -> None:
+        # Resuming: continue the random streams (dropout masks, loader seeds) where the saved run was,
+        # so that a resumed run draws what the uninterrupted one would have drawn.
+        states, self._rng_to_restore = self._rng_to_restore, None
+        if states:
+            set_rng_states(states)
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.release_graphs()  # loaded optimizer state replaces tensors that graphs point to
         saved = checkpoint.get("bertaccel", {})
+        self._rng_to_restore = saved.get("rng")
         if saved.get("class") not in (None, type(self).__name__):
             raise CheckpointError(
                 f"the checkpoint holds a {saved['class']} but the config builds a {type(self).__name__}; "
