@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
+from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
 
 from bertaccel.callbacks.checkpoint import AtomicCheckpointIO, LatestCheckpoint
@@ -60,7 +61,28 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"{path} is not a Lightning checkpoint (no state_dict).")
+    if "pytorch-lightning_version" not in ckpt or not ckpt["state_dict"]:
+        raise CheckpointError(f"{path} is not a checkpoint written by Lightning (no version, or no weights); "
+                              "pass a .ckpt file that `bertaccel fit` saved.")
     return ckpt
+
+
+def check_config_against_checkpoint(ckpt: dict[str, Any], model_config, path) -> None:
+    """Fail, naming the fields, when the config asks for another model than the checkpoint holds
+    (Lightning would otherwise replace the config's values with the checkpoint's, silently)."""
+    saved = ckpt.get("bertaccel", {})
+    class_path = str(model_config.get("class_path", "")) if model_config is not None else ""
+    if saved.get("class") and class_path and class_path.rsplit(".", 1)[-1] != saved["class"]:
+        raise CheckpointError(f"{path} holds a {saved['class']} but the config builds a {class_path}; "
+                              "use the config the checkpoint was trained with.")
+    init = (model_config.get("init_args") if model_config is not None else None) or {}
+    mine = dict(init.get("config") or {})
+    theirs = dict((ckpt.get("hyper_parameters") or {}).get("config") or {})
+    diffs = {k: (theirs[k], mine[k]) for k in sorted(mine.keys() & theirs.keys()) if mine[k] != theirs[k]}
+    if diffs:
+        detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diffs.items())
+        raise CheckpointError(f"{path} does not match the config's model ({detail}); use the config it was "
+                              "trained with, or drop these fields from model.init_args.config.")
 
 
 class BertAccelCLI(LightningCLI):
@@ -68,7 +90,9 @@ class BertAccelCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("parser_kwargs", {"default_env": True})
+        # parse errors raise (and `main` prints them in a few lines) instead of printing the whole usage
+        quiet = {"default_env": True, "exit_on_error": False}
+        kwargs.setdefault("parser_kwargs", {**quiet, **{cmd: dict(quiet) for cmd in ("fit", "validate", "test", "predict")}})
         kwargs.setdefault(
             "trainer_defaults",
             {
@@ -134,8 +158,16 @@ class BertAccelCLI(LightningCLI):
             resolved = best_checkpoint_in(directory) if ckpt_path == "best" else directory / "last.ckpt"
             cfg.ckpt_path = ckpt_path = str(resolved)
             print(f"bertaccel: --ckpt_path {'best' if 'last' not in resolved.name else 'last'} is {resolved}")
+        if ckpt_path == "last" and self.config.subcommand == "fit":
+            last = self._checkpoint_dir() / "last.ckpt"
+            if last.is_file():
+                cfg.ckpt_path = ckpt_path = str(last)  # one rule for "last" in every subcommand
+            else:
+                print(f"bertaccel: --ckpt_path last: no {last} yet; training from the start.")
+                cfg.ckpt_path = ckpt_path = None
         if ckpt_path and ckpt_path not in ("best", "last", "hpc", "registry"):
-            load_checkpoint(ckpt_path)  # fails with a clear message when missing or damaged
+            # fails with a clear message when missing, damaged, or for another model than the config's
+            check_config_against_checkpoint(load_checkpoint(ckpt_path), cfg.get("model"), ckpt_path)
         super()._parse_ckpt_path()
 
     def instantiate_trainer(self, **kwargs: Any):
@@ -190,12 +222,37 @@ def resolve_config_args(args: list[str]) -> list[str]:
     return out
 
 
+def _option_error_lines(text: str) -> list[str]:
+    """The informative lines of a jsonargparse message: the key and the specific complaints
+    (not the "Expected a NoneType" of every optional field, nor the dump of the given values)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    keys = [line for line in lines if line.startswith("Parser key")]
+    specific = [line.lstrip("- ") for line in lines
+                if line.startswith("- ") and "NoneType" not in line and not line.startswith("- Problem with given class_path")]
+    specific += [line for line in lines if "is not accepted" in line and not line.startswith("- ")]
+    return (keys[:1] + specific[:4]) or lines[:3]
+
+
 def main(args: list[str] | None = None) -> None:
+    import warnings
+
+    # `args` is sys.argv with the shipped config paths resolved: not a mistake, as Lightning suspects
+    warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+    args = list(sys.argv[1:] if args is None else args)
+    command = next((a for a in args if a in ("fit", "validate", "test", "predict")), "")
     try:
-        args = resolve_config_args(list(sys.argv[1:] if args is None else args))
+        args = resolve_config_args(args)
         BertAccelCLI(args=args)
     except BertAccelError as e:
         print(f"bertaccel: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (ArgumentError, ValueError) as e:
+        # a bad option or value (parser), or a class rejecting its arguments while jsonargparse builds it
+        text = str(e)
+        if not isinstance(e, ArgumentError) and "Does not validate against any of the Union subtypes" not in text:
+            raise
+        shown = "\n  ".join(_option_error_lines(text))
+        print(f"bertaccel: error: {shown}\n(all options: bertaccel {command} --help)", file=sys.stderr)
         raise SystemExit(2) from None
 
 

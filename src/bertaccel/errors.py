@@ -19,3 +19,10 @@ class ConfigError(BertAccelError):
 
 class CheckpointError(BertAccelError):
     """A checkpoint that is missing, corrupt, or does not match the config."""
+
+
+def check_batch_sizes(batch_size: int, eval_batch_size: int | None) -> None:
+    """Batch sizes are positive integers (`data.batch_size`, `data.eval_batch_size`)."""
+    for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DataError(f"data.{name} must be a positive integer, got {value!r}; e.g. --data.init_args.{name} 16.")

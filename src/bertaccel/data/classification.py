@@ -15,7 +15,7 @@ from bertaccel.data.collate import ClassificationCollator, bucket_lengths
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, read_table
 from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
-from bertaccel.errors import DataError
+from bertaccel.errors import DataError, check_batch_sizes
 from bertaccel.pretrained import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         if predict_split not in ("train", "validation", "test"):
             raise DataError(f"predict_split must be train, validation or test, got '{predict_split}'.")
+        check_batch_sizes(batch_size, eval_batch_size)
         if max_length < 8:
             raise DataError(f"max_length {max_length} is too small; use at least 8 tokens.")
         self.dataset = dataset

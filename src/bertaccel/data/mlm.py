@@ -14,7 +14,7 @@ from bertaccel.data.masking import continuation_table, mask_tokens, special_tabl
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import TEXT_SUFFIXES, TABLE_SUFFIXES, find_split_file, load_hub_dataset, read_text_documents
 from bertaccel.data.tokenized import tokenize_texts
-from bertaccel.errors import DataError
+from bertaccel.errors import DataError, check_batch_sizes
 from bertaccel.pretrained import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ class MLMDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_batch_sizes(batch_size, eval_batch_size)
         if not 0 < mlm_probability < 1:
             raise DataError(f"mlm_probability must be in (0, 1), got {mlm_probability}.")
         if mask_fraction + random_fraction > 1:

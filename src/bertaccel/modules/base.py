@@ -103,6 +103,10 @@ class BertModule(pl.LightningModule):
         compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None,
     ) -> None:
         super().__init__()
+        if not lr > 0:
+            raise ConfigError(f"model.lr must be positive, got {lr}; BERT fine-tuning uses 1e-5 to 1e-4.")
+        if weight_decay < 0:
+            raise ConfigError(f"model.weight_decay must be at least 0, got {weight_decay}.")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
         if compile not in COMPILE_MODES:
