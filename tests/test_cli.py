@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from bertaccel.cli import BertAccelCLI, main
+from bertaccel.cli import SHIPPED_CONFIGS, BertAccelCLI, main
 from tests.conftest import TINY_BERT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,12 +89,12 @@ def test_predict_writes_labels_and_probabilities(tiny_config, tmp_path):
 
 def test_python_dash_m_entry_point_errors_cleanly(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["fit", "-c", str(REPO / "configs" / "quickstart.yaml"), "--data.init_args.dataset", str(tmp_path / "nope")])
+        main(["fit", "-c", str(SHIPPED_CONFIGS / "quickstart.yaml"), "--data.init_args.dataset", str(tmp_path / "nope")])
     assert e.value.code == 2
     assert "does not exist" in capsys.readouterr().err
 
 
-SHIPPED = sorted(p for p in (REPO / "configs").glob("*.yaml"))
+SHIPPED = sorted(p for p in (SHIPPED_CONFIGS).glob("*.yaml"))
 
 
 @pytest.mark.parametrize("config", SHIPPED, ids=lambda p: p.name)
@@ -124,7 +124,7 @@ def test_every_shipped_config_parses_and_instantiates(config, tiny_data, tiny_co
 
 
 def test_presets_compose_with_an_experiment(tiny_config):
-    presets = {p.stem: p for p in (REPO / "configs" / "presets").glob("*.yaml")}
+    presets = {p.stem: p for p in (SHIPPED_CONFIGS / "presets").glob("*.yaml")}
     assert {"baseline", "bf16"} <= set(presets)
     run = BertAccelCLI(args=["-c", tiny_config("preset"), "-c", str(presets["baseline"])], run=False)
     assert run.model.model.config._attn_implementation == "eager"
@@ -136,10 +136,10 @@ def test_presets_compose_with_an_experiment(tiny_config):
 
 
 def test_every_preset_composes_and_graphs_fall_back_on_cpu(tiny_config):
-    for preset in sorted((REPO / "configs" / "presets").glob("*.yaml")):
+    for preset in sorted((SHIPPED_CONFIGS / "presets").glob("*.yaml")):
         run = BertAccelCLI(args=["-c", tiny_config("preset"), "-c", str(preset)], run=False)
         assert run.model is not None, preset.name
-    graphs = BertAccelCLI(args=["-c", tiny_config("graphs"), "-c", str(REPO / "configs/presets/graphs.yaml"),
+    graphs = BertAccelCLI(args=["-c", tiny_config("graphs"), "-c", str(SHIPPED_CONFIGS / "presets" / "graphs.yaml"),
                                 "--trainer.precision", "32-true"], run=False)
     assert graphs.model.cuda_graphs
     graphs.trainer.fit(graphs.model, datamodule=graphs.datamodule)
