@@ -203,3 +203,23 @@ def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.equal(torch.load(target, weights_only=True)["state_dict"]["w"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_export_writes_a_model_that_transformers_loads_and_bertaccel_fine_tunes(tiny_config, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    cfg = tiny_config("exp", epochs=1)
+    run = cli("fit", "-c", cfg)
+    out = tmp_path / "exported"
+    main(["export", "-c", cfg, "--ckpt_path", "last", "--output_dir", str(out)])
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    enc = tok(["a wonderful film", "dull and long"], return_tensors="pt", padding=True)
+    mine = run.model.eval()
+    with torch.no_grad():
+        expected = mine(enc["input_ids"], enc["attention_mask"], enc.get("token_type_ids"))
+        torch.testing.assert_close(hf(**enc).logits, expected)
+    # the folder is a `pretrained` for a new fine-tune (e.g. after MLM pretraining)
+    again = cli("fit", "-c", tiny_config("from_export", epochs=1), "--model.init_args.pretrained", str(out),
+                "--model.init_args.config", "{}", "--trainer.limit_train_batches", "2")
+    assert again.trainer.global_step == 2

@@ -2,6 +2,7 @@
 
     bertaccel fit -c configs/quickstart.yaml
     bertaccel test -c configs/imdb.yaml --ckpt_path best
+    bertaccel export -c configs/imdb.yaml --ckpt_path best --output_dir my-imdb-bert
     python -m bertaccel validate -c configs/ag_news.yaml --ckpt_path runs/ag_news/checkpoints/last.ckpt
 """
 
@@ -135,7 +136,7 @@ class BertAccelCLI(LightningCLI):
 
     # ------------------------------------------------------------------------ checkpoint paths
     def _checkpoint_dir(self) -> Path:
-        cfg = self.config[self.config.subcommand]
+        cfg = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
         if cfg.get("checkpoint") and cfg.checkpoint.get("dirpath"):
             return Path(cfg.checkpoint.dirpath)
         logger = cfg.trainer.get("logger")
@@ -222,6 +223,61 @@ def resolve_config_args(args: list[str]) -> list[str]:
     return out
 
 
+EXPORT_HELP = """usage: bertaccel export -c CONFIG [-c CONFIG ...] [--ckpt_path best|last|FILE] [--output_dir DIR] [options]
+
+Write the model of a checkpoint (and its tokenizer) with `save_pretrained`, loadable by
+`AutoModelFor...from_pretrained(DIR)` and by `--model.init_args.pretrained DIR` (e.g. an MLM
+pretrained with bertaccel, then fine-tuned as a classifier). The config is the experiment's (the
+same -c files and overrides as for `fit`). --ckpt_path defaults to best; --output_dir to
+<save_dir>/<name>/export.
+"""
+
+
+def export(args: list[str]) -> Path:
+    """`bertaccel export`: the checkpoint's HF model and tokenizer, written with `save_pretrained`."""
+    if any(a in ("-h", "--help") for a in args):
+        print(EXPORT_HELP)
+        raise SystemExit(0)
+    ckpt_path, output_dir, rest, i = "best", None, [], 0
+    while i < len(args):
+        key, _, inline = args[i].partition("=")
+        if key in ("--ckpt_path", "--output_dir"):
+            value = inline or (args[i + 1] if i + 1 < len(args) else "")
+            i += 1 if inline else 2
+            if key == "--ckpt_path":
+                ckpt_path = value
+            else:
+                output_dir = value
+            continue
+        rest.append(args[i])
+        i += 1
+    cli = BertAccelCLI(args=rest, run=False)
+    directory = cli._checkpoint_dir()
+    if ckpt_path == "best":
+        path = best_checkpoint_in(directory)
+    elif ckpt_path == "last":
+        path = directory / "last.ckpt"
+    else:
+        path = Path(ckpt_path)
+    ckpt = load_checkpoint(path)
+    check_config_against_checkpoint(ckpt, cli.config.get("model"), path)
+    module = cli.model
+    module.load_state_dict(ckpt["state_dict"])
+    out = Path(output_dir) if output_dir else directory.parent / "export"
+    names = getattr(cli.datamodule, "class_names", None)
+    hf = module.model
+    if names and getattr(hf.config, "num_labels", None) == len(names):
+        hf.config.id2label = dict(enumerate(names))
+        hf.config.label2id = {n: i for i, n in enumerate(names)}
+    hf.save_pretrained(out)
+    tokenizer = getattr(cli.datamodule, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    print(f"bertaccel: exported {path} to {out} ({type(hf).__name__}; load it with "
+          f"transformers.AutoModel...from_pretrained('{out}') or --model.init_args.pretrained {out})")
+    return out
+
+
 def _option_error_lines(text: str) -> list[str]:
     """The informative lines of a jsonargparse message: the key and the specific complaints
     (not the "Expected a NoneType" of every optional field, nor the dump of the given values)."""
@@ -239,9 +295,12 @@ def main(args: list[str] | None = None) -> None:
     # `args` is sys.argv with the shipped config paths resolved: not a mistake, as Lightning suspects
     warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
     args = list(sys.argv[1:] if args is None else args)
-    command = next((a for a in args if a in ("fit", "validate", "test", "predict")), "")
+    command = next((a for a in args if a in ("fit", "validate", "test", "predict", "export")), "")
     try:
         args = resolve_config_args(args)
+        if args[:1] == ["export"]:
+            export(args[1:])
+            return
         BertAccelCLI(args=args)
     except BertAccelError as e:
         print(f"bertaccel: error: {e}", file=sys.stderr)
