@@ -63,3 +63,32 @@ def test_resume_last_without_a_run_says_so(tiny_config, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "--ckpt_path last: no " in out and "training from the start" in out
     assert (tmp_path / "runs" / "fresh" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_shortened_run_with_a_long_val_check_interval_validates_at_epoch_end(tiny_config, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        main(["fit", "-c", tiny_config("short", epochs=1), *QUICK, "--trainer.val_check_interval", "500"])
+    assert "val_check_interval 500 is more than the 2 training batches" in caplog.text
+
+
+def test_evaluation_order_is_shuffled_once_so_limited_batches_see_every_class(tmp_path):
+    """Data files sorted by label (IMDB's are) gave single-class validation/test sets under
+    `limit_val_batches` / `limit_test_batches`; evaluation now reads one fixed shuffled order."""
+    from bertaccel.data import TextClassificationDataModule
+    from tests.conftest import sample_rows, write_jsonl
+
+    rows = sorted(sample_rows("train", 160), key=lambda r: r["label"])
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "test.jsonl", sorted(sample_rows("test", 64), key=lambda r: r["label"]))
+    dm = TextClassificationDataModule(dataset=str(tmp_path), tokenizer="sample:sentiment", max_length=32,
+                                      batch_size=16, val_size=0.2)
+    dm.prepare_data()
+    dm.setup("fit")
+    dm.setup("test")
+    for loader in (dm.val_dataloader(), dm.test_dataloader()):
+        first = next(iter(loader))["labels"]
+        assert set(first.tolist()) == {0, 1}
+        again = next(iter(loader))["labels"]
+        assert torch.equal(first, again)  # the same order every pass

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.collate import ClassificationCollator, bucket_lengths
@@ -313,22 +314,32 @@ class TextClassificationDataModule(pl.LightningDataModule):
         sampler = EpochSampler(
             len(ds),
             self.seed,
-            shuffle=train,
+            shuffle=True,  # evaluation too, in one fixed order: files sorted by label stay representative
             lengths=ds.lengths() if train and self.group_by_length else None,
             batch_size=batch_size,
+            fixed=not train,
         )
         return DataLoader(
             ds,
             batch_size=batch_size,
             sampler=sampler,
             collate_fn=self.collator(batch_size),
-            num_workers=self.num_workers,
+            num_workers=self._workers(),
             pin_memory=self.pin_memory and torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=self._workers() > 0,
             # worker seeds from the loader's own generator: making an iterator does not draw from the
             # global RNG, whose state checkpoints carry (exact resume with dropout)
             generator=torch.Generator().manual_seed(self.seed),
         )
+
+    def _workers(self) -> int:
+        """`num_workers`, at most the CPU cores this process may use minus one (for the main process)."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = min(self.num_workers, max(cores - 1, 0))
+        if workers < self.num_workers and not getattr(self, "_told_workers", False):
+            self._told_workers = True
+            rank_zero_info(f"bertaccel: data.num_workers {self.num_workers} on {cores} CPU cores: using {workers}.")
+        return workers
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", self.batch_size, train=True)

@@ -27,8 +27,9 @@ class EpochSampler(Sampler[int]):
         lengths: torch.Tensor | None = None,
         batch_size: int | None = None,
         mega_batches: int = 50,
+        fixed: bool = False,
     ) -> None:
-        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.n, self.seed, self.shuffle, self.fixed = n, seed, shuffle, fixed
         self.lengths, self.batch_size, self.mega_batches = lengths, batch_size, mega_batches
         self.epoch = 0
         self._epoch_set = False
@@ -57,6 +58,8 @@ class EpochSampler(Sampler[int]):
         return torch.cat([batches[longest], *rest]).tolist() if batches else []
 
     def __iter__(self) -> Iterator[int]:
+        if self.fixed:  # the same shuffled order every time (evaluation)
+            return iter(self.order(0))
         epoch = self.epoch
         if not self._epoch_set:
             self.epoch += 1

@@ -150,6 +150,8 @@ class BertModule(pl.LightningModule):
             self._compiled = True
         if dm is None:
             return
+        if stage == "fit":
+            self._fit_val_check_to_the_epoch()
         max_pos = self.model.config.max_position_embeddings
         max_length = getattr(dm, "max_length", None) or getattr(dm, "block_size", None)
         if max_length is not None and max_length > max_pos:
@@ -167,6 +169,26 @@ class BertModule(pl.LightningModule):
         if self._graphs_on() and hasattr(dm, "use_static_shapes") and not getattr(dm, "static_shapes", True):
             dm.use_static_shapes()
             rank_zero_info("bertaccel: CUDA graphs: batches padded to `data.length_buckets` lengths and full batch size.")
+
+    def _fit_val_check_to_the_epoch(self) -> None:
+        """An integer `val_check_interval` above the batches of an epoch (a shortened run,
+        `limit_train_batches 5` with an experiment's `val_check_interval 500`) would stop Lightning with a
+        long traceback: validate at the end of each epoch instead, and say so in one line."""
+        t = self.trainer
+        interval = t.val_check_interval
+        dm = getattr(t, "datamodule", None)
+        if not isinstance(interval, int) or t.check_val_every_n_epoch is None or dm is None:
+            return
+        try:
+            n = len(dm.train_dataloader())
+        except TypeError:  # an iterable without a length
+            return
+        limit = t.limit_train_batches
+        batches = min(n, int(limit)) if isinstance(limit, int) else int(n * limit)
+        if 0 < batches < interval:
+            rank_zero_info(f"bertaccel: trainer.val_check_interval {interval} is more than the {batches} training "
+                           f"batches of an epoch; validating at the end of each epoch instead.")
+            t.val_check_interval = 1.0
 
     def teardown(self, stage: str) -> None:
         self.release_graphs()
