@@ -92,3 +92,12 @@ def test_evaluation_order_is_shuffled_once_so_limited_batches_see_every_class(tm
         assert set(first.tolist()) == {0, 1}
         again = next(iter(loader))["labels"]
         assert torch.equal(first, again)  # the same order every pass
+
+
+def test_a_run_that_fails_in_setup_leaves_no_empty_version_folder(tiny_config, tmp_path, capsys):
+    cfg = tiny_config("failing", epochs=1)
+    # the data asks for more positions than the model has: refused in the model's setup, after the
+    # config was saved into the run's folder
+    fails(capsys, "fit", "-c", cfg, *QUICK, "--data.init_args.max_length", "128")
+    runs = tmp_path / "runs" / "failing"
+    assert not runs.exists() or not list(runs.glob("version_*"))

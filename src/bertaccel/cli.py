@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
 from jsonargparse import ArgumentError
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 from bertaccel.callbacks.checkpoint import AtomicCheckpointIO, LatestCheckpoint
 from bertaccel.callbacks.kernel_swap import KernelSwap
@@ -86,8 +87,29 @@ def check_config_against_checkpoint(ckpt: dict[str, Any], model_config, path) ->
                               "trained with, or drop these fields from model.init_args.config.")
 
 
+class SaveConfigOfRun(SaveConfigCallback):
+    """Lightning's `SaveConfigCallback` (config.yaml in the run's log folder), which also removes that
+    folder again when the run fails before it logged or saved anything: failed attempts do not leave
+    a trail of empty `version_N` folders."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        logger = trainer.logger
+        if not trainer.is_global_zero or logger is None or getattr(logger, "log_dir", None) is None:
+            return
+        folder = Path(logger.log_dir)
+
+        def nothing_logged(p: Path) -> bool:  # the saved config, or a TensorBoard file with only its header
+            if not p.is_file():
+                return False
+            return p.name in ("config.yaml", "hparams.yaml") or (p.name.startswith("events.out.tfevents") and p.stat().st_size < 512)
+
+        if folder.is_dir() and all(nothing_logged(p) for p in folder.iterdir()):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class BertAccelCLI(LightningCLI):
     def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("save_config_callback", SaveConfigOfRun)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
