@@ -41,6 +41,14 @@ def test_validate_from_best_checkpoint_reproduces_the_in_run_metric(tiny_config)
     assert "test/acc" in tested.trainer.callback_metrics
 
 
+class CrashAtStep6(Callback):
+    """Crashes a run in the middle of its first epoch (8 batches); its last checkpoint is step 5's."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 6:
+            raise RuntimeError("simulated crash")
+
+
 class StopAfterEpochs(Callback):
     """Stops a run after `epochs` epochs, as an interruption would (the config stays the same)."""
 
@@ -52,15 +60,24 @@ class StopAfterEpochs(Callback):
             trainer.should_stop = True
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_resume_from_last_equals_an_uninterrupted_run(tiny_config, dropout):
-    """With dropout on, equality needs the random states in the checkpoint (dropout masks)."""
+@pytest.mark.parametrize(("dropout", "stop"), [(0.0, "StopAfterEpochs"), (0.1, "StopAfterEpochs"), (0.1, "CrashAtStep6"), (0.0, "CrashAtStep6")],
+                         ids=["epoch-end", "epoch-end-dropout", "mid-epoch-crash-dropout", "mid-epoch-crash"])
+def test_resume_from_last_equals_an_uninterrupted_run(tiny_config, dropout, stop):
+    """With dropout on, equality needs the random states in the checkpoint (dropout masks); in the
+    middle of an epoch, also the loader's position."""
     model = ["--model.init_args.config", json.dumps({**TINY_BERT, "hidden_dropout_prob": dropout,
                                                       "attention_probs_dropout_prob": dropout})]
     straight = cli("fit", "-c", tiny_config("straight", epochs=2), *model)
     cfg = tiny_config("resumed", epochs=2)
-    first = cli("fit", "-c", cfg, *model, "--trainer.callbacks", "tests.test_cli.StopAfterEpochs")
-    assert first.trainer.global_step * 2 == straight.trainer.global_step
+    if stop == "CrashAtStep6":
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            cli("fit", "-c", cfg, *model, "--trainer.callbacks", f"tests.test_cli.{stop}",
+                "--checkpoint.every_n_train_steps", "5")
+        last = torch.load(Path(cfg).parent / "runs" / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)
+        assert last["global_step"] == 5  # in the middle of epoch 0
+    else:
+        first = cli("fit", "-c", cfg, *model, "--trainer.callbacks", f"tests.test_cli.{stop}")
+        assert first.trainer.global_step == straight.trainer.global_step // 2
     resumed = cli("fit", "-c", cfg, *model, "--ckpt_path", "last")
     assert resumed.trainer.global_step == straight.trainer.global_step
     a, b = straight.model.state_dict(), resumed.model.state_dict()

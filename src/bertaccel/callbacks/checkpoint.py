@@ -5,8 +5,8 @@
   previous file intact, never a truncated one (a temporary file elsewhere, e.g. in $TMPDIR on
   another filesystem, could not be renamed atomically).
 - `LatestCheckpoint` is Lightning's `ModelCheckpoint` whose `last.ckpt` always holds the latest
-  state: written at every validation and epoch end whether or not the monitored metric improved, and
-  at the end of training (the steps after the last validation are not lost). With
+  state: written at every validation and epoch end (and every `every_n_train_steps` steps when set)
+  whether or not the monitored metric improved, and at the end of training (the steps after the last validation are not lost). With
   `enable_version_counter: false` (the CLI's default) a second fit of the same experiment replaces
   `last.ckpt` instead of writing `last-v1.ckpt` beside it, so "last" and "best" mean the same for
   every subcommand.
@@ -66,6 +66,14 @@ class LatestCheckpoint(ModelCheckpoint):
         super().on_validation_end(trainer, pl_module)
         # when the parent saves at the epoch's end instead, refreshing here would make it skip that save
         if trainer.state.fn == "fit" and not self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        every = self._every_n_train_steps
+        if every and every > 0 and trainer.global_step % every == 0:
+            # a mid-epoch save point: last.ckpt follows it even when the monitored metric is not there yet
             self._refresh_last(trainer)
 
     @override

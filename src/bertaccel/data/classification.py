@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.collate import ClassificationCollator, bucket_lengths
+from bertaccel.data.loader import ResumableDataLoader
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, read_table
 from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
@@ -309,7 +310,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             return ClassificationCollator(pad_id, buckets=bucket_lengths(self.max_length, self.length_buckets), batch_size=batch_size)
         return ClassificationCollator(pad_id, self.pad_to_multiple_of)
 
-    def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
+    def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DataLoader] = DataLoader) -> DataLoader:
         ds = self.datasets[split]
         sampler = EpochSampler(
             len(ds),
@@ -319,7 +320,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             batch_size=batch_size,
             fixed=not train,
         )
-        return DataLoader(
+        return loader_class(
             ds,
             batch_size=batch_size,
             sampler=sampler,
@@ -342,7 +343,15 @@ class TextClassificationDataModule(pl.LightningDataModule):
         return workers
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.batch_size, train=True)
+        trainer = self.trainer  # None outside a Trainer
+        if trainer is None or trainer.world_size > 1:
+            # under DDP Lightning rebuilds the loader around a distributed sampler: mid-epoch resume is
+            # not handled there yet (Lightning warns when it resumes mid-epoch)
+            return self._loader("train", self.batch_size, train=True)
+        loader = self._loader("train", self.batch_size, train=True, loader_class=ResumableDataLoader)
+        loop = trainer.fit_loop.epoch_loop
+        loader.progress = lambda: (trainer.current_epoch, loop.batch_progress.current.processed)
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation", self.eval_batch_size, train=False)

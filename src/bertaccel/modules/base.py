@@ -283,12 +283,30 @@ class BertModule(pl.LightningModule):
             clipping = bool(self._trainer is not None and self.trainer.gradient_clip_val)
             kwargs = {"fused": on_gpu and not clipping}
         optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, **kwargs)
-        total = int(self.trainer.estimated_stepping_batches)
+        total = self._stepping_batches()
         if graphed and self._accumulate > 1 and self.trainer.max_steps == -1:
             total = math.ceil(total / self._accumulate)  # the trainer's accumulation was taken over
         warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total)
         scheduler = get_linear_schedule_with_warmup(optimizer, warmup, max(total, 1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _stepping_batches(self) -> int:
+        """Optimizer steps of the run, for the schedule. Lightning's `estimated_stepping_batches` sets
+        up the fit loop's training data on the spot, before a checkpoint's loop state is restored, and
+        so before the loader could be told where in the epoch to resume; with a data module on one
+        process, count from our own loader instead (same rule: limit, accumulation, epochs, max_steps)."""
+        t = self.trainer
+        dm = getattr(t, "datamodule", None)
+        if t.max_epochs == -1 or t.world_size > 1 or dm is None or t.train_dataloader is not None:
+            return int(t.estimated_stepping_batches)
+        try:
+            n = len(dm.train_dataloader())
+        except TypeError:  # no length: let Lightning decide
+            return int(t.estimated_stepping_batches)
+        limit = t.limit_train_batches
+        n = min(n, int(limit)) if isinstance(limit, int) else int(n * limit)
+        total = math.ceil(n / t.accumulate_grad_batches) * max(t.max_epochs, 1)
+        return min(total, t.max_steps) if t.max_steps != -1 else total
 
     # ------------------------------------------------------------------------------------ steps
     def step_outputs(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,0 +1,49 @@
+"""`ResumableDataLoader`: a DataLoader whose place in the epoch goes into checkpoints.
+
+Lightning saves `state_dict()` of a training loader that has one and hands it back through
+`load_state_dict()` on `fit --ckpt_path ...`. The state is (epoch, batches already trained on in
+it), read from the trainer's own progress (not from the iterator, which Lightning's fetcher keeps one
+batch ahead). On resume in the same epoch the first iterator skips those batches, so the run continues
+with the batch after the checkpoint instead of restarting the epoch; with the random states the
+checkpoint also carries, a resumed run ends with the weights of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader with `state_dict` / `load_state_dict` for mid-epoch resume.
+
+    `progress` (set by the data module) returns (epoch, batches trained on in it) for the running fit.
+    """
+
+    progress: Callable[[], tuple[int, int]] | None = None
+    _resume: tuple[int, int] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.progress is None:
+            return {}
+        epoch, done = self.progress()
+        return {"epoch": int(epoch), "batches_done": int(done)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self._resume = (int(state["epoch"]), int(state["batches_done"]))
+
+    def __iter__(self) -> Iterator[Any]:
+        it = super().__iter__()
+        if self._resume is not None and self.progress is not None:
+            epoch, done = self._resume
+            if epoch != self.progress()[0]:
+                self._resume = None  # a later epoch: start at its beginning
+            elif 0 < done < len(self):
+                # Lightning may make the iterator of the resumed epoch more than once before using it:
+                # every one of them skips the batches the checkpointed run already trained on
+                for _ in range(done):
+                    next(it)
+        return it
