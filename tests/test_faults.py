@@ -101,3 +101,91 @@ def test_a_run_that_fails_in_setup_leaves_no_empty_version_folder(tiny_config, t
     fails(capsys, "fit", "-c", cfg, *QUICK, "--data.init_args.max_length", "128")
     runs = tmp_path / "runs" / "failing"
     assert not runs.exists() or not list(runs.glob("version_*"))
+
+
+# ------------------------------------------------------------------------------------- data faults
+def _dm(path, **kw):
+    from bertaccel.data import TextClassificationDataModule
+
+    return TextClassificationDataModule(dataset=str(path), tokenizer="sample:sentiment", max_length=32,
+                                        batch_size=8, val_size=0.25, **kw)
+
+
+def test_non_utf8_data_names_the_file_and_line(tmp_path):
+    from bertaccel.errors import DataError
+
+    (tmp_path / "train.jsonl").write_bytes(b'{"text": "fine", "label": 0}\n{"text": "caf\xe9", "label": 1}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "fine", "label": 0}\n')
+    with pytest.raises(DataError, match=r"train.jsonl:2: not UTF-8 text \(byte 0xe9 at column 14\)"):
+        _dm(tmp_path).prepare_data()
+
+
+def test_string_labels_get_the_fix(tmp_path):
+    from bertaccel.errors import DataError
+
+    (tmp_path / "train.jsonl").write_text('{"text": "fine", "label": "positive"}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "fine", "label": 0}\n')
+    with pytest.raises(DataError, match=r"label 'positive' is not an integer class index. Map the names to 0..K-1.*classes.txt"):
+        _dm(tmp_path).prepare_data()
+
+
+def test_labels_with_a_gap_warn_that_classes_never_occur(tmp_path):
+    from tests.conftest import sample_rows, write_jsonl
+
+    rows = sample_rows("train", 40)
+    rows[3]["label"] = 4  # classes 2 and 3 never occur
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "test.jsonl", sample_rows("test", 8))
+    dm = _dm(tmp_path, cache_dir=str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match=r"5 classes inferred from the largest label \(4\), but classes \[2, 3\] never occur"):
+        dm.prepare_data()
+        dm.setup("fit")
+
+
+def test_cache_that_is_a_file_is_refused(tmp_path, monkeypatch):
+    from bertaccel.data.tokenized import default_cache_dir
+    from bertaccel.errors import DataError
+
+    (tmp_path / "cachefile").write_text("x")
+    monkeypatch.setenv("BERTACCEL_CACHE", str(tmp_path / "cachefile"))
+    with pytest.raises(DataError, match="is a file; point BERTACCEL_CACHE at a directory"):
+        default_cache_dir()
+
+
+def test_damaged_or_edited_cache_entries_are_made_again(tmp_path, caplog):
+    import logging
+
+    from bertaccel.data.tokenized import tokenize_texts
+    from bertaccel.pretrained import load_tokenizer
+
+    tok = load_tokenizer("sample:sentiment")
+    texts = ["a wonderful film", "dull and far too long", "fine"]
+    good = tokenize_texts(texts, tok, 16, cache_dir=tmp_path)
+    (entry,) = (tmp_path / "tokenized").glob("*.pt")
+    for damage in ("out of range", "in range"):
+        d = torch.load(entry, weights_only=True)
+        d["ids"] = d["ids"].clone()
+        d["ids"][1] = len(tok) + 7 if damage == "out of range" else (int(d["ids"][1]) + 1) % len(tok)
+        torch.save(d, entry)
+        with caplog.at_level(logging.WARNING):
+            again = tokenize_texts(texts, tok, 16, cache_dir=tmp_path)
+        assert torch.equal(again.ids, good.ids) and torch.equal(again.offsets, good.offsets)
+        assert "is not usable" in caplog.text
+        caplog.clear()
+
+
+def test_read_only_cache_trains_without_it(tmp_path, caplog):
+    import logging
+    import os
+
+    from bertaccel.data.tokenized import tokenize_texts
+    from bertaccel.pretrained import load_tokenizer
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    with caplog.at_level(logging.WARNING):
+        out = tokenize_texts(["a film"], load_tokenizer("sample:sentiment"), 16, cache_dir=ro)
+    assert len(out) == 1 and "could not write the tokenization cache" in caplog.text

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.collate import ClassificationCollator, bucket_lengths
@@ -231,7 +231,24 @@ class TextClassificationDataModule(pl.LightningDataModule):
 
     def _check_labels(self, raw: dict[str, RawSplit]) -> None:
         if self._num_labels is None:
-            self._num_labels = max(max(r.labels) for r in raw.values()) + 1
+            seen = sorted({label for r in raw.values() for label in r.labels})
+            self._num_labels = seen[-1] + 1
+            missing = sorted(set(range(self._num_labels)) - set(seen))
+            if seen[0] < 0:
+                pass  # reported below, with the row
+            elif missing and len(missing) <= 10:
+                rank_zero_warn(
+                    f"bertaccel: {self._num_labels} classes inferred from the largest label ({seen[-1]}), but classes "
+                    f"{missing} never occur: is a label wrong? Set `data.num_labels` or list the class names in "
+                    "classes.txt next to the data to make the classes explicit."
+                )
+            elif missing:
+                rank_zero_warn(
+                    f"bertaccel: {self._num_labels} classes inferred from the largest label ({seen[-1]}), but only "
+                    f"{len(seen)} occur: is a label wrong? Set `data.num_labels` or write classes.txt."
+                )
+            else:
+                rank_zero_info(f"bertaccel: {self._num_labels} classes (0..{seen[-1]}) inferred from the labels.")
         if self._num_labels < 2:
             raise DataError(f"num_labels is {self._num_labels}; classification needs at least 2 classes.")
         n = self._num_labels

@@ -52,6 +52,17 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8", newline="")
 
 
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+
+
+def _not_utf8(path: Path, line: int, raw: bytes | None, e: UnicodeDecodeError, near: bool = False) -> str:
+    where = f"{path}:{line}" if not near else f"{path}, near line {line}"
+    column = f" at column {e.start + 1}" if raw is not None else ""
+    return (f"{where}: not UTF-8 text (byte 0x{e.object[e.start]:02x}{column}). Re-save the file as UTF-8 "
+            "(e.g. `iconv -f latin1 -t utf-8 in > out`).")
+
+
 def find_split_file(directory: Path, split: str, suffixes=TABLE_SUFFIXES) -> Path | None:
     """The file for `split` in `directory` (`train.jsonl.gz`, `wiki.valid.raw`, `dev.csv`, ...)."""
     candidates = []
@@ -104,14 +115,20 @@ def read_table(path: str | os.PathLike, text_column: str = "text", label_column:
             if isinstance(label, str) and label.strip().lstrip("-").isdigit():
                 label = int(label)
             if isinstance(label, bool) or not isinstance(label, int):
-                raise DataError(f"{where}: label {label!r} is not an integer class index.")
+                fix = (" Map the names to 0..K-1 in the data and list them, one per line in index order, in "
+                       "classes.txt next to the data files." if isinstance(label, str) else "")
+                raise DataError(f"{where}: label {label!r} is not an integer class index.{fix}")
             labels.append(label)
         texts.append(text)
         locations.append((str(path), line))
 
     if suffix in (".jsonl", ".jsonl.gz"):
-        with _open_text(path) as f:
-            for i, line in enumerate(f, start=1):
+        with _open_binary(path) as f:
+            for i, raw_line in enumerate(f, start=1):
+                try:
+                    line = raw_line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(_not_utf8(path, i, raw_line, e)) from None
                 if not line.strip():
                     continue
                 try:
@@ -122,8 +139,11 @@ def read_table(path: str | os.PathLike, text_column: str = "text", label_column:
     elif suffix in (".csv", ".csv.gz"):
         with _open_text(path) as f:
             reader = csv.DictReader(f)
-            for row in reader:
-                add(row, reader.line_num)
+            try:
+                for row in reader:
+                    add(row, reader.line_num)
+            except UnicodeDecodeError as e:
+                raise DataError(_not_utf8(path, reader.line_num + 1, None, e, near=True)) from None
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
