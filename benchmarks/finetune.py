@@ -1,11 +1,11 @@
 """The fine-tune headline: the plain PyTorch loop a user would write against `bertaccel fit`, in one
-run on one GPU, on the same data, model and recipe (docs: PERFORMANCE.md's plain loop).
+run on one GPU, on the same data, model and recipe.
 
     python -m benchmarks.finetune --data .carry/imdb --model .carry/minilm --out ft.json
 
 Variants:
   plain           HF BertForSequenceClassification, SDPA, bf16 autocast, fused AdamW, linear
-                  schedule with 6% warm-up, padded to max_length, DataLoader; what PERFORMANCE.md
+                  schedule with 6% warm-up, padded to max_length, DataLoader; the loop the team
                   measured as the reference.
   plain-compile   the same with `model.compile(mode="reduce-overhead")` (compile time included).
   cli-bf16        `bertaccel fit -c configs/imdb_minilm.yaml` (bf16-mixed, SDPA).
@@ -62,7 +62,7 @@ def find(data: Path, split: str) -> Path:
 
 
 def plain_loop(args, compiled: bool) -> dict:
-    """The loop of PERFORMANCE.md, written the way a user would."""
+    """The plain fine-tuning loop, written the way a user would."""
     from transformers import AutoTokenizer, BertForSequenceClassification, get_linear_schedule_with_warmup
 
     torch.manual_seed(args.seed)
