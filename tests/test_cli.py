@@ -60,13 +60,17 @@ class StopAfterEpochs(Callback):
             trainer.should_stop = True
 
 
-@pytest.mark.parametrize(("dropout", "stop"), [(0.0, "StopAfterEpochs"), (0.1, "StopAfterEpochs"), (0.1, "CrashAtStep6"), (0.0, "CrashAtStep6")],
-                         ids=["epoch-end", "epoch-end-dropout", "mid-epoch-crash-dropout", "mid-epoch-crash"])
-def test_resume_from_last_equals_an_uninterrupted_run(tiny_config, dropout, stop):
+@pytest.mark.parametrize(("dropout", "stop", "optimizer"),
+                         [(0.0, "StopAfterEpochs", "adamw"), (0.1, "StopAfterEpochs", "adamw"),
+                          (0.1, "CrashAtStep6", "adamw"), (0.0, "CrashAtStep6", "adamw"), (0.1, "CrashAtStep6", "normuon")],
+                         ids=["epoch-end", "epoch-end-dropout", "mid-epoch-crash-dropout", "mid-epoch-crash",
+                              "mid-epoch-crash-normuon"])
+def test_resume_from_last_equals_an_uninterrupted_run(tiny_config, dropout, stop, optimizer):
     """With dropout on, equality needs the random states in the checkpoint (dropout masks); in the
-    middle of an epoch, also the loader's position."""
+    middle of an epoch, also the loader's position; with NorMuon, its momentum and second moments."""
     model = ["--model.init_args.config", json.dumps({**TINY_BERT, "hidden_dropout_prob": dropout,
-                                                      "attention_probs_dropout_prob": dropout})]
+                                                      "attention_probs_dropout_prob": dropout}),
+             "--model.init_args.optimizer", optimizer]
     straight = cli("fit", "-c", tiny_config("straight", epochs=2), *model)
     cfg = tiny_config("resumed", epochs=2)
     if stop == "CrashAtStep6":

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # torch.compile modes that capture CUDA graphs themselves (cannot run inside the whole-step graph)
 SELF_GRAPHING_MODES = ("reduce-overhead", "max-autotune")
+OPTIMIZERS = ("adamw", "muon", "normuon")
 GRAPH_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
 # The batch fields a step function takes (tensors of static shape under graphs).
 STEP_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "labels")
@@ -101,8 +102,18 @@ class BertModule(pl.LightningModule):
         adam_eps: float,
         cuda_graphs: bool = False,
         compile: Literal["default", "reduce-overhead", "max-autotune"] | None = None,
+        optimizer: Literal["adamw", "muon", "normuon"] = "adamw",
+        muon_lr: float = 0.02,
+        muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
     ) -> None:
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ConfigError(f"model.optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
+        if muon_orthogonalizer not in ("newton-schulz", "polar-express"):
+            raise ConfigError(f"model.muon_orthogonalizer must be newton-schulz or polar-express, got {muon_orthogonalizer!r}.")
+        if not muon_lr > 0:
+            raise ConfigError(f"model.muon_lr must be positive, got {muon_lr}.")
+        self.optimizer_name, self.muon_lr, self.muon_orthogonalizer = optimizer, muon_lr, muon_orthogonalizer
         if not lr > 0:
             raise ConfigError(f"model.lr must be positive, got {lr}; BERT fine-tuning uses 1e-5 to 1e-4.")
         if weight_decay < 0:
@@ -282,13 +293,32 @@ class BertModule(pl.LightningModule):
             # Fused AdamW unscales gradients inside its kernel, so Lightning cannot clip them first.
             clipping = bool(self._trainer is not None and self.trainer.gradient_clip_val)
             kwargs = {"fused": on_gpu and not clipping}
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, **kwargs)
+        if self.optimizer_name == "adamw":
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, **kwargs)
+        else:
+            optimizer = self._muon_optimizer(groups)
         total = self._stepping_batches()
         if graphed and self._accumulate > 1 and self.trainer.max_steps == -1:
             total = math.ceil(total / self._accumulate)  # the trainer's accumulation was taken over
         warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total)
         scheduler = get_linear_schedule_with_warmup(optimizer, warmup, max(total, 1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _muon_optimizer(self, groups: list[dict[str, Any]]):
+        """Muon / NorMuon on the encoder's 2-D weight matrices (at `muon_lr`), AdamW (at `lr`) on the
+        embeddings, the head, norms and biases: one optimizer object (`bertaccel/optim/muon.py`)."""
+        from bertaccel.optim import MuonWithAdamW
+
+        matrices = [p for name, p in self.model.named_parameters()
+                    if p.requires_grad and p.ndim == 2 and ".encoder." in f".{name}"]
+        if not matrices:
+            raise ConfigError("model.optimizer: muon found no 2-D encoder weights to optimise.")
+        chosen = {id(p) for p in matrices}
+        rest = [{**g, "params": [p for p in g["params"] if id(p) not in chosen]} for g in groups]
+        muon_group = {"params": matrices, "muon": True, "lr": self.muon_lr, "weight_decay": self.weight_decay}
+        return MuonWithAdamW([muon_group, *[g for g in rest if g["params"]]], lr=self.lr, betas=self.adam_betas,
+                             eps=self.adam_eps, orthogonalizer=self.muon_orthogonalizer,
+                             normuon=self.optimizer_name == "normuon")
 
     def _stepping_batches(self) -> int:
         """Optimizer steps of the run, for the schedule. Lightning's `estimated_stepping_batches` sets

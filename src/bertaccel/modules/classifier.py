@@ -37,6 +37,10 @@ class BertClassifier(BertModule):
         compile: `torch.compile` the HF model in place with this mode (default, reduce-overhead,
             max-autotune, max-autotune-no-cudagraphs). With `cuda_graphs`, default or
             max-autotune-no-cudagraphs: the compiled kernels run inside the whole-step graph.
+        optimizer: "adamw", or "muon" / "normuon": Muon (NorMuon: with per-neuron second-moment
+            normalisation) on the encoder's weight matrices at `muon_lr`, AdamW on the rest at `lr`.
+        muon_lr: Learning rate of the Muon matrices (the schedule scales it like `lr`).
+        muon_orthogonalizer: "newton-schulz" (Muon's quintic) or "polar-express" (Amsel et al. 2025).
     """
 
     def __init__(
@@ -54,8 +58,12 @@ class BertClassifier(BertModule):
         adam_eps: float = 1e-8,
         cuda_graphs: bool = False,
         compile: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None,
+        optimizer: Literal["adamw", "muon", "normuon"] = "adamw",
+        muon_lr: float = 0.02,
+        muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
     ) -> None:
-        super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile)
+        super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
+                         optimizer, muon_lr, muon_orthogonalizer)
         # num_labels and vocab_size are filled in from the data: keep them out of the hyperparameters
         # the CLI restores from a checkpoint (a link target cannot be overridden), and check them on
         # load instead (`BertModule.on_load_checkpoint`).

@@ -36,6 +36,10 @@ class BertMLM(BertModule):
         cuda_graphs: Run steps as CUDA graphs. Not available for the masked-LM yet (the masked
             positions make the head's shape data-dependent): steps stay eager, said in one line.
         compile: `torch.compile` the HF model in place with this mode.
+        optimizer: "adamw", or "muon" / "normuon": Muon (NorMuon: with per-neuron second-moment
+            normalisation) on the encoder's weight matrices at `muon_lr`, AdamW on the rest at `lr`.
+        muon_lr: Learning rate of the Muon matrices (the schedule scales it like `lr`).
+        muon_orthogonalizer: "newton-schulz" (Muon's quintic) or "polar-express" (Amsel et al. 2025).
     """
 
     def __init__(
@@ -52,8 +56,12 @@ class BertMLM(BertModule):
         adam_eps: float = 1e-6,
         cuda_graphs: bool = False,
         compile: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None,
+        optimizer: Literal["adamw", "muon", "normuon"] = "adamw",
+        muon_lr: float = 0.02,
+        muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
     ) -> None:
-        super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile)
+        super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
+                         optimizer, muon_lr, muon_orthogonalizer)
         self.save_hyperparameters(ignore=["vocab_size"])
         self.model = build_bert(
             BertForMaskedLM, pretrained, config, attn_implementation,
