@@ -288,6 +288,11 @@ def export(args: list[str]) -> Path:
     out = Path(output_dir) if output_dir else directory.parent / "export"
     names = getattr(cli.datamodule, "class_names", None)
     hf = module.model
+    if getattr(hf.config, "qk_norm", None):
+        raise BertAccelError(
+            f"the model has qk_norm ({hf.config.qk_norm}), which transformers' BERT classes do not have: "
+            "its save_pretrained folder would load without the norms. Use the .ckpt with bertaccel instead."
+        )
     if names and getattr(hf.config, "num_labels", None) == len(names):
         hf.config.id2label = dict(enumerate(names))
         hf.config.label2id = {n: i for i, n in enumerate(names)}

@@ -123,3 +123,37 @@ def test_pretrained_models_train_with_dropout(tmp_path):
     BertForSequenceClassification(BertConfig(**TINY_BERT, vocab_size=100)).save_pretrained(tmp_path / "m")
     m = BertClassifier(pretrained=str(tmp_path / "m"), num_labels=2)
     assert all(mod.training for mod in m.modules())
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_qk_norm_normalises_each_heads_queries_and_keys(kind, attn):
+    from bertaccel.modules.bert import QKNormLinear
+
+    cfg = {**TINY_BERT, "num_attention_heads": 4, "hidden_size": 32}
+    m = BertClassifier(config=cfg, vocab_size=64, num_labels=2, qk_norm=kind, attn_implementation=attn)
+    attention = m.model.bert.encoder.layer[0].attention.self
+    assert isinstance(attention.query, QKNormLinear) and isinstance(attention.key, QKNormLinear)
+    x = torch.randn(2, 5, 32)
+    q = attention.query(x).view(2, 5, 4, 8)
+    if kind == "layernorm":
+        torch.testing.assert_close(q.mean(-1), torch.zeros(2, 5, 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close((q.pow(2).mean(-1) if kind == "rmsnorm" else q.var(-1, unbiased=False)),
+                               torch.ones(2, 5, 4), atol=1e-3, rtol=0)
+    ids = torch.randint(0, 64, (2, 7))
+    loss = torch.nn.functional.cross_entropy(m(ids, torch.ones_like(ids)), torch.tensor([0, 1]))
+    loss.backward()
+    assert attention.query.norm.weight.grad is not None and torch.isfinite(loss)
+
+
+def test_qk_norm_needs_a_model_trained_from_scratch_and_checkpoints_must_agree(tmp_path):
+    with pytest.raises(ConfigError, match="qk_norm adds norm parameters that a pretrained model does not have"):
+        BertClassifier(pretrained=str(tmp_path), qk_norm="rmsnorm")
+    plain = BertClassifier(config=TINY_BERT, vocab_size=64, num_labels=2)
+    from bertaccel.modules.bert import architecture_of
+
+    old_arch = {k: v for k, v in architecture_of(plain.model).items() if k != "qk_norm"}  # before the option
+    ckpt = {"state_dict": plain.state_dict(), "bertaccel": {"class": "BertClassifier", "architecture": old_arch}}
+    normed = BertClassifier(config=TINY_BERT, vocab_size=64, num_labels=2, qk_norm="layernorm")
+    with pytest.raises(CheckpointError, match="qk_norm: checkpoint None vs config layernorm"):
+        normed.on_load_checkpoint(ckpt)

@@ -549,7 +549,9 @@ class BertModule(pl.LightningModule):
                 "use the config the checkpoint was trained with."
             )
         want = architecture_of(self.model)
-        have = saved.get("architecture", {})
+        have = dict(saved.get("architecture", {}))
+        if have:
+            have.setdefault("qk_norm", None)  # checkpoints from before the option had none
         diffs = {k: (have[k], v) for k, v in want.items() if k in have and have[k] != v}
         if diffs:
             detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diffs.items())

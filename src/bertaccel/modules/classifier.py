@@ -41,6 +41,8 @@ class BertClassifier(BertModule):
             normalisation) on the encoder's weight matrices at `muon_lr`, AdamW on the rest at `lr`.
         muon_lr: Learning rate of the Muon matrices (the schedule scales it like `lr`).
         muon_orthogonalizer: "newton-schulz" (Muon's quintic) or "polar-express" (Amsel et al. 2025).
+        qk_norm: "layernorm" or "rmsnorm" on each head's queries and keys (QK-norm), for models
+            trained from scratch (it adds parameters a pretrained model lacks); null: none.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class BertClassifier(BertModule):
         optimizer: Literal["adamw", "muon", "normuon"] = "adamw",
         muon_lr: float = 0.02,
         muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
+        qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
                          optimizer, muon_lr, muon_orthogonalizer)
@@ -74,6 +77,7 @@ class BertClassifier(BertModule):
             pretrained,
             config,
             attn_implementation,
+            qk_norm=qk_norm,
             num_labels=num_labels,
             vocab_size=vocab_size if pretrained is None else None,
         )
