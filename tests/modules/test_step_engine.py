@@ -142,3 +142,44 @@ def test_graph_mode_keeps_its_gradient_buffers_across_validation(tiny_data, tmp_
     _train(True, tiny_data, tmp_path, callbacks=[watch])
     assert watch.first is not None and all(g is not None for g in watch.first)
     assert len(watch.same) > 4 and all(watch.same), "gradient buffers changed during the fit"
+
+
+def test_mlm_static_mask_budget_gives_the_dynamic_loss_and_graph_loop_trains_like_eager(tmp_path):
+    """The masked-LM under graphs picks masked positions into a fixed budget (nonzero_static): same
+    loss, count and accuracy as the data-dependent selection; the graph-mode loop (run eagerly on
+    CPU) trains like Lightning's automatic optimization."""
+    from bertaccel.data import MLMDataModule
+    from bertaccel.modules import BertMLM
+
+    torch.manual_seed(0)
+    m = BertMLM(config=TINY_BERT, vocab_size=60).eval()
+    ids = torch.randint(5, 60, (4, 32))
+    labels = torch.where(torch.rand(ids.shape) < 0.15, ids, torch.full_like(ids, -100))
+    dynamic = m.step_outputs(ids, torch.ones_like(ids), labels)
+    m.cuda_graphs = True
+    static = m.step_outputs(ids, torch.ones_like(ids), labels)
+    assert m.mask_budget(128) % 64 == 0 and m.mask_budget(128) >= int((labels != -100).sum())
+    for k in ("loss", "count", "correct"):
+        torch.testing.assert_close(static[k], dynamic[k])
+    assert float(static["dropped_masked"]) == 0
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"the film number {i} was {'good' if i % 2 else 'bad'} and long" for i in range(400)))
+
+    def train(graph_loop: bool):
+        pl.seed_everything(4)
+        model = BertMLM(config=TINY_BERT, vocab_size=None, lr=3e-3, cuda_graphs=graph_loop)
+        model._capture_without_gpu = graph_loop
+        dm = MLMDataModule(train_files=[str(corpus)], tokenizer="sample:sentiment", block_size=32, batch_size=8)
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2,
+                             default_root_dir=tmp_path, limit_train_batches=6, limit_val_batches=2)
+        trainer.fit(model, datamodule=dm)
+        return model, trainer
+
+    eager, te = train(False)
+    graph, tg = train(True)
+    assert not graph.automatic_optimization and tg.global_step == te.global_step == 12
+    for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(tg.callback_metrics["val/loss"], te.callback_metrics["val/loss"], rtol=1e-4, atol=1e-5)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from transformers import BertForMaskedLM
 
 from bertaccel.data.masking import IGNORE_INDEX
@@ -33,8 +34,8 @@ class BertMLM(BertModule):
         warmup_steps: Warm-up steps; overrides `warmup_ratio`.
         adam_betas: AdamW betas.
         adam_eps: AdamW epsilon.
-        cuda_graphs: Run steps as CUDA graphs. Not available for the masked-LM yet (the masked
-            positions make the head's shape data-dependent): steps stay eager, said in one line.
+        cuda_graphs: Run steps as CUDA graphs: the LM head then runs on a fixed budget of masked
+            positions per batch shape (`mask_budget`), so shapes are static.
         compile: `torch.compile` the HF model in place with this mode.
         optimizer: "adamw", or "muon" / "normuon": Muon (NorMuon: with per-neuron second-moment
             normalisation) on the encoder's weight matrices at `muon_lr`, AdamW on the rest at `lr`.
@@ -78,33 +79,78 @@ class BertMLM(BertModule):
 
     flops_head = "mlm"
 
-    def graphs_blocker(self) -> str | None:
-        return "masked-LM steps pick the masked positions with a data-dependent shape (not captured yet)"
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        self._mask_probability = float(getattr(dm, "mlm_probability", 0.15))
 
-    def masked_logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits (M, V) at the M selected positions, and their labels (M,)."""
+    def mask_budget(self, tokens: int) -> int:
+        """How many masked positions a batch of `tokens` tokens is given a slot for when steps have static
+        shapes (CUDA graphs): the expected count plus a wide margin (25% and six standard deviations,
+        for whole-word masking's larger spread), rounded up to 64. Masked positions beyond it (not seen
+        in practice) are left out of the loss and counted in `dropped_masked`, reported per epoch."""
+        p = getattr(self, "_mask_probability", 0.15)
+        expected = tokens * p
+        budget = expected * 1.25 + 6 * math.sqrt(tokens * p * (1 - p))
+        return int(min(tokens, 64 * math.ceil(budget / 64)))
+
+    def masked_logits(self, batch: dict[str, torch.Tensor], static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (M, V) at the M selected positions, and their labels (M,). With `static`, M is the
+        fixed `mask_budget` of the batch shape (unused slots labelled -100): no host read, no
+        data-dependent shape, so the step can be captured."""
         hidden = self.model.bert(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).last_hidden_state
-        selected = batch["labels"] != IGNORE_INDEX  # (B, T)
-        logits = self.model.cls(hidden[selected])  # (M, V)
-        return logits, batch["labels"][selected]
+        labels = batch["labels"]
+        selected = labels != IGNORE_INDEX  # (B, T)
+        if not static:
+            return self.model.cls(hidden[selected]), labels[selected]
+        budget = self.mask_budget(labels.numel())
+        slots = torch.nonzero_static(selected.flatten(), size=budget, fill_value=-1).squeeze(1)
+        used = slots >= 0
+        index = slots.clamp(min=0)
+        logits = self.model.cls(hidden.flatten(0, 1).index_select(0, index))  # (budget, V)
+        y = torch.where(used, labels.flatten().index_select(0, index), IGNORE_INDEX)
+        return logits, y
 
     def step_outputs(self, input_ids, attention_mask=None, labels=None, token_type_ids=None) -> dict[str, torch.Tensor]:
-        logits, y = self.masked_logits({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
-        n = y.numel()
-        loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
-        return {
-            "loss": loss_sum / max(n, 1),
-            "count": torch.tensor(float(n), device=loss_sum.device),
-            "correct": (logits.argmax(-1) == y).sum().float(),
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        static = self.cuda_graphs  # static shapes whenever graphs are asked for (same numbers either way)
+        logits, y = self.masked_logits(batch, static=static)
+        loss_sum = F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
+        counted = y != IGNORE_INDEX
+        n = counted.sum().float()
+        out = {
+            "loss": loss_sum / n.clamp(min=1),
+            "count": n,
+            "correct": ((logits.argmax(-1) == y) & counted).sum().float(),
         }
+        if static:
+            out["dropped_masked"] = ((labels != IGNORE_INDEX).sum() - counted.sum()).float()
+        return out
+
+    def update_metrics(self, stage: str, batch, out) -> None:
+        dropped = out.get("dropped_masked")
+        if dropped is not None:  # on the device; read once per epoch
+            self._dropped = dropped if getattr(self, "_dropped", None) is None else self._dropped + dropped
+
+    def _report_dropped(self, stage: str) -> None:
+        dropped, self._dropped = getattr(self, "_dropped", None), None
+        if dropped is not None and float(dropped) > 0:
+            rank_zero_warn(f"bertaccel: {int(dropped)} masked tokens in this {stage} epoch exceeded the static "
+                           "mask budget (CUDA graphs) and were left out of the loss.")
+
+    def on_train_epoch_end(self) -> None:
+        self._report_dropped("training")
 
     def validation_step(self, batch, batch_idx):
         out = self.eval_outputs(batch)
+        self.update_metrics("val", batch, out)
         # weighted by the number of masked tokens: the epoch value is the per-token mean
         self.val_loss.update(out["loss"], weight=out["count"])
         self.val_correct.update(out["correct"] / out["count"].clamp(min=1), weight=out["count"])
 
     def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self._report_dropped("validation")
         loss = self.val_loss.compute()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss).clamp(max=math.exp(30)), prog_bar=True)
