@@ -203,6 +203,40 @@ def main(argv=None) -> None:
         ratio = f"{tr / base:.2f}" if tr and base else "-"
         te, acc = r.get("test_samples_per_s"), r.get("test_acc")
         print(f"{v:<18} {tr or 0:>16,.0f} {ratio:>8} {te or 0:>15,.0f} {acc * 100 if acc else 0:>8.2f}%")
+    if args.out:
+        picture = plot(results, args.variants, args.out.with_suffix(".png"))
+        if picture:
+            print(f"picture: {picture}")
+
+
+def plot(results: dict, variants: list[str], path: Path) -> Path | None:
+    """Train and test samples/s per variant as bars, with the ratio to the plain loop (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [(v, results[v]) for v in variants if "error" not in results.get(v, {"error": 1})]
+    if not rows:
+        return None
+    base = results.get("plain", {}).get("train_samples_per_s")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.8))
+    for ax, key, title in ((axes[0], "train_samples_per_s", "train samples/s"), (axes[1], "test_samples_per_s", "test samples/s")):
+        names = [v for v, _ in rows]
+        values = [r.get(key) or 0 for _, r in rows]
+        bars = ax.barh(names, values, color="#4c72b0")
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10)
+        if key == "train_samples_per_s" and base:
+            for bar, value in zip(bars, values):
+                ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value / base:.2f}x", va="center", fontsize=8)
+    fig.suptitle(f"{results.get('device', '')}: fine-tune, x = ratio to the plain loop", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ def test_profiler_and_meter_write_their_files(tiny_config, tmp_path):
     assert list(prof.glob("*.pt.trace.json.gz"))
     ops = json.loads((prof / "operator_statistics.json").read_text())
     assert any(r["name"] == "aten::mm" or r["name"] == "aten::addmm" for r in ops)
+    assert (prof / "profile_summary.png").stat().st_size > 1000  # the picture next to the JSON
     summary = json.loads((prof / "profile_summary.json").read_text())
     assert {"embeddings", "layer0.attention", "layer0.ffn", "backward", "optimizer_step"} <= set(summary["regions"])
     stats = json.loads((run / "benchmark_stats.json").read_text())["train"]

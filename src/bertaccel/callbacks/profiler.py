@@ -55,6 +55,39 @@ def categorize(kernel: str) -> str:
 
 
 
+def plot_summary(summary: dict, path: Path, on_gpu: bool) -> Path | None:
+    """A PNG next to `profile_summary.json`: time by kernel category (GPU runs) and by labelled region
+    (device time on a GPU, CPU time otherwise). None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = []
+    if on_gpu and summary["categories"]:
+        cats = sorted(summary["categories"].items(), key=lambda kv: kv[1]["ms"])
+        panels.append(("GPU time by kernel category (ms)", [c for c, _ in cats], [v["ms"] for _, v in cats]))
+    if summary["regions"]:
+        key = "device_ms" if on_gpu else "cpu_ms"
+        regs = sorted(summary["regions"].items(), key=lambda kv: kv[1][key])
+        panels.append((f"{'GPU' if on_gpu else 'CPU'} time by labelled region (ms)", [r for r, _ in regs], [v[key] for _, v in regs]))
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 0.3 * max(len(p[1]) for p in panels) + 1.6),
+                             squeeze=False)
+    for ax, (title, labels, values) in zip(axes[0], panels):
+        ax.barh(labels, values, color="#4c72b0")
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(labelsize=8)
+    fig.suptitle(f"{summary['stage']}: {summary['active_steps']} profiled steps", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _enter_range(name: str) -> torch.profiler.record_function:
     """Open a labelled profiler range that a later hook closes (`.__exit__(None, None, None)`)."""
     rf = torch.profiler.record_function(name)
@@ -224,19 +257,29 @@ class ProfilerCallback(pl.Callback):
                            ("profile_summary.json", summary)):
             (out / f"{stage}_{name}" if stage != "train" else out / name).write_text(json.dumps(rows, indent=2))
         self.outputs[stage] = out
+        on_gpu = bool(kernel_rows)
+        picture = plot_summary(summary, out / (f"{stage}_profile_summary.png" if stage != "train" else "profile_summary.png"), on_gpu)
         traces = sorted(p.name for p in out.glob(f"*{stage}*.pt.trace.json.gz"))
-        lines = [f"profiler ({stage}): trace {out}/{traces[-1] if traces else '?'}; statistics in {out}"]
-        lines.append(f"  GPU time {gpu_total / 1e3:.2f} ms over {summary['active_steps']} steps; by category: "
-                     + ", ".join(f"{c} {v['share']:.1%}" for c, v in sorted(summary["categories"].items(), key=lambda kv: -kv[1]["ms"])))
-        lines.append(f"  top kernels by GPU time:")
-        for r in kernel_rows[: self.row_limit]:
-            lines.append(f"    {r['share']:6.1%} {r['total_ms']:8.3f} ms {r['calls']:5d}x {r['mean_us']:8.1f} us  [{r['category']}] {r['name'][:90]}")
-        lines.append(f"  top operators by self device time:")
-        for r in op_rows[: self.row_limit]:
-            lines.append(f"    {r['self_device_ms']:8.3f} ms dev {r['self_cpu_ms']:8.3f} ms cpu {r['calls']:5d}x  {r['name'][:80]}")
+        lines = [f"profiler ({stage}): trace {out}/{traces[-1] if traces else '?'}; statistics in {out}"
+                 + (f"; picture {picture.name}" if picture else "")]
+        if on_gpu:
+            lines.append(f"  GPU time {gpu_total / 1e3:.2f} ms over {summary['active_steps']} steps; by category: "
+                         + ", ".join(f"{c} {v['share']:.1%}" for c, v in sorted(summary["categories"].items(), key=lambda kv: -kv[1]["ms"])))
+            lines.append("  top kernels by GPU time:")
+            for r in kernel_rows[: self.row_limit]:
+                lines.append(f"    {r['share']:6.1%} {r['total_ms']:8.3f} ms {r['calls']:5d}x {r['mean_us']:8.1f} us  [{r['category']}] {r['name'][:90]}")
+            lines.append("  top operators by self device time:")
+            for r in op_rows[: self.row_limit]:
+                lines.append(f"    {r['self_device_ms']:8.3f} ms dev {r['self_cpu_ms']:8.3f} ms cpu {r['calls']:5d}x  {r['name'][:80]}")
+        else:  # CPU run: no kernels, so no device columns
+            lines.append(f"  no GPU activity (CPU run); top operators by self CPU time over {summary['active_steps']} steps:")
+            for r in sorted(op_rows, key=lambda r: -r["self_cpu_ms"])[: self.row_limit]:
+                lines.append(f"    {r['self_cpu_ms']:8.3f} ms cpu {r['calls']:5d}x  {r['name'][:80]}")
         if regions:
-            lines.append("  regions (device ms / cpu ms): " + ", ".join(
-                f"{k} {v['device_ms']:.2f}/{v['cpu_ms']:.2f}" for k, v in sorted(regions.items())[:40]))
+            unit = "device ms / cpu ms" if on_gpu else "cpu ms"
+            lines.append(f"  regions ({unit}): " + ", ".join(
+                (f"{k} {v['device_ms']:.2f}/{v['cpu_ms']:.2f}" if on_gpu else f"{k} {v['cpu_ms']:.2f}")
+                for k, v in sorted(regions.items())[:40]))
         rank_zero_info("\n".join(lines))
 
     # -------------------------------------------------------------------------------- hooks
