@@ -189,3 +189,20 @@ def test_read_only_cache_trains_without_it(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         out = tokenize_texts(["a film"], load_tokenizer("sample:sentiment"), 16, cache_dir=ro)
     assert len(out) == 1 and "could not write the tokenization cache" in caplog.text
+
+
+def test_a_second_fit_into_a_running_experiment_is_refused(tiny_config, tmp_path, capsys):
+    import os
+    import socket
+
+    cfg = tiny_config("busy", epochs=1)
+    lock = tmp_path / "runs" / "busy" / "checkpoints" / ".fit.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text(f"{socket.gethostname()} {os.getppid()}")  # a live process holds it
+    err = fails(capsys, "fit", "-c", cfg, *QUICK)
+    assert "another fit" in err and "is writing into" in err
+    # a lock whose process is gone is taken over, and released at the end
+    lock.write_text(f"{socket.gethostname()} 999999999")
+    main(["fit", "-c", cfg, *QUICK])
+    assert "which is gone; taking it over" in capsys.readouterr().out
+    assert not lock.exists()

@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,55 @@ def check_config_against_checkpoint(ckpt: dict[str, Any], model_config, path) ->
         detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diffs.items())
         raise CheckpointError(f"{path} does not match the config's model ({detail}); use the config it was "
                               "trained with, or drop these fields from model.init_args.config.")
+
+
+class ExperimentLock:
+    """`<checkpoint dir>/.fit.lock` while a `fit` writes into an experiment's checkpoint folder: a
+    second fit into the same folder is refused (both would write last.ckpt) instead of silently
+    interleaving. A lock left by a process that no longer runs (kill -9) is taken over, with a line."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / ".fit.lock"
+        self.held = False
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = f"{socket.gethostname()} {os.getpid()}"
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                owner = self.path.read_text().strip() if self.path.is_file() else ""
+                host, _, pid = owner.partition(" ")
+                if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                    print(f"bertaccel: {self.path} was left by process {pid}, which is gone; taking it over.")
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise BertAccelError(
+                    f"another fit ({owner or 'unknown process'}) is writing into {self.path.parent}; wait for it, "
+                    "or give this run its own experiment (--trainer.logger.init_args.name NAME). If no fit is "
+                    f"running there, delete {self.path}."
+                ) from None
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            self.held = True
+            atexit.register(self.release)
+            return
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SaveConfigOfRun(SaveConfigCallback):
@@ -202,12 +253,18 @@ class BertAccelCLI(LightningCLI):
 
     def before_fit(self) -> None:
         directory = self._checkpoint_dir()
+        if self.trainer.is_global_zero:
+            self._lock = ExperimentLock(directory)
+            self._lock.acquire()
         earlier = sorted(directory.glob("*.ckpt")) if directory.is_dir() else []
         if earlier and not self.config.fit.get("ckpt_path") and self.trainer.is_global_zero:
             print(f"bertaccel: {directory} holds {len(earlier)} checkpoint(s) of an earlier run; this run replaces "
                   "last.ckpt and records its own best (to continue the earlier run instead: --ckpt_path last).")
 
     def after_fit(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
         if self.config.fit.get("test_after_fit") and not self.trainer.interrupted:
             ckpt = "best" if self.trainer.checkpoint_callback and self.trainer.checkpoint_callback.best_model_path else None
             self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=ckpt)
