@@ -107,6 +107,9 @@ class ExperimentLock:
             except FileExistsError:
                 owner = self.path.read_text().strip() if self.path.is_file() else ""
                 host, _, pid = owner.partition(" ")
+                if owner == me:  # left by an earlier fit of this very process that ended in an error
+                    self.path.unlink(missing_ok=True)
+                    continue
                 if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
                     print(f"bertaccel: {self.path} was left by process {pid}, which is gone; taking it over.")
                     self.path.unlink(missing_ok=True)
