@@ -108,9 +108,10 @@ class BertClassifier(BertModule):
         values = metric.compute()  # one host read per epoch (and the DDP reduction)
         metric.reset()
         loss_name = "train/loss_epoch" if stage == "train" else f"{stage}/loss"
-        self.log(loss_name, values["loss"], prog_bar=stage != "train")
-        self.log(f"{stage}/acc", values["acc"], prog_bar=stage != "train")
-        self.log(f"{stage}/f1", values["f1"], prog_bar=stage != "train")
+        # `compute()` already reduced over DDP ranks, so every rank holds the global value; sync_dist
+        # averages identical numbers (exact) and keeps Lightning's epoch-level DDP check satisfied
+        for name, key in ((loss_name, "loss"), (f"{stage}/acc", "acc"), (f"{stage}/f1", "f1")):
+            self.log(name, values[key], prog_bar=stage != "train", sync_dist=True)
 
     def validation_step(self, batch, batch_idx):
         self.update_metrics("val", batch, self.eval_outputs(batch))

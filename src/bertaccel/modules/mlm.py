@@ -152,8 +152,9 @@ class BertMLM(BertModule):
         if not self.trainer.sanity_checking:
             self._report_dropped("validation")
         loss = self.val_loss.compute()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(loss).clamp(max=math.exp(30)), prog_bar=True)
-        self.log("val/acc", self.val_correct.compute())
+        # global values already (WeightedMean reduces over DDP ranks); sync_dist averages identical numbers
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss).clamp(max=math.exp(30)), prog_bar=True, sync_dist=True)
+        self.log("val/acc", self.val_correct.compute(), sync_dist=True)
         self.val_loss.reset()
         self.val_correct.reset()
