@@ -143,3 +143,24 @@ def test_embedding_backward_matches_autograd_and_skips_the_padding_row():
         torch.testing.assert_close(g, gr, rtol=1e-4, atol=1e-5)
     assert torch.all(torch.autograd.grad(torch.ops.bertaccel.embedding_layer_norm_fwd(
         ids, pos, tt, *a, 0.0, 1e-12, False, 1)[0], a[0], dy)[0][1] == 0)
+
+
+def test_dropout_ops_are_tagged_seeded_and_check_p():
+    """Ops that draw dropout masks carry `nondeterministic_seeded` (torch.compile must not merge two
+    calls), and a probability outside [0, 1) is refused instead of giving a wrong 1/(1-p) scale."""
+    from bertaccel.ops import library as L
+
+    seeded = torch.Tag.nondeterministic_seeded
+    assert seeded in torch.ops.bertaccel.layer_norm_fwd.default.tags
+    assert seeded in torch.ops.bertaccel.embedding_layer_norm_fwd.default.tags
+    assert seeded not in torch.ops.bertaccel.rms_norm_fwd.default.tags
+    x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
+    for p in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"dropout probability must be in \[0, 1\)"):
+            L.layer_norm_fwd(x, None, None, w, b, p, 1e-5)
+        with pytest.raises(ValueError, match=r"dropout probability must be in \[0, 1\)"):
+            torch.ops.bertaccel.layer_norm_fwd(x, None, None, w, b, p, 1e-5)  # the CPU kernel too
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    emb = torch.randn(10, 8)
+    with pytest.raises(ValueError, match=r"dropout probability"):
+        L.embedding_layer_norm_fwd(ids, ids, ids, emb, emb, emb[:2], w, b, 1.0, 1e-5, False, 0)

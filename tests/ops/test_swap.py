@@ -160,3 +160,20 @@ def test_kernel_swap_callback_through_the_cli(tiny_config):
     # reverted at teardown: the trained module is plain HF again
     assert not any(isinstance(m, (FusedBertOutput, FusedLayerNorm, FusedBertIntermediate)) for m in run.model.modules())
     assert run.trainer.global_step > 0
+
+
+def test_attention_fallback_follows_train_and_eval():
+    """The fallback runs the original attention, which is not a submodule: model.eval() did not reach
+    it and its attention dropout stayed on. Now the fallback follows the swapped module's mode."""
+    cfg = {**CFG, "attention_probs_dropout_prob": 0.5}
+    m = BertForSequenceClassification(BertConfig(**cfg, attn_implementation="eager"))
+    m.train()
+    swap(m, ["softmax"])  # on CPU every call takes the fallback
+    m.eval()
+    b = batch()
+    with torch.no_grad():
+        first, second = m(**b).logits, m(**b).logits
+    assert torch.equal(first, second)  # no dropout in eval
+    m.train()
+    with torch.no_grad():
+        assert not torch.equal(m(**b).logits, m(**b).logits)  # dropout back in training

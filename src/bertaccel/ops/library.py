@@ -17,9 +17,12 @@ from torch import Tensor
 
 NS = "bertaccel"
 lib = torch.library.Library(NS, "DEF")
+# ops that draw dropout masks: tagged so that torch.compile never merges or reorders two calls
+SEEDED = (torch.Tag.nondeterministic_seeded,)
 lib.define(
     "layer_norm_fwd(Tensor x, Tensor? bias, Tensor? residual, Tensor weight, Tensor ln_bias, float p, float eps)"
-    " -> (Tensor y, Tensor z, Tensor mean, Tensor rstd, Tensor rng)"
+    " -> (Tensor y, Tensor z, Tensor mean, Tensor rstd, Tensor rng)",
+    tags=SEEDED,
 )
 lib.define(
     "layer_norm_bwd(Tensor dy, Tensor z, Tensor weight, Tensor mean, Tensor rstd, Tensor rng, float p, bool want_dh)"
@@ -32,7 +35,8 @@ lib.define("rms_norm_bwd(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Te
 lib.define(
     "embedding_layer_norm_fwd(Tensor ids, Tensor position_ids, Tensor token_type_ids, Tensor word, Tensor position,"
     " Tensor token_type, Tensor weight, Tensor ln_bias, float p, float eps, bool out_bf16, int padding_idx)"
-    " -> (Tensor y, Tensor z, Tensor mean, Tensor rstd, Tensor rng)"
+    " -> (Tensor y, Tensor z, Tensor mean, Tensor rstd, Tensor rng)",
+    tags=SEEDED,
 )
 lib.define(
     "embedding_layer_norm_bwd(Tensor dy, Tensor z, Tensor weight, Tensor mean, Tensor rstd, Tensor rng, float p)"
@@ -43,6 +47,12 @@ lib.define("softmax_bwd(Tensor dy, Tensor y, float scale) -> Tensor")
 
 
 # ---------------------------------------------------------------------------- CPU reference
+def check_dropout(p: float) -> None:
+    """Dropout probabilities outside [0, 1) would give a silently wrong 1/(1-p) scale in the kernels."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}.")
+
+
 def _cpu_dropout_keep(shape, p: float, rng: Tensor) -> Tensor:
     g = torch.Generator().manual_seed(int(rng[0]))
     return torch.rand(shape, generator=g) >= p
@@ -50,6 +60,7 @@ def _cpu_dropout_keep(shape, p: float, rng: Tensor) -> Tensor:
 
 @torch.library.impl(lib, "layer_norm_fwd", "CPU")
 def _ln_fwd_cpu(x, bias, residual, weight, ln_bias, p, eps):
+    check_dropout(p)
     fused = bias is not None or residual is not None or p > 0
     h = x.float()
     rng = torch.zeros(2, dtype=torch.long)
@@ -127,6 +138,7 @@ def _rms_bwd_cpu(dy, x, weight, rstd):
 @torch.library.impl(lib, "embedding_layer_norm_fwd", "CPU")
 def _emb_fwd_cpu(ids, position_ids, token_type_ids, word, position, token_type, weight, ln_bias, p, eps, out_bf16,
                  padding_idx):
+    check_dropout(p)
     dtype = torch.bfloat16 if out_bf16 else torch.float32
     z = (word[ids] + token_type[token_type_ids] + position[position_ids]).to(dtype)
     var, mean = torch.var_mean(z.float(), dim=-1, correction=0)
@@ -175,6 +187,7 @@ def _softmax_bwd_cpu(dy, y, scale):
 # --------------------------------------------------------------------------------- fake
 @torch.library.register_fake(f"{NS}::layer_norm_fwd")
 def _ln_fwd_fake(x, bias, residual, weight, ln_bias, p, eps):
+    check_dropout(p)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fused = bias is not None or residual is not None or p > 0
     f = x.new_empty(rows, dtype=torch.float32)
@@ -215,6 +228,7 @@ def _rms_bwd_fake(dy, x, weight, rstd):
 @torch.library.register_fake(f"{NS}::embedding_layer_norm_fwd")
 def _emb_fwd_fake(ids, position_ids, token_type_ids, word, position, token_type, weight, ln_bias, p, eps, out_bf16,
                   padding_idx):
+    check_dropout(p)
     dtype = torch.bfloat16 if out_bf16 else torch.float32
     shape = (*ids.shape, word.shape[-1])
     f = word.new_empty(ids.numel(), dtype=torch.float32)
@@ -406,7 +420,11 @@ def _eager(fn_class, op):
     Python call per op even under no_grad); with grad, the lean autograd.Function."""
     below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
+    p_index = {"layer_norm_fwd": 5, "embedding_layer_norm_fwd": 8}.get(op.name().split("::")[-1].split(".")[0])
+
     def call(*args):
+        if p_index is not None and not torch.compiler.is_compiling():
+            check_dropout(args[p_index])  # the CUDA kernels take p as given
         if torch.compiler.is_compiling():
             return op(*args)
         if not torch.is_grad_enabled():

@@ -51,6 +51,8 @@ class FusedBertSelfAttention(nn.Module):
             hidden_states, hidden=1, dtype=compute_dtype(hidden_states))
         if reason is not None:
             note_fallback("attention softmax", reason)
+            # not a submodule, so model.train()/eval() did not reach it: its attention dropout follows ours
+            self._original.training = self.training
             # the original's forward, not its __call__: the hooks it shares with this module fire once
             return type(self._original).forward(self._original, hidden_states, attention_mask, past_key_values, **kwargs)
         input_shape = hidden_states.shape[:-1]
