@@ -206,3 +206,11 @@ def test_a_second_fit_into_a_running_experiment_is_refused(tiny_config, tmp_path
     main(["fit", "-c", cfg, *QUICK])
     assert "which is gone; taking it over" in capsys.readouterr().out
     assert not lock.exists()
+
+
+def test_unwritable_checkpoint_directory_fails_before_training(tiny_config, tmp_path, capsys):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the runs folder should be")
+    err = fails(capsys, "fit", "-c", tiny_config("ro", epochs=1), *QUICK,
+                "--checkpoint.dirpath", str(blocker / "checkpoints"))
+    assert "cannot be written" in err and "--checkpoint.dirpath" in err

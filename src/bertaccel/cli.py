@@ -99,7 +99,16 @@ class ExperimentLock:
         self.held = False
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            probe = self.path.parent / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:  # found now, not after an epoch of training when the first checkpoint is saved
+            raise BertAccelError(
+                f"the checkpoint directory {self.path.parent} cannot be written ({e.strerror or type(e).__name__}); "
+                "set --checkpoint.dirpath or --trainer.logger.init_args.save_dir to a writable place."
+            ) from None
         me = f"{socket.gethostname()} {os.getpid()}"
         for _ in range(2):
             try:

@@ -104,3 +104,21 @@ def test_training_throughput_leaves_out_validation_and_checkpoint_time(tiny_data
     assert stats["steps"] == 3 * 8 - 1
     seconds = stats["steps"] * 16 / stats["samples_per_s"]
     assert jumped[0] >= 300.0 and seconds < 100.0, seconds  # 2 or 3 jumps fall inside the measured window
+
+
+def test_profiler_schedule_fits_a_short_stage(tiny_config, tmp_path, caplog):
+    """A test stage of 3 batches with skip_first 5, wait 1, warmup 2, active 1 (9 steps): the skipped
+    and warm-up steps give way, one line says so, and the recorded step is a whole step."""
+    import logging
+
+    cfg = tiny_config("short_prof", epochs=1)
+    BertAccelCLI(args=["fit", "-c", cfg])
+    with caplog.at_level(logging.INFO):
+        BertAccelCLI(args=["test", "-c", cfg, "--ckpt_path", "last", "--profiler.enabled", "true",
+                           "--profiler.stages", "[test]", "--profiler.skip_first", "5", "--profiler.wait", "1",
+                           "--profiler.warmup", "2", "--profiler.active", "1"])
+    assert "profiler (test): 3 batches: skip_first 5 -> 0, warmup 2 -> 1, so that 1 whole steps are recorded." in caplog.text
+    prof = tmp_path / "runs" / "short_prof" / "version_1" / "profiler"
+    summary = json.loads((prof / "test_profile_summary.json").read_text())
+    regions = summary["regions"]
+    assert regions["embeddings"]["calls"] == 1 and regions["layer0.attention"]["calls"] == 1  # one whole forward

@@ -18,6 +18,7 @@ classifier or MLM head), and in training `backward` and `optimizer_step`.
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 from collections import defaultdict
@@ -179,10 +180,11 @@ class ProfilerCallback(pl.Callback):
         if trainer.strategy.root_device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         worker = f"{socket.gethostname()}_{trainer.global_rank}.{stage}"
+        skip_first, warmup = self._fit_schedule(trainer, stage)
         self._stage = stage
         self._prof = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(skip_first=self.skip_first, wait=self.wait, warmup=self.warmup,
+            schedule=torch.profiler.schedule(skip_first=skip_first, wait=self.wait, warmup=warmup,
                                              active=self.active, repeat=self.repeat),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out), worker_name=worker, use_gzip=True),
             record_shapes=self.record_shapes, profile_memory=self.profile_memory, with_stack=self.with_stack,
@@ -190,6 +192,31 @@ class ProfilerCallback(pl.Callback):
         )
         self._hooks.attach(pl_module)
         self._prof.__enter__()
+
+    def _fit_schedule(self, trainer, stage: str) -> tuple[int, int]:
+        """(skip_first, warmup) for a stage with fewer batches than the schedule needs: the skipped
+        steps give way first, then the warm-up (down to 1), so that the `active` steps are whole
+        steps inside the stage; said in one line. A stage with too few batches even then is said too."""
+        counts = {"train": trainer.num_training_batches, "validate": sum(trainer.num_val_batches or [0]),
+                  "test": sum(trainer.num_test_batches or [0]), "predict": sum(trainer.num_predict_batches or [0])}
+        available = counts.get(stage, float("inf"))
+        need = self.skip_first + self.wait + self.warmup + self.active  # `step()` runs at every batch end
+        skip_first, warmup = self.skip_first, self.warmup
+        if not math.isfinite(available) or available >= need:
+            return skip_first, warmup
+        short = need - int(available)
+        cut = min(short, skip_first)
+        skip_first, short = skip_first - cut, short - cut
+        cut = min(short, max(warmup - 1, 0))
+        warmup, short = warmup - cut, short - cut
+        if short > 0:
+            rank_zero_info(f"profiler ({stage}): the stage has {int(available)} batches, fewer than the "
+                           f"{self.wait + 1 + self.active} that wait={self.wait}, warmup>=1, active={self.active} "
+                           "need; fewer steps will be recorded (lower profiler.active or raise the limit_*_batches).")
+        else:
+            rank_zero_info(f"profiler ({stage}): {int(available)} batches: skip_first {self.skip_first} -> {skip_first}, "
+                           f"warmup {self.warmup} -> {warmup}, so that {self.active} whole steps are recorded.")
+        return skip_first, warmup
 
     def _step(self, stage: str) -> None:
         if self._prof is not None and self._stage == stage:
