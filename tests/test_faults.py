@@ -214,3 +214,13 @@ def test_unwritable_checkpoint_directory_fails_before_training(tiny_config, tmp_
     err = fails(capsys, "fit", "-c", tiny_config("ro", epochs=1), *QUICK,
                 "--checkpoint.dirpath", str(blocker / "checkpoints"))
     assert "cannot be written" in err and "--checkpoint.dirpath" in err
+
+
+def test_relative_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path, monkeypatch):
+    from bertaccel.errors import DataError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("data/imdb", "data/sub/imdb", "./imdb"):
+        with pytest.raises(DataError, match=rf"local dataset directory {name} does not exist.*resolves to"):
+            _dm(name).prepare_data()

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from bertaccel.data.collate import ClassificationCollator, bucket_lengths
 from bertaccel.data.loader import ResumableDataLoader
 from bertaccel.data.samplers import EpochSampler
-from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, read_table
+from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, looks_like_path, read_table
 from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
 from bertaccel.errors import DataError, check_batch_sizes
 from bertaccel.pretrained import load_tokenizer
@@ -28,10 +28,6 @@ KNOWN_DATASETS = {
     "ag_news": ("fancyzhx/ag_news", None, ["World", "Sports", "Business", "Sci/Tech"]),
 }
 SAMPLE_DIR = Path(__file__).parent / "samples"
-
-
-def _looks_local(name: str) -> bool:
-    return name.startswith((".", "/", "~"))
 
 
 class ClassificationDataset(Dataset):
@@ -172,10 +168,11 @@ class TextClassificationDataModule(pl.LightningDataModule):
             raw = self._load_local(directory)
         elif os.path.isdir(os.path.expanduser(name)):
             raw = self._load_local(Path(name).expanduser())
-        elif name in KNOWN_DATASETS or (name.count("/") == 1 and not _looks_local(name)):
+        elif name in KNOWN_DATASETS or (name.count("/") == 1 and not looks_like_path(name)):
             raw = self._load_hub(name)
-        elif _looks_local(name) or os.path.exists(name):
-            raise DataError(f"local dataset directory {name} does not exist (or is not a directory).")
+        elif looks_like_path(name) or os.path.exists(name):
+            raise DataError(f"local dataset directory {name} does not exist (or is not a directory); "
+                            f"from here ({os.getcwd()}) it resolves to {os.path.abspath(os.path.expanduser(name))}.")
         else:
             raise DataError(
                 f"unknown dataset '{name}': not a local directory, not one of {sorted(KNOWN_DATASETS)}, "

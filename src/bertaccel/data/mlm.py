@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.masking import continuation_table, mask_tokens, special_table
 from bertaccel.data.samplers import EpochSampler
-from bertaccel.data.sources import TEXT_SUFFIXES, TABLE_SUFFIXES, find_split_file, load_hub_dataset, read_text_documents
+from bertaccel.data.sources import (TEXT_SUFFIXES, TABLE_SUFFIXES, find_split_file, load_hub_dataset, looks_like_path,
+                                     read_text_documents)
 from bertaccel.data.tokenized import tokenize_texts
 from bertaccel.errors import DataError, check_batch_sizes
 from bertaccel.pretrained import load_tokenizer
@@ -167,7 +168,7 @@ class MLMDataModule(pl.LightningDataModule):
                     "Name the files with `data.train_files` instead."
                 )
             return {s: read_text_documents(f, self.text_column) for s, f in files.items() if f is not None}
-        if name.startswith((".", "/", "~")) or os.path.exists(name):
+        if looks_like_path(name) or os.path.exists(name):
             raise DataError(f"local corpus {name} does not exist or is not a directory; for files use `data.train_files`.")
         if name not in KNOWN_CORPORA and name.count("/") != 1:
             raise DataError(

@@ -46,6 +46,15 @@ def _suffix(path: Path) -> str:
     return path.suffix.lower()
 
 
+def looks_like_path(name: str) -> bool:
+    """A path rather than a Hub name: it starts like one (./, /, ~), or its first component is a local
+    directory (`data/imdb` when ./data exists), or it has more than one slash."""
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return True
+    head = name.split("/", 1)[0]
+    return "/" in name and os.path.isdir(head)
+
+
 def _open_text(path: Path) -> io.TextIOBase:
     if path.name.lower().endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8", newline="")
