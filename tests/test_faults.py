@@ -224,3 +224,8 @@ def test_relative_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path,
     for name in ("data/imdb", "data/sub/imdb", "./imdb"):
         with pytest.raises(DataError, match=rf"local dataset directory {name} does not exist.*resolves to"):
             _dm(name).prepare_data()
+
+
+def test_bf16_true_says_it_has_no_fp32_master_weights(tiny_config):
+    with pytest.warns(UserWarning, match="bf16-true keeps the weights and AdamW's updates in bf16"):
+        main(["fit", "-c", tiny_config("bf16true", epochs=1), *QUICK, "--trainer.precision", "bf16-true"])

@@ -159,6 +159,12 @@ class BertModule(pl.LightningModule):
             self.model.compile(mode=None if self.compile_mode == "default" else self.compile_mode,
                                dynamic=False if self.cuda_graphs else None)
             self._compiled = True
+        if stage == "fit" and self._trainer is not None and str(self.trainer.precision) == "bf16-true":
+            rank_zero_warn(
+                "bertaccel: trainer.precision bf16-true keeps the weights and AdamW's updates in bf16 (no fp32 "
+                "master weights): updates smaller than bf16's resolution round away. bf16-mixed keeps fp32 "
+                "master weights with bf16 compute."
+            )
         if dm is None:
             return
         if stage == "fit":
