@@ -229,3 +229,20 @@ def test_relative_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path,
 def test_bf16_true_says_it_has_no_fp32_master_weights(tiny_config):
     with pytest.warns(UserWarning, match="bf16-true keeps the weights and AdamW's updates in bf16"):
         main(["fit", "-c", tiny_config("bf16true", epochs=1), *QUICK, "--trainer.precision", "bf16-true"])
+
+
+def test_several_files_for_a_split_advise_what_each_data_module_allows(tmp_path):
+    from bertaccel.data import MLMDataModule
+    from bertaccel.errors import DataError
+
+    (tmp_path / "train.jsonl").write_text('{"text": "a", "label": 0}\n')
+    (tmp_path / "train_extra.jsonl").write_text('{"text": "b", "label": 1}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "c", "label": 0}\n')
+    with pytest.raises(DataError, match=r"several files for the 'train' split.*Keep one file per split in the folder"):
+        _dm(tmp_path).prepare_data()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_text("some text\n")
+    (corpus / "train.extra.txt").write_text("more text\n")
+    with pytest.raises(DataError, match=r"data.train_files"):
+        MLMDataModule(dataset=str(corpus), tokenizer="sample:sentiment", block_size=32).setup("fit")

@@ -161,7 +161,8 @@ class MLMDataModule(pl.LightningDataModule):
         name = os.path.expanduser(self.dataset)
         if os.path.isdir(name):
             suffixes = TEXT_SUFFIXES + TABLE_SUFFIXES
-            files = {s: find_split_file(Path(name), s, suffixes) for s in ("train", "validation")}
+            hint = "Keep one per split, or name the files with `data.train_files` / `data.val_files`."
+            files = {s: find_split_file(Path(name), s, suffixes, hint) for s in ("train", "validation")}
             if files["train"] is None:
                 raise DataError(
                     f"{name} has no train file (train.txt, wiki.train.raw, train.jsonl.gz, ...). "

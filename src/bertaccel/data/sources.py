@@ -72,8 +72,10 @@ def _not_utf8(path: Path, line: int, raw: bytes | None, e: UnicodeDecodeError, n
             "(e.g. `iconv -f latin1 -t utf-8 in > out`).")
 
 
-def find_split_file(directory: Path, split: str, suffixes=TABLE_SUFFIXES) -> Path | None:
-    """The file for `split` in `directory` (`train.jsonl.gz`, `wiki.valid.raw`, `dev.csv`, ...)."""
+def find_split_file(directory: Path, split: str, suffixes=TABLE_SUFFIXES,
+                    hint: str = "Keep one file per split in the folder (move the others elsewhere).") -> Path | None:
+    """The file for `split` in `directory` (`train.jsonl.gz`, `wiki.valid.raw`, `dev.csv`, ...);
+    `hint` ends the error when several files match (what the caller's options allow)."""
     candidates = []
     for p in sorted(directory.iterdir()):
         if not p.is_file() or _suffix(p) not in suffixes:
@@ -84,8 +86,7 @@ def find_split_file(directory: Path, split: str, suffixes=TABLE_SUFFIXES) -> Pat
             candidates.append(p)
     if len(candidates) > 1:
         raise DataError(
-            f"{directory} has several files for the '{split}' split: {[c.name for c in candidates]}. "
-            "Keep one per split, or name the files explicitly."
+            f"{directory} has several files for the '{split}' split: {[c.name for c in candidates]}. {hint}"
         )
     return candidates[0] if candidates else None
 
