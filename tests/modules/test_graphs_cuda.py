@@ -240,7 +240,6 @@ def test_graphed_mlm_trains_like_eager(tmp_path):
         trainer.fit(model, datamodule=dm)
         return model, trainer
 
-    init_model = None
     eager, te = run(False)
     graphed, tg = run(True)
     stats = graphed.graph_stats()

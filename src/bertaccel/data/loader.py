@@ -3,8 +3,9 @@
 Lightning saves `state_dict()` of a training loader that has one and hands it back through
 `load_state_dict()` on `fit --ckpt_path ...`. The state is (epoch, batches already trained on in
 it), read from the trainer's own progress (not from the iterator, which Lightning's fetcher keeps one
-batch ahead). On resume in the same epoch the first iterator skips those batches, so the run continues
-with the batch after the checkpoint instead of restarting the epoch; with the random states the
+batch ahead). On resume, every iterator made for the checkpoint's epoch skips those batches (Lightning
+may make one before using it), so the run continues with the batch after the checkpoint instead of
+restarting the epoch; with the random states the
 checkpoint also carries, a resumed run ends with the weights of an uninterrupted one.
 """
 
