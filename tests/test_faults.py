@@ -246,3 +246,10 @@ def test_several_files_for_a_split_advise_what_each_data_module_allows(tmp_path)
     (corpus / "train.extra.txt").write_text("more text\n")
     with pytest.raises(DataError, match=r"data.train_files"):
         MLMDataModule(dataset=str(corpus), tokenizer="sample:sentiment", block_size=32).setup("fit")
+
+
+def test_resuming_with_a_longer_schedule_says_the_learning_rate_jumps(tiny_config):
+    cfg = tiny_config("extend", epochs=1)
+    main(["fit", "-c", cfg])
+    with pytest.warns(UserWarning, match=r"schedule ran over 8 steps; this run's runs over 16"):
+        main(["fit", "-c", cfg, "--trainer.max_epochs", "2", "--ckpt_path", "last"])

@@ -142,6 +142,7 @@ class BertModule(pl.LightningModule):
         self._train_loss_window: torch.Tensor | None = None
         self._static_grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._rng_to_restore: dict[str, Any] | None = None
+        self._saved_schedule: dict[str, int] | None = None
         self.lr = lr
         self.weight_decay = weight_decay
         self.warmup_ratio = warmup_ratio
@@ -308,6 +309,14 @@ class BertModule(pl.LightningModule):
             total = math.ceil(total / self._accumulate)  # the trainer's accumulation was taken over
         warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total)
         scheduler = get_linear_schedule_with_warmup(optimizer, warmup, max(total, 1))
+        self._schedule = {"total_steps": int(max(total, 1)), "warmup_steps": int(warmup)}
+        saved = self._saved_schedule
+        if saved and saved.get("total_steps") != self._schedule["total_steps"]:
+            rank_zero_warn(
+                f"bertaccel: the checkpoint's learning-rate schedule ran over {saved['total_steps']} steps; this run's "
+                f"runs over {self._schedule['total_steps']} (other max_epochs / max_steps / data). The resumed run "
+                "follows the new schedule from the checkpoint's step, so the learning rate jumps to its value there."
+            )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _muon_optimizer(self, groups: list[dict[str, Any]]):
@@ -525,7 +534,7 @@ class BertModule(pl.LightningModule):
     # ------------------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["bertaccel"] = {"architecture": architecture_of(self.model), "class": type(self).__name__,
-                                   "rng": rng_states()}
+                                   "rng": rng_states(), "schedule": getattr(self, "_schedule", None)}
         # Graphed runs keep learning rates in device tensors; store plain floats so the checkpoint
         # resumes the same way eager, on another device or on CPU.
         for state in checkpoint.get("optimizer_states", []):
@@ -549,6 +558,7 @@ class BertModule(pl.LightningModule):
         self.release_graphs()  # loaded optimizer state replaces tensors that graphs point to
         saved = checkpoint.get("bertaccel", {})
         self._rng_to_restore = saved.get("rng")
+        self._saved_schedule = saved.get("schedule")
         if saved.get("class") not in (None, type(self).__name__):
             raise CheckpointError(
                 f"the checkpoint holds a {saved['class']} but the config builds a {type(self).__name__}; "
