@@ -183,3 +183,20 @@ def test_mlm_static_mask_budget_gives_the_dynamic_loss_and_graph_loop_trains_lik
     for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     torch.testing.assert_close(tg.callback_metrics["val/loss"], te.callback_metrics["val/loss"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"limit_train_batches": 5, "accumulate_grad_batches": 2},
+                                     {"max_steps": 7}, {"limit_train_batches": 0.5}],
+                         ids=["plain", "limit-accumulate", "max-steps", "fraction"])
+def test_schedule_length_counts_like_lightning(options, tiny_data, tmp_path):
+    """The schedule's length is counted from our own loader (so that Lightning sets up the training
+    data only after a checkpoint's loop state is restored): it must equal Lightning's own estimate."""
+
+    class Compare(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.ours = pl_module._schedule["total_steps"]
+            self.lightning = int(trainer.estimated_stepping_batches)
+
+    compare = Compare()
+    _train(False, tiny_data, tmp_path, callbacks=[compare], **options)
+    assert compare.ours == compare.lightning
