@@ -48,7 +48,9 @@ def _checked(d: dict, n_texts: int, vocab_size: int, path: Path) -> TokenizedTex
         problems.append("row offsets go backwards")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         problems.append(f"token ids outside 0..{vocab_size - 1}")
-    if d.get("digest") != ids_digest(ids, offsets):
+    if "digest" not in d:
+        problems.append("written by an older bertaccel, without a digest")
+    elif d["digest"] != ids_digest(ids, offsets):
         problems.append("contents differ from what was written")
     if problems:
         raise ValueError(f"{path}: " + "; ".join(problems))
