@@ -334,14 +334,15 @@ class TextClassificationDataModule(pl.LightningDataModule):
             batch_size=batch_size,
             fixed=not train,
         )
+        workers = self._workers()
         return loader_class(
             ds,
             batch_size=batch_size,
             sampler=sampler,
             collate_fn=self.collator(batch_size),
-            num_workers=self._workers(),
+            num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
-            persistent_workers=self._workers() > 0,
+            persistent_workers=workers > 0,
             # worker seeds from the loader's own generator: making an iterator does not draw from the
             # global RNG, whose state checkpoints carry (exact resume with dropout)
             generator=torch.Generator().manual_seed(self.seed),

@@ -76,20 +76,22 @@ class BertMLM(BertModule):
         self.model.train()
         self.val_loss = WeightedMean()
         self.val_correct = WeightedMean()
+        self._dropped: torch.Tensor | None = None  # masked tokens over the static budget, this epoch
+        self._mask_probability = 0.15  # the data module's mlm_probability, read in setup
 
     flops_head = "mlm"
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        self._mask_probability = float(getattr(dm, "mlm_probability", 0.15))
+        self._mask_probability = float(getattr(dm, "mlm_probability", self._mask_probability))
 
     def mask_budget(self, tokens: int) -> int:
         """How many masked positions a batch of `tokens` tokens is given a slot for when steps have static
         shapes (CUDA graphs): the expected count plus a wide margin (25% and six standard deviations,
         for whole-word masking's larger spread), rounded up to 64. Masked positions beyond it (not seen
         in practice) are left out of the loss and counted in `dropped_masked`, reported per epoch."""
-        p = getattr(self, "_mask_probability", 0.15)
+        p = self._mask_probability
         expected = tokens * p
         budget = expected * 1.25 + 6 * math.sqrt(tokens * p * (1 - p))
         return int(min(tokens, 64 * math.ceil(budget / 64)))
@@ -130,10 +132,10 @@ class BertMLM(BertModule):
     def update_metrics(self, stage: str, batch, out) -> None:
         dropped = out.get("dropped_masked")
         if dropped is not None:  # on the device; read once per epoch
-            self._dropped = dropped if getattr(self, "_dropped", None) is None else self._dropped + dropped
+            self._dropped = dropped if self._dropped is None else self._dropped + dropped
 
     def _report_dropped(self, stage: str) -> None:
-        dropped, self._dropped = getattr(self, "_dropped", None), None
+        dropped, self._dropped = self._dropped, None
         if dropped is not None and float(dropped) > 0:
             rank_zero_warn(f"bertaccel: {int(dropped)} masked tokens in this {stage} epoch exceeded the static "
                            "mask budget (CUDA graphs) and were left out of the loss.")

@@ -414,19 +414,17 @@ class _SoftmaxFn(torch.autograd.Function):
         return _softmax_backward(ctx, dy)
 
 
-def _eager(fn_class, op):
+def _eager(fn_class, op, dropout_arg: int | None = None):
     """The entry point for one op: the registered op under torch.compile; in eager mode without
     grad, the op *below* the autograd layer (the registered Python autograd kernel would cost a
     Python call per op even under no_grad); with grad, the lean autograd.Function."""
     below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
-    p_index = {"layer_norm_fwd": 5, "embedding_layer_norm_fwd": 8}.get(op.name().split("::")[-1].split(".")[0])
-
     def call(*args):
-        if p_index is not None and not torch.compiler.is_compiling():
-            check_dropout(args[p_index])  # the CUDA kernels take p as given
         if torch.compiler.is_compiling():
-            return op(*args)
+            return op(*args)  # the fake kernel checks p
+        if dropout_arg is not None:
+            check_dropout(args[dropout_arg])  # the CUDA kernels take p as given
         if not torch.is_grad_enabled():
             with below_autograd():
                 return op(*args)
@@ -436,8 +434,9 @@ def _eager(fn_class, op):
     return call
 
 
-layer_norm_fwd = _eager(_LayerNormFn, torch.ops.bertaccel.layer_norm_fwd.default)
+layer_norm_fwd = _eager(_LayerNormFn, torch.ops.bertaccel.layer_norm_fwd.default, dropout_arg=5)
 bias_gelu_fwd = _eager(_BiasGeluFn, torch.ops.bertaccel.bias_gelu_fwd.default)
 rms_norm_fwd = _eager(_RMSNormFn, torch.ops.bertaccel.rms_norm_fwd.default)
-embedding_layer_norm_fwd = _eager(_EmbeddingLayerNormFn, torch.ops.bertaccel.embedding_layer_norm_fwd.default)
+embedding_layer_norm_fwd = _eager(_EmbeddingLayerNormFn, torch.ops.bertaccel.embedding_layer_norm_fwd.default,
+                                  dropout_arg=8)
 softmax_fwd = _eager(_SoftmaxFn, torch.ops.bertaccel.softmax_fwd.default)
