@@ -1,4 +1,5 @@
 """RMSNorm forward/backward: PyTorch eager (F.rms_norm) vs torch.compile vs bertaccel, effective GB/s.
+The weight is in the activation dtype (bf16-true): F.rms_norm would promote to fp32 beside an fp32 weight.
 
 Bytes: forward reads x and writes y; backward reads dy and x and writes dx (weights negligible)."""
 

@@ -101,7 +101,7 @@ if has host_steps; then  # host time per steady-state graphed step, cProfile of 
     --data.init_args.val_size 500 --trainer.limit_train_batches 300 --trainer.limit_val_batches 0 --test_after_fit false \
     --progress_bar.refresh_rate 100 --trainer.logger.init_args.name host_steps > "$OUT/host_steps.log" 2>&1
   echo "host steps rc=$?"; head -1 "$OUT/host_steps.txt"
-  python -X importtime -c "import bertaccel.ops.library" 2> "$OUT/importtime.txt"; sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -4
+  python -X importtime -c "import bertaccel.ops.swap" 2> "$OUT/importtime.txt"; sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -4
 fi
 if has startup; then  # who registers custom ops at startup, and what it costs
   python - > "$OUT/startup.txt" 2>&1 <<'PY'
@@ -114,3 +114,14 @@ PY
   head -40 "$OUT/startup.txt"
 fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
+if has ln_sweep; then  # rows per thread group in the LayerNorm forward kernel (issue 9)
+  for r in auto 1 2 4; do
+    if [ $r = auto ]; then python scripts/ln_rows_sweep.py; else BERTACCEL_LN_ROWS=$r python scripts/ln_rows_sweep.py; fi
+  done > "$OUT/ln_sweep.log" 2>&1
+  echo "ln sweep rc=$?"; grep SWEEP "$OUT/ln_sweep.log"
+fi
+if has e2e_eager_base; then  # eager BERT-base 16x128 train step: the swap against HF SDPA (issue 9)
+  python -m benchmarks.e2e --models bert-base --shapes 16x128 --variants hf-sdpa-bf16 fused --warmup 10 --steps 30 \
+    --out "$OUT/e2e_eager_base.json" > "$OUT/e2e_eager_base.log" 2>&1
+  echo "e2e eager base rc=$?"; grep -E "^bert" "$OUT/e2e_eager_base.log"
+fi

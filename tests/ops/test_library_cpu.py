@@ -1,5 +1,6 @@
-"""The bertaccel op schemas on CPU: opcheck (schema, fake, autograd registration) and the backward
-formulas of the reference implementations against autograd of plain PyTorch."""
+"""The bertaccel op schemas on CPU: opcheck (schema, fake, autograd registration) of the public ops
+and their saving forms, and the backward formulas of the reference implementations against
+autograd of plain PyTorch."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bertaccel.ops import library
+import bertaccel.ops.swap  # noqa: F401 - imports every op family
 
 
 def rand(*shape, **kw):
@@ -27,7 +28,7 @@ def test_layer_norm_opcheck_cpu(fused):
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_bias_gelu_opcheck_cpu(approximate):
     x, b = rand(5, 40, requires_grad=True), rand(40, requires_grad=True)
-    torch.library.opcheck(torch.ops.bertaccel.bias_gelu_fwd.default, (x, b, approximate == "tanh"))
+    torch.library.opcheck(torch.ops.bertaccel.bias_gelu.default, (x, b, approximate == "tanh"))
 
 
 def test_layer_norm_backward_formula_matches_autograd():
@@ -62,7 +63,7 @@ def test_dropout_backward_uses_the_forward_mask():
 def test_gelu_backward_formula_matches_autograd():
     for approximate in ("none", "tanh"):
         x, b = rand(6, 20, requires_grad=True), rand(20, requires_grad=True)
-        y = torch.ops.bertaccel.bias_gelu_fwd(x, b, approximate == "tanh")
+        y = torch.ops.bertaccel.bias_gelu(x, b, approximate == "tanh")
         dy = rand(6, 20)
         gx, gb = torch.autograd.grad(y, (x, b), dy)
         xr, br = x.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
@@ -71,21 +72,52 @@ def test_gelu_backward_formula_matches_autograd():
         torch.testing.assert_close(gb, rb)
 
 
-def test_eager_entry_points_match_the_registered_ops():
-    """The eager autograd.Function path and the registered op (what torch.compile traces) agree."""
+def test_public_ops_equal_their_saving_forms():
+    """A public op (what models call: output only, C++ autograd on CUDA) and its saving form (what
+    the autograd formulas run) agree in value and gradient."""
     H = 24
     x, w, b = rand(6, H, requires_grad=True), rand(H, requires_grad=True), rand(H, requires_grad=True)
     bias, res = rand(H, requires_grad=True), rand(6, H, requires_grad=True)
     for args in ((x, None, None, w, b, 0.0, 1e-5), (x, bias, res, w, b, 0.0, 1e-5)):
         leaves = [a for a in args if torch.is_tensor(a)]
         y1 = torch.ops.bertaccel.layer_norm_fwd(*args)[0]
-        y2 = library.layer_norm_fwd(*args)[0]
+        y2 = torch.ops.bertaccel.layer_norm(*args)
         assert torch.equal(y1, y2)
         for g1, g2 in zip(torch.autograd.grad(y1.sum(), leaves), torch.autograd.grad(y2.sum(), leaves)):
             assert torch.equal(g1, g2)
-    y1, y2 = torch.ops.bertaccel.bias_gelu_fwd(x, bias, False), library.bias_gelu_fwd(x, bias, False)
-    for g1, g2 in zip(torch.autograd.grad(y1.sum(), (x, bias)), torch.autograd.grad(y2.sum(), (x, bias))):
+    y1, y2 = torch.ops.bertaccel.rms_norm_fwd(x, w, 1e-6)[0], torch.ops.bertaccel.rms_norm(x, w, 1e-6)
+    for g1, g2 in zip(torch.autograd.grad(y1.sum(), (x, w)), torch.autograd.grad(y2.sum(), (x, w))):
         assert torch.equal(g1, g2)
+    with torch.no_grad():
+        assert torch.equal(torch.ops.bertaccel.layer_norm(x, bias, res, w, b, 0.0, 1e-5),
+                           torch.ops.bertaccel.layer_norm_fwd(x, bias, res, w, b, 0.0, 1e-5)[0])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_public_ops_opcheck_cpu(fused):
+    H = 40
+    x, w, b = rand(7, H, requires_grad=True), rand(H, requires_grad=True), rand(H, requires_grad=True)
+    bias = rand(H, requires_grad=True) if fused else None
+    res = rand(7, H, requires_grad=True) if fused else None
+    torch.library.opcheck(torch.ops.bertaccel.layer_norm.default, (x, bias, res, w, b, 0.0, 1e-5))
+    torch.library.opcheck(torch.ops.bertaccel.rms_norm.default, (x, w, 1e-6))
+    ids = torch.randint(0, 30, (3, 9))
+    pos = torch.arange(9).expand(3, 9).contiguous()
+    tables = [rand(n, H, requires_grad=True) for n in (30, 9, 2)]
+    torch.library.opcheck(torch.ops.bertaccel.embedding_layer_norm.default,
+                          (ids, pos, torch.zeros_like(ids), *tables, w, b, 0.0, 1e-12, False, 0))
+
+
+def test_layer_norm_takes_weights_in_the_activation_dtype():
+    """bf16 weights (bf16-true training) need no cast: the gradient comes back in bf16."""
+    x = rand(5, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = rand(16, dtype=torch.bfloat16, requires_grad=True)
+    b = rand(16, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.ops.bertaccel.layer_norm(x, None, None, w, b, 0.0, 1e-5)
+    gx, gw, gb = torch.autograd.grad(y.float().sum(), (x, w, b))
+    assert gw.dtype == gb.dtype == torch.bfloat16
+    ref = F.layer_norm(x.double(), (16,), w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_new_ops_opcheck_cpu():
@@ -94,9 +126,9 @@ def test_new_ops_opcheck_cpu():
     torch.library.opcheck(torch.ops.bertaccel.rms_norm_fwd.default, (x, w, 1e-6))
     scores = rand(2, 3, 5, 16, requires_grad=True)
     keep = torch.rand(2, 1, 1, 16) > 0.3
-    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, None, 0.5))
-    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, keep, 0.5))
-    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, rand(2, 1, 5, 16), 0.5))
+    torch.library.opcheck(torch.ops.bertaccel.softmax.default, (scores, None, 0.5))
+    torch.library.opcheck(torch.ops.bertaccel.softmax.default, (scores, keep, 0.5))
+    torch.library.opcheck(torch.ops.bertaccel.softmax.default, (scores, rand(2, 1, 5, 16), 0.5))
     ids = torch.randint(0, 30, (3, 9))
     pos = torch.arange(9).expand(3, 9).contiguous()
     tables = [rand(n, H, requires_grad=True) for n in (30, 9, 2)]
@@ -118,7 +150,7 @@ def test_rms_norm_and_softmax_backward_formulas_match_autograd():
     s = rand(2, 3, 4, 10)
     mask = torch.randn(2, 1, 1, 10)
     sa, sr = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
-    y = torch.ops.bertaccel.softmax_fwd(sa, mask, 0.3)
+    y = torch.ops.bertaccel.softmax(sa, mask, 0.3)
     yr = torch.softmax(sr * 0.3 + mask, -1)
     torch.testing.assert_close(y, yr)
     dy = rand(2, 3, 4, 10)
@@ -148,19 +180,19 @@ def test_embedding_backward_matches_autograd_and_skips_the_padding_row():
 def test_dropout_ops_are_tagged_seeded_and_check_p():
     """Ops that draw dropout masks carry `nondeterministic_seeded` (torch.compile must not merge two
     calls), and a probability outside [0, 1) is refused instead of giving a wrong 1/(1-p) scale."""
-    from bertaccel.ops import library as L
-
     seeded = torch.Tag.nondeterministic_seeded
     assert seeded in torch.ops.bertaccel.layer_norm_fwd.default.tags
     assert seeded in torch.ops.bertaccel.embedding_layer_norm_fwd.default.tags
+    assert seeded in torch.ops.bertaccel.layer_norm.default.tags
+    assert seeded in torch.ops.bertaccel.embedding_layer_norm.default.tags
     assert seeded not in torch.ops.bertaccel.rms_norm_fwd.default.tags
     x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
     for p in (-0.1, 1.0, 1.5):
         with pytest.raises(ValueError, match=r"dropout probability must be in \[0, 1\)"):
-            L.layer_norm_fwd(x, None, None, w, b, p, 1e-5)
+            torch.ops.bertaccel.layer_norm(x, None, None, w, b, p, 1e-5)
         with pytest.raises(ValueError, match=r"dropout probability must be in \[0, 1\)"):
             torch.ops.bertaccel.layer_norm_fwd(x, None, None, w, b, p, 1e-5)  # the CPU kernel too
     ids = torch.zeros(2, 3, dtype=torch.long)
     emb = torch.randn(10, 8)
     with pytest.raises(ValueError, match=r"dropout probability"):
-        L.embedding_layer_norm_fwd(ids, ids, ids, emb, emb, emb[:2], w, b, 1.0, 1e-5, False, 0)
+        torch.ops.bertaccel.embedding_layer_norm(ids, ids, ids, emb, emb, emb[:2], w, b, 1.0, 1e-5, False, 0)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from bertaccel.ops import build
-from bertaccel.ops import library
+import bertaccel.ops.embeddings  # noqa: F401 - defines the embedding ops
 from bertaccel.ops.gelu import bias_gelu
 from bertaccel.ops.layer_norm import layer_norm
 from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
@@ -21,7 +21,7 @@ from bertaccel.ops.softmax import softmax
 pytestmark = pytest.mark.cuda
 
 ROWS = [1, 7, 1023, 16384]
-HIDDEN = [128, 384, 768, 1000, 1024, 4096]
+HIDDEN = [128, 384, 768, 1001, 1004, 1024, 4096]  # 1001 / 1004: the scalar and 4-wide vector paths
 DTYPES = [torch.float32, torch.bfloat16]
 FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 
@@ -100,8 +100,9 @@ def test_residual_layer_norm_without_dropout(rows, hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_residual_layer_norm_dropout_is_consistent_and_seeded(dtype):
-    rows, H, p = 2048, 768, 0.1
+@pytest.mark.parametrize("H", [768, 1001, 1002])  # 16-byte vectors, scalar and 2-wide paths (odd sizes)
+def test_residual_layer_norm_dropout_is_consistent_and_seeded(dtype, H):
+    rows, p = 2048, 0.1
     x = torch.randn(rows, H, device="cuda", dtype=dtype)
     zero = torch.zeros(rows, H, device="cuda", dtype=dtype)
     w, b = torch.ones(H, device="cuda"), torch.zeros(H, device="cuda")
@@ -249,7 +250,7 @@ def test_embeddings(hidden, out_dtype):
     th_g = torch.autograd.grad(th, th_in, dy.to(out_dtype))
     poison()
     our_in = leaves(*tables, w, b)
-    ours = library.embedding_layer_norm_fwd(ids, pos, tt, *our_in, 0.0, 1e-12, out_dtype == torch.bfloat16, 0)[0]
+    ours = torch.ops.bertaccel.embedding_layer_norm(ids, pos, tt, *our_in, 0.0, 1e-12, out_dtype == torch.bfloat16, 0)
     our_g = torch.autograd.grad(ours, our_in, dy.to(out_dtype))
     assert ours.dtype == out_dtype
     check(ours, th, ref, out_dtype, "y")
@@ -265,8 +266,8 @@ def test_embeddings_dropout_is_consistent():
     tt = torch.zeros_like(ids)
     tables = leaves(torch.randn(V, H, device="cuda"), torch.randn(S, H, device="cuda"), torch.randn(2, H, device="cuda"))
     w, b = leaves(torch.ones(H, device="cuda"), torch.zeros(H, device="cuda"))
-    y = library.embedding_layer_norm_fwd(ids, pos, tt, *tables, w, b, p, 1e-12, True, -1)[0]
-    y0 = library.embedding_layer_norm_fwd(ids, pos, tt, *tables, w, b, 0.0, 1e-12, True, -1)[0]
+    y = torch.ops.bertaccel.embedding_layer_norm(ids, pos, tt, *tables, w, b, p, 1e-12, True, -1)
+    y0 = torch.ops.bertaccel.embedding_layer_norm(ids, pos, tt, *tables, w, b, 0.0, 1e-12, True, -1)
     dropped = y == 0
     assert abs(dropped.float().mean().item() - p) < 0.005
     torch.testing.assert_close(y[~dropped].float(), y0[~dropped].float() / (1 - p), atol=2e-2, rtol=1e-2)
@@ -295,19 +296,119 @@ def test_opcheck_cuda(dtype):
     b = torch.randn(H, device="cuda", requires_grad=True)
     bias = torch.randn(H, device="cuda", dtype=dtype, requires_grad=True)
     res = torch.randn(33, H, device="cuda", dtype=dtype, requires_grad=True)
-    torch.library.opcheck(torch.ops.bertaccel.layer_norm_fwd.default, (x, None, None, w, b, 0.0, 1e-5))
-    torch.library.opcheck(torch.ops.bertaccel.layer_norm_fwd.default, (x, bias, res, w, b, 0.0, 1e-5))
-    torch.library.opcheck(torch.ops.bertaccel.bias_gelu_fwd.default, (x, bias, False))
+    for op in (torch.ops.bertaccel.layer_norm_fwd.default, torch.ops.bertaccel.layer_norm.default):
+        torch.library.opcheck(op, (x, None, None, w, b, 0.0, 1e-5))
+        torch.library.opcheck(op, (x, bias, res, w, b, 0.0, 1e-5))
+    torch.library.opcheck(torch.ops.bertaccel.bias_gelu.default, (x, bias, False))
     torch.library.opcheck(torch.ops.bertaccel.rms_norm_fwd.default, (x, w, 1e-6))
+    torch.library.opcheck(torch.ops.bertaccel.rms_norm.default, (x, w, 1e-6))
+    if dtype == torch.bfloat16:  # bf16 parameters (bf16-true), read without a cast
+        torch.library.opcheck(torch.ops.bertaccel.layer_norm.default,
+                              (x, bias, res, w.detach().bfloat16().requires_grad_(), b.detach().bfloat16().requires_grad_(),
+                               0.0, 1e-5))
+        torch.library.opcheck(torch.ops.bertaccel.rms_norm.default, (x, w.detach().bfloat16().requires_grad_(), 1e-6))
     scores = torch.randn(2, 3, 5, 40, device="cuda", dtype=dtype, requires_grad=True)
     keep = torch.rand(2, 1, 1, 40, device="cuda") > 0.2
-    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, None, 0.5))
-    torch.library.opcheck(torch.ops.bertaccel.softmax_fwd.default, (scores, keep, 0.5))
+    torch.library.opcheck(torch.ops.bertaccel.softmax.default, (scores, None, 0.5))
+    torch.library.opcheck(torch.ops.bertaccel.softmax.default, (scores, keep, 0.5))
     ids = torch.randint(0, 50, (3, 11), device="cuda")
     pos = torch.arange(11, device="cuda").expand(3, 11).contiguous()
     tables = [torch.randn(n, H, device="cuda", requires_grad=True) for n in (50, 11, 2)]
-    torch.library.opcheck(torch.ops.bertaccel.embedding_layer_norm_fwd.default,
-                          (ids, pos, torch.zeros_like(ids), *tables, w, b, 0.0, 1e-12, dtype == torch.bfloat16, 0))
+    for op in (torch.ops.bertaccel.embedding_layer_norm_fwd.default, torch.ops.bertaccel.embedding_layer_norm.default):
+        torch.library.opcheck(op, (ids, pos, torch.zeros_like(ids), *tables, w, b, 0.0, 1e-12, dtype == torch.bfloat16, 0))
+
+
+def test_cuda_autograd_is_the_cpp_kernel():
+    """On CUDA the public ops' backward nodes come from csrc/autograd.cpp, not a Python function."""
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w, b = torch.ones(64, device="cuda", requires_grad=True), torch.zeros(64, device="cuda", requires_grad=True)
+    y = torch.ops.bertaccel.layer_norm(x, None, None, w, b, 0.0, 1e-5)
+    assert "CppNode" in type(y.grad_fn).__name__ or "LayerNormFn" in y.grad_fn.name(), y.grad_fn.name()
+    with torch.no_grad():
+        assert torch.ops.bertaccel.layer_norm(x, None, None, w, b, 0.0, 1e-5).grad_fn is None
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "residual"])
+def test_misaligned_fp32_weights(op):
+    """Weights sliced out of a flat fp32 buffer at an odd offset are only 4-byte aligned; the kernels
+    read them in narrower vectors instead of faulting (which would kill the CUDA context)."""
+    H = 768
+    flat = torch.randn(2 * H + 1, device="cuda")
+    w, b = flat[1 : H + 1], flat[H + 1 :]
+    assert w.data_ptr() % 16 != 0
+    x = torch.randn(64, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    wl, bl = leaves(w, b)
+    if op == "layer_norm":
+        y, ref = layer_norm(x, wl, bl, 1e-5), F.layer_norm(x.double(), (H,), w.double(), b.double(), 1e-5)
+    elif op == "rms_norm":
+        y, ref = rms_norm(x, wl, 1e-6), F.rms_norm(x.double(), (H,), w.double(), 1e-6)
+    else:
+        y = bias_dropout_add_layer_norm(x, x[0].detach(), x.detach(), wl, bl, 0.0, 1e-5)
+        ref = F.layer_norm(x.double() + x[0].double() + x.double(), (H,), w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(y.double(), ref, atol=5e-2, rtol=2e-2)
+    torch.autograd.grad(y.float().sum(), (x, wl))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_bf16_weights_match_fp32_weights(op):
+    """bf16 parameters (bf16-true training) are read as they are: same output as the same values
+    held in fp32, gradients returned in bf16."""
+    H = 1002  # not a multiple of 4: 2-wide vectors
+    x = torch.randn(37, H, device="cuda", dtype=torch.bfloat16)
+    w16, b16 = torch.randn(H, device="cuda").bfloat16(), torch.randn(H, device="cuda").bfloat16()
+    a16, a32 = leaves(w16, b16), leaves(w16.float(), b16.float())
+    if op == "layer_norm":
+        y16, y32 = layer_norm(x, *a16, 1e-5), layer_norm(x, *a32, 1e-5)
+    else:
+        a16, a32 = a16[:1], a32[:1]
+        y16, y32 = rms_norm(x, *a16, 1e-6), rms_norm(x, *a32, 1e-6)
+    assert torch.equal(y16, y32)
+    dy = torch.randn_like(y16)
+    for g16, g32 in zip(torch.autograd.grad(y16, a16, dy), torch.autograd.grad(y32, a32, dy)):
+        assert g16.dtype == torch.bfloat16
+        torch.testing.assert_close(g16, g32.bfloat16())
+
+
+def test_backward_under_cuda_graph_replay():
+    """Forward and backward of the fused LayerNorm captured once and replayed: without dropout the
+    replayed gradients equal eager ones on the new input; with dropout every replay draws a new mask
+    and the backward uses it (dx is zero exactly on a fraction p)."""
+    H = 384
+    x = torch.randn(256, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(256, H, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    w, b = torch.randn(H, device="cuda", requires_grad=True), torch.randn(H, device="cuda", requires_grad=True)
+    dy = torch.randn(256, H, device="cuda", dtype=torch.bfloat16)
+
+    def step(p):
+        y = bias_dropout_add_layer_norm(x, bias, r, w, b, p, 1e-12)
+        return (y, *torch.autograd.grad(y, (x, w, b), dy))
+
+    for p in (0.0, 0.1):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                step(p)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step(p)
+        grads = []
+        for _ in range(2):
+            with torch.no_grad():
+                x.copy_(torch.randn_like(x))
+            g.replay()
+            torch.cuda.synchronize()
+            grads.append(out[1].clone())
+            if p == 0.0:
+                for got, want in zip(out, step(0.0)):
+                    torch.testing.assert_close(got, want)
+            else:
+                assert abs((out[1] == 0).float().mean().item() - p) < 0.02
+        if p > 0:
+            assert not torch.equal(grads[0] == 0, grads[1] == 0), "each replay draws a new mask"
 
 
 def test_torch_compile_fullgraph():

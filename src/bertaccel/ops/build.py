@@ -26,7 +26,26 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["layer_norm_fwd.cu", "layer_norm_bwd.cu", "embeddings.cu", "softmax.cu", "gelu.cu"]
+# The op families: each module defines its schemas and declares its CUDA sources (`CUDA_SOURCES`).
+FAMILIES = ["layer_norm", "residual_layer_norm", "rms_norm", "embeddings", "softmax", "gelu"]
+# Autograd of every public op on CUDA (csrc/autograd.cpp), host code only.
+SHARED_SOURCES = ["autograd.cpp"]
+
+
+def family_modules() -> list:
+    import importlib
+
+    return [importlib.import_module(f"bertaccel.ops.{f}") for f in FAMILIES]
+
+
+def sources() -> list[str]:
+    """Every family's CUDA sources (in family order, each once), then the shared ones."""
+    out: list[str] = []
+    for m in family_modules():
+        out += [s for s in getattr(m, "CUDA_SOURCES", ()) if s not in out]
+    return out + SHARED_SOURCES
+
+
 HEADERS = ["common.cuh"]
 # --resource-usage prints registers / shared memory / spills per kernel into the (verbose) build log.
 CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]
@@ -48,7 +67,7 @@ def _arch() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
+    for name in sources() + HEADERS:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(CUDA_FLAGS).encode())
@@ -134,10 +153,20 @@ def unavailable_reason() -> str:
     return str(_state["reason"])
 
 
+def loaded() -> bool | None:
+    """Whether the ops are loaded: None before the first `load()` has settled it."""
+    return _state["loaded"]  # type: ignore[return-value]
+
+
+def reason() -> str:
+    """Why the ops are off ("" while loaded or not yet tried); never starts a build."""
+    return str(_state["reason"])
+
+
 def _build_and_load(verbose: bool) -> None:
     from torch.utils.cpp_extension import load as cpp_load
 
-    from bertaccel.ops import library  # noqa: F401 - the schemas must exist before the kernels register
+    family_modules()  # the schemas must exist before the kernels register
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _arch())
     key = build_key()
@@ -163,7 +192,7 @@ def _build_and_load(verbose: bool) -> None:
             print(f"bertaccel: building the CUDA ops (first use, about a minute) in {build_dir}", flush=True)
         cpp_load(
             name=f"bertaccel_ops_{key}",
-            sources=[str(CSRC / s) for s in SOURCES],
+            sources=[str(CSRC / s) for s in sources()],
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=CUDA_FLAGS,
             build_directory=str(build_dir),

@@ -8,8 +8,104 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops import library
-from bertaccel.ops._dispatch import compute_dtype, note_fallback, why_not
+from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.registration import NS, SEEDED, check_dropout, cpu_dropout_keep, define_public, lib
+
+# the backward is the LayerNorm backward kernel (dropout after the norm) plus PyTorch's scatter
+CUDA_SOURCES = ["embeddings.cu", "layer_norm_bwd.cu"]
+
+# ------------------------------------------------------------------------------------ schemas
+lib.define(
+    "embedding_layer_norm_fwd(Tensor ids, Tensor position_ids, Tensor token_type_ids, Tensor word, Tensor position,"
+    " Tensor token_type, Tensor weight, Tensor ln_bias, float p, float eps, bool out_bf16, int padding_idx)"
+    " -> (Tensor y, Tensor z, Tensor mean, Tensor rstd, Tensor rng)",
+    tags=SEEDED,
+)
+lib.define(
+    "embedding_layer_norm_bwd(Tensor dy, Tensor z, Tensor weight, Tensor mean, Tensor rstd, Tensor rng, float p)"
+    " -> (Tensor dz, Tensor dweight, Tensor dln_bias)"
+)
+
+
+# ------------------------------------------------------------------------------ CPU reference
+@torch.library.impl(lib, "embedding_layer_norm_fwd", "CPU")
+def _fwd_cpu(ids, position_ids, token_type_ids, word, position, token_type, weight, ln_bias, p, eps, out_bf16,
+             padding_idx):
+    check_dropout(p)
+    dtype = torch.bfloat16 if out_bf16 else torch.float32
+    z = (word[ids] + token_type[token_type_ids] + position[position_ids]).to(dtype)
+    var, mean = torch.var_mean(z.float(), dim=-1, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    y = (z.float() - mean[..., None]) * rstd[..., None] * weight + ln_bias
+    rng = torch.zeros(2, dtype=torch.long)
+    if p > 0:
+        rng[0] = int(torch.randint(0, 2**62, (1,)))
+        y = y * cpu_dropout_keep(y.shape, p, rng) / (1 - p)
+    return y.to(dtype), z, mean.reshape(-1), rstd.reshape(-1), rng
+
+
+@torch.library.impl(lib, "embedding_layer_norm_bwd", "CPU")
+def _bwd_cpu(dy, z, weight, mean, rstd, rng, p):
+    H = z.shape[-1]
+    dyf = dy.float()
+    if p > 0:
+        dyf = dyf * cpu_dropout_keep(z.shape, p, rng) / (1 - p)
+    zf, dyf = z.float().reshape(-1, H), dyf.reshape(-1, H)
+    xhat = (zf - mean[:, None]) * rstd[:, None]
+    g = dyf * weight
+    dz = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dz.to(z.dtype).reshape(z.shape), (dyf * xhat).sum(0), dyf.sum(0)
+
+
+# ----------------------------------------------------------------------------------------- fake
+@torch.library.register_fake(f"{NS}::embedding_layer_norm_fwd")
+def _fwd_fake(ids, position_ids, token_type_ids, word, position, token_type, weight, ln_bias, p, eps, out_bf16,
+              padding_idx):
+    check_dropout(p)
+    dtype = torch.bfloat16 if out_bf16 else torch.float32
+    shape = (*ids.shape, word.shape[-1])
+    f = word.new_empty(ids.numel(), dtype=torch.float32)
+    return (word.new_empty(shape, dtype=dtype), word.new_empty(shape, dtype=dtype), f, torch.empty_like(f),
+            word.new_empty(2, dtype=torch.long))
+
+
+@torch.library.register_fake(f"{NS}::embedding_layer_norm_bwd")
+def _bwd_fake(dy, z, weight, mean, rstd, rng, p):
+    w = z.new_empty(z.shape[-1], dtype=torch.float32)
+    return torch.empty_like(z), w, torch.empty_like(w)
+
+
+# ------------------------------------------------------------------------------------ autograd
+def _setup(ctx, inputs, output):
+    ids, position_ids, token_type_ids, word, position, token_type, weight, ln_bias, p, eps, out_bf16, padding_idx = inputs
+    y, z, mean, rstd, rng = output
+    ctx.p, ctx.padding_idx = p, padding_idx
+    ctx.tables = [(t.shape[0], t.dtype) for t in (word, position, token_type)]
+    ctx.save_for_backward(ids, position_ids, token_type_ids, z, weight, mean, rstd, rng)
+
+
+def _backward(ctx, dy, _dz, _dmean, _drstd, _drng):
+    ids, position_ids, token_type_ids, z, weight, mean, rstd, rng = ctx.saved_tensors
+    dz, dweight, dln_bias = torch.ops.bertaccel.embedding_layer_norm_bwd(dy, z, weight, mean, rstd, rng, ctx.p)
+    dz = dz.float()
+    # The scatter into the tables is PyTorch's nn.Embedding backward; the word table's padding row
+    # gets no gradient, as with nn.Embedding(padding_idx=...).
+    grads = [
+        torch.ops.aten.embedding_dense_backward(dz, idx, n, pad, False).to(dtype)
+        for idx, (n, dtype), pad in zip((ids, position_ids, token_type_ids), ctx.tables, (ctx.padding_idx, -1, -1))
+    ]
+    return (None, None, None, *grads, dweight, dln_bias, None, None, None, None)
+
+
+torch.library.register_autograd(f"{NS}::embedding_layer_norm_fwd", _backward, setup_context=_setup)
+define_public(
+    "embedding_layer_norm(Tensor ids, Tensor position_ids, Tensor token_type_ids, Tensor word, Tensor position,"
+    " Tensor token_type, Tensor weight, Tensor ln_bias, float p, float eps, bool out_bf16, int padding_idx) -> Tensor",
+    "embedding_layer_norm_fwd", tags=SEEDED,
+)
+
+
+# ------------------------------------------------------------------------------ public function
 
 
 def embeddings_reference(ids, position_ids, token_type_ids, word, position, token_type, weight, ln_bias, eps) -> Tensor:
@@ -18,6 +114,7 @@ def embeddings_reference(ids, position_ids, token_type_ids, word, position, toke
     return F.layer_norm(h, (h.shape[-1],), weight, ln_bias, eps)
 
 
+# ---------------------------------------------------------------------------------------- module
 class FusedBertEmbeddings(nn.Module):
     """Replaces an HF `BertEmbeddings`: the three lookups, their sum, LayerNorm and dropout in one
     kernel. Holds the original submodules and buffers (same Parameter objects, same state_dict keys)
@@ -69,9 +166,9 @@ class FusedBertEmbeddings(nn.Module):
         token_type_ids = token_type_ids.expand(batch, seq).contiguous()
         out_bf16 = compute_dtype(self.word_embeddings.weight) == torch.bfloat16
         pad = self.word_embeddings.padding_idx
-        return library.embedding_layer_norm_fwd(
+        return torch.ops.bertaccel.embedding_layer_norm(
             input_ids.contiguous(), position_ids, token_type_ids, self.word_embeddings.weight,
             self.position_embeddings.weight, self.token_type_embeddings.weight, self.LayerNorm.weight,
             self.LayerNorm.bias, float(self.dropout.p) if self.training else 0.0, self.LayerNorm.eps, out_bf16,
             -1 if pad is None else pad,
-        )[0]
+        )

@@ -7,9 +7,65 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops import library
-from bertaccel.ops._dispatch import compute_dtype, note_fallback, why_not
+from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.registration import NS, lib
 
+CUDA_SOURCES = ["gelu.cu"]
+
+# ------------------------------------------------------------------------------------ schemas
+lib.define("bias_gelu(Tensor x, Tensor? bias, bool tanh) -> Tensor")
+lib.define("bias_gelu_bwd(Tensor dy, Tensor x, Tensor? bias, bool tanh) -> (Tensor, Tensor)")
+
+
+# ------------------------------------------------------------------------------ CPU reference
+def gelu_reference(x: Tensor, tanh: bool) -> Tensor:
+    return F.gelu(x, approximate="tanh" if tanh else "none")
+
+
+@torch.library.impl(lib, "bias_gelu", "CPU")
+def _fwd_cpu(x, bias, tanh):
+    h = x.float() if bias is None else x.float() + bias.float()
+    return gelu_reference(h, tanh).to(x.dtype)
+
+
+@torch.library.impl(lib, "bias_gelu_bwd", "CPU")
+def _bwd_cpu(dy, x, bias, tanh):
+    h = (x.float() if bias is None else x.float() + bias.float()).requires_grad_(True)
+    with torch.enable_grad():
+        (dx,) = torch.autograd.grad(gelu_reference(h, tanh), h, dy.float())
+    dx = dx.to(x.dtype)
+    dbias = dx.float().reshape(-1, x.shape[-1]).sum(0) if bias is not None else dx.new_empty(0, dtype=torch.float32)
+    return dx, dbias
+
+
+# ----------------------------------------------------------------------------------------- fake
+@torch.library.register_fake(f"{NS}::bias_gelu")
+def _fwd_fake(x, bias, tanh):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake(f"{NS}::bias_gelu_bwd")
+def _bwd_fake(dy, x, bias, tanh):
+    return torch.empty_like(x), x.new_empty(x.shape[-1] if bias is not None else 0, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------ autograd
+def _setup(ctx, inputs, output):
+    x, bias, tanh = inputs
+    ctx.tanh = tanh
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(x, bias)
+
+
+def _backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, dbias = torch.ops.bertaccel.bias_gelu_bwd(dy, x, bias, ctx.tanh)
+    return dx, (dbias.to(ctx.bias_dtype) if bias is not None else None), None
+
+
+torch.library.register_autograd(f"{NS}::bias_gelu", _backward, setup_context=_setup)
+
+# ------------------------------------------------------------------------------ public function
 TANH_ACTIVATIONS = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
 ERF_ACTIVATIONS = {"GELUActivation"}
 
@@ -25,7 +81,7 @@ def bias_gelu(x: Tensor, bias: Tensor | None = None, approximate: str = "none") 
         note_fallback("bias_gelu", reason)
         return bias_gelu_reference(x, bias, approximate)
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    return library.bias_gelu_fwd(x.contiguous(), b, approximate == "tanh")
+    return torch.ops.bertaccel.bias_gelu(x.contiguous(), b, approximate == "tanh")
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
@@ -44,6 +100,7 @@ def activation_kind(act: nn.Module) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------- module
 class FusedBertIntermediate(nn.Module):
     """Replaces an HF `BertIntermediate` (dense -> GELU): the matmul without bias, then bias + GELU
     in one kernel. Same submodules and state_dict keys; the original computation when the kernel

@@ -1,5 +1,9 @@
-"""LayerNorm over the last dimension (csrc/layer_norm.cu): Welford statistics in fp32, the row read
-once into registers and written once, 16-byte vector accesses; backward without atomics."""
+"""LayerNorm over the last dimension, and its fused form LayerNorm(dropout(x + bias) + residual)
+(csrc/layer_norm_fwd.cu, csrc/layer_norm_bwd.cu): fp32 statistics, the row read once into
+registers and written once, 16-byte vector accesses, dropout from PyTorch's CUDA generator
+(Philox) regenerated in backward; backward without atomics. RMSNorm (rms_norm.py) and the fused
+embeddings (embeddings.py) share these kernels. The public function and module of the fused form
+are in residual_layer_norm.py."""
 
 from __future__ import annotations
 
@@ -7,31 +11,139 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops import library
-from bertaccel.ops._dispatch import note_fallback, why_not
+from bertaccel.ops.eligibility import note_fallback, why_not
+from bertaccel.ops.registration import NS, SEEDED, check_dropout, cpu_dropout_keep, define_public, lib
+
+CUDA_SOURCES = ["layer_norm_fwd.cu", "layer_norm_bwd.cu"]
+
+# ------------------------------------------------------------------------------------ schemas
+lib.define(
+    "layer_norm_fwd(Tensor x, Tensor? bias, Tensor? residual, Tensor weight, Tensor ln_bias, float p, float eps)"
+    " -> (Tensor y, Tensor z, Tensor mean, Tensor rstd, Tensor rng)",
+    tags=SEEDED,
+)
+lib.define(
+    "layer_norm_bwd(Tensor dy, Tensor z, Tensor weight, Tensor mean, Tensor rstd, Tensor rng, float p, bool want_dh)"
+    " -> (Tensor dz, Tensor dh, Tensor dweight, Tensor dln_bias, Tensor dbias)"
+)
 
 
+# ------------------------------------------------------------------------------ CPU reference
+@torch.library.impl(lib, "layer_norm_fwd", "CPU")
+def _fwd_cpu(x, bias, residual, weight, ln_bias, p, eps):
+    check_dropout(p)
+    fused = bias is not None or residual is not None or p > 0
+    h = x.float()
+    rng = torch.zeros(2, dtype=torch.long)
+    if bias is not None:
+        h = h + bias.float()
+    if p > 0:
+        rng[0] = int(torch.randint(0, 2**62, (1,)))
+        h = h * cpu_dropout_keep(h.shape, p, rng) / (1 - p)
+    if residual is not None:
+        h = h + residual.float()
+    if fused:
+        h = h.to(x.dtype).float()  # z is saved in the input dtype; normalise what is saved
+    var, mean = torch.var_mean(h, dim=-1, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    y = ((h - mean[..., None]) * rstd[..., None] * weight.float() + ln_bias.float()).to(x.dtype)
+    z = h.to(x.dtype) if fused else x.new_empty(0)
+    return y, z, mean.reshape(-1), rstd.reshape(-1), rng
+
+
+@torch.library.impl(lib, "layer_norm_bwd", "CPU")
+def _bwd_cpu(dy, z, weight, mean, rstd, rng, p, want_dh):
+    H = z.shape[-1]
+    zf, dyf = z.float().reshape(-1, H), dy.float().reshape(-1, H)
+    xhat = (zf - mean[:, None]) * rstd[:, None]
+    g = dyf * weight.float()
+    dz = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    dweight, dln_bias = (dyf * xhat).sum(0), dyf.sum(0)
+    dz = dz.to(z.dtype).reshape(z.shape)
+    if not want_dh:
+        return dz, z.new_empty(0), dweight, dln_bias, dweight.new_empty(0)
+    dh = dz.float()
+    if p > 0:
+        dh = dh * cpu_dropout_keep(z.shape, p, rng) / (1 - p)
+    dh = dh.to(z.dtype)
+    return dz, dh, dweight, dln_bias, dh.float().reshape(-1, H).sum(0)
+
+
+# ----------------------------------------------------------------------------------------- fake
+@torch.library.register_fake(f"{NS}::layer_norm_fwd")
+def _fwd_fake(x, bias, residual, weight, ln_bias, p, eps):
+    check_dropout(p)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    fused = bias is not None or residual is not None or p > 0
+    f = x.new_empty(rows, dtype=torch.float32)
+    return (torch.empty_like(x), torch.empty_like(x) if fused else x.new_empty(0), f, torch.empty_like(f),
+            x.new_empty(2, dtype=torch.long))
+
+
+@torch.library.register_fake(f"{NS}::layer_norm_bwd")
+def _bwd_fake(dy, z, weight, mean, rstd, rng, p, want_dh):
+    H = z.shape[-1]
+    w = z.new_empty(H, dtype=torch.float32)
+    if want_dh:
+        return torch.empty_like(z), torch.empty_like(z), w, torch.empty_like(w), torch.empty_like(w)
+    return torch.empty_like(z), z.new_empty(0), w, torch.empty_like(w), z.new_empty(0, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------ autograd
+# The Python formula (CPU, and what a GPU without the extension would reach); csrc/autograd.cpp
+# is the same formula in C++ for CUDA.
+def _setup(ctx, inputs, output):
+    x, bias, residual, weight, ln_bias, p, eps = inputs
+    y, z, mean, rstd, rng = output
+    ctx.fused = bias is not None or residual is not None or p > 0
+    ctx.has_bias, ctx.has_residual, ctx.p = bias is not None, residual is not None, p
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.param_dtype = weight.dtype
+    ctx.save_for_backward(z if ctx.fused else x, weight, mean, rstd, rng)
+
+
+def _backward(ctx, dy, _dz, _dmean, _drstd, _drng):
+    z, weight, mean, rstd, rng = ctx.saved_tensors
+    dz, dh, dweight, dln_bias, dbias = torch.ops.bertaccel.layer_norm_bwd(dy, z, weight, mean, rstd, rng, ctx.p, ctx.fused)
+    return (
+        dh if ctx.fused else dz,
+        dbias.to(ctx.bias_dtype) if ctx.has_bias else None,
+        dz if ctx.has_residual else None,
+        dweight.to(ctx.param_dtype),
+        dln_bias.to(ctx.param_dtype),
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd(f"{NS}::layer_norm_fwd", _backward, setup_context=_setup)
+define_public(
+    "layer_norm(Tensor x, Tensor? bias, Tensor? residual, Tensor weight, Tensor ln_bias, float p, float eps) -> Tensor",
+    "layer_norm_fwd", tags=SEEDED,
+)
+
+
+# ------------------------------------------------------------------------------ public function
 def layer_norm_reference(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     """Plain PyTorch, for tests: LayerNorm in float64."""
     return F.layer_norm(x.double(), (x.shape[-1],), weight.double(), bias.double(), eps)
 
 
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
-    """`F.layer_norm(x, (H,), weight, bias, eps)` through the fused kernel when it can run
-    (CUDA, bf16/fp32, H <= 8192, affine); PyTorch's own op otherwise, with the same result."""
-    reason = why_not(x) if weight is not None and bias is not None else "no affine weight/bias"
+    """`F.layer_norm(x, (H,), weight, bias, eps)` through the kernel when it can run (CUDA, bf16/fp32,
+    H <= 8192, affine, weights fp32 or x's dtype); PyTorch's own op otherwise, with the same result."""
+    reason = why_not(x, params=(weight, bias)) if weight is not None and bias is not None else "no affine weight/bias"
     if reason is not None:
         note_fallback("layer_norm", reason)
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     shape = x.shape
-    y = library.layer_norm_fwd(
-        x.contiguous().view(-1, shape[-1]), None, None, weight.float(), bias.float(), 0.0, eps
-    )[0]
+    y = torch.ops.bertaccel.layer_norm(x.contiguous().view(-1, shape[-1]), None, None, weight, bias, 0.0, eps)
     return y.view(shape)
 
 
+# ---------------------------------------------------------------------------------------- module
 class FusedLayerNorm(nn.LayerNorm):
-    """`nn.LayerNorm` whose forward runs the fused kernel; same parameters and state_dict keys."""
+    """`nn.LayerNorm` whose forward runs the kernel; same parameters and state_dict keys."""
 
     @classmethod
     def from_module(cls, ln: nn.LayerNorm) -> FusedLayerNorm:

@@ -1,4 +1,4 @@
-"""The fused tail of BERT's sub-layers (csrc/layer_norm.cu): LayerNorm(dropout(x + bias) + residual)
+"""The fused tail of BERT's sub-layers (csrc/layer_norm_fwd.cu, layer_norm_bwd.cu; schemas in layer_norm.py): LayerNorm(dropout(x + bias) + residual)
 in one kernel, dropout drawn from PyTorch's CUDA generator (Philox) and regenerated in backward."""
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops import library
-from bertaccel.ops._dispatch import compute_dtype, note_fallback, why_not
+import bertaccel.ops.layer_norm  # noqa: F401 - defines the op this family runs
+from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+
+CUDA_SOURCES = ["layer_norm_fwd.cu", "layer_norm_bwd.cu"]
 
 
 def bias_dropout_add_layer_norm_reference(x, bias, residual, weight, ln_bias, p, eps, training=True) -> Tensor:
@@ -21,21 +23,21 @@ def bias_dropout_add_layer_norm(
 ) -> Tensor:
     """LayerNorm(dropout(x + bias, p) + residual). Runs in x's dtype (residual and bias are cast to
     it); the reference computation when the kernel cannot run."""
-    reason = why_not(x)
+    reason = why_not(x, params=(weight, ln_bias))
     if reason is not None:
         note_fallback("residual_layer_norm", reason)
         return bias_dropout_add_layer_norm_reference(x, bias, residual, weight, ln_bias, p, eps, training)
     shape = x.shape
     H = shape[-1]
-    y = library.layer_norm_fwd(
+    y = torch.ops.bertaccel.layer_norm(
         x.contiguous().view(-1, H),
         bias.to(x.dtype).contiguous(),
         residual.to(x.dtype).contiguous().view(-1, H),
-        weight.float(),
-        ln_bias.float(),
+        weight,
+        ln_bias,
         float(p) if training else 0.0,
         eps,
-    )[0]
+    )
     return y.view(shape)
 
 
@@ -53,7 +55,8 @@ class FusedBertOutput(nn.Module):
     def forward(self, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
         # The dtype the matmul will produce (bf16 under autocast) decides eligibility.
         dtype = compute_dtype(hidden_states)
-        if self.dense.bias is None or why_not(hidden_states, self.dense.out_features, dtype) is not None:
+        if self.dense.bias is None or why_not(hidden_states, self.dense.out_features, dtype,
+                                              (self.LayerNorm.weight, self.LayerNorm.bias)) is not None:
             return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
         h = F.linear(hidden_states, self.dense.weight)
         return bias_dropout_add_layer_norm(

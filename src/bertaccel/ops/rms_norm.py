@@ -1,5 +1,6 @@
-"""RMSNorm over the last dimension (csrc/layer_norm_*.cu, the LayerNorm kernels without centring):
-y = x * rsqrt(mean(x^2) + eps) * weight, fp32 statistics, backward without atomics."""
+"""RMSNorm over the last dimension (csrc/layer_norm_*.cu, the LayerNorm kernels without centring,
+instantiated as their own template): y = x * rsqrt(mean(x^2) + eps) * weight, fp32 statistics,
+backward without atomics."""
 
 from __future__ import annotations
 
@@ -7,10 +8,63 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops import library
-from bertaccel.ops._dispatch import note_fallback, why_not
+from bertaccel.ops.eligibility import note_fallback, why_not
+from bertaccel.ops.registration import NS, define_public, lib
+
+CUDA_SOURCES = ["layer_norm_fwd.cu", "layer_norm_bwd.cu"]
+
+# ------------------------------------------------------------------------------------ schemas
+lib.define("rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)")
+lib.define("rms_norm_bwd(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dweight)")
 
 
+# ------------------------------------------------------------------------------ CPU reference
+@torch.library.impl(lib, "rms_norm_fwd", "CPU")
+def _fwd_cpu(x, weight, eps):
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    return (xf * rstd[..., None] * weight.float()).to(x.dtype), rstd.reshape(-1)
+
+
+@torch.library.impl(lib, "rms_norm_bwd", "CPU")
+def _bwd_cpu(dy, x, weight, rstd):
+    H = x.shape[-1]
+    xf, dyf = x.float().reshape(-1, H), dy.float().reshape(-1, H)
+    xhat = xf * rstd[:, None]
+    g = dyf * weight.float()
+    dx = rstd[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dx.to(x.dtype).reshape(x.shape), (dyf * xhat).sum(0)
+
+
+# ----------------------------------------------------------------------------------------- fake
+@torch.library.register_fake(f"{NS}::rms_norm_fwd")
+def _fwd_fake(x, weight, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NS}::rms_norm_bwd")
+def _bwd_fake(dy, x, weight, rstd):
+    return torch.empty_like(x), x.new_empty(x.shape[-1], dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------ autograd
+def _setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = torch.ops.bertaccel.rms_norm_bwd(dy, x, weight, rstd)
+    return dx, dweight.to(weight.dtype), None
+
+
+torch.library.register_autograd(f"{NS}::rms_norm_fwd", _backward, setup_context=_setup)
+define_public("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", "rms_norm_fwd")
+
+
+# ------------------------------------------------------------------------------ public function
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Plain PyTorch, for tests: RMSNorm in float64."""
     return F.rms_norm(x.double(), (x.shape[-1],), weight.double(), eps)
@@ -18,19 +72,20 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None) -> Tensor:
     """`F.rms_norm(x, (H,), weight, eps)` through the kernel when it can run (CUDA, bf16/fp32,
-    H <= 8192, with a weight); PyTorch's own op otherwise. eps None: the dtype's machine epsilon,
-    as in `F.rms_norm`."""
-    reason = why_not(x) if weight is not None else "no weight"
+    H <= 8192, with a weight of fp32 or x's dtype); PyTorch's own op otherwise. eps None: the dtype's
+    machine epsilon, as in `F.rms_norm`."""
+    reason = why_not(x, params=(weight,)) if weight is not None else "no weight"
     if reason is not None:
         note_fallback("rms_norm", reason)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     shape = x.shape
-    y = library.rms_norm_fwd(x.contiguous().view(-1, shape[-1]), weight.float(), eps)[0]
+    y = torch.ops.bertaccel.rms_norm(x.contiguous().view(-1, shape[-1]), weight, eps)
     return y.view(shape)
 
 
+# ---------------------------------------------------------------------------------------- module
 class FusedRMSNorm(nn.RMSNorm):
     """`nn.RMSNorm` whose forward runs the kernel; same parameters and state_dict keys."""
 

@@ -7,11 +7,65 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops import library
-from bertaccel.ops._dispatch import compute_dtype, note_fallback, why_not
-from bertaccel.ops.library import softmax_reference
+from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.registration import NS, lib
 
 __all__ = ["softmax", "softmax_reference", "FusedBertSelfAttention"]
+
+CUDA_SOURCES = ["softmax.cu"]
+
+# ------------------------------------------------------------------------------------ schemas
+lib.define("softmax(Tensor x, Tensor? mask, float scale) -> Tensor")
+lib.define("softmax_bwd(Tensor dy, Tensor y, float scale) -> Tensor")
+
+
+# ------------------------------------------------------------------------------ CPU reference
+def softmax_reference(x: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """softmax(x * scale + mask) in fp32; boolean masks mark the keys to attend; rows with every key
+    masked give zeros."""
+    v = x.float() * scale
+    if mask is not None:
+        v = v.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else v + mask.float()
+    return torch.softmax(v, dim=-1).nan_to_num(0.0)
+
+
+@torch.library.impl(lib, "softmax", "CPU")
+def _fwd_cpu(x, mask, scale):
+    return softmax_reference(x, mask, scale).to(x.dtype)
+
+
+@torch.library.impl(lib, "softmax_bwd", "CPU")
+def _bwd_cpu(dy, y, scale):
+    yf, dyf = y.float(), dy.float()
+    return (scale * yf * (dyf - (dyf * yf).sum(-1, keepdim=True))).to(y.dtype)
+
+
+# ----------------------------------------------------------------------------------------- fake
+@torch.library.register_fake(f"{NS}::softmax")
+def _fwd_fake(x, mask, scale):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake(f"{NS}::softmax_bwd")
+def _bwd_fake(dy, y, scale):
+    return torch.empty_like(y)
+
+
+# ------------------------------------------------------------------------------------ autograd
+def _setup(ctx, inputs, output):
+    ctx.scale = inputs[2]
+    ctx.save_for_backward(output)
+
+
+def _backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return torch.ops.bertaccel.softmax_bwd(dy, y, ctx.scale), None, None
+
+
+torch.library.register_autograd(f"{NS}::softmax", _backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------------------ public function
 
 
 def softmax(x: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
@@ -26,9 +80,10 @@ def softmax(x: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor
     if reason is not None:
         note_fallback("softmax", reason)
         return softmax_reference(x, mask, scale).to(x.dtype)
-    return library.softmax_fwd(x.contiguous(), mask, float(scale))
+    return torch.ops.bertaccel.softmax(x.contiguous(), mask, float(scale))
 
 
+# ---------------------------------------------------------------------------------------- module
 class FusedBertSelfAttention(nn.Module):
     """Replaces an HF `BertSelfAttention` that runs *eager* attention: the scores matmul, then
     scale + mask + softmax in one kernel (eager runs three), dropout, and the values matmul. Holds

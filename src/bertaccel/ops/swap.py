@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from bertaccel.errors import ConfigError
-from bertaccel.ops._dispatch import kernels_loaded
+from bertaccel.ops.eligibility import kernels_loaded
 from bertaccel.ops import build
 from bertaccel.ops.embeddings import FusedBertEmbeddings
 from bertaccel.ops.gelu import FusedBertIntermediate, activation_kind
@@ -173,7 +173,7 @@ def swap(model: nn.Module, ops: Sequence[str]) -> SwapReport:
     report = SwapReport(model, kernels=kernels_loaded())
     if not report.kernels and ops:
         warnings.warn(
-            f"kernel swap: the CUDA kernels are unavailable ({build._state['reason']}); the swapped modules "
+            f"kernel swap: the CUDA kernels are unavailable ({build.reason()}); the swapped modules "
             "run PyTorch's ops.", stacklevel=2,
         )
     _install_hf_output_recorders(model)

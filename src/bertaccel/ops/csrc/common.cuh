@@ -54,6 +54,32 @@ __device__ __forceinline__ float row_reduce(float v, int tpr, float* red, int lo
   return v;
 }
 
+// row_reduce for R rows per thread group at once (slot r of the group's rows): the shuffles of the
+// R rows interleave, and rows spanning several warps share one pair of barriers. `red` holds
+// R x (threads / 32) floats.
+template <int R, typename Op>
+__device__ __forceinline__ void row_reduce_rows(float (&v)[R], int tpr, float* red, int local_row, Op op) {
+  const int width = tpr < 32 ? tpr : 32;
+  for (int m = width / 2; m > 0; m >>= 1)
+#pragma unroll
+    for (int r = 0; r < R; ++r) v[r] = op(v[r], __shfl_xor_sync(0xffffffffu, v[r], m, width));
+  if (tpr > 32) {
+    const int warps = blockDim.x >> 5;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+      for (int r = 0; r < R; ++r) red[r * warps + (threadIdx.x >> 5)] = v[r];
+    __syncthreads();
+    const int first = (local_row * tpr) >> 5;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float a = red[r * warps + first];
+      for (int i = 1; i < tpr / 32; ++i) a = op(a, red[r * warps + first + i]);
+      v[r] = a;
+    }
+  }
+}
+
 struct SumOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
     seed = std::get<0>(s);
     offset = std::get<1>(s);
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without dropout: no separate fill kernel
+  if (rng_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without dropout
     rng_out[0] = (int64_t)seed;
     rng_out[1] = (int64_t)offset;
   }
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
       load_f<float, VEC>(tr + c * VEC, b);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) v[k][j] = to_f(from_f<T>(v[k][j] + b[j] + a[j]));  // HF's order: (w + t) + p
-      store_f<T, VEC>(z + row * H + (int64_t)c * VEC, v[k]);
+      if (z != nullptr) store_f<T, VEC>(z + row * H + (int64_t)c * VEC, v[k]);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum += v[k][j];
     }
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
   }
   const float rstd = rsqrtf(row_reduce(sq, tpr, red, local_row, SumOp()) * inv_h + eps);
   if (!active) return;
-  if (t == 0) {
+  if (t == 0 && mean_out != nullptr) {
     mean_out[row] = mean;
     rstd_out[row] = rstd;
   }
@@ -116,32 +116,44 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding_layer_norm_fwd(
+// save: write z, mean, rstd and the dropout seed/offset for the backward (else y only).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding_forward(
     const at::Tensor& ids, const at::Tensor& pos_ids, const at::Tensor& type_ids, const at::Tensor& word,
     const at::Tensor& pos, const at::Tensor& type, const at::Tensor& gamma, const at::Tensor& beta, double p,
-    double eps, bool out_bf16, int64_t /*padding_idx: used by the backward*/) {
+    double eps, bool out_bf16, bool save) {
+  TORCH_CHECK(p >= 0 && p < 1, "bertaccel embeddings: dropout probability must be in [0, 1), got ", p);
   for (auto* t : {&ids, &pos_ids, &type_ids}) {
     check_cuda_contiguous(*t, "ids");
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->sizes() == ids.sizes(),
-                "bertaccel embeddings: input, position and token-type ids must be int64 of one shape");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->sizes() == ids.sizes() && t->device() == word.device(),
+                "bertaccel embeddings: input, position and token-type ids must be int64 of one shape, on the tables' device");
   }
   const int64_t H = word.size(-1);
   for (auto* t : {&word, &pos, &type, &gamma, &beta}) {
     check_cuda_contiguous(*t, "embedding table");
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->size(-1) == H,
-                "bertaccel embeddings: tables and LayerNorm parameters must be float32 with ", H, " columns");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->size(-1) == H && t->device() == word.device(),
+                "bertaccel embeddings: tables and LayerNorm parameters must be float32 with ", H,
+                " columns, on one device");
   }
   c10::cuda::CUDAGuard guard(word.device());
   auto sizes = ids.sizes().vec();
   sizes.push_back(H);
   auto out_opts = word.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat);
-  at::Tensor y = at::empty(sizes, out_opts), z = at::empty(sizes, out_opts);
   const int64_t rows = ids.numel();
   auto fopts = word.options();
-  at::Tensor mean = at::empty({rows}, fopts), rstd = at::empty({rows}, fopts);
-  at::Tensor rng = at::empty({2}, word.options().dtype(at::kLong));  // written by the kernel
-  if (rows == 0 || H == 0) return {y, z, mean, rstd, rng.zero_()};
-  const int vec = pick_vec(H, 4, {&word, &pos, &type, &y, &z});
+  at::Tensor y = at::empty(sizes, out_opts);
+  at::Tensor z, mean, rstd, rng;
+  if (save) {
+    z = at::empty(sizes, out_opts);
+    mean = at::empty({rows}, fopts);
+    rstd = at::empty({rows}, fopts);
+    rng = at::empty({2}, word.options().dtype(at::kLong));  // written by the kernel
+  }
+  if (rows == 0 || H == 0) {
+    if (save) rng.zero_();
+    return {y, z, mean, rstd, rng};
+  }
+  // gamma/beta too: a parameter sliced from a flat buffer may not be 16-byte aligned.
+  const int vec = pick_vec(H, 4, {&word, &pos, &type, &y, &z, &gamma, &beta});
   const int items = pick_items((int)(H / vec), vec, 4);
   const int tpr = pick_tpr((int)(H / vec), items);
   TORCH_CHECK(tpr <= kThreads, "bertaccel embeddings: hidden size ", H, " is above ", kThreads * kMaxElemsPerThread);
@@ -160,8 +172,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding
   embedding_ln_fwd_kernel<T, V, I><<<grid, kThreads, 0, stream>>>(                                              \
       ids.data_ptr<int64_t>(), pos_ids.data_ptr<int64_t>(), type_ids.data_ptr<int64_t>(), word.data_ptr<float>(), \
       pos.data_ptr<float>(), type.data_ptr<float>(), gamma.data_ptr<float>(), beta.data_ptr<float>(),           \
-      (T*)y.data_ptr(), (T*)z.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, (int)H, tpr,    \
-      (float)eps, (float)p, philox, rng.data_ptr<int64_t>(), word.size(0), pos.size(0), type.size(0))
+      (T*)y.data_ptr(), save ? (T*)z.data_ptr() : nullptr, save ? mean.data_ptr<float>() : nullptr,             \
+      save ? rstd.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)eps, (float)p, philox,                 \
+      save ? rng.data_ptr<int64_t>() : nullptr, word.size(0), pos.size(0), type.size(0))
     BA_DISPATCH_VEC_ITEMS(4, vec, items, BA_EMB_FWD);
 #undef BA_EMB_FWD
   };
@@ -171,9 +184,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding
   return {y, z, mean, rstd, rng};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding_layer_norm_fwd(
+    const at::Tensor& ids, const at::Tensor& pos_ids, const at::Tensor& type_ids, const at::Tensor& word,
+    const at::Tensor& pos, const at::Tensor& type, const at::Tensor& gamma, const at::Tensor& beta, double p,
+    double eps, bool out_bf16, int64_t /*padding_idx: used by the backward*/) {
+  return embedding_forward(ids, pos_ids, type_ids, word, pos, type, gamma, beta, p, eps, out_bf16, true);
+}
+
+// Inference form: y only.
+at::Tensor embedding_layer_norm(const at::Tensor& ids, const at::Tensor& pos_ids, const at::Tensor& type_ids,
+                                const at::Tensor& word, const at::Tensor& pos, const at::Tensor& type,
+                                const at::Tensor& gamma, const at::Tensor& beta, double p, double eps, bool out_bf16,
+                                int64_t /*padding_idx*/) {
+  return std::get<0>(embedding_forward(ids, pos_ids, type_ids, word, pos, type, gamma, beta, p, eps, out_bf16, false));
+}
+
 }  // namespace
 }  // namespace bertaccel
 
 TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
   m.impl("embedding_layer_norm_fwd", &bertaccel::embedding_layer_norm_fwd);
+  m.impl("embedding_layer_norm", &bertaccel::embedding_layer_norm);
 }

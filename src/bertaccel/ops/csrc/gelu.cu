@@ -118,6 +118,8 @@ void check(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   if (bias) {
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == x.scalar_type() && bias->numel() == x.size(-1),
                 "bertaccel bias_gelu: bias must be contiguous, of the input's dtype and of size ", x.size(-1));
+    TORCH_CHECK(bias->device() == x.device(), "bertaccel bias_gelu: bias is on ", bias->device(), ", input on ",
+                x.device());
   }
 }
 
@@ -199,6 +201,6 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
 }  // namespace bertaccel
 
 TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
-  m.impl("bias_gelu_fwd", &bertaccel::bias_gelu_fwd);
+  m.impl("bias_gelu", &bertaccel::bias_gelu_fwd);
   m.impl("bias_gelu_bwd", &bertaccel::bias_gelu_bwd);
 }

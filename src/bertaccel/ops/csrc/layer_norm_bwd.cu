@@ -23,9 +23,9 @@ constexpr int kThreads = 256;
 // residual)); kAfter masks dy (y = dropout(LayerNorm(z)), the embeddings).
 enum DropoutAt : int { kBefore = 0, kAfter = 1 };
 
-template <typename T, int VEC, int ITEMS>
+template <typename T, typename W, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(
-    const T* __restrict__ dy, const T* __restrict__ z, const float* __restrict__ gamma,
+    const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
     int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng, int dropout_at) {
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(
         float d[VEC], g[VEC];
         load_f<T, VEC>(z + off, xh[k]);
         load_f<T, VEC>(dy + off, d);
-        load_f<float, VEC>(gamma + c * VEC, g);
+        load_f<W, VEC>(gamma + c * VEC, g);
         if (p > 0.f && dropout_at == kAfter) {
           bool keep[VEC];
           dropout_keep<VEC>(seed, offset, off, p, keep);
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(
 }
 
 // dz (and dh), dgamma, dbeta (LayerNorm only), dbias (with dh). mean undefined: RMSNorm.
-template <typename T>
+template <typename T, typename W>
 void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gamma, const at::Tensor& mean,
                 const at::Tensor& rstd, at::Tensor& dz, at::Tensor& dh, at::Tensor& dgamma, at::Tensor& dbeta,
                 at::Tensor& dbias, double p, const at::Tensor& rng, int dropout_at) {
@@ -156,7 +156,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     return;
   }
   constexpr int max_vec = 16 / sizeof(T);
-  const int vec = pick_vec(H, max_vec, {&dy, &z, &dz, &dh});
+  const int vec = pick_vec(H, max_vec, {&dy, &z, &dz, &dh, &gamma});
   const int items = pick_items((int)(H / vec), vec, max_vec);
   const int tpr = pick_tpr((int)(H / vec), items);
   TORCH_CHECK(tpr <= kThreads, "bertaccel layer_norm: hidden size ", H, " is above ", kThreads * kMaxElemsPerThread);
@@ -174,15 +174,15 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   do {                                                                                                           \
     static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */            \
       int n = 1;                                                                                                 \
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ln_bwd_kernel<T, V, I>, kThreads, 0));    \
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ln_bwd_kernel<T, W, V, I>, kThreads, 0));    \
       return n;                                                                                                  \
     }();                                                                                                         \
     blocks = (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1));                                \
     pg = at::empty({blocks, H}, opts);                                                                           \
     if (dbeta.defined()) pb = at::empty({blocks, H}, opts);                                                      \
     if (dbias.defined()) ph = at::empty({blocks, H}, opts);                                                      \
-    ln_bwd_kernel<T, V, I><<<blocks, kThreads, 0, stream>>>(                                                     \
-        (const T*)dy.data_ptr(), (const T*)z.data_ptr(), gamma.data_ptr<float>(), meanp, rstd.data_ptr<float>(), \
+    ln_bwd_kernel<T, W, V, I><<<blocks, kThreads, 0, stream>>>(                                                     \
+        (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(), \
         (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(), pb.defined() ? pb.data_ptr<float>() : nullptr,            \
         ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp, dropout_at);          \
   } while (0)
@@ -198,12 +198,21 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// gamma is the second argument after dy; its dtype (float32, or bf16 under bf16-true) picks W.
 template <typename... Args>
-void launch_any(const at::Tensor& dy, Args&&... args) {
-  if (dy.scalar_type() == at::kBFloat16)
-    launch_bwd<__nv_bfloat16>(dy, std::forward<Args>(args)...);
-  else
-    launch_bwd<float>(dy, std::forward<Args>(args)...);
+void launch_any(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gamma, Args&&... args) {
+  TORCH_CHECK(gamma.scalar_type() == at::kFloat || gamma.scalar_type() == z.scalar_type(),
+              "bertaccel: weight must be float32 or the input's dtype, got ", gamma.scalar_type());
+  check_cuda_contiguous(gamma, "weight");
+  TORCH_CHECK(gamma.numel() == z.size(-1), "bertaccel: weight size mismatch");
+  if (dy.scalar_type() == at::kBFloat16) {
+    if (gamma.scalar_type() == at::kFloat)
+      launch_bwd<__nv_bfloat16, float>(dy, z, gamma, std::forward<Args>(args)...);
+    else
+      launch_bwd<__nv_bfloat16, __nv_bfloat16>(dy, z, gamma, std::forward<Args>(args)...);
+  } else {
+    launch_bwd<float, float>(dy, z, gamma, std::forward<Args>(args)...);
+  }
 }
 
 at::Tensor checked_grad(const at::Tensor& dy_in, const at::Tensor& z) {

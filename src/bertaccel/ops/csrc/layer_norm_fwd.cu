@@ -26,117 +26,171 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T, int VEC, int ITEMS>
+// ROWS rows per thread group at once: the loads of all ROWS rows are in flight before the first
+// reduction, so fewer blocks keep as many bytes in flight with less waiting per byte. The weight
+// (and bias) of type W (float32, or the activation type under bf16-true) is read once per thread,
+// while the first row's loads are in flight. RMS: RMSNorm (no centring, no bias).
+template <typename T, typename W, int VEC, int ITEMS, int ROWS, bool RMS>
 __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ residual,
-    const float* __restrict__ gamma, const float* __restrict__ beta, T* __restrict__ y, T* __restrict__ z,
+    const W* __restrict__ gamma, const W* __restrict__ beta, T* __restrict__ y, T* __restrict__ z,
     float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int H, int tpr, float eps,
-    float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out, bool rms) {
-  __shared__ float red[kThreads / 32];
+    float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
+  __shared__ float red[ROWS * (kThreads / 32)];
   const int nvec = H / VEC;
+  const int rpb = kThreads / tpr;  // row slots per block
   const int local_row = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
-  const int64_t row = (int64_t)blockIdx.x * (kThreads / tpr) + local_row;
-  const bool active = row < rows;
   uint64_t seed = 0, offset = 0;
   if (p > 0.f) {
     auto s = at::cuda::philox::unpack(philox);
     seed = std::get<0>(s);
     offset = std::get<1>(s);
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without dropout: no separate fill kernel
+  if (rng_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without dropout
     rng_out[0] = (int64_t)seed;
     rng_out[1] = (int64_t)offset;
   }
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 
-  float v[ITEMS][VEC];
-  float sum = 0.f;
+  int64_t row[ROWS];
+  bool active[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    row[r] = ((int64_t)blockIdx.x * ROWS + r) * rpb + local_row;
+    active[r] = row[r] < rows;
+  }
+  float v[ROWS][ITEMS][VEC];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (active[r] && c < nvec) load_f<T, VEC>(x + row[r] * H + (int64_t)c * VEC, v[r][k]);
+    }
+  float g[ITEMS][VEC], b[ITEMS][VEC];
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int c = t + k * tpr;
-    if (active && c < nvec) {
-      const int64_t off = row * H + (int64_t)c * VEC;
-      load_f<T, VEC>(x + off, v[k]);
-      if (bias != nullptr) {
-        float b[VEC];
-        load_f<T, VEC>(bias + c * VEC, b);
+    if (c < nvec) {
+      load_f<W, VEC>(gamma + c * VEC, g[k]);
+      if (!RMS) load_f<W, VEC>(beta + c * VEC, b[k]);
+    }
+  }
+  float sum[ROWS];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[k][j] += b[j];
+  for (int r = 0; r < ROWS; ++r) {
+    sum[r] = 0.f;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (!(active[r] && c < nvec)) continue;
+      const int64_t off = row[r] * H + (int64_t)c * VEC;
+      if (bias != nullptr) {
+        float bb[VEC];
+        load_f<T, VEC>(bias + c * VEC, bb);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[r][k][j] += bb[j];
       }
       if (p > 0.f) {
         bool keep[VEC];
         dropout_keep<VEC>(seed, offset, off, p, keep);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[k][j] = keep[j] ? v[k][j] * scale : 0.f;
+        for (int j = 0; j < VEC; ++j) v[r][k][j] = keep[j] ? v[r][k][j] * scale : 0.f;
       }
       if (residual != nullptr) {
-        float r[VEC];
-        load_f<T, VEC>(residual + off, r);
+        float rr[VEC];
+        load_f<T, VEC>(residual + off, rr);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[k][j] += r[j];
+        for (int j = 0; j < VEC; ++j) v[r][k][j] += rr[j];
       }
       if (z != nullptr) {
         // The backward sees z in T: normalise exactly what is saved, so both passes agree.
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[k][j] = to_f(from_f<T>(v[k][j]));
-        store_f<T, VEC>(z + off, v[k]);
+        for (int j = 0; j < VEC; ++j) v[r][k][j] = to_f(from_f<T>(v[r][k][j]));
+        store_f<T, VEC>(z + off, v[r][k]);
       }
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) sum += v[k][j];
+      for (int j = 0; j < VEC; ++j) sum[r] += v[r][k][j];
     }
   }
   const float inv_h = 1.f / (float)H;
-  const float mean = rms ? 0.f : row_reduce(sum, tpr, red, local_row, SumOp()) * inv_h;
-  float sq = 0.f;
+  float mean[ROWS];
+  if (RMS) {
 #pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    const int c = t + k * tpr;
-    if (active && c < nvec)
+    for (int r = 0; r < ROWS; ++r) mean[r] = 0.f;
+  } else {
+    row_reduce_rows<ROWS>(sum, tpr, red, local_row, SumOp());
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = v[k][j] - mean;
-        sq += d * d;
-      }
+    for (int r = 0; r < ROWS; ++r) mean[r] = sum[r] * inv_h;
   }
-  const float rstd = rsqrtf(row_reduce(sq, tpr, red, local_row, SumOp()) * inv_h + eps);
-  if (!active) return;
-  if (t == 0) {
-    if (mean_out != nullptr) mean_out[row] = mean;
-    rstd_out[row] = rstd;
+  float sq[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    sq[r] = 0.f;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (active[r] && c < nvec)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float d = v[r][k][j] - mean[r];
+          sq[r] += d * d;
+        }
+    }
   }
+  row_reduce_rows<ROWS>(sq, tpr, red, local_row, SumOp());
 #pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    const int c = t + k * tpr;
-    if (c < nvec) {
-      float g[VEC], b[VEC], o[VEC];
-      load_f<float, VEC>(gamma + c * VEC, g);
-      if (beta != nullptr) {
-        load_f<float, VEC>(beta + c * VEC, b);
-      } else {
+  for (int r = 0; r < ROWS; ++r) {
+    if (!active[r]) continue;
+    const float rstd = rsqrtf(sq[r] * inv_h + eps);
+    if (t == 0) {
+      if (mean_out != nullptr) mean_out[row[r]] = mean[r];
+      if (rstd_out != nullptr) rstd_out[row[r]] = rstd;
+    }
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) b[j] = 0.f;
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (c < nvec) {
+        float o[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = (v[r][k][j] - mean[r]) * rstd * g[k][j] + (RMS ? 0.f : b[k][j]);
+        store_f<T, VEC>(y + row[r] * H + (int64_t)c * VEC, o);
       }
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = (v[k][j] - mean) * rstd * g[j] + b[j];
-      store_f<T, VEC>(y + row * H + (int64_t)c * VEC, o);
     }
   }
 }
 
+// Rows per thread group: the override BERTACCEL_LN_ROWS (1, 2 or 4; for tuning), else the most
+// rows that leave at least two blocks per SM for every SM of the GPU.
+int pick_rows(int64_t rows, int rpb) {
+  static const int forced = [] {
+    const char* e = std::getenv("BERTACCEL_LN_ROWS");
+    return e ? std::atoi(e) : 0;
+  }();
+  if (forced == 1 || forced == 2 || forced == 4) return forced;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  for (int r : {4, 2})
+    if ((rows + (int64_t)rpb * r - 1) / ((int64_t)rpb * r) >= 2 * sms * 4) return r;
+  return 1;
+}
+
 // -------------------------------------------------------------------------------- dispatch
-template <typename T>
+// Outputs: y always; z (the pre-norm sum, fused form), mean (LayerNorm) and rstd when defined.
+template <typename T, typename W, bool RMS>
 void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual, const at::Tensor& gamma,
                 const at::Tensor& beta, at::Tensor& y, at::Tensor& z, at::Tensor& mean, at::Tensor& rstd, double eps,
-                double p, at::Tensor& rng, bool rms) {
+                double p, at::Tensor& rng) {
   const int64_t H = x.size(-1);
   if (H == 0 || x.numel() == 0) {
-    rng.zero_();
+    if (rng.defined()) rng.zero_();
     return;
   }
   const int64_t rows = x.numel() / H;
   constexpr int max_vec = 16 / sizeof(T);
-  const int vec = pick_vec(H, max_vec, {&x, &bias, &residual, &y, &z});
+  // Every vector access is checked: a weight sliced out of a flat fp32 buffer may be only 4-byte
+  // aligned, and the kernel reads it VEC elements at a time.
+  const int vec = pick_vec(H, max_vec, {&x, &bias, &residual, &y, &z, &gamma, &beta});
   const int items = pick_items((int)(H / vec), vec, max_vec);
   const int tpr = pick_tpr((int)(H / vec), items);
   TORCH_CHECK(tpr <= kThreads, "bertaccel layer_norm: hidden size ", H, " is above ", kThreads * kMaxElemsPerThread);
@@ -147,19 +201,30 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
     philox = gen->philox_cuda_state((uint64_t)((x.numel() + 3) / 4) * 4);
   }
   const int rpb = kThreads / tpr;
-  dim3 grid((unsigned)((rows + rpb - 1) / rpb));
+  const int nrows = vec == max_vec ? pick_rows(rows, rpb) : 1;
   auto stream = at::cuda::getCurrentCUDAStream();
   const T* bp = bias.defined() ? (const T*)bias.data_ptr() : nullptr;
   const T* rp = residual.defined() ? (const T*)residual.data_ptr() : nullptr;
   T* zp = z.defined() ? (T*)z.data_ptr() : nullptr;
   float* mp = mean.defined() ? mean.data_ptr<float>() : nullptr;
-  const float* betap = beta.defined() ? beta.data_ptr<float>() : nullptr;
+  float* rsp = rstd.defined() ? rstd.data_ptr<float>() : nullptr;
+  const W* betap = beta.defined() ? (const W*)beta.data_ptr() : nullptr;
+  int64_t* rngp = rng.defined() ? rng.data_ptr<int64_t>() : nullptr;
+#define BA_LN_FWD_R(V, I, R)                                                                                     \
+  ln_fwd_kernel<T, W, V, I, R, RMS><<<(unsigned)((rows + rpb * R - 1) / (rpb * R)), kThreads, 0, stream>>>(      \
+      (const T*)x.data_ptr(), bp, rp, (const W*)gamma.data_ptr(), betap, (T*)y.data_ptr(), zp, mp, rsp, rows,   \
+      (int)H, tpr, (float)eps, (float)p, philox, rngp)
 #define BA_LN_FWD(V, I)                                                                                          \
-  ln_fwd_kernel<T, V, I><<<grid, kThreads, 0, stream>>>(                                                         \
-      (const T*)x.data_ptr(), bp, rp, gamma.data_ptr<float>(), betap, (T*)y.data_ptr(), zp, mp,                 \
-      rstd.data_ptr<float>(), rows, (int)H, tpr, (float)eps, (float)p, philox, rng.data_ptr<int64_t>(), rms)
+  do {                                                                                                           \
+    if constexpr (V == max_vec) {                                                                                \
+      if (nrows == 4) BA_LN_FWD_R(V, I, 4); else if (nrows == 2) BA_LN_FWD_R(V, I, 2); else BA_LN_FWD_R(V, I, 1); \
+    } else {                                                                                                     \
+      BA_LN_FWD_R(V, I, 1);                                                                                      \
+    }                                                                                                            \
+  } while (0)
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_FWD);
 #undef BA_LN_FWD
+#undef BA_LN_FWD_R
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -167,36 +232,55 @@ void check_inputs(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor
   check_cuda_contiguous(x, "input");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "bertaccel ", op, ": input must be bfloat16 or float32, got ", x.scalar_type());
-  TORCH_CHECK(gamma.scalar_type() == at::kFloat && (!beta || beta->scalar_type() == at::kFloat),
-              "bertaccel ", op, ": weight and bias must be float32");
+  TORCH_CHECK(gamma.scalar_type() == at::kFloat || gamma.scalar_type() == x.scalar_type(),
+              "bertaccel ", op, ": weight must be float32 or the input's dtype, got ", gamma.scalar_type());
+  TORCH_CHECK(!beta || beta->scalar_type() == gamma.scalar_type(), "bertaccel ", op,
+              ": weight and bias must have one dtype, got ", gamma.scalar_type(), " and ", beta->scalar_type());
   TORCH_CHECK(gamma.numel() == x.size(-1) && (!beta || beta->numel() == x.size(-1)),
               "bertaccel ", op, ": weight/bias size mismatch");
   check_cuda_contiguous(gamma, "weight");
   if (beta) check_cuda_contiguous(*beta, "bias");
+  TORCH_CHECK(gamma.device() == x.device() && (!beta || beta->device() == x.device()),
+              "bertaccel ", op, ": weight and bias must be on the input's device ", x.device());
 }
 
-template <typename... Args>
-void launch_any(const at::Tensor& x, Args&&... args) {
-  if (x.scalar_type() == at::kBFloat16)
-    launch_fwd<__nv_bfloat16>(x, std::forward<Args>(args)...);
-  else
-    launch_fwd<float>(x, std::forward<Args>(args)...);
+void check_optional_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& residual, double p) {
+  // outside [0, 1) the 1 / (1 - p) scale would be silently wrong
+  TORCH_CHECK(p >= 0 && p < 1, "bertaccel layer_norm: dropout probability must be in [0, 1), got ", p);
+  if (bias) {
+    check_cuda_contiguous(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == x.size(-1) && bias->device() == x.device(),
+                "bertaccel: the linear bias must match the input in dtype, size and device");
+  }
+  if (residual) {
+    check_cuda_contiguous(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                residual->device() == x.device(), "bertaccel: residual must match the input in shape, dtype and device");
+  }
 }
 
+template <bool RMS, typename... Args>
+void launch_any(const at::Tensor& x, const at::Tensor& gamma, Args&&... args) {
+  // The empty tensor arguments are bias, residual and beta; gamma's dtype picks the weight type.
+  if (x.scalar_type() == at::kBFloat16) {
+    if (gamma.scalar_type() == at::kFloat)
+      launch_fwd<__nv_bfloat16, float, RMS>(x, std::forward<Args>(args)...);
+    else
+      launch_fwd<__nv_bfloat16, __nv_bfloat16, RMS>(x, std::forward<Args>(args)...);
+  } else {
+    launch_fwd<float, float, RMS>(x, std::forward<Args>(args)...);
+  }
+}
+
+// With the tensors the backward needs: y, z (the pre-norm sum; fused form, else empty), mean, rstd
+// and the dropout seed/offset.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const at::Tensor& x, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
     const at::Tensor& gamma, const at::Tensor& beta, double p, double eps) {
   check_inputs(x, gamma, &beta, "layer_norm");
+  check_optional_inputs(x, bias, residual, p);
   const bool fused = bias.has_value() || residual.has_value() || p > 0;
-  if (bias) {
-    check_cuda_contiguous(*bias, "bias");
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == x.size(-1), "bertaccel: bias must match input");
-  }
-  if (residual) {
-    check_cuda_contiguous(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                "bertaccel: residual must match input in shape and dtype");
-  }
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
   at::Tensor y = at::empty_like(x);
@@ -205,9 +289,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_nor
   at::Tensor mean = at::empty({rows}, fopts), rstd = at::empty({rows}, fopts);
   at::Tensor rng = at::empty({2}, x.options().dtype(at::kLong));  // written by the kernel
   at::Tensor b = bias ? *bias : at::Tensor(), r = residual ? *residual : at::Tensor();
-  launch_any(x, b, r, gamma, beta, y, z, mean, rstd, eps, p, rng, false);
+  launch_any<false>(x, gamma, b, r, gamma, beta, y, z, mean, rstd, eps, p, rng);
   if (!fused) z = at::empty({0}, x.options());
   return {y, z, mean, rstd, rng};
+}
+
+// Inference form: y only, nothing saved for a backward.
+at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual, const at::Tensor& gamma, const at::Tensor& beta,
+                      double p, double eps) {
+  check_inputs(x, gamma, &beta, "layer_norm");
+  check_optional_inputs(x, bias, residual, p);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty_like(x);
+  at::Tensor none, b = bias ? *bias : at::Tensor(), r = residual ? *residual : at::Tensor();
+  launch_any<false>(x, gamma, b, r, gamma, beta, y, none, none, none, eps, p, none);
+  return y;
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& gamma, double eps) {
@@ -216,9 +313,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::T
   const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
   at::Tensor y = at::empty_like(x);
   at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
-  at::Tensor none, rng = at::empty({2}, x.options().dtype(at::kLong));
-  launch_any(x, none, none, gamma, none, y, none, none, rstd, eps, 0.0, rng, true);
+  at::Tensor none;
+  launch_any<true>(x, gamma, none, none, gamma, none, y, none, none, rstd, eps, 0.0, none);
   return {y, rstd};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& gamma, double eps) {
+  check_inputs(x, gamma, nullptr, "rms_norm");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty_like(x);
+  at::Tensor none;
+  launch_any<true>(x, gamma, none, none, gamma, none, y, none, none, none, eps, 0.0, none);
+  return y;
 }
 
 }  // namespace
@@ -227,4 +333,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::T
 TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
   m.impl("layer_norm_fwd", &bertaccel::layer_norm_fwd);
   m.impl("rms_norm_fwd", &bertaccel::rms_norm_fwd);
+  m.impl("layer_norm", &bertaccel::layer_norm);
+  m.impl("rms_norm", &bertaccel::rms_norm);
 }

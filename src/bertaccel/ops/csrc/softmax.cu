@@ -163,6 +163,7 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
     mask = *mask_in;
     TORCH_CHECK(mask.is_cuda() && mask.dim() == 4, "bertaccel softmax: the mask must be a 4-d CUDA tensor broadcastable to ",
                 x.sizes());
+    TORCH_CHECK(mask.device() == x.device(), "bertaccel softmax: mask is on ", mask.device(), ", scores on ", x.device());
     if (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kFloat) mask = mask.to(at::kFloat);
     mask = mask.expand(x.sizes());
     if (mask.stride(3) != 1) mask = mask.contiguous();
@@ -219,6 +220,6 @@ at::Tensor softmax_bwd(const at::Tensor& dy_in, const at::Tensor& y, double scal
 }  // namespace bertaccel
 
 TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
-  m.impl("softmax_fwd", &bertaccel::softmax_fwd);
+  m.impl("softmax", &bertaccel::softmax_fwd);
   m.impl("softmax_bwd", &bertaccel::softmax_bwd);
 }

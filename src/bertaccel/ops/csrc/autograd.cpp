@@ -1,0 +1,198 @@
+// Autograd for the public bertaccel ops on CUDA, in C++: an eager call costs one dispatcher trip,
+// as a PyTorch op does, instead of a Python autograd.Function. Registered at AutogradCUDA, which
+// takes precedence over the Python formulas registered at the Autograd alias (those serve the CPU
+// reference kernels, and so CI).
+//
+// Each forward runs the op's `*_fwd` form (the outputs the backward needs: the pre-norm sum, row
+// statistics, the dropout seed/offset) below the autograd layer; without grad, the public op's
+// CUDA kernel runs instead and writes only its output. Under torch.compile these Functions are
+// traced like any aten op's autograd: the forward graph holds `*_fwd`, the backward graph `*_bwd`.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/embedding_dense_backward.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace bertaccel {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::Function;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<Tensor>;
+using Tensor5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// A gradient in the dtype of the tensor it belongs to (fp32 accumulations for bf16 parameters).
+Tensor like(const Tensor& grad, const Tensor& ref) {
+  return grad.scalar_type() == ref.scalar_type() ? grad : grad.to(ref.scalar_type());
+}
+
+// ----------------------------------------------------------------- LayerNorm (+ bias, dropout, residual)
+struct LayerNormFn : public Function<LayerNormFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const OptTensor& residual,
+                        const Tensor& weight, const Tensor& ln_bias, double p, double eps) {
+    static auto fwd = op<Tensor5(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&,
+                                 double, double)>("bertaccel::layer_norm_fwd");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, z, mean, rstd, rng] = fwd.call(x, bias, residual, weight, ln_bias, p, eps);
+    const bool fused = bias.has_value() || residual.has_value() || p > 0;
+    ctx->save_for_backward({fused ? z : x, weight, ln_bias, mean, rstd, rng});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["fused"] = fused;
+    ctx->saved_data["bias_dtype"] = bias ? c10::IValue(bias->scalar_type()) : c10::IValue();
+    ctx->saved_data["has_residual"] = residual.has_value();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, double, bool)>("bertaccel::layer_norm_bwd");
+    auto s = ctx->get_saved_variables();
+    const bool fused = ctx->saved_data["fused"].toBool();
+    auto [dz, dh, dweight, dln_bias, dbias] = bwd.call(grads[0], s[0], s[1], s[3], s[4], s[5],
+                                                       ctx->saved_data["p"].toDouble(), fused);
+    auto bias_dtype = ctx->saved_data["bias_dtype"];
+    return {fused ? dh : dz,
+            bias_dtype.isNone() ? Tensor() : dbias.to(bias_dtype.toScalarType()),
+            ctx->saved_data["has_residual"].toBool() ? dz : Tensor(),
+            like(dweight, s[1]), like(dln_bias, s[2]), Tensor(), Tensor()};
+  }
+};
+
+Tensor layer_norm_autograd(const Tensor& x, const OptTensor& bias, const OptTensor& residual, const Tensor& weight,
+                           const Tensor& ln_bias, double p, double eps) {
+  return LayerNormFn::apply(x, bias, residual, weight, ln_bias, p, eps);
+}
+
+// ------------------------------------------------------------------------------------- RMSNorm
+struct RMSNormFn : public Function<RMSNormFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps) {
+    static auto fwd = op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, double)>("bertaccel::rms_norm_fwd");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, rstd] = fwd.call(x, weight, eps);
+    ctx->save_for_backward({x, weight, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
+        "bertaccel::rms_norm_bwd");
+    auto s = ctx->get_saved_variables();
+    auto [dx, dweight] = bwd.call(grads[0], s[0], s[1], s[2]);
+    return {dx, like(dweight, s[1]), Tensor()};
+  }
+};
+
+Tensor rms_norm_autograd(const Tensor& x, const Tensor& weight, double eps) { return RMSNormFn::apply(x, weight, eps); }
+
+// ------------------------------------------------------------------------------------ bias + GELU
+struct BiasGeluFn : public Function<BiasGeluFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, bool tanh_form) {
+    static auto fwd = op<Tensor(const Tensor&, const OptTensor&, bool)>("bertaccel::bias_gelu");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor y = fwd.call(x, bias, tanh_form);
+    ctx->save_for_backward({x, bias.value_or(Tensor())});
+    ctx->saved_data["tanh"] = tanh_form;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const OptTensor&, bool)>(
+        "bertaccel::bias_gelu_bwd");
+    auto s = ctx->get_saved_variables();
+    const bool has_bias = s[1].defined();
+    auto [dx, dbias] = bwd.call(grads[0], s[0], has_bias ? OptTensor(s[1]) : std::nullopt,
+                                ctx->saved_data["tanh"].toBool());
+    return {dx, has_bias ? like(dbias, s[1]) : Tensor(), Tensor()};
+  }
+};
+
+Tensor bias_gelu_autograd(const Tensor& x, const OptTensor& bias, bool tanh_form) {
+  return BiasGeluFn::apply(x, bias, tanh_form);
+}
+
+// ---------------------------------------------------------------------------------------- softmax
+struct SoftmaxFn : public Function<SoftmaxFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& mask, double scale) {
+    static auto fwd = op<Tensor(const Tensor&, const OptTensor&, double)>("bertaccel::softmax");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor y = fwd.call(x, mask, scale);
+    ctx->save_for_backward({y});
+    ctx->saved_data["scale"] = scale;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = op<Tensor(const Tensor&, const Tensor&, double)>("bertaccel::softmax_bwd");
+    auto s = ctx->get_saved_variables();
+    return {bwd.call(grads[0], s[0], ctx->saved_data["scale"].toDouble()), Tensor(), Tensor()};
+  }
+};
+
+Tensor softmax_autograd(const Tensor& x, const OptTensor& mask, double scale) {
+  return SoftmaxFn::apply(x, mask, scale);
+}
+
+// ------------------------------------------------------------------------- embeddings + LayerNorm
+struct EmbeddingLayerNormFn : public Function<EmbeddingLayerNormFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& ids, const Tensor& pos_ids, const Tensor& type_ids,
+                        const Tensor& word, const Tensor& pos, const Tensor& type, const Tensor& weight,
+                        const Tensor& ln_bias, double p, double eps, bool out_bf16, int64_t padding_idx) {
+    static auto fwd = op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, const Tensor&, const Tensor&, double, double, bool, int64_t)>(
+        "bertaccel::embedding_layer_norm_fwd");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, z, mean, rstd, rng] =
+        fwd.call(ids, pos_ids, type_ids, word, pos, type, weight, ln_bias, p, eps, out_bf16, padding_idx);
+    ctx->save_for_backward({ids, pos_ids, type_ids, z, weight, mean, rstd, rng});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["padding_idx"] = padding_idx;
+    ctx->saved_data["rows"] = std::vector<int64_t>{word.size(0), pos.size(0), type.size(0)};
+    ctx->saved_data["dtypes"] = std::vector<int64_t>{(int64_t)word.scalar_type(), (int64_t)pos.scalar_type(),
+                                                     (int64_t)type.scalar_type()};
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = op<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                            const Tensor&, const Tensor&, double)>(
+        "bertaccel::embedding_layer_norm_bwd");
+    auto s = ctx->get_saved_variables();
+    auto [dz, dweight, dln_bias] = bwd.call(grads[0], s[3], s[4], s[5], s[6], s[7], ctx->saved_data["p"].toDouble());
+    Tensor dzf = dz.to(at::kFloat);
+    auto rows = ctx->saved_data["rows"].toIntVector();
+    auto dtypes = ctx->saved_data["dtypes"].toIntVector();
+    const int64_t pads[3] = {ctx->saved_data["padding_idx"].toInt(), -1, -1};
+    variable_list out(12);
+    // The scatter into the tables is PyTorch's nn.Embedding backward; the word table's padding row
+    // gets no gradient, as with nn.Embedding(padding_idx=...).
+    for (int i = 0; i < 3; ++i)
+      out[3 + i] = at::embedding_dense_backward(dzf, s[i], rows[i], pads[i], false).to((at::ScalarType)dtypes[i]);
+    out[6] = like(dweight, s[4]);
+    out[7] = like(dln_bias, s[4]);
+    return out;
+  }
+};
+
+Tensor embedding_layer_norm_autograd(const Tensor& ids, const Tensor& pos_ids, const Tensor& type_ids,
+                                     const Tensor& word, const Tensor& pos, const Tensor& type, const Tensor& weight,
+                                     const Tensor& ln_bias, double p, double eps, bool out_bf16, int64_t padding_idx) {
+  return EmbeddingLayerNormFn::apply(ids, pos_ids, type_ids, word, pos, type, weight, ln_bias, p, eps, out_bf16,
+                                     padding_idx);
+}
+
+}  // namespace
+}  // namespace bertaccel
+
+TORCH_LIBRARY_IMPL(bertaccel, AutogradCUDA, m) {
+  m.impl("layer_norm", &bertaccel::layer_norm_autograd);
+  m.impl("rms_norm", &bertaccel::rms_norm_autograd);
+  m.impl("bias_gelu", &bertaccel::bias_gelu_autograd);
+  m.impl("softmax", &bertaccel::softmax_autograd);
+  m.impl("embedding_layer_norm", &bertaccel::embedding_layer_norm_autograd);
+}

@@ -1,0 +1,54 @@
+"""The `bertaccel` op namespace and the helpers every op family uses to register into it.
+
+Each family file (`layer_norm.py`, `rms_norm.py`, `gelu.py`, `softmax.py`, `embeddings.py`) holds, in
+order: its schemas, CPU reference kernels, fake (meta) kernels, the Python autograd formulas, the
+public function and the `nn.Module`. Defining the schemas in Python means the ops exist on every
+machine: on CPU they run the PyTorch references, so `torch.library.opcheck` and the autograd
+formulas are tested in CI without a GPU. The CUDA kernels (`csrc/*.cu`) and their autograd
+(`csrc/autograd.cpp`, registered at AutogradCUDA, ahead of the Python formulas) come from the
+extension that `bertaccel.ops.build.load()` builds.
+
+Public ops (`layer_norm`, `rms_norm`, `bias_gelu`, `softmax`, `embedding_layer_norm`) return only
+their output; their `*_fwd` forms also return what the backward needs and are what the autograd
+formulas run. Not autocast-aware: the ops compute in fp32 internally and return the dtype of their
+activation input; norm weights may be fp32 or the activation's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+NS = "bertaccel"
+lib = torch.library.Library(NS, "DEF")
+# ops that draw dropout masks: tagged so that torch.compile never merges or reorders two calls
+SEEDED = (torch.Tag.nondeterministic_seeded,)
+
+
+def check_dropout(p: float) -> None:
+    """Dropout probabilities outside [0, 1) would give a silently wrong 1/(1-p) scale."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}.")
+
+
+def cpu_dropout_keep(shape, p: float, rng: Tensor) -> Tensor:
+    """The CPU reference's dropout mask: a pure function of the seed saved in `rng`."""
+    g = torch.Generator().manual_seed(int(rng[0]))
+    return torch.rand(shape, generator=g) >= p
+
+
+def define_public(schema: str, saving_op: str, tags: tuple = ()) -> None:
+    """Define a public op `name(args) -> Tensor` whose saving form `saving_op(args)` returns its
+    output first. Without the CUDA extension (CPU) it runs as the saving form's first output, with
+    the saving form's autograd (a Python kernel at the Autograd alias, which AutogradCUDA's C++
+    kernel overrides on GPUs); the fake kernel and the CPU kernel derive from the saving form's."""
+    name = schema.split("(", 1)[0]
+    lib.define(schema, tags=tags)
+    saving = getattr(torch.ops.bertaccel, saving_op).default
+
+    def through_saving_form(*args):
+        return saving(*args)[0]
+
+    lib.impl(name, through_saving_form, "Autograd")
+    lib.impl(name, through_saving_form, "CPU")
+    torch.library.register_fake(f"{NS}::{name}", lib=lib)(through_saving_form)
