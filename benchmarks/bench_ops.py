@@ -2,7 +2,7 @@
 PyTorch eager, torch.compile and bertaccel, and the share of the measured copy ceiling. GPU times
 come from CUDA-graph replays; `eager_fwd_us` is one eager call with its launch overhead.
 
-    python -m benchmarks.bench_ops --out bench_results/ops.json [--ops layer_norm bias_gelu] [--fp32]
+    python -m benchmarks.bench_ops --out bench_results/ops.json [--ops layer_norm gelu] [--fp32]
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch
 import torch._functorch.config
 
 from benchmarks.common import copy_bandwidth_gbs, environment, print_table, write_json
-from bertaccel.ops import build
+from bertaccel.ops import build, registry
 
-OPS = ["layer_norm", "residual_layer_norm", "bias_gelu", "rms_norm", "softmax", "embeddings"]
+# one benchmarks/bench_<family>.py per op family of the registry
+OPS = registry.FAMILY_MODULES
 
 
 def main() -> None:

@@ -129,7 +129,8 @@ def measure_op(op: str, shape: str, impls: dict, make_args, grad_args: tuple[int
                     for i, a in enumerate(args)]
             y = fn(*args)
             graphs.append((y, [args[i] for i in grad_args], torch.randn_like(y)))
-        bwd = lambda y, leaves, dy: torch.autograd.grad(y, leaves, dy, retain_graph=True)  # noqa: E731
+        # allow_unused: an implementation may read only some of the inputs (bf16 or fp32 weight copies)
+        bwd = lambda y, leaves, dy: torch.autograd.grad(y, leaves, dy, retain_graph=True, allow_unused=True)  # noqa: E731
         try:
             bwd_ms, how = graph_time_ms(bwd, graphs), "graph"
         except Exception:  # noqa: BLE001 - a backward that cannot be captured is timed eagerly

@@ -1,6 +1,6 @@
 """LayerNorm / RMSNorm / residual LayerNorm forward time at BERT shapes for one setting of
 BERTACCEL_LN_ROWS (rows per thread group in the forward kernel), beside a clone of the same bytes.
-Run once per setting: `for r in 1 2 4; do BERTACCEL_LN_ROWS=$r python scripts/ln_rows_sweep.py; done`."""
+Run once per setting: `for r in 1 2; do BERTACCEL_LN_ROWS=$r python scripts/ln_rows_sweep.py; done`."""
 import os, torch
 from benchmarks.common import graph_time_ms, copy_bandwidth_gbs, rotations
 from bertaccel.ops.layer_norm import layer_norm

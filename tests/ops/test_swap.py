@@ -177,3 +177,24 @@ def test_attention_fallback_follows_train_and_eval():
     m.train()
     with torch.no_grad():
         assert not torch.equal(m(**b).logits, m(**b).logits)  # dropout back in training
+
+
+def test_swap_targets_modules_by_name_patterns(model):
+    """`only` / `exclude` (fnmatch over module names) restrict what the families claim."""
+    report = swap(model, ["residual_layer_norm", "bias_gelu"], only=["bert.encoder.layer.1.*"])
+    assert sorted(r.name for r in report.replaced) == [
+        "bert.encoder.layer.1.attention.output", "bert.encoder.layer.1.intermediate", "bert.encoder.layer.1.output"]
+    report.revert()
+    report = swap(model, ["residual_layer_norm"], exclude=["*.attention.output"])
+    assert sorted(r.name for r in report.replaced) == ["bert.encoder.layer.0.output", "bert.encoder.layer.1.output"]
+    report.revert()
+
+
+def test_registry_derives_build_sources_and_swap_order():
+    """The build's sources and the swap's families come from the family modules' declarations."""
+    from bertaccel.ops import build, registry
+
+    assert ORDER == list(registry.swap_entries())
+    assert set(build.sources()) == {s for m in registry.modules() for s in m.CUDA_SOURCES} | {"autograd.cpp"}
+    assert all((build.CSRC / s).exists() for s in build.sources() + build.HEADERS)
+    assert all(name in registry.describe() for name in ORDER)

@@ -13,20 +13,25 @@ class KernelSwap(pl.Callback):
     """Swap BERT submodules for fused equivalents for the length of a run (fit/validate/test/predict).
 
     Args:
-        ops: Op families to swap, any of "residual_layer_norm", "bias_gelu", "layer_norm", or "all".
-            Empty: no swap (the default).
+        ops: Op families to swap (`bertaccel.ops.registry.describe()` lists them: embeddings, softmax,
+            residual_layer_norm, bias_gelu, layer_norm, rms_norm), or "all". Empty: no swap (the default).
+        only: fnmatch patterns over module names; when given, only the modules they match are swapped
+            (e.g. ["bert.encoder.layer.1[01].*"] for the last two layers of BERT-base).
+        exclude: fnmatch patterns over module names that stay PyTorch.
     """
 
-    def __init__(self, ops: list[str] | None = None) -> None:
+    def __init__(self, ops: list[str] | None = None, only: list[str] | None = None,
+                 exclude: list[str] | None = None) -> None:
         ops = list(ops or [])
         self.ops = ORDER if ops == ["all"] else ops
+        self.only, self.exclude = list(only or []), list(exclude or [])
         self.report: SwapReport | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.ops or self.report is not None:
             return
-        self.report = swap(pl_module, self.ops)
+        self.report = swap(pl_module, self.ops, self.only, self.exclude)
         rank_zero_info(self.report.summary())
 
     @override

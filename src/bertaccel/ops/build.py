@@ -26,27 +26,18 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-# The op families: each module defines its schemas and declares its CUDA sources (`CUDA_SOURCES`).
-FAMILIES = ["layer_norm", "residual_layer_norm", "rms_norm", "embeddings", "softmax", "gelu"]
-# Autograd of every public op on CUDA (csrc/autograd.cpp), host code only.
+# Autograd of every public op on CUDA (csrc/autograd.cpp), host code only; the op families' own
+# sources come from bertaccel.ops.registry.
 SHARED_SOURCES = ["autograd.cpp"]
 
 
-def family_modules() -> list:
-    import importlib
-
-    return [importlib.import_module(f"bertaccel.ops.{f}") for f in FAMILIES]
-
-
 def sources() -> list[str]:
-    """Every family's CUDA sources (in family order, each once), then the shared ones."""
-    out: list[str] = []
-    for m in family_modules():
-        out += [s for s in getattr(m, "CUDA_SOURCES", ()) if s not in out]
-    return out + SHARED_SOURCES
+    from bertaccel.ops import registry
+
+    return registry.cuda_sources() + SHARED_SOURCES
 
 
-HEADERS = ["common.cuh"]
+HEADERS = ["common.cuh", "layer_norm_bwd.cuh"]
 # --resource-usage prints registers / shared memory / spills per kernel into the (verbose) build log.
 CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]
 
@@ -166,7 +157,9 @@ def reason() -> str:
 def _build_and_load(verbose: bool) -> None:
     from torch.utils.cpp_extension import load as cpp_load
 
-    family_modules()  # the schemas must exist before the kernels register
+    from bertaccel.ops import registry
+
+    registry.modules()  # the schemas must exist before the kernels register
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _arch())
     key = build_key()

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
-from bertaccel.ops.registration import NS, SEEDED, check_dropout, cpu_dropout_keep, define_public, lib
+from bertaccel.ops.registration import NS, SEEDED, SwapEntry, check_dropout, cpu_dropout_keep, define_public, lib
 
 # the backward is the LayerNorm backward kernel (dropout after the norm) plus PyTorch's scatter
-CUDA_SOURCES = ["embeddings.cu", "layer_norm_bwd.cu"]
+CUDA_SOURCES = ["embeddings.cu", "embeddings_bwd.cu"]
 
 # ------------------------------------------------------------------------------------ schemas
 lib.define(
@@ -106,6 +106,10 @@ define_public(
 
 
 # ------------------------------------------------------------------------------ public function
+# the overload itself: calling it skips the packet's overload resolution on every eager call
+_EMBEDDING_LAYER_NORM = torch.ops.bertaccel.embedding_layer_norm.default
+
+
 
 
 def embeddings_reference(ids, position_ids, token_type_ids, word, position, token_type, weight, ln_bias, eps) -> Tensor:
@@ -166,9 +170,20 @@ class FusedBertEmbeddings(nn.Module):
         token_type_ids = token_type_ids.expand(batch, seq).contiguous()
         out_bf16 = compute_dtype(self.word_embeddings.weight) == torch.bfloat16
         pad = self.word_embeddings.padding_idx
-        return torch.ops.bertaccel.embedding_layer_norm(
+        return _EMBEDDING_LAYER_NORM(
             input_ids.contiguous(), position_ids, token_type_ids, self.word_embeddings.weight,
             self.position_embeddings.weight, self.token_type_embeddings.weight, self.LayerNorm.weight,
             self.LayerNorm.bias, float(self.dropout.p) if self.training else 0.0, self.LayerNorm.eps, out_bf16,
             -1 if pad is None else pad,
         )
+
+
+def _skip_reason(m: nn.Module) -> str | None:
+    is_bert = type(m).__name__ == "BertEmbeddings" and all(
+        isinstance(getattr(m, a, None), nn.Embedding) for a in ("word_embeddings", "position_embeddings", "token_type_embeddings")
+    ) and isinstance(getattr(m, "LayerNorm", None), nn.LayerNorm)
+    return None if is_bert else ""
+
+
+SWAP = SwapEntry("embeddings", _skip_reason, FusedBertEmbeddings,
+                 "BertEmbeddings -> FusedBertEmbeddings (lookups + sum + LayerNorm + dropout)")

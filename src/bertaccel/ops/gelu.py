@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
-from bertaccel.ops.registration import NS, lib
+from bertaccel.ops.registration import NS, SwapEntry, lib
 
 CUDA_SOURCES = ["gelu.cu"]
 
@@ -66,6 +66,10 @@ def _backward(ctx, dy):
 torch.library.register_autograd(f"{NS}::bias_gelu", _backward, setup_context=_setup)
 
 # ------------------------------------------------------------------------------ public function
+# the overload itself: calling it skips the packet's overload resolution on every eager call
+_BIAS_GELU = torch.ops.bertaccel.bias_gelu.default
+
+
 TANH_ACTIVATIONS = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
 ERF_ACTIVATIONS = {"GELUActivation"}
 
@@ -81,7 +85,7 @@ def bias_gelu(x: Tensor, bias: Tensor | None = None, approximate: str = "none") 
         note_fallback("bias_gelu", reason)
         return bias_gelu_reference(x, bias, approximate)
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    return torch.ops.bertaccel.bias_gelu(x.contiguous(), b, approximate == "tanh")
+    return _BIAS_GELU(x.contiguous(), b, approximate == "tanh")
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
@@ -120,3 +124,15 @@ class FusedBertIntermediate(nn.Module):
         if self.dense.bias is None or why_not(hidden_states, self.dense.out_features, dtype) is not None:
             return self.intermediate_act_fn(self.dense(hidden_states))
         return bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, self.approximate)
+
+
+def _skip_reason(m: nn.Module) -> str | None:
+    if type(m).__name__ != "BertIntermediate" or not (hasattr(m, "dense") and hasattr(m, "intermediate_act_fn")):
+        return ""
+    if activation_kind(m.intermediate_act_fn) is None:
+        return f"activation {type(m.intermediate_act_fn).__name__} is not a GELU"
+    return None
+
+
+SWAP = SwapEntry("bias_gelu", _skip_reason, FusedBertIntermediate,
+                 "BertIntermediate -> FusedBertIntermediate (bias + GELU)")

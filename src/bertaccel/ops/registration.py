@@ -16,8 +16,11 @@ activation input; norm weights may be fp32 or the activation's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 NS = "bertaccel"
 lib = torch.library.Library(NS, "DEF")
@@ -52,3 +55,17 @@ def define_public(schema: str, saving_op: str, tags: tuple = ()) -> None:
     lib.impl(name, through_saving_form, "Autograd")
     lib.impl(name, through_saving_form, "CPU")
     torch.library.register_fake(f"{NS}::{name}", lib=lib)(through_saving_form)
+
+
+@dataclass(frozen=True)
+class SwapEntry:
+    """How the kernel swap finds and replaces a family's modules.
+
+    `skip_reason(module)`: "" when the module is not one this family covers, None to take it, else
+    why a module of its kind stays PyTorch (logged and reported). `from_module(module)` builds the
+    replacement around the same submodules and Parameters. `covers`: one line for docs and logs."""
+
+    name: str
+    skip_reason: Callable[[nn.Module], str | None]
+    from_module: Callable[[nn.Module], nn.Module]
+    covers: str

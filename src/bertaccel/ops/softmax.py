@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
-from bertaccel.ops.registration import NS, lib
+from bertaccel.ops.registration import NS, SwapEntry, lib
 
 __all__ = ["softmax", "softmax_reference", "FusedBertSelfAttention"]
 
@@ -66,6 +66,10 @@ torch.library.register_autograd(f"{NS}::softmax", _backward, setup_context=_setu
 
 
 # ------------------------------------------------------------------------------ public function
+# the overload itself: calling it skips the packet's overload resolution on every eager call
+_SOFTMAX = torch.ops.bertaccel.softmax.default
+
+
 
 
 def softmax(x: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
@@ -80,7 +84,7 @@ def softmax(x: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor
     if reason is not None:
         note_fallback("softmax", reason)
         return softmax_reference(x, mask, scale).to(x.dtype)
-    return torch.ops.bertaccel.softmax(x.contiguous(), mask, float(scale))
+    return _SOFTMAX(x.contiguous(), mask, float(scale))
 
 
 # ---------------------------------------------------------------------------------------- module
@@ -119,3 +123,16 @@ class FusedBertSelfAttention(nn.Module):
         probs = F.dropout(probs, p=self.dropout.p, training=self.training)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return out, probs
+
+
+def _skip_reason(m: nn.Module) -> str | None:
+    """Only attention modules that run eager attention: SDPA and flash attention never materialise
+    the softmax (and are faster than any separate softmax kernel)."""
+    if type(m).__name__ != "BertSelfAttention" or not all(hasattr(m, a) for a in ("query", "key", "value", "scaling")):
+        return ""
+    impl = getattr(m.config, "_attn_implementation", None) or "eager"
+    return None if impl == "eager" else f"runs {impl} attention, which never materialises the softmax"
+
+
+SWAP = SwapEntry("softmax", _skip_reason, FusedBertSelfAttention,
+                 "BertSelfAttention (eager) -> FusedBertSelfAttention (scale + mask + softmax)")

@@ -5,23 +5,29 @@ that holds the *same* submodules and Parameter objects (so optimizers, state_dic
 and `save_pretrained` are unaffected), logs one line per replacement and returns a `SwapReport`;
 `report.revert()` puts the original module objects back exactly. Classes are never patched.
 
-Op families, applied coarse to fine (a module inside one already replaced is left to its parent):
+Op families, applied coarse to fine (a module inside one already replaced is left to its parent);
+each family declares its entry (`SWAP`) in its own module, listed in `bertaccel.ops.registry`:
     embeddings           BertEmbeddings              -> FusedBertEmbeddings (lookups+sum+LN+dropout)
     softmax              BertSelfAttention (eager)   -> FusedBertSelfAttention (scale+mask+softmax)
     residual_layer_norm  BertSelfOutput / BertOutput -> FusedBertOutput (bias+dropout+residual+LN)
     bias_gelu            BertIntermediate            -> FusedBertIntermediate (bias+GELU)
     layer_norm           nn.LayerNorm                -> FusedLayerNorm
     rms_norm             nn.RMSNorm                  -> FusedRMSNorm
+(`python -c "from bertaccel.ops import registry; print(registry.describe())"` prints the live list.)
 The softmax family takes only attention modules that run eager attention: SDPA and flash attention
 never materialise the softmax (they are faster than any separate softmax kernel), so with them the
 modules stay as they are and the report says why.
+
+Targeting by module name (torchtitan style): `only` / `exclude` take fnmatch patterns over module
+names (e.g. `bert.encoder.layer.1[01].*`) and restrict what the families may claim.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -29,69 +35,11 @@ from torch import nn
 from bertaccel.errors import ConfigError
 from bertaccel.ops.eligibility import kernels_loaded
 from bertaccel.ops import build
-from bertaccel.ops.embeddings import FusedBertEmbeddings
-from bertaccel.ops.gelu import FusedBertIntermediate, activation_kind
-from bertaccel.ops.layer_norm import FusedLayerNorm
-from bertaccel.ops.residual_layer_norm import FusedBertOutput
-from bertaccel.ops.rms_norm import FusedRMSNorm
-from bertaccel.ops.softmax import FusedBertSelfAttention
+from bertaccel.ops import registry
 
 log = logging.getLogger(__name__)
 
-
-def _is_bert_output(m: nn.Module) -> bool:
-    return type(m).__name__ in ("BertSelfOutput", "BertOutput") and all(
-        hasattr(m, a) for a in ("dense", "dropout", "LayerNorm")
-    ) and isinstance(m.LayerNorm, nn.LayerNorm)
-
-
-def _is_bert_embeddings(m: nn.Module) -> bool:
-    return type(m).__name__ == "BertEmbeddings" and all(
-        isinstance(getattr(m, a, None), nn.Embedding) for a in ("word_embeddings", "position_embeddings", "token_type_embeddings")
-    ) and isinstance(getattr(m, "LayerNorm", None), nn.LayerNorm)
-
-
-def _attention_skip_reason(m: nn.Module) -> str | None:
-    if type(m).__name__ != "BertSelfAttention" or not all(hasattr(m, a) for a in ("query", "key", "value", "scaling")):
-        return ""
-    impl = getattr(m.config, "_attn_implementation", None) or "eager"
-    return None if impl == "eager" else f"runs {impl} attention, which never materialises the softmax"
-
-
-def _is_bert_intermediate(m: nn.Module) -> bool:
-    return type(m).__name__ == "BertIntermediate" and hasattr(m, "dense") and hasattr(m, "intermediate_act_fn")
-
-
-# family -> (matches(module) -> reason-to-skip or None for "take it", build(module) -> replacement)
-FAMILIES: dict[str, tuple[Callable[[nn.Module], str | None], Callable[[nn.Module], nn.Module]]] = {
-    "embeddings": (
-        lambda m: None if _is_bert_embeddings(m) else "",
-        FusedBertEmbeddings,
-    ),
-    "softmax": (_attention_skip_reason, FusedBertSelfAttention),
-    "residual_layer_norm": (
-        lambda m: None if _is_bert_output(m) else "",
-        FusedBertOutput,
-    ),
-    "bias_gelu": (
-        lambda m: ("" if not _is_bert_intermediate(m)
-                   else None if activation_kind(m.intermediate_act_fn) is not None
-                   else f"activation {type(m.intermediate_act_fn).__name__} is not a GELU"),
-        FusedBertIntermediate,
-    ),
-    "layer_norm": (
-        lambda m: ("" if type(m) is not nn.LayerNorm
-                   else None if len(m.normalized_shape) == 1 and m.elementwise_affine
-                   else "not an affine LayerNorm over the last dimension"),
-        FusedLayerNorm.from_module,
-    ),
-    "rms_norm": (
-        lambda m: ("" if type(m) is not nn.RMSNorm
-                   else None if len(m.normalized_shape) == 1 and m.weight is not None
-                   else "not an RMSNorm with a weight over the last dimension"),
-        FusedRMSNorm.from_module,
-    ),
-}
+FAMILIES = registry.swap_entries()
 ORDER = list(FAMILIES)
 
 
@@ -162,8 +110,15 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def swap(model: nn.Module, ops: Sequence[str]) -> SwapReport:
-    """Replace the submodules of `model` covered by the op families `ops` (see module docstring)."""
+def _targeted(name: str, only: Sequence[str], exclude: Sequence[str]) -> bool:
+    if only and not any(fnmatch.fnmatchcase(name, p) for p in only):
+        return False
+    return not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+
+
+def swap(model: nn.Module, ops: Sequence[str], only: Sequence[str] = (), exclude: Sequence[str] = ()) -> SwapReport:
+    """Replace the submodules of `model` covered by the op families `ops` (see module docstring);
+    with `only` / `exclude` (fnmatch patterns over module names), just the modules they select."""
     unknown = [o for o in ops if o not in FAMILIES]
     if unknown:
         raise ConfigError(f"unknown kernel-swap ops {unknown}; known: {ORDER}.")
@@ -179,10 +134,10 @@ def swap(model: nn.Module, ops: Sequence[str]) -> SwapReport:
     _install_hf_output_recorders(model)
     claimed: dict[str, str] = {}
     for family in [f for f in ORDER if f in ops]:
-        matches, make = FAMILIES[family]
+        entry = FAMILIES[family]
         for name, module in list(model.named_modules()):
-            reason = matches(module)
-            if reason == "":
+            reason = entry.skip_reason(module)
+            if reason == "" or not _targeted(name, only, exclude):
                 continue
             owner = next((c for c in claimed if name == c or name.startswith(c + ".")), None)
             if owner is not None:
@@ -193,7 +148,7 @@ def swap(model: nn.Module, ops: Sequence[str]) -> SwapReport:
                 report.skipped.append((name, family, reason))
                 log.warning("kernel swap: %s stays PyTorch (%s)", name, reason)
                 continue
-            new = make(module)
+            new = entry.from_module(module)
             _share_hooks(module, new)
             _set_submodule(model, name, new)
             claimed[name] = family

@@ -1,0 +1,272 @@
+// Backward of LayerNorm, RMSNorm, the fused residual LayerNorm (layer_norm_fwd.cu) and the fused
+// embeddings (embeddings.cu: dropout *after* the LayerNorm, so the incoming gradient is masked).
+// One kernel template, instantiated per form (Mode) in its op's file, so each form carries only
+// the accumulators it needs: layer_norm_bwd.cu (plain and fused LayerNorm), rms_norm_bwd.cu,
+// embeddings_bwd.cu.
+//
+// Launch: as many blocks as fit on the GPU at once (occupancy query), each looping over groups of
+// rows. A thread owns the same columns in every row it visits, so dgamma / dbeta / dbias accumulate
+// in registers; the block parks them in shared memory, sums its row slots and writes one partial
+// row, and `column_sum_kernel` adds the partial rows up: no atomics. Bytes: read dy and z, write dz
+// (+ dh for the fused form).
+//
+// Registers: the row is held as the raw 16-byte packs it was loaded as (a 768-wide bf16 row: 12
+// registers for z and 12 for dy, against 48 for the fp32 values), and the second pass recomputes
+// x-hat and weight * dy from them, re-reading the weight from L1. Holding fp32 values took 212-255
+// registers (one block of 256 threads per SM); the packs keep the plain LayerNorm form near 128.
+#pragma once
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common.cuh"
+
+namespace bertaccel {
+namespace {
+
+constexpr int kBwdThreads = 256;
+
+// kPlain: LayerNorm (dz, dgamma, dbeta). kFused: LayerNorm(dropout(x + bias) + residual) (also dh,
+// the dropout-masked gradient of x + bias, and dbias). kRms: RMSNorm (no centring, no beta).
+// kEmb: y = dropout(LayerNorm(z)), the embeddings (dy is masked).
+enum Mode : int { kPlain = 0, kFused = 1, kRms = 2, kEmb = 3 };
+
+template <typename T, typename W, int VEC, int ITEMS, int MODE>
+__global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
+    const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
+    const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
+    float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
+  constexpr bool kBeta = MODE != kRms;
+  constexpr bool kDh = MODE == kFused;
+  constexpr bool kCentre = MODE != kRms;
+  static_assert(ITEMS * VEC <= 32, "the dropout keep bits of a thread's columns fit one 32-bit word");
+  __shared__ float red[kBwdThreads / 32];
+  const int nvec = H / VEC;
+  const int rpb = kBwdThreads / tpr;
+  const int local_row = threadIdx.x / tpr;
+  const int t = threadIdx.x % tpr;
+  const uint64_t seed = p > 0.f ? (uint64_t)rng[0] : 0, offset = p > 0.f ? (uint64_t)rng[1] : 0;
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+
+  float acc_g[ITEMS][VEC], acc_b[kBeta ? ITEMS : 1][VEC], acc_h[kDh ? ITEMS : 1][VEC];
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      acc_g[k][j] = 0.f;
+      if constexpr (kBeta) acc_b[k][j] = 0.f;
+      if constexpr (kDh) acc_h[k][j] = 0.f;
+    }
+
+  const int64_t row_groups = (rows + rpb - 1) / rpb;
+  for (int64_t grp = blockIdx.x; grp < row_groups; grp += gridDim.x) {
+    const int64_t row = grp * rpb + local_row;
+    const bool active = row < rows;
+    Pack<T, VEC> zp[ITEMS], dp[ITEMS];
+    uint32_t kept = 0xffffffffu;  // with dropout: bit k * VEC + j set where column (k, j) is kept
+    float s1 = 0.f, s2 = 0.f;     // sum(gamma * dy), sum(gamma * dy * xhat)
+    const float mu = active && kCentre ? mean[row] : 0.f, rs = active ? rstd[row] : 0.f;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (active && c < nvec) {
+        const int64_t off = row * H + (int64_t)c * VEC;
+        zp[k] = *reinterpret_cast<const Pack<T, VEC>*>(z + off);
+        dp[k] = *reinterpret_cast<const Pack<T, VEC>*>(dy + off);
+      }
+    }
+    // The dropout mask (kEmb: of dy; kFused: of dh) as one bit per column, drawn while the loads
+    // are in flight: the Philox state is not live beside the second pass's values.
+    if constexpr (MODE == kEmb || MODE == kFused) {
+      if (p > 0.f) {
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) {
+          const int c = t + k * tpr;
+          if (active && c < nvec) {
+            bool keep[VEC];
+            dropout_keep<VEC>(seed, offset, row * H + (int64_t)c * VEC, p, keep);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+              if (!keep[j]) kept &= ~(1u << (k * VEC + j));
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (active && c < nvec) {
+        float g[VEC];
+        load_f<W, VEC>(gamma + c * VEC, g);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xh = (to_f(zp[k].v[j]) - mu) * rs;
+          float d = to_f(dp[k].v[j]);
+          if constexpr (MODE == kEmb) d = (kept >> (k * VEC + j)) & 1u ? d * scale : 0.f;
+          const float gd = g[j] * d;
+          s1 += gd;
+          s2 += gd * xh;
+          acc_g[k][j] += d * xh;
+          if constexpr (kBeta) acc_b[k][j] += d;
+        }
+      }
+    }
+    const float inv_h = 1.f / (float)H;
+    s1 = kCentre ? row_reduce(s1, tpr, red, local_row, SumOp()) * inv_h : 0.f;
+    s2 = row_reduce(s2, tpr, red, local_row, SumOp()) * inv_h;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (active && c < nvec) {
+        const int64_t off = row * H + (int64_t)c * VEC;
+        float g[VEC], o[VEC];
+        load_f<W, VEC>(gamma + c * VEC, g);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xh = (to_f(zp[k].v[j]) - mu) * rs;
+          float d = to_f(dp[k].v[j]);
+          if constexpr (MODE == kEmb) d = (kept >> (k * VEC + j)) & 1u ? d * scale : 0.f;
+          o[j] = rs * (g[j] * d - s1 - xh * s2);
+        }
+        store_f<T, VEC>(dz + off, o);
+        if constexpr (kDh) {
+          if (p > 0.f) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) o[j] = (kept >> (k * VEC + j)) & 1u ? o[j] * scale : 0.f;
+          }
+          // dh is stored in T; dbias sums the rounded values, as a separate bias-grad kernel would.
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            o[j] = to_f(from_f<T>(o[j]));
+            acc_h[k][j] += o[j];
+          }
+          store_f<T, VEC>(dh + off, o);
+        }
+      }
+    }
+  }
+  // Reduce the per-thread column partials over the block's row slots, one accumulator at a time:
+  // every thread parks its columns in shared memory ([row slot][column], rpb x H <= 256 x 32
+  // floats), then all threads sum the slots of strided columns and write one coalesced partial row
+  // per block. Two barriers per accumulator.
+  __shared__ __align__(16) float park[kBwdThreads * kMaxElemsPerThread];
+  // A macro, not a function taking the arrays: every index stays compile-time, so the
+  // accumulators stay in registers.
+#define BA_PARK_AND_SUM(ACC, PART)                                                                      \
+  do {                                                                                                  \
+    __syncthreads();                                                                                    \
+    _Pragma("unroll") for (int k = 0; k < ITEMS; ++k) {                                                 \
+      const int c = t + k * tpr;                                                                        \
+      if (c < nvec) {                                                                                   \
+        float* dst = park + local_row * H + c * VEC;                                                    \
+        if constexpr (VEC % 4 == 0) { /* 16-byte stores: 2-way bank conflicts instead of 8-way */      \
+          _Pragma("unroll") for (int j = 0; j < VEC; j += 4)                                            \
+            *reinterpret_cast<float4*>(dst + j) = make_float4(ACC[k][j], ACC[k][j + 1], ACC[k][j + 2], ACC[k][j + 3]); \
+        } else {                                                                                        \
+          _Pragma("unroll") for (int j = 0; j < VEC; ++j) dst[j] = ACC[k][j];                           \
+        }                                                                                               \
+      }                                                                                                 \
+    }                                                                                                   \
+    __syncthreads();                                                                                    \
+    for (int col = threadIdx.x; col < H; col += kBwdThreads) {                                          \
+      float s = 0.f;                                                                                    \
+      for (int r = 0; r < rpb; ++r) s += park[r * H + col];                                             \
+      PART[(int64_t)blockIdx.x * H + col] = s;                                                          \
+    }                                                                                                   \
+  } while (0)
+  BA_PARK_AND_SUM(acc_g, dgamma_part);
+  if constexpr (kBeta) BA_PARK_AND_SUM(acc_b, dbeta_part);
+  if constexpr (kDh) BA_PARK_AND_SUM(acc_h, dbias_part);
+#undef BA_PARK_AND_SUM
+}
+
+// dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
+template <int MODE, typename T, typename W>
+void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gamma, const at::Tensor& mean,
+                const at::Tensor& rstd, at::Tensor& dz, at::Tensor& dh, at::Tensor& dgamma, at::Tensor& dbeta,
+                at::Tensor& dbias, double p, const at::Tensor& rng) {
+  const int64_t H = z.size(-1);
+  const int64_t rows = H > 0 ? z.numel() / H : 0;
+  if (rows == 0) {
+    for (at::Tensor* t : {&dgamma, &dbeta, &dbias})
+      if (t->defined()) t->zero_();
+    return;
+  }
+  constexpr int max_vec = 16 / sizeof(T);
+  const int vec = pick_vec(H, max_vec, {&dy, &z, &dz, &dh, &gamma});
+  const int items = pick_items((int)(H / vec), vec, max_vec);
+  const int tpr = pick_tpr((int)(H / vec), items);
+  TORCH_CHECK(tpr <= kBwdThreads, "bertaccel layer_norm: hidden size ", H, " is above ", kBwdThreads * kMaxElemsPerThread);
+  const int rpb = kBwdThreads / tpr;
+  const int64_t groups = (rows + rpb - 1) / rpb;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  auto opts = z.options().dtype(at::kFloat);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  T* dhp = dh.defined() ? (T*)dh.data_ptr() : nullptr;
+  const float* meanp = mean.defined() ? mean.data_ptr<float>() : nullptr;
+  const int64_t* rngp = p > 0 ? rng.data_ptr<int64_t>() : nullptr;
+  int blocks = 0;
+  at::Tensor pg, pb, ph;
+#define BA_LN_BWD(V, I)                                                                                          \
+  do {                                                                                                           \
+    static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */            \
+      int n = 1;                                                                                                 \
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ln_bwd_kernel<T, W, V, I, MODE>,          \
+                                                                   kBwdThreads, 0));                             \
+      return n;                                                                                                  \
+    }();                                                                                                         \
+    blocks = (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1));                                \
+    pg = at::empty({blocks, H}, opts);                                                                           \
+    if (dbeta.defined()) pb = at::empty({blocks, H}, opts);                                                      \
+    if (dbias.defined()) ph = at::empty({blocks, H}, opts);                                                      \
+    ln_bwd_kernel<T, W, V, I, MODE><<<blocks, kBwdThreads, 0, stream>>>(                                         \
+        (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(), \
+        (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(), pb.defined() ? pb.data_ptr<float>() : nullptr,            \
+        ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp);                      \
+  } while (0)
+  BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
+#undef BA_LN_BWD
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  dim3 cgrid((unsigned)((H + 31) / 32)), cblock(32, 8);
+  column_sum_kernel<<<cgrid, cblock, 0, stream>>>(pg.data_ptr<float>(), blocks, (int)H, dgamma.data_ptr<float>());
+  if (dbeta.defined())
+    column_sum_kernel<<<cgrid, cblock, 0, stream>>>(pb.data_ptr<float>(), blocks, (int)H, dbeta.data_ptr<float>());
+  if (dbias.defined())
+    column_sum_kernel<<<cgrid, cblock, 0, stream>>>(ph.data_ptr<float>(), blocks, (int)H, dbias.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// gamma's dtype (float32, or bf16 beside bf16 activations) picks W. kEmb takes float32 only.
+template <int MODE, typename... Args>
+void launch_bwd_any(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gamma, Args&&... args) {
+  TORCH_CHECK(gamma.scalar_type() == at::kFloat || gamma.scalar_type() == z.scalar_type(),
+              "bertaccel: weight must be float32 or the input's dtype, got ", gamma.scalar_type());
+  check_cuda_contiguous(gamma, "weight");
+  TORCH_CHECK(gamma.numel() == z.size(-1) && gamma.device() == z.device(),
+              "bertaccel: the weight must have the input's last size and device");
+  if (dy.scalar_type() == at::kBFloat16) {
+    if (gamma.scalar_type() == at::kFloat) {
+      launch_bwd<MODE, __nv_bfloat16, float>(dy, z, gamma, std::forward<Args>(args)...);
+    } else {
+      if constexpr (MODE != kEmb) launch_bwd<MODE, __nv_bfloat16, __nv_bfloat16>(dy, z, gamma, std::forward<Args>(args)...);
+      else TORCH_CHECK(false, "bertaccel embeddings: the LayerNorm weight must be float32");
+    }
+  } else {
+    launch_bwd<MODE, float, float>(dy, z, gamma, std::forward<Args>(args)...);
+  }
+}
+
+inline at::Tensor checked_grad(const at::Tensor& dy_in, const at::Tensor& z) {
+  at::Tensor dy = dy_in.contiguous();
+  check_cuda_contiguous(z, "saved input");
+  TORCH_CHECK(z.scalar_type() == at::kBFloat16 || z.scalar_type() == at::kFloat,
+              "bertaccel: saved input must be bfloat16 or float32");
+  TORCH_CHECK(dy.sizes() == z.sizes() && dy.scalar_type() == z.scalar_type() && dy.device() == z.device(),
+              "bertaccel: grad must match the input");
+  return dy;
+}
+
+}  // namespace
+}  // namespace bertaccel
