@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import subprocess
 import time
 from datetime import date
 from pathlib import Path
@@ -13,7 +14,13 @@ import torch
 
 
 def environment() -> dict:
+    """What a result was measured with: date, versions, GPU, and the commit of this repository."""
     env = {"date": str(date.today()), "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        env["commit"] = "unknown"
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# On the GPU host (after `source .carry/env.sh`): the measurements behind the README's performance
-# section, in stages so that each device call stays under its time limit:
-#   STAGES="build tests ops e2e finetune"  bash scripts/gpu_bench_check.sh
-#   STAGES="build e2e_compile profile sweep" bash scripts/gpu_bench_check.sh
-#   STAGES="build graph_tests headline e2e_graphs" bash scripts/gpu_bench_check.sh   (issue 8)
+# Everything this project measures or tests on a GPU, in stages, so that one device call holds the
+# build, the GPU tests and the benchmarks of one change (run after `source .carry/env.sh`):
+#   STAGES="build tests graph_tests ops"                bash scripts/gpu_check.sh   (ops library)
+#   STAGES="build headline e2e_graphs"                  bash scripts/gpu_check.sh   (graphed steps)
+#   STAGES="build e2e e2e_compile profile sweep mlm"    bash scripts/gpu_check.sh
+# Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
+# (benchmarks/bench_ops.py; OPS= picks families), ln_sweep, e2e, e2e_eager_base, e2e_compile,
+# e2e_graphs, headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
+# profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
-# kept while the machine stays warm).
+# kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 set -uo pipefail
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package (src layout) without installing it
 OUT=${OUT:-bench_results}
@@ -13,10 +17,14 @@ mkdir -p "$OUT"
 export BERTACCEL_CACHE=${BERTACCEL_CACHE:-/tmp/bc}
 STAGES=${STAGES:-build tests ops e2e}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"; } > "$OUT/environment.txt" 2>&1
 if has build; then
   s=$(date +%s)
   python -c "from bertaccel.ops import build; assert build.load(verbose=True), build.unavailable_reason()" > "$OUT/build.log" 2>&1
   echo "build rc=$? in $(( $(date +%s) - s ))s"
+  grep -E "registers|spill|bytes stack" "$OUT/build.log" > "$OUT/registers.txt"
 fi
 if has tests; then
   python -m pytest -m cuda tests/ops -q -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1
@@ -112,6 +120,17 @@ print(f"startup {time.time() - t:.1f}s")
 s = pstats.Stats("/tmp/start.prof"); s.sort_stats("cumulative").print_callers("_register_to_dispatcher"); s.sort_stats("tottime").print_stats(12)
 PY
   head -40 "$OUT/startup.txt"
+fi
+if has mlm; then  # a short BERT-base masked-LM fit from scratch on local text: loss going down, tokens/s
+  python -m bertaccel fit -c configs/mlm_local.yaml --data.init_args.train_files '[.carry/imdb/train.jsonl.gz]' \
+    --data.init_args.val_files null --data.init_args.exclude_files null --data.init_args.tokenizer .carry/minilm \
+    --trainer.max_steps ${MLM_STEPS:-400} --trainer.val_check_interval 100 --trainer.limit_val_batches 20 \
+    --throughput.enabled true --trainer.log_every_n_steps 25 --progress_bar.refresh_rate 200 \
+    --trainer.logger lightning.pytorch.loggers.CSVLogger --trainer.logger.init_args.save_dir runs \
+    --trainer.logger.init_args.name mlm_gpu ${MLM_ARGS:-} > "$OUT/mlm.log" 2>&1
+  echo "mlm rc=$?"
+  cp runs/mlm_gpu/version_0/metrics.csv "$OUT/mlm_metrics.csv" 2>/dev/null
+  grep -E "throughput \(train|Error" "$OUT/mlm.log" | cut -c1-400
 fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
 if has ln_sweep; then  # rows per thread group in the LayerNorm forward kernel (issue 9)

@@ -1,0 +1,57 @@
+"""Shared helpers for the op tests.
+
+CUDA tests (`@cuda_test`: marked `cuda`, skipped without a GPU) check every kernel with fresh random
+inputs, the caching allocator poisoned with NaN first (an element the kernel forgets to write shows
+as NaN), forward and every gradient, error at most twice PyTorch's own error in the same dtype
+against the same float64 reference (plus a small floor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bertaccel.ops import build
+
+ROWS = [1, 7, 1023, 16384]
+HIDDEN = [128, 384, 768, 1001, 1004, 1024, 4096]  # 1001 / 1004: the scalar and 4-wide vector paths
+DTYPES = [torch.float32, torch.bfloat16]
+FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
+
+
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert build.load(), f"the CUDA ops did not build: {build.unavailable_reason()}"
+
+
+def cuda_test(fn):
+    """Mark a test `cuda` and give it the built kernels (skipped without a GPU)."""
+    return pytest.mark.cuda(pytest.mark.usefixtures("kernels")(fn))
+
+
+def rand(*shape, **kw):
+    return torch.randn(*shape, **kw)
+
+
+def poison():
+    """Fill free allocator blocks with NaN so outputs that reuse them start as NaN."""
+    blob = torch.empty(64 * 1024 * 1024, device="cuda", dtype=torch.float32).fill_(float("nan"))
+    del blob
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    assert not torch.isnan(a).any(), "NaN in output (unwritten element?)"
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(ours, torch_same_dtype, ref, dtype, name):
+    e_ours, e_torch = rel_err(ours, ref), rel_err(torch_same_dtype, ref)
+    assert e_ours <= 2 * e_torch + FLOOR[dtype], f"{name}: error {e_ours:.2e} vs PyTorch {e_torch:.2e}"
+
+
+def leaves(*ts):
+    return [t.detach().clone().requires_grad_(True) for t in ts]

@@ -1,0 +1,87 @@
+"""Tests of the fused embeddings (embeddings.py): CPU tests (opcheck, autograd formulas, fallback) run everywhere; `cuda` tests check
+the kernels against float64 references on the GPU (see conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bertaccel.ops.swap  # noqa: F401 - imports every op family
+from tests.ops.conftest import DTYPES, check, cuda_test, leaves, poison, rand
+
+
+def test_embedding_backward_matches_autograd_and_skips_the_padding_row():
+    H, V = 24, 30
+    ids = torch.randint(0, V, (4, 7))
+    ids[0, :3] = 1  # padding id 1
+    pos = torch.arange(7).expand(4, 7).contiguous()
+    tt = torch.randint(0, 2, (4, 7))
+    base = [rand(V, H), rand(7, H), rand(2, H), rand(H), rand(H)]
+    a = [t.clone().requires_grad_(True) for t in base]
+    r = [t.clone().requires_grad_(True) for t in base]
+    y = torch.ops.bertaccel.embedding_layer_norm_fwd(ids, pos, tt, *a, 0.0, 1e-12, False, 1)[0]
+    h = F.embedding(ids, r[0], padding_idx=1) + F.embedding(tt, r[2]) + F.embedding(pos, r[1])
+    yr = F.layer_norm(h, (H,), r[3], r[4], 1e-12)
+    torch.testing.assert_close(y, yr)
+    dy = rand(4, 7, H)
+    for g, gr in zip(torch.autograd.grad(y, a, dy), torch.autograd.grad(yr, r, dy)):
+        torch.testing.assert_close(g, gr, rtol=1e-4, atol=1e-5)
+    assert torch.all(torch.autograd.grad(torch.ops.bertaccel.embedding_layer_norm_fwd(
+        ids, pos, tt, *a, 0.0, 1e-12, False, 1)[0], a[0], dy)[0][1] == 0)
+
+
+@cuda_test
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [128, 384, 768, 1000])
+def test_embeddings(hidden, out_dtype):
+    V, P, T, B, S = 1000, 512, 2, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(4)
+    ids = torch.randint(0, V, (B, S), device="cuda", generator=g)
+    ids[0, -5:] = 0  # padding ids: the padding row gets no gradient
+    pos = torch.arange(S, device="cuda").expand(B, S).contiguous()
+    tt = torch.randint(0, T, (B, S), device="cuda", generator=g)
+    tables = [torch.randn(n, hidden, device="cuda") for n in (V, P, T)]
+    w, b = torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda")
+    dy = torch.randn(B, S, hidden, device="cuda")
+
+    def hf_like(word, position, token_type, w, b):
+        word = word.clone()
+        h = F.embedding(ids, word, padding_idx=0) + F.embedding(tt, token_type) + F.embedding(pos, position)
+        return F.layer_norm(h, (hidden,), w, b, 1e-12)
+
+    ref_in = leaves(*(t.double() for t in tables), w.double(), b.double())
+    ref = hf_like(*ref_in)
+    ref_g = torch.autograd.grad(ref, ref_in, dy.double())
+    th_in = leaves(*(t.to(out_dtype) for t in (*tables, w, b)))  # PyTorch in the output dtype
+    th = hf_like(*th_in)
+    th_g = torch.autograd.grad(th, th_in, dy.to(out_dtype))
+    poison()
+    our_in = leaves(*tables, w, b)
+    ours = torch.ops.bertaccel.embedding_layer_norm(ids, pos, tt, *our_in, 0.0, 1e-12, out_dtype == torch.bfloat16, 0)
+    our_g = torch.autograd.grad(ours, our_in, dy.to(out_dtype))
+    assert ours.dtype == out_dtype
+    check(ours, th, ref, out_dtype, "y")
+    for name, a, t, r in zip(("dword", "dposition", "dtoken_type", "dweight", "dbias"), our_g, th_g, ref_g):
+        check(a, t, r, out_dtype, name)
+    assert torch.all(our_g[0][0] == 0), "padding row got a gradient"
+
+
+@cuda_test
+def test_embeddings_dropout_is_consistent():
+    V, H, B, S, p = 500, 768, 16, 128, 0.1
+    ids = torch.randint(0, V, (B, S), device="cuda")
+    pos = torch.arange(S, device="cuda").expand(B, S).contiguous()
+    tt = torch.zeros_like(ids)
+    tables = leaves(torch.randn(V, H, device="cuda"), torch.randn(S, H, device="cuda"), torch.randn(2, H, device="cuda"))
+    w, b = leaves(torch.ones(H, device="cuda"), torch.zeros(H, device="cuda"))
+    y = torch.ops.bertaccel.embedding_layer_norm(ids, pos, tt, *tables, w, b, p, 1e-12, True, -1)
+    y0 = torch.ops.bertaccel.embedding_layer_norm(ids, pos, tt, *tables, w, b, 0.0, 1e-12, True, -1)
+    dropped = y == 0
+    assert abs(dropped.float().mean().item() - p) < 0.005
+    torch.testing.assert_close(y[~dropped].float(), y0[~dropped].float() / (1 - p), atol=2e-2, rtol=1e-2)
+    # d(ln bias) = sum of the gradient over kept elements / (1 - p): the backward used the same mask
+    dy = torch.randn_like(y)
+    db = torch.autograd.grad(y, b, dy)[0]
+    expect = (dy.float() * (~dropped).float() / (1 - p)).sum((0, 1))
+    torch.testing.assert_close(db, expect, atol=1e-1, rtol=1e-2)

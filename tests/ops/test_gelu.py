@@ -1,0 +1,69 @@
+"""Tests of bias + GELU (gelu.py): CPU tests (opcheck, autograd formulas, fallback) run everywhere; `cuda` tests check
+the kernels against float64 references on the GPU (see conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bertaccel.ops.swap  # noqa: F401 - imports every op family
+from bertaccel.ops.gelu import bias_gelu
+from bertaccel.ops.layer_norm import layer_norm
+from tests.ops.conftest import DTYPES, check, cuda_test, leaves, poison, rand
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_opcheck_cpu(approximate):
+    x, b = rand(5, 40, requires_grad=True), rand(40, requires_grad=True)
+    torch.library.opcheck(torch.ops.bertaccel.bias_gelu.default, (x, b, approximate == "tanh"))
+
+
+def test_gelu_backward_formula_matches_autograd():
+    for approximate in ("none", "tanh"):
+        x, b = rand(6, 20, requires_grad=True), rand(20, requires_grad=True)
+        y = torch.ops.bertaccel.bias_gelu(x, b, approximate == "tanh")
+        dy = rand(6, 20)
+        gx, gb = torch.autograd.grad(y, (x, b), dy)
+        xr, br = x.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
+        rx, rb = torch.autograd.grad(F.gelu(xr + br, approximate=approximate), (xr, br), dy)
+        torch.testing.assert_close(gx, rx)
+        torch.testing.assert_close(gb, rb)
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", [(1, 128), (7, 1000), (1023, 3072), (16384, 3072), (5, 4097)])
+def test_bias_gelu(shape, approximate, dtype):
+    x, bias, dy = torch.randn(shape, device="cuda") * 2, torch.randn(shape[-1], device="cuda"), torch.randn(shape, device="cuda")
+
+    def run(fn, dt):
+        ins = leaves(x.to(dt), bias.to(dt))
+        out = fn(*ins)
+        return out, torch.autograd.grad(out, ins, dy.to(dt))
+
+    ref, ref_g = run(lambda a, b: F.gelu(a + b, approximate=approximate), torch.float64)
+    th, th_g = run(lambda a, b: F.gelu(a + b, approximate=approximate), dtype)
+    poison()
+    ours, our_g = run(lambda a, b: bias_gelu(a, b, approximate), dtype)
+    check(ours, th, ref, dtype, "y")
+    for name, a, t, r in zip(("dx", "dbias"), our_g, th_g, ref_g):
+        check(a, t, r, dtype, name)
+
+
+@cuda_test
+def test_non_contiguous_inputs():
+    big = torch.randn(64, 1536, device="cuda", dtype=torch.bfloat16)
+    x = big[:, ::2]  # (64, 768), strided
+    w, b = torch.randn(768, device="cuda"), torch.randn(768, device="cuda")
+    torch.testing.assert_close(layer_norm(x, w, b), F.layer_norm(x.float(), (768,), w, b).bfloat16(), atol=6e-2, rtol=2e-2)
+    t = torch.randn(3072, 64, device="cuda", dtype=torch.bfloat16).t()  # (64, 3072) transposed view
+    bias = torch.randn(3072, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(bias_gelu(t, bias), F.gelu(t.float() + bias.float()).bfloat16(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_falls_back_to_pytorch_exactly_on_cpu(approximate):
+    x, b = rand(4, 24), rand(24)
+    assert torch.equal(bias_gelu(x, b, approximate), F.gelu(x + b, approximate=approximate))

@@ -1,0 +1,288 @@
+"""Tests of LayerNorm and the fused residual LayerNorm (layer_norm.py, residual_layer_norm.py): CPU tests (opcheck, autograd formulas, fallback) run everywhere; `cuda` tests check
+the kernels against float64 references on the GPU (see conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bertaccel.ops.swap  # noqa: F401 - imports every op family
+from bertaccel.ops.gelu import bias_gelu
+from bertaccel.ops.layer_norm import layer_norm
+from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
+from bertaccel.ops.rms_norm import rms_norm
+from tests.ops.conftest import DTYPES, HIDDEN, ROWS, check, cuda_test, leaves, poison, rand
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_layer_norm_opcheck_cpu(fused):
+    H = 48
+    x = rand(7, H, requires_grad=True)
+    w, b = rand(H, requires_grad=True), rand(H, requires_grad=True)
+    bias = rand(H, requires_grad=True) if fused else None
+    res = rand(7, H, requires_grad=True) if fused else None
+    torch.library.opcheck(torch.ops.bertaccel.layer_norm_fwd.default, (x, bias, res, w, b, 0.0, 1e-5))
+
+
+def test_layer_norm_backward_formula_matches_autograd():
+    H = 33
+    x, bias, res = rand(9, H, dtype=torch.float32), rand(H), rand(9, H)
+    w, b = rand(H), rand(H)
+    leaves = [t.clone().requires_grad_(True) for t in (x, bias, res, w, b)]
+    y = torch.ops.bertaccel.layer_norm_fwd(*leaves[:3], leaves[3], leaves[4], 0.0, 1e-5)[0]
+    dy = rand(9, H)
+    ours = torch.autograd.grad(y, leaves, dy)
+    ref_leaves = [t.clone().requires_grad_(True) for t in (x, bias, res, w, b)]
+    xr, br, rr, wr, bbr = ref_leaves
+    yr = F.layer_norm(xr + br + rr, (H,), wr, bbr, 1e-5)
+    refs = torch.autograd.grad(yr, ref_leaves, dy)
+    torch.testing.assert_close(y, yr)
+    for a, r in zip(ours, refs):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_backward_uses_the_forward_mask():
+    H = 64
+    x = rand(20, H, requires_grad=True)
+    zero_res = torch.zeros(20, H)
+    w, b = torch.ones(H), torch.zeros(H)
+    y, z, *_ = torch.ops.bertaccel.layer_norm_fwd(x, torch.zeros(H), zero_res, w, b, 0.5, 1e-5)
+    (dx,) = torch.autograd.grad(y.sum() * 0 + (y * rand(20, H)).sum(), x)
+    dropped = z == 0
+    assert dropped.float().mean().item() == pytest.approx(0.5, abs=0.08)
+    assert torch.all(dx[dropped] == 0) and torch.all(dx[~dropped] != 0)
+
+
+def test_public_ops_equal_their_saving_forms():
+    """A public op (what models call: output only, C++ autograd on CUDA) and its saving form (what
+    the autograd formulas run) agree in value and gradient."""
+    H = 24
+    x, w, b = rand(6, H, requires_grad=True), rand(H, requires_grad=True), rand(H, requires_grad=True)
+    bias, res = rand(H, requires_grad=True), rand(6, H, requires_grad=True)
+    for args in ((x, None, None, w, b, 0.0, 1e-5), (x, bias, res, w, b, 0.0, 1e-5)):
+        leaves = [a for a in args if torch.is_tensor(a)]
+        y1 = torch.ops.bertaccel.layer_norm_fwd(*args)[0]
+        y2 = torch.ops.bertaccel.layer_norm(*args)
+        assert torch.equal(y1, y2)
+        for g1, g2 in zip(torch.autograd.grad(y1.sum(), leaves), torch.autograd.grad(y2.sum(), leaves)):
+            assert torch.equal(g1, g2)
+    y1, y2 = torch.ops.bertaccel.rms_norm_fwd(x, w, 1e-6)[0], torch.ops.bertaccel.rms_norm(x, w, 1e-6)
+    for g1, g2 in zip(torch.autograd.grad(y1.sum(), (x, w)), torch.autograd.grad(y2.sum(), (x, w))):
+        assert torch.equal(g1, g2)
+    with torch.no_grad():
+        assert torch.equal(torch.ops.bertaccel.layer_norm(x, bias, res, w, b, 0.0, 1e-5),
+                           torch.ops.bertaccel.layer_norm_fwd(x, bias, res, w, b, 0.0, 1e-5)[0])
+
+
+def test_layer_norm_takes_weights_in_the_activation_dtype():
+    """bf16 weights (bf16-true training) need no cast: the gradient comes back in bf16."""
+    x = rand(5, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = rand(16, dtype=torch.bfloat16, requires_grad=True)
+    b = rand(16, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.ops.bertaccel.layer_norm(x, None, None, w, b, 0.0, 1e-5)
+    gx, gw, gb = torch.autograd.grad(y.float().sum(), (x, w, b))
+    assert gw.dtype == gb.dtype == torch.bfloat16
+    ref = F.layer_norm(x.double(), (16,), w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("rows", ROWS)
+def test_layer_norm(rows, hidden, dtype):
+    x = torch.randn(rows, hidden, device="cuda") * 3 + 1
+    w, b = torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda")
+    dy = torch.randn(rows, hidden, device="cuda")
+    ref_in = leaves(x.double(), w.double(), b.double())
+    ref = F.layer_norm(ref_in[0], (hidden,), ref_in[1], ref_in[2], 1e-5)
+    ref_g = torch.autograd.grad(ref, ref_in, dy.double())
+    th_in = leaves(x.to(dtype), w.to(dtype), b.to(dtype))
+    th = F.layer_norm(th_in[0], (hidden,), th_in[1], th_in[2], 1e-5)
+    th_g = torch.autograd.grad(th, th_in, dy.to(dtype))
+    poison()
+    our_in = leaves(x.to(dtype), w, b)
+    ours = layer_norm(our_in[0], our_in[1], our_in[2], 1e-5)
+    our_g = torch.autograd.grad(ours, our_in, dy.to(dtype))
+    assert ours.dtype == dtype
+    check(ours, th, ref, dtype, "y")
+    for name, a, t, r in zip(("dx", "dweight", "dbias"), our_g, th_g, ref_g):
+        check(a, t, r, dtype, name)
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [128, 768, 1000, 4096])
+@pytest.mark.parametrize("rows", ROWS)
+def test_residual_layer_norm_without_dropout(rows, hidden, dtype):
+    x, r = torch.randn(rows, hidden, device="cuda"), torch.randn(rows, hidden, device="cuda") * 2
+    bias, w, b = torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda"), torch.randn(hidden, device="cuda")
+    dy = torch.randn(rows, hidden, device="cuda")
+
+    def run(fn, dt, wdt):
+        ins = leaves(x.to(dt), bias.to(dt), r.to(dt), w.to(wdt), b.to(wdt))
+        out = fn(*ins)
+        return out, torch.autograd.grad(out, ins, dy.to(out.dtype))
+
+    ref, ref_g = run(lambda a, bi, rr, ww, bb: F.layer_norm(a + bi + rr, (hidden,), ww, bb, 1e-12), torch.float64, torch.float64)
+    th, th_g = run(lambda a, bi, rr, ww, bb: F.layer_norm(a + bi + rr, (hidden,), ww, bb, 1e-12), dtype, dtype)
+    poison()
+    ours, our_g = run(lambda a, bi, rr, ww, bb: bias_dropout_add_layer_norm(a, bi, rr, ww, bb, 0.0, 1e-12), dtype, torch.float32)
+    check(ours, th, ref, dtype, "y")
+    for name, a, t, rf in zip(("dx", "dbias", "dresidual", "dweight", "dln_bias"), our_g, th_g, ref_g):
+        check(a, t, rf, dtype, name)
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H", [768, 1001, 1002])  # 16-byte vectors, scalar and 2-wide paths (odd sizes)
+def test_residual_layer_norm_dropout_is_consistent_and_seeded(dtype, H):
+    rows, p = 2048, 0.1
+    x = torch.randn(rows, H, device="cuda", dtype=dtype)
+    zero = torch.zeros(rows, H, device="cuda", dtype=dtype)
+    w, b = torch.ones(H, device="cuda"), torch.zeros(H, device="cuda")
+    out = torch.ops.bertaccel.layer_norm_fwd(x, torch.zeros(H, device="cuda", dtype=dtype), zero, w, b, p, 1e-5)
+    z = out[1]
+    dropped = (z == 0) & (x != 0)
+    assert abs(dropped.float().mean().item() - p) < 0.005
+    kept = ~dropped
+    torch.testing.assert_close(z[kept].float(), (x[kept].float() / (1 - p)).to(dtype).float())
+    # backward regenerates the forward's mask
+    xl = x.clone().requires_grad_(True)
+    torch.manual_seed(123)
+    y = bias_dropout_add_layer_norm(xl, torch.zeros(H, device="cuda", dtype=dtype), zero, w, b, p, 1e-5)
+    (dx,) = torch.autograd.grad(y, xl, torch.randn_like(y))
+    torch.manual_seed(123)
+    y2 = bias_dropout_add_layer_norm(x, torch.zeros(H, device="cuda", dtype=dtype), zero, w, b, p, 1e-5)
+    assert torch.equal(y, y2), "same seed, same masks"
+    zz = torch.ops.bertaccel.layer_norm_fwd(x, torch.zeros(H, device="cuda", dtype=dtype), zero, w, b, p, 1e-5)[1]
+    assert not torch.equal(zz, z), "a new call draws new masks"
+    # where the forward dropped, the gradient is exactly 0 (recompute the forward mask of the seeded call)
+    torch.manual_seed(123)
+    z_seeded = torch.ops.bertaccel.layer_norm_fwd(x, torch.zeros(H, device="cuda", dtype=dtype), zero, w, b, p, 1e-5)[1]
+    dropped_seeded = (z_seeded == 0) & (x != 0)
+    assert torch.all(dx[dropped_seeded] == 0) and (dx[~dropped_seeded] != 0).float().mean() > 0.99
+
+
+@cuda_test
+def test_cuda_autograd_is_the_cpp_kernel():
+    """On CUDA the public ops' backward nodes come from csrc/autograd.cpp, not a Python function."""
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w, b = torch.ones(64, device="cuda", requires_grad=True), torch.zeros(64, device="cuda", requires_grad=True)
+    y = torch.ops.bertaccel.layer_norm(x, None, None, w, b, 0.0, 1e-5)
+    assert "CppNode" in type(y.grad_fn).__name__ or "LayerNormFn" in y.grad_fn.name(), y.grad_fn.name()
+    with torch.no_grad():
+        assert torch.ops.bertaccel.layer_norm(x, None, None, w, b, 0.0, 1e-5).grad_fn is None
+
+
+@cuda_test
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "residual"])
+def test_misaligned_fp32_weights(op):
+    """Weights sliced out of a flat fp32 buffer at an odd offset are only 4-byte aligned; the kernels
+    read them in narrower vectors instead of faulting (which would kill the CUDA context)."""
+    H = 768
+    flat = torch.randn(2 * H + 1, device="cuda")
+    w, b = flat[1 : H + 1], flat[H + 1 :]
+    assert w.data_ptr() % 16 != 0
+    x = torch.randn(64, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    wl, bl = leaves(w, b)
+    if op == "layer_norm":
+        y, ref = layer_norm(x, wl, bl, 1e-5), F.layer_norm(x.double(), (H,), w.double(), b.double(), 1e-5)
+    elif op == "rms_norm":
+        y, ref = rms_norm(x, wl, 1e-6), F.rms_norm(x.double(), (H,), w.double(), 1e-6)
+    else:
+        y = bias_dropout_add_layer_norm(x, x[0].detach(), x.detach(), wl, bl, 0.0, 1e-5)
+        ref = F.layer_norm(x.double() + x[0].double() + x.double(), (H,), w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(y.double(), ref, atol=5e-2, rtol=2e-2)
+    torch.autograd.grad(y.float().sum(), (x, wl))
+    torch.cuda.synchronize()
+
+
+@cuda_test
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_bf16_weights_match_fp32_weights(op):
+    """bf16 parameters (bf16-true training) are read as they are: same output as the same values
+    held in fp32, gradients returned in bf16."""
+    H = 1002  # not a multiple of 4: 2-wide vectors
+    x = torch.randn(37, H, device="cuda", dtype=torch.bfloat16)
+    w16, b16 = torch.randn(H, device="cuda").bfloat16(), torch.randn(H, device="cuda").bfloat16()
+    a16, a32 = leaves(w16, b16), leaves(w16.float(), b16.float())
+    if op == "layer_norm":
+        y16, y32 = layer_norm(x, *a16, 1e-5), layer_norm(x, *a32, 1e-5)
+    else:
+        a16, a32 = a16[:1], a32[:1]
+        y16, y32 = rms_norm(x, *a16, 1e-6), rms_norm(x, *a32, 1e-6)
+    assert torch.equal(y16, y32)
+    dy = torch.randn_like(y16)
+    for g16, g32 in zip(torch.autograd.grad(y16, a16, dy), torch.autograd.grad(y32, a32, dy)):
+        assert g16.dtype == torch.bfloat16
+        torch.testing.assert_close(g16, g32.bfloat16())
+
+
+@cuda_test
+def test_backward_under_cuda_graph_replay():
+    """Forward and backward of the fused LayerNorm captured once and replayed: without dropout the
+    replayed gradients equal eager ones on the new input; with dropout every replay draws a new mask
+    and the backward uses it (dx is zero exactly on a fraction p)."""
+    H = 384
+    x = torch.randn(256, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(256, H, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    w, b = torch.randn(H, device="cuda", requires_grad=True), torch.randn(H, device="cuda", requires_grad=True)
+    dy = torch.randn(256, H, device="cuda", dtype=torch.bfloat16)
+
+    def step(p):
+        y = bias_dropout_add_layer_norm(x, bias, r, w, b, p, 1e-12)
+        return (y, *torch.autograd.grad(y, (x, w, b), dy))
+
+    for p in (0.0, 0.1):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                step(p)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step(p)
+        grads = []
+        for _ in range(2):
+            with torch.no_grad():
+                x.copy_(torch.randn_like(x))
+            g.replay()
+            torch.cuda.synchronize()
+            grads.append(out[1].clone())
+            if p == 0.0:
+                for got, want in zip(out, step(0.0)):
+                    torch.testing.assert_close(got, want)
+            else:
+                assert abs((out[1] == 0).float().mean().item() - p) < 0.02
+        if p > 0:
+            assert not torch.equal(grads[0] == 0, grads[1] == 0), "each replay draws a new mask"
+
+
+@cuda_test
+def test_fp16_falls_back_with_a_warning():
+    x = torch.randn(8, 64, device="cuda", dtype=torch.float16)
+    w, b = torch.randn(64, device="cuda", dtype=torch.float16), torch.randn(64, device="cuda", dtype=torch.float16)
+    with pytest.warns(UserWarning, match="uses PyTorch"):
+        y = layer_norm(x, w, b)
+    assert torch.equal(y, F.layer_norm(x, (64,), w, b))
+
+
+@cuda_test
+def test_autocast_keeps_the_input_dtype():
+    x = torch.randn(16, 768, device="cuda", dtype=torch.bfloat16)
+    w, b = torch.randn(768, device="cuda"), torch.randn(768, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert layer_norm(x, w, b).dtype == torch.bfloat16
+        assert layer_norm(x.float(), w, b).dtype == torch.float32
+        assert bias_gelu(x, w.bfloat16()).dtype == torch.bfloat16
+
+
+def test_layer_norm_falls_back_to_pytorch_exactly_on_cpu():
+    x, w, b = rand(5, 48), rand(48), rand(48)
+    assert torch.equal(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (48,), w, b, 1e-5))
+    y = bias_dropout_add_layer_norm(x, b, x, w, b, 0.0, 1e-5)
+    assert torch.equal(y, F.layer_norm(x + b + x, (48,), w, b, 1e-5))

@@ -1,0 +1,73 @@
+"""Tests of softmax (softmax.py): CPU tests (opcheck, autograd formulas, fallback) run everywhere; `cuda` tests check
+the kernels against float64 references on the GPU (see conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bertaccel.ops.swap  # noqa: F401 - imports every op family
+from bertaccel.ops.softmax import softmax
+from tests.ops.conftest import DTYPES, check, cuda_test, leaves, poison, rand
+
+
+def _mask(kind, b, h, q, k):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    if kind == "none":
+        return None
+    if kind == "key_padding_additive":  # HF eager: [b, 1, 1 or q, k] with finfo.min at padded keys
+        keep = torch.rand(b, 1, 1, k, device="cuda", generator=g) > 0.3
+        keep[..., 0] = True
+        return torch.zeros(b, 1, 1, k, device="cuda").masked_fill(~keep, torch.finfo(torch.float32).min)
+    if kind == "bool_expanded":  # HF sdpa-style boolean mask, expanded over queries (stride 0)
+        keep = torch.rand(b, 1, 1, k, device="cuda", generator=g) > 0.3
+        keep[..., 0] = True
+        return keep.expand(b, 1, q, k)
+    if kind == "full_additive":  # a distinct additive bias per head and query
+        return torch.randn(b, h, q, k, device="cuda", generator=g)
+    raise ValueError(kind)
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask_kind", ["none", "key_padding_additive", "bool_expanded", "full_additive"])
+@pytest.mark.parametrize("shape", [(2, 12, 128, 128), (1, 3, 7, 1000), (4, 2, 33, 512), (1, 1, 5, 4097), (1, 2, 4, 8192)])
+def test_softmax(shape, mask_kind, dtype):
+    b, h, q, k = shape
+    x, dy = torch.randn(shape, device="cuda") * 4, torch.randn(shape, device="cuda")
+    mask, scale = _mask(mask_kind, b, h, q, k), 0.125
+
+    def run(fn, dt):
+        (xi,) = leaves(x.to(dt))
+        out = fn(xi)
+        return out, torch.autograd.grad(out, xi, dy.to(dt))[0]
+
+    def torch_softmax(xi):
+        v = xi * scale
+        if mask is not None:
+            v = v.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else v + mask.to(v.dtype)
+        return torch.softmax(v, dim=-1)
+
+    ref, ref_g = run(torch_softmax, torch.float64)
+    th, th_g = run(torch_softmax, dtype)
+    poison()
+    ours, our_g = run(lambda xi: softmax(xi, mask, scale), dtype)
+    assert ours.dtype == dtype
+    check(ours, th, ref, dtype, "y")
+    check(our_g, th_g, ref_g, dtype, "dx")
+
+
+@cuda_test
+def test_softmax_fully_masked_rows_are_zero():
+    x = torch.randn(2, 1, 3, 64, device="cuda", dtype=torch.bfloat16)
+    keep = torch.ones(2, 1, 1, 64, dtype=torch.bool, device="cuda")
+    keep[1] = False
+    y = softmax(x, keep, 1.0)
+    assert torch.all(y[1] == 0) and torch.allclose(y[0].float().sum(-1), torch.ones(1, 3, device="cuda"), atol=1e-2)
+
+
+def test_softmax_falls_back_to_the_reference_on_cpu():
+    from bertaccel.ops.softmax import softmax_reference
+
+    x, mask = rand(2, 3, 4, 10), torch.rand(2, 1, 1, 10) > 0.3
+    assert torch.equal(softmax(x, mask, 0.5), softmax_reference(x, mask, 0.5).to(x.dtype))
