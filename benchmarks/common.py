@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -16,8 +17,8 @@ import torch
 def environment() -> dict:
     """What a result was measured with: date, versions, GPU, and the commit of this repository."""
     env = {"date": str(date.today()), "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    try:  # BERTACCEL_COMMIT: for a checkout copied without its .git (the GPU host)
+        env["commit"] = os.environ.get("BERTACCEL_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         env["commit"] = "unknown"

@@ -19,7 +19,7 @@ STAGES=${STAGES:-build tests ops e2e}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"; } > "$OUT/environment.txt" 2>&1
+  echo "commit ${BERTACCEL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; } > "$OUT/environment.txt" 2>&1
 if has build; then
   s=$(date +%s)
   python -c "from bertaccel.ops import build; assert build.load(verbose=True), build.unavailable_reason()" > "$OUT/build.log" 2>&1
