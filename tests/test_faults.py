@@ -253,3 +253,78 @@ def test_resuming_with_a_longer_schedule_says_the_learning_rate_jumps(tiny_confi
     main(["fit", "-c", cfg])
     with pytest.warns(UserWarning, match=r"schedule ran over 8 steps; this run's runs over 16"):
         main(["fit", "-c", cfg, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+
+
+KILLED_SAVER = r"""
+import os, sys, time
+import torch
+from bertaccel.callbacks.checkpoint import AtomicCheckpointIO
+
+target, marker, moment = sys.argv[1:4]
+
+
+def stop_here():
+    open(marker, "w").close()
+    time.sleep(600)  # killed here
+
+
+class StopsWhilePickled:
+    def __reduce__(self):
+        stop_here()
+        return (int, (0,))
+
+
+checkpoint = {"state_dict": {"w": torch.zeros(4096)}}
+if moment == "while-writing":
+    checkpoint["blocker"] = StopsWhilePickled()
+else:  # every byte written, not yet renamed
+    os.fsync = lambda fd: stop_here()
+AtomicCheckpointIO().save_checkpoint(checkpoint, target)
+"""
+
+
+@pytest.mark.parametrize("moment", ["while-writing", "before-rename"])
+def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(tmp_path, moment):
+    """A real SIGKILL in the middle of a save (no `finally`, no handler runs): the previous
+    checkpoint is intact under its name, and the leftover hidden partial file is removed by the
+    next fit's checkpoint callback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from bertaccel.callbacks.checkpoint import AtomicCheckpointIO, remove_partial_checkpoints
+
+    target, marker = tmp_path / "last.ckpt", tmp_path / "stopped"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(4096)}}, target)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, str(target), str(marker), moment], env=env)
+    try:
+        deadline = time.time() + 120
+        while not marker.exists():
+            assert proc.poll() is None, "the saver exited before the kill"
+            assert time.time() < deadline, "the saver never reached the kill point"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert torch.equal(torch.load(target, weights_only=True)["state_dict"]["w"], torch.ones(4096))
+    partial = tmp_path / ".last.ckpt.partial"
+    assert partial.exists()  # the killed process could not clean up
+    if moment == "before-rename":
+        assert partial.stat().st_size > 4096 * 4  # the new checkpoint was complete, only unrenamed
+    assert remove_partial_checkpoints(tmp_path) == [partial]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "stopped"]
+
+
+def test_next_fit_removes_partial_checkpoints_of_a_killed_run(tiny_config, tmp_path):
+    cfg = tiny_config("killed", epochs=1)
+    main(["fit", "-c", cfg, *QUICK])
+    ckpt_dir = next(tmp_path.rglob("checkpoints"))
+    (ckpt_dir / ".last.ckpt.partial").write_bytes(b"half a checkpoint")
+    with pytest.warns(UserWarning, match=r"removed 1 partial checkpoint file\(s\) left by a save that was killed"):
+        main(["fit", "-c", cfg, *QUICK])
+    assert not list(ckpt_dir.glob(".*.partial"))

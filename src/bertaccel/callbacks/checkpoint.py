@@ -3,7 +3,8 @@
 - `AtomicCheckpointIO` writes each checkpoint to a temporary file in the target's own directory,
   flushes it to disk, and renames it over the target: a crash (kill -9, full disk) leaves the
   previous file intact, never a truncated one (a temporary file elsewhere, e.g. in $TMPDIR on
-  another filesystem, could not be renamed atomically).
+  another filesystem, could not be renamed atomically). A process killed mid-save leaves only its
+  hidden `.<name>.partial`; `LatestCheckpoint` removes such leftovers when the next fit starts.
 - `LatestCheckpoint` is Lightning's `ModelCheckpoint` whose `last.ckpt` always holds the latest
   state: written at every validation and epoch end (and every `every_n_train_steps` steps when set)
   whether or not the monitored metric improved, and at the end of training (the steps after the last validation are not lost). With
@@ -21,7 +22,19 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def remove_partial_checkpoints(dirpath) -> list[Path]:
+    """Delete the `.<name>.partial` files a killed save left in `dirpath`; returns what it removed."""
+    dirpath = Path(dirpath)
+    removed = sorted(dirpath.glob(f".*{PARTIAL_SUFFIX}")) if dirpath.is_dir() else []
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -31,7 +44,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.partial")
+        tmp = path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
@@ -48,6 +61,15 @@ class LatestCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._last_written_step: int | None = None
+
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and trainer.is_global_zero and self.dirpath is not None:
+            removed = remove_partial_checkpoints(self.dirpath)
+            if removed:
+                rank_zero_warn(f"removed {len(removed)} partial checkpoint file(s) left by a save that was killed "
+                               f"({', '.join(p.name for p in removed)}); the checkpoints themselves are intact.")
 
     @override
     def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
