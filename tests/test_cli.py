@@ -226,6 +226,27 @@ def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
 
+def test_export_onnx_runs_in_onnxruntime_like_the_checkpoint(tiny_config, tmp_path, capsys):
+    """`export --onnx`: model.onnx with dynamic batch and sequence axes gives the checkpoint's logits
+    in onnxruntime, at a batch shape it was not traced with."""
+    import onnxruntime as ort
+
+    cfg = tiny_config("onnx", epochs=1)
+    run = cli("fit", "-c", cfg)
+    out = tmp_path / "exported"
+    main(["export", "-c", cfg, "--ckpt_path", "last", "--output_dir", str(out), "--onnx"])
+    assert "onnxruntime matches PyTorch" in capsys.readouterr().out
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = torch.randint(5, 100, (5, 11))
+    mask = torch.ones_like(ids)
+    mask[2, 4:] = 0
+    (logits,) = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy(),
+                                   "token_type_ids": torch.zeros_like(ids).numpy()})
+    with torch.no_grad():
+        expected = run.model.eval()(ids, mask, torch.zeros_like(ids))
+    torch.testing.assert_close(torch.from_numpy(logits), expected, rtol=1e-3, atol=1e-4)
+
+
 def test_export_writes_a_model_that_transformers_loads_and_bertaccel_fine_tunes(tiny_config, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -328,3 +328,14 @@ def test_next_fit_removes_partial_checkpoints_of_a_killed_run(tiny_config, tmp_p
     with pytest.warns(UserWarning, match=r"removed 1 partial checkpoint file\(s\) left by a save that was killed"):
         main(["fit", "-c", cfg, *QUICK])
     assert not list(ckpt_dir.glob(".*.partial"))
+
+
+def test_export_onnx_without_the_exporter_packages_says_what_to_install(tiny_config, capsys, monkeypatch):
+    import sys
+
+    cfg = tiny_config("onnx_missing", epochs=1)
+    main(["fit", "-c", cfg, *QUICK])
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # as if it were not installed
+    err = fails(capsys, "export", "-c", cfg, "--ckpt_path", "last", "--onnx")
+    assert "--onnx needs the onnx and onnxscript packages (onnxscript is missing)" in err
+    assert "pip install 'bertaccel[onnx]'" in err

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -314,14 +315,69 @@ def resolve_config_args(args: list[str]) -> list[str]:
     return out
 
 
-EXPORT_HELP = """usage: bertaccel export -c CONFIG [-c CONFIG ...] [--ckpt_path best|last|FILE] [--output_dir DIR] [options]
+EXPORT_HELP = """usage: bertaccel export -c CONFIG [-c CONFIG ...] [--ckpt_path best|last|FILE] [--output_dir DIR] [--onnx] [options]
 
 Write the model of a checkpoint (and its tokenizer) with `save_pretrained`, loadable by
 `AutoModelFor...from_pretrained(DIR)` and by `--model.init_args.pretrained DIR` (e.g. an MLM
 pretrained with bertaccel, then fine-tuned as a classifier). The config is the experiment's (the
 same -c files and overrides as for `fit`). --ckpt_path defaults to best; --output_dir to
-<save_dir>/<name>/export.
+<save_dir>/<name>/export. --onnx also writes DIR/model.onnx (inputs input_ids, attention_mask,
+token_type_ids, int64 [batch, sequence], both axes dynamic; output logits), checked against the
+PyTorch model with onnxruntime when it is installed (`pip install 'bertaccel[onnx]'`).
 """
+
+
+def export_onnx(hf, out: Path, vocab_size: int) -> Path:
+    """`torch.onnx.export` (the dynamo exporter) of an HF BERT classifier or masked-LM in eval mode;
+    compares onnxruntime's logits with PyTorch's on a fresh batch of another shape when onnxruntime
+    is there. Returns the file."""
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError as e:
+        raise BertAccelError(f"--onnx needs the onnx and onnxscript packages ({e.name} is missing): "
+                             "pip install 'bertaccel[onnx]'.") from None
+
+    class LogitsOf(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+
+    def sample(batch: int, seq: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, seq // 2:] = 0  # one padded row
+        return ids, mask, torch.zeros_like(ids)
+
+    model = LogitsOf(hf.float().eval().cpu())
+    path = out / "model.onnx"
+    batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    axes = {0: batch, 1: sequence}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's notes on axis names and deprecations
+        torch.onnx.export(model, sample(2, 16, 0), str(path), dynamo=True, verbose=False,
+                          input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["logits"],
+                          dynamic_shapes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes})
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        print(f"bertaccel: wrote {path} (not checked: onnxruntime is not installed)")
+        return path
+    inputs = sample(3, 23, 1)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, dict(zip(("input_ids", "attention_mask", "token_type_ids"), (t.numpy() for t in inputs))))[0]
+    with torch.no_grad():
+        want = model(*inputs)
+    err = float((torch.from_numpy(got) - want).abs().max())
+    if not torch.allclose(torch.from_numpy(got), want, rtol=1e-3, atol=1e-4):
+        raise BertAccelError(f"the ONNX model at {path} disagrees with PyTorch (max abs difference {err:.2e} on a "
+                             "3 x 23 batch); do not use it, and report the model config.")
+    print(f"bertaccel: wrote {path}; onnxruntime matches PyTorch on a 3 x 23 batch (max abs difference {err:.1e})")
+    return path
 
 
 def export(args: list[str]) -> Path:
@@ -330,6 +386,8 @@ def export(args: list[str]) -> Path:
         print(EXPORT_HELP)
         raise SystemExit(0)
     ckpt_path, output_dir, rest, i = "best", None, [], 0
+    onnx = "--onnx" in args
+    args = [a for a in args if a != "--onnx"]
     while i < len(args):
         key, _, inline = args[i].partition("=")
         if key in ("--ckpt_path", "--output_dir"):
@@ -371,6 +429,8 @@ def export(args: list[str]) -> Path:
         tokenizer.save_pretrained(out)
     print(f"bertaccel: exported {path} to {out} ({type(hf).__name__}; load it with "
           f"transformers.AutoModel...from_pretrained('{out}') or --model.init_args.pretrained {out})")
+    if onnx:
+        export_onnx(hf, out, hf.config.vocab_size)
     return out
 
 
