@@ -339,3 +339,20 @@ def test_export_onnx_without_the_exporter_packages_says_what_to_install(tiny_con
     err = fails(capsys, "export", "-c", cfg, "--ckpt_path", "last", "--onnx")
     assert "--onnx needs the onnx and onnxscript packages (onnxscript is missing)" in err
     assert "pip install 'bertaccel[onnx]'" in err
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "test"])
+def test_unwritable_logger_directory_fails_before_the_run(tiny_config, tmp_path, capsys, subcommand):
+    """A logger save_dir that cannot be created (a file in the way; read-only the same way) is one
+    line before anything runs, not a NotADirectoryError traceback from TensorBoard mid-setup."""
+    cfg = tiny_config("ro_logs", epochs=1)
+    if subcommand == "test":
+        main(["fit", "-c", cfg, *QUICK])
+    blocker = tmp_path / "logs_blocked"
+    blocker.write_text("a file where the logs folder should be")
+    extra = ["--checkpoint.dirpath", str(tmp_path / "ck")] if subcommand == "fit" else []
+    extra += ["--ckpt_path", str(next(tmp_path.rglob("last.ckpt")))] if subcommand == "test" else []
+    err = fails(capsys, subcommand, "-c", cfg, *(QUICK if subcommand == "fit" else []), *extra,
+                "--trainer.logger.init_args.save_dir", str(blocker / "runs"))
+    assert "the logger's save_dir" in err and "cannot be written" in err
+    assert "--trainer.logger.init_args.save_dir" in err

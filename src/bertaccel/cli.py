@@ -90,6 +90,17 @@ def check_config_against_checkpoint(ckpt: dict[str, Any], model_config, path) ->
                               "trained with, or drop these fields from model.init_args.config.")
 
 
+def check_writable(directory: Path, what: str, fix: str) -> None:
+    """Create `directory` if needed and write a probe file in it; one clear error if that fails."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise BertAccelError(f"{what} {directory} cannot be written ({e.strerror or type(e).__name__}); {fix}.") from None
+
+
 class ExperimentLock:
     """`<checkpoint dir>/.fit.lock` while a `fit` writes into an experiment's checkpoint folder: a
     second fit into the same folder is refused (both would write last.ckpt) instead of silently
@@ -100,16 +111,9 @@ class ExperimentLock:
         self.held = False
 
     def acquire(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            probe = self.path.parent / f".write-test-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:  # found now, not after an epoch of training when the first checkpoint is saved
-            raise BertAccelError(
-                f"the checkpoint directory {self.path.parent} cannot be written ({e.strerror or type(e).__name__}); "
-                "set --checkpoint.dirpath or --trainer.logger.init_args.save_dir to a writable place."
-            ) from None
+        # found now, not after an epoch of training when the first checkpoint is saved
+        check_writable(self.path.parent, "the checkpoint directory",
+                       "set --checkpoint.dirpath or --trainer.logger.init_args.save_dir to a writable place")
         me = f"{socket.gethostname()} {os.getpid()}"
         for _ in range(2):
             try:
@@ -264,7 +268,26 @@ class BertAccelCLI(LightningCLI):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
 
+    def _check_log_dir(self) -> None:
+        """The logger's folder must be writable before the run starts: TensorBoard creates it on first
+        use, mid-setup, and a read-only or file-blocked path ended in a traceback."""
+        logger = self.trainer.logger
+        save_dir = getattr(logger, "save_dir", None) if logger is not None else None
+        if save_dir and self.trainer.is_global_zero and "://" not in str(save_dir):
+            check_writable(Path(save_dir), "the logger's save_dir",
+                           "set --trainer.logger.init_args.save_dir to a writable place")
+
+    def before_validate(self) -> None:
+        self._check_log_dir()
+
+    def before_test(self) -> None:
+        self._check_log_dir()
+
+    def before_predict(self) -> None:
+        self._check_log_dir()
+
     def before_fit(self) -> None:
+        self._check_log_dir()
         directory = self._checkpoint_dir()
         if self.trainer.is_global_zero:
             self._lock = ExperimentLock(directory)
