@@ -14,6 +14,8 @@ Variants:
   cli-fused-graphs  both presets.
   cli-compile-graphs  graphs + configs/presets/compile.yaml (inductor kernels inside the step graph).
   cli-fused-compile-graphs  all three.
+  cli-unpadded    + configs/presets/unpadded.yaml (encoder on real tokens only; eager steps).
+  cli-fused-unpadded  + fused.yaml and unpadded.yaml.
   A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
@@ -45,6 +47,8 @@ CLI_PRESETS = {
     "cli-fused-graphs": ["configs/presets/graphs.yaml", "configs/presets/fused.yaml"],
     "cli-compile-graphs": ["configs/presets/graphs.yaml", "configs/presets/compile.yaml"],
     "cli-fused-compile-graphs": ["configs/presets/graphs.yaml", "configs/presets/fused.yaml", "configs/presets/compile.yaml"],
+    "cli-unpadded": ["configs/presets/unpadded.yaml"],
+    "cli-fused-unpadded": ["configs/presets/fused.yaml", "configs/presets/unpadded.yaml"],
 }
 
 

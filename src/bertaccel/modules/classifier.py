@@ -10,8 +10,11 @@ from transformers import BertForSequenceClassification
 
 from bertaccel.data.masking import IGNORE_INDEX
 from bertaccel.modules.base import BertModule
+from bertaccel.errors import ConfigError
 from bertaccel.modules.bert import build_bert
+from bertaccel.modules.flops import bert_step_flops_unpadded
 from bertaccel.modules.metrics import ClassificationStats
+from bertaccel.modules.unpadded import classifier_logits
 
 
 class BertClassifier(BertModule):
@@ -43,6 +46,10 @@ class BertClassifier(BertModule):
         muon_orthogonalizer: "newton-schulz" (Muon's quintic) or "polar-express" (Amsel et al. 2025).
         qk_norm: "layernorm" or "rmsnorm" on each head's queries and keys (QK-norm), for models
             trained from scratch (it adds parameters a pretrained model lacks); null: none.
+        unpadded: Run the embeddings, projections, feed-forward blocks and LayerNorms on the real
+            tokens only (`bertaccel.modules.unpadded`); attention is re-padded for SDPA. Same
+            parameters and results as the padded model. Not with cuda_graphs (it reads each batch's
+            token count to the host).
     """
 
     def __init__(
@@ -64,6 +71,7 @@ class BertClassifier(BertModule):
         muon_lr: float = 0.02,
         muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
         qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
+        unpadded: bool = False,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
                          optimizer, muon_lr, muon_orthogonalizer)
@@ -71,6 +79,12 @@ class BertClassifier(BertModule):
         # the CLI restores from a checkpoint (a link target cannot be overridden), and check them on
         # load instead (`BertModule.on_load_checkpoint`).
         self.save_hyperparameters(ignore=["num_labels", "vocab_size"])
+        if unpadded and cuda_graphs:
+            raise ConfigError(
+                "model.unpadded reads each batch's number of real tokens to the host, which a captured CUDA graph "
+                "cannot; use one of model.unpadded and model.cuda_graphs."
+            )
+        self.unpadded = unpadded
         self.num_labels = num_labels
         self.model = build_bert(
             BertForSequenceClassification,
@@ -89,7 +103,16 @@ class BertClassifier(BertModule):
 
     def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
         """Logits, (B, num_labels)."""
+        if self.unpadded:
+            return classifier_logits(self.model, input_ids, attention_mask, token_type_ids)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+
+    def flops_per_batch(self, batch: dict[str, torch.Tensor], training: bool):
+        if not self.unpadded:
+            return super().flops_per_batch(batch, training)
+        B, S = batch["input_ids"].shape
+        real = batch["attention_mask"].sum()  # a device value, read lazily by the meter
+        return bert_step_flops_unpadded(self.model.config, B, S, real, training)
 
     def step_outputs(self, input_ids, attention_mask, token_type_ids=None, labels=None) -> dict[str, torch.Tensor]:
         logits = self(input_ids, attention_mask, token_type_ids)

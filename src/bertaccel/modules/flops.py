@@ -28,3 +28,13 @@ def bert_step_flops(config, batch: int, seq: int, head: str = "classifier", pred
                     training: bool = True) -> int:
     fwd = bert_forward_flops(config, batch, seq, head, predicted_tokens)
     return 3 * fwd if training else fwd
+
+
+def bert_step_flops_unpadded(config, batch: int, seq: int, real_tokens, training: bool = True):
+    """The classifier step as `model.unpadded` executes it: every projection and feed-forward matmul
+    on the `real_tokens` only (an int or a 0-d tensor), attention still on the padded [batch, seq]
+    (it is re-padded for SDPA), pooler and classifier per sequence."""
+    H, L, F = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    fwd = L * (2 * real_tokens * (4 * H * H + 2 * H * F) + batch * 4 * seq * seq * H)
+    fwd = fwd + batch * (2 * H * H + 2 * H * config.num_labels)
+    return 3 * fwd if training else fwd

@@ -1,0 +1,115 @@
+"""BERT on real tokens only: the encoder runs on the packed [tokens, hidden] rows of a padded batch.
+
+`Unpadded.from_mask(attention_mask)` records, once per batch, where the real tokens are (their flat
+indices, per-sequence offsets `cu_seqlens` as FlashAttention's varlen API takes them, the longest
+length as a host int). `encoder_forward` then runs the embeddings, every linear layer, LayerNorm and
+FFN of HF's BertModel on those T real tokens instead of B x S padded ones (IMDB at max_length 256 is
+~81% real tokens, at 512 ~55%), through the model's own submodules, so parameters, state_dict keys
+and swapped (fused) submodules are the same as in the padded model. Attention is the one place that
+needs the sequence structure: `varlen_attention` scatters q/k/v back into [B, S] for PyTorch's SDPA
+with the key-padding mask and gathers the output (exact; the fused varlen attention kernel of the
+attention issue will replace this step and drop the scatter). The pooler and classifier read each
+sequence's first ([CLS]) token.
+
+Limitations today: unpadding reads the number of real tokens to the host (one `nonzero` per batch),
+so it does not run inside a whole-step CUDA graph; classification only (the masked-LM head already
+runs on masked positions only); the profiler's per-layer regions are not emitted (the layers'
+submodules are called, not the layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class Unpadded:
+    """Where the real tokens of a padded [batch, seq] batch are."""
+
+    indices: Tensor  # [T] flat positions (b * seq + s) of the real tokens, in order
+    cu_seqlens: Tensor  # [batch + 1] int32 offsets of each sequence in the packed rows
+    max_seqlen: int  # the padded length (an upper bound of every sequence's length)
+    batch: int
+    seq: int
+    key_padding: Tensor  # [batch, 1, 1, seq] bool, True where a key is a real token
+
+    @classmethod
+    def from_mask(cls, attention_mask: Tensor) -> Unpadded:
+        mask = attention_mask.bool()
+        batch, seq = mask.shape
+        lengths = mask.sum(1, dtype=torch.int32)
+        if not bool((mask == (torch.arange(seq, device=mask.device) < lengths[:, None])).all()):
+            # each sequence's real tokens must come first ([CLS] at position 0); rows may be empty
+            # (the padding rows of static-shape batches)
+            raise ValueError("unpadded BERT needs right-padded batches (real tokens first in every row)")
+        cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        indices = mask.reshape(-1).nonzero().squeeze(1)  # the one host read of the batch
+        return cls(indices, cu, seq, batch, seq, mask[:, None, None, :])
+
+    @property
+    def tokens(self) -> int:
+        return self.indices.numel()
+
+    def pack(self, x: Tensor) -> Tensor:
+        """[batch, seq, ...] -> [T, ...]: the real tokens' rows."""
+        return x.reshape(self.batch * self.seq, *x.shape[2:]).index_select(0, self.indices)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """[T, ...] -> [batch, seq, ...] with zeros at the padding."""
+        out = x.new_zeros(self.batch * self.seq, *x.shape[1:])
+        return out.index_copy(0, self.indices, x).view(self.batch, self.seq, *x.shape[1:])
+
+    def first_tokens(self, x: Tensor) -> Tensor:
+        """[T, ...] -> [batch, ...]: each sequence's first token ([CLS]); zeros for empty rows."""
+        if x.shape[0] == 0:
+            return x.new_zeros(self.batch, *x.shape[1:])
+        starts = self.cu_seqlens[:-1].long()
+        empty = (self.cu_seqlens[1:] == self.cu_seqlens[:-1]).view(-1, *([1] * (x.dim() - 1)))
+        return x.index_select(0, starts.clamp(max=x.shape[0] - 1)).masked_fill(empty, 0)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_p: float = 0.0,
+                     scale: float | None = None) -> Tensor:
+    """Attention within each sequence of packed [T, heads, head_dim] queries, keys and values, the
+    sequences given by `layout`; returns [T, heads, head_dim]. PyTorch's SDPA on the re-padded
+    tensors with the key-padding mask (the padded queries' rows are computed and dropped)."""
+    qp, kp, vp = (layout.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, d]
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=layout.key_padding, dropout_p=dropout_p, scale=scale)
+    return layout.pack(out.transpose(1, 2))
+
+
+def _self_attention(sa: nn.Module, h: Tensor, layout: Unpadded) -> Tensor:
+    heads, d = sa.num_attention_heads, sa.attention_head_size
+    q, k, v = (proj(h).view(-1, heads, d) for proj in (sa.query, sa.key, sa.value))
+    p = sa.dropout.p if sa.training else 0.0
+    return varlen_attention(q, k, v, layout, p, sa.scaling).reshape(h.shape[0], heads * d)
+
+
+def encoder_forward(bert: nn.Module, input_ids: Tensor, token_type_ids: Tensor | None, layout: Unpadded) -> Tensor:
+    """HF `BertModel`'s embeddings and encoder on the real tokens only: [T, hidden]."""
+    emb = bert.embeddings
+    ids = layout.pack(input_ids)
+    positions = layout.pack(torch.arange(layout.seq, device=ids.device).expand(layout.batch, -1))
+    types = layout.pack(token_type_ids) if token_type_ids is not None else torch.zeros_like(ids)
+    h = emb.word_embeddings(ids) + emb.token_type_embeddings(types)  # HF's order: (word + type) + position
+    h = h + emb.position_embeddings(positions)
+    h = emb.dropout(emb.LayerNorm(h))
+    for layer in bert.encoder.layer:
+        attention = layer.attention
+        a = attention.output(_self_attention(attention.self, h, layout), h)  # dense, dropout, LayerNorm(. + h)
+        h = layer.output(layer.intermediate(a), a)
+    return h
+
+
+def classifier_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                      token_type_ids: Tensor | None = None) -> Tensor:
+    """`BertForSequenceClassification(...).logits` computed on the real tokens only."""
+    layout = Unpadded.from_mask(attention_mask)
+    h = encoder_forward(model.bert, input_ids, token_type_ids, layout)
+    pooler = model.bert.pooler
+    pooled = pooler.activation(pooler.dense(layout.first_tokens(h)))
+    return model.classifier(model.dropout(pooled))
