@@ -13,6 +13,7 @@ import importlib
 import torch
 import torch._functorch.config
 
+from benchmarks.plots import plot_file
 from benchmarks.common import copy_bandwidth_gbs, environment, print_table, write_json
 from bertaccel.ops import build, registry
 
@@ -40,6 +41,9 @@ def main() -> None:
         for dt in dtypes:
             rows += mod.run(ceiling, dt)
     write_json(args.out, {"environment": environment(), "copy_ceiling_GBs": round(ceiling), "rows": rows})
+    picture = plot_file(args.out)  # PNG next to the JSON (with matplotlib)
+    if picture:
+        print(f"picture: {picture}")
     print_table(rows, ["op", "shape", "impl", "eager_fwd_us", "fwd_us", "fwd_GB/s", "fwd_%copy", "bwd_us", "bwd_GB/s",
                        "bwd_%copy", "bwd_timing"])
 

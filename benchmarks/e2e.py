@@ -19,6 +19,7 @@ import time
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
+from benchmarks.plots import plot_file
 from benchmarks.common import environment, print_table, write_json
 from bertaccel.modules.flops import bert_step_flops
 from bertaccel.ops.swap import ORDER, swap
@@ -170,6 +171,9 @@ def main() -> None:
                 print_table([r for r in rows if r["model"] == model_name and r["shape"] == shape and r["workload"] == workload],
                             COLUMNS)
     write_json(args.out, {"environment": environment(), "baseline": BASELINE, "rows": rows})
+    picture = plot_file(args.out)  # PNG next to the JSON (with matplotlib)
+    if picture:
+        print(f"picture: {picture}")
     print()
     print_table(rows, COLUMNS)
 
