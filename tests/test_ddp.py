@@ -46,3 +46,37 @@ def test_ddp_fit_test_predict_with_meter_and_profiler(tiny_config, tmp_path):
     assert [r["index"] for r in rows] == list(range(47))  # every row once, in dataset order
     assert all(r["label"] in (0, 1) and r["prediction"] in (0, 1) for r in rows)
     assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.slow
+def test_ddp_resume_in_the_middle_of_an_epoch_equals_an_uninterrupted_run(tiny_config, tmp_path):
+    """Two processes: a fit that crashes in the middle of epoch 0 (checkpoint at step 5 of 8), resumed
+    with `--ckpt_path last`, ends with the weights of an uninterrupted 2-epoch fit (dropout on): each
+    rank continues its own shard of the same order with the batch after the checkpoint."""
+    import os
+
+    import torch
+
+    data = tmp_path / "even"
+    write_jsonl(data / "train.jsonl", sample_rows("train", 320))  # 256 train rows: 8 steps of 16 per rank
+    write_jsonl(data / "test.jsonl", sample_rows("test", 16))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    common = [*DDP, "--test_after_fit", "false", "--model.init_args.config",
+              json.dumps({"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+                          "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})]
+
+    def fit(name: str, *extra: str, ok: bool = True) -> Path:
+        cfg = tiny_config(name, epochs=2, dataset=str(data), val_size=64)
+        out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common, *extra], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600, env=env)
+        assert (out.returncode == 0) == ok, (out.stdout[-2000:], out.stderr[-3000:])
+        return tmp_path / "runs" / name / "checkpoints" / "last.ckpt"
+
+    straight = torch.load(fit("ddp_straight"), weights_only=True)
+    crashed = fit("ddp_resumed", "--trainer.callbacks", "tests.test_cli.CrashAtStep6",
+                  "--checkpoint.every_n_train_steps", "5", ok=False)
+    assert torch.load(crashed, weights_only=True)["global_step"] == 5  # in the middle of epoch 0
+    resumed = torch.load(fit("ddp_resumed", "--ckpt_path", "last"), weights_only=True)
+    assert resumed["global_step"] == straight["global_step"] == 16
+    for k, v in straight["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -324,9 +324,9 @@ class TextClassificationDataModule(pl.LightningDataModule):
             return ClassificationCollator(pad_id, buckets=bucket_lengths(self.max_length, self.length_buckets), batch_size=batch_size)
         return ClassificationCollator(pad_id, self.pad_to_multiple_of)
 
-    def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DataLoader] = DataLoader) -> DataLoader:
+    def _sampler(self, split: str, batch_size: int, train: bool) -> EpochSampler:
         ds = self.datasets[split]
-        sampler = EpochSampler(
+        return EpochSampler(
             len(ds),
             self.seed,
             shuffle=True,  # evaluation too, in one fixed order: files sorted by label stay representative
@@ -334,6 +334,11 @@ class TextClassificationDataModule(pl.LightningDataModule):
             batch_size=batch_size,
             fixed=not train,
         )
+
+    def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DataLoader] = DataLoader,
+                sampler: EpochSampler | None = None, **loader_kwargs) -> DataLoader:
+        ds = self.datasets[split]
+        sampler = sampler or self._sampler(split, batch_size, train)
         workers = self._workers()
         return loader_class(
             ds,
@@ -346,6 +351,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             # worker seeds from the loader's own generator: making an iterator does not draw from the
             # global RNG, whose state checkpoints carry (exact resume with dropout)
             generator=torch.Generator().manual_seed(self.seed),
+            **loader_kwargs,
         )
 
     def _workers(self) -> int:
@@ -359,14 +365,14 @@ class TextClassificationDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer  # None outside a Trainer
-        if trainer is None or trainer.world_size > 1:
-            # under DDP Lightning rebuilds the loader around a distributed sampler: mid-epoch resume is
-            # not handled there yet (Lightning warns when it resumes mid-epoch)
+        if trainer is None:
             return self._loader("train", self.batch_size, train=True)
-        loader = self._loader("train", self.batch_size, train=True, loader_class=ResumableDataLoader)
         loop = trainer.fit_loop.epoch_loop
-        loader.progress = lambda: (trainer.current_epoch, loop.batch_progress.current.processed)
-        return loader
+        # (under DDP Lightning rebuilds this loader around a distributed sampler: see ResumableDataLoader)
+        sampler = self._sampler("train", self.batch_size, train=True)
+        return self._loader("train", self.batch_size, train=True, loader_class=ResumableDataLoader, sampler=sampler,
+                            progress=lambda: (trainer.current_epoch, loop.batch_progress.current.processed),
+                            epoch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation", self.eval_batch_size, train=False)

@@ -7,6 +7,12 @@ batch ahead). On resume, every iterator made for the checkpoint's epoch skips th
 may make one before using it), so the run continues with the batch after the checkpoint instead of
 restarting the epoch; with the random states the
 checkpoint also carries, a resumed run ends with the weights of an uninterrupted one.
+
+Under DDP Lightning rebuilds the loader around a distributed sampler that wraps ours; `progress` and
+`epoch_sampler` are constructor arguments so the rebuilt loader keeps them. Every iterator sets the
+epoch of the wrapped `EpochSampler` from the trainer's epoch (nothing else reaches it through the
+wrapper), so each rank reads the same shard of the same order as in the uninterrupted run, and skips
+the batches it already trained on.
 """
 
 from __future__ import annotations
@@ -20,11 +26,17 @@ from torch.utils.data import DataLoader
 class ResumableDataLoader(DataLoader):
     """A DataLoader with `state_dict` / `load_state_dict` for mid-epoch resume.
 
-    `progress` (set by the data module) returns (epoch, batches trained on in it) for the running fit.
+    `progress` (from the data module) returns (epoch, batches trained on in it) for the running fit;
+    `epoch_sampler` is the sampler whose epoch follows the trainer's.
     """
 
-    progress: Callable[[], tuple[int, int]] | None = None
     _resume: tuple[int, int] | None = None
+
+    def __init__(self, *args: Any, progress: Callable[[], tuple[int, int]] | None = None,
+                 epoch_sampler: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+        self.epoch_sampler = epoch_sampler  # the EpochSampler, possibly wrapped by Lightning under DDP
 
     def state_dict(self) -> dict[str, Any]:
         if self.progress is None:
@@ -37,6 +49,8 @@ class ResumableDataLoader(DataLoader):
             self._resume = (int(state["epoch"]), int(state["batches_done"]))
 
     def __iter__(self) -> Iterator[Any]:
+        if self.progress is not None and self.epoch_sampler is not None:
+            self.epoch_sampler.set_epoch(self.progress()[0])
         it = super().__iter__()
         if self._resume is not None and self.progress is not None:
             epoch, done = self._resume

@@ -339,16 +339,23 @@ class BertModule(pl.LightningModule):
     def _stepping_batches(self) -> int:
         """Optimizer steps of the run, for the schedule. Lightning's `estimated_stepping_batches` sets
         up the fit loop's training data on the spot, before a checkpoint's loop state is restored, and
-        so before the loader could be told where in the epoch to resume; with a data module on one
-        process, count from our own loader instead (same rule: limit, accumulation, epochs, max_steps)."""
+        so before the loader could be told where in the epoch to resume; with a data module, count
+        from our own loader instead (same rule: limit, accumulation, epochs, max_steps). Under DDP each
+        rank reads the shard of Lightning's distributed sampler: ceil(rows / ranks) rows, padded."""
         t = self.trainer
         dm = getattr(t, "datamodule", None)
-        if t.max_epochs == -1 or t.world_size > 1 or dm is None or t.train_dataloader is not None:
+        if t.max_epochs == -1 or dm is None or t.train_dataloader is not None:
             return int(t.estimated_stepping_batches)
         try:
-            n = len(dm.train_dataloader())
+            loader = dm.train_dataloader()
+            n = len(loader)
         except TypeError:  # no length: let Lightning decide
             return int(t.estimated_stepping_batches)
+        connector = getattr(t, "_accelerator_connector", None)
+        if t.world_size > 1 and getattr(connector, "use_distributed_sampler", True):
+            if loader.batch_size is None:  # a batch sampler of its own: let Lightning decide
+                return int(t.estimated_stepping_batches)
+            n = math.ceil(math.ceil(len(loader.dataset) / t.world_size) / loader.batch_size)
         limit = t.limit_train_batches
         n = min(n, int(limit)) if isinstance(limit, int) else int(n * limit)
         total = math.ceil(n / t.accumulate_grad_batches) * max(t.max_epochs, 1)
@@ -534,8 +541,15 @@ class BertModule(pl.LightningModule):
 
     # ------------------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        rng = rng_states()
         checkpoint["bertaccel"] = {"architecture": architecture_of(self.model), "class": type(self).__name__,
-                                   "rng": rng_states(), "schedule": getattr(self, "_schedule", None)}
+                                   "rng": rng, "schedule": getattr(self, "_schedule", None)}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # every rank draws its own dropout masks: keep each rank's streams (Lightning calls this hook
+            # on every rank, and rank 0 writes the file), and give each its own back on resume
+            per_rank: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(per_rank, rng)
+            checkpoint["bertaccel"]["rng_per_rank"] = per_rank
         # Graphed runs keep learning rates in device tensors; store plain floats so the checkpoint
         # resumes the same way eager, on another device or on CPU.
         for state in checkpoint.get("optimizer_states", []):
@@ -559,6 +573,9 @@ class BertModule(pl.LightningModule):
         self.release_graphs()  # loaded optimizer state replaces tensors that graphs point to
         saved = checkpoint.get("bertaccel", {})
         self._rng_to_restore = saved.get("rng")
+        per_rank = saved.get("rng_per_rank")
+        if per_rank and self._trainer is not None and len(per_rank) == self.trainer.world_size:
+            self._rng_to_restore = per_rank[self.trainer.global_rank]
         self._saved_schedule = saved.get("schedule")
         if saved.get("class") not in (None, type(self).__name__):
             raise CheckpointError(
