@@ -92,6 +92,43 @@ def test_resume_from_last_equals_an_uninterrupted_run(tiny_config, dropout, stop
     assert lr_a == pytest.approx(lr_b)
 
 
+def test_mlm_resume_in_the_middle_of_an_epoch_equals_an_uninterrupted_run(tmp_path, tiny_data):
+    """Masked-LM pretraining: crash at step 6 (checkpoint at step 5, mid-epoch), resume with
+    `--ckpt_path last`; the weights equal an uninterrupted run's (masks are drawn per (epoch, block),
+    dropout from the restored random streams)."""
+    import yaml
+
+    def config(name: str) -> str:
+        cfg = {
+            "seed_everything": 3,
+            "trainer": {"max_epochs": 2, "accelerator": "cpu", "devices": 1, "enable_model_summary": False,
+                        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                   "init_args": {"save_dir": str(tmp_path / "runs"), "name": name}}},
+            "model": {"class_path": "bertaccel.modules.BertMLM",
+                      "init_args": {"config": {**TINY_BERT, "hidden_dropout_prob": 0.1}, "lr": 3e-3}},
+            "data": {"class_path": "bertaccel.data.MLMDataModule",
+                     "init_args": {"train_files": [str(tiny_data / "train.jsonl")], "tokenizer": "sample:sentiment",
+                                   "block_size": 32, "batch_size": 8, "val_size": 0.1}},
+        }
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return str(path)
+
+    quick = ["--trainer.limit_val_batches", "2"]
+    straight = cli("fit", "-c", config("mlm_straight"), *quick)
+    cfg = config("mlm_resumed")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        cli("fit", "-c", cfg, *quick, "--trainer.callbacks", "tests.test_cli.CrashAtStep6",
+            "--checkpoint.every_n_train_steps", "5")
+    last = torch.load(tmp_path / "runs" / "mlm_resumed" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 5 and last["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 0
+    resumed = cli("fit", "-c", cfg, *quick, "--ckpt_path", "last")
+    assert resumed.trainer.global_step == straight.trainer.global_step > 6
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_predict_writes_labels_and_probabilities(tiny_config, tmp_path):
     cfg = tiny_config("pred", epochs=1)
     cli("fit", "-c", cfg)

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.masking import continuation_table, mask_tokens, special_table
+from bertaccel.data.loader import ResumableDataLoader
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import (TEXT_SUFFIXES, TABLE_SUFFIXES, find_split_file, load_hub_dataset, looks_like_path,
                                      read_text_documents)
@@ -231,12 +232,13 @@ class MLMDataModule(pl.LightningDataModule):
         }
         log.info("MLM data: %d train / %d validation blocks of %d tokens", train.shape[0], val.shape[0], self.block_size)
 
-    def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
+    def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DataLoader] = DataLoader,
+                sampler: EpochSampler | None = None, **loader_kwargs) -> DataLoader:
         ds = self.datasets[split]
-        return DataLoader(
+        return loader_class(
             ds,
             batch_size=batch_size,
-            sampler=_EpochTagged(len(ds), self.seed, shuffle=train),
+            sampler=sampler or _EpochTagged(len(ds), self.seed, shuffle=train),
             collate_fn=_collate,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
@@ -245,10 +247,19 @@ class MLMDataModule(pl.LightningDataModule):
             # global RNG, whose state checkpoints carry (exact resume with dropout)
             generator=torch.Generator().manual_seed(self.seed),
             drop_last=train,
+            **loader_kwargs,
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.batch_size, train=True)
+        trainer = self.trainer  # None outside a Trainer
+        if trainer is None:
+            return self._loader("train", self.batch_size, train=True)
+        # resumable in the middle of an epoch, one process or DDP (see ResumableDataLoader)
+        loop = trainer.fit_loop.epoch_loop
+        sampler = _EpochTagged(len(self.datasets["train"]), self.seed, shuffle=True)
+        return self._loader("train", self.batch_size, train=True, loader_class=ResumableDataLoader, sampler=sampler,
+                            progress=lambda: (trainer.current_epoch, loop.batch_progress.current.processed),
+                            epoch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation", self.eval_batch_size, train=False)

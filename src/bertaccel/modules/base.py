@@ -355,7 +355,8 @@ class BertModule(pl.LightningModule):
         if t.world_size > 1 and getattr(connector, "use_distributed_sampler", True):
             if loader.batch_size is None:  # a batch sampler of its own: let Lightning decide
                 return int(t.estimated_stepping_batches)
-            n = math.ceil(math.ceil(len(loader.dataset) / t.world_size) / loader.batch_size)
+            rows = math.ceil(len(loader.dataset) / t.world_size)
+            n = rows // loader.batch_size if loader.drop_last else math.ceil(rows / loader.batch_size)
         limit = t.limit_train_batches
         n = min(n, int(limit)) if isinstance(limit, int) else int(n * limit)
         total = math.ceil(n / t.accumulate_grad_batches) * max(t.max_epochs, 1)
