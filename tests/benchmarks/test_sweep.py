@@ -40,3 +40,22 @@ def test_e2e_harness_writes_its_table(tmp_path, monkeypatch):
     assert {(r["workload"], r["variant"]) for r in rows} == {
         (w, v) for w in ("train", "infer") for v in ("hf-eager-fp32", "fused")}
     assert all(r["ms"] > 0 for r in rows)
+
+
+def test_preset_comparison_runs_every_kind_of_preset_on_cpu(tmp_path):
+    """benchmarks/presets.py end to end on CPU (tiny model, the shipped sample text): a plain, the
+    recommended (graphs fall back to eager steps on CPU) and the full preset (NorMuon, QK-norm) each
+    train and validate, and the table, the equal-time losses and the picture are written."""
+    from benchmarks import presets
+
+    out = tmp_path / "presets.json"
+    presets.main(["--smoke", "--presets", "baseline", "recommended", "full", "--steps", "6", "--val-every", "3",
+                  "--val-batches", "2", "--warmup", "1", "--runs", str(tmp_path / "runs"), "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert set(payload["presets"]) == {"baseline", "recommended", "full"}
+    for name, r in payload["presets"].items():
+        assert "error" not in r, (name, r)
+        assert r["tokens_per_s"] > 0 and [s for s, _ in r["val_loss_by_step"]] == [2, 5]
+        assert r["val_loss_at_equal_time"] is not None
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
