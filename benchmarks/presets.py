@@ -31,7 +31,7 @@ PRESETS: dict[str, tuple[list[str], list[str]]] = {
     "recommended": (["configs/presets/recommended.yaml"], []),
     "recommended-muon": (["configs/presets/recommended.yaml"], ["--model.init_args.optimizer", "muon"]),
     "recommended-normuon": (["configs/presets/recommended.yaml"], ["--model.init_args.optimizer", "normuon"]),
-    "full": (["configs/presets/full.yaml"], []),
+    "full": (["configs/presets/full.yaml"], ["--model.init_args.lm_head_fp8", "true"]),
 }
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 

@@ -13,6 +13,7 @@ from transformers import BertForMaskedLM
 from bertaccel.data.masking import IGNORE_INDEX
 from bertaccel.modules.base import BertModule
 from bertaccel.modules.bert import build_bert
+from bertaccel.modules.fp8 import AmaxHistory, fp8_linear
 from bertaccel.modules.metrics import WeightedMean
 
 
@@ -43,6 +44,9 @@ class BertMLM(BertModule):
         muon_orthogonalizer: "newton-schulz" (Muon's quintic) or "polar-express" (Amsel et al. 2025).
         qk_norm: "layernorm" or "rmsnorm" on each head's queries and keys (QK-norm), for models
             trained from scratch (it adds parameters a pretrained model lacks); null: none.
+        lm_head_fp8: The LM head's vocabulary projection (forward and both backward matmuls) in FP8
+            with delayed per-tensor scaling (`bertaccel.modules.fp8`); plain precision where FP8 cannot
+            run (GPUs before compute capability 8.9, hidden sizes not a multiple of 16).
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class BertMLM(BertModule):
         muon_lr: float = 0.02,
         muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
         qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
+        lm_head_fp8: bool = False,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
                          optimizer, muon_lr, muon_orthogonalizer)
@@ -74,6 +79,8 @@ class BertMLM(BertModule):
         # from_pretrained returns the model in eval mode, and Lightning keeps each submodule's mode:
         # without this, fine-tuning a pretrained model would silently run without dropout.
         self.model.train()
+        self.lm_head_fp8 = lm_head_fp8
+        self.fp8_history = AmaxHistory() if lm_head_fp8 else None
         self.val_loss = WeightedMean()
         self.val_correct = WeightedMean()
         self._dropped: torch.Tensor | None = None  # masked tokens over the static budget, this epoch
@@ -104,14 +111,22 @@ class BertMLM(BertModule):
         labels = batch["labels"]
         selected = labels != IGNORE_INDEX  # (B, T)
         if not static:
-            return self.model.cls(hidden[selected]), labels[selected]
+            return self.lm_head(hidden[selected]), labels[selected]
         budget = self.mask_budget(labels.numel())
         slots = torch.nonzero_static(selected.flatten(), size=budget, fill_value=-1).squeeze(1)
         used = slots >= 0
         index = slots.clamp(min=0)
-        logits = self.model.cls(hidden.flatten(0, 1).index_select(0, index))  # (budget, V)
+        logits = self.lm_head(hidden.flatten(0, 1).index_select(0, index))  # (budget, V)
         y = torch.where(used, labels.flatten().index_select(0, index), IGNORE_INDEX)
         return logits, y
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """HF's MLM head on (M, H) hidden states: transform, then the vocabulary projection (FP8 with
+        `lm_head_fp8`, through the same tied weight and bias)."""
+        if not self.lm_head_fp8:
+            return self.model.cls(hidden)
+        head = self.model.cls.predictions
+        return fp8_linear(head.transform(hidden), head.decoder.weight, head.decoder.bias, self.fp8_history)
 
     def step_outputs(self, input_ids, attention_mask=None, labels=None, token_type_ids=None) -> dict[str, torch.Tensor]:
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
