@@ -356,3 +356,14 @@ def test_unwritable_logger_directory_fails_before_the_run(tiny_config, tmp_path,
                 "--trainer.logger.init_args.save_dir", str(blocker / "runs"))
     assert "the logger's save_dir" in err and "cannot be written" in err
     assert "--trainer.logger.init_args.save_dir" in err
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--trainer.strategy", "fsdp", "The strategy `fsdp` requires a GPU accelerator"),
+    ("--trainer.devices", "0", "`Trainer(devices='0')` value is not a valid input"),
+    ("--trainer.num_nodes", "0", "`num_nodes` must be a positive integer"),
+], ids=["fsdp-on-cpu", "zero-devices", "zero-nodes"])
+def test_trainer_settings_that_do_not_fit_are_one_line(tiny_config, capsys, option, value, message):
+    """Lightning's own checks of trainer settings end in one line naming the problem, not a traceback."""
+    err = fails(capsys, "fit", "-c", tiny_config("trainer_bad", epochs=1), *QUICK, option, value)
+    assert "the trainer settings do not work together" in err and message in err

@@ -23,6 +23,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
 from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from bertaccel.callbacks.checkpoint import AtomicCheckpointIO, LatestCheckpoint
 from bertaccel.callbacks.kernel_swap import KernelSwap
@@ -262,7 +263,12 @@ class BertAccelCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     def instantiate_trainer(self, **kwargs: Any):
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (ValueError, MisconfigurationException) as e:
+            # Lightning's own checks of trainer settings (strategy vs accelerator, devices, precision)
+            # explain the problem and the fix: one line, not a traceback
+            raise BertAccelError(f"the trainer settings do not work together: {str(e).strip()}") from None
         # checkpoints written next to their target and renamed into place (never half-written)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
