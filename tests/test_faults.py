@@ -367,3 +367,16 @@ def test_trainer_settings_that_do_not_fit_are_one_line(tiny_config, capsys, opti
     """Lightning's own checks of trainer settings end in one line naming the problem, not a traceback."""
     err = fails(capsys, "fit", "-c", tiny_config("trainer_bad", epochs=1), *QUICK, option, value)
     assert "the trainer settings do not work together" in err and message in err
+
+
+def test_missing_local_model_or_tokenizer_path_is_named_as_such(tiny_config, capsys):
+    """An absolute or ./ path that does not exist is a missing local directory, not a bad Hub id."""
+    for option in ("--model.init_args.pretrained", "--data.init_args.tokenizer"):
+        err = fails(capsys, "fit", "-c", tiny_config("nopath", epochs=1), *QUICK, option, "/nonexistent/bert")
+        assert "local model/tokenizer path /nonexistent/bert does not exist" in err
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.2", "0"])
+def test_val_size_that_is_neither_a_fraction_nor_a_count_is_refused(tiny_config, capsys, value):
+    err = fails(capsys, "fit", "-c", tiny_config("valsize", epochs=1), *QUICK, "--data.init_args.val_size", value)
+    assert f"val_size {float(value)} is neither a fraction in (0, 1) nor a whole number of rows" in err

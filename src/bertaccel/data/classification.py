@@ -122,6 +122,8 @@ class TextClassificationDataModule(pl.LightningDataModule):
         self.max_length = max_length
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
+        if not (0 < val_size < 1 or (val_size >= 1 and float(val_size).is_integer())):
+            raise DataError(f"val_size {val_size} is neither a fraction in (0, 1) nor a whole number of rows.")
         self.val_size = val_size
         self.pad_to_multiple_of = pad_to_multiple_of
         self.static_shapes = static_shapes
