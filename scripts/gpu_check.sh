@@ -121,6 +121,16 @@ s = pstats.Stats("/tmp/start.prof"); s.sort_stats("cumulative").print_callers("_
 PY
   head -40 "$OUT/startup.txt"
 fi
+if has gemm; then  # cuBLAS at BERT's GEMM shapes: the bar for our own GEMM (issue on the GEMM)
+  python -m benchmarks.bench_gemm --out "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
+  echo "gemm rc=$?"; tail -45 "$OUT/gemm.log"
+fi
+if has presets; then  # the preset comparison (BERT-base MLM from scratch, PRESET_STEPS each; split PRESETS over calls: ~1-2 min per preset)
+  python -m benchmarks.presets --train-files ${PRESET_TRAIN:-.carry/imdb/train.jsonl.gz} --tokenizer .carry/minilm \
+    --steps ${PRESET_STEPS:-1000} --presets ${PRESETS:-baseline bf16 fused recommended recommended-normuon full} \
+    --runs /tmp/preset_runs --out "$OUT/presets.json" > "$OUT/presets.log" 2>&1
+  echo "presets rc=$?"; tail -12 "$OUT/presets.log"
+fi
 if has mlm; then  # a short BERT-base masked-LM fit from scratch on local text: loss going down, tokens/s
   python -m bertaccel fit -c configs/mlm_local.yaml --data.init_args.train_files '[.carry/imdb/train.jsonl.gz]' \
     --data.init_args.val_files null --data.init_args.exclude_files null --data.init_args.tokenizer .carry/minilm \

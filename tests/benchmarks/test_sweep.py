@@ -62,3 +62,14 @@ def test_preset_comparison_runs_every_kind_of_preset_on_cpu(tmp_path):
     assert payload["equal_time_s"] == min(r["val_loss_by_time_s"][-1][0] for r in payload["presets"].values())
     pytest.importorskip("matplotlib")
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gemm_baseline_harness_runs_on_cpu(tmp_path):
+    """benchmarks/bench_gemm.py: every GEMM of a linear layer and the epilogue baseline per shape."""
+    from benchmarks import bench_gemm
+
+    out = tmp_path / "gemm.json"
+    bench_gemm.main(["--device", "cpu", "--shapes", "64x48x32", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["gemm"] for r in rows] == ["fwd x W^T", "dgrad dy W", "wgrad dy^T x", "F.linear(bias) + gelu"]
+    assert all(r["ms"] > 0 and r["TFLOP/s"] >= 0 for r in rows)

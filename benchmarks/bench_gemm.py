@@ -1,0 +1,97 @@
+"""The GEMM baselines our own tensor-core GEMM must meet: cuBLAS through PyTorch at BERT's shapes.
+
+    python -m benchmarks.bench_gemm --out bench_results/gemm.json
+    python -m benchmarks.bench_gemm --device cpu --shapes 64x48x32     # the harness only
+
+For each M x N x K (M = tokens, N = output features, K = input features; nn.Linear's y = x W^T with
+W stored [N, K]) and bf16 operands with fp32 accumulation, the three GEMMs of a linear layer:
+forward y = x W^T, dgrad dx = dy W, wgrad dW = dy^T x, each 2*M*N*K FLOPs, timed from CUDA-graph
+replays (kernels only). Also the epilogue baselines the fused GEMMs must beat: linear + bias + GELU
+as PyTorch runs it (cuBLAS with bias, then GELU) and with bertaccel's bias_gelu kernel after a
+bias-free cuBLAS GEMM. The `bertaccel` GEMM column appears once `bertaccel.ops.gemm` exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import environment, graph_time_ms, print_table, write_json
+
+# the issue's grid: M x N x K in {2048, 16384} x {768, 2304, 3072} x {768, 3072}
+SHAPES = [(m, n, k) for m in (2048, 16384) for n in (768, 2304, 3072) for k in (768, 3072)]
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    m, n, k = (int(v) for v in text.lower().split("x"))
+    return m, n, k
+
+
+def time_ms(fn, args, device: str) -> float:
+    if device == "cuda":
+        return graph_time_ms(fn, [args], calls=10, replays=10)
+    import time
+
+    fn(*args)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn(*args)
+    return (time.perf_counter() - t0) / 3 * 1e3
+
+
+def run(shapes, device: str, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    try:
+        from bertaccel.ops import gemm as ours  # not there yet: the harness reports cuBLAS alone
+    except ImportError:
+        ours = None
+    for m, n, k in shapes:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype) * k**-0.5
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+        bias = torch.randn(n, device=device, dtype=dtype)
+        flops = 2 * m * n * k
+        cases = {
+            "fwd x W^T": (lambda x, w: F.linear(x, w), (x, w)),
+            "dgrad dy W": (lambda dy, w: dy @ w, (dy, w)),
+            "wgrad dy^T x": (lambda dy, x: dy.t() @ x, (dy, x)),
+        }
+        for name, (fn, args) in cases.items():
+            ms = time_ms(fn, args, device)
+            row = {"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "cublas", "ms": round(ms, 4),
+                   "TFLOP/s": round(flops / ms / 1e9, 1)}
+            rows.append(row)
+            if ours is not None and hasattr(ours, "gemm_case"):
+                ms_ours = time_ms(ours.gemm_case(name), args, device)
+                rows.append({"shape": row["shape"], "gemm": name, "impl": "bertaccel", "ms": round(ms_ours, 4),
+                             "TFLOP/s": round(flops / ms_ours / 1e9, 1), "of_cublas": round(ms / ms_ours, 3)})
+        # the epilogue baselines: linear + bias + GELU
+        gelu_cases = {"F.linear(bias) + gelu": lambda x, w, b: F.gelu(F.linear(x, w, b))}
+        if device == "cuda":
+            from bertaccel.ops.gelu import bias_gelu
+
+            gelu_cases["F.linear + bertaccel bias_gelu"] = lambda x, w, b: bias_gelu(F.linear(x, w), b)
+        for name, fn in gelu_cases.items():
+            ms = time_ms(fn, (x, w, bias), device)
+            rows.append({"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "epilogue", "ms": round(ms, 4),
+                         "TFLOP/s": round(flops / ms / 1e9, 1)})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES, help="M x N x K, e.g. 16384x3072x768")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--fp32", action="store_true", help="fp32 operands instead of bf16")
+    ap.add_argument("--out", default="bench_results/gemm.json")
+    args = ap.parse_args(argv)
+    dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
+    rows = run(args.shapes, args.device, dtype)
+    write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows})
+    print_table(rows, ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas"])
+
+
+if __name__ == "__main__":
+    main()
