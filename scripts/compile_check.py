@@ -1,0 +1,112 @@
+"""Compile the CUDA ops on a machine without a GPU: errors, and registers / spills per kernel.
+
+    python scripts/compile_check.py [--arch sm_90] [--only layer_norm_bwd.cu] [--filter Li8E]
+
+What the JIT build does on the GPU host (`bertaccel.ops.build`), minus the link, with `nvcc -c
+--resource-usage` per translation unit. A CPU-only torch wheel ships no cuBLAS/cuSPARSE/cuSOLVER
+headers, which ATen's CUDA headers include for their handle types: small stand-ins are written to a
+temporary folder (the kernels never call those libraries). cuRAND's device header (Philox) is
+needed for real: from the CUDA toolkit when it has it, else from the `nvidia-curand` wheel
+(`pip download --no-deps nvidia-curand -d DIR` and pass `--curand DIR`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src")]
+
+STUBS = {
+    "cusparse.h": "#pragma once\ntypedef struct cusparseContext* cusparseHandle_t;\ntypedef int cusparseStatus_t;\n",
+    "cublas_v2.h": "#pragma once\n#include <cuda_runtime.h>\ntypedef struct cublasContext* cublasHandle_t;\ntypedef int cublasStatus_t;\n",
+    "cublasLt.h": "#pragma once\ntypedef struct cublasLtContext* cublasLtHandle_t;\n",
+    "cusolver_common.h": "#pragma once\ntypedef int cusolverStatus_t;\n",
+    "cusolverDn.h": "#pragma once\n#include \"cusolver_common.h\"\ntypedef struct cusolverDnContext* cusolverDnHandle_t;\n",
+    "c10/cuda/impl/cuda_cmake_macros.h": "#pragma once\n",
+}
+
+
+def demangle(symbol: str) -> str:
+    """The kernel's C++ name (c++filt when there is one), without its parameter list."""
+    filt = shutil.which("c++filt")
+    if filt is None:
+        return symbol
+    name = subprocess.run([filt, symbol], capture_output=True, text=True).stdout.strip() or symbol
+    return name.replace("(anonymous namespace)::", "").split("(")[0]
+
+
+def curand_include(toolkit: Path, wheel_dir: Path | None, scratch: Path) -> Path | None:
+    if (toolkit / "include" / "curand_kernel.h").is_file():
+        return toolkit / "include"
+    for wheel in sorted(wheel_dir.glob("nvidia_curand*.whl")) if wheel_dir else []:
+        with zipfile.ZipFile(wheel) as z:
+            for name in z.namelist():
+                if name.endswith((".h", ".hpp")):
+                    z.extract(name, scratch / "curand")
+        found = next((scratch / "curand").rglob("curand_kernel.h"), None)
+        if found:
+            return found.parent
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--only", nargs="*", help="source files (default: the build's)")
+    ap.add_argument("--filter", default="", help="show kernels whose mangled name contains this")
+    ap.add_argument("--curand", type=Path, help="a folder with the nvidia-curand wheel")
+    args = ap.parse_args()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("no nvcc on PATH", file=sys.stderr)
+        return 2
+    import torch.utils.cpp_extension as ext
+
+    from bertaccel.ops import build
+
+    toolkit = Path(nvcc).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        for name, text in STUBS.items():
+            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+            (scratch / name).write_text(text)
+        curand = curand_include(toolkit, args.curand, scratch)
+        if curand is None:
+            print("curand_kernel.h not found: pip download --no-deps nvidia-curand -d DIR, then --curand DIR",
+                  file=sys.stderr)
+            return 2
+        includes = [f"-I{p}" for p in ext.include_paths()] + [f"-I{scratch}", f"-I{curand}"]
+        failed = 0
+        for source in args.only or [s for s in build.sources() if s.endswith(".cu")]:
+            cmd = [nvcc, "-c", f"-arch={args.arch}", *build.CUDA_FLAGS, *includes, "-DTORCH_EXTENSION_NAME=check",
+                   str(build.CSRC / source), "-o", str(scratch / f"{source}.o")]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            print(f"== {source}: {'ok' if proc.returncode == 0 else 'FAILED'}")
+            if proc.returncode != 0:
+                failed += 1
+                print("\n".join(line for line in proc.stderr.splitlines() if "error" in line)[:4000])
+                continue
+            kernel = None
+            for line in proc.stderr.splitlines():
+                m = re.search(r"Function properties for (\S+)", line)
+                if m:
+                    kernel = m.group(1)
+                m = re.search(r"Used (\d+) registers", line)
+                if m and kernel and args.filter in kernel and "kernel" in kernel:
+                    spill = re.search(r"(\d+) bytes spill stores", previous)
+                    name = demangle(kernel).replace("void bertaccel::", "")
+                    print(f"  {int(m.group(1)):>3} registers  {spill.group(1) if spill else '?':>4} B spilled  {name[:110]}")
+                previous = line
+        return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
