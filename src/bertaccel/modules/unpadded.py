@@ -11,7 +11,7 @@ with the key-padding mask and gathers the output (exact; the fused varlen attent
 attention issue will replace this step and drop the scatter). The pooler and classifier read each
 sequence's first ([CLS]) token.
 
-Limitations today: unpadding reads the number of real tokens to the host (one `nonzero` per batch),
+Limitations today: unpadding reads the number of real tokens to the host (one read per batch),
 so it does not run inside a whole-step CUDA graph; classification only (the masked-LM head already
 runs on masked positions only); the profiler's per-layer regions are not emitted (the layers'
 submodules are called, not the layers).
@@ -42,12 +42,15 @@ class Unpadded:
         mask = attention_mask.bool()
         batch, seq = mask.shape
         lengths = mask.sum(1, dtype=torch.int32)
-        if not bool((mask == (torch.arange(seq, device=mask.device) < lengths[:, None])).all()):
+        misplaced = (mask != (torch.arange(seq, device=mask.device) < lengths[:, None])).any()
+        # the one host read of the batch: the token count (for a static-size nonzero) and the check
+        bad, tokens = torch.stack([misplaced.to(torch.int64), lengths.sum(dtype=torch.int64)]).tolist()
+        if bad:
             # each sequence's real tokens must come first ([CLS] at position 0); rows may be empty
             # (the padding rows of static-shape batches)
             raise ValueError("unpadded BERT needs right-padded batches (real tokens first in every row)")
         cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-        indices = mask.reshape(-1).nonzero().squeeze(1)  # the one host read of the batch
+        indices = torch.nonzero_static(mask.reshape(-1), size=tokens).squeeze(1)
         return cls(indices, cu, seq, batch, seq, mask[:, None, None, :])
 
     @property
