@@ -102,3 +102,19 @@ def test_unpadded_runs_through_swapped_modules():
         got = classifier_logits(model, ids, mask, types)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     report.revert()
+
+
+def test_unpadded_path_keeps_the_profiler_regions():
+    """Under the profiler the unpadded model shows the padded model's region labels."""
+    from bertaccel.callbacks.profiler import _RegionHooks as RegionHooks
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**CFG)).eval()
+    hooks = RegionHooks()
+    hooks.attach(model)
+    ids, mask, types = batch([13, 4])
+    with torch.profiler.profile() as prof, torch.no_grad():
+        classifier_logits(model, ids, mask, types)
+    hooks.remove()
+    names = {e.name for e in prof.events()}
+    assert {"embeddings", "layer0.attention", "layer0.ffn", "layer1.attention", "layer1.ffn", "head"} <= names

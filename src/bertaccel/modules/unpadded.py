@@ -13,12 +13,13 @@ sequence's first ([CLS]) token.
 
 Limitations today: unpadding reads the number of real tokens to the host (one read per batch),
 so it does not run inside a whole-step CUDA graph; classification only (the masked-LM head already
-runs on masked positions only); the profiler's per-layer regions are not emitted (the layers'
-submodules are called, not the layers).
+runs on masked positions only). The profiler's regions are kept: the feed-forward blocks and the
+classifier through their module hooks, the embeddings, attention and pooler through the same labels.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,14 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_
     return layout.pack(out.transpose(1, 2))
 
 
+def _region(label: str):
+    """The profiler's region of the padded model (`embeddings`, `layer{i}.attention`, `head`), whose
+    module hooks this path does not pass through; nothing when no profiler runs."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(label)
+    return contextlib.nullcontext()
+
+
 def _self_attention(sa: nn.Module, h: Tensor, layout: Unpadded) -> Tensor:
     heads, d = sa.num_attention_heads, sa.attention_head_size
     q, k, v = (proj(h).view(-1, heads, d) for proj in (sa.query, sa.key, sa.value))
@@ -98,13 +107,15 @@ def encoder_forward(bert: nn.Module, input_ids: Tensor, token_type_ids: Tensor |
     ids = layout.pack(input_ids)
     positions = layout.pack(torch.arange(layout.seq, device=ids.device).expand(layout.batch, -1))
     types = layout.pack(token_type_ids) if token_type_ids is not None else torch.zeros_like(ids)
-    h = emb.word_embeddings(ids) + emb.token_type_embeddings(types)  # HF's order: (word + type) + position
-    h = h + emb.position_embeddings(positions)
-    h = emb.dropout(emb.LayerNorm(h))
-    for layer in bert.encoder.layer:
+    with _region("embeddings"):
+        h = emb.word_embeddings(ids) + emb.token_type_embeddings(types)  # HF's order: (word + type) + position
+        h = h + emb.position_embeddings(positions)
+        h = emb.dropout(emb.LayerNorm(h))
+    for i, layer in enumerate(bert.encoder.layer):
         attention = layer.attention
-        a = attention.output(_self_attention(attention.self, h, layout), h)  # dense, dropout, LayerNorm(. + h)
-        h = layer.output(layer.intermediate(a), a)
+        with _region(f"layer{i}.attention"):
+            a = attention.output(_self_attention(attention.self, h, layout), h)  # dense, dropout, LayerNorm(. + h)
+        h = layer.output(layer.intermediate(a), a)  # their module hooks give the layer{i}.ffn regions
     return h
 
 
@@ -114,5 +125,6 @@ def classifier_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
     layout = Unpadded.from_mask(attention_mask)
     h = encoder_forward(model.bert, input_ids, token_type_ids, layout)
     pooler = model.bert.pooler
-    pooled = pooler.activation(pooler.dense(layout.first_tokens(h)))
+    with _region("head"):
+        pooled = pooler.activation(pooler.dense(layout.first_tokens(h)))
     return model.classifier(model.dropout(pooled))
