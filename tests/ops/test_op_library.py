@@ -165,3 +165,34 @@ def test_cuda_graph_capture_and_replay():
     first = y_drop.clone()
     g.replay()
     assert not torch.equal(first, y_drop), "each replay draws new dropout masks"
+
+
+@cuda_test
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_inference_calls_write_only_the_output_and_equal_the_training_forward(p):
+    """Without grad the public ops run their output-only CUDA kernels (no saved pre-norm sum, row
+    statistics or seed): same values as the forward of a training call, dropout masks included when
+    both start from the same generator state."""
+    H = 768
+    x = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    wg, bg = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    torch.manual_seed(5)
+    trained = torch.ops.bertaccel.layer_norm(x, bias, r, wg, bg, p, 1e-12)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        inferred = torch.ops.bertaccel.layer_norm(x, bias, r, w, b, p, 1e-12)
+    assert trained.grad_fn is not None and inferred.grad_fn is None
+    assert torch.equal(trained.detach(), inferred)
+    assert torch.equal(torch.ops.bertaccel.rms_norm(x, wg, 1e-6).detach(), torch.ops.bertaccel.rms_norm(x, w, 1e-6))
+    ids = torch.randint(0, 50, (4, 16), device="cuda")
+    pos = torch.arange(16, device="cuda").expand(4, 16).contiguous()
+    tables = [torch.randn(n, H, device="cuda") for n in (50, 16, 2)]
+    grads = [t.clone().requires_grad_(True) for t in tables]
+    torch.manual_seed(6)
+    e_train = torch.ops.bertaccel.embedding_layer_norm(ids, pos, torch.zeros_like(ids), *grads, wg, bg, p, 1e-12, True, 0)
+    torch.manual_seed(6)
+    e_infer = torch.ops.bertaccel.embedding_layer_norm(ids, pos, torch.zeros_like(ids), *tables, w, b, p, 1e-12, True, 0)
+    assert torch.equal(e_train.detach(), e_infer)
