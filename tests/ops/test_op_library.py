@@ -169,10 +169,10 @@ def test_cuda_graph_capture_and_replay():
 
 @cuda_test
 @pytest.mark.parametrize("p", [0.0, 0.1])
-def test_inference_calls_write_only_the_output_and_equal_the_training_forward(p):
-    """Without grad the public ops run their output-only CUDA kernels (no saved pre-norm sum, row
-    statistics or seed): same values as the forward of a training call, dropout masks included when
-    both start from the same generator state."""
+def test_calls_without_a_backward_equal_the_training_forward(p):
+    """A call that records no backward (no_grad, or no input requiring grad) gives the values of a
+    training call's forward, dropout masks included when both start from the same generator state
+    (the check for routing such calls to the output-only CUDA kernels, commit 0ae153a)."""
     H = 768
     x = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
     r = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
