@@ -4,8 +4,10 @@
 // reference kernels, and so CI).
 //
 // Each forward runs the op's `*_fwd` form (the outputs the backward needs: the pre-norm sum, row
-// statistics, the dropout seed/offset) below the autograd layer; without grad, the public op's
-// CUDA kernel runs instead and writes only its output. Under torch.compile these Functions are
+// statistics, the dropout seed/offset) below the autograd layer, also for calls that record no
+// backward (no_grad); the public op's output-only CUDA kernel runs only when the op is called below
+// the autograd layer. Routing no-grad calls to it is the next step (commit 0ae153a, backed out until
+// it has run on a GPU). Under torch.compile these Functions are
 // traced like any aten op's autograd: the forward graph holds `*_fwd`, the backward graph `*_bwd`.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/embedding_dense_backward.h>
