@@ -215,12 +215,10 @@ def main(argv=None) -> None:
 
 def plot(results: dict, variants: list[str], path: Path) -> Path | None:
     """Train and test samples/s per variant as bars, with the ratio to the plain loop (PNG)."""
-    try:
-        import matplotlib
+    from benchmarks.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     rows = [(v, results[v]) for v in variants if "error" not in results.get(v, {"error": 1})]
     if not rows:

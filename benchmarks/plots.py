@@ -14,7 +14,8 @@ from pathlib import Path
 IMPL_COLORS = {"pytorch": "#8c8c8c", "compile": "#dd8452", "bertaccel": "#4c72b0"}
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None without matplotlib (pictures are optional)."""
     try:
         import matplotlib
 
@@ -28,7 +29,7 @@ def _pyplot():
 def plot_ops(payload: dict, path: Path) -> Path | None:
     """Forward and backward effective bandwidth (% of the copy ceiling) per op and shape, one bar
     per implementation."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     cases: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
@@ -59,7 +60,7 @@ def plot_ops(payload: dict, path: Path) -> Path | None:
 
 def plot_e2e(payload: dict, path: Path) -> Path | None:
     """Step time (ms) per model, shape and workload, one bar per variant, with the speed-up over HF SDPA."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     groups: dict[str, dict[str, dict]] = defaultdict(dict)

@@ -85,12 +85,10 @@ def at_time(points: list[tuple[float, float]], t: float) -> float | None:
 
 
 def plot(results: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
+    from benchmarks.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in results["presets"].items():

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.collate import ClassificationCollator, bucket_lengths
-from bertaccel.data.loader import ResumableDataLoader
+from bertaccel.data.loader import ResumableDataLoader, fit_progress
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, looks_like_path, read_table
 from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
@@ -369,12 +369,10 @@ class TextClassificationDataModule(pl.LightningDataModule):
         trainer = self.trainer  # None outside a Trainer
         if trainer is None:
             return self._loader("train", self.batch_size, train=True)
-        loop = trainer.fit_loop.epoch_loop
         # (under DDP Lightning rebuilds this loader around a distributed sampler: see ResumableDataLoader)
         sampler = self._sampler("train", self.batch_size, train=True)
         return self._loader("train", self.batch_size, train=True, loader_class=ResumableDataLoader, sampler=sampler,
-                            progress=lambda: (trainer.current_epoch, loop.batch_progress.current.processed),
-                            epoch_sampler=sampler)
+                            progress=fit_progress(trainer), epoch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation", self.eval_batch_size, train=False)

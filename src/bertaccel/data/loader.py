@@ -62,3 +62,9 @@ class ResumableDataLoader(DataLoader):
                 for _ in range(done):
                     next(it)
         return it
+
+
+def fit_progress(trainer) -> Callable[[], tuple[int, int]]:
+    """`progress` for a training loader of `trainer`'s fit: (epoch, batches trained on in it)."""
+    loop = trainer.fit_loop.epoch_loop
+    return lambda: (trainer.current_epoch, loop.batch_progress.current.processed)

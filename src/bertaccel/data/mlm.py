@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.masking import continuation_table, mask_tokens, special_table
-from bertaccel.data.loader import ResumableDataLoader
+from bertaccel.data.loader import ResumableDataLoader, fit_progress
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import (TEXT_SUFFIXES, TABLE_SUFFIXES, find_split_file, load_hub_dataset, looks_like_path,
                                      read_text_documents)
@@ -255,11 +255,9 @@ class MLMDataModule(pl.LightningDataModule):
         if trainer is None:
             return self._loader("train", self.batch_size, train=True)
         # resumable in the middle of an epoch, one process or DDP (see ResumableDataLoader)
-        loop = trainer.fit_loop.epoch_loop
         sampler = _EpochTagged(len(self.datasets["train"]), self.seed, shuffle=True)
         return self._loader("train", self.batch_size, train=True, loader_class=ResumableDataLoader, sampler=sampler,
-                            progress=lambda: (trainer.current_epoch, loop.batch_progress.current.processed),
-                            epoch_sampler=sampler)
+                            progress=fit_progress(trainer), epoch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation", self.eval_batch_size, train=False)

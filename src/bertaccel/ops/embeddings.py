@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.layer_norm import layer_norm_grads_cpu
 from bertaccel.ops.registration import NS, SEEDED, SwapEntry, check_dropout, cpu_dropout_keep, define_public, lib
 
 # the backward is the LayerNorm backward kernel (dropout after the norm) plus PyTorch's scatter
@@ -46,15 +47,10 @@ def _fwd_cpu(ids, position_ids, token_type_ids, word, position, token_type, weig
 
 @torch.library.impl(lib, "embedding_layer_norm_bwd", "CPU")
 def _bwd_cpu(dy, z, weight, mean, rstd, rng, p):
-    H = z.shape[-1]
     dyf = dy.float()
-    if p > 0:
+    if p > 0:  # dropout came after the norm: its mask applies to the incoming gradient
         dyf = dyf * cpu_dropout_keep(z.shape, p, rng) / (1 - p)
-    zf, dyf = z.float().reshape(-1, H), dyf.reshape(-1, H)
-    xhat = (zf - mean[:, None]) * rstd[:, None]
-    g = dyf * weight
-    dz = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    return dz.to(z.dtype).reshape(z.shape), (dyf * xhat).sum(0), dyf.sum(0)
+    return layer_norm_grads_cpu(dyf, z, weight, mean, rstd)
 
 
 # ----------------------------------------------------------------------------------------- fake

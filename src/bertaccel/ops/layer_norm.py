@@ -51,15 +51,21 @@ def _fwd_cpu(x, bias, residual, weight, ln_bias, p, eps):
     return y, z, mean.reshape(-1), rstd.reshape(-1), rng
 
 
-@torch.library.impl(lib, "layer_norm_bwd", "CPU")
-def _bwd_cpu(dy, z, weight, mean, rstd, rng, p, want_dh):
+def layer_norm_grads_cpu(dy: Tensor, z: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor):
+    """The LayerNorm backward from the saved input z and row statistics, in fp32: dz (in z's dtype
+    and shape), dweight, dln_bias. Shared with the embeddings' CPU reference."""
     H = z.shape[-1]
     zf, dyf = z.float().reshape(-1, H), dy.float().reshape(-1, H)
     xhat = (zf - mean[:, None]) * rstd[:, None]
     g = dyf * weight.float()
     dz = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    dweight, dln_bias = (dyf * xhat).sum(0), dyf.sum(0)
-    dz = dz.to(z.dtype).reshape(z.shape)
+    return dz.to(z.dtype).reshape(z.shape), (dyf * xhat).sum(0), dyf.sum(0)
+
+
+@torch.library.impl(lib, "layer_norm_bwd", "CPU")
+def _bwd_cpu(dy, z, weight, mean, rstd, rng, p, want_dh):
+    H = z.shape[-1]
+    dz, dweight, dln_bias = layer_norm_grads_cpu(dy, z, weight, mean, rstd)
     if not want_dh:
         return dz, z.new_empty(0), dweight, dln_bias, dweight.new_empty(0)
     dh = dz.float()
