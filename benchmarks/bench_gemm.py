@@ -8,7 +8,9 @@ W stored [N, K]) and bf16 operands with fp32 accumulation, the three GEMMs of a 
 forward y = x W^T, dgrad dx = dy W, wgrad dW = dy^T x, each 2*M*N*K FLOPs, timed from CUDA-graph
 replays (kernels only). Also the epilogue baselines the fused GEMMs must beat: linear + bias + GELU
 as PyTorch runs it (cuBLAS with bias, then GELU) and with bertaccel's bias_gelu kernel after a
-bias-free cuBLAS GEMM. The `bertaccel` GEMM column appears once `bertaccel.ops.gemm` exists.
+bias-free cuBLAS GEMM, against our GEMM with bias + GELU in its epilogue. Our GEMM (bertaccel.ops.gemm,
+Hopper) runs beside cuBLAS in the same process on the same tensors; `--sweep` also times every tile
+width and K split (the data behind the tile heuristic in csrc/gemm.cu).
 """
 
 from __future__ import annotations
@@ -41,12 +43,21 @@ def time_ms(fn, args, device: str) -> float:
     return (time.perf_counter() - t0) / 3 * 1e3
 
 
-def run(shapes, device: str, dtype: torch.dtype) -> list[dict]:
+def _ours_available(device: str) -> bool:
+    if device != "cuda":
+        return False
+    from bertaccel.ops import build
+
+    return build.load() and build.load_gemm()
+
+
+def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False) -> list[dict]:
     rows = []
-    try:
-        from bertaccel.ops import gemm as ours  # not there yet: the harness reports cuBLAS alone
-    except ImportError:
-        ours = None
+    ours = _ours_available(device) and dtype == torch.bfloat16
+    if ours:
+        from bertaccel.ops import gemm
+
+        GEMM = torch.ops.bertaccel.gemm.default
     for m, n, k in shapes:
         x = torch.randn(m, k, device=device, dtype=dtype)
         w = torch.randn(n, k, device=device, dtype=dtype) * k**-0.5
@@ -54,30 +65,60 @@ def run(shapes, device: str, dtype: torch.dtype) -> list[dict]:
         bias = torch.randn(n, device=device, dtype=dtype)
         flops = 2 * m * n * k
         cases = {
-            "fwd x W^T": (lambda x, w: F.linear(x, w), (x, w)),
-            "dgrad dy W": (lambda dy, w: dy @ w, (dy, w)),
-            "wgrad dy^T x": (lambda dy, x: dy.t() @ x, (dy, x)),
+            "fwd x W^T": (lambda x, w: F.linear(x, w), (x, w), (False, False)),
+            "dgrad dy W": (lambda dy, w: dy @ w, (dy, w), (False, True)),
+            "wgrad dy^T x": (lambda dy, x: dy.t() @ x, (dy, x), (True, True)),
         }
-        for name, (fn, args) in cases.items():
+        for name, (fn, args, (ta, tb)) in cases.items():
             ms = time_ms(fn, args, device)
             row = {"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "cublas", "ms": round(ms, 4),
                    "TFLOP/s": round(flops / ms / 1e9, 1)}
             rows.append(row)
-            if ours is not None and hasattr(ours, "gemm_case"):
-                ms_ours = time_ms(ours.gemm_case(name), args, device)
-                rows.append({"shape": row["shape"], "gemm": name, "impl": "bertaccel", "ms": round(ms_ours, 4),
-                             "TFLOP/s": round(flops / ms_ours / 1e9, 1), "of_cublas": round(ms / ms_ours, 3)})
+            if not ours:
+                continue
+            ms_ours = time_ms(gemm.gemm_case(name), args, device)
+            rows.append({"shape": row["shape"], "gemm": name, "impl": "bertaccel", "ms": round(ms_ours, 4),
+                         "TFLOP/s": round(flops / ms_ours / 1e9, 1), "of_cublas": round(ms / ms_ours, 3)})
+            if sweep:  # every tile width and K split, for the tile heuristic
+                for tile in (64, 128, 192, 256):
+                    for splits in (1, 2, 4) if name.startswith("wgrad") or m <= 4096 else (1,):
+                        f = lambda a, b, tile=tile, splits=splits: GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits)[0]  # noqa: E731
+                        t = time_ms(f, args, device)
+                        rows.append({"shape": row["shape"], "gemm": name, "impl": f"bertaccel n{tile} s{splits}",
+                                     "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
         # the epilogue baselines: linear + bias + GELU
         gelu_cases = {"F.linear(bias) + gelu": lambda x, w, b: F.gelu(F.linear(x, w, b))}
         if device == "cuda":
             from bertaccel.ops.gelu import bias_gelu
 
             gelu_cases["F.linear + bertaccel bias_gelu"] = lambda x, w, b: bias_gelu(F.linear(x, w), b)
+        if ours:
+            # one GEMM with bias + GELU in the epilogue; training also writes the pre-activation
+            gelu_cases["bertaccel gemm+bias+gelu"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, False)[0]
+            gelu_cases["bertaccel gemm+bias+gelu (saves pre)"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, True)
+        base = None
         for name, fn in gelu_cases.items():
             ms = time_ms(fn, (x, w, bias), device)
+            base = base or ms
             rows.append({"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "epilogue", "ms": round(ms, 4),
-                         "TFLOP/s": round(flops / ms / 1e9, 1)})
+                         "TFLOP/s": round(flops / ms / 1e9, 1), "of_cublas": round(base / ms, 3)})
     return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per shape and GEMM: cuBLAS, ours (the heuristic's pick) and the best swept configuration."""
+    out = []
+    keys = sorted({(r["shape"], r["gemm"]) for r in rows if r["impl"] == "cublas"}, key=lambda k: (k[0], k[1]))
+    for shape, g in keys:
+        sel = [r for r in rows if r["shape"] == shape and r["gemm"] == g]
+        cub = next(r for r in sel if r["impl"] == "cublas")
+        ours = next((r for r in sel if r["impl"] == "bertaccel"), None)
+        best = max((r for r in sel if r["impl"].startswith("bertaccel ")), key=lambda r: r["TFLOP/s"], default=None)
+        out.append({"shape": shape, "gemm": g, "cublas TFLOP/s": cub["TFLOP/s"],
+                    "ours TFLOP/s": ours["TFLOP/s"] if ours else None, "of_cublas": ours["of_cublas"] if ours else None,
+                    "best swept": best["impl"].split(" ", 1)[1] if best else None,
+                    "best of_cublas": best["of_cublas"] if best else None})
+    return out
 
 
 def main(argv=None) -> None:
@@ -85,12 +126,17 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES, help="M x N x K, e.g. 16384x3072x768")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--fp32", action="store_true", help="fp32 operands instead of bf16")
+    ap.add_argument("--sweep", action="store_true", help="also time every tile width and K split of ours")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
-    rows = run(args.shapes, args.device, dtype)
-    write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows})
-    print_table(rows, ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas"])
+    rows = run(args.shapes, args.device, dtype, args.sweep)
+    table = summary(rows)
+    write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
+    print_table([r for r in rows if not r["impl"].startswith("bertaccel ")], ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas"])
+    if any(r["ours TFLOP/s"] for r in table):
+        print()
+        print_table(table, list(table[0]))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from transformers import BertConfig, BertForSequenceClassification
 from benchmarks.plots import plot_file
 from benchmarks.common import environment, print_table, write_json
 from bertaccel.modules.flops import bert_step_flops
-from bertaccel.ops.swap import ORDER, swap
+from bertaccel.ops.swap import DEFAULT, ORDER, swap
 
 MODELS = {
     "bert-base": dict(),
@@ -31,7 +31,8 @@ MODELS = {
     "tiny": dict(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                  max_position_embeddings=128),
 }
-# name: (attention implementation, autocast bf16, kernel swap, torch.compile, whole-step CUDA graph)
+# name: (attention implementation, autocast bf16, kernel swap (True: `ops: [all]`; "gemm": with `linear`),
+#        torch.compile, whole-step CUDA graph)
 VARIANTS = {
     "hf-eager-fp32": ("eager", False, False, False, False),
     "hf-eager-bf16": ("eager", True, False, False, False),
@@ -45,6 +46,9 @@ VARIANTS = {
     # backward and capturable fused AdamW captured once and replayed
     "graphs": ("sdpa", True, False, False, True),
     "fused-graphs": ("sdpa", True, True, False, True),
+    # + the opt-in `linear` family: every BERT nn.Linear on our own TMA + wgmma GEMM (Hopper)
+    "gemm-fused": ("sdpa", True, "gemm", False, False),
+    "gemm-fused-graphs": ("sdpa", True, "gemm", False, True),
 }
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
@@ -61,7 +65,7 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
     model = BertForSequenceClassification(cfg).to(device)
     model.set_attn_implementation(attn)
     if fused:
-        swap(model, ORDER)
+        swap(model, ORDER if fused == "gemm" else DEFAULT)
     train = workload == "train"
     model.train(train)
     if compiled:

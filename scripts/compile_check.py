@@ -85,8 +85,10 @@ def main() -> int:
             return 2
         includes = [f"-I{p}" for p in ext.include_paths()] + [f"-I{scratch}", f"-I{curand}"]
         failed = 0
-        for source in args.only or [s for s in build.sources() if s.endswith(".cu")]:
-            cmd = [nvcc, "-c", f"-arch={args.arch}", *build.CUDA_FLAGS, *includes, "-DTORCH_EXTENSION_NAME=check",
+        for source in args.only or [s for s in build.sources() + build.GEMM_SOURCES if s.endswith(".cu")]:
+            # the GEMM is its own sm_90a build (wgmma, setmaxnreg): the -gencode form, as the JIT build passes it
+            arch = ["-gencode=arch=compute_90a,code=sm_90a"] if source in build.GEMM_SOURCES else [f"-arch={args.arch}"]
+            cmd = [nvcc, "-c", *arch, *build.CUDA_FLAGS, *includes, "-DTORCH_EXTENSION_NAME=check",
                    str(build.CSRC / source), "-o", str(scratch / f"{source}.o")]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             print(f"== {source}: {'ok' if proc.returncode == 0 else 'FAILED'}")
@@ -94,6 +96,8 @@ def main() -> int:
                 failed += 1
                 print("\n".join(line for line in proc.stderr.splitlines() if "error" in line)[:4000])
                 continue
+            for line in sorted({line for line in proc.stderr.splitlines() if "warning" in line.lower()})[:20]:
+                print("  " + line[-220:])
             kernel = None
             for line in proc.stderr.splitlines():
                 m = re.search(r"Function properties for (\S+)", line)

@@ -121,9 +121,19 @@ s = pstats.Stats("/tmp/start.prof"); s.sort_stats("cumulative").print_callers("_
 PY
   head -40 "$OUT/startup.txt"
 fi
-if has gemm; then  # cuBLAS at BERT's GEMM shapes: the bar for our own GEMM (issue on the GEMM)
-  python -m benchmarks.bench_gemm --out "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
-  echo "gemm rc=$?"; tail -45 "$OUT/gemm.log"
+if has gemm_build; then  # the Hopper GEMM extension (sm_90a), its own build
+  s=$(date +%s)
+  python -c "from bertaccel.ops import build; assert build.load_gemm(verbose=True), build.gemm_reason()" > "$OUT/gemm_build.log" 2>&1
+  echo "gemm build rc=$? in $(( $(date +%s) - s ))s"; grep -iE "error|warning.*(wgmma|C75)" "$OUT/gemm_build.log" | head -20
+  grep -E "registers|spill" "$OUT/gemm_build.log" > "$OUT/gemm_registers.txt"
+fi
+if has gemm_tests; then
+  python -m pytest -m cuda tests/ops/test_gemm.py -q -x -p no:cacheprovider ${GEMM_TEST_ARGS:-} > "$OUT/gemm_tests.log" 2>&1
+  echo "gemm tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|Error" "$OUT/gemm_tests.log" | head -30
+fi
+if has gemm; then  # our GEMM against cuBLAS at BERT's GEMM shapes (GEMM_ARGS=--sweep for every tile / split)
+  python -m benchmarks.bench_gemm ${GEMM_ARGS:-} --out "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
+  echo "gemm rc=$?"; tail -${GEMM_TAIL:-40} "$OUT/gemm.log"
 fi
 if has presets; then  # the preset comparison (BERT-base MLM from scratch, PRESET_STEPS each; split PRESETS over calls: ~1-2 min per preset)
   python -m benchmarks.presets --train-files ${PRESET_TRAIN:-.carry/imdb/train.jsonl.gz} --tokenizer .carry/minilm \

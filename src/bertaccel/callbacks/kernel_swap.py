@@ -6,15 +6,17 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from bertaccel.ops.swap import ORDER, SwapReport, swap
+from bertaccel.ops import registry
+from bertaccel.ops.swap import SwapReport, swap
 
 
 class KernelSwap(pl.Callback):
     """Swap BERT submodules for fused equivalents for the length of a run (fit/validate/test/predict).
 
     Args:
-        ops: Op families to swap (`bertaccel.ops.registry.describe()` lists them: embeddings, softmax,
-            residual_layer_norm, bias_gelu, layer_norm, rms_norm), or "all". Empty: no swap (the default).
+        ops: Op families to swap (`bertaccel.ops.registry.describe()` lists them: linear, embeddings,
+            softmax, residual_layer_norm, bias_gelu, layer_norm, rms_norm); "all" is every family but the
+            opt-in `linear` (our Hopper GEMM): `[all, linear]` adds it. Empty: no swap (the default).
         only: fnmatch patterns over module names; when given, only the modules they match are swapped
             (e.g. ["bert.encoder.layer.1[01].*"] for the last two layers of BERT-base).
         exclude: fnmatch patterns over module names that stay PyTorch.
@@ -23,7 +25,7 @@ class KernelSwap(pl.Callback):
     def __init__(self, ops: list[str] | None = None, only: list[str] | None = None,
                  exclude: list[str] | None = None) -> None:
         ops = list(ops or [])
-        self.ops = ORDER if ops == ["all"] else ops
+        self.ops = registry.expand(ops)
         self.only, self.exclude = list(only or []), list(exclude or [])
         self.report: SwapReport | None = None
 

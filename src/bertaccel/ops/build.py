@@ -8,6 +8,11 @@ forever (pytorch #189245). Under DDP, local rank 0 builds first and the other ra
 
 When there is no GPU, no CUDA compiler, or the build fails, `load()` returns False once with a
 clear message, and every op falls back to PyTorch.
+
+Two extensions: `bertaccel_ops` (the memory-bound op families, built for the GPU's own arch) and
+`bertaccel_gemm` (the tensor-core GEMM, Hopper only: its wgmma and setmaxnreg need the sm_90a
+target, so it is a separate build with its own `-gencode`, loaded by `load_gemm()`; a failure there
+leaves the other ops running).
 """
 
 from __future__ import annotations
@@ -38,10 +43,15 @@ def sources() -> list[str]:
 
 
 HEADERS = ["common.cuh", "layer_norm_bwd.cuh"]
+# the GEMM extension: sm_90a only (wgmma, setmaxnreg); TORCH_CUDA_ARCH_LIST "9.0a" gives its -gencode
+GEMM_SOURCES = ["gemm.cu"]
+GEMM_HEADERS = ["wgmma.cuh"]
+GEMM_ARCH = "9.0a"
 # --resource-usage prints registers / shared memory / spills per kernel into the (verbose) build log.
 CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]
 
 _state: dict[str, object] = {"loaded": None, "reason": ""}
+_gemm_state: dict[str, object] = {"loaded": None, "reason": ""}
 
 
 def cache_root() -> Path:
@@ -56,13 +66,13 @@ def _arch() -> str:
     return f"{major}.{minor}"
 
 
-def build_key() -> str:
+def build_key(files: list[str] | None = None, arch: str | None = None) -> str:
     h = hashlib.sha256()
-    for name in sources() + HEADERS:
+    for name in files if files is not None else sources() + HEADERS:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(CUDA_FLAGS).encode())
-    h.update(f"{torch.__version__}|{torch.version.cuda}|{_arch()}".encode())
+    h.update(f"{torch.__version__}|{torch.version.cuda}|{arch or _arch()}".encode())
     return h.hexdigest()[:12]
 
 
@@ -154,16 +164,50 @@ def reason() -> str:
     return str(_state["reason"])
 
 
-def _build_and_load(verbose: bool) -> None:
-    from torch.utils.cpp_extension import load as cpp_load
+def load_gemm(verbose: bool = False) -> bool:
+    """Build (if needed) and load the Hopper GEMM. True when `bertaccel::gemm` has its CUDA kernel."""
+    if _gemm_state["loaded"] is not None:
+        return bool(_gemm_state["loaded"])
+    reason = _why_not()
+    if reason is None and torch.cuda.get_device_capability() != (9, 0):
+        major, minor = torch.cuda.get_device_capability()
+        reason = f"the GEMM kernels use Hopper (sm_90a) instructions; this GPU is sm_{major}{minor}"
+    if reason is None:
+        try:
+            from bertaccel.ops import registry
 
+            registry.modules()
+            _build_and_load_extension("bertaccel_gemm", GEMM_SOURCES, GEMM_SOURCES + GEMM_HEADERS, GEMM_ARCH, verbose)
+        except Exception as e:  # noqa: BLE001 - any build failure means: use PyTorch
+            reason = f"the GEMM build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
+    _gemm_state["loaded"] = reason is None
+    _gemm_state["reason"] = reason or ""
+    if reason:
+        warnings.warn(f"bertaccel GEMM kernels are off: {reason}. Linear layers use cuBLAS.", stacklevel=2)
+    return reason is None
+
+
+def gemm_loaded() -> bool | None:
+    """Whether the GEMM is loaded: None before the first `load_gemm()` has settled it."""
+    return _gemm_state["loaded"]  # type: ignore[return-value]
+
+
+def gemm_reason() -> str:
+    return str(_gemm_state["reason"])
+
+
+def _build_and_load(verbose: bool) -> None:
     from bertaccel.ops import registry
 
     registry.modules()  # the schemas must exist before the kernels register
+    _build_and_load_extension("bertaccel_ops", sources(), sources() + HEADERS, _arch(), verbose)
 
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _arch())
-    key = build_key()
-    build_dir = cache_root() / f"bertaccel_ops_{key}"
+
+def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arch: str, verbose: bool) -> None:
+    from torch.utils.cpp_extension import load as cpp_load
+
+    key = build_key(hashed, arch)
+    build_dir = cache_root() / f"{name}_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     done = build_dir / "BUILT"
@@ -172,25 +216,33 @@ def _build_and_load(verbose: bool) -> None:
         while not done.exists() and time.time() < deadline:
             time.sleep(1.0)
     t0 = time.time()
-    library_file = build_dir / f"bertaccel_ops_{key}.so"
+    library_file = build_dir / f"{name}_{key}.so"
     if done.exists() and library_file.exists():
         # The folder is keyed by sources, flags, versions and arch: a finished build is current.
         torch.ops.load_library(str(library_file))
-        log.info("bertaccel CUDA ops loaded from %s", library_file)
+        log.info("%s loaded from %s", name, library_file)
         return
     with BuildLock(build_dir / "bertaccel.lock"):
         # torch's own baton file: we hold our lock, so any baton left here is from a dead build.
         (build_dir / "lock").unlink(missing_ok=True)
         if not done.exists():
-            print(f"bertaccel: building the CUDA ops (first use, about a minute) in {build_dir}", flush=True)
-        cpp_load(
-            name=f"bertaccel_ops_{key}",
-            sources=[str(CSRC / s) for s in sources()],
-            extra_cflags=["-O3", "-std=c++17"],
-            extra_cuda_cflags=CUDA_FLAGS,
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=verbose,
-        )
+            print(f"bertaccel: building {name} (first use, about a minute) in {build_dir}", flush=True)
+        previous = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+        try:
+            cpp_load(
+                name=f"{name}_{key}",
+                sources=[str(CSRC / s) for s in srcs],
+                extra_cflags=["-O3", "-std=c++17"],
+                extra_cuda_cflags=CUDA_FLAGS,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        finally:
+            if previous is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = previous
         done.touch()
-    log.info("bertaccel CUDA ops loaded in %.1fs from %s", time.time() - t0, build_dir)
+    log.info("%s loaded in %.1fs from %s", name, time.time() - t0, build_dir)

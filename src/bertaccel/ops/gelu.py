@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.gemm import dense_gelu, dense_matmul
 from bertaccel.ops.registration import NS, SwapEntry, lib
 
 CUDA_SOURCES = ["gelu.cu"]
@@ -123,7 +124,10 @@ class FusedBertIntermediate(nn.Module):
         dtype = compute_dtype(hidden_states)
         if self.dense.bias is None or why_not(hidden_states, self.dense.out_features, dtype) is not None:
             return self.intermediate_act_fn(self.dense(hidden_states))
-        return bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, self.approximate)
+        fused = dense_gelu(self.dense, hidden_states, self.approximate)  # one GEMM with a GELU epilogue
+        if fused is not None:
+            return fused
+        return bias_gelu(dense_matmul(self.dense, hidden_states), self.dense.bias, self.approximate)
 
 
 def _skip_reason(m: nn.Module) -> str | None:

@@ -63,9 +63,11 @@ class SwapEntry:
 
     `skip_reason(module)`: "" when the module is not one this family covers, None to take it, else
     why a module of its kind stays PyTorch (logged and reported). `from_module(module)` builds the
-    replacement around the same submodules and Parameters. `covers`: one line for docs and logs."""
+    replacement around the same submodules and Parameters. `covers`: one line for docs and logs.
+    `opt_in`: left out of `ops: [all]`; named explicitly to be used (`ops: [all, linear]`)."""
 
     name: str
     skip_reason: Callable[[nn.Module], str | None]
     from_module: Callable[[nn.Module], nn.Module]
     covers: str
+    opt_in: bool = False

@@ -1,5 +1,7 @@
-"""The op families, in the kernel swap's order (coarse to fine: a module inside one a coarser family
-replaced is left to its parent). Each family module defines its ops and declares `CUDA_SOURCES`
+"""The op families, in the kernel swap's order: `linear` (our GEMM) first, so that the coarser
+families that replace a dense layer's parent keep the swapped layer and route their matmul through
+it (`gemm.dense_matmul`); then coarse to fine (a module inside one a coarser family replaced is left
+to its parent). Each family module defines its ops and declares `CUDA_SOURCES`
 (its files under csrc/) and `SWAP` (a `SwapEntry`); the build, the swap, the benchmark list and
 the docs (`describe()`) derive from this list. Adding an op family: its module here, its .cu
 files, a `benchmarks/bench_<module>.py`, a `tests/ops/test_<module>.py`."""
@@ -9,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-FAMILY_MODULES = ["embeddings", "softmax", "residual_layer_norm", "gelu", "layer_norm", "rms_norm"]
+FAMILY_MODULES = ["gemm", "embeddings", "softmax", "residual_layer_norm", "gelu", "layer_norm", "rms_norm"]
 
 
 def modules() -> list[ModuleType]:
@@ -27,6 +29,21 @@ def cuda_sources() -> list[str]:
 def swap_entries() -> dict:
     """Swap name (what configs list under the kernel swap's ops) -> SwapEntry, in swap order."""
     return {m.SWAP.name: m.SWAP for m in modules()}
+
+
+def default_families() -> list[str]:
+    """What `ops: [all]` means: every family but the opt-in ones."""
+    return [name for name, e in swap_entries().items() if not e.opt_in]
+
+
+def expand(ops: list[str]) -> list[str]:
+    """A config's op list with `all` replaced by the default families (other names kept, in order)."""
+    out: list[str] = []
+    for name in ops:
+        for f in default_families() if name == "all" else [name]:
+            if f not in out:
+                out.append(f)
+    return out
 
 
 def describe() -> str:

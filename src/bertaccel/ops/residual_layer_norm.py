@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 import bertaccel.ops.layer_norm  # noqa: F401 - defines the op this family runs
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.gemm import dense_matmul
 from bertaccel.ops.registration import SwapEntry
 
 CUDA_SOURCES = ["layer_norm_fwd.cu", "layer_norm_bwd.cu"]
@@ -61,7 +62,7 @@ class FusedBertOutput(nn.Module):
         if self.dense.bias is None or why_not(hidden_states, self.dense.out_features, dtype,
                                               (self.LayerNorm.weight, self.LayerNorm.bias)) is not None:
             return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
-        h = F.linear(hidden_states, self.dense.weight)
+        h = dense_matmul(self.dense, hidden_states)
         return bias_dropout_add_layer_norm(
             h, self.dense.bias, input_tensor, self.LayerNorm.weight, self.LayerNorm.bias,
             self.dropout.p, self.LayerNorm.eps, self.training,

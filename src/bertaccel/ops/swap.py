@@ -7,6 +7,8 @@ and `save_pretrained` are unaffected), logs one line per replacement and returns
 
 Op families, applied coarse to fine (a module inside one already replaced is left to its parent);
 each family declares its entry (`SWAP`) in its own module, listed in `bertaccel.ops.registry`:
+    linear (opt-in)      nn.Linear                   -> GemmLinear (own TMA + wgmma GEMM, Hopper); applied
+                         first: the coarser families keep the swapped layers and run their matmul on it
     embeddings           BertEmbeddings              -> FusedBertEmbeddings (lookups+sum+LN+dropout)
     softmax              BertSelfAttention (eager)   -> FusedBertSelfAttention (scale+mask+softmax)
     residual_layer_norm  BertSelfOutput / BertOutput -> FusedBertOutput (bias+dropout+residual+LN)
@@ -40,7 +42,8 @@ from bertaccel.ops import registry
 log = logging.getLogger(__name__)
 
 FAMILIES = registry.swap_entries()
-ORDER = list(FAMILIES)
+ORDER = list(FAMILIES)  # every family, opt-in ones included
+DEFAULT = registry.default_families()  # what `ops: [all]` selects
 
 
 @dataclass

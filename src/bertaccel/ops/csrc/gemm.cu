@@ -1,0 +1,466 @@
+// bf16 tensor-core GEMM for Hopper (sm_90a), without cuBLAS: out[M, N] = epilogue(A[M, K] B[N, K]^T).
+//
+//   * TMA (cp.async.bulk.tensor) loads 128-byte-swizzled tiles into a ring of STAGES shared-memory
+//     stages; each stage has a "full" mbarrier (the copy engine completes its byte count) and an
+//     "empty" one (the consumers release it).
+//   * Warp specialisation: warpgroup 0 is the producer (one thread issues the copies, its registers
+//     given back with setmaxnreg); warpgroups 1 and 2 are consumers, 64 rows of the 128-row tile each,
+//     issuing wgmma.m64nBNk16 from shared memory with fp32 accumulators in registers.
+//   * Persistent: min(work units, SMs) blocks walk the (tile, k-split) units; the producer runs ahead
+//     into the next unit while the consumers finish the epilogue of the current one.
+//   * Either operand may be K-major (nn.Linear's x and W in the forward) or MN-major (W in the
+//     input gradient, dy and x in the weight gradient): wgmma reads both through its transpose bits,
+//     so no operand is ever transposed in memory.
+//   * Epilogues on the fp32 accumulators: bias, bias + GELU (erf / tanh, optionally writing the
+//     pre-activation), bias + residual, dGELU (times gelu'(saved pre-activation)); fp32 or bf16 out.
+//   * Split-K (weight gradients, whose M x N is small and K = tokens is long): each split writes an
+//     fp32 slice of a workspace, a second kernel sums the slices in a fixed order (deterministic).
+//
+// Rows past M, columns past N and the K tail are zero-filled by the copy engine and never stored.
+// The host side (gemm()) checks what TMA needs: bf16, 16-byte aligned bases and leading dimensions.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "wgmma.cuh"
+
+namespace bertaccel::gemm {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int BM = 128;          // tile rows: two consumer warpgroups of 64
+constexpr int BK = 64;           // 64 bf16 = 128 bytes: one swizzle row
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kSmemBudget = 200 * 1024;  // operand stages (the rest of the 227 KB: barriers, alignment)
+
+enum Epilogue : int {
+  kNone = 0,
+  kBias = 1,
+  kBiasGeluErf = 2,
+  kBiasGeluTanh = 3,
+  kBiasResidual = 4,  // + aux[M, N]
+  kDGeluErf = 5,      // * gelu'(aux[M, N]), aux the saved pre-activation
+  kDGeluTanh = 6,
+};
+
+struct Params {
+  int M, N, K;
+  int tiles_m, tiles_n, splits, kblocks_per_split;
+  void* out;            // [M, N] row-major (or the split-K workspace [splits, M, N] fp32)
+  bool out_f32;
+  int epilogue;
+  const void* bias;     // [N], bf16 or fp32
+  bool bias_f32;
+  const bf16* aux;      // [M, N] residual or saved pre-activation
+  bf16* pre;            // [M, N] pre-activation output of the GELU epilogues, or null
+};
+
+// ------------------------------------------------------------------------------ PTX helpers
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+// 2-D tile copy global -> shared, completing `bar`'s transaction count; c0 is the inner coordinate.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+template <int R>
+__device__ __forceinline__ void regs_up() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)); }
+template <int R>
+__device__ __forceinline__ void regs_down() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
+
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major tiles: rows of 64 K-elements (128 B),
+// 8-row atoms 1024 B apart (SBO); the leading offset is unused. MN-major tiles: rows of 64
+// MN-elements per K index, 8-K-row groups 1024 B apart (SBO), 64-wide MN chunks `lbo` bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo) {
+  uint64_t d = 0;
+  d |= (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4);
+  d |= (uint64_t)((lbo & 0x3FFFF) >> 4) << 16;
+  d |= (uint64_t)(1024 >> 4) << 32;
+  d |= 1ull << 62;  // 128-byte swizzle
+  return d;
+}
+
+// --------------------------------------------------------------------------------- epilogue
+__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float dgelu_erf(float x) {
+  return 0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * 0.3989422804014327f * __expf(-0.5f * x * x);
+}
+__device__ __forceinline__ float dgelu_tanh(float x) {
+  const float k = 0.7978845608028654f, x2 = x * x;
+  const float t = tanhf(k * (x + 0.044715f * x2 * x));
+  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * k * (1.f + 3.f * 0.044715f * x2);
+}
+
+__device__ __forceinline__ float load_bias(const Params& p, int col) {
+  return p.bias_f32 ? static_cast<const float*>(p.bias)[col] : __bfloat162float(static_cast<const bf16*>(p.bias)[col]);
+}
+
+// Two adjacent columns (col, col + 1) of one row; `pair` when both are inside N and 4-byte aligned.
+__device__ __forceinline__ void finish_pair(const Params& p, bool split, int row, int col, float v0, float v1) {
+  const int N = p.N;
+  const bool has1 = col + 1 < N;
+  const int64_t at = (int64_t)row * N + col;
+  if (split) {  // raw partial sums into this split's fp32 slice
+    float* o = static_cast<float*>(p.out) + at;
+    if (has1 && (N % 2 == 0)) *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+    else { o[0] = v0; if (has1) o[1] = v1; }
+    return;
+  }
+  const int e = p.epilogue;
+  if (e != kNone && e < kDGeluErf) {
+    v0 += load_bias(p, col);
+    if (has1) v1 += load_bias(p, col + 1);
+  }
+  if (e == kBiasGeluErf || e == kBiasGeluTanh) {
+    if (p.pre != nullptr) {
+      bf16* q = p.pre + at;
+      if (has1 && (N % 2 == 0)) *reinterpret_cast<__nv_bfloat162*>(q) = __floats2bfloat162_rn(v0, v1);
+      else { q[0] = __float2bfloat16(v0); if (has1) q[1] = __float2bfloat16(v1); }
+    }
+    if (e == kBiasGeluErf) { v0 = gelu_erf(v0); v1 = gelu_erf(v1); }
+    else { v0 = gelu_tanh(v0); v1 = gelu_tanh(v1); }
+  } else if (e >= kBiasResidual) {
+    const bf16* a = p.aux + at;
+    float a0, a1 = 0.f;
+    if (has1 && (N % 2 == 0)) { float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a)); a0 = f.x; a1 = f.y; }
+    else { a0 = __bfloat162float(a[0]); if (has1) a1 = __bfloat162float(a[1]); }
+    if (e == kBiasResidual) { v0 += a0; v1 += a1; }
+    else if (e == kDGeluErf) { v0 *= dgelu_erf(a0); v1 *= dgelu_erf(a1); }
+    else { v0 *= dgelu_tanh(a0); v1 *= dgelu_tanh(a1); }
+  }
+  if (p.out_f32) {
+    float* o = static_cast<float*>(p.out) + at;
+    if (has1 && (N % 2 == 0)) *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+    else { o[0] = v0; if (has1) o[1] = v1; }
+  } else {
+    bf16* o = static_cast<bf16*>(p.out) + at;
+    if (has1 && (N % 2 == 0)) *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
+    else { o[0] = __float2bfloat16(v0); if (has1) o[1] = __float2bfloat16(v1); }
+  }
+}
+
+// ----------------------------------------------------------------------------------- kernel
+template <int BN>
+struct Config {
+  static constexpr int kABytes = BM * BK * 2;
+  static constexpr int kBBytes = BN * BK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = kSmemBudget / kStageBytes > 8 ? 8 : kSmemBudget / kStageBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers + alignment slack
+};
+
+template <int BN, bool A_MN, bool B_MN>
+__global__ void __launch_bounds__(kThreads, 1)
+gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, const Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = Config<BN>;
+  constexpr int S = C::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* tiles_a = smem;
+  uint8_t* tiles_b = smem + S * C::kABytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * C::kStageBytes);
+  uint64_t* empty = full + S;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumers * 4);  // lane 0 of each consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int units = p.tiles_m * p.tiles_n * p.splits;
+  const int kblocks_total = (p.K + BK - 1) / BK;
+
+  if (wg == 0) {  // ------------------------------------------------------------ producer
+    regs_down<40>();
+    if (threadIdx.x == 0) {
+      int it = 0;
+      for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int split = u % p.splits, tile = u / p.splits;
+        const int tm = tile / p.tiles_n, tn = tile % p.tiles_n;  // neighbours share the A rows
+        const int kb0 = split * p.kblocks_per_split;
+        const int kb1 = min(kblocks_total, kb0 + p.kblocks_per_split);
+        for (int kb = kb0; kb < kb1; ++kb, ++it) {
+          const int s = it % S;
+          mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+          mbar_expect_tx(&full[s], C::kStageBytes);
+          uint8_t* a = tiles_a + s * C::kABytes;
+          uint8_t* b = tiles_b + s * C::kBBytes;
+          if constexpr (A_MN) {
+#pragma unroll
+            for (int c = 0; c < BM / 64; ++c) tma_load(a + c * 64 * BK * 2, &map_a, tm * BM + c * 64, kb * BK, &full[s]);
+          } else {
+            tma_load(a, &map_a, kb * BK, tm * BM, &full[s]);
+          }
+          if constexpr (B_MN) {
+#pragma unroll
+            for (int c = 0; c < BN / 64; ++c) tma_load(b + c * 64 * BK * 2, &map_b, tn * BN + c * 64, kb * BK, &full[s]);
+          } else {
+            tma_load(b, &map_b, kb * BK, tn * BN, &full[s]);
+          }
+        }
+      }
+    }
+  } else {  // ----------------------------------------------------------------- consumers
+    regs_up<232>();
+    const int cw = wg - 1;  // which 64 rows of the tile
+    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    float acc[BN / 2];
+    int it = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const int split = u % p.splits, tile = u / p.splits;
+      const int tm = tile / p.tiles_n, tn = tile % p.tiles_n;
+      const int kb0 = split * p.kblocks_per_split;
+      const int kb1 = min(kblocks_total, kb0 + p.kblocks_per_split);
+      int prev = -1;
+      for (int kb = kb0; kb < kb1; ++kb, ++it) {
+        const int s = it % S;
+        mbar_wait(&full[s], (it / S) & 1);
+        const uint8_t* a = tiles_a + s * C::kABytes + cw * 64 * BK * 2;  // both layouts: 8 KB per 64 rows
+        const uint8_t* b = tiles_b + s * C::kBBytes;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < BK / 16; ++k) {
+          // K-major: the next 16 K-elements are 32 bytes along the swizzled row; MN-major: 16 K-rows down.
+          const uint64_t da = smem_desc(a + (A_MN ? k * 16 * 128 : k * 32), 64 * BK * 2);
+          const uint64_t db = smem_desc(b + (B_MN ? k * 16 * 128 : k * 32), 64 * BK * 2);
+          wgmma::mma<BN, A_MN ? 1 : 0, B_MN ? 1 : 0>(acc, da, db, (kb > kb0 || k > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+        if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+        prev = s;
+      }
+      wgmma_wait<0>();
+      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      if (kb1 <= kb0) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+      }
+      // accumulator fragment: d[4j + c] is row warp*16 + lane/4 + 8*(c/2), column 8j + 2*(lane%4) + c%2
+      const bool split_out = p.splits > 1;
+      Params q = p;
+      if (split_out) q.out = static_cast<float*>(p.out) + (int64_t)split * p.M * p.N;
+      const int row0 = tm * BM + cw * 64 + warp * 16 + lane / 4;
+      const int col0 = tn * BN + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = col0 + 8 * j;
+        if (col >= p.N) continue;
+        if (row0 < p.M) finish_pair(q, split_out, row0, col, acc[4 * j], acc[4 * j + 1]);
+        if (row0 + 8 < p.M) finish_pair(q, split_out, row0 + 8, col, acc[4 * j + 2], acc[4 * j + 3]);
+      }
+    }
+  }
+#endif
+}
+
+// Sum the split-K slices (fixed order), then the epilogue (bias or none) into `out`.
+__global__ void split_reduce_kernel(const float* __restrict__ ws, int splits, int64_t count, int N, void* out,
+                                    bool out_f32, const void* bias, bool bias_f32) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
+    float v = 0.f;
+    for (int s = 0; s < splits; ++s) v += ws[s * count + i];
+    if (bias != nullptr) {
+      const int col = (int)(i % N);
+      v += bias_f32 ? static_cast<const float*>(bias)[col] : __bfloat162float(static_cast<const bf16*>(bias)[col]);
+    }
+    if (out_f32) static_cast<float*>(out)[i] = v;
+    else static_cast<bf16*>(out)[i] = __float2bfloat16(v);
+  }
+}
+
+// ------------------------------------------------------------------------------------ host
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status));
+    TORCH_CHECK(status == cudaDriverEntryPointSuccess && ptr != nullptr,
+                "bertaccel gemm: the CUDA driver has no cuTensorMapEncodeTiled (a driver for CUDA 12 or newer is needed)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A 2-D bf16 tensor map over a row-major [rows, inner] matrix, boxes of [box_rows, 64] with
+// 128-byte swizzle; out-of-bounds elements read as zero.
+CUtensorMap make_map(const at::Tensor& t, int box_rows) {
+  CUtensorMap map;
+  const uint64_t dims[2] = {(uint64_t)t.size(1), (uint64_t)t.size(0)};
+  const uint64_t strides[1] = {(uint64_t)t.stride(0) * 2};
+  const uint32_t box[2] = {64, (uint32_t)box_rows};
+  const uint32_t elem_strides[2] = {1, 1};
+  CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(), dims, strides, box, elem_strides,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "bertaccel gemm: cuTensorMapEncodeTiled failed (", (int)r, ") for a [", t.size(0), ", ",
+              t.size(1), "] operand with row stride ", t.stride(0));
+  return map;
+}
+
+int sm_count(int device) {
+  static int counts[64] = {0};
+  if (counts[device] == 0) counts[device] = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  return counts[device];
+}
+
+template <int BN, bool A_MN, bool B_MN>
+void launch(const CUtensorMap& ma, const CUtensorMap& mb, const Params& p, int grid, cudaStream_t stream) {
+  using C = Config<BN>;
+  static bool configured = false;  // per instantiation: raise the dynamic shared-memory limit once
+  if (!configured) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<BN, A_MN, B_MN>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+    configured = true;
+  }
+  gemm_kernel<BN, A_MN, B_MN><<<grid, kThreads, C::kSmemBytes, stream>>>(ma, mb, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int BN>
+void launch_layout(bool a_mn, bool b_mn, const CUtensorMap& ma, const CUtensorMap& mb, const Params& p, int grid,
+                   cudaStream_t stream) {
+  if (!a_mn && !b_mn) launch<BN, false, false>(ma, mb, p, grid, stream);
+  else if (!a_mn && b_mn) launch<BN, false, true>(ma, mb, p, grid, stream);
+  else if (a_mn && b_mn) launch<BN, true, true>(ma, mb, p, grid, stream);
+  else launch<BN, true, false>(ma, mb, p, grid, stream);
+}
+
+// Tile width and K splits for a problem: the fewest waves of work over the SMs, where a unit's
+// time is taken as (BN + 64) * k-blocks (the A tile's share does not shrink with BN).
+void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, int& bn, int& splits) {
+  const int kblocks = (K + BK - 1) / BK;
+  double best = 1e30;
+  bn = 128, splits = 1;
+  for (int cand : {256, 192, 128, 64}) {
+    if (force_bn > 0 && cand != force_bn) continue;
+    const int tiles = ((M + BM - 1) / BM) * ((N + cand - 1) / cand);
+    for (int s : {1, 2, 3, 4, 6, 8}) {
+      if (force_splits > 0 && s != force_splits) continue;
+      if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
+      const int units = tiles * s;
+      const int per_split = (kblocks + s - 1) / s;
+      const double waves = (double)((units + sms - 1) / sms);
+      double cost = waves * (cand + 64) * per_split;
+      if (s > 1) cost *= 1.0 + 0.04 * s;  // the workspace round trip and the reduce kernel
+      if (cost < best * 0.999) best = cost, bn = cand, splits = s;
+    }
+  }
+}
+
+// out = epilogue(op(a) op(b)^T). a: [M, K] (trans_a: stored [K, M]); b: [N, K] (trans_b: stored [K, N]).
+std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
+                                        const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a, bool trans_b,
+                                        bool out_fp32, bool save_pre, int64_t tile_n, int64_t splits_k) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "bertaccel gemm: operands must be 2-D");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, "bertaccel gemm: operands must be bfloat16");
+  TORCH_CHECK(a.is_cuda() && b.device() == a.device(), "bertaccel gemm: operands must be on one CUDA device");
+  TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1, "bertaccel gemm: operands must have unit inner stride");
+  const int64_t M = trans_a ? a.size(1) : a.size(0), K = trans_a ? a.size(0) : a.size(1);
+  const int64_t N = trans_b ? b.size(1) : b.size(0);
+  TORCH_CHECK((trans_b ? b.size(0) : b.size(1)) == K, "bertaccel gemm: inner dimensions differ (", K, " and ",
+              trans_b ? b.size(0) : b.size(1), ")");
+  for (const at::Tensor* t : {&a, &b}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && (t->stride(0) * 2) % 16 == 0,
+                "bertaccel gemm: operands need 16-byte aligned data and row strides (a multiple of 8 elements)");
+  }
+  TORCH_CHECK(K > 0, "bertaccel gemm: the inner dimension is empty");
+  TORCH_CHECK(epilogue >= kNone && epilogue <= kDGeluTanh, "bertaccel gemm: unknown epilogue ", epilogue);
+  const bool needs_bias = epilogue >= kBias && epilogue <= kBiasResidual;
+  TORCH_CHECK(!needs_bias || (bias.has_value() && bias->numel() == N && bias->is_contiguous() &&
+                              (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16)),
+              "bertaccel gemm: this epilogue needs a contiguous fp32 or bf16 bias of ", N, " elements");
+  const bool needs_aux = epilogue >= kBiasResidual;
+  TORCH_CHECK(!needs_aux || (aux.has_value() && aux->scalar_type() == at::kBFloat16 && aux->is_contiguous() &&
+                             aux->size(0) == M && aux->size(1) == N),
+              "bertaccel gemm: this epilogue needs a contiguous bf16 [", M, ", ", N, "] auxiliary input");
+  const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto out = at::empty({M, N}, a.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  auto pre = (gelu && save_pre) ? at::empty({M, N}, a.options()) : at::empty({0}, a.options());
+  if (M == 0 || N == 0) return {out, pre};
+
+  const int sms = sm_count(a.get_device());
+  int bn, splits;
+  const bool split_ok = epilogue == kNone || epilogue == kBias;
+  choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, bn, splits);
+  const int kblocks = (int)((K + BK - 1) / BK);
+
+  Params p{};
+  p.M = (int)M, p.N = (int)N, p.K = (int)K;
+  p.tiles_m = (int)((M + BM - 1) / BM), p.tiles_n = (int)((N + bn - 1) / bn);
+  p.splits = splits, p.kblocks_per_split = (kblocks + splits - 1) / splits;
+  p.out_f32 = out_fp32, p.epilogue = (int)epilogue;
+  p.bias = needs_bias ? bias->data_ptr() : nullptr;
+  p.bias_f32 = needs_bias && bias->scalar_type() == at::kFloat;
+  p.aux = needs_aux ? static_cast<const bf16*>(aux->data_ptr()) : nullptr;
+  p.pre = (gelu && save_pre) ? static_cast<bf16*>(pre.data_ptr()) : nullptr;
+  at::Tensor ws;
+  if (splits > 1) {
+    ws = at::empty({splits, M, N}, a.options().dtype(at::kFloat));
+    p.out = ws.data_ptr();
+  } else {
+    p.out = out.data_ptr();
+  }
+  // K-major operands are read in [rows, 64] boxes; MN-major ones in [64 K-rows, 64] boxes.
+  const CUtensorMap ma = make_map(a, trans_a ? BK : BM);
+  const CUtensorMap mb = make_map(b, trans_b ? BK : bn);
+  const int units = p.tiles_m * p.tiles_n * splits;
+  const int grid = units < sms ? units : sms;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  switch (bn) {
+    case 256: launch_layout<256>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+    case 192: launch_layout<192>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+    case 128: launch_layout<128>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+    default: launch_layout<64>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+  }
+  if (splits > 1) {
+    const int64_t count = M * N;
+    const int threads = 256;
+    const int blocks = (int)std::min<int64_t>((count + threads - 1) / threads, (int64_t)sms * 8);
+    split_reduce_kernel<<<blocks, threads, 0, stream>>>(ws.data_ptr<float>(), splits, count, (int)N, out.data_ptr(),
+                                                        out_fp32, needs_bias ? bias->data_ptr() : nullptr, p.bias_f32);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {out, pre};
+}
+
+}  // namespace
+}  // namespace bertaccel::gemm
+
+TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) { m.impl("gemm", &bertaccel::gemm::gemm); }

@@ -1,0 +1,284 @@
+"""Tests of our tensor-core GEMM (gemm.py, csrc/gemm.cu).
+
+CPU tests (everywhere): the reference op for every epilogue, opcheck of `gemm` / `linear` /
+`linear_gelu`, their autograd formulas against `F.linear`, the swap's `linear` family (opt-in,
+fallback to `F.linear`). `cuda` tests (Hopper; the kernel is sm_90a): every layout (forward, dgrad,
+wgrad), tile width and K split, odd and prime M, N and K not multiples of the tile, every epilogue,
+against a float64 reference from the bf16 inputs; the error is at most twice cuBLAS's bf16 error
+against the same reference; fallback for shapes the copy engine cannot take; gradients, opcheck,
+`torch.compile(fullgraph=True)` and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bertaccel.ops.swap  # noqa: F401 - imports every op family
+from bertaccel.ops import build, registry
+from bertaccel.ops.gemm import EPILOGUES, GemmLinear, apply_epilogue, gemm_reference, linear, linear_gelu
+from tests.ops.conftest import poison, rel_err
+
+GEMM = torch.ops.bertaccel.gemm.default
+
+
+def _operands(M, N, K, trans_a, trans_b, device="cpu", dtype=torch.float32, gen=None):
+    a = torch.randn((K, M) if trans_a else (M, K), device=device, generator=gen).to(dtype)
+    b = (torch.randn((K, N) if trans_b else (N, K), device=device, generator=gen) * K**-0.5).to(dtype)
+    return a, b
+
+
+# ----------------------------------------------------------------------------------- CPU tests
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, True)])
+def test_reference_epilogues(epilogue, trans_a, trans_b):
+    M, N, K = 6, 10, 12
+    a, b = _operands(M, N, K, trans_a, trans_b)
+    bias, aux = torch.randn(N), torch.randn(M, N)
+    e = EPILOGUES[epilogue]
+    out, pre = GEMM(a, b, bias, aux, e, trans_a, trans_b, False, True)
+    acc = (a.t() if trans_a else a) @ (b.t() if trans_b else b).t()
+    expect = {
+        "none": acc, "bias": acc + bias, "bias_gelu": F.gelu(acc + bias),
+        "bias_gelu_tanh": F.gelu(acc + bias, approximate="tanh"), "bias_residual": acc + bias + aux,
+    }
+    if epilogue.startswith("dgelu"):
+        h = aux.clone().requires_grad_(True)
+        (d,) = torch.autograd.grad(F.gelu(h, approximate="tanh" if "tanh" in epilogue else "none").sum(), h)
+        expect[epilogue] = acc * d
+    torch.testing.assert_close(out, expect[epilogue], rtol=1e-5, atol=1e-5)
+    assert pre.numel() == (M * N if "gelu" in epilogue and not epilogue.startswith("d") else 0)
+
+
+def test_gemm_opcheck_cpu():
+    a, b = _operands(5, 16, 24, False, False)
+    for e in (0, 1, 2):
+        torch.library.opcheck(GEMM, (a, b, torch.randn(16), None, e, False, False, False, True))
+    x = torch.randn(7, 24, requires_grad=True)
+    w = torch.randn(16, 24, requires_grad=True)
+    bias = torch.randn(16, requires_grad=True)
+    torch.library.opcheck(torch.ops.bertaccel.linear.default, (x, w, bias))
+    torch.library.opcheck(torch.ops.bertaccel.linear_gelu.default, (x, w, bias, False))
+
+
+@pytest.mark.parametrize("gelu", [None, "none", "tanh"])
+def test_linear_autograd_matches_f_linear(gelu):
+    x = torch.randn(9, 24, requires_grad=True)
+    w = torch.randn(16, 24, requires_grad=True)
+    bias = torch.randn(16, requires_grad=True)
+    ours = linear(x, w, bias) if gelu is None else linear_gelu(x, w, bias, gelu)
+    xr, wr, br = (t.detach().clone().requires_grad_(True) for t in (x, w, bias))
+    ref = F.linear(xr, wr, br)
+    ref = ref if gelu is None else F.gelu(ref, approximate=gelu)
+    torch.testing.assert_close(ours, ref)
+    dy = torch.randn_like(ref)
+    torch.testing.assert_close(torch.autograd.grad(ours, (x, w, bias), dy), torch.autograd.grad(ref, (xr, wr, br), dy))
+
+
+def test_linear_family_is_opt_in_and_falls_back_on_cpu():
+    assert "linear" in registry.swap_entries() and "linear" not in registry.default_families()
+    assert registry.expand(["all"]) == registry.default_families()
+    assert registry.expand(["all", "linear"]) == registry.default_families() + ["linear"]
+    from bertaccel.ops.swap import swap
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 3))
+    x = torch.randn(4, 16)
+    ref = model(x)
+    report = swap(model, ["linear"])
+    assert isinstance(model[0], GemmLinear) and type(model[2]) is nn.Linear  # 3 outputs: not a multiple of 8
+    assert any("multiples of 8" in reason for _, _, reason in report.skipped)
+    torch.testing.assert_close(model(x), ref)
+    assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    report.revert()
+    assert type(model[0]) is nn.Linear
+
+
+# ---------------------------------------------------------------------------------- CUDA tests
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(scope="module")
+def gemm_kernel():
+    if not _hopper():
+        pytest.skip("the GEMM kernel needs a Hopper GPU (sm_90)")
+    assert build.load(), build.unavailable_reason()
+    assert build.load_gemm(), f"the GEMM did not build: {build.gemm_reason()}"
+
+
+def hopper_test(fn):
+    return pytest.mark.cuda(pytest.mark.usefixtures("gemm_kernel")(fn))
+
+
+def _check(ours, cublas, ref, name):
+    e_ours, e_cublas = rel_err(ours, ref), rel_err(cublas, ref)
+    assert e_ours <= 2 * e_cublas + 1e-4, f"{name}: error {e_ours:.2e} vs cuBLAS {e_cublas:.2e}"
+
+
+LAYOUTS = {"fwd": (False, False), "dgrad": (False, True), "wgrad": (True, True)}
+SHAPES = [(1, 8, 8), (77, 776, 200), (128, 256, 64), (2049, 768, 768), (1000, 2304, 3072), (33, 40, 4104),
+          (16384, 768, 3072)]
+
+
+@hopper_test
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_gemm_layouts_and_shapes(layout, M, N, K):
+    trans_a, trans_b = LAYOUTS[layout]
+    if (trans_a and M % 8) or (trans_b and N % 8):
+        pytest.skip("an MN-major operand's rows need a multiple of 8 elements")
+    gen = torch.Generator(device="cuda").manual_seed(M * 7 + N + K)
+    a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16, gen)
+    A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
+    ref = A.double() @ B.double().t()
+    poison()
+    ours = GEMM(a, b, None, None, 0, trans_a, trans_b, False, False)[0]
+    _check(ours, A @ B.t(), ref, f"{layout} {M}x{N}x{K}")
+    ours32 = GEMM(a, b, None, None, 0, trans_a, trans_b, True, False)[0]
+    assert ours32.dtype == torch.float32
+    _check(ours32, (A.float() @ B.float().t()), ref, f"{layout} fp32 out")
+
+
+@hopper_test
+@pytest.mark.parametrize("tile_n", [64, 128, 192, 256])
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+def test_every_tile_width_and_k_split(tile_n, splits):
+    M, N, K = 333, 520, 2056  # no dimension a multiple of a tile
+    for layout, (trans_a, trans_b) in LAYOUTS.items():
+        if trans_a and M % 8:
+            M = 336
+        a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16)
+        A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
+        bias = torch.randn(N, device="cuda")
+        poison()
+        ours = GEMM(a, b, bias, None, 1, trans_a, trans_b, False, False, tile_n, splits)[0]
+        _check(ours, torch.addmm(bias.bfloat16(), A, B.t()), A.double() @ B.double().t() + bias.double(),
+               f"{layout} tile {tile_n} splits {splits}")
+
+
+@hopper_test
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_epilogues(epilogue, bias_dtype):
+    M, N, K = 1031, 3072, 768
+    a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
+    bias = torch.randn(N, device="cuda").to(bias_dtype)
+    aux = torch.randn(M, N, device="cuda").bfloat16()
+    e = EPILOGUES[epilogue]
+    poison()
+    out, pre = GEMM(a, b, bias, aux, e, False, False, False, True)
+    # the reference in float64 from the same bf16 inputs; cuBLAS: its bf16 product, the epilogue in fp32
+    ref_out, ref_pre = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
+    cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
+    _check(out, cub, ref_out, epilogue)
+    if e in (2, 3):
+        _check(pre, ref_pre.bfloat16(), (a.double() @ b.double().t() + bias.double()), "pre-activation")
+
+
+@hopper_test
+@pytest.mark.parametrize("gelu", [None, "none", "tanh"])
+def test_linear_gradients(gelu):
+    M, K, N = 515, 768, 3072
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(N, K, device="cuda") * K**-0.5).requires_grad_(True)  # fp32 master weight
+    bias = torch.randn(N, device="cuda", requires_grad=True)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn, x, w, bias, dtype):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(x, w, bias)
+        return [y] + list(torch.autograd.grad(y, (x, w, bias), dy.to(y.dtype)))
+
+    ours_fn = (lambda x, w, b: linear(x, w, b)) if gelu is None else (lambda x, w, b: linear_gelu(x, w, b, gelu))
+    hf_fn = (lambda x, w, b: F.linear(x, w, b)) if gelu is None else (lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=gelu))
+    ours = run(ours_fn, x, w, bias, torch.bfloat16)
+    cublas = run(hf_fn, x, w, bias, torch.bfloat16)
+    xd, wd, bd = (t.detach().double().requires_grad_(True) for t in (x, w.bfloat16(), bias.bfloat16()))
+    yd = hf_fn(xd, wd, bd)
+    ref = [yd] + list(torch.autograd.grad(yd, (xd, wd, bd), dy.double()))
+    for name, o, c, r in zip(["y", "dx", "dw", "dbias"], ours, cublas, ref):
+        assert o.dtype == c.dtype, f"{name}: {o.dtype} vs {c.dtype}"
+        _check(o, c, r, f"linear {gelu} {name}")
+
+
+@hopper_test
+def test_fallback_for_shapes_the_copy_engine_cannot_take():
+    x = torch.randn(10, 7, device="cuda", dtype=torch.bfloat16)  # 7 in-features: 14-byte rows
+    w = torch.randn(16, 7, device="cuda", dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="multiples of 8"):
+        y = linear(x, w)
+    torch.testing.assert_close(y, F.linear(x, w))
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        GEMM(x, w, None, None, 0, False, False, False, False)
+    x_odd = torch.randn(10, 17, device="cuda", dtype=torch.bfloat16)[:, 1:]  # 16 wide, misaligned start
+    with pytest.raises(RuntimeError, match="16-byte aligned|unit inner stride"):
+        GEMM(x_odd, w[:, :1].expand(16, 16).contiguous(), None, None, 0, False, False, False, False)
+
+
+@hopper_test
+def test_opcheck_compile_and_cuda_graphs():
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(torch.ops.bertaccel.linear.default, (x, w, bias))
+    torch.library.opcheck(torch.ops.bertaccel.linear_gelu.default, (x, w, bias, True))
+    torch.library.opcheck(GEMM, (x.detach(), w.detach(), None, None, 0, False, True, False, False),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def step(x, w, bias):
+        y = linear_gelu(x, w, bias, "tanh")
+        return y, torch.autograd.grad(y.float().square().sum(), (x, w, bias))
+
+    eager = step(x, w, bias)
+    compiled = torch.compile(step, fullgraph=True)(x, w, bias)
+    for e, c in zip([eager[0], *eager[1]], [compiled[0], *compiled[1]]):
+        torch.testing.assert_close(c, e)
+    static_x = x.detach().clone().requires_grad_(True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(static_x, w, bias)  # warm-up: the kernels' one-time setup outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static_x, w, bias)
+    with torch.no_grad():
+        static_x.copy_(torch.randn_like(static_x))
+    graph.replay()
+    fresh = step(static_x, w, bias)
+    for g, f in zip([out[0], *out[1]], [fresh[0], *fresh[1]]):
+        torch.testing.assert_close(g, f)
+
+
+@hopper_test
+def test_swapped_bert_layer_matches_hf():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from bertaccel.ops.swap import ORDER, swap
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024, num_labels=2)
+    model = BertForSequenceClassification(cfg).cuda().train()
+    ids = torch.randint(1000, 30000, (8, 96), device="cuda")
+    labels = torch.randint(0, 2, (8,), device="cuda")
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.eval()  # no dropout: the comparison is deterministic
+    loss_hf, g_hf = grads()
+    report = swap(model, ORDER)
+    assert report.counts().get("linear", 0) >= 2 * 4  # Q, K, V, attention output... per layer
+    loss_ours, g_ours = grads()
+    report.revert()
+    assert abs(loss_ours - loss_hf) <= 2e-2 * abs(loss_hf) + 1e-3
+    for n in g_hf:
+        err = ((g_ours[n] - g_hf[n]).norm() / g_hf[n].norm().clamp_min(1e-12)).item()
+        assert err < 5e-2, f"{n}: relative gradient difference {err:.2e}"
