@@ -4,11 +4,10 @@
 // reference kernels, and so CI).
 //
 // Each forward runs the op's `*_fwd` form (the outputs the backward needs: the pre-norm sum, row
-// statistics, the dropout seed/offset) below the autograd layer, also for calls that record no
-// backward (no_grad); the public op's output-only CUDA kernel runs only when the op is called below
-// the autograd layer. Routing no-grad calls to it is the next step (commit 0ae153a, backed out until
-// it has run on a GPU). Under torch.compile these Functions are
-// traced like any aten op's autograd: the forward graph holds `*_fwd`, the backward graph `*_bwd`.
+// statistics, the dropout seed/offset) below the autograd layer; calls that record no backward (grad
+// mode off, or no input that requires grad) run the public op's own CUDA kernel instead, which
+// writes only its output. Under torch.compile these Functions are traced like any aten op's
+// autograd: the forward graph holds `*_fwd`, the backward graph `*_bwd`.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/embedding_dense_backward.h>
 #include <torch/autograd.h>
@@ -28,6 +27,17 @@ template <typename Sig>
 c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
+
+// Whether a call must record a backward: grad mode on and some input that requires grad. When not
+// (inference, evaluation), the public op's own CUDA kernel runs, writing only the output.
+bool needs_grad(std::initializer_list<const Tensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const Tensor* t : ts)
+    if (t != nullptr && t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+const Tensor* opt(const OptTensor& t) { return t.has_value() ? &*t : nullptr; }
 
 // A gradient in the dtype of the tensor it belongs to (fp32 accumulations for bf16 parameters).
 Tensor like(const Tensor& grad, const Tensor& ref) {
@@ -68,6 +78,12 @@ struct LayerNormFn : public Function<LayerNormFn> {
 
 Tensor layer_norm_autograd(const Tensor& x, const OptTensor& bias, const OptTensor& residual, const Tensor& weight,
                            const Tensor& ln_bias, double p, double eps) {
+  if (!needs_grad({&x, opt(bias), opt(residual), &weight, &ln_bias})) {
+    static auto fwd = op<Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, double,
+                                double)>("bertaccel::layer_norm");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fwd.call(x, bias, residual, weight, ln_bias, p, eps);
+  }
   return LayerNormFn::apply(x, bias, residual, weight, ln_bias, p, eps);
 }
 
@@ -90,7 +106,14 @@ struct RMSNormFn : public Function<RMSNormFn> {
   }
 };
 
-Tensor rms_norm_autograd(const Tensor& x, const Tensor& weight, double eps) { return RMSNormFn::apply(x, weight, eps); }
+Tensor rms_norm_autograd(const Tensor& x, const Tensor& weight, double eps) {
+  if (!needs_grad({&x, &weight})) {
+    static auto fwd = op<Tensor(const Tensor&, const Tensor&, double)>("bertaccel::rms_norm");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fwd.call(x, weight, eps);
+  }
+  return RMSNormFn::apply(x, weight, eps);
+}
 
 // ------------------------------------------------------------------------------------ bias + GELU
 struct BiasGeluFn : public Function<BiasGeluFn> {
@@ -184,6 +207,13 @@ struct EmbeddingLayerNormFn : public Function<EmbeddingLayerNormFn> {
 Tensor embedding_layer_norm_autograd(const Tensor& ids, const Tensor& pos_ids, const Tensor& type_ids,
                                      const Tensor& word, const Tensor& pos, const Tensor& type, const Tensor& weight,
                                      const Tensor& ln_bias, double p, double eps, bool out_bf16, int64_t padding_idx) {
+  if (!needs_grad({&word, &pos, &type, &weight, &ln_bias})) {
+    static auto fwd = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, const Tensor&, double, double, bool, int64_t)>(
+        "bertaccel::embedding_layer_norm");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fwd.call(ids, pos_ids, type_ids, word, pos, type, weight, ln_bias, p, eps, out_bf16, padding_idx);
+  }
   return EmbeddingLayerNormFn::apply(ids, pos_ids, type_ids, word, pos, type, weight, ln_bias, p, eps, out_bf16,
                                      padding_idx);
 }
