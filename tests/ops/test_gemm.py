@@ -280,5 +280,7 @@ def test_swapped_bert_layer_matches_hf():
     report.revert()
     assert abs(loss_ours - loss_hf) <= 2e-2 * abs(loss_hf) + 1e-3
     for n in g_hf:
+        if n.endswith("attention.self.key.bias"):
+            continue  # softmax ignores a shift shared by a query's logits: this gradient is rounding noise
         err = ((g_ours[n] - g_hf[n]).norm() / g_hf[n].norm().clamp_min(1e-12)).item()
         assert err < 5e-2, f"{n}: relative gradient difference {err:.2e}"

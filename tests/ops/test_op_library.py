@@ -171,8 +171,9 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.parametrize("p", [0.0, 0.1])
 def test_calls_without_a_backward_equal_the_training_forward(p):
     """A call that records no backward (no_grad, or no input requiring grad) gives the values of a
-    training call's forward, dropout masks included when both start from the same generator state
-    (the check for routing such calls to the output-only CUDA kernels, commit 0ae153a)."""
+    training call's forward: without dropout it runs the output-only kernel, equal up to one bf16
+    rounding (it normalises the fp32 sum, the saving form the stored bf16 sum); with dropout it keeps
+    the saving form, so the masks are the same bits when both start from the same generator state."""
     H = 768
     x = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
     r = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
@@ -185,8 +186,15 @@ def test_calls_without_a_backward_equal_the_training_forward(p):
     with torch.no_grad():
         inferred = torch.ops.bertaccel.layer_norm(x, bias, r, w, b, p, 1e-12)
     assert trained.grad_fn is not None and inferred.grad_fn is None
-    assert torch.equal(trained.detach(), inferred)
-    assert torch.equal(torch.ops.bertaccel.rms_norm(x, wg, 1e-6).detach(), torch.ops.bertaccel.rms_norm(x, w, 1e-6))
+
+    def same(a, b):
+        if p > 0:
+            assert torch.equal(a, b), "the same dropout masks from the same generator state"
+        else:
+            torch.testing.assert_close(a, b)
+
+    same(trained.detach(), inferred)
+    torch.testing.assert_close(torch.ops.bertaccel.rms_norm(x, wg, 1e-6).detach(), torch.ops.bertaccel.rms_norm(x, w, 1e-6))
     ids = torch.randint(0, 50, (4, 16), device="cuda")
     pos = torch.arange(16, device="cuda").expand(4, 16).contiguous()
     tables = [torch.randn(n, H, device="cuda") for n in (50, 16, 2)]
@@ -195,4 +203,4 @@ def test_calls_without_a_backward_equal_the_training_forward(p):
     e_train = torch.ops.bertaccel.embedding_layer_norm(ids, pos, torch.zeros_like(ids), *grads, wg, bg, p, 1e-12, True, 0)
     torch.manual_seed(6)
     e_infer = torch.ops.bertaccel.embedding_layer_norm(ids, pos, torch.zeros_like(ids), *tables, w, b, p, 1e-12, True, 0)
-    assert torch.equal(e_train.detach(), e_infer)
+    same(e_train.detach(), e_infer)

@@ -124,6 +124,7 @@ def _linear_setup(ctx, inputs, output):
 
 def _linear_backward(ctx, dy):
     x, weight = ctx.saved_tensors
+    dy = dy.contiguous()  # the copy engine reads unit-stride rows (a broadcast gradient is not)
     dx, dw = _wgrad_dgrad(ctx, dy, x, weight)
     db = dy.float().sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
     return dx, dw, db

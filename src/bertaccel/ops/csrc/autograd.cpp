@@ -5,8 +5,10 @@
 //
 // Each forward runs the op's `*_fwd` form (the outputs the backward needs: the pre-norm sum, row
 // statistics, the dropout seed/offset) below the autograd layer; calls that record no backward (grad
-// mode off, or no input that requires grad) run the public op's own CUDA kernel instead, which
-// writes only its output. Under torch.compile these Functions are traced like any aten op's
+// mode off, or no input that requires grad) and draw no dropout run the public op's own CUDA kernel
+// instead, which writes only its output (evaluation and prediction). It normalises the fp32 sum
+// where the saving form normalises the stored bf16 sum, so the two can differ by one bf16 rounding;
+// calls with dropout keep the saving form, whose masks the training path's tests pin down. Under torch.compile these Functions are traced like any aten op's
 // autograd: the forward graph holds `*_fwd`, the backward graph `*_bwd`.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/embedding_dense_backward.h>
@@ -78,7 +80,7 @@ struct LayerNormFn : public Function<LayerNormFn> {
 
 Tensor layer_norm_autograd(const Tensor& x, const OptTensor& bias, const OptTensor& residual, const Tensor& weight,
                            const Tensor& ln_bias, double p, double eps) {
-  if (!needs_grad({&x, opt(bias), opt(residual), &weight, &ln_bias})) {
+  if (p == 0.0 && !needs_grad({&x, opt(bias), opt(residual), &weight, &ln_bias})) {
     static auto fwd = op<Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, double,
                                 double)>("bertaccel::layer_norm");
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -207,7 +209,7 @@ struct EmbeddingLayerNormFn : public Function<EmbeddingLayerNormFn> {
 Tensor embedding_layer_norm_autograd(const Tensor& ids, const Tensor& pos_ids, const Tensor& type_ids,
                                      const Tensor& word, const Tensor& pos, const Tensor& type, const Tensor& weight,
                                      const Tensor& ln_bias, double p, double eps, bool out_bf16, int64_t padding_idx) {
-  if (!needs_grad({&word, &pos, &type, &weight, &ln_bias})) {
+  if (p == 0.0 && !needs_grad({&word, &pos, &type, &weight, &ln_bias})) {
     static auto fwd = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                 const Tensor&, const Tensor&, double, double, bool, int64_t)>(
         "bertaccel::embedding_layer_norm");

@@ -37,7 +37,11 @@ constexpr int BM = 128;          // tile rows: two consumer warpgroups of 64
 constexpr int BK = 64;           // 64 bf16 = 128 bytes: one swizzle row
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kSmemBudget = 200 * 1024;  // operand stages (the rest of the 227 KB: barriers, alignment)
+constexpr int kChunk = 32;                       // accumulator columns staged per epilogue round
+constexpr int kChunkStride = kChunk + 8;          // floats per staged row: +8 keeps the float2 writes conflict-free
+constexpr int kStagingBytes = kConsumers * 64 * kChunkStride * 4;
+constexpr int kSmemLimit = 227 * 1024;            // Hopper's per-block maximum
+constexpr int kSmemBudget = kSmemLimit - kStagingBytes - 2048;  // operand stages (the rest: barriers, alignment)
 
 enum Epilogue : int {
   kNone = 0,
@@ -126,47 +130,78 @@ __device__ __forceinline__ float load_bias(const Params& p, int col) {
   return p.bias_f32 ? static_cast<const float*>(p.bias)[col] : __bfloat162float(static_cast<const bf16*>(p.bias)[col]);
 }
 
-// Two adjacent columns (col, col + 1) of one row; `pair` when both are inside N and 4-byte aligned.
-__device__ __forceinline__ void finish_pair(const Params& p, bool split, int row, int col, float v0, float v1) {
+// Eight consecutive columns [col, col + 8) of one row from the staged accumulators: the epilogue, then
+// one 16-byte (bf16) or 32-byte (fp32) store when the run is whole and aligned, else element by element.
+// `raw`: a split-K slice (fp32 partial sums, no epilogue). Run in a loop that is not unrolled, once
+// per staged chunk: the kernel's code stays small enough for the instruction cache (an epilogue
+// unrolled per accumulator register, with every epilogue's branches, was ~100x larger).
+__device__ __forceinline__ void finish8(const Params& p, void* out, bool raw, int row, int col, const float* v_in) {
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = v_in[i];
   const int N = p.N;
-  const bool has1 = col + 1 < N;
+  const int n = min(8, N - col);
+  const bool whole = n == 8 && (N % 8 == 0);
   const int64_t at = (int64_t)row * N + col;
-  if (split) {  // raw partial sums into this split's fp32 slice
-    float* o = static_cast<float*>(p.out) + at;
-    if (has1 && (N % 2 == 0)) *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
-    else { o[0] = v0; if (has1) o[1] = v1; }
-    return;
-  }
   const int e = p.epilogue;
-  if (e != kNone && e < kDGeluErf) {
-    v0 += load_bias(p, col);
-    if (has1) v1 += load_bias(p, col + 1);
-  }
-  if (e == kBiasGeluErf || e == kBiasGeluTanh) {
-    if (p.pre != nullptr) {
-      bf16* q = p.pre + at;
-      if (has1 && (N % 2 == 0)) *reinterpret_cast<__nv_bfloat162*>(q) = __floats2bfloat162_rn(v0, v1);
-      else { q[0] = __float2bfloat16(v0); if (has1) q[1] = __float2bfloat16(v1); }
-    }
-    if (e == kBiasGeluErf) { v0 = gelu_erf(v0); v1 = gelu_erf(v1); }
-    else { v0 = gelu_tanh(v0); v1 = gelu_tanh(v1); }
-  } else if (e >= kBiasResidual) {
-    const bf16* a = p.aux + at;
-    float a0, a1 = 0.f;
-    if (has1 && (N % 2 == 0)) { float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a)); a0 = f.x; a1 = f.y; }
-    else { a0 = __bfloat162float(a[0]); if (has1) a1 = __bfloat162float(a[1]); }
-    if (e == kBiasResidual) { v0 += a0; v1 += a1; }
-    else if (e == kDGeluErf) { v0 *= dgelu_erf(a0); v1 *= dgelu_erf(a1); }
-    else { v0 *= dgelu_tanh(a0); v1 *= dgelu_tanh(a1); }
-  }
-  if (p.out_f32) {
-    float* o = static_cast<float*>(p.out) + at;
-    if (has1 && (N % 2 == 0)) *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
-    else { o[0] = v0; if (has1) o[1] = v1; }
+  if (raw || e == kNone) {
+    // split-K slice or no epilogue: the raw sums
   } else {
-    bf16* o = static_cast<bf16*>(p.out) + at;
-    if (has1 && (N % 2 == 0)) *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
-    else { o[0] = __float2bfloat16(v0); if (has1) o[1] = __float2bfloat16(v1); }
+    if (e < kDGeluErf) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] += i < n ? load_bias(p, col + i) : 0.f;
+    }
+    if (e == kBiasGeluErf || e == kBiasGeluTanh) {
+      if (p.pre != nullptr) {
+        bf16* q = p.pre + at;
+        if (whole) {
+          __align__(16) __nv_bfloat162 h[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+          *reinterpret_cast<uint4*>(q) = *reinterpret_cast<const uint4*>(h);
+        } else {
+          for (int i = 0; i < n; ++i) q[i] = __float2bfloat16(v[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = e == kBiasGeluErf ? gelu_erf(v[i]) : gelu_tanh(v[i]);
+    } else if (e >= kBiasResidual) {
+      float a[8];
+      const bf16* src = p.aux + at;
+      if (whole) {
+        uint4 raw = *reinterpret_cast<const uint4*>(src);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { float2 f = __bfloat1622float2(h[i]); a[2 * i] = f.x; a[2 * i + 1] = f.y; }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[i] = i < n ? __bfloat162float(src[i]) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (e == kBiasResidual) v[i] += a[i];
+        else v[i] *= e == kDGeluErf ? dgelu_erf(a[i]) : dgelu_tanh(a[i]);
+      }
+    }
+  }
+  if (p.out_f32 || raw) {
+    float* o = static_cast<float*>(out) + at;
+    if (whole) {
+      *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(o + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      for (int i = 0; i < n; ++i) o[i] = v[i];
+    }
+  } else {
+    bf16* o = static_cast<bf16*>(out) + at;
+    if (whole) {
+      __align__(16) __nv_bfloat162 h[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+      *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(h);
+    } else {
+      for (int i = 0; i < n; ++i) o[i] = __float2bfloat16(v[i]);
+    }
   }
 }
 
@@ -177,7 +212,8 @@ struct Config {
   static constexpr int kBBytes = BN * BK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = kSmemBudget / kStageBytes > 8 ? 8 : kSmemBudget / kStageBytes;
-  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers + alignment slack
+  static constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory over the per-block limit");
 };
 
 template <int BN, bool A_MN, bool B_MN>
@@ -190,7 +226,8 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
   uint8_t* tiles_b = smem + S * C::kABytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * C::kStageBytes);
+  float* staging = reinterpret_cast<float*>(smem + S * C::kStageBytes);  // [kConsumers][64][kChunkStride]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * C::kStageBytes + kStagingBytes);
   uint64_t* empty = full + S;
 
   const int wg = threadIdx.x / 128;
@@ -272,18 +309,32 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
       }
-      // accumulator fragment: d[4j + c] is row warp*16 + lane/4 + 8*(c/2), column 8j + 2*(lane%4) + c%2
-      const bool split_out = p.splits > 1;
-      Params q = p;
-      if (split_out) q.out = static_cast<float*>(p.out) + (int64_t)split * p.M * p.N;
-      const int row0 = tm * BM + cw * 64 + warp * 16 + lane / 4;
-      const int col0 = tn * BN + 2 * (lane % 4);
+      // Epilogue, kChunk columns at a time: the accumulator fragment (d[4j + c] is row warp*16 + lane/4
+      // + 8*(c/2), column 8j + 2*(lane%4) + c%2) goes to this warpgroup's staging rows, then each thread
+      // finishes runs of 8 consecutive columns of a row (coalesced 16-byte stores).
+      void* out = p.splits > 1 ? static_cast<void*>(static_cast<float*>(p.out) + (int64_t)split * p.M * p.N) : p.out;
+      float* stage = staging + cw * 64 * kChunkStride;
+      const int row_base = tm * BM + cw * 64;
+      const int r0 = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = col0 + 8 * j;
-        if (col >= p.N) continue;
-        if (row0 < p.M) finish_pair(q, split_out, row0, col, acc[4 * j], acc[4 * j + 1]);
-        if (row0 + 8 < p.M) finish_pair(q, split_out, row0 + 8, col, acc[4 * j + 2], acc[4 * j + 3]);
+      for (int chunk = 0; chunk < BN / kChunk; ++chunk) {
+        const int col_base = tn * BN + chunk * kChunk;
+#pragma unroll
+        for (int jj = 0; jj < kChunk / 8; ++jj) {
+          const int j = chunk * (kChunk / 8) + jj;
+          *reinterpret_cast<float2*>(&stage[r0 * kChunkStride + 8 * jj + c0]) = make_float2(acc[4 * j], acc[4 * j + 1]);
+          *reinterpret_cast<float2*>(&stage[(r0 + 8) * kChunkStride + 8 * jj + c0]) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+        if (col_base < p.N) {
+#pragma unroll 1
+          for (int i = t; i < 64 * (kChunk / 8); i += 128) {
+            const int r = i / (kChunk / 8), seg = i % (kChunk / 8);
+            const int row = row_base + r, col = col_base + seg * 8;
+            if (row < p.M && col < p.N) finish8(p, out, p.splits > 1, row, col, &stage[r * kChunkStride + seg * 8]);
+          }
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
       }
     }
   }
@@ -358,7 +409,7 @@ void launch_layout(bool a_mn, bool b_mn, const CUtensorMap& ma, const CUtensorMa
   if (!a_mn && !b_mn) launch<BN, false, false>(ma, mb, p, grid, stream);
   else if (!a_mn && b_mn) launch<BN, false, true>(ma, mb, p, grid, stream);
   else if (a_mn && b_mn) launch<BN, true, true>(ma, mb, p, grid, stream);
-  else launch<BN, true, false>(ma, mb, p, grid, stream);
+  else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
 // Tile width and K splits for a problem: the fewest waves of work over the SMs, where a unit's
