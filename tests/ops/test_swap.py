@@ -40,9 +40,10 @@ def test_swap_replaces_instances_and_revert_restores_them(model):
     keys = list(model.state_dict())
     report = swap(model, ORDER)
     counts = report.counts()
-    # 2 layers x 2 outputs; the embeddings' LayerNorm goes with the embeddings; SDPA attention stays
-    assert counts == {"embeddings": 1, "residual_layer_norm": 4, "bias_gelu": 2}
-    assert [(n, f) for n, f, _ in report.skipped] == [
+    # 2 layers x 2 outputs; the embeddings' LayerNorm goes with the embeddings; SDPA attention stays;
+    # linear: 6 dense layers per layer + the pooler (the 2-class classifier is not a multiple of 8)
+    assert counts == {"linear": 13, "embeddings": 1, "residual_layer_norm": 4, "bias_gelu": 2}
+    assert [(n, f) for n, f, _ in report.skipped] == [("classifier", "linear")] + [
         (f"bert.encoder.layer.{i}.attention.self", "softmax") for i in range(2)]
     types = {type(m) for m in model.modules()}
     assert {FusedBertEmbeddings, FusedBertOutput, FusedBertIntermediate} <= types
