@@ -6,7 +6,7 @@
 #   STAGES="build e2e e2e_compile profile sweep mlm"    bash scripts/gpu_check.sh
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
 # (benchmarks/bench_ops.py; OPS= picks families), ln_sweep, e2e, e2e_eager_base, e2e_compile,
-# e2e_graphs, headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
+# e2e_graphs, e2e_gemm, gemm_build, gemm_tests, gemm (our GEMM vs cuBLAS; GEMM_ARGS=--sweep), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
@@ -53,6 +53,11 @@ if has e2e_graphs; then
   python -m benchmarks.e2e --models bert-base --shapes 16x128 32x512 --variants hf-sdpa-bf16 hf-compile graphs fused-graphs \
     --warmup 10 --steps 30 --out "$OUT/e2e_graphs.json" > "$OUT/e2e_graphs.log" 2>&1
   echo "e2e graphs rc=$?"; grep -E "^bert" "$OUT/e2e_graphs.log"
+fi
+if has e2e_gemm; then  # BERT-base steps with every nn.Linear on our GEMM, beside the default swap and HF SDPA
+  timeout ${E2E_TIMEOUT:-300} python -m benchmarks.e2e --models bert-base --shapes ${E2E_SHAPES:-16x128 32x512} \
+    --variants hf-sdpa-bf16 fused-graphs gemm-fused-graphs --warmup 10 --steps 30 --out "$OUT/e2e_gemm.json" > "$OUT/e2e_gemm.log" 2>&1
+  echo "e2e gemm rc=$?"; grep -E "^bert" "$OUT/e2e_gemm.log"; grep -iE "error|warn.*gemm" "$OUT/e2e_gemm.log" | sort | uniq -c | head -5
 fi
 if has ops; then
   python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops.json" > "$OUT/bench_ops.log" 2>&1

@@ -224,7 +224,8 @@ def test_opcheck_compile_and_cuda_graphs():
     bias = torch.randn(512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch.library.opcheck(torch.ops.bertaccel.linear.default, (x, w, bias))
     torch.library.opcheck(torch.ops.bertaccel.linear_gelu.default, (x, w, bias, True))
-    torch.library.opcheck(GEMM, (x.detach(), w.detach(), None, None, 0, False, True, False, False),
+    dy = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(GEMM, (dy, w.detach(), None, None, 0, False, True, False, False),  # dgrad: dy W
                           test_utils=("test_schema", "test_faketensor"))
 
     def step(x, w, bias):
@@ -284,3 +285,19 @@ def test_swapped_bert_layer_matches_hf():
             continue  # softmax ignores a shift shared by a query's logits: this gradient is rounding noise
         err = ((g_ours[n] - g_hf[n]).norm() / g_hf[n].norm().clamp_min(1e-12)).item()
         assert err < 5e-2, f"{n}: relative gradient difference {err:.2e}"
+
+
+@hopper_test
+def test_clear_errors_for_bad_operands():
+    """Last in the file: the error paths of the C++ entry point (a crash there would not hide other results)."""
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="inner dimensions differ"):
+        GEMM(x, w, None, None, 0, False, True, False, False)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        GEMM(x.float(), w, None, None, 0, False, False, False, False)
+    with pytest.raises(RuntimeError, match="needs a contiguous fp32 or bf16 bias"):
+        GEMM(x, w, None, None, 1, False, False, False, False)
+    bias = torch.randn(513, device="cuda")[1:]  # a misaligned view: copied, same result
+    torch.testing.assert_close(GEMM(x, w, bias, None, 1, False, False, False, False)[0],
+                               GEMM(x, w, bias.clone(), None, 1, False, False, False, False)[0])

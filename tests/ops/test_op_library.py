@@ -190,8 +190,8 @@ def test_calls_without_a_backward_equal_the_training_forward(p):
     def same(a, b):
         if p > 0:
             assert torch.equal(a, b), "the same dropout masks from the same generator state"
-        else:
-            torch.testing.assert_close(a, b)
+        else:  # outputs ~ N(0, 1) * w + b: a few bf16 roundings of the pre-norm sum apart
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
     same(trained.detach(), inferred)
     torch.testing.assert_close(torch.ops.bertaccel.rms_norm(x, wg, 1e-6).detach(), torch.ops.bertaccel.rms_norm(x, w, 1e-6))

@@ -239,13 +239,6 @@ class GemmLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tensor | None:
-    """GELU(dense(x)) with bias and GELU in the GEMM's epilogue when `dense` is a GemmLinear, else None."""
-    if isinstance(dense, GemmLinear) and dense.bias is not None:
-        return linear_gelu(x, dense.weight, dense.bias, approximate)
-    return None
-
-
 def dense_matmul(dense: nn.Linear, x: Tensor) -> Tensor:
     """`x @ dense.weight^T` without the bias (the fused modules add it in their own kernels): our GEMM
     when the kernel swap made `dense` a GemmLinear, cuBLAS otherwise."""

@@ -148,8 +148,19 @@ __device__ __forceinline__ void finish8(const Params& p, void* out, bool raw, in
     // split-K slice or no epilogue: the raw sums
   } else {
     if (e < kDGeluErf) {
+      if (whole && p.bias_f32) {
+        const float4* b4 = reinterpret_cast<const float4*>(static_cast<const float*>(p.bias) + col);
+        const float4 lo = b4[0], hi = b4[1];
+        v[0] += lo.x, v[1] += lo.y, v[2] += lo.z, v[3] += lo.w, v[4] += hi.x, v[5] += hi.y, v[6] += hi.z, v[7] += hi.w;
+      } else if (whole) {
+        uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.bias) + col);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] += i < n ? load_bias(p, col + i) : 0.f;
+        for (int i = 0; i < 4; ++i) { float2 f = __bfloat1622float2(h[i]); v[2 * i] += f.x; v[2 * i + 1] += f.y; }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] += i < n ? load_bias(p, col + i) : 0.f;
+      }
     }
     if (e == kBiasGeluErf || e == kBiasGeluTanh) {
       if (p.pre != nullptr) {
@@ -412,24 +423,34 @@ void launch_layout(bool a_mn, bool b_mn, const CUtensorMap& ma, const CUtensorMa
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
-// Tile width and K splits for a problem: the fewest waves of work over the SMs, where a unit's
-// time is taken as (BN + 64) * k-blocks (the A tile's share does not shrink with BN).
+// Tile width and K splits for a problem, from a cost model fitted to a sweep of every tile width and
+// split at BERT's shapes on an H100 (benchmarks/bench_gemm.py --sweep): a unit (one tile, one K range)
+// runs at ~5 TFLOP/s per SM times the tile width's efficiency; the units run in waves over the SMs;
+// each wave adds its epilogue; splits add the fp32 workspace round trip and the reduce kernel.
+double estimate_us(int M, int N, int K, int sms, int bn, int splits) {
+  const int kblocks = (K + BK - 1) / BK;
+  const int tiles = ((M + BM - 1) / BM) * ((N + bn - 1) / bn);
+  const int units = tiles * splits;
+  const int per_split = (kblocks + splits - 1) / splits;
+  const double eff = bn == 64 ? 0.62 : bn == 128 ? 0.80 : 0.88;
+  const double unit_us = 2.0 * BM * bn * BK * per_split / (5.0e6 * eff);  // 5e6 FLOP per us per SM
+  const double waves = (double)((units + sms - 1) / sms);
+  double t = waves * (unit_us + 0.5);
+  if (splits > 1) t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 2.5e6 + 3.0;  // bytes / (B/us)
+  return t;
+}
+
 void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, int& bn, int& splits) {
   const int kblocks = (K + BK - 1) / BK;
   double best = 1e30;
   bn = 128, splits = 1;
   for (int cand : {256, 192, 128, 64}) {
     if (force_bn > 0 && cand != force_bn) continue;
-    const int tiles = ((M + BM - 1) / BM) * ((N + cand - 1) / cand);
     for (int s : {1, 2, 3, 4, 6, 8}) {
       if (force_splits > 0 && s != force_splits) continue;
       if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
-      const int units = tiles * s;
-      const int per_split = (kblocks + s - 1) / s;
-      const double waves = (double)((units + sms - 1) / sms);
-      double cost = waves * (cand + 64) * per_split;
-      if (s > 1) cost *= 1.0 + 0.04 * s;  // the workspace round trip and the reduce kernel
-      if (cost < best * 0.999) best = cost, bn = cand, splits = s;
+      const double t = estimate_us(M, N, K, sms, cand, s);
+      if (t < best * 0.999) best = t, bn = cand, splits = s;
     }
   }
 }
@@ -477,7 +498,10 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   p.tiles_m = (int)((M + BM - 1) / BM), p.tiles_n = (int)((N + bn - 1) / bn);
   p.splits = splits, p.kblocks_per_split = (kblocks + splits - 1) / splits;
   p.out_f32 = out_fp32, p.epilogue = (int)epilogue;
-  p.bias = needs_bias ? bias->data_ptr() : nullptr;
+  // the epilogue reads the bias 16 bytes at a time: a misaligned view is copied (a Parameter never is)
+  const at::Tensor bias_t = !needs_bias ? at::Tensor()
+                            : reinterpret_cast<uintptr_t>(bias->data_ptr()) % 16 == 0 ? *bias : bias->clone();
+  p.bias = needs_bias ? bias_t.data_ptr() : nullptr;
   p.bias_f32 = needs_bias && bias->scalar_type() == at::kFloat;
   p.aux = needs_aux ? static_cast<const bf16*>(aux->data_ptr()) : nullptr;
   p.pre = (gelu && save_pre) ? static_cast<bf16*>(pre.data_ptr()) : nullptr;
@@ -505,7 +529,7 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
     const int threads = 256;
     const int blocks = (int)std::min<int64_t>((count + threads - 1) / threads, (int64_t)sms * 8);
     split_reduce_kernel<<<blocks, threads, 0, stream>>>(ws.data_ptr<float>(), splits, count, (int)N, out.data_ptr(),
-                                                        out_fp32, needs_bias ? bias->data_ptr() : nullptr, p.bias_f32);
+                                                        out_fp32, p.bias, p.bias_f32);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {out, pre};
