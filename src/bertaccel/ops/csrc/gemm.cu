@@ -465,8 +465,8 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1, "bertaccel gemm: operands must have unit inner stride");
   const int64_t M = trans_a ? a.size(1) : a.size(0), K = trans_a ? a.size(0) : a.size(1);
   const int64_t N = trans_b ? b.size(1) : b.size(0);
-  TORCH_CHECK((trans_b ? b.size(0) : b.size(1)) == K, "bertaccel gemm: inner dimensions differ (", K, " and ",
-              trans_b ? b.size(0) : b.size(1), ")");
+  const int64_t K_b = trans_b ? b.size(0) : b.size(1);
+  TORCH_CHECK(K_b == K, "bertaccel gemm: inner dimensions differ (", K, " and ", K_b, ")");
   for (const at::Tensor* t : {&a, &b}) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && (t->stride(0) * 2) % 16 == 0,
                 "bertaccel gemm: operands need 16-byte aligned data and row strides (a multiple of 8 elements)");
