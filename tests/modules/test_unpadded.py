@@ -78,13 +78,81 @@ def test_unpadded_classifier_trains_through_the_cli(tiny_config):
     assert float(unpadded) < padded
 
 
-def test_unpadded_with_cuda_graphs_is_refused():
-    from bertaccel.errors import ConfigError
-    from bertaccel.modules import BertClassifier
+def test_packed_layout_rounds_the_token_count_with_distinct_fillers():
+    from bertaccel.data.collate import packed_layout
 
-    with pytest.raises(ConfigError, match="model.unpadded reads each batch's number of real tokens"):
-        BertClassifier(config={k: v for k, v in CFG.items() if k not in ("num_labels", "vocab_size")}, vocab_size=120,
-                       unpadded=True, cuda_graphs=True)
+    _, mask, _ = batch([4, 2, 6, 0], seq=6)
+    exact, cu = packed_layout(mask)
+    assert exact.tolist() == [0, 1, 2, 3, 6, 7, 12, 13, 14, 15, 16, 17] and cu.tolist() == [0, 4, 6, 12, 12]
+    assert cu.dtype == torch.int32
+    padded, cu2 = packed_layout(mask, token_quantum=8)
+    assert padded.numel() == 16 and torch.equal(cu2, cu) and torch.equal(padded[:12], exact)
+    fill = padded[12:]
+    assert len(set(fill.tolist())) == 4 and not mask.reshape(-1)[fill].any()  # distinct padding positions
+    assert packed_layout(mask, token_quantum=100)[0].numel() == mask.numel()  # capped at batch x seq
+    with pytest.raises(ValueError, match="right-padded"):
+        packed_layout(mask.flip(1))
+
+
+@pytest.mark.parametrize("quantum", [None, 8, 32])
+def test_packed_batches_give_the_padded_logits_and_gradients(quantum):
+    """The collator's layout (fillers included) through the encoder: the padded model's results."""
+    from bertaccel.data.collate import packed_layout
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**CFG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    ids, mask, types = batch([13, 1, 7, 10])
+    ref = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    ref_grads = torch.autograd.grad(ref.square().sum(), list(model.parameters()), allow_unused=True)
+    indices, cu = packed_layout(mask, quantum)
+    layout = Unpadded.from_packed(indices, cu, mask)
+    got = classifier_logits(model, ids, mask, types, layout)
+    got_grads = torch.autograd.grad(got.square().sum(), list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), got_grads, ref_grads):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_collator_packs_static_and_dynamic_batches():
+    from bertaccel.data.collate import ClassificationCollator
+
+    rows = [{"input_ids": torch.arange(5, 5 + n), "label": 1, "index": i} for i, n in enumerate([10, 3, 7])]
+    dynamic = ClassificationCollator(pad_id=0, packed=True)(rows)
+    assert dynamic["packed_indices"].numel() == 20 and dynamic["cu_seqlens"].tolist() == [0, 10, 13, 20]
+    static = ClassificationCollator(pad_id=0, buckets=[16, 32], batch_size=4, packed=True, token_buckets=8)(rows)
+    # 4 x 16 slots in 8 steps of 8: 20 real tokens + the padding row's one token = 21 -> 24
+    assert static["input_ids"].shape == (4, 16) and static["packed_indices"].numel() == 24
+    assert static["cu_seqlens"].tolist() == [0, 10, 13, 20, 21]
+    assert "packed_indices" not in ClassificationCollator(pad_id=0)(rows)
+
+
+def test_unpadded_with_cuda_graphs_trains_like_eager_unpadded(tiny_data, tmp_path):
+    """`model.unpadded` with `model.cuda_graphs`: static packed batches (no host read per step) through
+    the graph-mode loop (run without capture on CPU) train exactly as the eager unpadded model does."""
+    import lightning.pytorch as pl
+
+    from bertaccel.data import TextClassificationDataModule
+    from bertaccel.modules import BertClassifier
+    from tests.conftest import TINY_BERT
+
+    def train(graphs: bool):
+        pl.seed_everything(3)
+        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graphs, unpadded=True)
+        model._capture_without_gpu = graphs
+        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
+                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        trainer.fit(model, datamodule=dm)
+        return model, trainer, dm
+
+    eager, t_eager, dm = train(False)
+    graph, t_graph, _ = train(True)
+    assert dm.packed and "packed_indices" in next(iter(dm.train_dataloader()))
+    assert t_graph.global_step == t_eager.global_step > 0
+    for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_unpadded_runs_through_swapped_modules():

@@ -127,6 +127,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         self.val_size = val_size
         self.pad_to_multiple_of = pad_to_multiple_of
         self.static_shapes = static_shapes
+        self.packed = False  # set by model.unpadded (use_packed_layout)
         self.length_buckets = length_buckets
         try:
             bucket_lengths(max_length, length_buckets)
@@ -320,11 +321,16 @@ class TextClassificationDataModule(pl.LightningDataModule):
         """Pad batches to bucketed lengths and full batch size from now on (see `static_shapes`)."""
         self.static_shapes = True
 
+    def use_packed_layout(self) -> None:
+        """Give every batch `packed_indices` and `cu_seqlens` for the unpadded encoder (`model.unpadded`)."""
+        self.packed = True
+
     def collator(self, batch_size: int) -> ClassificationCollator:
         pad_id = self.tokenizer.pad_token_id
         if self.static_shapes:
-            return ClassificationCollator(pad_id, buckets=bucket_lengths(self.max_length, self.length_buckets), batch_size=batch_size)
-        return ClassificationCollator(pad_id, self.pad_to_multiple_of)
+            return ClassificationCollator(pad_id, buckets=bucket_lengths(self.max_length, self.length_buckets),
+                                          batch_size=batch_size, packed=self.packed)
+        return ClassificationCollator(pad_id, self.pad_to_multiple_of, packed=self.packed)
 
     def _sampler(self, split: str, batch_size: int, train: bool) -> EpochSampler:
         ds = self.datasets[split]

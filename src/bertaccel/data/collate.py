@@ -1,12 +1,14 @@
 """Batch collation: dynamic padding (to the longest row, optionally to a multiple of 8), or static
 shapes for CUDA graphs (lengths padded up to one of a few buckets, short batches padded with
-masked rows to the full batch size)."""
+masked rows to the full batch size); for the unpadded encoder, also where the real tokens are
+(`packed_layout`), computed here on the CPU so that the step needs no host read."""
 
 from __future__ import annotations
 
 import bisect
 
 import torch
+import torch.nn.functional as F
 
 from bertaccel.data.masking import IGNORE_INDEX  # also the label of a padding row
 
@@ -60,12 +62,41 @@ def pad_ids(
     return ids, mask
 
 
+def packed_layout(mask: torch.Tensor, token_quantum: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the real tokens of a right-padded [batch, seq] attention mask are, as the unpadded encoder
+    (`bertaccel.modules.unpadded`) takes them: `packed_indices`, the flat positions (b * seq + s) of
+    the real tokens sequence by sequence, and `cu_seqlens`, the int32 offsets of each sequence
+    ([batch + 1], FlashAttention's varlen convention).
+
+    With `token_quantum`, the token count is rounded up to a multiple of it (at most batch x seq) with
+    filler positions appended after the real tokens: the first padding positions of the batch, each
+    once, so that packing and unpacking stay exact. A CUDA graph then sees a few token counts instead
+    of one per batch; the fillers run through the encoder as padding tokens and are never read back.
+    """
+    mask = mask.bool()
+    batch, seq = mask.shape
+    lengths = mask.sum(1)
+    if bool((mask != (torch.arange(seq) < lengths[:, None])).any()):
+        raise ValueError("the unpadded encoder needs right-padded batches (real tokens first in every row).")
+    flat = mask.reshape(-1)
+    indices = flat.nonzero().squeeze(1)
+    if token_quantum:
+        tokens = indices.numel()
+        budget = min(flat.numel(), -(-max(tokens, 1) // token_quantum) * token_quantum)
+        fill = (~flat).nonzero().squeeze(1)[: budget - tokens]
+        indices = torch.cat([indices, fill])
+    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return indices, cu_seqlens
+
+
 class ClassificationCollator:
     """Rows `{"input_ids", "label", "index"}` to a padded batch; a picklable class for workers.
 
     Every batch carries `num_rows`, the number of real rows (a Python int). With `batch_size`
     (static shapes), padding rows are added up to it: their `labels` are -100 and their `index`
-    is -1, so losses, metrics and prediction writers skip them.
+    is -1, so losses, metrics and prediction writers skip them. With `packed`, batches also carry
+    `packed_indices` and `cu_seqlens` (`packed_layout`); with static shapes the token count is
+    rounded up to one of `token_buckets` steps of batch x seq.
     """
 
     def __init__(
@@ -74,9 +105,12 @@ class ClassificationCollator:
         pad_to_multiple_of: int | None = None,
         buckets: list[int] | None = None,
         batch_size: int | None = None,
+        packed: bool = False,
+        token_buckets: int = 8,
     ) -> None:
         self.pad_id, self.pad_to_multiple_of = pad_id, pad_to_multiple_of
         self.buckets, self.batch_size = buckets, batch_size
+        self.packed, self.token_buckets = packed, token_buckets
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | int]:
         ids, mask = pad_ids([r["input_ids"] for r in rows], self.pad_id, self.pad_to_multiple_of, self.buckets, self.batch_size)
@@ -84,6 +118,12 @@ class ClassificationCollator:
         index = torch.full((b,), -1, dtype=torch.long)
         index[:n] = torch.tensor([r["index"] for r in rows], dtype=torch.long)
         batch = {"input_ids": ids, "attention_mask": mask, "index": index, "num_rows": n}
+        if self.packed:
+            quantum = None
+            if self.batch_size is not None:  # static shapes: a few token counts per length bucket
+                quantum = -(-ids.numel() // self.token_buckets)
+                quantum = -(-quantum // 8) * 8
+            batch["packed_indices"], batch["cu_seqlens"] = packed_layout(mask, quantum)
         if rows[0].get("label") is not None:
             labels = torch.full((b,), IGNORE_INDEX, dtype=torch.long)
             labels[:n] = torch.tensor([r["label"] for r in rows], dtype=torch.long)

@@ -40,7 +40,7 @@ OPTIMIZERS = ("adamw", "muon", "normuon")
 MUON_ORTHOGONALIZERS = ("newton-schulz", "polar-express")  # the model options ("svd" is for tests)
 GRAPH_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
 # The batch fields a step function takes (tensors of static shape under graphs).
-STEP_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "labels")
+STEP_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "labels", "packed_indices", "cu_seqlens")
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from bertaccel.errors import ConfigError
 from bertaccel.modules.bert import build_bert
 from bertaccel.modules.flops import bert_step_flops_unpadded
 from bertaccel.modules.metrics import ClassificationStats
-from bertaccel.modules.unpadded import classifier_logits
+from bertaccel.modules.unpadded import Unpadded, classifier_logits
 
 
 class BertClassifier(BertModule):
@@ -48,8 +48,9 @@ class BertClassifier(BertModule):
             trained from scratch (it adds parameters a pretrained model lacks); null: none.
         unpadded: Run the embeddings, projections, feed-forward blocks and LayerNorms on the real
             tokens only (`bertaccel.modules.unpadded`); attention is re-padded for SDPA. Same
-            parameters and results as the padded model. Not with cuda_graphs (it reads each batch's
-            token count to the host).
+            parameters and results as the padded model. The data module packs each batch on the CPU
+            (where the real tokens are), so the step reads nothing back to the host; with cuda_graphs
+            the token count is rounded up to a few buckets per length bucket (fillers: padding tokens).
     """
 
     def __init__(
@@ -79,11 +80,6 @@ class BertClassifier(BertModule):
         # the CLI restores from a checkpoint (a link target cannot be overridden), and check them on
         # load instead (`BertModule.on_load_checkpoint`).
         self.save_hyperparameters(ignore=["num_labels", "vocab_size"])
-        if unpadded and cuda_graphs:
-            raise ConfigError(
-                "model.unpadded reads each batch's number of real tokens to the host, which a captured CUDA graph "
-                "cannot; use one of model.unpadded and model.cuda_graphs."
-            )
         self.unpadded = unpadded
         self.num_labels = num_labels
         self.model = build_bert(
@@ -101,21 +97,38 @@ class BertClassifier(BertModule):
         # ("train" cannot be a ModuleDict key: it would shadow nn.Module.train)
         self.metrics = torch.nn.ModuleDict({f"{s}_metrics": ClassificationStats(num_labels) for s in ("train", "val", "test")})
 
-    def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        """Logits, (B, num_labels)."""
+    def forward(self, input_ids, attention_mask, token_type_ids=None, packed_indices=None, cu_seqlens=None) -> torch.Tensor:
+        """Logits, (B, num_labels). With `model.unpadded`, the batch's `packed_indices` / `cu_seqlens`
+        (from the data module) say where the real tokens are."""
         if self.unpadded:
-            return classifier_logits(self.model, input_ids, attention_mask, token_type_ids)
+            layout = Unpadded.from_packed(packed_indices, cu_seqlens, attention_mask) if packed_indices is not None else None
+            return classifier_logits(self.model, input_ids, attention_mask, token_type_ids, layout)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.unpadded and dm is not None:
+            if hasattr(dm, "use_packed_layout"):
+                dm.use_packed_layout()  # the collator says where the real tokens are: no host read per step
+            elif self.cuda_graphs:
+                raise ConfigError(
+                    f"model.unpadded with model.cuda_graphs needs a data module that packs batches "
+                    f"(`use_packed_layout`); {type(dm).__name__} does not. Use one of the two options."
+                )
 
     def flops_per_batch(self, batch: dict[str, torch.Tensor], training: bool):
         if not self.unpadded:
             return super().flops_per_batch(batch, training)
         B, S = batch["input_ids"].shape
-        real = batch["attention_mask"].sum()  # a device value, read lazily by the meter
-        return bert_step_flops_unpadded(self.model.config, B, S, real, training)
+        # the rows the encoder runs on: the packed token count (fillers included), else the real tokens
+        packed = batch.get("packed_indices")
+        rows = packed.numel() if isinstance(packed, torch.Tensor) else batch["attention_mask"].sum()
+        return bert_step_flops_unpadded(self.model.config, B, S, rows, training)
 
-    def step_outputs(self, input_ids, attention_mask, token_type_ids=None, labels=None) -> dict[str, torch.Tensor]:
-        logits = self(input_ids, attention_mask, token_type_ids)
+    def step_outputs(self, input_ids, attention_mask, token_type_ids=None, labels=None, packed_indices=None,
+                     cu_seqlens=None) -> dict[str, torch.Tensor]:
+        logits = self(input_ids, attention_mask, token_type_ids, packed_indices, cu_seqlens)
         if labels is None:
             return {"logits": logits}
         # summed over the labelled rows (padding rows carry -100), then the mean for backward

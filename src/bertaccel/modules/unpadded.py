@@ -11,9 +11,12 @@ with the key-padding mask and gathers the output (exact; the fused varlen attent
 attention issue will replace this step and drop the scatter). The pooler and classifier read each
 sequence's first ([CLS]) token.
 
-Limitations today: unpadding reads the number of real tokens to the host (one read per batch),
-so it does not run inside a whole-step CUDA graph; classification only (the masked-LM head already
-runs on masked positions only). The profiler's regions are kept: the feed-forward blocks and the
+Where the real tokens are comes with the batch when the data module packs it (`packed_indices`,
+`cu_seqlens`: `bertaccel.data.collate.packed_layout`, computed by the collator on the CPU; the
+classifier asks for it): no host read, and with static shapes a token count rounded up to a few
+buckets, so the step runs inside a whole-step CUDA graph (`model.cuda_graphs`). Without it,
+`Unpadded.from_mask` finds them on the device with one host read per batch. Classification only (the
+masked-LM head already runs on masked positions only). The profiler's regions are kept: the feed-forward blocks and the
 classifier through their module hooks, the embeddings, attention and pooler through the same labels.
 """
 
@@ -53,6 +56,14 @@ class Unpadded:
         cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         indices = torch.nonzero_static(mask.reshape(-1), size=tokens).squeeze(1)
         return cls(indices, cu, seq, batch, seq, mask[:, None, None, :])
+
+    @classmethod
+    def from_packed(cls, packed_indices: Tensor, cu_seqlens: Tensor, attention_mask: Tensor) -> Unpadded:
+        """The layout the collator computed (`packed_layout`): no host read, static shapes. Rows past
+        cu_seqlens[-1] are fillers (padding positions) that run along and are never read back."""
+        batch, seq = attention_mask.shape
+        mask = attention_mask.bool()
+        return cls(packed_indices, cu_seqlens, seq, batch, seq, mask[:, None, None, :])
 
     @property
     def tokens(self) -> int:
@@ -120,9 +131,10 @@ def encoder_forward(bert: nn.Module, input_ids: Tensor, token_type_ids: Tensor |
 
 
 def classifier_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                      token_type_ids: Tensor | None = None) -> Tensor:
-    """`BertForSequenceClassification(...).logits` computed on the real tokens only."""
-    layout = Unpadded.from_mask(attention_mask)
+                      token_type_ids: Tensor | None = None, layout: Unpadded | None = None) -> Tensor:
+    """`BertForSequenceClassification(...).logits` computed on the real tokens only (`layout`: where
+    they are, from the batch; found from the mask when not given)."""
+    layout = layout if layout is not None else Unpadded.from_mask(attention_mask)
     h = encoder_forward(model.bert, input_ids, token_type_ids, layout)
     pooler = model.bert.pooler
     with _region("head"):
