@@ -16,6 +16,7 @@ Variants:
   cli-fused-compile-graphs  all three.
   cli-unpadded    + configs/presets/unpadded.yaml (encoder on real tokens only; eager steps).
   cli-fused-unpadded  + fused.yaml and unpadded.yaml.
+  cli-fused-unpadded-graphs  + graphs.yaml, fused.yaml and unpadded.yaml (packed static batches).
   A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
@@ -49,6 +50,7 @@ CLI_PRESETS = {
     "cli-fused-compile-graphs": ["configs/presets/graphs.yaml", "configs/presets/fused.yaml", "configs/presets/compile.yaml"],
     "cli-unpadded": ["configs/presets/unpadded.yaml"],
     "cli-fused-unpadded": ["configs/presets/fused.yaml", "configs/presets/unpadded.yaml"],
+    "cli-fused-unpadded-graphs": ["configs/presets/graphs.yaml", "configs/presets/fused.yaml", "configs/presets/unpadded.yaml"],
 }
 
 
