@@ -82,7 +82,8 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False) -> list[di
             if sweep:  # every tile width and K split, for the tile heuristic
                 for tile in (64, 128, 192, 256):
                     for splits in (1, 2, 4) if name.startswith("wgrad") or m <= 4096 else (1,):
-                        f = lambda a, b, tile=tile, splits=splits: GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits)[0]  # noqa: E731
+                        def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb):
+                            return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits)[0]
                         t = time_ms(f, args, device)
                         rows.append({"shape": row["shape"], "gemm": name, "impl": f"bertaccel n{tile} s{splits}",
                                      "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})

@@ -18,7 +18,14 @@ from torch import nn
 
 import bertaccel.ops.swap  # noqa: F401 - imports every op family
 from bertaccel.ops import build, registry
-from bertaccel.ops.gemm import EPILOGUES, GemmLinear, apply_epilogue, gemm_reference, linear, linear_gelu
+from bertaccel.ops.gemm import (
+    EPILOGUES,
+    GemmLinear,
+    apply_epilogue,
+    gemm_reference,
+    linear,
+    linear_gelu,
+)
 from tests.ops.conftest import poison, rel_err
 
 GEMM = torch.ops.bertaccel.gemm.default

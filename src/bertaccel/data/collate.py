@@ -74,7 +74,7 @@ def packed_layout(mask: torch.Tensor, token_quantum: int | None = None) -> tuple
     of one per batch; the fillers run through the encoder as padding tokens and are never read back.
     """
     mask = mask.bool()
-    batch, seq = mask.shape
+    seq = mask.shape[1]
     lengths = mask.sum(1)
     if bool((mask != (torch.arange(seq) < lengths[:, None])).any()):
         raise ValueError("the unpadded encoder needs right-padded batches (real tokens first in every row).")

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from transformers import BertForSequenceClassification
 
 from bertaccel.data.masking import IGNORE_INDEX
-from bertaccel.modules.base import BertModule
 from bertaccel.errors import ConfigError
+from bertaccel.modules.base import BertModule
 from bertaccel.modules.bert import build_bert
 from bertaccel.modules.flops import bert_step_flops_unpadded
 from bertaccel.modules.metrics import ClassificationStats
