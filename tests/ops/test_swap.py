@@ -163,6 +163,14 @@ def test_kernel_swap_callback_through_the_cli(tiny_config):
     assert run.trainer.global_step > 0
 
 
+def test_kernel_swap_all_leaves_out_the_opt_in_gemm_until_named():
+    from bertaccel.callbacks.kernel_swap import KernelSwap
+
+    assert "linear" not in KernelSwap(ops=["all"]).ops
+    assert KernelSwap(ops=["all", "linear"]).ops[-1] == "linear"
+    assert KernelSwap(ops=["linear", "layer_norm"]).ops == ["linear", "layer_norm"]
+
+
 def test_attention_fallback_follows_train_and_eval():
     """The fallback runs the original attention, which is not a submodule: model.eval() did not reach
     it and its attention dropout stayed on. Now the fallback follows the swapped module's mode."""
