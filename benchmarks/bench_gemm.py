@@ -79,13 +79,15 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False) -> list[di
             ms_ours = time_ms(gemm.gemm_case(name), args, device)
             rows.append({"shape": row["shape"], "gemm": name, "impl": "bertaccel", "ms": round(ms_ours, 4),
                          "TFLOP/s": round(flops / ms_ours / 1e9, 1), "of_cublas": round(ms / ms_ours, 3)})
-            if sweep:  # every tile width and K split, for the tile heuristic
-                for tile in (64, 128, 192, 256):
+            if sweep:  # every schedule, tile width and K split, for the tile heuristic
+                configs = [(1, tile) for tile in (64, 128, 192, 256)] + [(2, tile) for tile in (64, 128)]
+                for schedule, tile in configs:
                     for splits in (1, 2, 4) if name.startswith("wgrad") or m <= 4096 else (1,):
-                        def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb):
-                            return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits)[0]
+                        def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
+                            return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]
                         t = time_ms(f, args, device)
-                        rows.append({"shape": row["shape"], "gemm": name, "impl": f"bertaccel n{tile} s{splits}",
+                        kind = "pp " if schedule == 2 else ""
+                        rows.append({"shape": row["shape"], "gemm": name, "impl": f"bertaccel {kind}n{tile} s{splits}",
                                      "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
         # the epilogue baselines: linear + bias + GELU
         gelu_cases = {"F.linear(bias) + gelu": lambda x, w, b: F.gelu(F.linear(x, w, b))}
@@ -97,6 +99,8 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False) -> list[di
             # one GEMM with bias + GELU in the epilogue; training also writes the pre-activation
             gelu_cases["bertaccel gemm+bias+gelu"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, False)[0]
             gelu_cases["bertaccel gemm+bias+gelu (saves pre)"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, True)
+            gelu_cases["bertaccel ping-pong gemm+bias+gelu"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, False,
+                                                                                      128, 1, 2)[0]
         base = None
         for name, fn in gelu_cases.items():
             ms = time_ms(fn, (x, w, bias), device)

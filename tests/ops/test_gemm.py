@@ -149,9 +149,10 @@ def test_gemm_layouts_and_shapes(layout, M, N, K):
 
 
 @hopper_test
-@pytest.mark.parametrize("tile_n", [64, 128, 192, 256])
+@pytest.mark.parametrize("schedule,tile_n", [(1, 64), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128)],
+                         ids=lambda v: {1: "cooperative", 2: "pingpong"}.get(v, str(v)) if v in (1, 2) else str(v))
 @pytest.mark.parametrize("splits", [1, 2, 3, 8])
-def test_every_tile_width_and_k_split(tile_n, splits):
+def test_every_schedule_tile_width_and_k_split(schedule, tile_n, splits):
     M, N, K = 333, 520, 2056  # no dimension a multiple of a tile
     for layout, (trans_a, trans_b) in LAYOUTS.items():
         if trans_a and M % 8:
@@ -160,9 +161,25 @@ def test_every_tile_width_and_k_split(tile_n, splits):
         A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
         bias = torch.randn(N, device="cuda")
         poison()
-        ours = GEMM(a, b, bias, None, 1, trans_a, trans_b, False, False, tile_n, splits)[0]
+        ours = GEMM(a, b, bias, None, 1, trans_a, trans_b, False, False, tile_n, splits, schedule)[0]
         _check(ours, torch.addmm(bias.bfloat16(), A, B.t()), A.double() @ B.double().t() + bias.double(),
-               f"{layout} tile {tile_n} splits {splits}")
+               f"{layout} schedule {schedule} tile {tile_n} splits {splits}")
+
+
+@hopper_test
+@pytest.mark.parametrize("epilogue", ["bias_gelu", "bias_residual", "dgelu"])
+def test_pingpong_epilogues_and_many_units(epilogue):
+    """Ping-pong at a BERT shape (many units per block, both warpgroups alternating)."""
+    M, N, K = 16384, 768, 768
+    a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
+    bias = torch.randn(N, device="cuda")
+    aux = torch.randn(M, N, device="cuda").bfloat16()
+    e = EPILOGUES[epilogue]
+    poison()
+    out, pre = GEMM(a, b, bias, aux, e, False, False, False, True, 128, 1, 2)
+    ref_out, _ = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
+    cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
+    _check(out, cub, ref_out, f"pingpong {epilogue}")
 
 
 @hopper_test

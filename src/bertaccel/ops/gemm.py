@@ -33,7 +33,7 @@ EPILOGUES = {"none": 0, "bias": 1, "bias_gelu": 2, "bias_gelu_tanh": 3, "bias_re
 
 # ------------------------------------------------------------------------------------ schemas
 lib.define("gemm(Tensor a, Tensor b, Tensor? bias, Tensor? aux, int epilogue, bool trans_a, bool trans_b, "
-           "bool out_fp32, bool save_pre, int tile_n=0, int splits=0) -> (Tensor, Tensor)")
+           "bool out_fp32, bool save_pre, int tile_n=0, int splits=0, int schedule=0) -> (Tensor, Tensor)")
 lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 lib.define("linear_gelu(Tensor x, Tensor weight, Tensor bias, bool tanh) -> (Tensor, Tensor)")
 
@@ -66,7 +66,7 @@ def apply_epilogue(acc: Tensor, bias, aux, epilogue: int, save_pre: bool, pre_dt
     return acc, pre
 
 
-def gemm_reference(a, b, bias, aux, epilogue, trans_a, trans_b, out_fp32, save_pre, tile_n=0, splits=0):
+def gemm_reference(a, b, bias, aux, epilogue, trans_a, trans_b, out_fp32, save_pre, tile_n=0, splits=0, schedule=0):
     """What the kernel computes, from the given operands (any device): the product and epilogue in
     fp32 (float64 for float64 operands), the output in fp32 or the operands' dtype."""
     work = torch.float64 if a.dtype == torch.float64 else torch.float32
@@ -77,13 +77,13 @@ def gemm_reference(a, b, bias, aux, epilogue, trans_a, trans_b, out_fp32, save_p
 
 
 @torch.library.impl(lib, "gemm", "CPU")
-def _gemm_cpu(a, b, bias, aux, epilogue, trans_a, trans_b, out_fp32, save_pre, tile_n=0, splits=0):
+def _gemm_cpu(a, b, bias, aux, epilogue, trans_a, trans_b, out_fp32, save_pre, tile_n=0, splits=0, schedule=0):
     return gemm_reference(a, b, bias, aux, epilogue, trans_a, trans_b, out_fp32, save_pre)
 
 
 # ----------------------------------------------------------------------------------------- fake
 @torch.library.register_fake(f"{NS}::gemm")
-def _gemm_fake(a, b, bias, aux, epilogue, trans_a, trans_b, out_fp32, save_pre, tile_n=0, splits=0):
+def _gemm_fake(a, b, bias, aux, epilogue, trans_a, trans_b, out_fp32, save_pre, tile_n=0, splits=0, schedule=0):
     M = a.shape[1] if trans_a else a.shape[0]
     N = b.shape[1] if trans_b else b.shape[0]
     out = a.new_empty(M, N, dtype=torch.float32 if out_fp32 else a.dtype)

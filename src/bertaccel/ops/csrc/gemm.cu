@@ -227,7 +227,12 @@ struct Config {
   static_assert(kSmemBytes <= kSmemLimit, "shared memory over the per-block limit");
 };
 
-template <int BN, bool A_MN, bool B_MN>
+// PP (ping-pong): each consumer warpgroup takes whole 128-row tiles, alternating units with the other,
+// so one warpgroup's epilogue runs while the other's MMAs do (the cooperative schedule, PP = false,
+// splits every tile's rows between the two and leaves the tensor cores idle during the epilogue).
+// The producer fills the ring unit after unit in either schedule; with PP only the warpgroup that
+// owns a unit consumes (and releases) its stages.
+template <int BN, bool A_MN, bool B_MN, bool PP>
 __global__ void __launch_bounds__(kThreads, 1)
 gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -245,7 +250,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers * 4);  // lane 0 of each consumer warp
+      mbar_init(&empty[s], PP ? 4 : kConsumers * 4);  // lane 0 of each warp that consumes the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -286,28 +291,36 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
     }
   } else {  // ----------------------------------------------------------------- consumers
     regs_up<232>();
-    const int cw = wg - 1;  // which 64 rows of the tile
+    const int cw = wg - 1;  // cooperative: which 64 rows of each tile; ping-pong: which units
+    constexpr int kHalves = PP ? 2 : 1;  // 64-row halves of the tile this warpgroup accumulates
     const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-    float acc[BN / 2];
-    int it = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    float acc[kHalves][BN / 2];
+    int it = 0, local = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, ++local) {
       const int split = u % p.splits, tile = u / p.splits;
       const int tm = tile / p.tiles_n, tn = tile % p.tiles_n;
       const int kb0 = split * p.kblocks_per_split;
       const int kb1 = min(kblocks_total, kb0 + p.kblocks_per_split);
+      if (PP && (local & 1) != cw) {  // the other warpgroup's unit: skip its stages in the ring
+        it += max(0, kb1 - kb0);
+        continue;
+      }
       int prev = -1;
       for (int kb = kb0; kb < kb1; ++kb, ++it) {
         const int s = it % S;
         mbar_wait(&full[s], (it / S) & 1);
-        const uint8_t* a = tiles_a + s * C::kABytes + cw * 64 * BK * 2;  // both layouts: 8 KB per 64 rows
+        const uint8_t* a = tiles_a + s * C::kABytes + (PP ? 0 : cw * 64 * BK * 2);  // both layouts: 8 KB per 64 rows
         const uint8_t* b = tiles_b + s * C::kBBytes;
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < BK / 16; ++k) {
           // K-major: the next 16 K-elements are 32 bytes along the swizzled row; MN-major: 16 K-rows down.
-          const uint64_t da = smem_desc(a + (A_MN ? k * 16 * 128 : k * 32), 64 * BK * 2);
           const uint64_t db = smem_desc(b + (B_MN ? k * 16 * 128 : k * 32), 64 * BK * 2);
-          wgmma::mma<BN, A_MN ? 1 : 0, B_MN ? 1 : 0>(acc, da, db, (kb > kb0 || k > 0) ? 1 : 0);
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) {
+            const uint64_t da = smem_desc(a + h * 64 * BK * 2 + (A_MN ? k * 16 * 128 : k * 32), 64 * BK * 2);
+            wgmma::mma<BN, A_MN ? 1 : 0, B_MN ? 1 : 0>(acc[h], da, db, (kb > kb0 || k > 0) ? 1 : 0);
+          }
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous stage's MMAs are done: release it
@@ -318,34 +331,40 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
       if (kb1 <= kb0) {
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+        for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
       }
       // Epilogue, kChunk columns at a time: the accumulator fragment (d[4j + c] is row warp*16 + lane/4
       // + 8*(c/2), column 8j + 2*(lane%4) + c%2) goes to this warpgroup's staging rows, then each thread
       // finishes runs of 8 consecutive columns of a row (coalesced 16-byte stores).
       void* out = p.splits > 1 ? static_cast<void*>(static_cast<float*>(p.out) + (int64_t)split * p.M * p.N) : p.out;
       float* stage = staging + cw * 64 * kChunkStride;
-      const int row_base = tm * BM + cw * 64;
       const int r0 = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
 #pragma unroll
-      for (int chunk = 0; chunk < BN / kChunk; ++chunk) {
-        const int col_base = tn * BN + chunk * kChunk;
+      for (int h = 0; h < kHalves; ++h) {
+        const int row_base = tm * BM + (PP ? h : cw) * 64;
 #pragma unroll
-        for (int jj = 0; jj < kChunk / 8; ++jj) {
-          const int j = chunk * (kChunk / 8) + jj;
-          *reinterpret_cast<float2*>(&stage[r0 * kChunkStride + 8 * jj + c0]) = make_float2(acc[4 * j], acc[4 * j + 1]);
-          *reinterpret_cast<float2*>(&stage[(r0 + 8) * kChunkStride + 8 * jj + c0]) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-        }
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
-        if (col_base < p.N) {
-#pragma unroll 1
-          for (int i = t; i < 64 * (kChunk / 8); i += 128) {
-            const int r = i / (kChunk / 8), seg = i % (kChunk / 8);
-            const int row = row_base + r, col = col_base + seg * 8;
-            if (row < p.M && col < p.N) finish8(p, out, p.splits > 1, row, col, &stage[r * kChunkStride + seg * 8]);
+        for (int chunk = 0; chunk < BN / kChunk; ++chunk) {
+          const int col_base = tn * BN + chunk * kChunk;
+#pragma unroll
+          for (int jj = 0; jj < kChunk / 8; ++jj) {
+            const int j = chunk * (kChunk / 8) + jj;
+            *reinterpret_cast<float2*>(&stage[r0 * kChunkStride + 8 * jj + c0]) = make_float2(acc[h][4 * j], acc[h][4 * j + 1]);
+            *reinterpret_cast<float2*>(&stage[(r0 + 8) * kChunkStride + 8 * jj + c0]) =
+                make_float2(acc[h][4 * j + 2], acc[h][4 * j + 3]);
           }
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          if (col_base < p.N) {
+#pragma unroll 1
+            for (int i = t; i < 64 * (kChunk / 8); i += 128) {
+              const int r = i / (kChunk / 8), seg = i % (kChunk / 8);
+              const int row = row_base + r, col = col_base + seg * 8;
+              if (row < p.M && col < p.N) finish8(p, out, p.splits > 1, row, col, &stage[r * kChunkStride + seg * 8]);
+            }
+          }
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
         }
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
       }
     }
   }
@@ -402,24 +421,25 @@ int sm_count(int device) {
   return counts[device];
 }
 
-template <int BN, bool A_MN, bool B_MN>
+template <int BN, bool A_MN, bool B_MN, bool PP>
 void launch(const CUtensorMap& ma, const CUtensorMap& mb, const Params& p, int grid, cudaStream_t stream) {
   using C = Config<BN>;
   static bool configured = false;  // per instantiation: raise the dynamic shared-memory limit once
   if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<BN, A_MN, B_MN>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<BN, A_MN, B_MN, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        C::kSmemBytes));
     configured = true;
   }
-  gemm_kernel<BN, A_MN, B_MN><<<grid, kThreads, C::kSmemBytes, stream>>>(ma, mb, p);
+  gemm_kernel<BN, A_MN, B_MN, PP><<<grid, kThreads, C::kSmemBytes, stream>>>(ma, mb, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int BN>
+template <int BN, bool PP>
 void launch_layout(bool a_mn, bool b_mn, const CUtensorMap& ma, const CUtensorMap& mb, const Params& p, int grid,
                    cudaStream_t stream) {
-  if (!a_mn && !b_mn) launch<BN, false, false>(ma, mb, p, grid, stream);
-  else if (!a_mn && b_mn) launch<BN, false, true>(ma, mb, p, grid, stream);
-  else if (a_mn && b_mn) launch<BN, true, true>(ma, mb, p, grid, stream);
+  if (!a_mn && !b_mn) launch<BN, false, false, PP>(ma, mb, p, grid, stream);
+  else if (!a_mn && b_mn) launch<BN, false, true, PP>(ma, mb, p, grid, stream);
+  else if (a_mn && b_mn) launch<BN, true, true, PP>(ma, mb, p, grid, stream);
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
@@ -440,12 +460,14 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits) {
   return t;
 }
 
-void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, int& bn, int& splits) {
+void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, bool pingpong, int& bn,
+            int& splits) {
   const int kblocks = (K + BK - 1) / BK;
   double best = 1e30;
   bn = 128, splits = 1;
   for (int cand : {256, 192, 128, 64}) {
     if (force_bn > 0 && cand != force_bn) continue;
+    if (pingpong && cand > 128) continue;  // a warpgroup holds a whole 128 x BN tile: BN <= 128
     for (int s : {1, 2, 3, 4, 6, 8}) {
       if (force_splits > 0 && s != force_splits) continue;
       if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
@@ -458,7 +480,8 @@ void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force
 // out = epilogue(op(a) op(b)^T). a: [M, K] (trans_a: stored [K, M]); b: [N, K] (trans_b: stored [K, N]).
 std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                         const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a, bool trans_b,
-                                        bool out_fp32, bool save_pre, int64_t tile_n, int64_t splits_k) {
+                                        bool out_fp32, bool save_pre, int64_t tile_n, int64_t splits_k,
+                                        int64_t schedule) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "bertaccel gemm: operands must be 2-D");
   TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, "bertaccel gemm: operands must be bfloat16");
   TORCH_CHECK(a.is_cuda() && b.device() == a.device(), "bertaccel gemm: operands must be on one CUDA device");
@@ -490,7 +513,11 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   const int sms = sm_count(a.get_device());
   int bn, splits;
   const bool split_ok = epilogue == kNone || epilogue == kBias;
-  choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, bn, splits);
+  // schedule: 0 = the default (cooperative until ping-pong is measured), 1 = cooperative, 2 = ping-pong
+  TORCH_CHECK(schedule >= 0 && schedule <= 2, "bertaccel gemm: schedule is 0 (default), 1 (cooperative) or 2 (ping-pong)");
+  const bool pingpong = schedule == 2;
+  TORCH_CHECK(!pingpong || tile_n == 0 || tile_n <= 128, "bertaccel gemm: the ping-pong schedule takes tile widths 64 and 128");
+  choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, pingpong, bn, splits);
   const int kblocks = (int)((K + BK - 1) / BK);
 
   Params p{};
@@ -518,11 +545,16 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   const int units = p.tiles_m * p.tiles_n * splits;
   const int grid = units < sms ? units : sms;
   auto stream = at::cuda::getCurrentCUDAStream();
-  switch (bn) {
-    case 256: launch_layout<256>(trans_a, trans_b, ma, mb, p, grid, stream); break;
-    case 192: launch_layout<192>(trans_a, trans_b, ma, mb, p, grid, stream); break;
-    case 128: launch_layout<128>(trans_a, trans_b, ma, mb, p, grid, stream); break;
-    default: launch_layout<64>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+  if (pingpong) {
+    if (bn == 128) launch_layout<128, true>(trans_a, trans_b, ma, mb, p, grid, stream);
+    else launch_layout<64, true>(trans_a, trans_b, ma, mb, p, grid, stream);
+  } else {
+    switch (bn) {
+      case 256: launch_layout<256, false>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+      case 192: launch_layout<192, false>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+      case 128: launch_layout<128, false>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+      default: launch_layout<64, false>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+    }
   }
   if (splits > 1) {
     const int64_t count = M * N;
