@@ -132,21 +132,27 @@ def _why_not() -> str | None:
     return None
 
 
+def _settle(state: dict[str, object], reason: str | None, build, what: str, fallback: str) -> bool:
+    """Run `build` unless there is already a `reason` not to; record the outcome in `state` and say
+    once, as a warning, why `what` is off and what runs instead. True when it is on."""
+    if reason is None:
+        try:
+            build()
+        except Exception as e:  # noqa: BLE001 - any build failure means: use PyTorch
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            reason = f"the build failed ({type(e).__name__}: {last})"
+    state["loaded"] = reason is None
+    state["reason"] = reason or ""
+    if reason:
+        warnings.warn(f"bertaccel {what} are off: {reason}. {fallback}", stacklevel=3)
+    return reason is None
+
+
 def load(verbose: bool = False) -> bool:
     """Build (if needed) and load the kernels. True when the CUDA ops are registered."""
     if _state["loaded"] is not None:
         return bool(_state["loaded"])
-    reason = _why_not()
-    if reason is None:
-        try:
-            _build_and_load(verbose)
-        except Exception as e:  # noqa: BLE001 - any build failure means: use PyTorch
-            reason = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
-    _state["loaded"] = reason is None
-    _state["reason"] = reason or ""
-    if reason:
-        warnings.warn(f"bertaccel CUDA ops are off: {reason}. Falling back to PyTorch ops.", stacklevel=2)
-    return reason is None
+    return _settle(_state, _why_not(), lambda: _build_and_load(verbose), "CUDA ops", "Falling back to PyTorch ops.")
 
 
 def unavailable_reason() -> str:
@@ -172,19 +178,11 @@ def load_gemm(verbose: bool = False) -> bool:
     if reason is None and torch.cuda.get_device_capability() != (9, 0):
         major, minor = torch.cuda.get_device_capability()
         reason = f"the GEMM kernels use Hopper (sm_90a) instructions; this GPU is sm_{major}{minor}"
-    if reason is None:
-        try:
-            from bertaccel.ops import registry
 
-            registry.modules()
-            _build_and_load_extension("bertaccel_gemm", GEMM_SOURCES, GEMM_SOURCES + GEMM_HEADERS, GEMM_ARCH, verbose)
-        except Exception as e:  # noqa: BLE001 - any build failure means: use PyTorch
-            reason = f"the GEMM build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
-    _gemm_state["loaded"] = reason is None
-    _gemm_state["reason"] = reason or ""
-    if reason:
-        warnings.warn(f"bertaccel GEMM kernels are off: {reason}. Linear layers use cuBLAS.", stacklevel=2)
-    return reason is None
+    def build() -> None:
+        _build_and_load_extension("bertaccel_gemm", GEMM_SOURCES, GEMM_SOURCES + GEMM_HEADERS, GEMM_ARCH, verbose)
+
+    return _settle(_gemm_state, reason, build, "GEMM kernels", "Linear layers use cuBLAS.")
 
 
 def gemm_loaded() -> bool | None:
@@ -197,14 +195,15 @@ def gemm_reason() -> str:
 
 
 def _build_and_load(verbose: bool) -> None:
-    from bertaccel.ops import registry
-
-    registry.modules()  # the schemas must exist before the kernels register
     _build_and_load_extension("bertaccel_ops", sources(), sources() + HEADERS, _arch(), verbose)
 
 
 def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arch: str, verbose: bool) -> None:
     from torch.utils.cpp_extension import load as cpp_load
+
+    from bertaccel.ops import registry
+
+    registry.modules()  # the schemas must exist before the kernels register
 
     key = build_key(hashed, arch)
     build_dir = cache_root() / f"{name}_{key}"
