@@ -16,6 +16,7 @@ width and K split (the data behind the tile heuristic in csrc/gemm.cu).
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +52,13 @@ def _ours_available(device: str) -> bool:
     return build.load() and build.load_gemm()
 
 
-def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False) -> list[dict]:
+def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2)) -> list[dict]:
     rows = []
+
+    def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
     ours = _ours_available(device) and dtype == torch.bfloat16
     if ours:
         from bertaccel.ops import gemm
@@ -73,21 +79,22 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False) -> list[di
             ms = time_ms(fn, args, device)
             row = {"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "cublas", "ms": round(ms, 4),
                    "TFLOP/s": round(flops / ms / 1e9, 1)}
-            rows.append(row)
+            add(row)
             if not ours:
                 continue
             ms_ours = time_ms(gemm.gemm_case(name), args, device)
-            rows.append({"shape": row["shape"], "gemm": name, "impl": "bertaccel", "ms": round(ms_ours, 4),
+            add({"shape": row["shape"], "gemm": name, "impl": "bertaccel", "ms": round(ms_ours, 4),
                          "TFLOP/s": round(flops / ms_ours / 1e9, 1), "of_cublas": round(ms / ms_ours, 3)})
             if sweep:  # every schedule, tile width and K split, for the tile heuristic
-                configs = [(1, tile) for tile in (64, 128, 192, 256)] + [(2, tile) for tile in (64, 128)]
+                configs = [(schedule, tile) for schedule, tiles in ((1, (64, 128, 192, 256)), (2, (64, 128)))
+                           if schedule in schedules for tile in tiles]
                 for schedule, tile in configs:
                     for splits in (1, 2, 4) if name.startswith("wgrad") or m <= 4096 else (1,):
                         def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
                             return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]
                         t = time_ms(f, args, device)
                         kind = "pp " if schedule == 2 else ""
-                        rows.append({"shape": row["shape"], "gemm": name, "impl": f"bertaccel {kind}n{tile} s{splits}",
+                        add({"shape": row["shape"], "gemm": name, "impl": f"bertaccel {kind}n{tile} s{splits}",
                                      "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
         # the epilogue baselines: linear + bias + GELU
         gelu_cases = {"F.linear(bias) + gelu": lambda x, w, b: F.gelu(F.linear(x, w, b))}
@@ -105,7 +112,7 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False) -> list[di
         for name, fn in gelu_cases.items():
             ms = time_ms(fn, (x, w, bias), device)
             base = base or ms
-            rows.append({"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "epilogue", "ms": round(ms, 4),
+            add({"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "epilogue", "ms": round(ms, 4),
                          "TFLOP/s": round(flops / ms / 1e9, 1), "of_cublas": round(base / ms, 3)})
     return rows
 
@@ -132,10 +139,12 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--fp32", action="store_true", help="fp32 operands instead of bf16")
     ap.add_argument("--sweep", action="store_true", help="also time every tile width and K split of ours")
+    ap.add_argument("--schedules", nargs="+", type=int, default=[1, 2], choices=[1, 2],
+                    help="the schedules --sweep times: 1 cooperative, 2 ping-pong")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
-    rows = run(args.shapes, args.device, dtype, args.sweep)
+    rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules))
     table = summary(rows)
     write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
     print_table([r for r in rows if not r["impl"].startswith("bertaccel ")], ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas"])

@@ -134,11 +134,11 @@ if has gemm_build; then  # the Hopper GEMM extension (sm_90a), its own build
   grep -E "registers|spill" "$OUT/gemm_build.log" > "$OUT/gemm_registers.txt"
 fi
 if has gemm_tests; then
-  timeout ${GEMM_TEST_TIMEOUT:-240} python -m pytest -m cuda tests/ops/test_gemm.py -q -p no:cacheprovider ${GEMM_TEST_ARGS:-} > "$OUT/gemm_tests.log" 2>&1
+  timeout ${GEMM_TEST_TIMEOUT:-240} python -u -m pytest -m cuda tests/ops/test_gemm.py -q -p no:cacheprovider ${GEMM_TEST_ARGS:-} > "$OUT/gemm_tests.log" 2>&1
   echo "gemm tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|Error" "$OUT/gemm_tests.log" | head -30
 fi
 if has gemm; then  # our GEMM against cuBLAS at BERT's GEMM shapes (GEMM_ARGS=--sweep for every tile / split)
-  timeout ${GEMM_TIMEOUT:-300} python -m benchmarks.bench_gemm ${GEMM_ARGS:-} --out "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
+  timeout ${GEMM_TIMEOUT:-300} python -u -m benchmarks.bench_gemm ${GEMM_ARGS:-} --out "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
   echo "gemm rc=$?"; tail -${GEMM_TAIL:-40} "$OUT/gemm.log"
 fi
 if has presets; then  # the preset comparison (BERT-base MLM from scratch, PRESET_STEPS each; split PRESETS over calls: ~1-2 min per preset)

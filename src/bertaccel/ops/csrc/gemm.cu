@@ -305,6 +305,10 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         it += max(0, kb1 - kb0);
         continue;
       }
+      // Ping-pong turn-taking: wait until the other warpgroup has passed every full-barrier wait of the
+      // previous unit. Without it this warpgroup, having skipped a whole unit of stages, could wait on a
+      // full barrier two phases behind, whose parity matches, and read a stage not yet loaded.
+      if (PP && local > 0) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + cw) : "memory");
       int prev = -1;
       for (int kb = kb0; kb < kb1; ++kb, ++it) {
         const int s = it % S;
@@ -327,6 +331,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
         prev = s;
       }
+      if (PP && u + (int)gridDim.x < units) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");  // your turn
       wgmma_wait<0>();
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
       if (kb1 <= kb0) {
