@@ -28,11 +28,11 @@ if has build; then
 fi
 if has tests; then
   ignore=(); has gemm_tests && ignore=(--ignore=tests/ops/test_gemm.py)  # run there, on its own clock
-  timeout ${TESTS_TIMEOUT:-400} python -m pytest -m cuda tests/ops -q -p no:cacheprovider "${ignore[@]}" > "$OUT/cuda_tests.log" 2>&1
+  BERTACCEL_FAILURE_LOG="$OUT/cuda_test_failures.log" timeout ${TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops -q -p no:cacheprovider "${ignore[@]}" ${TESTS_ARGS:-} > "$OUT/cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/cuda_tests.log" | tail -12
 fi
 if has graph_tests; then  # whole-step CUDA graphs: equality with eager, dropout, captures, memory, resume, syncs
-  python -m pytest -m cuda tests/modules -q -p no:cacheprovider > "$OUT/graph_tests.log" 2>&1
+  BERTACCEL_FAILURE_LOG="$OUT/graph_test_failures.log" python -u -m pytest -m cuda tests/modules -q -p no:cacheprovider > "$OUT/graph_tests.log" 2>&1
   echo "graph tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/graph_tests.log" | head -30
 fi
 if has nan_debug; then  # which part of the graphed step gives the intermittent NaN (scripts/debug_graph_nan.py)
@@ -134,7 +134,7 @@ if has gemm_build; then  # the Hopper GEMM extension (sm_90a), its own build
   grep -E "registers|spill" "$OUT/gemm_build.log" > "$OUT/gemm_registers.txt"
 fi
 if has gemm_tests; then
-  timeout ${GEMM_TEST_TIMEOUT:-240} python -u -m pytest -m cuda tests/ops/test_gemm.py -q -p no:cacheprovider ${GEMM_TEST_ARGS:-} > "$OUT/gemm_tests.log" 2>&1
+  BERTACCEL_FAILURE_LOG="$OUT/gemm_test_failures.log" timeout ${GEMM_TEST_TIMEOUT:-240} python -u -m pytest -m cuda tests/ops/test_gemm.py -q -p no:cacheprovider ${GEMM_TEST_ARGS:-} > "$OUT/gemm_tests.log" 2>&1
   echo "gemm tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|Error" "$OUT/gemm_tests.log" | head -30
 fi
 if has gemm; then  # our GEMM against cuBLAS at BERT's GEMM shapes (GEMM_ARGS=--sweep for every tile / split)

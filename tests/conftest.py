@@ -33,6 +33,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """With BERTACCEL_FAILURE_LOG set, each failure's traceback is appended to that file as it happens,
+    so a GPU run cut off by its time limit still shows why the tests that finished failed."""
+    path = os.environ.get("BERTACCEL_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     """Each test runs in its own folder with its own tokenized-data cache."""
