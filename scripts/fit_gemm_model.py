@@ -1,12 +1,22 @@
 """Fit the GEMM's tile/split cost model (csrc/gemm.cu, `estimate_us`) to a sweep of timed configurations.
 
-    python scripts/fit_gemm_model.py benchmarks/results/h100/gemm_sweep.json     (needs scipy)
+    python scripts/fit_gemm_model.py benchmarks/results/h100/gemm_sweep.json \
+        benchmarks/results/h100/gemm_pingpong_sweep.json                          (needs scipy)
 
 The sweep comes from `python -m benchmarks.bench_gemm --sweep` on the GPU. Each row of the sweep is a
 configuration (tile width, K splits) timed at one shape and GEMM. The model is
 
     waves x (MFLOP per unit x c[tile width] + tile elements / 1000 x c_epi)
     + (splits > 1) x (workspace MB x c_ws + c_reduce)
+
+for the cooperative schedule, and for ping-pong (schedule 2: one warpgroup per 128-row tile, the
+other warpgroup's epilogue overlapping)
+
+    waves x (MFLOP per unit x c_pp[tile width] + tile elements / 1000 x c_pp_epi) + tile elements / 1000 x c_pp_tail
+    + (splits > 1) x (workspace MB x c_ws + c_reduce)
+
+Several sweeps (e.g. one per schedule, from different runs) are fitted together: each row's time is
+rescaled by the ratio of cuBLAS's time at its shape in the last sweep to that in its own sweep.
 
 It is fitted by non-negative least squares on relative error. The script prints the coefficients to
 copy into `estimate_us`, the median prediction error, and how fast the model's picks run compared
@@ -39,47 +49,77 @@ def problem(shape: str, gemm: str) -> tuple[int, int, int]:
     return n, k, m  # wgrad: dW [n, k], reduced over the m tokens
 
 
-def features(M: int, N: int, K: int, bn: int, s: int) -> np.ndarray:
+PP_WIDTHS = (64, 128)
+N_FEATURES = len(WIDTHS) + len(PP_WIDTHS) + 5
+
+
+def features(M: int, N: int, K: int, bn: int, s: int, pp: bool = False) -> np.ndarray:
     kb = math.ceil(K / BK)
     units = math.ceil(M / BM) * math.ceil(N / bn) * s
     waves = math.ceil(units / SMS)
-    f = np.zeros(len(WIDTHS) + 3)
-    f[WIDTHS.index(bn)] = waves * 2.0 * BM * bn * BK * math.ceil(kb / s) / 1e6
-    f[len(WIDTHS)] = waves * BM * bn / 1e3
+    mflop = waves * 2.0 * BM * bn * BK * math.ceil(kb / s) / 1e6
+    f = np.zeros(N_FEATURES)
+    base = len(WIDTHS) + len(PP_WIDTHS)
+    if pp:
+        f[len(WIDTHS) + PP_WIDTHS.index(bn)] = mflop
+        f[base + 3] = waves * BM * bn / 1e3
+        f[base + 4] = BM * bn / 1e3
+    else:
+        f[WIDTHS.index(bn)] = mflop
+        f[base] = waves * BM * bn / 1e3
     if s > 1:
-        f[len(WIDTHS) + 1] = (s * M * N * 4 * 2 + M * N * 2) / 1e6
-        f[len(WIDTHS) + 2] = 1.0
+        f[base + 1] = (s * M * N * 4 * 2 + M * N * 2) / 1e6
+        f[base + 2] = 1.0
     return f
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sweep", help="a bench_gemm --sweep JSON")
+    ap.add_argument("sweeps", nargs="+", help="bench_gemm --sweep JSONs (the last one sets the time scale)")
     args = ap.parse_args()
     from scipy.optimize import nnls
 
+    def cublas_ms(data):
+        return {(r["shape"], r["gemm"]): r["ms"] for r in data["rows"] if r["impl"] == "cublas"}
+
+    files = [json.load(open(path)) for path in args.sweeps]
+    scale_to = cublas_ms(files[-1])
     rows = []
-    for r in json.load(open(args.sweep))["rows"]:
-        parts = r["impl"].split()
-        if parts[0] != "bertaccel" or len(parts) != 3:  # the swept cooperative configurations: "bertaccel n128 s2"
-            continue
-        bn, s = int(parts[1][1:]), int(parts[2][1:])
-        M, N, K = problem(r["shape"], r["gemm"])
-        if s > 1 and math.ceil(K / BK) // s < 4:
-            continue
-        rows.append((M, N, K, bn, s, r["ms"] * 1e3, (r["shape"], r["gemm"])))
-    X = np.array([features(*r[:5]) for r in rows])
-    y = np.array([r[5] for r in rows])
+    for data in files:
+        own = cublas_ms(data)
+        for r in data["rows"]:
+            parts = r["impl"].split()  # "bertaccel n128 s2" (cooperative) or "bertaccel pp n128 s1"
+            if parts[0] != "bertaccel" or len(parts) not in (3, 4):
+                continue
+            pp = parts[1] == "pp"
+            bn, s = int(parts[-2][1:]), int(parts[-1][1:])
+            M, N, K = problem(r["shape"], r["gemm"])
+            if s > 1 and math.ceil(K / BK) // s < 4:
+                continue  # refused split: the kernel ran its default configuration
+            key = (r["shape"], r["gemm"])
+            if key not in scale_to or key not in own:
+                continue
+            rows.append((M, N, K, bn, s, pp, r["ms"] * 1e3 * scale_to[key] / own[key], key))
+    X = np.array([features(*r[:6]) for r in rows])
+    y = np.array([r[6] for r in rows])
     coef, _ = nnls(X / y[:, None], np.ones(len(y)))
     pred = X @ coef
-    names = [f"us/MFLOP n{w}" for w in WIDTHS] + ["us per 1000 tile elements", "us per workspace MB", "reduce us"]
+    names = ([f"us/MFLOP n{w}" for w in WIDTHS] + [f"us/MFLOP pp n{w}" for w in PP_WIDTHS]
+             + ["us per 1000 tile elements", "us per workspace MB", "reduce us",
+                "pp: us per 1000 tile elements per wave", "pp: us per 1000 tile elements, once"])
     for name, c in zip(names, coef):
-        print(f"{name:28s} {c:.4f}")
+        print(f"{name:40s} {c:.4f}")
     print(f"{len(rows)} configurations; median |error| {np.median(np.abs(pred / y - 1)):.3f}")
     groups: dict = defaultdict(list)
     for r, p in zip(rows, pred):
-        groups[r[6]].append((p, r[5]))
-    share = [min(t for _, t in g) / min(g)[1] for g in groups.values()]
+        groups[r[7]].append((p, r[6], ("pp " if r[5] else "") + f"n{r[3]} s{r[4]}"))
+    share = []
+    for key, g in sorted(groups.items()):
+        pick = min(g)
+        best = min(t for _, t, _ in g)
+        share.append(best / pick[1])
+        print(f"{key[0]:16s} {key[1]:14s} pick {pick[2]:12s} {scale_to[key] / pick[1] * 1e3:.3f} of cuBLAS "
+              f"(best swept {min(g, key=lambda v: v[1])[2]}: {scale_to[key] / best * 1e3:.3f})")
     print(f"model picks: {np.mean(share):.3f} of the best configuration's speed on average, worst {np.min(share):.3f}")
 
 

@@ -267,19 +267,22 @@ def test_opcheck_compile_and_cuda_graphs():
     compiled = step(x, w, bias, fn=torch.compile(forward, fullgraph=True))
     for e, c in zip([eager[0], *eager[1]], [compiled[0], *compiled[1]]):
         torch.testing.assert_close(c, e)
-    static_x = x.detach().clone().requires_grad_(True)
+    # Fresh leaves for the capture: the eager outputs above keep autograd nodes of x, w and bias that
+    # were made on the default stream, and the backward would make the capture wait on that stream.
+    del eager, compiled
+    static_x, static_w, static_b = (t.detach().clone().requires_grad_(True) for t in (x, w, bias))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        step(static_x, w, bias)  # warm-up: the kernels' one-time setup outside the capture
+        step(static_x, static_w, static_b)  # warm-up: the kernels' one-time setup outside the capture
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step(static_x, w, bias)
+        out = step(static_x, static_w, static_b)
     with torch.no_grad():
         static_x.copy_(torch.randn_like(static_x))
     graph.replay()
-    fresh = step(static_x, w, bias)
+    fresh = step(static_x, static_w, static_b)
     for g, f in zip([out[0], *out[1]], [fresh[0], *fresh[1]]):
         torch.testing.assert_close(g, f)
 
@@ -326,12 +329,17 @@ assert build.load() and build.load_gemm()
 G = torch.ops.bertaccel.gemm.default
 x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
-cases = [((x, w, None, None, 0, False, True, False, False), "inner dimensions differ"),
-         ((x.float(), w, None, None, 0, False, False, False, False), "bfloat16"),
-         ((x, w, None, None, 1, False, False, False, False), "needs a contiguous fp32 or bf16 bias")]
-for args, message in cases:
+# messages carrying numbers, from both extensions (such a message segfaulted in session 5)
+cases = [(G, (x, w, None, None, 0, False, True, False, False), "inner dimensions differ (256 and 512)"),
+         (G, (x.float(), w, None, None, 0, False, False, False, False), "bfloat16"),
+         (G, (x, w, None, None, 1, False, False, False, False), "needs a contiguous fp32 or bf16 bias of 512 elements"),
+         (torch.ops.bertaccel.bias_gelu.default, (x, torch.zeros(7, device="cuda", dtype=torch.bfloat16), False),
+          "of size 256"),
+         (torch.ops.bertaccel.softmax.default, (torch.randn(2, 3, 4, device="cuda"), torch.ones(2, 3, 4, device="cuda"), 1.0),
+          "got 3-d")]
+for op, args, message in cases:
     try:
-        G(*args)
+        op(*args)
     except RuntimeError as e:
         assert message in str(e), (message, str(e))
         print("raised:", message, flush=True)

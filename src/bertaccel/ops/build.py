@@ -42,13 +42,16 @@ def sources() -> list[str]:
     return registry.cuda_sources() + SHARED_SOURCES
 
 
-HEADERS = ["common.cuh", "layer_norm_bwd.cuh"]
+HEADERS = ["check.h", "common.cuh", "layer_norm_bwd.cuh"]
 # the GEMM extension: sm_90a only (wgmma, setmaxnreg); TORCH_CUDA_ARCH_LIST "9.0a" gives its -gencode
 GEMM_SOURCES = ["gemm.cu"]
-GEMM_HEADERS = ["wgmma.cuh"]
+GEMM_HEADERS = ["check.h", "wgmma.cuh"]
 GEMM_ARCH = "9.0a"
 # --resource-usage prints registers / shared memory / spills per kernel into the (verbose) build log.
-CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]
+# C++20, as torch's own cpp_extension defaults and as libtorch is built: torch's headers use C++20 (nvcc
+# warned under C++17), and an extension whose inline torch code is compiled to another standard than
+# libtorch risks mismatched definitions (session 5: a failing TORCH_CHECK with a number segfaulted).
+CUDA_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]
 
 _state: dict[str, object] = {"loaded": None, "reason": ""}
 _gemm_state: dict[str, object] = {"loaded": None, "reason": ""}
@@ -232,7 +235,7 @@ def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arc
             cpp_load(
                 name=f"{name}_{key}",
                 sources=[str(CSRC / s) for s in srcs],
-                extra_cflags=["-O3", "-std=c++17"],
+                extra_cflags=["-O3", "-std=c++20"],
                 extra_cuda_cflags=CUDA_FLAGS,
                 build_directory=str(build_dir),
                 is_python_module=False,

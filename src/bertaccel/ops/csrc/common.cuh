@@ -2,6 +2,7 @@
 // Welford merging, Philox dropout draws, and the column-sum kernel used by every backward.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include "check.h"
 #include <cuda_bf16.h>
 #include <curand_kernel.h>
 #include <cstdint>
@@ -192,8 +193,8 @@ inline int pick_tpr(int nvec, int items) {
   } while (0)
 
 inline void check_cuda_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "bertaccel: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.is_contiguous(), "bertaccel: ", name, " must be contiguous");
+  BERTACCEL_CHECK(t.is_cuda(), "bertaccel: %s must be a CUDA tensor", name);
+  BERTACCEL_CHECK(t.is_contiguous(), "bertaccel: %s must be contiguous", name);
 }
 
 }  // namespace bertaccel

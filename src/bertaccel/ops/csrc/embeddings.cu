@@ -121,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding
     const at::Tensor& ids, const at::Tensor& pos_ids, const at::Tensor& type_ids, const at::Tensor& word,
     const at::Tensor& pos, const at::Tensor& type, const at::Tensor& gamma, const at::Tensor& beta, double p,
     double eps, bool out_bf16, bool save) {
-  TORCH_CHECK(p >= 0 && p < 1, "bertaccel embeddings: dropout probability must be in [0, 1), got ", p);
+  BERTACCEL_CHECK(p >= 0 && p < 1, "bertaccel embeddings: dropout probability must be in [0, 1), got %g", p);
   for (auto* t : {&ids, &pos_ids, &type_ids}) {
     check_cuda_contiguous(*t, "ids");
     TORCH_CHECK(t->scalar_type() == at::kLong && t->sizes() == ids.sizes() && t->device() == word.device(),
@@ -130,9 +130,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding
   const int64_t H = word.size(-1);
   for (auto* t : {&word, &pos, &type, &gamma, &beta}) {
     check_cuda_contiguous(*t, "embedding table");
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->size(-1) == H && t->device() == word.device(),
-                "bertaccel embeddings: tables and LayerNorm parameters must be float32 with ", H,
-                " columns, on one device");
+    BERTACCEL_CHECK(t->scalar_type() == at::kFloat && t->size(-1) == H && t->device() == word.device(),
+                    "bertaccel embeddings: tables and LayerNorm parameters must be float32 with %lld columns, on one device",
+                    (long long)H);
   }
   c10::cuda::CUDAGuard guard(word.device());
   auto sizes = ids.sizes().vec();
@@ -156,7 +156,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding
   const int vec = pick_vec(H, 4, {&word, &pos, &type, &y, &z, &gamma, &beta});
   const int items = pick_items((int)(H / vec), vec, 4);
   const int tpr = pick_tpr((int)(H / vec), items);
-  TORCH_CHECK(tpr <= kThreads, "bertaccel embeddings: hidden size ", H, " is above ", kThreads * kMaxElemsPerThread);
+  BERTACCEL_CHECK(tpr <= kThreads, "bertaccel embeddings: hidden size %lld is above %d", (long long)H,
+                  (int)(kThreads * kMaxElemsPerThread));
   at::PhiloxCudaState philox;
   if (p > 0) {
     auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());

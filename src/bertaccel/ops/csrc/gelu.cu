@@ -113,13 +113,14 @@ int rows_per_chunk(int64_t rows, int col_blocks) {
 
 void check(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), "bertaccel bias_gelu: input must be a contiguous CUDA tensor");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "bertaccel bias_gelu: input must be bfloat16 or float32, got ", x.scalar_type());
+  BERTACCEL_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                  "bertaccel bias_gelu: input must be bfloat16 or float32, got %s", c10::toString(x.scalar_type()));
   if (bias) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == x.scalar_type() && bias->numel() == x.size(-1),
-                "bertaccel bias_gelu: bias must be contiguous, of the input's dtype and of size ", x.size(-1));
-    TORCH_CHECK(bias->device() == x.device(), "bertaccel bias_gelu: bias is on ", bias->device(), ", input on ",
-                x.device());
+    BERTACCEL_CHECK(bias->is_contiguous() && bias->scalar_type() == x.scalar_type() && bias->numel() == x.size(-1),
+                    "bertaccel bias_gelu: bias must be contiguous, of the input's dtype and of size %lld",
+                    (long long)x.size(-1));
+    BERTACCEL_CHECK(bias->device() == x.device(), "bertaccel bias_gelu: bias is on %s, input on %s",
+                    bias->device().str().c_str(), x.device().str().c_str());
   }
 }
 

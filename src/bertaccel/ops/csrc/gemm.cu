@@ -27,6 +27,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "check.h"
 #include "wgmma.cuh"
 
 namespace bertaccel::gemm {
@@ -415,8 +416,8 @@ CUtensorMap make_map(const at::Tensor& t, int box_rows) {
   CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(), dims, strides, box, elem_strides,
                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "bertaccel gemm: cuTensorMapEncodeTiled failed (", (int)r, ") for a [", t.size(0), ", ",
-              t.size(1), "] operand with row stride ", t.stride(0));
+  BERTACCEL_CHECK(r == CUDA_SUCCESS, "bertaccel gemm: cuTensorMapEncodeTiled failed (%d) for a [%lld, %lld] operand with row stride %lld",
+             (int)r, (long long)t.size(0), (long long)t.size(1), (long long)t.stride(0));
   return map;
 }
 
@@ -448,39 +449,53 @@ void launch_layout(bool a_mn, bool b_mn, const CUtensorMap& ma, const CUtensorMa
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
-// Tile width and K splits for a problem, from a cost model fitted (non-negative least squares on
-// relative error, 316 timed configurations; median error 6%) to a sweep of every tile width and split
-// at BERT's shapes on an H100 (benchmarks/results/h100/gemm_sweep.json, `bench_gemm --sweep`):
-//   waves x (MFLOP per unit x us-per-MFLOP of the tile width  +  0.1345 us per 1000 tile elements)
-//   + with splits: 0.372 us per MB of fp32 workspace written and read back, + 0.48 us for the reduce.
-// On that sweep its picks run at 99.5% of the best configuration's speed on average (worst 94%); the
-// previous hand-set model's picks averaged 97.7% (worst 59%: a 4-way split of a long-K wgrad).
-double estimate_us(int M, int N, int K, int sms, int bn, int splits) {
+// Schedule, tile width and K splits for a problem, from a cost model fitted (non-negative least squares
+// on relative error; scripts/fit_gemm_model.py) to sweeps of every configuration at BERT's shapes on an
+// H100: the cooperative widths in benchmarks/results/h100/gemm_sweep.json and the ping-pong ones in
+// gemm_pingpong_sweep.json (474 configurations, median error 7%):
+//   cooperative: waves x (MFLOP per unit x us-per-MFLOP of the width + 0.137 us per 1000 tile elements)
+//   ping-pong:   waves x (MFLOP per unit x us-per-MFLOP of the width + 0.041 us per 1000 tile elements)
+//                + 0.168 us per 1000 tile elements once (the last epilogue; the others overlap MMAs)
+//   with splits: + 0.347 us per MB of fp32 workspace written and read back.
+// On those sweeps its picks run at 98.4% of the best configuration's speed on average (worst 84%).
+double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpong) {
   const int kblocks = (K + BK - 1) / BK;
   const int tiles = ((M + BM - 1) / BM) * ((N + bn - 1) / bn);
   const int units = tiles * splits;
   const int per_split = (kblocks + splits - 1) / splits;
-  const double us_per_mflop = bn == 64 ? 0.265 : bn == 128 ? 0.1872 : bn == 192 ? 0.1702 : 0.1619;
   const double waves = (double)((units + sms - 1) / sms);
   const double mflop = 2.0 * BM * bn * BK * per_split / 1e6;
-  double t = waves * (mflop * us_per_mflop + BM * bn / 1e3 * 0.1345);
-  if (splits > 1) t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.372 + 0.48;
+  const double tile_k = BM * bn / 1e3;
+  double t;
+  if (pingpong) {
+    const double us_per_mflop = bn == 64 ? 0.2704 : 0.1904;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.0412) + tile_k * 0.1677;
+  } else {
+    const double us_per_mflop = bn == 64 ? 0.2648 : bn == 128 ? 0.1873 : bn == 192 ? 0.1705 : 0.1620;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.1370);
+  }
+  if (splits > 1) t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.3469;
   return t;
 }
 
-void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, bool pingpong, int& bn,
-            int& splits) {
+// schedule: 0 = the model picks, 1 = cooperative, 2 = ping-pong; force_bn / force_splits 0 = the model picks.
+void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, int schedule, int& bn,
+            int& splits, bool& pingpong) {
   const int kblocks = (K + BK - 1) / BK;
   double best = 1e30;
-  bn = 128, splits = 1;
-  for (int cand : {256, 192, 128, 64}) {
-    if (force_bn > 0 && cand != force_bn) continue;
-    if (pingpong && cand > 128) continue;  // a warpgroup holds a whole 128 x BN tile: BN <= 128
-    for (int s : {1, 2, 3, 4, 6, 8}) {
-      if (force_splits > 0 && s != force_splits) continue;
-      if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
-      const double t = estimate_us(M, N, K, sms, cand, s);
-      if (t < best * 0.999) best = t, bn = cand, splits = s;
+  bn = 128, splits = 1, pingpong = schedule == 2;
+  for (int pp = 0; pp < 2; ++pp) {
+    if ((schedule == 1 && pp) || (schedule == 2 && !pp)) continue;
+    if (pp && force_bn > 128) continue;
+    for (int cand : {256, 192, 128, 64}) {
+      if (force_bn > 0 && cand != force_bn) continue;
+      if (pp && cand > 128) continue;  // a warpgroup holds a whole 128 x BN tile: BN <= 128
+      for (int s : {1, 2, 3, 4, 6, 8}) {
+        if (force_splits > 0 && s != force_splits) continue;
+        if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
+        const double t = estimate_us(M, N, K, sms, cand, s, pp);
+        if (t < best * 0.999) best = t, bn = cand, splits = s, pingpong = pp;
+      }
     }
   }
 }
@@ -497,21 +512,21 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   const int64_t M = trans_a ? a.size(1) : a.size(0), K = trans_a ? a.size(0) : a.size(1);
   const int64_t N = trans_b ? b.size(1) : b.size(0);
   const int64_t K_b = trans_b ? b.size(0) : b.size(1);
-  TORCH_CHECK(K_b == K, "bertaccel gemm: inner dimensions differ (", K, " and ", K_b, ")");
+  BERTACCEL_CHECK(K_b == K, "bertaccel gemm: inner dimensions differ (%lld and %lld)", (long long)K, (long long)K_b);
   for (const at::Tensor* t : {&a, &b}) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && (t->stride(0) * 2) % 16 == 0,
                 "bertaccel gemm: operands need 16-byte aligned data and row strides (a multiple of 8 elements)");
   }
   TORCH_CHECK(K > 0, "bertaccel gemm: the inner dimension is empty");
-  TORCH_CHECK(epilogue >= kNone && epilogue <= kDGeluTanh, "bertaccel gemm: unknown epilogue ", epilogue);
+  BERTACCEL_CHECK(epilogue >= kNone && epilogue <= kDGeluTanh, "bertaccel gemm: unknown epilogue %lld", (long long)epilogue);
   const bool needs_bias = epilogue >= kBias && epilogue <= kBiasResidual;
-  TORCH_CHECK(!needs_bias || (bias.has_value() && bias->numel() == N && bias->is_contiguous() &&
-                              (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16)),
-              "bertaccel gemm: this epilogue needs a contiguous fp32 or bf16 bias of ", N, " elements");
+  BERTACCEL_CHECK(!needs_bias || (bias.has_value() && bias->numel() == N && bias->is_contiguous() &&
+                             (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16)),
+             "bertaccel gemm: this epilogue needs a contiguous fp32 or bf16 bias of %lld elements", (long long)N);
   const bool needs_aux = epilogue >= kBiasResidual;
-  TORCH_CHECK(!needs_aux || (aux.has_value() && aux->scalar_type() == at::kBFloat16 && aux->is_contiguous() &&
-                             aux->size(0) == M && aux->size(1) == N),
-              "bertaccel gemm: this epilogue needs a contiguous bf16 [", M, ", ", N, "] auxiliary input");
+  BERTACCEL_CHECK(!needs_aux || (aux.has_value() && aux->scalar_type() == at::kBFloat16 && aux->is_contiguous() &&
+                            aux->size(0) == M && aux->size(1) == N),
+             "bertaccel gemm: this epilogue needs a contiguous bf16 [%lld, %lld] auxiliary input", (long long)M, (long long)N);
   const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
   const c10::cuda::CUDAGuard guard(a.device());
   auto out = at::empty({M, N}, a.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
@@ -521,11 +536,11 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   const int sms = sm_count(a.get_device());
   int bn, splits;
   const bool split_ok = epilogue == kNone || epilogue == kBias;
-  // schedule: 0 = the default (cooperative until ping-pong is measured), 1 = cooperative, 2 = ping-pong
-  TORCH_CHECK(schedule >= 0 && schedule <= 2, "bertaccel gemm: schedule is 0 (default), 1 (cooperative) or 2 (ping-pong)");
-  const bool pingpong = schedule == 2;
-  TORCH_CHECK(!pingpong || tile_n == 0 || tile_n <= 128, "bertaccel gemm: the ping-pong schedule takes tile widths 64 and 128");
-  choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, pingpong, bn, splits);
+  TORCH_CHECK(schedule >= 0 && schedule <= 2, "bertaccel gemm: schedule is 0 (the model picks), 1 (cooperative) or 2 (ping-pong)");
+  TORCH_CHECK(schedule != 2 || tile_n == 0 || tile_n <= 128, "bertaccel gemm: the ping-pong schedule takes tile widths 64 and 128");
+  bool pingpong;
+  choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, (int)schedule, bn, splits,
+         pingpong);
   const int kblocks = (int)((K + BK - 1) / BK);
 
   Params p{};

@@ -198,7 +198,8 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int vec = pick_vec(H, max_vec, {&dy, &z, &dz, &dh, &gamma});
   const int items = pick_items((int)(H / vec), vec, max_vec);
   const int tpr = pick_tpr((int)(H / vec), items);
-  TORCH_CHECK(tpr <= kBwdThreads, "bertaccel layer_norm: hidden size ", H, " is above ", kBwdThreads * kMaxElemsPerThread);
+  BERTACCEL_CHECK(tpr <= kBwdThreads, "bertaccel layer_norm: hidden size %lld is above %d", (long long)H,
+                  (int)(kBwdThreads * kMaxElemsPerThread));
   const int rpb = kBwdThreads / tpr;
   const int64_t groups = (rows + rpb - 1) / rpb;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -241,8 +242,8 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
 // gamma's dtype (float32, or bf16 beside bf16 activations) picks W. kEmb takes float32 only.
 template <int MODE, typename... Args>
 void launch_bwd_any(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gamma, Args&&... args) {
-  TORCH_CHECK(gamma.scalar_type() == at::kFloat || gamma.scalar_type() == z.scalar_type(),
-              "bertaccel: weight must be float32 or the input's dtype, got ", gamma.scalar_type());
+  BERTACCEL_CHECK(gamma.scalar_type() == at::kFloat || gamma.scalar_type() == z.scalar_type(),
+                  "bertaccel: weight must be float32 or the input's dtype, got %s", c10::toString(gamma.scalar_type()));
   check_cuda_contiguous(gamma, "weight");
   TORCH_CHECK(gamma.numel() == z.size(-1) && gamma.device() == z.device(),
               "bertaccel: the weight must have the input's last size and device");

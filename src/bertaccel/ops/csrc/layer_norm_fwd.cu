@@ -201,7 +201,8 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
   const int vec = pick_vec(H, max_vec, {&x, &bias, &residual, &y, &z, &gamma, &beta});
   const int items = pick_items((int)(H / vec), vec, max_vec);
   const int tpr = pick_tpr((int)(H / vec), items);
-  TORCH_CHECK(tpr <= kThreads, "bertaccel layer_norm: hidden size ", H, " is above ", kThreads * kMaxElemsPerThread);
+  BERTACCEL_CHECK(tpr <= kThreads, "bertaccel layer_norm: hidden size %lld is above %d", (long long)H,
+                  (int)(kThreads * kMaxElemsPerThread));
   at::PhiloxCudaState philox;
   if (p > 0) {
     auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());
@@ -238,24 +239,24 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
 
 void check_inputs(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor* beta, const char* op) {
   check_cuda_contiguous(x, "input");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "bertaccel ", op, ": input must be bfloat16 or float32, got ", x.scalar_type());
-  TORCH_CHECK(gamma.scalar_type() == at::kFloat || gamma.scalar_type() == x.scalar_type(),
-              "bertaccel ", op, ": weight must be float32 or the input's dtype, got ", gamma.scalar_type());
-  TORCH_CHECK(!beta || beta->scalar_type() == gamma.scalar_type(), "bertaccel ", op,
-              ": weight and bias must have one dtype, got ", gamma.scalar_type(), " and ", beta->scalar_type());
-  TORCH_CHECK(gamma.numel() == x.size(-1) && (!beta || beta->numel() == x.size(-1)),
-              "bertaccel ", op, ": weight/bias size mismatch");
+  BERTACCEL_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                  "bertaccel %s: input must be bfloat16 or float32, got %s", op, c10::toString(x.scalar_type()));
+  BERTACCEL_CHECK(gamma.scalar_type() == at::kFloat || gamma.scalar_type() == x.scalar_type(),
+                  "bertaccel %s: weight must be float32 or the input's dtype, got %s", op, c10::toString(gamma.scalar_type()));
+  BERTACCEL_CHECK(!beta || beta->scalar_type() == gamma.scalar_type(), "bertaccel %s: weight and bias must have one dtype, got %s and %s",
+                  op, c10::toString(gamma.scalar_type()), c10::toString(beta->scalar_type()));
+  BERTACCEL_CHECK(gamma.numel() == x.size(-1) && (!beta || beta->numel() == x.size(-1)),
+                  "bertaccel %s: weight/bias size mismatch", op);
   check_cuda_contiguous(gamma, "weight");
   if (beta) check_cuda_contiguous(*beta, "bias");
-  TORCH_CHECK(gamma.device() == x.device() && (!beta || beta->device() == x.device()),
-              "bertaccel ", op, ": weight and bias must be on the input's device ", x.device());
+  BERTACCEL_CHECK(gamma.device() == x.device() && (!beta || beta->device() == x.device()),
+                  "bertaccel %s: weight and bias must be on the input's device %s", op, x.device().str().c_str());
 }
 
 void check_optional_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& residual, double p) {
   // outside [0, 1) the 1 / (1 - p) scale would be silently wrong
-  TORCH_CHECK(p >= 0 && p < 1, "bertaccel layer_norm: dropout probability must be in [0, 1), got ", p);
+  BERTACCEL_CHECK(p >= 0 && p < 1, "bertaccel layer_norm: dropout probability must be in [0, 1), got %g", p);
   if (bias) {
     check_cuda_contiguous(*bias, "bias");
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == x.size(-1) && bias->device() == x.device(),

@@ -137,7 +137,8 @@ RowLaunch plan(int64_t S, int64_t rows, std::initializer_list<const at::Tensor*>
   l.vec = pick_vec(S, max_vec, ts);
   l.items = pick_items((int)(S / l.vec), l.vec, max_vec);
   l.tpr = pick_tpr((int)(S / l.vec), l.items);
-  TORCH_CHECK(l.tpr <= kThreads, "bertaccel softmax: rows of ", S, " are above ", kThreads * kMaxElemsPerThread);
+  BERTACCEL_CHECK(l.tpr <= kThreads, "bertaccel softmax: rows of %lld are above %d", (long long)S,
+                  (int)(kThreads * kMaxElemsPerThread));
   const int rpb = kThreads / l.tpr;
   l.grid = dim3((unsigned)((rows + rpb - 1) / rpb));
   return l;
@@ -145,8 +146,8 @@ RowLaunch plan(int64_t S, int64_t rows, std::initializer_list<const at::Tensor*>
 
 void check_scores(const at::Tensor& x, const char* name) {
   check_cuda_contiguous(x, name);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "bertaccel softmax: ", name, " must be bfloat16 or float32, got ", x.scalar_type());
+  BERTACCEL_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                  "bertaccel softmax: %s must be bfloat16 or float32, got %s", name, c10::toString(x.scalar_type()));
 }
 
 at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mask_in, double scale) {
@@ -159,11 +160,13 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
   MaskView mv;
   at::Tensor mask;  // keeps a converted mask alive during the launch
   if (mask_in) {
-    TORCH_CHECK(x.dim() == 4, "bertaccel softmax: a mask needs 4-d scores [batch, heads, query, key], got ", x.dim(), "-d");
+    BERTACCEL_CHECK(x.dim() == 4, "bertaccel softmax: a mask needs 4-d scores [batch, heads, query, key], got %d-d",
+                    (int)x.dim());
     mask = *mask_in;
-    TORCH_CHECK(mask.is_cuda() && mask.dim() == 4, "bertaccel softmax: the mask must be a 4-d CUDA tensor broadcastable to ",
-                x.sizes());
-    TORCH_CHECK(mask.device() == x.device(), "bertaccel softmax: mask is on ", mask.device(), ", scores on ", x.device());
+    BERTACCEL_CHECK(mask.is_cuda() && mask.dim() == 4, "bertaccel softmax: the mask must be a 4-d CUDA tensor broadcastable to %s",
+                    shape_str(x.sizes()).c_str());
+    BERTACCEL_CHECK(mask.device() == x.device(), "bertaccel softmax: mask is on %s, scores on %s",
+                    mask.device().str().c_str(), x.device().str().c_str());
     if (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kFloat) mask = mask.to(at::kFloat);
     mask = mask.expand(x.sizes());
     if (mask.stride(3) != 1) mask = mask.contiguous();
