@@ -6,7 +6,8 @@
 #   STAGES="build e2e e2e_compile profile sweep mlm"    bash scripts/gpu_check.sh
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
 # (benchmarks/bench_ops.py; OPS= picks families), ln_sweep, e2e, e2e_eager_base, e2e_compile,
-# e2e_graphs, e2e_gemm, gemm_build, gemm_tests, gemm (our GEMM vs cuBLAS; GEMM_ARGS=--sweep), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
+# e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
+# gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
@@ -28,7 +29,7 @@ if has build; then
 fi
 if has tests; then
   ignore=(); has gemm_tests && ignore=(--ignore=tests/ops/test_gemm.py)  # run there, on its own clock
-  BERTACCEL_FAILURE_LOG="$OUT/cuda_test_failures.log" timeout ${TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops -q -p no:cacheprovider "${ignore[@]}" ${TESTS_ARGS:-} > "$OUT/cuda_tests.log" 2>&1
+  BERTACCEL_FAILURE_LOG="$OUT/cuda_test_failures.log" timeout ${TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops -q -p no:cacheprovider "${ignore[@]}" ${TESTS_K:+-k "$TESTS_K"} > "$OUT/cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/cuda_tests.log" | tail -12
 fi
 if has graph_tests; then  # whole-step CUDA graphs: equality with eager, dropout, captures, memory, resume, syncs
@@ -134,7 +135,7 @@ if has gemm_build; then  # the Hopper GEMM extension (sm_90a), its own build
   grep -E "registers|spill" "$OUT/gemm_build.log" > "$OUT/gemm_registers.txt"
 fi
 if has gemm_tests; then
-  BERTACCEL_FAILURE_LOG="$OUT/gemm_test_failures.log" timeout ${GEMM_TEST_TIMEOUT:-240} python -u -m pytest -m cuda tests/ops/test_gemm.py -q -p no:cacheprovider ${GEMM_TEST_ARGS:-} > "$OUT/gemm_tests.log" 2>&1
+  BERTACCEL_FAILURE_LOG="$OUT/gemm_test_failures.log" timeout ${GEMM_TEST_TIMEOUT:-240} python -u -m pytest -m cuda tests/ops/test_gemm.py -q -p no:cacheprovider ${GEMM_TEST_K:+-k "$GEMM_TEST_K"} > "$OUT/gemm_tests.log" 2>&1
   echo "gemm tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|Error" "$OUT/gemm_tests.log" | head -30
 fi
 if has gemm; then  # our GEMM against cuBLAS at BERT's GEMM shapes (GEMM_ARGS=--sweep for every tile / split)
