@@ -166,7 +166,8 @@ _LINEAR_GELU = torch.ops.bertaccel.linear_gelu.default
 
 # ------------------------------------------------------------------------------ public functions
 def why_not(x: Tensor, weight: Tensor, dtype: torch.dtype | None = None) -> str | None:
-    """None when `x @ weight^T` (computed in `dtype`) can run on the kernel, else the reason."""
+    """None when `x @ weight^T` (computed in `dtype`) can run on the kernel, else the reason. The
+    addresses are checked later, on the operands the kernel reads (`_misaligned`)."""
     dtype = dtype or x.dtype
     if not x.is_cuda:
         return "input is not on a CUDA device"
@@ -177,39 +178,45 @@ def why_not(x: Tensor, weight: Tensor, dtype: torch.dtype | None = None) -> str 
     K, N = x.shape[-1], weight.shape[0]
     if K % 8 or N % 8:
         return f"in/out features {K}/{N} are not multiples of 8 (the copy engine needs 16-byte rows)"
-    # (traced by torch.compile there is no address to check: the op itself refuses a misaligned one)
-    if not torch.compiler.is_compiling() and (x.data_ptr() % 16 or weight.data_ptr() % 16):
+    return None
+
+
+def _misaligned(*operands: Tensor) -> str | None:
+    # traced by torch.compile there is no address to check: the op itself refuses a misaligned one
+    if not torch.compiler.is_compiling() and any(t.data_ptr() % 16 for t in operands):
         return "operands are not 16-byte aligned"
     return None
+
+
+def _on_kernel(name: str, x: Tensor, weight: Tensor, bias: Tensor | None, run, fallback) -> Tensor:
+    """`run(x2, w2, bias2)` on the 2-D operands cast to the compute dtype (x's, or autocast's, as
+    F.linear would), reshaped back; `fallback()` (said once, with the reason) when the kernel cannot run."""
+    dtype = compute_dtype(x)
+    reason = why_not(x, weight, dtype)
+    if reason is None:
+        shape = x.shape
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.to(dtype).reshape(-1, shape[-1]).contiguous()
+            w2 = weight.to(dtype)
+            reason = _misaligned(x2, w2)
+            if reason is None:
+                y = run(x2, w2, None if bias is None else bias.to(dtype))
+                return y.view(*shape[:-1], weight.shape[0])
+    note_fallback(name, reason)
+    return fallback()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` on our GEMM (computed in x's dtype or the autocast dtype; weight and
     bias are cast to it as autocast would); `F.linear` when the kernel cannot run."""
-    dtype = compute_dtype(x)
-    reason = why_not(x, weight, dtype)
-    if reason is not None:
-        note_fallback("linear", reason)
-        return F.linear(x, weight, bias)
-    shape = x.shape
-    with torch.autocast(x.device.type, enabled=False):
-        x2 = x.to(dtype).reshape(-1, shape[-1]).contiguous()
-        y = _LINEAR(x2, weight.to(dtype), None if bias is None else bias.to(dtype))
-    return y.view(*shape[:-1], weight.shape[0])
+    return _on_kernel("linear", x, weight, bias, _LINEAR, lambda: F.linear(x, weight, bias))
 
 
 def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     """`F.gelu(F.linear(x, weight, bias), approximate)` with bias and GELU in the GEMM's epilogue."""
-    dtype = compute_dtype(x)
-    reason = why_not(x, weight, dtype)
-    if reason is not None:
-        note_fallback("linear_gelu", reason)
-        return F.gelu(F.linear(x, weight, bias), approximate=approximate)
-    shape = x.shape
-    with torch.autocast(x.device.type, enabled=False):
-        x2 = x.to(dtype).reshape(-1, shape[-1]).contiguous()
-        y, _ = _LINEAR_GELU(x2, weight.to(dtype), bias.to(dtype), approximate == "tanh")
-    return y.view(*shape[:-1], weight.shape[0])
+    return _on_kernel("linear_gelu", x, weight, bias,
+                      lambda x2, w2, b2: _LINEAR_GELU(x2, w2, b2, approximate == "tanh")[0],
+                      lambda: F.gelu(F.linear(x, weight, bias), approximate=approximate))
 
 
 def gemm_case(name: str):
