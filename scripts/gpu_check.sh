@@ -8,7 +8,8 @@
 # (benchmarks/bench_ops.py; OPS= picks families), ln_sweep, e2e, e2e_eager_base, e2e_compile,
 # e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
 # gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
-# profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup.
+# profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
+# multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2).
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 set -uo pipefail
@@ -158,6 +159,24 @@ if has mlm; then  # a short BERT-base masked-LM fit from scratch on local text: 
   echo "mlm rc=$?"
   cp runs/mlm_gpu/version_0/metrics.csv "$OUT/mlm_metrics.csv" 2>/dev/null
   grep -E "throughput \(train|Error" "$OUT/mlm.log" | cut -c1-400
+fi
+if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1 and 2 GPUs (DDP), global samples/s, then FSDP BERT-base
+  IMDB=(--data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm
+        --data.init_args.val_size 500 --throughput.enabled true --progress_bar.refresh_rate 500)
+  for run in ${MULTI_RUNS:-ddp1 ddp2 ddp2-fused-graphs}; do
+    n=${run:3:1}; extra=(); [[ $run == *fused-graphs ]] && extra=(-c configs/presets/graphs.yaml -c configs/presets/fused.yaml)
+    strategy=ddp; [ "$n" = 1 ] && strategy=auto  # the 1-GPU baseline runs as a user would, without DDP
+    timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit -c configs/imdb_minilm.yaml "${extra[@]}" "${IMDB[@]}" --trainer.devices $n \
+      --trainer.strategy $strategy --trainer.logger.init_args.name $run > "$OUT/$run.log" 2>&1
+    echo "$run rc=$?"; cp runs/$run/version_0/benchmark_stats.json "$OUT/${run}_stats.json" 2>/dev/null
+    grep -E "test/acc|throughput \(|CUDA graphs|eager" "$OUT/$run.log" | cut -c1-300 | head -6
+  done
+  timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit -c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb \
+    --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500 --model.init_args.pretrained null \
+    --model.init_args.config '{}' --data.init_args.max_length 128 --trainer.devices 2 --trainer.strategy fsdp \
+    --trainer.limit_train_batches 100 --trainer.limit_val_batches 10 --trainer.limit_test_batches 10 \
+    --throughput.enabled true --progress_bar.refresh_rate 50 --trainer.logger.init_args.name fsdp_base > "$OUT/fsdp_base.log" 2>&1
+  echo "fsdp bert-base rc=$?"; grep -E "test/acc|throughput \(|Error" "$OUT/fsdp_base.log" | cut -c1-300 | head -5
 fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
 if has ln_sweep; then  # rows per thread group in the LayerNorm forward kernel (issue 9)
