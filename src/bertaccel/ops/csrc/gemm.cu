@@ -127,8 +127,39 @@ __device__ __forceinline__ float dgelu_tanh(float x) {
   return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * k * (1.f + 3.f * 0.044715f * x2);
 }
 
-__device__ __forceinline__ float load_bias(const Params& p, int col) {
-  return p.bias_f32 ? static_cast<const float*>(p.bias)[col] : __bfloat162float(static_cast<const bf16*>(p.bias)[col]);
+// Eight consecutive values as fp32: one 16-byte load when `whole` (8 in range, 16-byte aligned), else
+// element by element with zeros past the first n.
+__device__ __forceinline__ void load8(const bf16* src, int n, bool whole, float (&a)[8]) {
+  if (whole) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { const float2 f = __bfloat1622float2(h[i]); a[2 * i] = f.x; a[2 * i + 1] = f.y; }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a[i] = i < n ? __bfloat162float(src[i]) : 0.f;
+  }
+}
+__device__ __forceinline__ void load8(const float* src, int n, bool whole, float (&a)[8]) {
+  if (whole) {
+    const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
+    a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w, a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a[i] = i < n ? src[i] : 0.f;
+  }
+}
+
+// The first n of eight values as bf16: one 16-byte store when `whole`, else element by element.
+__device__ __forceinline__ void store8(bf16* dst, int n, bool whole, const float (&v)[8]) {
+  if (whole) {
+    __align__(16) __nv_bfloat162 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(h);
+  } else {
+    for (int i = 0; i < n; ++i) dst[i] = __float2bfloat16(v[i]);
+  }
 }
 
 // Eight consecutive columns [col, col + 8) of one row from the staged accumulators: the epilogue, then
@@ -145,50 +176,21 @@ __device__ __forceinline__ void finish8(const Params& p, void* out, bool raw, in
   const bool whole = n == 8 && (N % 8 == 0);
   const int64_t at = (int64_t)row * N + col;
   const int e = p.epilogue;
-  if (raw || e == kNone) {
-    // split-K slice or no epilogue: the raw sums
-  } else {
+  if (!raw && e != kNone) {  // else a split-K slice or no epilogue: the raw sums
     if (e < kDGeluErf) {
-      if (whole && p.bias_f32) {
-        const float4* b4 = reinterpret_cast<const float4*>(static_cast<const float*>(p.bias) + col);
-        const float4 lo = b4[0], hi = b4[1];
-        v[0] += lo.x, v[1] += lo.y, v[2] += lo.z, v[3] += lo.w, v[4] += hi.x, v[5] += hi.y, v[6] += hi.z, v[7] += hi.w;
-      } else if (whole) {
-        uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.bias) + col);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      float b[8];
+      if (p.bias_f32) load8(static_cast<const float*>(p.bias) + col, n, whole, b);
+      else load8(static_cast<const bf16*>(p.bias) + col, n, whole, b);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) { float2 f = __bfloat1622float2(h[i]); v[2 * i] += f.x; v[2 * i + 1] += f.y; }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] += i < n ? load_bias(p, col + i) : 0.f;
-      }
+      for (int i = 0; i < 8; ++i) v[i] += b[i];
     }
     if (e == kBiasGeluErf || e == kBiasGeluTanh) {
-      if (p.pre != nullptr) {
-        bf16* q = p.pre + at;
-        if (whole) {
-          __align__(16) __nv_bfloat162 h[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-          *reinterpret_cast<uint4*>(q) = *reinterpret_cast<const uint4*>(h);
-        } else {
-          for (int i = 0; i < n; ++i) q[i] = __float2bfloat16(v[i]);
-        }
-      }
+      if (p.pre != nullptr) store8(p.pre + at, n, whole, v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = e == kBiasGeluErf ? gelu_erf(v[i]) : gelu_tanh(v[i]);
     } else if (e >= kBiasResidual) {
       float a[8];
-      const bf16* src = p.aux + at;
-      if (whole) {
-        uint4 raw = *reinterpret_cast<const uint4*>(src);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) { float2 f = __bfloat1622float2(h[i]); a[2 * i] = f.x; a[2 * i + 1] = f.y; }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) a[i] = i < n ? __bfloat162float(src[i]) : 0.f;
-      }
+      load8(p.aux + at, n, whole, a);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         if (e == kBiasResidual) v[i] += a[i];
@@ -205,15 +207,7 @@ __device__ __forceinline__ void finish8(const Params& p, void* out, bool raw, in
       for (int i = 0; i < n; ++i) o[i] = v[i];
     }
   } else {
-    bf16* o = static_cast<bf16*>(out) + at;
-    if (whole) {
-      __align__(16) __nv_bfloat162 h[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-      *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(h);
-    } else {
-      for (int i = 0; i < n; ++i) o[i] = __float2bfloat16(v[i]);
-    }
+    store8(static_cast<bf16*>(out) + at, n, whole, v);
   }
 }
 
