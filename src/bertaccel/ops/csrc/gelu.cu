@@ -1,10 +1,11 @@
 // Fused bias + GELU (exact erf form, as HF's "gelu", or the tanh approximation), forward and backward.
 //
-// Launch: grid (ceil(cols / VEC / 128), row chunks), 128 threads. Thread t of block (bx, by) owns
-// the column vector bx * 128 + t and walks the rows of chunk by, so a warp touches 32 consecutive
-// 16-byte vectors of one row (coalesced) and the bias vector is loaded once. The backward keeps
-// its column's dbias partial in registers across the chunk and writes one partial row per chunk;
-// `column_sum_kernel` adds them (no atomics). Bytes: forward reads x, writes y; backward reads dy
+// Forward: a flat elementwise kernel, 256 threads, each with 4 independent 16-byte loads in flight.
+// Backward: grid (ceil(cols / VEC / 128), row chunks), 128 threads. Thread t of block (bx, by) owns
+// the column vector bx * 128 + t and walks the rows of chunk by, 4 rows at a time, so a warp
+// touches 32 consecutive 16-byte vectors of one row (coalesced) and the bias vector is loaded once;
+// it keeps its column's dbias partial in registers across the chunk and writes one partial row per
+// chunk; `column_sum_kernel` adds them (no atomics). Bytes: forward reads x, writes y; backward reads dy
 // and x, writes dx. FLOPs: ~20 per element (erf or tanh dominate).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -19,7 +20,9 @@
 namespace bertaccel {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 128;     // backward block: 128 column vectors
+constexpr int kFwdThreads = 256;  // forward block
+constexpr int kUnroll = 4;        // vectors (forward) or rows (backward) in flight per thread
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
@@ -52,26 +55,37 @@ __device__ __forceinline__ void load_bias(const T* __restrict__ bias, int cv, fl
   }
 }
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads) bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
-                                                                 T* __restrict__ y, int64_t rows, int cols,
-                                                                 int rows_per_chunk, bool tanh_form) {
-  const int cv = blockIdx.x * kThreads + threadIdx.x;
-  if (cv * VEC >= cols) return;
-  float b[VEC];
-  load_bias<T, VEC>(bias, cv, b);
-  const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
-  const int64_t r1 = min(rows, r0 + rows_per_chunk);
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t off = r * cols + (int64_t)cv * VEC;
-    float v[VEC];
-    load_f<T, VEC>(x + off, v);
+// Forward: an elementwise kernel over the flat tensor, seen as nvec vectors of VEC elements
+// (VEC divides the row, so a vector never straddles rows and its bias vector is (i % cpr)).
+// Each thread loads kUnroll vectors, kFwdThreads apart, before it computes any: several
+// independent 16-byte loads in flight per thread are what keeps HBM busy.
+template <typename T, int VEC, typename Index>
+__global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
+                                                                    T* __restrict__ y, Index nvec, Index cpr,
+                                                                    bool tanh_form) {
+  const Index base = (Index)blockIdx.x * (kFwdThreads * kUnroll) + threadIdx.x;
+  float v[kUnroll][VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) v[j] = gelu(v[j] + b[j], tanh_form);
-    store_f<T, VEC>(y + off, v);
+  for (int u = 0; u < kUnroll; ++u) {
+    const Index i = base + (Index)u * kFwdThreads;
+    if (i < nvec) load_f<T, VEC>(x + i * VEC, v[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const Index i = base + (Index)u * kFwdThreads;
+    if (i < nvec) {
+      float b[VEC];
+      load_bias<T, VEC>(bias, (int)(i % cpr), b);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[u][j] = gelu(v[u][j] + b[j], tanh_form);
+      store_f<T, VEC>(y + i * VEC, v[u]);
+    }
   }
 }
 
+// Backward: thread t of block (bx, by) owns column vector bx * 128 + t and walks the rows of chunk
+// by, kUnroll rows at a time (all loads of a group issued before the math), keeping its dbias
+// partial in registers.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                                  const T* __restrict__ bias, T* __restrict__ dx,
@@ -85,16 +99,34 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __rest
   load_bias<T, VEC>(bias, cv, b);
   const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
   const int64_t r1 = min(rows, r0 + rows_per_chunk);
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t off = r * cols + (int64_t)cv * VEC;
-    float v[VEC], d[VEC];
-    load_f<T, VEC>(x + off, v);
-    load_f<T, VEC>(dy + off, d);
+  auto grad = [&](float (&v)[VEC], const float (&d)[VEC]) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       v[j] = to_f(from_f<T>(d[j] * gelu_grad(v[j] + b[j], tanh_form)));
       acc[j] += v[j];
     }
+  };
+  int64_t r = r0;
+  for (; r + kUnroll <= r1; r += kUnroll) {
+    float v[kUnroll][VEC], d[kUnroll][VEC];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t off = (r + u) * cols + (int64_t)cv * VEC;
+      load_f<T, VEC>(x + off, v[u]);
+      load_f<T, VEC>(dy + off, d[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      grad(v[u], d[u]);
+      store_f<T, VEC>(dx + (r + u) * cols + (int64_t)cv * VEC, v[u]);
+    }
+  }
+  for (; r < r1; ++r) {
+    const int64_t off = r * cols + (int64_t)cv * VEC;
+    float v[VEC], d[VEC];
+    load_f<T, VEC>(x + off, v);
+    load_f<T, VEC>(dy + off, d);
+    grad(v, d);
     store_f<T, VEC>(dx + off, v);
   }
   if (dbias_part != nullptr)
@@ -102,13 +134,13 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __rest
     for (int j = 0; j < VEC; ++j) dbias_part[(int64_t)blockIdx.y * cols + cv * VEC + j] = acc[j];
 }
 
-// Rows per chunk: enough chunks to give every SM ~8 blocks, but at least 16 rows a chunk so the
-// dbias partials stay a small fraction of the traffic.
+// Rows per chunk of the backward: enough chunks to give every SM ~8 blocks, but at least 8 rows a
+// chunk (two unrolled groups) so the dbias partials stay a small fraction of the traffic.
 int rows_per_chunk(int64_t rows, int col_blocks) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t chunks = std::max<int64_t>(1, (int64_t)sms * 8 / std::max(col_blocks, 1));
   int64_t rpc = (rows + chunks - 1) / chunks;
-  return (int)std::max<int64_t>(16, rpc);
+  return (int)std::max<int64_t>(2 * kUnroll, rpc);
 }
 
 void check(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
@@ -135,16 +167,21 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
     int vec = pick_vec((int)cols, 16 / sizeof(T), {&x, &b, &y});
-    int col_blocks = (int)((cols / vec + kThreads - 1) / kThreads);
-    int rpc = rows_per_chunk(rows, col_blocks);
-    dim3 grid(col_blocks, (unsigned)((rows + rpc - 1) / rpc));
+    const int64_t nvec = rows * cols / vec, cpr = cols / vec;
+    const dim3 grid((unsigned)((nvec + kFwdThreads * kUnroll - 1) / (kFwdThreads * kUnroll)));
     const T* bp = b.defined() ? (const T*)b.data_ptr() : nullptr;
-#define BA_GELU_FWD(V) \
-  bias_gelu_fwd_kernel<T, V><<<grid, kThreads, 0, stream>>>((const T*)x.data_ptr(), bp, (T*)y.data_ptr(), rows, (int)cols, rpc, tanh_form)
-    if (vec == 8) { if constexpr (sizeof(T) == 2) BA_GELU_FWD(8); }
-    else if (vec == 4) BA_GELU_FWD(4);
-    else if (vec == 2) BA_GELU_FWD(2);
-    else BA_GELU_FWD(1);
+    const bool narrow = nvec < (int64_t{1} << 31);  // 32-bit indices (cheaper i % cpr) when they fit
+#define BA_GELU_FWD(V)                                                                                         \
+  if (narrow)                                                                                                  \
+    bias_gelu_fwd_kernel<T, V, uint32_t><<<grid, kFwdThreads, 0, stream>>>(                                    \
+        (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (uint32_t)nvec, (uint32_t)cpr, tanh_form);               \
+  else                                                                                                         \
+    bias_gelu_fwd_kernel<T, V, int64_t><<<grid, kFwdThreads, 0, stream>>>((const T*)x.data_ptr(), bp,           \
+                                                                          (T*)y.data_ptr(), nvec, cpr, tanh_form)
+    if (vec == 8) { if constexpr (sizeof(T) == 2) { BA_GELU_FWD(8); } }
+    else if (vec == 4) { BA_GELU_FWD(4); }
+    else if (vec == 2) { BA_GELU_FWD(2); }
+    else { BA_GELU_FWD(1); }
 #undef BA_GELU_FWD
   };
   if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});
