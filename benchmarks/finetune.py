@@ -17,7 +17,8 @@ Variants:
   cli-unpadded    + configs/presets/unpadded.yaml (encoder on real tokens only; eager steps).
   cli-fused-unpadded  + fused.yaml and unpadded.yaml.
   cli-fused-unpadded-graphs  + graphs.yaml, fused.yaml and unpadded.yaml (packed static batches).
-  A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers).
+  A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers); ":bN"
+  (cli-graphs:b256) pads to length buckets every N tokens (one bucket when N = max_length).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
 does the same with its warm-up steps; graph captures of lengths first seen later stay in the
@@ -130,7 +131,7 @@ def plain_loop(args, compiled: bool) -> dict:
     }
 
 
-def cli_run(args, name: str, presets: list[str], workers: int) -> dict:
+def cli_run(args, name: str, presets: list[str], workers: int, extra: list[str] = ()) -> dict:
     run_name = f"bench_{name.replace(':', '_')}"
     cmd = [sys.executable, "-m", "bertaccel", "fit", "-c", "configs/imdb_minilm.yaml"]
     for p in presets:
@@ -141,7 +142,7 @@ def cli_run(args, name: str, presets: list[str], workers: int) -> dict:
             "--data.init_args.num_workers", str(workers), "--model.init_args.lr", str(args.lr),
             "--throughput.enabled", "true", "--throughput.warmup_steps", str(args.skip),
             "--progress_bar.refresh_rate", "100", "--trainer.logger.init_args.name", run_name,
-            "--trainer.logger.init_args.save_dir", str(args.runs), "--seed_everything", str(args.seed)]
+            "--trainer.logger.init_args.save_dir", str(args.runs), "--seed_everything", str(args.seed), *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -161,6 +162,8 @@ def cli_run(args, name: str, presets: list[str], workers: int) -> dict:
         "train_samples_per_s": stats.get("train", {}).get("samples_per_s"),
         "test_samples_per_s": stats.get("test", {}).get("samples_per_s"),
         "train_step_ms_p50": stats.get("train", {}).get("step_ms_p50"),
+        "train_step_ms_mean": stats.get("train", {}).get("step_ms_mean"),
+        "train_data_wait_ms_mean": stats.get("train", {}).get("data_wait_ms_mean"),
         "peak_memory_gb": stats.get("train", {}).get("peak_memory_gb"),
         "test_acc": float(acc[-1]) if acc else None,
         "process_wall_s": wall,
@@ -191,9 +194,17 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         if v in ("plain", "plain-compile"):
             results[v] = plain_loop(args, compiled=v == "plain-compile")
-        else:  # "cli-graphs:w0": the variant with 0 DataLoader workers
-            base_name, _, w = v.partition(":w")
-            results[v] = cli_run(args, v, CLI_PRESETS[base_name], int(w) if w else args.workers)
+        else:  # "cli-graphs:w0": with 0 DataLoader workers; ":b256": one length bucket of 256
+            base_name, *options = v.split(":")
+            workers, extra = args.workers, []
+            for o in options:
+                if o[:1] == "w" and o[1:].isdigit():
+                    workers = int(o[1:])
+                elif o[:1] == "b" and o[1:].isdigit():
+                    extra += ["--data.init_args.length_buckets", o[1:]]
+                else:
+                    raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets every N tokens)")
+            results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))

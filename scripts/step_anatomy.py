@@ -13,6 +13,11 @@ that take parts away or change how parameters are held:
                     parameter group, so AdamW and zero_grad each run over two tensors
 - `bf16-params`:    the model's parameters in bf16 (no autocast casts), fused AdamW on them: the
                     floor of a bf16-weights + fp32-master layout (it does not keep fp32 masters)
+- `attn-<backend>`: `full` with SDPA held to one backend (cudnn, efficient, flash, math) while
+                    the step is captured
+
+Rows are padded like IMDB reviews at max_length 256 (`--padded`: the fraction of rows shorter
+than the batch, with uniform lengths), so SDPA gets an attention mask.
 
 Then one torch.profiler pass over replays of `full` lists the kernels of one step by category.
 """
@@ -76,10 +81,22 @@ def build(model_name: str, variant: str):
     return model, opt, flats
 
 
+BACKENDS = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION", "math": "MATH"}
+
+
 def step_fn(model, opt, flats, variant: str):
     autocast = variant != "bf16-params"
+    backend = variant.removeprefix("attn-") if variant.startswith("attn-") else None
 
     def step(ids, mask, labels):
+        if backend is not None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(getattr(SDPBackend, BACKENDS[backend])):
+                return inner(ids, mask, labels)
+        return inner(ids, mask, labels)
+
+    def inner(ids, mask, labels):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
             if variant == "forward":
                 with torch.no_grad():
@@ -98,11 +115,15 @@ def step_fn(model, opt, flats, variant: str):
     return step
 
 
-def time_variant(model_name: str, batch: int, seq: int, variant: str, steps: int, profile: bool):
+def time_variant(model_name: str, batch: int, seq: int, variant: str, steps: int, profile: bool, padded: float):
     model, opt, flats = build(model_name, variant)
     g = torch.Generator(device="cuda").manual_seed(1)
+    lengths = torch.full((batch,), seq, device="cuda")
+    short = torch.rand(batch, device="cuda", generator=g) < padded
+    lengths[short] = torch.randint(16, seq, (int(short.sum()),), device="cuda", generator=g)
+    mask = (torch.arange(seq, device="cuda")[None, :] < lengths[:, None]).long()
     inputs = {"ids": torch.randint(1000, 30522, (batch, seq), device="cuda", generator=g),
-              "mask": torch.ones(batch, seq, dtype=torch.long, device="cuda"),
+              "mask": mask,
               "labels": torch.randint(0, 2, (batch,), device="cuda", generator=g)}
     runner = StepGraphs(variant)
     fn = step_fn(model, opt, flats, variant)
@@ -141,14 +162,20 @@ def main() -> None:
     ap.add_argument("--cells", nargs="+", default=["minilm:32x256", "bert-base:16x128"])
     ap.add_argument("--variants", nargs="+", default=["full", "no-optimizer", "forward", "flat", "bf16-params"])
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--padded", type=float, default=0.5, help="fraction of rows shorter than the batch")
     ap.add_argument("--out", default="step_anatomy.json")
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
     args = ap.parse_args()
+    import logging
+
+    logging.getLogger("bertaccel.ops.swap").setLevel(logging.ERROR)  # its per-module lines
     rows, profiles = [], {}
     for cell in args.cells:
         name, shape = cell.split(":")
         b, s = (int(x) for x in shape.split("x"))
         for v in args.variants:
-            ms, kernels = time_variant(name, b, s, v, args.steps, profile=v == "full")
+            ms, kernels = time_variant(name, b, s, v, args.steps, profile=v == "full" and args.profile,
+                                      padded=args.padded)
             rows.append({"model": name, "shape": shape, "variant": v, "ms": round(ms, 3)})
             print(f"{name:9s} {shape:7s} {v:13s} {ms:7.3f} ms", flush=True)
             if kernels:
