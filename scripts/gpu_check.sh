@@ -10,7 +10,7 @@
 # gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2), anatomy (where a graphed step's
-# GPU time goes).
+# GPU time goes), attention (benchmarks/bench_attention.py).
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 set -uo pipefail
@@ -112,6 +112,10 @@ if has sweep; then
   echo "sweep rc=$?"
 fi
 for f in e2e_eager e2e_compile; do [ -f "$f.log" ] && grep -A80 "^$" "$f.log" | grep -E "^(model|bert|minilm)" | tail -41; done
+if has attention; then  # SDPA backends (padded, masked) vs FlashAttention varlen on the packed tokens
+  timeout ${ATTN_TIMEOUT:-200} python -m benchmarks.bench_attention --out "$OUT/attention.json" > "$OUT/attention.log" 2>&1
+  echo "attention rc=$?"; tail -25 "$OUT/attention.log"
+fi
 if has anatomy; then  # GPU time of one graphed step by part and by kernel category (scripts/step_anatomy.py)
   timeout ${ANATOMY_TIMEOUT:-300} python scripts/step_anatomy.py ${ANATOMY_ARGS:-} --out "$OUT/step_anatomy.json" > "$OUT/step_anatomy.log" 2>&1
   echo "anatomy rc=$?"; cat "$OUT/step_anatomy.log" | grep -v Warning | head -${ANATOMY_TAIL:-80}

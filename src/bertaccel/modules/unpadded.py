@@ -6,9 +6,9 @@ length as a host int). `encoder_forward` then runs the embeddings, every linear 
 FFN of HF's BertModel on those T real tokens instead of B x S padded ones (IMDB at max_length 256 is
 ~81% real tokens, at 512 ~55%), through the model's own submodules, so parameters, state_dict keys
 and swapped (fused) submodules are the same as in the padded model. Attention is the one place that
-needs the sequence structure: `varlen_attention` scatters q/k/v back into [B, S] for PyTorch's SDPA
-with the key-padding mask and gathers the output (exact; the fused varlen attention kernel of the
-attention issue will replace this step and drop the scatter). The pooler and classifier read each
+needs the sequence structure: `varlen_attention` runs PyTorch's FlashAttention-2 varlen kernel on the
+packed rows (bf16 / fp16 on a GPU), or else scatters q/k/v back into [B, S] for SDPA with the
+key-padding mask and gathers the output (exact; CPU and fp32). The pooler and classifier read each
 sequence's first ([CLS]) token.
 
 Where the real tokens are comes with the batch when the data module packs it (`packed_indices`,
@@ -87,11 +87,65 @@ class Unpadded:
         return x.index_select(0, starts.clamp(max=x.shape[0] - 1)).masked_fill(empty, 0)
 
 
+def flash_varlen_unavailable(q: Tensor) -> str | None:
+    """Why PyTorch's FlashAttention-2 varlen kernel cannot take these packed queries (None: it can)."""
+    if not q.is_cuda:
+        return "not a CUDA tensor"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"{q.dtype} (FlashAttention takes bf16 / fp16)"
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        return f"head dim {q.shape[-1]} (FlashAttention takes multiples of 8 up to 256)"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "a GPU older than sm_80"
+    return None
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """PyTorch's FlashAttention-2 varlen kernels (`aten._flash_attention_forward/backward`) on packed
+    [T, heads, d] rows, dropout from PyTorch's Philox generator (graph-safe: seed and offset live in
+    a device tensor that the backward reads). Rows past cu_seqlens[-1] (the fillers of a rounded-up
+    token count) belong to no sequence: the kernels leave them unwritten, so their output and
+    gradients are set to zero here (a filler's garbage would otherwise reach the weight gradients)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, False, False, scale=scale)
+        live = (torch.arange(q.shape[0], device=q.device) < cu_seqlens[-1])[:, None, None]
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused, live)
+        ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
+        return torch.where(live, out, 0)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu, rng_state, unused, live = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, ctx.dropout_p, False,
+            rng_state, unused, scale=ctx.scale)
+        return torch.where(live, dq, 0), torch.where(live, dk, 0), torch.where(live, dv, 0), None, None, None, None
+
+
+_told_fallback = False
+
+
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_p: float = 0.0,
                      scale: float | None = None) -> Tensor:
     """Attention within each sequence of packed [T, heads, head_dim] queries, keys and values, the
-    sequences given by `layout`; returns [T, heads, head_dim]. PyTorch's SDPA on the re-padded
-    tensors with the key-padding mask (the padded queries' rows are computed and dropped)."""
+    sequences given by `layout`; returns [T, heads, head_dim].
+
+    On a GPU with bf16 / fp16 inputs: PyTorch's FlashAttention-2 varlen kernel on the packed rows (no
+    padding computed, no mask). Otherwise (CPU, fp32): PyTorch's SDPA on the re-padded tensors with
+    the key-padding mask (the padded queries' rows are computed and dropped)."""
+    global _told_fallback
+    reason = flash_varlen_unavailable(q)
+    if reason is None:
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p, scale)
+    if q.is_cuda and not _told_fallback:
+        _told_fallback = True
+        import logging
+
+        logging.getLogger(__name__).warning("unpadded attention: re-padded SDPA instead of FlashAttention varlen (%s)", reason)
     qp, kp, vp = (layout.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, d]
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=layout.key_padding, dropout_p=dropout_p, scale=scale)
     return layout.pack(out.transpose(1, 2))

@@ -1,0 +1,111 @@
+"""Attention forward + backward on padded batches: SDPA's backends with the key-padding mask against
+PyTorch's FlashAttention-2 varlen kernel on the packed real tokens (what `model.unpadded` runs).
+
+    python -m benchmarks.bench_attention --out bench_results/attention.json
+
+Each cell: bf16 q/k/v of a [batch, seq] batch whose row lengths are given (`full`: every row seq;
+`imdb256`: the staged IMDB subset's lengths at max_length 256, 81% real; `uniform`: lengths uniform
+in [0.2, 1] x seq, ByteTransformer's setting). FLOPs count real tokens only: forward 4 * sum(len^2)
+* heads * d, backward 2.5x that. Times: CUDA events over 20 calls after 5 warm-up calls, median.
+`sdpa-flash` cannot take a mask: it runs only on `full` cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.common import environment, print_table, write_json
+from bertaccel.modules.unpadded import Unpadded, varlen_attention
+
+CELLS = ["32x256x12x32:imdb256", "32x256x12x32:full", "16x128x12x64:full", "32x512x12x64:uniform", "32x512x12x32:uniform"]
+BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "sdpa-flash": SDPBackend.FLASH_ATTENTION}
+
+
+def lengths_for(kind: str, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "full":
+        return torch.full((batch,), seq)
+    if kind == "uniform":
+        return (torch.rand(batch, generator=g) * 0.8 * seq + 0.2 * seq).long().clamp(1, seq)
+    if kind == "imdb256":  # 62% of rows fill 256 tokens, the rest spread below (81% real overall)
+        full = torch.rand(batch, generator=g) < 0.62
+        return torch.where(full, torch.full((batch,), seq), torch.randint(40, seq, (batch,), generator=g))
+    raise ValueError(kind)
+
+
+def time_ms(fn) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def run_cell(cell: str) -> list[dict]:
+    shape, kind = cell.split(":")
+    batch, seq, heads, d = (int(x) for x in shape.split("x"))
+    g = torch.Generator().manual_seed(0)
+    lengths = lengths_for(kind, batch, seq, g)
+    mask = (torch.arange(seq)[None] < lengths[:, None]).cuda()
+    layout = Unpadded.from_mask(mask.long())
+    flops = 3.5 * 4 * float((lengths.double() ** 2).sum()) * heads * d
+    rows = []
+    qp, kp, vp = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dp = torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16)
+    key_padding = None if kind == "full" else mask[:, None, None, :]
+    for name, backend in BACKENDS.items():
+        if name == "sdpa-flash" and key_padding is not None:
+            continue
+
+        def step():
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=key_padding)
+            torch.autograd.grad(out, (qp, kp, vp), dp)
+
+        try:
+            ms = time_ms(step)
+        except RuntimeError as e:
+            print(f"{cell} {name}: {str(e).splitlines()[0][:120]}")
+            continue
+        rows.append({"cell": cell, "impl": name, "ms": round(ms, 4), "TFLOP/s": round(flops / ms / 1e9, 1)})
+    q, k, v = (torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16)
+
+    def varlen():
+        torch.autograd.grad(varlen_attention(q, k, v, layout), (q, k, v), do)
+
+    ms = time_ms(varlen)
+    rows.append({"cell": cell, "impl": "flash-varlen (packed)", "ms": round(ms, 4), "TFLOP/s": round(flops / ms / 1e9, 1)})
+    best_sdpa = min((r["ms"] for r in rows if r["impl"].startswith("sdpa")), default=None)
+    for r in rows:
+        r["real_fraction"] = round(float(lengths.sum()) / (batch * seq), 3)
+        r["x_best_sdpa"] = round(best_sdpa / r["ms"], 3) if best_sdpa else None
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", nargs="+", default=CELLS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for cell in args.cells:
+        rows += run_cell(cell)
+    print_table(rows, ["cell", "impl", "real_fraction", "ms", "TFLOP/s", "x_best_sdpa"])
+    if args.out:
+        write_json(args.out, {"environment": environment(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
