@@ -6,7 +6,7 @@ PyTorch's FlashAttention-2 varlen kernel on the packed real tokens (what `model.
 Each cell: bf16 q/k/v of a [batch, seq] batch whose row lengths are given (`full`: every row seq;
 `imdb256`: the staged IMDB subset's lengths at max_length 256, 81% real; `uniform`: lengths uniform
 in [0.2, 1] x seq, ByteTransformer's setting). FLOPs count real tokens only: forward 4 * sum(len^2)
-* heads * d, backward 2.5x that. Times: CUDA events over 20 calls after 5 warm-up calls, median.
+* heads * d, backward 2.5x that. Times: GPU time per forward + backward from CUDA-graph replays.
 `sdpa-flash` cannot take a mask: it runs only on `full` cells.
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import environment, print_table, write_json
+from benchmarks.common import environment, graph_time_ms, print_table, write_json
 from bertaccel.modules.unpadded import Unpadded, varlen_attention
 
 CELLS = ["32x256x12x32:imdb256", "32x256x12x32:full", "16x128x12x64:full", "32x512x12x64:uniform", "32x512x12x32:uniform"]
@@ -39,6 +39,12 @@ def lengths_for(kind: str, batch: int, seq: int, g: torch.Generator) -> torch.Te
 
 
 def time_ms(fn) -> float:
+    """GPU time per call, from CUDA-graph replays (a small attention call is otherwise host-bound);
+    CUDA events around eager calls if the call cannot be captured."""
+    try:
+        return graph_time_ms(fn, [()])
+    except RuntimeError:
+        torch.cuda.synchronize()
     for _ in range(5):
         fn()
     times = []
