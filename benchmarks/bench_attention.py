@@ -13,13 +13,12 @@ in [0.2, 1] x seq, ByteTransformer's setting). FLOPs count real tokens only: for
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import environment, graph_time_ms, print_table, write_json
+from benchmarks.common import cuda_time_ms, environment, graph_time_ms, print_table, write_json
 from bertaccel.modules.unpadded import Unpadded, varlen_attention
 
 CELLS = ["32x256x12x32:imdb256", "32x256x12x32:full", "16x128x12x64:full", "32x512x12x64:uniform", "32x512x12x32:uniform"]
@@ -45,17 +44,7 @@ def time_ms(fn) -> float:
         return graph_time_ms(fn, [()])
     except RuntimeError:
         torch.cuda.synchronize()
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return cuda_time_ms(fn, [()], warmup=5, repeats=20)
 
 
 def run_cell(cell: str) -> list[dict]:

@@ -26,15 +26,19 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from bertaccel.callbacks.profiler import categorize
-from bertaccel.modules.graphs import StepGraphs
-from bertaccel.ops.swap import DEFAULT, swap
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
+from benchmarks.common import cuda_time_ms  # noqa: E402
+from bertaccel.callbacks.profiler import categorize  # noqa: E402
+from bertaccel.modules.graphs import StepGraphs  # noqa: E402
+from bertaccel.ops.swap import DEFAULT, swap  # noqa: E402
 
 MODELS = {
     "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
@@ -127,17 +131,7 @@ def time_variant(model_name: str, batch: int, seq: int, variant: str, steps: int
               "labels": torch.randint(0, 2, (batch,), device="cuda", generator=g)}
     runner = StepGraphs(variant)
     fn = step_fn(model, opt, flats, variant)
-    for _ in range(6):
-        runner.run("k", fn, inputs)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        runner.run("k", fn, inputs)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = cuda_time_ms(functools.partial(runner.run, "k", fn, inputs), [()], warmup=6, repeats=steps)
     kernels = None
     if profile:
         n = 5
@@ -154,7 +148,7 @@ def time_variant(model_name: str, batch: int, seq: int, variant: str, steps: int
                           for k, v in per.items()), key=lambda r: -r["us_per_step"])
     del model, opt, runner
     torch.cuda.empty_cache()
-    return statistics.median(times), kernels
+    return ms, kernels
 
 
 def main() -> None:

@@ -23,11 +23,14 @@ classifier through their module hooks, the embeddings, attention and pooler thro
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -143,9 +146,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_
         return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p, scale)
     if q.is_cuda and not _told_fallback:
         _told_fallback = True
-        import logging
-
-        logging.getLogger(__name__).warning("unpadded attention: re-padded SDPA instead of FlashAttention varlen (%s)", reason)
+        log.warning("unpadded attention: re-padded SDPA instead of FlashAttention varlen (%s)", reason)
     qp, kp, vp = (layout.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, d]
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=layout.key_padding, dropout_p=dropout_p, scale=scale)
     return layout.pack(out.transpose(1, 2))
