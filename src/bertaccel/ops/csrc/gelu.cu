@@ -170,7 +170,8 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
     const int64_t nvec = rows * cols / vec, cpr = cols / vec;
     const dim3 grid((unsigned)((nvec + kFwdThreads * kUnroll - 1) / (kFwdThreads * kUnroll)));
     const T* bp = b.defined() ? (const T*)b.data_ptr() : nullptr;
-    const bool narrow = nvec < (int64_t{1} << 31);  // 32-bit indices (cheaper i % cpr) when they fit
+    // 32-bit indices (cheaper i % cpr) when every element offset i * VEC fits, not just the vector count
+    const bool narrow = rows * cols < (int64_t{1} << 31);
 #define BA_GELU_FWD(V)                                                                                         \
   if (narrow)                                                                                                  \
     bias_gelu_fwd_kernel<T, V, uint32_t><<<grid, kFwdThreads, 0, stream>>>(                                    \
