@@ -43,9 +43,12 @@ VARIANTS = {
     # eager attention, with the softmax family (scale + mask + softmax in one kernel) swapped in too
     "fused-eager": ("eager", True, True, False, False),
     # the product's graphed step (src/bertaccel/modules/graphs.py, as `model.cuda_graphs` runs it): forward,
-    # backward and capturable fused AdamW captured once and replayed
+    # backward and capturable fused AdamW captured once and replayed, with bf16 weight copies
+    # (src/bertaccel/modules/weight_copies.py)
     "graphs": ("sdpa", True, False, False, True),
     "fused-graphs": ("sdpa", True, True, False, True),
+    # the same with autocast casting the fp32 weights in each step (`model.bf16_weight_copies: false`)
+    "fused-graphs-cast": ("sdpa", True, True, False, True),
     # + the opt-in `linear` family: every BERT nn.Linear on our own TMA + wgmma GEMM (Hopper)
     "gemm-fused": ("sdpa", True, "gemm", False, False),
     "gemm-fused-graphs": ("sdpa", True, "gemm", False, True),
@@ -80,22 +83,33 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
     labels = torch.randint(0, 2, (batch,), device=device, generator=g)
 
     if graphed:
+        import contextlib
+
         from bertaccel.modules.graphs import StepGraphs
+        from bertaccel.modules.weight_copies import Bf16WeightCopies
 
         runner = StepGraphs(variant)
+        copies = Bf16WeightCopies(model) if bf16 and not variant.endswith("-cast") else None
         if train:
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)  # static gradients, as the product's graphed step keeps them
+        copied = {id(m) for m in copies.masters} if copies else set()
+        to_zero = [p.grad for p in model.parameters() if id(p) not in copied] if train else []
 
         def graph_step(ids, mask, labels):
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+            with copies.swapped_in() if copies else contextlib.nullcontext(), \
+                    torch.autocast(device, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
                 if not train:
                     with torch.no_grad():
                         return {"logits": model(input_ids=ids, attention_mask=mask).logits}
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
+            if copies:
+                copies.grads_to_masters(accumulate=False)
             opt.step()
-            opt.zero_grad(set_to_none=False)
+            if copies:
+                copies.refresh()
+            torch._foreach_zero_(to_zero)
             return {"loss": loss.detach()}
 
     def one_step():

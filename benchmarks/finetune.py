@@ -18,7 +18,8 @@ Variants:
   cli-fused-unpadded  + fused.yaml and unpadded.yaml.
   cli-fused-unpadded-graphs  + graphs.yaml, fused.yaml and unpadded.yaml (packed static batches).
   A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers); ":bN"
-  (cli-graphs:b256) pads to length buckets every N tokens (one bucket when N = max_length).
+  (cli-graphs:b256) pads to length buckets every N tokens (one bucket when N = max_length); ":cast"
+  turns `model.bf16_weight_copies` off (autocast casts each fp32 weight in every graphed step).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
 does the same with its warm-up steps; graph captures of lengths first seen later stay in the
@@ -202,8 +203,11 @@ def main(argv=None) -> None:
                     workers = int(o[1:])
                 elif o[:1] == "b" and o[1:].isdigit():
                     extra += ["--data.init_args.length_buckets", o[1:]]
+                elif o == "cast":
+                    extra += ["--model.init_args.bf16_weight_copies", "false"]
                 else:
-                    raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets every N tokens)")
+                    raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
+                                     "every N tokens, cast: no bf16 weight copies)")
             results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if args.out:

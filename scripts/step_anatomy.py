@@ -6,7 +6,10 @@ For each model/shape, the product's graphed step (`StepGraphs`, kernel swap, bf1
 fp32 weights, capturable fused AdamW) is timed with CUDA events over graph replays, beside variants
 that take parts away or change how parameters are held:
 
-- `full`:           forward + backward + fused AdamW + zero_grad (what `model.cuda_graphs` runs)
+- `full`:           forward + backward + fused AdamW + zero_grad, autocast casting the fp32 weights
+                    (what `model.cuda_graphs` runs with `bf16_weight_copies: false`)
+- `copies`:         `full` with bf16 copies of the Linear weights beside the fp32 masters
+                    (src/bertaccel/modules/weight_copies.py; `model.cuda_graphs`' default)
 - `no-optimizer`:   forward + backward + zero_grad
 - `forward`:        the training forward alone (dropout on, no backward)
 - `flat`:           `full` with every fp32 parameter and gradient a view of one flat buffer per
@@ -25,6 +28,7 @@ Then one torch.profiler pass over replays of `full` lists the kernels of one ste
 from __future__ import annotations
 
 import argparse
+import os
 import collections
 import functools
 import json
@@ -38,6 +42,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__fil
 from benchmarks.common import cuda_time_ms  # noqa: E402
 from bertaccel.callbacks.profiler import categorize  # noqa: E402
 from bertaccel.modules.graphs import StepGraphs  # noqa: E402
+from bertaccel.modules.weight_copies import Bf16WeightCopies  # noqa: E402
 from bertaccel.ops.swap import DEFAULT, swap  # noqa: E402
 
 MODELS = {
@@ -82,6 +87,8 @@ def build(model_name: str, variant: str):
             p.grad = torch.zeros_like(p)
         groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=torch.tensor(1e-5, device="cuda"), fused=True, capturable=True)
+    if variant == "copies":
+        flats = Bf16WeightCopies(model)  # (the variant's parameter layout)
     return model, opt, flats
 
 
@@ -90,6 +97,11 @@ BACKENDS = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "fla
 
 def step_fn(model, opt, flats, variant: str):
     autocast = variant != "bf16-params"
+    copies = flats if variant == "copies" else None
+    if copies is not None:
+        flats = None
+        copied = {id(m) for m in copies.masters}
+        to_zero = [p.grad for p in model.parameters() if id(p) not in copied]
     backend = variant.removeprefix("attn-") if variant.startswith("attn-") else None
 
     def step(ids, mask, labels):
@@ -101,6 +113,15 @@ def step_fn(model, opt, flats, variant: str):
         return inner(ids, mask, labels)
 
     def inner(ids, mask, labels):
+        if copies is not None:
+            with copies.swapped_in(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            copies.grads_to_masters(accumulate=False)
+            opt.step()
+            copies.refresh()
+            torch._foreach_zero_(to_zero)
+            return {"loss": loss.detach()}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
             if variant == "forward":
                 with torch.no_grad():
@@ -154,7 +175,8 @@ def time_variant(model_name: str, batch: int, seq: int, variant: str, steps: int
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", nargs="+", default=["minilm:32x256", "bert-base:16x128"])
-    ap.add_argument("--variants", nargs="+", default=["full", "no-optimizer", "forward", "flat", "bf16-params"])
+    ap.add_argument("--variants", nargs="+", default=["full", "copies", "no-optimizer", "forward", "flat", "bf16-params"])
+    ap.add_argument("--profile-variants", nargs="+", default=["copies"], help="variants whose kernels are listed")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--padded", type=float, default=0.5, help="fraction of rows shorter than the batch")
     ap.add_argument("--out", default="step_anatomy.json")
@@ -169,7 +191,7 @@ def main() -> None:
         b, s = (int(x) for x in shape.split("x"))
         for v in args.variants:
             try:
-                ms, kernels = time_variant(name, b, s, v, args.steps, profile=v == "full" and args.profile,
+                ms, kernels = time_variant(name, b, s, v, args.steps, profile=v in args.profile_variants and args.profile,
                                           padded=args.padded)
             except Exception as e:  # e.g. a backend that cannot take an attention mask
                 print(f"{name:9s} {shape:7s} {v:13s} failed: {str(e).splitlines()[0][:150]}", flush=True)
@@ -178,7 +200,7 @@ def main() -> None:
             rows.append({"model": name, "shape": shape, "variant": v, "ms": round(ms, 3)})
             print(f"{name:9s} {shape:7s} {v:13s} {ms:7.3f} ms", flush=True)
             if kernels:
-                profiles[cell] = kernels
+                profiles[f"{cell}:{v}"] = kernels
                 cats = collections.Counter()
                 for k in kernels:
                     cats[k["category"]] += k["us_per_step"]
@@ -186,7 +208,7 @@ def main() -> None:
                 print(f"  profiled kernels {total / 1e3:.3f} ms/step, {sum(k['calls_per_step'] for k in kernels):.0f} kernels/step")
                 for c, us in cats.most_common():
                     print(f"    {c:18s} {us / 1e3:7.3f} ms  {us / total:6.1%}")
-                for k in kernels[:22]:
+                for k in kernels[:int(os.environ.get("ANATOMY_KERNELS", 22))]:
                     print(f"    {k['us_per_step']:8.1f} us {k['calls_per_step']:5.0f}x  {k['category']:12s} {k['name'][:90]}")
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "kernels": profiles}, f, indent=1)

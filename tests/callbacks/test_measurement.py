@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode

@@ -19,10 +19,11 @@ from tests.conftest import TINY_BERT  # noqa: E402
 SMALL = {**TINY_BERT, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
 
 
-def fit(tiny_data, tmp_path, graphs: bool, dropout: float = 0.0, ckpt_path=None, callbacks=(), precision="bf16-mixed", **kw):
+def fit(tiny_data, tmp_path, graphs: bool, dropout: float = 0.0, ckpt_path=None, callbacks=(), precision="bf16-mixed",
+        model_kw=None, **kw):
     pl.seed_everything(5)
     cfg = {**SMALL, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-    model = BertClassifier(config=cfg, vocab_size=256, num_labels=2, lr=2e-3, cuda_graphs=graphs)
+    model = BertClassifier(config=cfg, vocab_size=256, num_labels=2, lr=2e-3, cuda_graphs=graphs, **(model_kw or {}))
     dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
                                       batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
     args = dict(accelerator="gpu", devices=1, precision=precision, max_epochs=3, logger=False,
@@ -74,6 +75,20 @@ def test_graphed_training_equals_eager_training(tiny_data, tmp_path):
     assert_same_training(eager, graphed, init)
     assert_same_training(eager_clip, graphed_clip, init)
     torch.testing.assert_close(tg.callback_metrics["val/loss"], te.callback_metrics["val/loss"], rtol=5e-2, atol=5e-2)
+
+
+def test_captured_bf16_weight_copies_train_like_autocast_casts(tiny_data, tmp_path):
+    """The captured bf16-mixed step with bf16 weight copies (the default) against the same captured
+    step with autocast casting the fp32 weights: the same training up to kernel-order noise."""
+    init = initial_parameters()
+    cast, t_cast = fit(tiny_data, tmp_path / "a", graphs=True, model_kw={"bf16_weight_copies": False})
+    copied, t_copied = fit(tiny_data, tmp_path / "b", graphs=True)
+    for model in (cast, copied):
+        stats = model.graph_stats()
+        assert stats["train"]["disabled"] is None and stats["train"]["replays"] > stats["train"]["eager_steps"]
+    assert all(p.dtype == torch.float32 for p in copied.parameters())
+    assert_same_training(cast, copied, init, tol=0.05)
+    torch.testing.assert_close(t_copied.callback_metrics["val/loss"], t_cast.callback_metrics["val/loss"], rtol=1e-2, atol=1e-2)
 
 
 def test_dropout_draws_new_masks_each_replay():

@@ -68,9 +68,10 @@ def test_classification_stats_match_torchmetrics_and_skip_padding_rows():
     torch.testing.assert_close(out["loss"], torch.tensor(8.0 / (4 * 29)))
 
 
-def _train(graph_loop: bool, tiny_data, tmp_path, **trainer_kwargs):
+def _train(graph_loop: bool, tiny_data, tmp_path, model_kwargs=None, **trainer_kwargs):
     pl.seed_everything(3)
-    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
+    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop,
+                           **(model_kwargs or {}))
     model._capture_without_gpu = graph_loop  # the graph-mode loop, run eagerly
     dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
                                       batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
@@ -95,6 +96,44 @@ def test_graph_mode_loop_trains_like_automatic_optimization(options, tiny_data, 
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     for key in ("val/acc", "val/loss", "train/acc"):
         torch.testing.assert_close(t_graph.callback_metrics[key], t_eager.callback_metrics[key], rtol=1e-4, atol=1e-5)
+
+
+class _CheckWeightCopies(Callback):
+    """After each training step: the Linear modules hold their fp32 masters again, and each bf16 copy
+    equals its master rounded to bf16 (refreshed after the optimizer step)."""
+
+    def __init__(self):
+        self.checked = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        copies = pl_module._weight_copies
+        assert copies, "no bf16 weight copies in a graph-mode bf16-mixed step"
+        assert all(c.grad is None for c in copies.copies)
+        linears = [m for m in pl_module.model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(m.weight.dtype == torch.float32 for m in linears)
+        assert {id(m) for m in copies.masters} == {id(m.weight) for m in linears}
+        for master, copy in zip(copies.masters, copies.copies):
+            assert copy.dtype == torch.bfloat16 and torch.equal(copy, master.detach().to(torch.bfloat16))
+        self.checked += 1
+
+
+@pytest.mark.parametrize("options", [{}, {"accumulate_grad_batches": 3}, {"gradient_clip_val": 0.05}],
+                         ids=["plain", "accumulate", "clip-norm"])
+def test_bf16_weight_copies_compute_what_autocast_casts_compute(options, tiny_data, tmp_path):
+    """bf16-mixed graph-mode steps with the copies give the same parameters, bit for bit, as with
+    autocast casting the fp32 weights: same rounding of the weights, same widening of the gradients."""
+    check = _CheckWeightCopies()
+    cast, t_cast, _ = _train(True, tiny_data, tmp_path / "a", {"bf16_weight_copies": False},
+                             precision="bf16-mixed", **options)
+    copied, t_copied, _ = _train(True, tiny_data, tmp_path / "b", callbacks=[check], precision="bf16-mixed", **options)
+    assert check.checked >= t_copied.global_step > 0
+    assert t_copied.global_step == t_cast.global_step > 0
+    assert not cast._weight_copies and not copied._weight_copies  # dropped at teardown
+    for (name, a), b in zip(cast.named_parameters(), copied.parameters()):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    for key in ("val/acc", "val/loss", "train/acc"):
+        torch.testing.assert_close(t_copied.callback_metrics[key], t_cast.callback_metrics[key], rtol=0, atol=0)
 
 
 def test_cuda_graphs_on_cpu_fall_back_to_eager_with_one_line(tiny_data, tmp_path, caplog):

@@ -10,6 +10,10 @@ Steps run one of two ways, with the same loss and metric code:
   clipping and accumulation are taken over from `trainer.gradient_clip_val` /
   `trainer.accumulate_grad_batches`. Evaluation and prediction forwards are graphed likewise.
 
+Graphed bf16-mixed steps keep a bf16 copy of each Linear weight next to its fp32 master
+(`bf16_weight_copies`, `src/bertaccel/modules/weight_copies.py`): the step casts no weights, with
+the values autocast would compute.
+
 Neither path reads a device value on the host per step: the loss and metrics accumulate on the
 device and are read when logged (every `trainer.log_every_n_steps` steps and at epoch ends).
 """
@@ -30,6 +34,7 @@ from transformers import get_linear_schedule_with_warmup
 from bertaccel.errors import CheckpointError, ConfigError
 from bertaccel.modules.bert import architecture_of
 from bertaccel.modules.graphs import StepGraphs
+from bertaccel.modules.weight_copies import Bf16WeightCopies
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +111,7 @@ class BertModule(pl.LightningModule):
         optimizer: Literal["adamw", "muon", "normuon"] = "adamw",
         muon_lr: float = 0.02,
         muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
+        bf16_weight_copies: bool = True,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -131,6 +137,10 @@ class BertModule(pl.LightningModule):
             )
         self.cuda_graphs = cuda_graphs
         self.compile_mode = compile
+        self.bf16_weight_copies = bf16_weight_copies
+        # graphed bf16-mixed steps: bf16 copies of the Linear weights (see `_use_weight_copies`)
+        self._weight_copies: Bf16WeightCopies | None = None
+        self._refresh_copies = False
         # graph-mode state: decided per trainer stage, see `graphs_unavailable`
         self._graph_decisions: dict[str, str | None] = {}
         self._graphs: dict[str, StepGraphs] = {}
@@ -220,6 +230,8 @@ class BertModule(pl.LightningModule):
         if which in (None, "train"):
             self._train_fns.clear()  # they hold the optimizer of this run
             self._static_grads = []
+        if which is None:  # the eval graphs read the copies too
+            self._weight_copies = None
         for name in [which] if which else list(self._graphs):
             runner = self._graphs.pop(name, None)
             if runner is not None:
@@ -381,6 +393,36 @@ class BertModule(pl.LightningModule):
             return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
+    # ------------------------------------------------------------------------ bf16 weight copies
+    def _weight_copies_wanted(self) -> bool:
+        # Under torch.compile the compiled graph fuses autocast's casts itself (and swapping the
+        # parameters would add a recompile); fp32 and bf16-true runs have nothing to cast.
+        return bool(self.bf16_weight_copies and self.compile_mode is None and self._trainer is not None
+                    and str(self.trainer.precision) == "bf16-mixed")
+
+    def _ensure_weight_copies(self) -> None:
+        """Before a graphed step (outside any capture): make the bf16 weight copies, or refresh them from
+        the fp32 masters when a new evaluation stage begins (the masters may have been loaded or changed)."""
+        if not self._weight_copies_wanted():
+            return
+        if self._weight_copies is None:
+            self._weight_copies = Bf16WeightCopies(self.model)
+        elif self._refresh_copies:
+            self._weight_copies.refresh()
+        self._refresh_copies = False
+
+    def _use_weight_copies(self):
+        return self._weight_copies.swapped_in() if self._weight_copies else contextlib.nullcontext()
+
+    def on_validation_start(self) -> None:
+        self._refresh_copies = True
+
+    def on_test_start(self) -> None:
+        self._refresh_copies = True
+
+    def on_predict_start(self) -> None:
+        self._refresh_copies = True
+
     def _graph_runner(self, name: str) -> StepGraphs:
         runner = self._graphs.get(name)
         if runner is None:
@@ -446,11 +488,18 @@ class BertModule(pl.LightningModule):
         optimizer = self.optimizers().optimizer
         params = [p for g in optimizer.param_groups for p in g["params"]]
         scale = 1.0 / self._accumulate
+        copies = self._weight_copies
+        copied = {id(m) for m in copies.masters} if copies else set()
+        # gradients the step must zero after the update: all of them, except (without accumulation) the
+        # copied weights', which the next step overwrites
+        to_zero = [p.grad for p in params if p.grad is not None and (self._accumulate > 1 or id(p) not in copied)]
 
         def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-            with self._autocast():
+            with self._use_weight_copies(), self._autocast():
                 out = self.step_outputs(**inputs)
             (out["loss"] * scale if scale != 1.0 else out["loss"]).backward()
+            if copies:
+                copies.grads_to_masters(accumulate=self._accumulate > 1)
             if last:
                 if self._clip is not None:
                     value, algorithm = self._clip
@@ -459,7 +508,10 @@ class BertModule(pl.LightningModule):
                     else:
                         torch.nn.utils.clip_grad_norm_(params, value, foreach=True)
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=False)
+                if copies:
+                    copies.refresh()
+                if to_zero:
+                    torch._foreach_zero_(to_zero)
             return {k: v.detach() for k, v in out.items()}
 
         self._train_fns[last] = step
@@ -467,6 +519,7 @@ class BertModule(pl.LightningModule):
 
     def _graphed_training_step(self, batch, batch_idx):
         if "train" not in self._graphs:
+            self._ensure_weight_copies()
             self._prepare_graphed_training()
         else:
             self._restore_static_grads()
@@ -506,7 +559,7 @@ class BertModule(pl.LightningModule):
 
     def _eval_fn(self):
         def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-            with self._autocast():
+            with self._use_weight_copies(), self._autocast():
                 out = self.step_outputs(**inputs)
             return {k: v.detach() for k, v in out.items()}
 
@@ -516,6 +569,7 @@ class BertModule(pl.LightningModule):
         """Forward (and loss, when labelled) of an evaluation or prediction batch: graphed or eager."""
         inputs = self.step_inputs(batch)
         if self._graphs_on():
+            self._ensure_weight_copies()
             return self._graph_runner("eval").run(self._key(inputs, "eval", self.training), self._eval_fn(), inputs)
         return self.step_outputs(**inputs)
 

@@ -44,6 +44,10 @@ class BertClassifier(BertModule):
             normalisation) on the encoder's weight matrices at `muon_lr`, AdamW on the rest at `lr`.
         muon_lr: Learning rate of the Muon matrices (the schedule scales it like `lr`).
         muon_orthogonalizer: "newton-schulz" (Muon's quintic) or "polar-express" (Amsel et al. 2025).
+        bf16_weight_copies: In graphed bf16-mixed steps, keep a bf16 copy of each Linear weight
+            beside its fp32 master, refreshed after each optimizer step, so the step casts nothing
+            (the same values autocast computes; fewer kernels). false: autocast casts each weight
+            in every forward and backward.
         qk_norm: "layernorm" or "rmsnorm" on each head's queries and keys (QK-norm), for models
             trained from scratch (it adds parameters a pretrained model lacks); null: none.
         unpadded: Run the embeddings, projections, feed-forward blocks and LayerNorms on the real
@@ -71,11 +75,12 @@ class BertClassifier(BertModule):
         optimizer: Literal["adamw", "muon", "normuon"] = "adamw",
         muon_lr: float = 0.02,
         muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
+        bf16_weight_copies: bool = True,
         qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
         unpadded: bool = False,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
-                         optimizer, muon_lr, muon_orthogonalizer)
+                         optimizer, muon_lr, muon_orthogonalizer, bf16_weight_copies)
         # num_labels and vocab_size are filled in from the data: keep them out of the hyperparameters
         # the CLI restores from a checkpoint (a link target cannot be overridden), and check them on
         # load instead (`BertModule.on_load_checkpoint`).

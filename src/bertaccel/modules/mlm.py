@@ -42,6 +42,10 @@ class BertMLM(BertModule):
             normalisation) on the encoder's weight matrices at `muon_lr`, AdamW on the rest at `lr`.
         muon_lr: Learning rate of the Muon matrices (the schedule scales it like `lr`).
         muon_orthogonalizer: "newton-schulz" (Muon's quintic) or "polar-express" (Amsel et al. 2025).
+        bf16_weight_copies: In graphed bf16-mixed steps, keep a bf16 copy of each Linear weight
+            beside its fp32 master, refreshed after each optimizer step, so the step casts nothing
+            (the same values autocast computes; fewer kernels). false: autocast casts each weight
+            in every forward and backward.
         qk_norm: "layernorm" or "rmsnorm" on each head's queries and keys (QK-norm), for models
             trained from scratch (it adds parameters a pretrained model lacks); null: none.
         lm_head_fp8: The LM head's vocabulary projection (forward and both backward matmuls) in FP8
@@ -66,11 +70,12 @@ class BertMLM(BertModule):
         optimizer: Literal["adamw", "muon", "normuon"] = "adamw",
         muon_lr: float = 0.02,
         muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
+        bf16_weight_copies: bool = True,
         qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
         lm_head_fp8: bool = False,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
-                         optimizer, muon_lr, muon_orthogonalizer)
+                         optimizer, muon_lr, muon_orthogonalizer, bf16_weight_copies)
         self.save_hyperparameters(ignore=["vocab_size"])
         self.model = build_bert(
             BertForMaskedLM, pretrained, config, attn_implementation,

@@ -1,0 +1,89 @@
+"""bf16 copies of a model's Linear weights beside their fp32 masters, for bf16-mixed steps.
+
+Under autocast every `nn.Linear` casts its fp32 weight to bf16 in each forward (one kernel per
+weight), and the backward widens each bf16 weight gradient back to fp32 (another kernel per
+weight) before accumulating it into the fp32 `.grad`. With the copies:
+
+- the forward runs with the bf16 copies swapped into the Linear modules (autocast has nothing to
+  cast), and the backward leaves bf16 gradients on the copies;
+- one multi-tensor copy (`torch._foreach_copy_`, which converts dtypes in its fast path) writes
+  them into the masters' fp32 gradients (an add under gradient accumulation);
+- the optimizer updates the fp32 masters, and one multi-tensor copy refreshes the copies.
+
+The values are the ones autocast computes (the same round-to-nearest of the same fp32 weights,
+the same widening of the same bf16 gradients): a step with copies gives the same parameters, bit
+for bit, as the step with autocast's casts (tests/modules/test_step_engine.py). Outside the step
+the model holds its fp32 masters, so checkpoints, the optimizer and evaluation without graphs see
+nothing of the copies.
+
+Only weights that no other kind of module reads get a copy: a decoder weight tied to the word
+embeddings stays fp32 (the embedding lookup reads the same Parameter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+class Bf16WeightCopies:
+    """The bf16 copies of `model`'s Linear weights (made now, from the current masters)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        others = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+        self.targets: list[tuple[nn.Module, int]] = []
+        self.masters: list[nn.Parameter] = []
+        index: dict[int, int] = {}
+        for m in model.modules():
+            w = m._parameters.get("weight") if isinstance(m, nn.Linear) else None
+            if w is None or w.dtype != torch.float32 or id(w) in others:
+                continue
+            if id(w) not in index:
+                index[id(w)] = len(self.masters)
+                self.masters.append(w)
+            self.targets.append((m, index[id(w)]))
+        # normal tensors even when made under inference mode (an evaluation that comes first): a
+        # training step differentiates through the same copies later
+        with torch.inference_mode(False), torch.no_grad():
+            self.copies = [nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=w.requires_grad) for w in self.masters]
+
+    def __len__(self) -> int:
+        return len(self.copies)
+
+    def refresh(self) -> None:
+        """Copies := masters rounded to bf16 (after the optimizer step, or when the masters changed)."""
+        if self.copies:
+            with torch.inference_mode(False), torch.no_grad():
+                torch._foreach_copy_(self.copies, self.masters)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """Inside: the Linear modules hold the bf16 copies in place of their fp32 weights."""
+        for m, i in self.targets:
+            m._parameters["weight"] = self.copies[i]
+        try:
+            yield
+        finally:
+            for m, i in self.targets:
+                m._parameters["weight"] = self.masters[i]
+
+    def grads_to_masters(self, accumulate: bool) -> None:
+        """After a backward: the copies' bf16 gradients into the masters' fp32 `.grad` buffers (which
+        must exist: static gradients), overwriting them, or adding to them when `accumulate`; a
+        master whose copy got no gradient is zeroed (overwrite mode). The copies' gradients are
+        dropped, so the next backward hands its fresh gradient tensors over without an add."""
+        pairs = [(m.grad, c.grad) for m, c in zip(self.masters, self.copies) if c.grad is not None and m.grad is not None]
+        if pairs:
+            dst, src = (list(x) for x in zip(*pairs))
+            if accumulate:
+                torch._foreach_add_(dst, src)
+            else:
+                torch._foreach_copy_(dst, src)
+        if not accumulate:
+            unused = [m.grad for m, c in zip(self.masters, self.copies) if c.grad is None and m.grad is not None]
+            if unused:
+                torch._foreach_zero_(unused)
+        for c in self.copies:
+            c.grad = None
