@@ -16,6 +16,8 @@ that take parts away or change how parameters are held:
                     parameter group, so AdamW and zero_grad each run over two tensors
 - `bf16-params`:    the model's parameters in bf16 (no autocast casts), fused AdamW on them: the
                     floor of a bf16-weights + fp32-master layout (it does not keep fp32 masters)
+- `<variant>-noqkv`: the variant with the kernel swap's `qkv` family left out (three projection
+                    GEMMs per layer, as HF runs them)
 - `attn-<backend>`: `full` with SDPA held to one backend (cudnn, efficient, flash, math) while
                     the step is captured
 
@@ -66,11 +68,11 @@ def flatten_(params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, torch.Tens
     return flat, flat_grad
 
 
-def build(model_name: str, variant: str):
+def build(model_name: str, variant: str, ops: list[str]):
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(num_labels=2, **MODELS[model_name])).cuda()
     model.set_attn_implementation("sdpa")
-    swap(model, DEFAULT)
+    swap(model, ops)
     model.train()
     if variant == "bf16-params":
         model.to(torch.bfloat16)
@@ -141,7 +143,10 @@ def step_fn(model, opt, flats, variant: str):
 
 
 def time_variant(model_name: str, batch: int, seq: int, variant: str, steps: int, profile: bool, padded: float):
-    model, opt, flats = build(model_name, variant)
+    # "<variant>-noqkv": the kernel swap without the fused Q, K, V projection (three GEMMs, as HF)
+    ops = [f for f in DEFAULT if not (variant.endswith("-noqkv") and f == "qkv")]
+    variant = variant.removesuffix("-noqkv")
+    model, opt, flats = build(model_name, variant, ops)
     g = torch.Generator(device="cuda").manual_seed(1)
     lengths = torch.full((batch,), seq, device="cuda")
     short = torch.rand(batch, device="cuda", generator=g) < padded

@@ -40,9 +40,10 @@ def test_swap_replaces_instances_and_revert_restores_them(model):
     keys = list(model.state_dict())
     report = swap(model, ORDER)
     counts = report.counts()
-    # 2 layers x 2 outputs; the embeddings' LayerNorm goes with the embeddings; SDPA attention stays;
-    # linear: 6 dense layers per layer + the pooler (the 2-class classifier is not a multiple of 8)
-    assert counts == {"linear": 13, "embeddings": 1, "residual_layer_norm": 4, "bias_gelu": 2}
+    # 2 layers x 2 outputs; the embeddings' LayerNorm goes with the embeddings; SDPA attention gets the
+    # fused QKV projection; linear: 6 dense layers per layer + the pooler (the 3-class classifier is
+    # not a multiple of 8)
+    assert counts == {"linear": 13, "embeddings": 1, "qkv": 2, "residual_layer_norm": 4, "bias_gelu": 2}
     assert [(n, f) for n, f, _ in report.skipped] == [("classifier", "linear")] + [
         (f"bert.encoder.layer.{i}.attention.self", "softmax") for i in range(2)]
     types = {type(m) for m in model.modules()}
@@ -59,11 +60,13 @@ def test_swap_replaces_instances_and_revert_restores_them(model):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("ops", [["layer_norm"], ["residual_layer_norm"], ["bias_gelu"], ["embeddings"], ["softmax"], ORDER])
+@pytest.mark.parametrize("ops", [["layer_norm"], ["residual_layer_norm"], ["bias_gelu"], ["embeddings"], ["softmax"], ["qkv"], ORDER])
 def test_fallback_is_exactly_pytorch(model, ops, attn):
     model.set_attn_implementation(attn)
     if ops == ["softmax"] and attn == "sdpa":
         pytest.skip("the softmax family takes eager attention only")
+    if ops == ["qkv"] and attn == "eager":
+        pytest.skip("the qkv family takes SDPA attention (the softmax family fuses eager's projections)")
     b = batch()
     with torch.no_grad():
         ref = model(**b).logits

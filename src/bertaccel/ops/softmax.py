@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.qkv import can_fuse, qkv_projection, split_heads
 from bertaccel.ops.registration import NS, SwapEntry, lib
 
 __all__ = ["softmax", "softmax_reference", "FusedBertSelfAttention"]
@@ -115,10 +116,15 @@ class FusedBertSelfAttention(nn.Module):
             # the original's forward, not its __call__: the hooks it shares with this module fire once
             return type(self._original).forward(self._original, hidden_states, attention_mask, past_key_values, **kwargs)
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.attention_head_size)
-        q = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
-        k = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
-        v = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+        if can_fuse(self.query, self.key, self.value) is None:  # one GEMM for the three (ops/qkv.py)
+            qkv = qkv_projection(self.query, self.key, self.value, hidden_states)
+            sizes = (self.query.out_features, self.key.out_features, self.value.out_features)
+            q, k, v = split_heads(qkv, sizes, self.attention_head_size)
+        else:
+            hidden_shape = (*input_shape, -1, self.attention_head_size)
+            q = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+            k = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+            v = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
         probs = softmax(torch.matmul(q, k.transpose(2, 3)), attention_mask, self.scaling)
         probs = F.dropout(probs, p=self.dropout.p, training=self.training)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(*input_shape, -1).contiguous()
@@ -135,4 +141,4 @@ def _skip_reason(m: nn.Module) -> str | None:
 
 
 SWAP = SwapEntry("softmax", _skip_reason, FusedBertSelfAttention,
-                 "BertSelfAttention (eager) -> FusedBertSelfAttention (scale + mask + softmax)")
+                 "BertSelfAttention (eager) -> FusedBertSelfAttention (Q, K, V in one GEMM; scale + mask + softmax)")

@@ -10,7 +10,8 @@ each family declares its entry (`SWAP`) in its own module, listed in `bertaccel.
     linear (opt-in)      nn.Linear                   -> GemmLinear (own TMA + wgmma GEMM, Hopper); applied
                          first: the coarser families keep the swapped layers and run their matmul on it
     embeddings           BertEmbeddings              -> FusedBertEmbeddings (lookups+sum+LN+dropout)
-    softmax              BertSelfAttention (eager)   -> FusedBertSelfAttention (scale+mask+softmax)
+    softmax              BertSelfAttention (eager)   -> FusedBertSelfAttention (QKV in one GEMM, scale+mask+softmax)
+    qkv                  BertSelfAttention (SDPA)    -> FusedQKVSelfAttention (QKV projections in one GEMM)
     residual_layer_norm  BertSelfOutput / BertOutput -> FusedBertOutput (bias+dropout+residual+LN)
     bias_gelu            BertIntermediate            -> FusedBertIntermediate (bias+GELU)
     layer_norm           nn.LayerNorm                -> FusedLayerNorm

@@ -1,0 +1,106 @@
+"""One GEMM for the query, key and value projections of a BERT self-attention.
+
+HF's `BertSelfAttention` runs three `nn.Linear` layers on the same input: three GEMMs of N = hidden
+in the forward, three weight-gradient GEMMs, three input-gradient GEMMs whose results two adds sum,
+and three bias-gradient reductions in the backward. `FusedQKVSelfAttention` concatenates the three
+weights (and biases) and runs one GEMM of N = 3 x hidden: one of each in the backward, no adds.
+The attention itself is HF's (SDPA, flash, ...) on views of the one output; the eager-attention
+module of the softmax family (`FusedBertSelfAttention`) takes the same projection.
+
+The concatenation costs one small copy of the weights per step (3 x hidden^2 elements; with the bf16
+weight copies of graphed steps, in bf16). No CUDA code of its own: the matmul is cuBLAS, or our GEMM
+when the `linear` family made the projections `GemmLinear`s.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.registration import SwapEntry
+
+CUDA_SOURCES: list[str] = []
+
+
+def can_fuse(query: nn.Module, key: nn.Module, value: nn.Module) -> str | None:
+    """None when the three projections can run as one GEMM, else why not."""
+    layers = (query, key, value)
+    if not all(isinstance(m, nn.Linear) for m in layers):
+        return "a projection is not an nn.Linear"
+    if len({m.in_features for m in layers}) != 1:
+        return "the projections take inputs of different sizes"
+    if len({m.bias is None for m in layers}) != 1:
+        return "some projections have a bias and some do not"
+    return None
+
+
+def qkv_projection(query: nn.Linear, key: nn.Linear, value: nn.Linear, x: Tensor) -> Tensor:
+    """`cat([query(x), key(x), value(x)], -1)` as one GEMM (weights concatenated on the fly)."""
+    from bertaccel.ops.gemm import GemmLinear, linear
+
+    w = torch.cat((query.weight, key.weight, value.weight))
+    b = None if query.bias is None else torch.cat((query.bias, key.bias, value.bias))
+    if isinstance(query, GemmLinear):
+        return linear(x, w, b)
+    return F.linear(x, w, b)
+
+
+def split_heads(qkv: Tensor, sizes: tuple[int, int, int], head_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The projection's output [..., T, q + k + v] as query, key, value [..., heads, T, head_size] views."""
+    shape = qkv.shape[:-1]
+    q, k, v = qkv.split(sizes, dim=-1)
+    return tuple(t.view(*shape, -1, head_size).transpose(-3, -2) for t in (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------- module
+class FusedQKVSelfAttention(nn.Module):
+    """Replaces an HF `BertSelfAttention` that runs SDPA / flash attention: the three projections as
+    one GEMM, then HF's attention function on the split heads. Holds the original's `query`, `key`,
+    `value` and `dropout` (same Parameters and state_dict keys) and runs the original module where the
+    fused path does not apply (a KV cache, a tensor the kernels' eligibility rules turn away: CPU)."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.query, self.key, self.value, self.dropout = original.query, original.key, original.value, original.dropout
+        self.config = original.config
+        self.num_attention_heads, self.attention_head_size = original.num_attention_heads, original.attention_head_size
+        self.all_head_size, self.scaling = original.all_head_size, original.scaling
+        self.is_decoder, self.is_causal, self.layer_idx = original.is_decoder, original.is_causal, original.layer_idx
+        object.__setattr__(self, "_original", original)  # not a submodule: its children are ours
+        self.train(original.training)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, past_key_values=None, **kwargs):
+        reason = "a KV cache is in use" if past_key_values is not None else why_not(
+            hidden_states, hidden=1, dtype=compute_dtype(hidden_states))
+        if reason is None:
+            reason = can_fuse(self.query, self.key, self.value)
+        if reason is not None:
+            note_fallback("qkv", reason)
+            self._original.training = self.training  # not a submodule: train()/eval() did not reach it
+            return type(self._original).forward(self._original, hidden_states, attention_mask, past_key_values, **kwargs)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.bert.modeling_bert import eager_attention_forward
+
+        input_shape = hidden_states.shape[:-1]
+        qkv = qkv_projection(self.query, self.key, self.value, hidden_states)
+        sizes = (self.query.out_features, self.key.out_features, self.value.out_features)
+        q, k, v = split_heads(qkv, sizes, self.attention_head_size)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention(self, q, k, v, attention_mask, dropout=self.dropout.p if self.training else 0.0,
+                                 scaling=self.scaling, **kwargs)
+        return out.reshape(*input_shape, -1).contiguous(), weights
+
+
+def _skip_reason(m: nn.Module) -> str | None:
+    if type(m).__name__ != "BertSelfAttention" or not all(hasattr(m, a) for a in ("query", "key", "value", "scaling")):
+        return ""
+    impl = getattr(m.config, "_attn_implementation", None) or "eager"
+    if impl == "eager":
+        return "runs eager attention: the softmax family takes it (with the same fused projection)"
+    return can_fuse(m.query, m.key, m.value)
+
+
+SWAP = SwapEntry("qkv", _skip_reason, FusedQKVSelfAttention,
+                 "BertSelfAttention (SDPA, flash) -> FusedQKVSelfAttention (Q, K, V projections in one GEMM)")
