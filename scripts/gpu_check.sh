@@ -187,6 +187,31 @@ if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1
     --throughput.enabled true --progress_bar.refresh_rate 50 --trainer.logger.init_args.name fsdp_base > "$OUT/fsdp_base.log" 2>&1
   echo "fsdp bert-base rc=$?"; grep -E "test/acc|throughput \(|Error" "$OUT/fsdp_base.log" | cut -c1-300 | head -5
 fi
+if has fsdp_test; then  # issue 12 (nvidia-h200-x2): an FSDP fit's checkpoint tested in a new process; predict under DDP
+  FS=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm
+      --data.init_args.val_size 500 --model.init_args.pretrained null --model.init_args.config '{}'
+      --data.init_args.max_length 128 --trainer.devices 2 --trainer.strategy fsdp --trainer.logger.init_args.name fsdp_t
+      --progress_bar.refresh_rate 50)
+  timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit "${FS[@]}" --trainer.limit_train_batches 30 --trainer.limit_val_batches 5 \
+    > "$OUT/fsdp_fit.log" 2>&1
+  echo "fsdp fit rc=$?"; grep -E "test_after_fit|Error" "$OUT/fsdp_fit.log" | cut -c1-300 | head -4
+  ls -la runs/fsdp_t/version_0/checkpoints 2>&1 | tail -4
+  ckpt=$(ls runs/fsdp_t/version_0/checkpoints/last.ckpt 2>/dev/null || ls -d runs/fsdp_t/version_0/checkpoints/* | head -1)
+  timeout ${MULTI_TIMEOUT:-240} python -m bertaccel test "${FS[@]}" --trainer.limit_test_batches 10 --ckpt_path "$ckpt" \
+    > "$OUT/fsdp_test.log" 2>&1
+  echo "fsdp test rc=$?"; grep -vE "Warning|warn\(|^\s*$" "$OUT/fsdp_test.log" | tail -${FSDP_TAIL:-25} | cut -c1-400
+  timeout ${MULTI_TIMEOUT:-240} python -m bertaccel predict -c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb \
+    --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm --trainer.devices 2 \
+    --trainer.strategy ddp --trainer.logger.init_args.name ddp_predict --progress_bar.refresh_rate 50 > "$OUT/ddp_predict.log" 2>&1
+  echo "ddp predict rc=$?"; grep -E "predictions written|Error|rows" "$OUT/ddp_predict.log" | cut -c1-300 | head -5
+  f=$(ls runs/ddp_predict/version_*/predictions.jsonl 2>/dev/null | head -1)
+  [ -n "$f" ] && python - "$f" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+idx = [r.get("index") for r in rows]
+print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, first keys {sorted(rows[0])}")
+PY
+fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
 if has ln_sweep; then  # rows per thread group in the LayerNorm forward kernel (issue 9)
   for r in auto 1 2; do
