@@ -70,6 +70,25 @@ def test_checkpoint_with_other_labels_is_refused(tiny_config, tmp_path):
         BertAccelCLI(args=["test", "-c", cfg, "--ckpt_path", str(last)])
 
 
+def test_checkpoint_whose_weights_the_strategy_already_loaded_is_still_checked_for_architecture():
+    """FSDP's strategy loads (strictly) and pops the checkpoint's state_dict before the module's hook:
+    the hook must not report every weight missing, and still refuses another architecture."""
+    from bertaccel.modules import BertClassifier
+    from tests.conftest import TINY_BERT
+
+    model = BertClassifier(config=TINY_BERT, vocab_size=64, num_labels=2)
+    ckpt = {"state_dict": model.state_dict()}
+    model.on_save_checkpoint(ckpt)
+    popped = {k: v for k, v in ckpt.items() if k != "state_dict"}
+    model.on_load_checkpoint(popped)  # no error: nothing left to compare
+    ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if "classifier" not in k}
+    with pytest.raises(CheckpointError, match="2 missing"):
+        model.on_load_checkpoint(ckpt)
+    other = BertClassifier(config=TINY_BERT, vocab_size=64, num_labels=3)
+    with pytest.raises(CheckpointError, match="num_labels"):
+        other.on_load_checkpoint(popped)
+
+
 def test_missing_and_corrupt_checkpoints(tiny_config, tmp_path):
     cfg = tiny_config("ck", epochs=1)
     with pytest.raises(CheckpointError, match="does not exist"):

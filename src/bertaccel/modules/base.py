@@ -646,7 +646,11 @@ class BertModule(pl.LightningModule):
             detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diffs.items())
             hint = " (num_labels comes from the data: is this the dataset it was trained on?)" if "num_labels" in diffs else ""
             raise CheckpointError(f"the checkpoint does not match the model: {detail}{hint}.")
-        state = checkpoint.get("state_dict", {})
+        if "state_dict" not in checkpoint:
+            # FSDP's strategy loads the full state dict into the sharded model itself, strictly, and pops
+            # it from the checkpoint before this hook: nothing left to compare here
+            return
+        state = checkpoint["state_dict"]
         own = self.state_dict()
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
