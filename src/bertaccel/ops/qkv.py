@@ -54,12 +54,12 @@ def split_heads(qkv: Tensor, sizes: tuple[int, int, int], head_size: int) -> tup
     return tuple(t.view(*shape, -1, head_size).transpose(-3, -2) for t in (q, k, v))
 
 
-# ---------------------------------------------------------------------------------------- module
-class FusedQKVSelfAttention(nn.Module):
-    """Replaces an HF `BertSelfAttention` that runs SDPA / flash attention: the three projections as
-    one GEMM, then HF's attention function on the split heads. Holds the original's `query`, `key`,
-    `value` and `dropout` (same Parameters and state_dict keys) and runs the original module where the
-    fused path does not apply (a KV cache, a tensor the kernels' eligibility rules turn away: CPU)."""
+# ---------------------------------------------------------------------------------------- modules
+class SelfAttentionReplacement(nn.Module):
+    """What the replacements of an HF `BertSelfAttention` share (this family's and the softmax
+    family's `FusedBertSelfAttention`): the original's `query`, `key`, `value` and `dropout` (same
+    Parameters and state_dict keys) and attributes, the original's forward for what a replacement
+    does not cover, and the projection to heads (one GEMM when the three can be fused)."""
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
@@ -71,6 +71,27 @@ class FusedQKVSelfAttention(nn.Module):
         object.__setattr__(self, "_original", original)  # not a submodule: its children are ours
         self.train(original.training)
 
+    def run_original(self, hidden_states: Tensor, attention_mask: Tensor | None, past_key_values, **kwargs):
+        # not a submodule, so model.train()/eval() did not reach it: its attention dropout follows ours
+        self._original.training = self.training
+        # the original's forward, not its __call__: the hooks it shares with this module fire once
+        return type(self._original).forward(self._original, hidden_states, attention_mask, past_key_values, **kwargs)
+
+    def heads(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Query, key, value as [..., heads, T, head_size]: one GEMM when `can_fuse`, else HF's three."""
+        if can_fuse(self.query, self.key, self.value) is None:
+            qkv = qkv_projection(self.query, self.key, self.value, hidden_states)
+            sizes = (self.query.out_features, self.key.out_features, self.value.out_features)
+            return split_heads(qkv, sizes, self.attention_head_size)
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+        return tuple(p(hidden_states).view(hidden_shape).transpose(1, 2) for p in (self.query, self.key, self.value))
+
+
+class FusedQKVSelfAttention(SelfAttentionReplacement):
+    """Replaces an HF `BertSelfAttention` that runs SDPA / flash attention: the three projections as
+    one GEMM, then HF's attention function on the split heads. Runs the original module where the
+    fused path does not apply (a KV cache, a tensor the kernels' eligibility rules turn away: CPU)."""
+
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, past_key_values=None, **kwargs):
         reason = "a KV cache is in use" if past_key_values is not None else why_not(
             hidden_states, hidden=1, dtype=compute_dtype(hidden_states))
@@ -78,19 +99,15 @@ class FusedQKVSelfAttention(nn.Module):
             reason = can_fuse(self.query, self.key, self.value)
         if reason is not None:
             note_fallback("qkv", reason)
-            self._original.training = self.training  # not a submodule: train()/eval() did not reach it
-            return type(self._original).forward(self._original, hidden_states, attention_mask, past_key_values, **kwargs)
+            return self.run_original(hidden_states, attention_mask, past_key_values, **kwargs)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.bert.modeling_bert import eager_attention_forward
 
-        input_shape = hidden_states.shape[:-1]
-        qkv = qkv_projection(self.query, self.key, self.value, hidden_states)
-        sizes = (self.query.out_features, self.key.out_features, self.value.out_features)
-        q, k, v = split_heads(qkv, sizes, self.attention_head_size)
+        q, k, v = self.heads(hidden_states)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention(self, q, k, v, attention_mask, dropout=self.dropout.p if self.training else 0.0,
                                  scaling=self.scaling, **kwargs)
-        return out.reshape(*input_shape, -1).contiguous(), weights
+        return out.reshape(*hidden_states.shape[:-1], -1).contiguous(), weights
 
 
 def _skip_reason(m: nn.Module) -> str | None:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
-from bertaccel.ops.qkv import can_fuse, qkv_projection, split_heads
+from bertaccel.ops.qkv import SelfAttentionReplacement
 from bertaccel.ops.registration import NS, SwapEntry, lib
 
 __all__ = ["softmax", "softmax_reference", "FusedBertSelfAttention"]
@@ -89,45 +89,23 @@ def softmax(x: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor
 
 
 # ---------------------------------------------------------------------------------------- module
-class FusedBertSelfAttention(nn.Module):
-    """Replaces an HF `BertSelfAttention` that runs *eager* attention: the scores matmul, then
-    scale + mask + softmax in one kernel (eager runs three), dropout, and the values matmul. Holds
-    the original's `query`/`key`/`value`/`dropout` (same Parameters and state_dict keys) and runs
-    the original module for what it does not cover (a KV cache, no GPU). SDPA and flash attention
-    never materialise the softmax, so the kernel swap leaves those modules alone."""
-
-    def __init__(self, original: nn.Module) -> None:
-        super().__init__()
-        self.query, self.key, self.value, self.dropout = original.query, original.key, original.value, original.dropout
-        self.config = original.config
-        self.num_attention_heads, self.attention_head_size = original.num_attention_heads, original.attention_head_size
-        self.all_head_size, self.scaling = original.all_head_size, original.scaling
-        self.is_decoder, self.is_causal, self.layer_idx = original.is_decoder, original.is_causal, original.layer_idx
-        object.__setattr__(self, "_original", original)  # not a submodule: its children are ours
-        self.train(original.training)
+class FusedBertSelfAttention(SelfAttentionReplacement):
+    """Replaces an HF `BertSelfAttention` that runs *eager* attention: the Q, K, V projections as one
+    GEMM (ops/qkv.py), the scores matmul, then scale + mask + softmax in one kernel (eager runs
+    three), dropout, and the values matmul. Runs the original module for what it does not cover (a
+    KV cache, no GPU). SDPA and flash attention never materialise the softmax, so this family leaves
+    those modules to the `qkv` family."""
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, past_key_values=None, **kwargs):
         reason = "a KV cache is in use" if past_key_values is not None else why_not(
             hidden_states, hidden=1, dtype=compute_dtype(hidden_states))
         if reason is not None:
             note_fallback("attention softmax", reason)
-            # not a submodule, so model.train()/eval() did not reach it: its attention dropout follows ours
-            self._original.training = self.training
-            # the original's forward, not its __call__: the hooks it shares with this module fire once
-            return type(self._original).forward(self._original, hidden_states, attention_mask, past_key_values, **kwargs)
-        input_shape = hidden_states.shape[:-1]
-        if can_fuse(self.query, self.key, self.value) is None:  # one GEMM for the three (ops/qkv.py)
-            qkv = qkv_projection(self.query, self.key, self.value, hidden_states)
-            sizes = (self.query.out_features, self.key.out_features, self.value.out_features)
-            q, k, v = split_heads(qkv, sizes, self.attention_head_size)
-        else:
-            hidden_shape = (*input_shape, -1, self.attention_head_size)
-            q = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
-            k = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
-            v = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+            return self.run_original(hidden_states, attention_mask, past_key_values, **kwargs)
+        q, k, v = self.heads(hidden_states)
         probs = softmax(torch.matmul(q, k.transpose(2, 3)), attention_mask, self.scaling)
         probs = F.dropout(probs, p=self.dropout.p, training=self.training)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(*hidden_states.shape[:-1], -1).contiguous()
         return out, probs
 
 
