@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import measure_op
+from benchmarks.common import graph_time_ms, measure_op
 import bertaccel.ops.embeddings  # noqa: F401 - defines the embedding ops
 
 SHAPES = [(16, 128, 768), (128, 128, 384), (128, 128, 768), (32, 512, 1024)]
@@ -41,4 +41,27 @@ def run(ceiling_gbs: float, dtype=torch.bfloat16) -> list[dict]:
 
         rows += measure_op("embeddings", f"{bsz}x{seq}x{h} out {str(dtype)[6:]}", impls, make, (3, 4, 5, 6, 7),
                            n * h * (3 * 4 + out), n * h * 3 * out, ceiling_gbs)
+        rows += scatter_rows(bsz, seq, h, dtype)
     return rows
+
+
+def scatter_rows(bsz: int, seq: int, h: int, dtype) -> list[dict]:
+    """The backward's scatter of dz into the word, position and token-type tables alone: PyTorch's
+    sorted nn.Embedding backward (three calls, as HF's backward runs them) vs `embedding_tables_bwd`
+    (one pass, fp32 atomics). Zeroing the fp32 tables is in both. GPU time from graph replays."""
+    ids = torch.randint(1, VOCAB, (bsz, seq), device="cuda")
+    pos = torch.arange(seq, device="cuda").expand(bsz, seq).contiguous()
+    tt = torch.zeros_like(ids)
+    dz = torch.randn(bsz, seq, h, device="cuda").to(dtype)
+
+    def pytorch(dz):
+        dzf = dz.float().reshape(-1, h)
+        return [torch.ops.aten.embedding_dense_backward(dzf, i.reshape(-1), n, pad, False)
+                for i, n, pad in ((ids, VOCAB, 0), (pos, 512, -1), (tt, 2, -1))]
+
+    def ours(dz):
+        return torch.ops.bertaccel.embedding_tables_bwd(dz, ids, pos, tt, VOCAB, 512, 2, 0)
+
+    shape = f"{bsz}x{seq}x{h} dz {str(dtype)[6:]}"
+    return [{"op": "embedding_scatter", "shape": shape, "impl": name, "bwd_us": round(1e3 * graph_time_ms(fn, [(dz,)]), 2),
+             "bwd_timing": "graph replays"} for name, fn in (("pytorch", pytorch), ("bertaccel", ours))]

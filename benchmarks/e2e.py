@@ -89,31 +89,25 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
         import contextlib
 
         from bertaccel.modules.graphs import StepGraphs
+        from bertaccel.modules.train_step import build_train_step, make_static_grads
         from bertaccel.modules.weight_copies import Bf16WeightCopies
 
         runner = StepGraphs(variant)
         copies = Bf16WeightCopies(model) if bf16 and not variant.endswith("-cast") else None
-        if train:
-            for p in model.parameters():
-                p.grad = torch.zeros_like(p)  # static gradients, as the product's graphed step keeps them
-        copied = {id(m) for m in copies.masters} if copies else set()
-        to_zero = [p.grad for p in model.parameters() if id(p) not in copied] if train else []
 
-        def graph_step(ids, mask, labels):
-            with copies.swapped_in() if copies else contextlib.nullcontext(), \
-                    torch.autocast(device, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
-                if not train:
-                    with torch.no_grad():
-                        return {"logits": model(input_ids=ids, attention_mask=mask).logits}
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            if copies:
-                copies.grads_to_masters(accumulate=False)
-            opt.step()
-            if copies:
-                copies.refresh()
-            torch._foreach_zero_(to_zero)
-            return {"loss": loss.detach()}
+        def autocast():
+            return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
+
+        if train:
+            make_static_grads(model.parameters())  # the product's static gradient buffers
+            # the product's graphed step body (bertaccel.modules.train_step), as `bertaccel fit` builds it
+            graph_step = build_train_step(
+                lambda ids, mask, labels: {"loss": model(input_ids=ids, attention_mask=mask, labels=labels).loss},
+                opt, copies=copies, autocast=autocast)
+        else:
+            def graph_step(ids, mask, labels):
+                with copies.swapped_in() if copies else contextlib.nullcontext(), autocast(), torch.no_grad():
+                    return {"logits": model(input_ids=ids, attention_mask=mask).logits}
 
     def one_step():
         if graphed:

@@ -65,7 +65,7 @@ if has e2e_gemm; then  # BERT-base steps with every nn.Linear on our GEMM, besid
 fi
 if has ops; then
   python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops.json" > "$OUT/bench_ops.log" 2>&1
-  echo "bench rc=$?"; grep -E "^(layer_norm|residual|rms_norm|softmax|embeddings|bias_gelu) " "$OUT/bench_ops.log" | cut -c1-120
+  echo "bench rc=$?"; grep -E "^(layer_norm|residual|rms_norm|softmax|embeddings|embedding_scatter|bias_gelu) " "$OUT/bench_ops.log" | cut -c1-120
 fi
 if has e2e; then
   python -m benchmarks.e2e --variants hf-eager-fp32 hf-eager-bf16 hf-sdpa-bf16 fused fused-eager --warmup 10 --steps 30 \

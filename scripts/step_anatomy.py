@@ -6,10 +6,13 @@ For each model/shape, the product's graphed step (`StepGraphs`, kernel swap, bf1
 fp32 weights, capturable fused AdamW) is timed with CUDA events over graph replays, beside variants
 that take parts away or change how parameters are held:
 
-- `full`:           forward + backward + fused AdamW + zero_grad, autocast casting the fp32 weights
+- `full`:           forward + backward + fused AdamW, autocast casting the fp32 weights; the product's
+                    step body (bertaccel.modules.train_step)
                     (what `model.cuda_graphs` runs with `bf16_weight_copies: false`)
 - `copies`:         `full` with bf16 copies of the Linear weights beside the fp32 masters
                     (src/bertaccel/modules/weight_copies.py; `model.cuda_graphs`' default)
+- `<variant>-static`: the variant with every gradient added into its static `.grad` buffer and
+                    zeroed after the update (the step before transient gradients, train_step.py)
 - `no-optimizer`:   forward + backward + zero_grad
 - `forward`:        the training forward alone (dropout on, no backward)
 - `flat`:           `full` with every fp32 parameter and gradient a view of one flat buffer per
@@ -30,8 +33,9 @@ Then one torch.profiler pass over replays of `full` lists the kernels of one ste
 from __future__ import annotations
 
 import argparse
-import os
 import collections
+import contextlib
+import os
 import functools
 import json
 import sys
@@ -44,6 +48,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__fil
 from benchmarks.common import cuda_time_ms  # noqa: E402
 from bertaccel.callbacks.profiler import categorize  # noqa: E402
 from bertaccel.modules.graphs import StepGraphs  # noqa: E402
+from bertaccel.modules.train_step import build_train_step  # noqa: E402
 from bertaccel.modules.weight_copies import Bf16WeightCopies  # noqa: E402
 from bertaccel.ops.swap import DEFAULT, swap  # noqa: E402
 
@@ -98,12 +103,14 @@ BACKENDS = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "fla
 
 
 def step_fn(model, opt, flats, variant: str):
-    autocast = variant != "bf16-params"
-    copies = flats if variant == "copies" else None
+    """The variant's step. `full`, `copies`, `bf16-params`, `-noqkv` and `attn-*` run the product's
+    graphed step body (bertaccel.modules.train_step.build_train_step, as `bertaccel fit` builds it);
+    `forward`, `no-optimizer` and `flat` are the experiments that take parts away or re-lay the memory."""
+    base = variant.removesuffix("-static")
+    autocast = base != "bf16-params"
+    copies = flats if base == "copies" else None
     if copies is not None:
         flats = None
-        copied = {id(m) for m in copies.masters}
-        to_zero = [p.grad for p in model.parameters() if id(p) not in copied]
     backend = variant.removeprefix("attn-") if variant.startswith("attn-") else None
 
     def step(ids, mask, labels):
@@ -114,16 +121,18 @@ def step_fn(model, opt, flats, variant: str):
                 return inner(ids, mask, labels)
         return inner(ids, mask, labels)
 
+    if variant not in ("forward", "no-optimizer", "flat"):
+        product = build_train_step(
+            lambda ids, mask, labels: {"loss": model(input_ids=ids, attention_mask=mask, labels=labels).loss}, opt,
+            copies=copies, transient_grads=not variant.endswith("-static"), autocast=(lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
+            if autocast else contextlib.nullcontext)
+
+        def inner(ids, mask, labels):
+            return product(ids=ids, mask=mask, labels=labels)
+
+        return step
+
     def inner(ids, mask, labels):
-        if copies is not None:
-            with copies.swapped_in(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            copies.grads_to_masters(accumulate=False)
-            opt.step()
-            copies.refresh()
-            torch._foreach_zero_(to_zero)
-            return {"loss": loss.detach()}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
             if variant == "forward":
                 with torch.no_grad():
@@ -146,7 +155,7 @@ def time_variant(model_name: str, batch: int, seq: int, variant: str, steps: int
     # "<variant>-noqkv": the kernel swap without the fused Q, K, V projection (three GEMMs, as HF)
     ops = [f for f in DEFAULT if not (variant.endswith("-noqkv") and f == "qkv")]
     variant = variant.removesuffix("-noqkv")
-    model, opt, flats = build(model_name, variant, ops)
+    model, opt, flats = build(model_name, variant.removesuffix("-static"), ops)
     g = torch.Generator(device="cuda").manual_seed(1)
     lengths = torch.full((batch,), seq, device="cuda")
     short = torch.rand(batch, device="cuda", generator=g) < padded

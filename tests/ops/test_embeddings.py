@@ -85,3 +85,49 @@ def test_embeddings_dropout_is_consistent():
     db = torch.autograd.grad(y, b, dy)[0]
     expect = (dy.float() * (~dropped).float() / (1 - p)).sum((0, 1))
     torch.testing.assert_close(db, expect, atol=1e-1, rtol=1e-2)
+
+
+def _tables_case(device, tokens_shape, H, V, P, T, dtype, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, V, tokens_shape, device=device, generator=g)
+    ids.view(-1)[: ids.numel() // 4] = 3  # a long run of one word id: summed in registers first
+    ids.view(-1)[-5:] = 0  # padding id 0
+    pos = torch.randint(0, P, tokens_shape, device=device, generator=g)  # any positions, not only arange
+    tt = torch.randint(0, T, tokens_shape, device=device, generator=g)
+    tt.view(-1)[: ids.numel() // 2] = 1
+    dz = torch.randn(*tokens_shape, H, device=device, generator=g).to(dtype)
+    return dz, ids, pos, tt
+
+
+def test_embedding_tables_bwd_opcheck_cpu():
+    dz, ids, pos, tt = _tables_case("cpu", (3, 11), 12, 20, 16, 3, torch.float32)
+    torch.library.opcheck(torch.ops.bertaccel.embedding_tables_bwd.default, (dz, ids, pos, tt, 20, 16, 3, 0))
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [((32, 256), 384), ((5, 77), 37), ((2, 513), 770), ((1, 1), 8)], ids=str)
+def test_embedding_tables_bwd_matches_the_sorted_backward(shape, dtype):
+    """The atomic scatter against nn.Embedding's backward from the same (rounded) dz in fp64; padding
+    row zero; under deterministic algorithms it is PyTorch's sorted backward, bit for bit."""
+    tokens_shape, H = shape
+    V, P, T = 1000, 512, 3
+    dz, ids, pos, tt = _tables_case("cuda", tokens_shape, H, V, P, T, dtype)
+    got = torch.ops.bertaccel.embedding_tables_bwd(dz, ids, pos, tt, V, P, T, 0)
+    dz64 = dz.double().reshape(-1, H)
+    want = [torch.ops.aten.embedding_dense_backward(dz64, i.reshape(-1), n, pad, False)
+            for i, n, pad in ((ids, V, 0), (pos, P, -1), (tt, T, -1))]
+    torch_fp32 = [torch.ops.aten.embedding_dense_backward(dz.float().reshape(-1, H), i.reshape(-1), n, pad, False)
+                  for i, n, pad in ((ids, V, 0), (pos, P, -1), (tt, T, -1))]
+    for name, a, r, t in zip(("word", "position", "token_type"), got, want, torch_fp32):
+        assert a.dtype == torch.float32 and a.shape == r.shape, name
+        err, ref_err = (a.double() - r).abs().max().item(), (t.double() - r).abs().max().item()
+        assert err <= 2 * ref_err + 1e-6 * r.abs().max().item(), f"{name}: {err} vs PyTorch's {ref_err}"
+    assert torch.all(got[0][0] == 0), "padding row got a gradient"
+    torch.use_deterministic_algorithms(True)
+    try:
+        det = torch.ops.bertaccel.embedding_tables_bwd(dz, ids, pos, tt, V, P, T, 0)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, t in zip(det, torch_fp32):
+        assert torch.equal(a, t)

@@ -34,6 +34,7 @@ from transformers import get_linear_schedule_with_warmup
 from bertaccel.errors import CheckpointError, ConfigError
 from bertaccel.modules.bert import architecture_of
 from bertaccel.modules.graphs import StepGraphs
+from bertaccel.modules.train_step import build_train_step, make_static_grads
 from bertaccel.modules.weight_copies import Bf16WeightCopies
 
 log = logging.getLogger(__name__)
@@ -451,12 +452,8 @@ class BertModule(pl.LightningModule):
             if not self._capture_without_gpu and not isinstance(group["lr"], torch.Tensor):
                 # the schedule fills this tensor in place; a float would be frozen into the graph
                 group["lr"] = torch.tensor(float(group["lr"]), device=self.device)
-            for p in group["params"]:
-                # static gradients: backward accumulates into them, the captured step zeroes them
-                if p.requires_grad:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    static_grads.append((p, p.grad))
+            # static gradients: the captured step's gradient buffers (modules/train_step.py)
+            static_grads += make_static_grads(group["params"])
         # Held here as well as in `p.grad`: the captured backward and optimizer step write and read
         # these very buffers. If anything sets `p.grad` to None (Lightning's zero_grad before
         # validation, a user's callback), a buffer referenced only by the parameter would be
@@ -485,35 +482,8 @@ class BertModule(pl.LightningModule):
         cached = self._train_fns.get(last)
         if cached is not None:
             return cached
-        optimizer = self.optimizers().optimizer
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        scale = 1.0 / self._accumulate
-        copies = self._weight_copies
-        copied = {id(m) for m in copies.masters} if copies else set()
-        # gradients the step must zero after the update: all of them, except (without accumulation) the
-        # copied weights', which the next step overwrites
-        to_zero = [p.grad for p in params if p.grad is not None and (self._accumulate > 1 or id(p) not in copied)]
-
-        def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-            with self._use_weight_copies(), self._autocast():
-                out = self.step_outputs(**inputs)
-            (out["loss"] * scale if scale != 1.0 else out["loss"]).backward()
-            if copies:
-                copies.grads_to_masters(accumulate=self._accumulate > 1)
-            if last:
-                if self._clip is not None:
-                    value, algorithm = self._clip
-                    if algorithm == "value":
-                        torch.nn.utils.clip_grad_value_(params, value, foreach=True)
-                    else:
-                        torch.nn.utils.clip_grad_norm_(params, value, foreach=True)
-                optimizer.step()
-                if copies:
-                    copies.refresh()
-                if to_zero:
-                    torch._foreach_zero_(to_zero)
-            return {k: v.detach() for k, v in out.items()}
-
+        step = build_train_step(self.step_outputs, self.optimizers().optimizer, copies=self._weight_copies,
+                                accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast)
         self._train_fns[last] = step
         return step
 

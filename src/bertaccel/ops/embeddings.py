@@ -1,6 +1,7 @@
 """BERT's embeddings in one kernel (csrc/embeddings.cu): word + position + token-type lookup, sum,
-LayerNorm and dropout; the backward is the LayerNorm backward kernel plus PyTorch's embedding
-scatter."""
+LayerNorm and dropout; the backward is the LayerNorm backward kernel plus one scatter of the sum's
+gradient into the three tables (`embedding_tables_bwd`, fp32 atomics; PyTorch's sorted embedding
+backward under `torch.use_deterministic_algorithms(True)`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
 from bertaccel.ops.layer_norm import layer_norm_grads_cpu
 from bertaccel.ops.registration import NS, SEEDED, SwapEntry, check_dropout, cpu_dropout_keep, define_public, lib
 
-# the backward is the LayerNorm backward kernel (dropout after the norm) plus PyTorch's scatter
+# the backward is the LayerNorm backward kernel (dropout after the norm) plus the tables' scatter
 CUDA_SOURCES = ["embeddings.cu", "embeddings_bwd.cu"]
 
 # ------------------------------------------------------------------------------------ schemas
@@ -25,6 +26,10 @@ lib.define(
 lib.define(
     "embedding_layer_norm_bwd(Tensor dy, Tensor z, Tensor weight, Tensor mean, Tensor rstd, Tensor rng, float p)"
     " -> (Tensor dz, Tensor dweight, Tensor dln_bias)"
+)
+lib.define(
+    "embedding_tables_bwd(Tensor dz, Tensor ids, Tensor position_ids, Tensor token_type_ids, int word_rows,"
+    " int position_rows, int token_type_rows, int padding_idx) -> (Tensor dword, Tensor dposition, Tensor dtoken_type)"
 )
 
 
@@ -53,6 +58,17 @@ def _bwd_cpu(dy, z, weight, mean, rstd, rng, p):
     return layer_norm_grads_cpu(dyf, z, weight, mean, rstd)
 
 
+@torch.library.impl(lib, "embedding_tables_bwd", "CPU")
+def _tables_bwd_cpu(dz, ids, position_ids, token_type_ids, word_rows, position_rows, token_type_rows, padding_idx):
+    """nn.Embedding's backward for each table, in fp32 (the padding row of the word table gets none)."""
+    dzf = dz.float().reshape(-1, dz.shape[-1])
+    return tuple(
+        torch.ops.aten.embedding_dense_backward(dzf, idx.reshape(-1), n, pad, False)
+        for idx, n, pad in ((ids, word_rows, padding_idx), (position_ids, position_rows, -1),
+                            (token_type_ids, token_type_rows, -1))
+    )
+
+
 # ----------------------------------------------------------------------------------------- fake
 @torch.library.register_fake(f"{NS}::embedding_layer_norm_fwd")
 def _fwd_fake(ids, position_ids, token_type_ids, word, position, token_type, weight, ln_bias, p, eps, out_bf16,
@@ -71,6 +87,12 @@ def _bwd_fake(dy, z, weight, mean, rstd, rng, p):
     return torch.empty_like(z), w, torch.empty_like(w)
 
 
+@torch.library.register_fake(f"{NS}::embedding_tables_bwd")
+def _tables_bwd_fake(dz, ids, position_ids, token_type_ids, word_rows, position_rows, token_type_rows, padding_idx):
+    H = dz.shape[-1]
+    return tuple(dz.new_empty((n, H), dtype=torch.float32) for n in (word_rows, position_rows, token_type_rows))
+
+
 # ------------------------------------------------------------------------------------ autograd
 def _setup(ctx, inputs, output):
     ids, position_ids, token_type_ids, word, position, token_type, weight, ln_bias, p, eps, out_bf16, padding_idx = inputs
@@ -83,12 +105,11 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy, _dz, _dmean, _drstd, _drng):
     ids, position_ids, token_type_ids, z, weight, mean, rstd, rng = ctx.saved_tensors
     dz, dweight, dln_bias = torch.ops.bertaccel.embedding_layer_norm_bwd(dy, z, weight, mean, rstd, rng, ctx.p)
-    dz = dz.float()
-    # The scatter into the tables is PyTorch's nn.Embedding backward; the word table's padding row
-    # gets no gradient, as with nn.Embedding(padding_idx=...).
+    # the word table's padding row gets no gradient, as with nn.Embedding(padding_idx=...)
+    (n_word, _), (n_pos, _), (n_type, _) = ctx.tables
     grads = [
-        torch.ops.aten.embedding_dense_backward(dz, idx, n, pad, False).to(dtype)
-        for idx, (n, dtype), pad in zip((ids, position_ids, token_type_ids), ctx.tables, (ctx.padding_idx, -1, -1))
+        g.to(dtype) for g, (_, dtype) in zip(torch.ops.bertaccel.embedding_tables_bwd(
+            dz, ids, position_ids, token_type_ids, n_word, n_pos, n_type, ctx.padding_idx), ctx.tables)
     ]
     return (None, None, None, *grads, dweight, dln_bias, None, None, None, None)
 

@@ -11,7 +11,6 @@
 // calls with dropout keep the saving form, whose masks the training path's tests pin down. Under torch.compile these Functions are traced like any aten op's
 // autograd: the forward graph holds `*_fwd`, the backward graph `*_bwd`.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/embedding_dense_backward.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -191,15 +190,18 @@ struct EmbeddingLayerNormFn : public Function<EmbeddingLayerNormFn> {
         "bertaccel::embedding_layer_norm_bwd");
     auto s = ctx->get_saved_variables();
     auto [dz, dweight, dln_bias] = bwd.call(grads[0], s[3], s[4], s[5], s[6], s[7], ctx->saved_data["p"].toDouble());
-    Tensor dzf = dz.to(at::kFloat);
+    static auto tables = op<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                               const Tensor&, int64_t, int64_t, int64_t, int64_t)>(
+        "bertaccel::embedding_tables_bwd");
     auto rows = ctx->saved_data["rows"].toIntVector();
     auto dtypes = ctx->saved_data["dtypes"].toIntVector();
-    const int64_t pads[3] = {ctx->saved_data["padding_idx"].toInt(), -1, -1};
+    // the scatter into the three tables (fp32); the word table's padding row gets no gradient, as
+    // with nn.Embedding(padding_idx=...)
+    auto [dword, dpos, dtype] =
+        tables.call(dz, s[0], s[1], s[2], rows[0], rows[1], rows[2], ctx->saved_data["padding_idx"].toInt());
     variable_list out(12);
-    // The scatter into the tables is PyTorch's nn.Embedding backward; the word table's padding row
-    // gets no gradient, as with nn.Embedding(padding_idx=...).
-    for (int i = 0; i < 3; ++i)
-      out[3 + i] = at::embedding_dense_backward(dzf, s[i], rows[i], pads[i], false).to((at::ScalarType)dtypes[i]);
+    const Tensor* g[3] = {&dword, &dpos, &dtype};
+    for (int i = 0; i < 3; ++i) out[3 + i] = g[i]->to((at::ScalarType)dtypes[i]);
     out[6] = like(dweight, s[4]);
     out[7] = like(dln_bias, s[4]);
     return out;
