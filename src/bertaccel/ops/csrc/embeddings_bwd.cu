@@ -13,6 +13,7 @@
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/embedding_dense_backward.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "layer_norm_bwd.cuh"
