@@ -5,7 +5,7 @@
 // the column vector bx * 128 + t and walks the rows of chunk by, 4 rows at a time, so a warp
 // touches 32 consecutive 16-byte vectors of one row (coalesced) and the bias vector is loaded once;
 // it keeps its column's dbias partial in registers across the chunk and writes one partial row per
-// chunk; `column_sum_kernel` adds them (no atomics). Bytes: forward reads x, writes y; backward reads dy
+// chunk; `column_sums_kernel` adds them (no atomics). Bytes: forward reads x, writes y; backward reads dy
 // and x, writes dx. FLOPs: ~20 per element (erf or tanh dominate).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -226,8 +226,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
 #undef BA_GELU_BWD
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (bias) {
-      dim3 cgrid((unsigned)((cols + 31) / 32)), cblock(32, 8);
-      column_sum_kernel<<<cgrid, cblock, 0, stream>>>(part.data_ptr<float>(), chunks, (int)cols, dbias.data_ptr<float>());
+      launch_column_sums({{&part, &dbias}}, (int)chunks, (int)cols, stream);
     }
   };
   if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});

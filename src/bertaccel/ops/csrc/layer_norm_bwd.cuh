@@ -7,7 +7,7 @@
 // Launch: as many blocks as fit on the GPU at once (occupancy query), each looping over groups of
 // rows. A thread owns the same columns in every row it visits, so dgamma / dbeta / dbias accumulate
 // in registers; the block parks them in shared memory, sums its row slots and writes one partial
-// row, and `column_sum_kernel` adds the partial rows up: no atomics. Bytes: read dy and z, write dz
+// row, and `column_sums_kernel` adds the partial rows up (one launch for all three): no atomics. Bytes: read dy and z, write dz
 // (+ dh for the fused form).
 //
 // Registers: the row is held as the raw 16-byte packs it was loaded as (a 768-wide bf16 row: 12
@@ -230,12 +230,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
 #undef BA_LN_BWD
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  dim3 cgrid((unsigned)((H + 31) / 32)), cblock(32, 8);
-  column_sum_kernel<<<cgrid, cblock, 0, stream>>>(pg.data_ptr<float>(), blocks, (int)H, dgamma.data_ptr<float>());
-  if (dbeta.defined())
-    column_sum_kernel<<<cgrid, cblock, 0, stream>>>(pb.data_ptr<float>(), blocks, (int)H, dbeta.data_ptr<float>());
-  if (dbias.defined())
-    column_sum_kernel<<<cgrid, cblock, 0, stream>>>(ph.data_ptr<float>(), blocks, (int)H, dbias.data_ptr<float>());
+  launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
