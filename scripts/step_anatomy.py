@@ -13,6 +13,8 @@ that take parts away or change how parameters are held:
                     (src/bertaccel/modules/weight_copies.py; `model.cuda_graphs`' default)
 - `<variant>-static`: the variant with every gradient added into its static `.grad` buffer and
                     zeroed after the update (the step before transient gradients, train_step.py)
+- `copies-unfused`: `copies` with the copied weights' gradients widened into fp32, PyTorch's fused
+                    AdamW and a refresh of the copies, instead of `adamw_bf16_copies_` (one kernel)
 - `no-optimizer`:   forward + backward + zero_grad
 - `forward`:        the training forward alone (dropout on, no backward)
 - `flat`:           `full` with every fp32 parameter and gradient a view of one flat buffer per
@@ -106,7 +108,7 @@ def step_fn(model, opt, flats, variant: str):
     """The variant's step. `full`, `copies`, `bf16-params`, `-noqkv` and `attn-*` run the product's
     graphed step body (bertaccel.modules.train_step.build_train_step, as `bertaccel fit` builds it);
     `forward`, `no-optimizer` and `flat` are the experiments that take parts away or re-lay the memory."""
-    base = variant.removesuffix("-static")
+    base = variant.removesuffix("-unfused").removesuffix("-static")
     autocast = base != "bf16-params"
     copies = flats if base == "copies" else None
     if copies is not None:
@@ -124,7 +126,7 @@ def step_fn(model, opt, flats, variant: str):
     if variant not in ("forward", "no-optimizer", "flat"):
         product = build_train_step(
             lambda ids, mask, labels: {"loss": model(input_ids=ids, attention_mask=mask, labels=labels).loss}, opt,
-            copies=copies, transient_grads=not variant.endswith("-static"), autocast=(lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
+            copies=copies, transient_grads="-static" not in variant, fused_copies_update="-unfused" not in variant, autocast=(lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
             if autocast else contextlib.nullcontext)
 
         def inner(ids, mask, labels):
@@ -155,7 +157,7 @@ def time_variant(model_name: str, batch: int, seq: int, variant: str, steps: int
     # "<variant>-noqkv": the kernel swap without the fused Q, K, V projection (three GEMMs, as HF)
     ops = [f for f in DEFAULT if not (variant.endswith("-noqkv") and f == "qkv")]
     variant = variant.removesuffix("-noqkv")
-    model, opt, flats = build(model_name, variant.removesuffix("-static"), ops)
+    model, opt, flats = build(model_name, variant.removesuffix("-unfused").removesuffix("-static"), ops)
     g = torch.Generator(device="cuda").manual_seed(1)
     lengths = torch.full((batch,), seq, device="cuda")
     short = torch.rand(batch, device="cuda", generator=g) < padded

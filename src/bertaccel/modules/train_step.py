@@ -19,6 +19,14 @@ capture, kept for the whole fit: a captured kernel writes to fixed addresses). I
   eager loop, whose `zero_grad` sets None.
 - With accumulation (`accumulate > 1`) the static buffers collect the micro-batches' gradients
   (the loss is scaled by 1 / accumulate), and the last micro-step zeroes them after the update.
+
+AdamW on the copied weights in one pass (`fused_copies_update`): with bf16 copies, no accumulation,
+no clipping and PyTorch's AdamW (no amsgrad, not maximize), the masters are updated by
+`bertaccel::adamw_bf16_copies_` straight from their copies' bf16 gradients, and the same kernel
+writes the refreshed copies: the widening copy into the masters' `.grad`, their share of PyTorch's
+fused AdamW and the refresh become one kernel that moves 28 instead of 40 bytes per parameter.
+PyTorch's AdamW still steps every other parameter, and the moments and step counts live in the
+optimizer's own state (the checkpoint and an eager resume see PyTorch's AdamW state).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ def build_train_step(
     clip: tuple[float, str] | None = None,
     autocast: Callable[[], Any] = contextlib.nullcontext,
     transient_grads: bool = True,
+    fused_copies_update: bool = True,
 ) -> Callable[..., dict[str, torch.Tensor]]:
     """A step function `step(**inputs) -> {name: detached tensor}` for `StepGraphs`.
 
@@ -53,6 +62,8 @@ def build_train_step(
     transient_grads: without accumulation, hand autograd's fresh gradients to the optimizer instead of
         adding them into the static buffers (False: add and zero, the step before this change; kept for
         `scripts/step_anatomy.py`'s comparison).
+    fused_copies_update: update the copied masters with `adamw_bf16_copies_` where it applies (see
+        the module's docs; False: widen, PyTorch's AdamW, refresh).
 
     Every parameter of `optimizer` that requires grad must have its static `.grad` buffer already.
     """
@@ -62,24 +73,37 @@ def build_train_step(
         raise RuntimeError(f"build_train_step: {len(missing)} parameters have no static .grad buffer; "
                            "make them (zeros) before building the step")
     scale = 1.0 / accumulate
+    fused = fused_copies_update and copies and accumulate == 1 and clip is None and fusable_adamw(optimizer, copies)
     copied = {id(m) for m in copies.masters} if copies else set()
     transient = [p for p in params if p.grad is not None and id(p) not in copied] if accumulate == 1 else []
     if not transient_grads:
         transient = []
     statics = [p.grad for p in transient]
+    master_grads = [m.grad for m in copies.masters] if fused else []
     # zeroed after the update: all buffers under accumulation; else those that were added into
+    handed_over = {id(p) for p in transient}
     to_zero = [p.grad for p in params if p.grad is not None and (accumulate > 1 or id(p) not in copied)
-               and not any(p is t for t in transient)]
+               and id(p) not in handed_over]
 
     def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         for p in transient:
             p.grad = None
+        if fused:
+            for m in copies.masters:  # PyTorch's AdamW skips them; the fused update takes them
+                m.grad = None
         with copies.swapped_in() if copies else contextlib.nullcontext(), autocast():
             out = forward(**inputs)
         (out["loss"] * scale if scale != 1.0 else out["loss"]).backward()
-        if copies:
+        if fused:
+            optimizer.step()
+            adamw_copies_step(optimizer, copies)
+            for m, g in zip(copies.masters, master_grads):
+                m.grad = g
+            if to_zero:
+                torch._foreach_zero_(to_zero)
+        elif copies:
             copies.grads_to_masters(accumulate=accumulate > 1)
-        if last:
+        if last and not fused:
             if clip is not None:
                 value, algorithm = clip
                 if algorithm == "value":
@@ -107,3 +131,65 @@ def make_static_grads(params) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
                 p.grad = torch.zeros_like(p)
             out.append((p, p.grad))
     return out
+
+
+def fusable_adamw(optimizer: torch.optim.Optimizer, copies: Bf16WeightCopies) -> bool:
+    """Whether `adamw_copies_step` can update the copied masters: PyTorch's AdamW without amsgrad,
+    maximize or differentiable, masters contiguous fp32 in its groups, and the kernel available
+    (the CUDA extension on a GPU; the reference op on CPU)."""
+    if type(optimizer) is not torch.optim.AdamW or not copies.masters:
+        return False
+    if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups):
+        return False
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    masters = copies.masters
+    if not all(id(m) in held and m.dtype == torch.float32 and m.is_contiguous() for m in masters):
+        return False
+    if masters[0].is_cuda:
+        from bertaccel.ops import build
+
+        if not build.load():
+            return False
+    import bertaccel.ops.adamw  # noqa: F401 - the op's schema and CPU reference
+
+    return True
+
+
+def _adamw_state(optimizer: torch.optim.AdamW, p: torch.Tensor, group: dict) -> dict:
+    """p's AdamW state, made as PyTorch's AdamW makes it on its first step (a float32 step tensor on
+    p's device when fused or capturable, zero moments)."""
+    state = optimizer.state[p]
+    if len(state) == 0:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def adamw_copies_step(optimizer: torch.optim.AdamW, copies: Bf16WeightCopies) -> None:
+    """AdamW on the copied masters whose copies got a gradient, from those bf16 gradients, writing
+    the refreshed copies; the copies' gradients are dropped after."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    by_group: dict[int, list[int]] = {}
+    for i, (m, c) in enumerate(zip(copies.masters, copies.copies)):
+        if c.grad is not None:
+            by_group.setdefault(id(group_of[id(m)]), []).append(i)
+    with torch.no_grad():
+        for g in optimizer.param_groups:
+            idx = by_group.get(id(g))
+            if not idx:
+                continue
+            masters = [copies.masters[i] for i in idx]
+            states = [_adamw_state(optimizer, m, g) for m in masters]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            # a float learning rate (eager CPU steps) as float64, so the reference op sees its exact value
+            lr = g["lr"] if isinstance(g["lr"], torch.Tensor) else torch.tensor(float(g["lr"]), dtype=torch.float64)
+            beta1, beta2 = (float(b) for b in g["betas"])
+            torch.ops.bertaccel.adamw_bf16_copies_(
+                masters, [copies.copies[i].grad for i in idx], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], steps, [copies.copies[i] for i in idx], lr, beta1, beta2,
+                float(g["weight_decay"]), float(g["eps"]))
+    for c in copies.copies:
+        c.grad = None

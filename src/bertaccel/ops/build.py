@@ -32,14 +32,22 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # Autograd of every public op on CUDA (csrc/autograd.cpp), host code only; the op families' own
-# sources come from bertaccel.ops.registry.
+# sources come from bertaccel.ops.registry, the other ops' (the optimizer's) from OTHER_OP_MODULES.
 SHARED_SOURCES = ["autograd.cpp"]
+# ops that are not kernel-swap families (modules whose schemas must exist before the kernels register)
+OTHER_OP_MODULES = ["adamw"]
+
+
+def _other_op_modules():
+    import importlib
+
+    return [importlib.import_module(f"bertaccel.ops.{name}") for name in OTHER_OP_MODULES]
 
 
 def sources() -> list[str]:
     from bertaccel.ops import registry
 
-    return registry.cuda_sources() + SHARED_SOURCES
+    return registry.cuda_sources() + [s for m in _other_op_modules() for s in m.CUDA_SOURCES] + SHARED_SOURCES
 
 
 HEADERS = ["check.h", "common.cuh", "layer_norm_bwd.cuh"]
@@ -207,6 +215,7 @@ def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arc
     from bertaccel.ops import registry
 
     registry.modules()  # the schemas must exist before the kernels register
+    _other_op_modules()
 
     key = build_key(hashed, arch)
     build_dir = cache_root() / f"{name}_{key}"

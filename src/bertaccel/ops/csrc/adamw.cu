@@ -1,0 +1,172 @@
+// AdamW on fp32 master weights whose forward ran on bf16 copies (modules/weight_copies.py), in one
+// multi-tensor pass per parameter group:
+//
+//   read  the bf16 gradient of the copy (2 B), the fp32 master, exp_avg, exp_avg_sq (12 B)
+//   write the fp32 master, exp_avg, exp_avg_sq (12 B) and the refreshed bf16 copy (2 B)
+//
+// = 28 B per parameter. The unfused path moves 40 B in three kernels: the copies' gradients widened
+// into the masters' fp32 `.grad` (2 B read, 4 B written), PyTorch's fused AdamW (16 B read, 12 B
+// written) and the refresh of the copies (4 B read, 2 B written).
+//
+// The arithmetic is PyTorch's fused AdamW (ATen's FusedAdamMathFunctor, ADAMW mode, no amsgrad, not
+// maximize) in fp32: decoupled weight decay p -= lr * wd * p; m = b1 m + (1 - b1) g;
+// v = b2 v + (1 - b2) g^2; p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps), with the
+// step count t read from each parameter's device step tensor (capturable) and the learning rate
+// from a device tensor (graph replays see the schedule's current value).
+//
+// Launch: blocks walk (tensor, chunk) pairs of up to kMaxTensors tensors per launch, described in
+// the kernel's parameter struct (no host-to-device copy, so a CUDA graph can capture it); 4-wide
+// vectors where a tensor's pointers are 16-byte aligned and its size a multiple of 4.
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "common.cuh"
+
+namespace bertaccel {
+namespace {
+
+constexpr int kMaxTensors = 48;  // 48 x 6 pointers + sizes + chunk starts < 4 KB of kernel parameters
+constexpr int kAdamThreads = 256;
+constexpr int64_t kChunk = 65536;
+
+struct AdamWTensors {
+  float* p[kMaxTensors];
+  const __nv_bfloat16* g[kMaxTensors];
+  float* m[kMaxTensors];
+  float* v[kMaxTensors];
+  const float* step[kMaxTensors];
+  __nv_bfloat16* c[kMaxTensors];
+  int64_t n[kMaxTensors];
+  int chunk_start[kMaxTensors + 1];
+  int count;
+};
+
+struct AdamWScalars {
+  float beta1, beta2, weight_decay, eps;
+};
+
+__device__ __forceinline__ void adamw_one(float& p, float g, float& m, float& v, float lr, float wd_lr,
+                                          float step_size, float bc2_sqrt, const AdamWScalars& s) {
+  p -= wd_lr * p;
+  m = s.beta1 * m + (1.f - s.beta1) * g;
+  v = s.beta2 * v + (1.f - s.beta2) * g * g;
+  const float denom = sqrtf(v) / bc2_sqrt + s.eps;
+  p -= step_size * m / denom;
+}
+
+__global__ void __launch_bounds__(kAdamThreads) adamw_bf16_copies_kernel(AdamWTensors t, const float* __restrict__ lr_ptr,
+                                                                        AdamWScalars s) {
+  // the tensor of this block: the last i with chunk_start[i] <= blockIdx.x
+  int lo = 0, hi = t.count - 1;
+  const int b = blockIdx.x;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.chunk_start[mid] <= b) lo = mid; else hi = mid - 1;
+  }
+  const int i = lo;
+  const int64_t begin = (int64_t)(b - t.chunk_start[i]) * kChunk;
+  const int64_t end = min(t.n[i], begin + kChunk);
+  const float lr = *lr_ptr;
+  const float step = *t.step[i];
+  const float bc1 = 1.f - powf(s.beta1, step);
+  const float bc2_sqrt = sqrtf(1.f - powf(s.beta2, step));
+  const float step_size = lr / bc1, wd_lr = lr * s.weight_decay;
+  float* __restrict__ P = t.p[i];
+  const __nv_bfloat16* __restrict__ G = t.g[i];
+  float* __restrict__ M = t.m[i];
+  float* __restrict__ V = t.v[i];
+  __nv_bfloat16* __restrict__ C = t.c[i];
+  const bool vec = t.n[i] % 4 == 0 &&
+                   ((reinterpret_cast<uintptr_t>(P) | reinterpret_cast<uintptr_t>(M) | reinterpret_cast<uintptr_t>(V)) % 16) == 0 &&
+                   ((reinterpret_cast<uintptr_t>(G) | reinterpret_cast<uintptr_t>(C)) % 8) == 0;
+  if (vec) {
+    for (int64_t k = begin + 4 * (int64_t)threadIdx.x; k < end; k += 4 * kAdamThreads) {
+      float p[4], g[4], m[4], v[4], c[4];
+      load_f<float, 4>(P + k, p);
+      load_f<__nv_bfloat16, 4>(G + k, g);
+      load_f<float, 4>(M + k, m);
+      load_f<float, 4>(V + k, v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        adamw_one(p[j], g[j], m[j], v[j], lr, wd_lr, step_size, bc2_sqrt, s);
+        c[j] = p[j];
+      }
+      store_f<float, 4>(P + k, p);
+      store_f<float, 4>(M + k, m);
+      store_f<float, 4>(V + k, v);
+      store_f<__nv_bfloat16, 4>(C + k, c);
+    }
+  } else {
+    for (int64_t k = begin + threadIdx.x; k < end; k += kAdamThreads) {
+      float p = P[k], m = M[k], v = V[k];
+      adamw_one(p, __bfloat162float(G[k]), m, v, lr, wd_lr, step_size, bc2_sqrt, s);
+      P[k] = p;
+      M[k] = m;
+      V[k] = v;
+      C[k] = __float2bfloat16(p);
+    }
+  }
+}
+
+void adamw_bf16_copies_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList steps, at::TensorList copies, const at::Tensor& lr,
+                        double beta1, double beta2, double weight_decay, double eps) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
+                  copies.size() == n,
+              "bertaccel adamw_bf16_copies_: every tensor list must have one entry per parameter");
+  if (n == 0) return;
+  TORCH_CHECK(lr.is_cuda() && lr.scalar_type() == at::kFloat && lr.numel() == 1,
+              "bertaccel adamw_bf16_copies_: lr must be a one-element float32 CUDA tensor (capturable)");
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK(p.is_cuda() && p.scalar_type() == at::kFloat && p.is_contiguous(),
+                "bertaccel adamw_bf16_copies_: masters must be contiguous float32 CUDA tensors");
+    for (const at::Tensor* t : {&exp_avgs[i], &exp_avg_sqs[i]})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == p.numel() &&
+                      t->device() == p.device(),
+                  "bertaccel adamw_bf16_copies_: exp_avg / exp_avg_sq must be contiguous float32 like the master");
+    for (const at::Tensor* t : {&grads[i], &copies[i]})
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == p.numel() &&
+                      t->device() == p.device(),
+                  "bertaccel adamw_bf16_copies_: gradients and copies must be contiguous bfloat16 like the master");
+    TORCH_CHECK(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == p.device(),
+                "bertaccel adamw_bf16_copies_: step counts must be one-element float32 tensors on the master's device");
+    TORCH_CHECK(p.device() == lr.device(), "bertaccel adamw_bf16_copies_: lr must be on the masters' device");
+  }
+  c10::cuda::CUDAGuard guard(params[0].device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const AdamWScalars s{(float)beta1, (float)beta2, (float)weight_decay, (float)eps};
+  size_t first = 0;
+  while (first < n) {
+    AdamWTensors t{};
+    int blocks = 0;
+    int k = 0;
+    for (; k < kMaxTensors && first + k < n; ++k) {
+      const size_t i = first + k;
+      t.p[k] = params[i].data_ptr<float>();
+      t.g[k] = reinterpret_cast<const __nv_bfloat16*>(grads[i].data_ptr());
+      t.m[k] = exp_avgs[i].data_ptr<float>();
+      t.v[k] = exp_avg_sqs[i].data_ptr<float>();
+      t.step[k] = steps[i].data_ptr<float>();
+      t.c[k] = reinterpret_cast<__nv_bfloat16*>(copies[i].data_ptr());
+      t.n[k] = params[i].numel();
+      t.chunk_start[k] = blocks;
+      const int64_t chunks = (t.n[k] + kChunk - 1) / kChunk;
+      TORCH_CHECK(blocks + chunks < (1LL << 31), "bertaccel adamw_bf16_copies_: too many elements for one launch");
+      blocks += (int)chunks;
+    }
+    t.count = k;
+    t.chunk_start[k] = blocks;
+    if (blocks > 0) adamw_bf16_copies_kernel<<<blocks, kAdamThreads, 0, stream>>>(t, lr.data_ptr<float>(), s);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    first += k;
+  }
+}
+
+}  // namespace
+}  // namespace bertaccel
+
+TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) { m.impl("adamw_bf16_copies_", &bertaccel::adamw_bf16_copies_); }
