@@ -76,7 +76,8 @@ def test_kernel_matches_pytorchs_fused_adamw(wd, tensors):
         st = opt.state[b]
         # same fp32 formula; the bias corrections' powers may differ in the last bit (powf vs pow)
         torch.testing.assert_close(a, b.detach(), rtol=2e-6, atol=1e-7, msg=f"param {i} ({sizes[i]})")
-        torch.testing.assert_close(m[i], st["exp_avg"], rtol=1e-6, atol=1e-8)
+        # (a moment near zero is a difference of nearby terms: compare on the moments' own scale)
+        torch.testing.assert_close(m[i], st["exp_avg"], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(v[i], st["exp_avg_sq"], rtol=1e-6, atol=1e-10)
         assert torch.equal(c, a.bfloat16()), "the copy is not the master rounded to bf16"
 
