@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.collate import ClassificationCollator, bucket_lengths
-from bertaccel.data.loader import ResumableDataLoader, fit_progress
+from bertaccel.data.loader import SHARING_STRATEGIES, ResumableDataLoader, fit_progress, set_worker_sharing
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, looks_like_path, read_table
 from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
@@ -81,6 +81,9 @@ class TextClassificationDataModule(pl.LightningDataModule):
         predict_split: Which split `predict` runs on: "test", "validation" or "train".
         num_workers: DataLoader worker processes.
         pin_memory: Pin host memory for faster copies to the GPU (only used when a GPU is present).
+        worker_sharing: How workers hand batches over (`file_system`: by shared-memory file name, the
+            default; `file_descriptor`: PyTorch's Linux default, a socket per tensor; null: leave
+            PyTorch's setting). Process-wide; see bertaccel.data.loader.set_worker_sharing.
         seed: Seed for the validation split, subsets and the shuffling order.
         cache_dir: Where tokenized data is cached (default: $BERTACCEL_CACHE or ~/.cache/bertaccel).
     """
@@ -106,6 +109,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         predict_split: str = "test",
         num_workers: int = 0,
         pin_memory: bool = True,
+        worker_sharing: str | None = "file_system",
         seed: int = 42,
         cache_dir: str | None = None,
     ) -> None:
@@ -137,6 +141,9 @@ class TextClassificationDataModule(pl.LightningDataModule):
         self.train_subset, self.test_subset = train_subset, test_subset
         self.predict_split = predict_split
         self.num_workers, self.pin_memory, self.seed = num_workers, pin_memory, seed
+        if worker_sharing is not None and worker_sharing not in SHARING_STRATEGIES:
+            raise DataError(f"worker_sharing must be one of {SHARING_STRATEGIES} or null, got '{worker_sharing}'.")
+        self.worker_sharing = worker_sharing
         self.cache_dir = cache_dir
         self.hub_config = hub_config
         self._num_labels = num_labels
@@ -348,6 +355,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         ds = self.datasets[split]
         sampler = sampler or self._sampler(split, batch_size, train)
         workers = self._workers()
+        set_worker_sharing(self.worker_sharing, workers)
         return loader_class(
             ds,
             batch_size=batch_size,

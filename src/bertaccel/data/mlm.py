@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.masking import continuation_table, mask_tokens, special_table
-from bertaccel.data.loader import ResumableDataLoader, fit_progress
+from bertaccel.data.loader import SHARING_STRATEGIES, ResumableDataLoader, fit_progress, set_worker_sharing
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import (TEXT_SUFFIXES, TABLE_SUFFIXES, find_split_file, load_hub_dataset, looks_like_path,
                                      read_text_documents)
@@ -98,6 +98,8 @@ class MLMDataModule(pl.LightningDataModule):
         val_size: Fraction of the training blocks held out when there is no validation split.
         max_train_documents: Use only the first N training documents (quick runs).
         num_workers: DataLoader worker processes.
+        worker_sharing: How workers hand batches over: `file_system` (default), `file_descriptor`
+            (PyTorch's Linux default) or null; see bertaccel.data.loader.set_worker_sharing.
         seed: Seed for masks, shuffling and the validation split.
         cache_dir: Where tokenized data is cached.
     """
@@ -121,6 +123,7 @@ class MLMDataModule(pl.LightningDataModule):
         val_size: float = 0.05,
         max_train_documents: int | None = None,
         num_workers: int = 0,
+        worker_sharing: str | None = "file_system",
         seed: int = 42,
         cache_dir: str | None = None,
     ) -> None:
@@ -142,6 +145,9 @@ class MLMDataModule(pl.LightningDataModule):
         self.whole_word_mask, self.val_size = whole_word_mask, val_size
         self.max_train_documents = max_train_documents
         self.num_workers, self.seed, self.cache_dir = num_workers, seed, cache_dir
+        if worker_sharing is not None and worker_sharing not in SHARING_STRATEGIES:
+            raise DataError(f"worker_sharing must be one of {SHARING_STRATEGIES} or null, got '{worker_sharing}'.")
+        self.worker_sharing = worker_sharing
         self.datasets: dict[str, MaskedBlocks] = {}
 
     @property
@@ -235,6 +241,7 @@ class MLMDataModule(pl.LightningDataModule):
     def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DataLoader] = DataLoader,
                 sampler: EpochSampler | None = None, **loader_kwargs) -> DataLoader:
         ds = self.datasets[split]
+        set_worker_sharing(self.worker_sharing, self.num_workers)
         return loader_class(
             ds,
             batch_size=batch_size,
