@@ -165,6 +165,8 @@ def cli_run(args, name: str, presets: list[str], workers: int, extra: list[str] 
         "train_step_ms_p50": stats.get("train", {}).get("step_ms_p50"),
         "train_step_ms_mean": stats.get("train", {}).get("step_ms_mean"),
         "train_data_wait_ms_mean": stats.get("train", {}).get("data_wait_ms_mean"),
+        "train_slowest_steps_ms": stats.get("train", {}).get("slowest_steps_ms"),
+        "train_slowest_steps_at": stats.get("train", {}).get("slowest_steps_at"),
         "peak_memory_gb": stats.get("train", {}).get("peak_memory_gb"),
         "test_acc": float(acc[-1]) if acc else None,
         "process_wall_s": wall,

@@ -219,6 +219,10 @@ class ThroughputMeter(pl.Callback):
             "tflops_per_s": flops / elapsed / 1e12,
             "world_size": float(world),
         }
+        if st.step_ms:  # where the time of a mean far above the median went: the 8 slowest steps
+            slowest = sorted(range(len(st.step_ms)), key=st.step_ms.__getitem__)[-8:][::-1]
+            out["slowest_steps_ms"] = [st.step_ms[i] for i in slowest]
+            out["slowest_steps_at"] = [float(i + self.warmup_steps) for i in slowest]  # steps of the stage
         if world > 1:
             out["step_ms_p50_per_rank"] = per_rank_p50
         device = trainer.strategy.root_device
