@@ -593,6 +593,11 @@ class BertModule(pl.LightningModule):
         states, self._rng_to_restore = self._rng_to_restore, None
         if states:
             set_rng_states(states)
+        # Loggers make their writer on the first log (TensorBoard: the SummaryWriter, its thread and event
+        # file), which was step 49 of the first epoch: 23 to 383 ms in the middle of the training steps
+        # on the H100 host (the slowest steps of benchmarks/finetune.py's runs at 8c32708). Make it now.
+        for logger in self.trainer.loggers:
+            logger.experiment  # noqa: B018 - the property creates it (a dummy on ranks other than 0)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.release_graphs()  # loaded optimizer state replaces tensors that graphs point to
