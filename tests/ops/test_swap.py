@@ -203,10 +203,13 @@ def test_swap_targets_modules_by_name_patterns(model):
 
 
 def test_registry_derives_build_sources_and_swap_order():
-    """The build's sources and the swap's families come from the family modules' declarations."""
+    """The build's sources and the swap's families come from the family modules' declarations (and
+    the other op modules': the optimizer's)."""
     from bertaccel.ops import build, registry
 
     assert ORDER == list(registry.swap_entries())
-    assert set(build.sources()) == {s for m in registry.modules() for s in m.CUDA_SOURCES} | {"autograd.cpp"}
+    others = {s for m in build._other_op_modules() for s in m.CUDA_SOURCES}
+    assert "adamw.cu" in others
+    assert set(build.sources()) == {s for m in registry.modules() for s in m.CUDA_SOURCES} | others | {"autograd.cpp"}
     assert all((build.CSRC / s).exists() for s in build.sources() + build.HEADERS)
     assert all(name in registry.describe() for name in ORDER)
