@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.collate import ClassificationCollator, bucket_lengths
-from bertaccel.data.loader import SHARING_STRATEGIES, ResumableDataLoader, fit_progress, set_worker_sharing
+from bertaccel.data.loader import ResumableDataLoader, check_worker_sharing, fit_progress, set_worker_sharing
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, looks_like_path, read_table
 from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
@@ -141,9 +141,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         self.train_subset, self.test_subset = train_subset, test_subset
         self.predict_split = predict_split
         self.num_workers, self.pin_memory, self.seed = num_workers, pin_memory, seed
-        if worker_sharing is not None and worker_sharing not in SHARING_STRATEGIES:
-            raise DataError(f"worker_sharing must be one of {SHARING_STRATEGIES} or null, got '{worker_sharing}'.")
-        self.worker_sharing = worker_sharing
+        self.worker_sharing = check_worker_sharing(worker_sharing)
         self.cache_dir = cache_dir
         self.hub_config = hub_config
         self._num_labels = num_labels

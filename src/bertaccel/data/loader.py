@@ -25,7 +25,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
+from bertaccel.errors import DataError
+
 SHARING_STRATEGIES = ("file_system", "file_descriptor")
+
+
+def check_worker_sharing(strategy: str | None) -> str | None:
+    """`data.worker_sharing` as given, or a DataError naming the choices."""
+    if strategy is not None and strategy not in SHARING_STRATEGIES:
+        raise DataError(f"worker_sharing must be one of {SHARING_STRATEGIES} or null, got '{strategy}'.")
+    return strategy
 
 
 def set_worker_sharing(strategy: str | None, workers: int) -> None:
@@ -38,10 +47,9 @@ def set_worker_sharing(strategy: str | None, workers: int) -> None:
     4.7 ms graphed MiniLM step: the GPU waited for the host. "file_system" passes a shared-memory file
     name instead (no socket); PyTorch's shm manager removes the files.
     """
+    check_worker_sharing(strategy)
     if strategy is None or workers == 0 or not sys.platform.startswith("linux"):
         return
-    if strategy not in SHARING_STRATEGIES:
-        raise ValueError(f"data.worker_sharing must be one of {SHARING_STRATEGIES} or null, got '{strategy}'.")
     if torch.multiprocessing.get_sharing_strategy() != strategy:
         torch.multiprocessing.set_sharing_strategy(strategy)
         rank_zero_info(f"bertaccel: DataLoader workers share batches by '{strategy}' (data.worker_sharing).")

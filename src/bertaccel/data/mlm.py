@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.masking import continuation_table, mask_tokens, special_table
-from bertaccel.data.loader import SHARING_STRATEGIES, ResumableDataLoader, fit_progress, set_worker_sharing
+from bertaccel.data.loader import ResumableDataLoader, check_worker_sharing, fit_progress, set_worker_sharing
 from bertaccel.data.samplers import EpochSampler
 from bertaccel.data.sources import (TEXT_SUFFIXES, TABLE_SUFFIXES, find_split_file, load_hub_dataset, looks_like_path,
                                      read_text_documents)
@@ -145,9 +145,7 @@ class MLMDataModule(pl.LightningDataModule):
         self.whole_word_mask, self.val_size = whole_word_mask, val_size
         self.max_train_documents = max_train_documents
         self.num_workers, self.seed, self.cache_dir = num_workers, seed, cache_dir
-        if worker_sharing is not None and worker_sharing not in SHARING_STRATEGIES:
-            raise DataError(f"worker_sharing must be one of {SHARING_STRATEGIES} or null, got '{worker_sharing}'.")
-        self.worker_sharing = worker_sharing
+        self.worker_sharing = check_worker_sharing(worker_sharing)
         self.datasets: dict[str, MaskedBlocks] = {}
 
     @property
