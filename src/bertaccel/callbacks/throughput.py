@@ -17,6 +17,7 @@ How it stays honest:
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import statistics
@@ -220,7 +221,7 @@ class ThroughputMeter(pl.Callback):
             "world_size": float(world),
         }
         if st.step_ms:  # where the time of a mean far above the median went: the 8 slowest steps
-            slowest = sorted(range(len(st.step_ms)), key=st.step_ms.__getitem__)[-8:][::-1]
+            slowest = heapq.nlargest(8, range(len(st.step_ms)), key=st.step_ms.__getitem__)
             out["slowest_steps_ms"] = [st.step_ms[i] for i in slowest]
             out["slowest_steps_at"] = [float(i + self.warmup_steps) for i in slowest]  # steps of the stage
         if world > 1:

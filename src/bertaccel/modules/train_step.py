@@ -68,9 +68,9 @@ def build_train_step(
     Every parameter of `optimizer` that requires grad must have its static `.grad` buffer already.
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    missing = [i for i, p in enumerate(params) if p.requires_grad and p.grad is None]
+    missing = sum(p.requires_grad and p.grad is None for p in params)
     if missing:
-        raise RuntimeError(f"build_train_step: {len(missing)} parameters have no static .grad buffer; "
+        raise RuntimeError(f"build_train_step: {missing} parameters have no static .grad buffer; "
                            "make them (zeros) before building the step")
     scale = 1.0 / accumulate
     fused = fused_copies_update and copies and accumulate == 1 and clip is None and fusable_adamw(optimizer, copies)

@@ -47,8 +47,8 @@ struct AdamWScalars {
   float beta1, beta2, weight_decay, eps;
 };
 
-__device__ __forceinline__ void adamw_one(float& p, float g, float& m, float& v, float lr, float wd_lr,
-                                          float step_size, float bc2_sqrt, const AdamWScalars& s) {
+__device__ __forceinline__ void adamw_one(float& p, float g, float& m, float& v, float wd_lr, float step_size,
+                                          float bc2_sqrt, const AdamWScalars& s) {
   p -= wd_lr * p;
   m = s.beta1 * m + (1.f - s.beta1) * g;
   v = s.beta2 * v + (1.f - s.beta2) * g * g;
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kAdamThreads) adamw_bf16_copies_kernel(AdamWTe
       load_f<float, 4>(V + k, v);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        adamw_one(p[j], g[j], m[j], v[j], lr, wd_lr, step_size, bc2_sqrt, s);
+        adamw_one(p[j], g[j], m[j], v[j], wd_lr, step_size, bc2_sqrt, s);
         c[j] = p[j];
       }
       store_f<float, 4>(P + k, p);
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kAdamThreads) adamw_bf16_copies_kernel(AdamWTe
   } else {
     for (int64_t k = begin + threadIdx.x; k < end; k += kAdamThreads) {
       float p = P[k], m = M[k], v = V[k];
-      adamw_one(p, __bfloat162float(G[k]), m, v, lr, wd_lr, step_size, bc2_sqrt, s);
+      adamw_one(p, __bfloat162float(G[k]), m, v, wd_lr, step_size, bc2_sqrt, s);
       P[k] = p;
       M[k] = m;
       V[k] = v;
