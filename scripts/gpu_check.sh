@@ -10,7 +10,7 @@
 # gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2), anatomy (where a graphed step's
-# GPU time goes), attention (benchmarks/bench_attention.py).
+# GPU time goes), attention (benchmarks/bench_attention.py), ddp_rows (2 GPUs: DDP fit, test, predict rows).
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 set -uo pipefail
@@ -213,6 +213,24 @@ import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 idx = [r.get("index") for r in rows]
 print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, first keys {sorted(rows[0])}")
+PY
+fi
+if has ddp_rows; then  # nvidia-h200-x2: DDP fit (+ test after fit), then predict from its last checkpoint: every row once
+  DR=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm
+      --model.init_args.pretrained .carry/minilm --data.init_args.val_size 500 --data.init_args.max_length 128
+      --data.init_args.test_subset 1001 --trainer.devices 2 --trainer.strategy ddp --progress_bar.refresh_rate 50)
+  timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit "${DR[@]}" --trainer.limit_train_batches 40 --trainer.limit_val_batches 5 \
+    --trainer.logger.init_args.name ddp_rows > "$OUT/ddp_fit.log" 2>&1
+  echo "ddp fit+test rc=$?"; grep -E "test/acc|test/loss|Error|worker" "$OUT/ddp_fit.log" | cut -c1-200 | head -6
+  timeout ${MULTI_TIMEOUT:-240} python -m bertaccel predict "${DR[@]}" --ckpt_path runs/ddp_rows/checkpoints/last.ckpt \
+    --trainer.logger.init_args.name ddp_rows_predict > "$OUT/ddp_rows_predict.log" 2>&1
+  echo "ddp predict rc=$?"; grep -E "Error" "$OUT/ddp_rows_predict.log" | cut -c1-300 | head -3
+  f=$(ls runs/ddp_rows_predict/version_*/predictions.jsonl 2>/dev/null | head -1)
+  [ -n "$f" ] && python - "$f" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+idx = [r["index"] for r in rows]
+print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, indices == range(n): {sorted(idx) == list(range(len(rows)))}")
 PY
 fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
