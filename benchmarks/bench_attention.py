@@ -1,5 +1,6 @@
 """Attention forward + backward on padded batches: SDPA's backends with the key-padding mask against
-PyTorch's FlashAttention-2 varlen kernel on the packed real tokens (what `model.unpadded` runs).
+the varlen kernels on the packed real tokens (what `model.unpadded` runs): ours (bertaccel,
+csrc/attention.cu) and PyTorch's FlashAttention-2 varlen.
 
     python -m benchmarks.bench_attention --out bench_results/attention.json
 
@@ -7,7 +8,8 @@ Each cell: bf16 q/k/v of a [batch, seq] batch whose row lengths are given (`full
 `imdb256`: the staged IMDB subset's lengths at max_length 256, 81% real; `uniform`: lengths uniform
 in [0.2, 1] x seq, ByteTransformer's setting). FLOPs count real tokens only: forward 4 * sum(len^2)
 * heads * d, backward 2.5x that. Times: GPU time per forward + backward from CUDA-graph replays.
-`sdpa-flash` cannot take a mask: it runs only on `full` cells.
+`sdpa-flash` cannot take a mask: it runs only on `full` cells. `fwd_ms`: the forward alone (no grad).
+The first four cells are issue 11's targets (16k tokens, seq 128 / 512, head dim 64 / 32).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import cuda_time_ms, environment, graph_time_ms, print_table, write_json
-from bertaccel.modules.unpadded import Unpadded, varlen_attention
+from bertaccel.modules.unpadded import Unpadded, _FlashVarlen
+from bertaccel.ops import attention, build
 
-CELLS = ["32x256x12x32:imdb256", "32x256x12x32:full", "16x128x12x64:full", "32x512x12x64:uniform", "32x512x12x32:uniform"]
+CELLS = ["128x128x12x64:full", "128x128x12x32:full", "32x512x12x64:full", "32x512x12x32:full",
+         "32x256x12x32:imdb256", "32x512x12x64:uniform", "32x512x12x32:uniform"]
 BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
             "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
@@ -59,29 +63,43 @@ def run_cell(cell: str) -> list[dict]:
     qp, kp, vp = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dp = torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16)
     key_padding = None if kind == "full" else mask[:, None, None, :]
+
+    def add(name, fwd, step):
+        try:
+            ms, fwd_ms = time_ms(step), time_ms(fwd)
+        except RuntimeError as e:
+            print(f"{cell} {name}: {str(e).splitlines()[0][:120]}")
+            return
+        rows.append({"cell": cell, "impl": name, "fwd_ms": round(fwd_ms, 4), "ms": round(ms, 4),
+                     "TFLOP/s": round(flops / ms / 1e9, 1), "fwd TFLOP/s": round(flops / 3.5 / fwd_ms / 1e9, 1)})
+
     for name, backend in BACKENDS.items():
         if name == "sdpa-flash" and key_padding is not None:
             continue
 
-        def step():
+        def sdpa(backend=backend):
             with sdpa_kernel(backend):
-                out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=key_padding)
-            torch.autograd.grad(out, (qp, kp, vp), dp)
+                return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=key_padding)
 
-        try:
-            ms = time_ms(step)
-        except RuntimeError as e:
-            print(f"{cell} {name}: {str(e).splitlines()[0][:120]}")
-            continue
-        rows.append({"cell": cell, "impl": name, "ms": round(ms, 4), "TFLOP/s": round(flops / ms / 1e9, 1)})
+        def sdpa_fwd(sdpa=sdpa):
+            with torch.no_grad():
+                sdpa()
+
+        add(name, sdpa_fwd, lambda sdpa=sdpa: torch.autograd.grad(sdpa(), (qp, kp, vp), dp))
     q, k, v = (torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16)
+    cu, scale = layout.cu_seqlens, d ** -0.5
+    varlen = {"flash-varlen (packed)": lambda: _FlashVarlen.apply(q, k, v, cu, layout.max_seqlen, 0.0, scale)}
+    if build.load_attention():
+        varlen["bertaccel-varlen (packed)"] = lambda: attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)
+    else:
+        print(f"bertaccel attention off: {build.attention_reason()}")
+    for name, fn in varlen.items():
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn()
 
-    def varlen():
-        torch.autograd.grad(varlen_attention(q, k, v, layout), (q, k, v), do)
-
-    ms = time_ms(varlen)
-    rows.append({"cell": cell, "impl": "flash-varlen (packed)", "ms": round(ms, 4), "TFLOP/s": round(flops / ms / 1e9, 1)})
+        add(name, fwd, lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), do))
     best_sdpa = min((r["ms"] for r in rows if r["impl"].startswith("sdpa")), default=None)
     for r in rows:
         r["real_fraction"] = round(float(lengths.sum()) / (batch * seq), 3)
@@ -97,7 +115,7 @@ def main() -> None:
     rows = []
     for cell in args.cells:
         rows += run_cell(cell)
-    print_table(rows, ["cell", "impl", "real_fraction", "ms", "TFLOP/s", "x_best_sdpa"])
+    print_table(rows, ["cell", "impl", "real_fraction", "fwd_ms", "fwd TFLOP/s", "ms", "TFLOP/s", "x_best_sdpa"])
     if args.out:
         write_json(args.out, {"environment": environment(), "rows": rows})
 

@@ -19,7 +19,9 @@ Variants:
   cli-fused-unpadded-graphs  + graphs.yaml, fused.yaml and unpadded.yaml (packed static batches).
   A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers); ":bN"
   (cli-graphs:b256) pads to length buckets every N tokens (one bucket when N = max_length); ":cast"
-  turns `model.bf16_weight_copies` off (autocast casts each fp32 weight in every graphed step).
+  turns `model.bf16_weight_copies` off (autocast casts each fp32 weight in every graphed step);
+  ":flash" / ":sdpa" run unpadded attention on PyTorch's FlashAttention varlen / re-padded SDPA instead
+  of our kernel (BERTACCEL_VARLEN_ATTENTION).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
 does the same with its warm-up steps; graph captures of lengths first seen later stay in the
@@ -132,7 +134,7 @@ def plain_loop(args, compiled: bool) -> dict:
     }
 
 
-def cli_run(args, name: str, presets: list[str], workers: int, extra: list[str] = ()) -> dict:
+def cli_run(args, name: str, presets: list[str], workers: int, extra: list[str] = (), env: dict | None = None) -> dict:
     run_name = f"bench_{name.replace(':', '_')}"
     cmd = [sys.executable, "-m", "bertaccel", "fit", "-c", "configs/imdb_minilm.yaml"]
     for p in presets:
@@ -145,7 +147,7 @@ def cli_run(args, name: str, presets: list[str], workers: int, extra: list[str] 
             "--progress_bar.refresh_rate", "100", "--trainer.logger.init_args.name", run_name,
             "--trainer.logger.init_args.save_dir", str(args.runs), "--seed_everything", str(args.seed), *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
     (args.runs / f"{run_name}.log").parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +201,7 @@ def main(argv=None) -> None:
             results[v] = plain_loop(args, compiled=v == "plain-compile")
         else:  # "cli-graphs:w0": with 0 DataLoader workers; ":b256": one length bucket of 256
             base_name, *options = v.split(":")
-            workers, extra = args.workers, []
+            workers, extra, env = args.workers, [], {}
             for o in options:
                 if o[:1] == "w" and o[1:].isdigit():
                     workers = int(o[1:])
@@ -207,10 +209,13 @@ def main(argv=None) -> None:
                     extra += ["--data.init_args.length_buckets", o[1:]]
                 elif o == "cast":
                     extra += ["--model.init_args.bf16_weight_copies", "false"]
+                elif o in ("flash", "sdpa"):
+                    env["BERTACCEL_VARLEN_ATTENTION"] = o
                 else:
                     raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
-                                     "every N tokens, cast: no bf16 weight copies)")
-            results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra)
+                                     "every N tokens, cast: no bf16 weight copies, flash / sdpa: unpadded attention "
+                                     "by PyTorch's kernels)")
+            results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))

@@ -10,7 +10,8 @@
 # gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2), anatomy (where a graphed step's
-# GPU time goes), attention (benchmarks/bench_attention.py), ddp_rows (2 GPUs: DDP fit, test, predict rows).
+# GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
+# attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows).
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 set -uo pipefail
@@ -34,6 +35,14 @@ if has tests; then
   BERTACCEL_FAILURE_LOG="$OUT/cuda_test_failures.log" timeout ${TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops -q -p no:cacheprovider "${ignore[@]}" ${TESTS_K:+-k "$TESTS_K"} > "$OUT/cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/cuda_tests.log" | tail -12
 fi
+if has attn_tests; then  # the fused varlen attention: build, its cuda tests and the unpadded model's
+  s=$(date +%s)
+  python -c "from bertaccel.ops import build; assert build.load_attention(verbose=True), build.attention_reason()" > "$OUT/attn_build.log" 2>&1
+  echo "attention build rc=$? in $(( $(date +%s) - s ))s"
+  grep -E "bytes spill stores" "$OUT/attn_build.log" | grep -v " 0 bytes spill stores" | head -3  # spills, if any
+  timeout ${ATTN_TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops/test_attention.py tests/modules/test_unpadded.py -q -p no:cacheprovider ${ATTN_TESTS_K:+-k "$ATTN_TESTS_K"} > "$OUT/attn_tests.log" 2>&1
+  echo "attention tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/attn_tests.log" | head -40
+fi
 if has graph_tests; then  # whole-step CUDA graphs: equality with eager, dropout, captures, memory, resume, syncs
   BERTACCEL_FAILURE_LOG="$OUT/graph_test_failures.log" python -u -m pytest -m cuda tests/modules -q -p no:cacheprovider > "$OUT/graph_tests.log" 2>&1
   echo "graph tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/graph_tests.log" | head -30
@@ -47,9 +56,10 @@ fi
 if has host_profile; then
   bash scripts/host_profile.sh > /dev/null 2>&1; echo "host profile done"
 fi
+# FT_ARGS: more benchmarks/finetune.py arguments (e.g. "--max-length 512")
 if has headline; then  # the README's fine-tune table: plain loop, compile, and the CLI variants in one run
   python -m benchmarks.finetune --data .carry/imdb --model .carry/minilm --runs /tmp/ft_runs --out "$OUT/finetune.json" \
-    --variants ${FT_VARIANTS:-plain cli-graphs cli-fused-graphs cli-bf16 cli-fused plain-compile} > "$OUT/finetune.log" 2>&1
+    --variants ${FT_VARIANTS:-plain cli-graphs cli-fused-graphs cli-bf16 cli-fused plain-compile} ${FT_ARGS:-} > "$OUT/finetune.log" 2>&1
   echo "finetune rc=$?"; tail -9 "$OUT/finetune.log"
   grep -h "CUDA graphs\|cuda_graphs\|captured\|Error\|error" /tmp/ft_runs/*.log | sort | uniq -c | head -20
 fi

@@ -201,13 +201,17 @@ def _attention_reference(q, k, v, cu, scale):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["bertaccel", "flash"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_flash_varlen_attention_matches_fp64_within_twice_sdpa_error(head_dim):
-    """The FlashAttention varlen path (bf16, packed rows with fillers and an empty sequence) against an
-    fp64 reference from the same bf16 inputs: output and q/k/v gradients within 2x the error of the
-    re-padded SDPA path; the fillers' outputs and gradients are zero."""
+def test_varlen_attention_matches_fp64_within_twice_sdpa_error(head_dim, backend, monkeypatch):
+    """The varlen paths (ours, FlashAttention's; bf16, packed rows with fillers and an empty sequence)
+    against an fp64 reference from the same bf16 inputs: output and q/k/v gradients within 2x the error
+    of the re-padded SDPA path; the fillers' outputs and gradients are zero."""
     from bertaccel.data.collate import packed_layout
     from bertaccel.modules import unpadded
+    from bertaccel.ops import attention
+
+    monkeypatch.setenv("BERTACCEL_VARLEN_ATTENTION", backend)
 
     lengths, seq, heads = [77, 1, 0, 128, 33], 128, 3
     mask = (torch.arange(seq)[None] < torch.tensor(lengths)[:, None]).long()
@@ -220,6 +224,7 @@ def test_flash_varlen_attention_matches_fp64_within_twice_sdpa_error(head_dim):
     dout = torch.randn(T, heads, head_dim, device="cuda", generator=g).bfloat16()
     scale = head_dim ** -0.5
     assert unpadded.flash_varlen_unavailable(q) is None
+    assert backend == "flash" or attention.kernel_unavailable(q, k, v) is None
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = _attention_reference(*leaves, layout.cu_seqlens.cpu(), scale)
@@ -229,22 +234,24 @@ def test_flash_varlen_attention_matches_fp64_within_twice_sdpa_error(head_dim):
         out = fn()
         return out, torch.autograd.grad(out, (q, k, v), dout)
 
-    flash, flash_grads = run(lambda: varlen_attention(q, k, v, layout, scale=scale))
+    varlen, varlen_grads = run(lambda: varlen_attention(q, k, v, layout, scale=scale))
     sdpa, sdpa_grads = run(lambda: unpadded.F.scaled_dot_product_attention(
         *(layout.unpack(t).transpose(1, 2) for t in (q, k, v)), attn_mask=layout.key_padding, scale=scale
     ).transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, layout.indices))
     err = lambda a, b: (a[:real].double() - b[:real]).abs().max().item()  # noqa: E731
-    assert err(flash, ref) <= 2 * err(sdpa, ref) + 1e-3
-    for name, a, b, r in zip("qkv", flash_grads, sdpa_grads, ref_grads):
+    assert err(varlen, ref) <= 2 * err(sdpa, ref) + 1e-3
+    for name, a, b, r in zip("qkv", varlen_grads, sdpa_grads, ref_grads):
         assert err(a, r) <= 2 * err(b, r) + 1e-3, name
         assert not a[real:].any(), f"d{name} of the fillers"
-    assert not flash[real:].any()
+    assert not varlen[real:].any()
 
 
 @pytest.mark.cuda
-def test_flash_varlen_attention_dropout_is_seeded_and_finite():
-    """Dropout inside the FlashAttention varlen path: the same seed gives the same output and
-    gradients, another seed other masks; with p = 0 it equals the deterministic output."""
+@pytest.mark.parametrize("backend", ["bertaccel", "flash"])
+def test_varlen_attention_dropout_is_seeded_and_finite(backend, monkeypatch):
+    """Dropout inside the varlen paths: the same seed gives the same output and gradients, another
+    seed other masks; with p = 0 it equals the deterministic output."""
+    monkeypatch.setenv("BERTACCEL_VARLEN_ATTENTION", backend)
     lengths = [40, 7, 64]
     mask = (torch.arange(64)[None] < torch.tensor(lengths)[:, None]).long().cuda()
     layout = Unpadded.from_mask(mask)

@@ -6,8 +6,8 @@ length as a host int). `encoder_forward` then runs the embeddings, every linear 
 FFN of HF's BertModel on those T real tokens instead of B x S padded ones (IMDB at max_length 256 is
 ~81% real tokens, at 512 ~55%), through the model's own submodules, so parameters, state_dict keys
 and swapped (fused) submodules are the same as in the padded model. Attention is the one place that
-needs the sequence structure: `varlen_attention` runs PyTorch's FlashAttention-2 varlen kernel on the
-packed rows (bf16 / fp16 on a GPU), or else scatters q/k/v back into [B, S] for SDPA with the
+needs the sequence structure: `varlen_attention` runs our fused varlen kernel (or PyTorch's
+FlashAttention-2 varlen kernel) on the packed rows (bf16 / fp16 on a GPU), or else scatters q/k/v back into [B, S] for SDPA with the
 key-padding mask and gathers the output (exact; CPU and fp32). The pooler and classifier read each
 sequence's first ([CLS]) token.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -128,7 +129,25 @@ class _FlashVarlen(torch.autograd.Function):
         return torch.where(live, dq, 0), torch.where(live, dk, 0), torch.where(live, dv, 0), None, None, None, None
 
 
-_told_fallback = False
+VARLEN_BACKENDS = ("bertaccel", "flash", "sdpa")
+_told: set[str] = set()
+
+
+def varlen_backend() -> str:
+    """The attention kernel that packed rows go to first: `bertaccel` (ours, csrc/attention.cu; the
+    default), `flash` (PyTorch's FlashAttention-2 varlen) or `sdpa` (re-padded); set by the
+    environment variable BERTACCEL_VARLEN_ATTENTION (benchmarks compare them in one run). A backend
+    that cannot take the inputs passes them on down that order, saying why once."""
+    name = os.environ.get("BERTACCEL_VARLEN_ATTENTION", "bertaccel")
+    if name not in VARLEN_BACKENDS:
+        raise ValueError(f"BERTACCEL_VARLEN_ATTENTION={name!r}: choose one of {', '.join(VARLEN_BACKENDS)}")
+    return name
+
+
+def _say_once(key: str, message: str, *args) -> None:
+    if key not in _told:
+        _told.add(key)
+        log.warning(message, *args)
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_p: float = 0.0,
@@ -136,17 +155,25 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_
     """Attention within each sequence of packed [T, heads, head_dim] queries, keys and values, the
     sequences given by `layout`; returns [T, heads, head_dim].
 
-    On a GPU with bf16 / fp16 inputs: PyTorch's FlashAttention-2 varlen kernel on the packed rows (no
-    padding computed, no mask). Otherwise (CPU, fp32): PyTorch's SDPA on the re-padded tensors with
-    the key-padding mask (the padded queries' rows are computed and dropped)."""
-    global _told_fallback
-    reason = flash_varlen_unavailable(q)
-    if reason is None:
-        scale = scale if scale is not None else q.shape[-1] ** -0.5
-        return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p, scale)
-    if q.is_cuda and not _told_fallback:
-        _told_fallback = True
-        log.warning("unpadded attention: re-padded SDPA instead of FlashAttention varlen (%s)", reason)
+    On a GPU with bf16 / fp16 inputs: our fused varlen kernel (`bertaccel.ops.attention`), else
+    PyTorch's FlashAttention-2 varlen kernel, on the packed rows (no padding computed, no mask).
+    Otherwise (CPU, fp32): PyTorch's SDPA on the re-padded tensors with the key-padding mask (the
+    padded queries' rows are computed and dropped)."""
+    from bertaccel.ops import attention
+
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    backend = varlen_backend() if q.is_cuda else "sdpa"
+    if backend == "bertaccel":
+        reason = attention.kernel_unavailable(q, k, v)
+        if reason is None:
+            return attention.varlen_attention(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p, scale)
+        _say_once("bertaccel", "unpadded attention: PyTorch's kernels instead of bertaccel's (%s)", reason)
+        backend = "flash"
+    if backend == "flash":
+        reason = flash_varlen_unavailable(q)
+        if reason is None:
+            return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p, scale)
+        _say_once("flash", "unpadded attention: re-padded SDPA instead of FlashAttention varlen (%s)", reason)
     qp, kp, vp = (layout.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, d]
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=layout.key_padding, dropout_p=dropout_p, scale=scale)
     return layout.pack(out.transpose(1, 2))

@@ -9,10 +9,11 @@ forever (pytorch #189245). Under DDP, local rank 0 builds first and the other ra
 When there is no GPU, no CUDA compiler, or the build fails, `load()` returns False once with a
 clear message, and every op falls back to PyTorch.
 
-Two extensions: `bertaccel_ops` (the memory-bound op families, built for the GPU's own arch) and
+Three extensions: `bertaccel_ops` (the memory-bound op families, built for the GPU's own arch) and
 `bertaccel_gemm` (the tensor-core GEMM, Hopper only: its wgmma and setmaxnreg need the sm_90a
 target, so it is a separate build with its own `-gencode`, loaded by `load_gemm()`; a failure there
-leaves the other ops running).
+leaves the other ops running), and `bertaccel_attention` (the fused attention, sm_80+, loaded by
+`load_attention()`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ HEADERS = ["check.h", "common.cuh", "layer_norm_bwd.cuh"]
 GEMM_SOURCES = ["gemm.cu"]
 GEMM_HEADERS = ["check.h", "wgmma.cuh"]
 GEMM_ARCH = "9.0a"
+# the fused attention extension (mma.sync, sm_80+), built for the GPU's own arch and loaded by
+# `load_attention()` when attention first needs it; a failure there leaves the other ops running
+ATTENTION_SOURCES = ["attention.cu"]
+ATTENTION_HEADERS = ["check.h"]
 # --resource-usage prints registers / shared memory / spills per kernel into the (verbose) build log.
 # C++20, as torch's own cpp_extension defaults and as libtorch is built: torch's headers use C++20 (nvcc
 # warned under C++17), and an extension whose inline torch code is compiled to another standard than
@@ -63,6 +68,7 @@ CUDA_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--r
 
 _state: dict[str, object] = {"loaded": None, "reason": ""}
 _gemm_state: dict[str, object] = {"loaded": None, "reason": ""}
+_attention_state: dict[str, object] = {"loaded": None, "reason": ""}
 
 
 def cache_root() -> Path:
@@ -205,6 +211,33 @@ def gemm_reason() -> str:
     return str(_gemm_state["reason"])
 
 
+def load_attention(verbose: bool = False) -> bool:
+    """Build (if needed) and load the fused attention. True when `bertaccel::varlen_attention_fwd`
+    has its CUDA kernel."""
+    if _attention_state["loaded"] is not None:
+        return bool(_attention_state["loaded"])
+    reason = _why_not()
+    if reason is None and torch.cuda.get_device_capability() < (8, 0):
+        major, minor = torch.cuda.get_device_capability()
+        reason = f"the attention kernels use sm_80 tensor-core instructions; this GPU is sm_{major}{minor}"
+
+    def build() -> None:
+        _build_and_load_extension("bertaccel_attention", ATTENTION_SOURCES, ATTENTION_SOURCES + ATTENTION_HEADERS,
+                                  _arch(), verbose)
+
+    return _settle(_attention_state, reason, build, "attention kernels",
+                   "Attention uses PyTorch's (FlashAttention varlen or SDPA).")
+
+
+def attention_loaded() -> bool | None:
+    """Whether the attention kernels are loaded: None before the first `load_attention()`."""
+    return _attention_state["loaded"]  # type: ignore[return-value]
+
+
+def attention_reason() -> str:
+    return str(_attention_state["reason"])
+
+
 def _build_and_load(verbose: bool) -> None:
     _build_and_load_extension("bertaccel_ops", sources(), sources() + HEADERS, _arch(), verbose)
 
@@ -216,6 +249,7 @@ def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arc
 
     registry.modules()  # the schemas must exist before the kernels register
     _other_op_modules()
+    import bertaccel.ops.attention  # noqa: F401
 
     key = build_key(hashed, arch)
     build_dir = cache_root() / f"{name}_{key}"

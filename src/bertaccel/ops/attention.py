@@ -1,0 +1,204 @@
+"""Fused variable-length attention: softmax(Q K^T * scale) V within each packed sequence, with dropout.
+
+`varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)` takes packed rows [T, heads, d]
+(the real tokens of a batch, sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1]; rows past
+cu_seqlens[-1] are fillers whose output and gradients are zero) and returns [T, heads, d]. On a GPU
+(sm_80+, bf16 / fp16, head dim 32 / 64 / 128) it runs our FlashAttention-2-style kernels
+(csrc/attention.cu, the `bertaccel_attention` extension): nothing of size seq x seq is written, the
+forward saves the log-sum-exp and the backward recomputes. Elsewhere the CPU kernels below run: the
+reference, in fp32, per sequence, with the *same* dropout mask as the GPU kernel for the same
+(seed, offset) - `dropout_keep` implements the kernel's Philox draw - so a test can check the GPU's
+masked output element by element.
+
+Ops: `varlen_attention_fwd -> (out, lse [heads, T] fp32, rng (seed, offset) int64)` and
+`varlen_attention_bwd -> (dq, dk, dv)`; autograd connects them (`torch.library.register_autograd`),
+so the op works under `torch.compile(fullgraph=True)` and inside CUDA graphs (the dropout seed and
+offset come from PyTorch's graph-safe Philox state and are handed to the backward in `rng`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from bertaccel.ops.registration import NS, SEEDED, check_dropout, lib
+
+CUDA_SOURCES = ["attention.cu"]
+HEAD_DIMS = (32, 64, 128)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+lib.define(
+    "varlen_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, float dropout_p,"
+    " float scale) -> (Tensor, Tensor, Tensor)",
+    tags=SEEDED,
+)
+lib.define(
+    "varlen_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens,"
+    " int max_seqlen, float dropout_p, float scale, Tensor rng) -> (Tensor, Tensor, Tensor)"
+)
+
+# ------------------------------------------------------------------------------ the dropout draw
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) 32-bit halves of a * b for uint32 values held in int64 tensors, without overflow."""
+    p_lo = a * (b & 0xFFFF)  # < 2^48
+    p_hi = a * (b >> 16)
+    mid = p_lo + ((p_hi & 0xFFFF) << 16)
+    return ((p_hi >> 16) + (mid >> 32)) & _MASK32, mid & _MASK32
+
+
+def philox4x32_10(c: tuple[Tensor, Tensor, Tensor, Tensor], seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32-10 (curand's, Random123's) of counters c (uint32 in int64 tensors) under a 64-bit key."""
+    c0, c1, c2, c3 = c
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(p: float) -> int:
+    """A 16-bit draw keeps its element when >= this (the kernel's __float2uint_rn(p * 65536.f))."""
+    return int(torch.tensor(p, dtype=torch.float32).mul(65536).round().item())
+
+
+def dropout_keep(start: int, length: int, head: int, p: float, seed: int, offset: int) -> Tensor:
+    """The kernels' keep mask [length, length] of one sequence (rows from packed row `start`) and head:
+    element (q, k) uses 16 bits of Philox at counter (token of the first row of q's 16-row tile + q % 8,
+    (k - k % 16 + 2 * ((k % 8) // 2)) | head << 16, offset low, offset high), the word and half picked
+    by (q % 16 >= 8, k % 16 >= 8) and k % 2."""
+    q = torch.arange(length, dtype=torch.int64)[:, None]
+    k = torch.arange(length, dtype=torch.int64)[None, :]
+    r16, kk = q % 16, k % 16
+    row_token = (start + q - r16 + r16 % 8).expand(length, length)
+    key = (k - kk + 2 * ((kk % 8) // 2)) | (head << 16)
+    c = (row_token, key.expand(length, length), torch.full_like(row_token, offset & _MASK32),
+         torch.full_like(row_token, (offset >> 32) & _MASK32))
+    words = torch.stack(philox4x32_10(c, seed % (1 << 64)))  # [4, length, length]
+    word = 2 * (r16 >= 8).long() + (kk >= 8).long()
+    draw = (words.gather(0, word.expand(length, length)[None]).squeeze(0) >> (16 * (kk % 2))) & 0xFFFF
+    return draw >= dropout_threshold(p)
+
+
+# ------------------------------------------------------------------------------ CPU reference
+def _sequences(cu_seqlens: Tensor):
+    cu = cu_seqlens.tolist()
+    return [(cu[b], cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+
+
+def _reference_probs(q, k, start, length, h, scale, p, seed, offset):
+    """fp32 softmax probabilities of one (sequence, head), the dropout factors (keep / (1 - p)) and the
+    rows' log-sum-exp."""
+    qs, ks = q[start:start + length, h].float(), k[start:start + length, h].float()
+    scores = qs @ ks.T * scale
+    factors = dropout_keep(start, length, h, p, seed, offset) / (1 - p) if p > 0 else torch.ones_like(scores)
+    return torch.softmax(scores, dim=-1), factors, torch.logsumexp(scores, dim=-1)
+
+
+def _cpu_rng(p: float) -> Tensor:
+    if p == 0:
+        return torch.zeros(2, dtype=torch.int64)
+    return torch.tensor([int(torch.randint(0, 2**62, ()).item()), 0], dtype=torch.int64)
+
+
+@torch.library.impl(lib, "varlen_attention_fwd", "CPU")
+def _fwd_cpu(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+    check_dropout(dropout_p)
+    rng = _cpu_rng(dropout_p)
+    seed, offset = int(rng[0]), int(rng[1])
+    out = torch.zeros(q.shape, dtype=q.dtype)
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+    for start, length in _sequences(cu_seqlens):
+        for h in range(q.shape[1]):
+            if length == 0:
+                continue
+            probs, factors, row_lse = _reference_probs(q, k, start, length, h, scale, dropout_p, seed, offset)
+            out[start:start + length, h] = (probs * factors @ v[start:start + length, h].float()).to(q.dtype)
+            lse[h, start:start + length] = row_lse
+    return out, lse, rng
+
+
+@torch.library.impl(lib, "varlen_attention_bwd", "CPU")
+def _bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng):
+    seed, offset = int(rng[0]), int(rng[1])
+    dq, dk, dv = (torch.zeros(q.shape, dtype=torch.float32) for _ in range(3))
+    for start, length in _sequences(cu_seqlens):
+        rows = slice(start, start + length)
+        for h in range(q.shape[1]):
+            if length == 0:
+                continue
+            qs, ks, vs = (t[rows, h].float() for t in (q, k, v))
+            do = grad_out[rows, h].float()
+            probs, factors, _ = _reference_probs(q, k, start, length, h, scale, dropout_p, seed, offset)
+            dv[rows, h] = (probs * factors).T @ do
+            d_probs = (do @ vs.T) * factors
+            ds = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
+            dq[rows, h] = ds @ ks * scale
+            dk[rows, h] = ds.T @ qs * scale
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+@torch.library.register_fake(f"{NS}::varlen_attention_fwd")
+def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+    return (q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32),
+            q.new_empty(2, dtype=torch.int64))
+
+
+@torch.library.register_fake(f"{NS}::varlen_attention_bwd")
+def _bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, dropout_p, scale = inputs
+    out, lse, rng = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng)
+    ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
+
+
+def _backward(ctx, grad_out, grad_lse, grad_rng):
+    q, k, v, out, lse, cu_seqlens, rng = ctx.saved_tensors
+    dq, dk, dv = torch.ops.bertaccel.varlen_attention_bwd(
+        grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p, ctx.scale, rng)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd(f"{NS}::varlen_attention_fwd", _backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------------------ public function
+def kernel_unavailable(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why the CUDA kernel cannot take these packed q, k, v (None: it can). Builds the extension on
+    the first CUDA call (never while torch.compile traces)."""
+    if not q.is_cuda:
+        return "not a CUDA tensor"
+    if q.dtype not in KERNEL_DTYPES:
+        return f"{q.dtype} (the kernel takes bfloat16 / float16)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim {q.shape[-1]} (the kernel takes {', '.join(map(str, HEAD_DIMS))})"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 or t.shape != q.shape or t.dtype != q.dtype:
+            return f"{name} is not [tokens, heads, head_dim] like q"
+        if t.stride(2) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+            return f"{name}'s strides {tuple(t.stride())} or alignment (needs a contiguous head dim, 16-byte rows)"
+    from bertaccel.ops import build
+
+    if torch.compiler.is_compiling():
+        return None if build.attention_loaded() else (build.attention_reason() or "attention kernels not built")
+    if not build.load_attention():
+        return build.attention_reason()
+    return None
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                     dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
+    """Attention within each sequence of packed [T, heads, d] rows (sequence b: rows cu_seqlens[b] ..
+    cu_seqlens[b + 1]; `max_seqlen` at least the longest, a host int). The caller checks
+    `kernel_unavailable` on CUDA; on CPU this runs the reference."""
+    check_dropout(dropout_p)
+    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    return torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), scale)[0]

@@ -1,0 +1,783 @@
+// Fused variable-length attention (FlashAttention-2 style), forward and backward, bf16 / fp16 with
+// fp32 accumulation, head dims 32, 64 and 128, on sm_80+ tensor cores (mma.sync m16n8k16).
+//
+// Inputs are packed rows: q, k, v are [T, heads, d] (any token and head strides, the last dim
+// contiguous: views of one fused QKV projection output work), sequence b owns rows
+// cu_seqlens[b] .. cu_seqlens[b + 1]. Nothing of size seq x seq is written: the forward keeps a
+// running max and sum per query row (online softmax, fp32) and saves the log-sum-exp; the backward
+// recomputes P from it. Rows past cu_seqlens[batch] (the fillers of a token count rounded up to a
+// bucket) belong to no sequence: their output, lse and gradients are written as zeros.
+//
+// Forward: one CTA of 4 warps per (64 queries, head, sequence); each warp owns 16 query rows and
+// walks the sequence's keys 64 at a time: S = Q K^T (Q fragments held in registers, K from shared
+// memory by ldmatrix), online softmax, O += P V (P converted in registers from the accumulator
+// layout to the A-operand layout, V by ldmatrix.trans). K/V tiles are double-buffered by cp.async.
+//
+// Backward: one CTA per (64 keys, head, sequence) walks the query blocks (Q, dO double-buffered):
+// S = Q K^T and dP = dO V^T per warp of 16 query rows, P = exp(S - lse), dS = P (dP - D) with
+// D = rowsum(dO * O) from a pre-pass; dQ += dS K accumulated in fp32 with atomics (a post-pass
+// scales and casts it); P and dS go through shared memory so that each warp then accumulates 16
+// keys of dV += P^T dO and dK += dS^T Q in registers.
+//
+// Dropout: element (query q, key k, head h) of a sequence is kept when a 16-bit slice of Philox4x32-10
+// at counter (token of q's 16-row tile + q % 8, (k - k % 16 + 2 * ((k % 8) / 2)) | h << 16, offset)
+// is >= round(p * 65536) (see keep_bits): one Philox call gives the 8 draws a thread needs for its
+// 2 rows x 4 keys of a 16 x 16 tile, in the forward and in the backward alike.
+// bertaccel/ops/attention.py has the same function on the CPU.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include "check.h"
+
+namespace bertaccel {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kBlockM = 64;  // queries per forward CTA / per backward step
+constexpr int kBlockN = 64;  // keys per forward step / per backward CTA
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ------------------------------------------------------------------------------ PTX helpers
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; bytes past `src_bytes` (0 or 16) are zero-filled
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// C[16x8] += A[16x16] B[16x8], fp32 accumulators
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  } else {
+    return __half22float2(*reinterpret_cast<__half2*>(&u));
+  }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Philox4x32-10 (Salmon et al. 2011), as curand's and Random123's.
+__device__ __forceinline__ uint4 philox(uint4 c, uint32_t k0, uint32_t k1) {
+#pragma unroll
+  for (int i = 0; i < 10; ++i) {
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+    c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c;
+}
+
+struct Dropout {
+  uint64_t seed, offset;
+  uint32_t threshold;  // keep when the 16-bit draw >= threshold
+  float scale;         // 1 / (1 - p)
+};
+
+// The keep bits of one thread's 8 elements of a 16 x 16 tile: rows g and g + 8 of the tile (g =
+// lane / 4), keys 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4). Bit i of the result: word i / 2,
+// half i % 2 -> (row g + 8 * (i / 4), key 2t + (i & 1) + 8 * ((i / 2) & 1)).
+__device__ __forceinline__ uint32_t keep_bits(const Dropout& d, int64_t row_token, int key, int head) {
+  const uint4 c = make_uint4((uint32_t)row_token, (uint32_t)key | ((uint32_t)head << 16), (uint32_t)d.offset,
+                             (uint32_t)(d.offset >> 32));
+  const uint4 r = philox(c, (uint32_t)d.seed, (uint32_t)(d.seed >> 32));
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t h = (i & 1) ? (w[i / 2] >> 16) : (w[i / 2] & 0xFFFFu);
+    bits |= (h >= d.threshold ? 1u : 0u) << i;
+  }
+  return bits;
+}
+
+// Accumulator (c) index of one 16 x 16 tile's two n8 halves -> the keep bit above:
+// half j (keys 8j..), c index e (row g + 8 * (e / 2), key 2t + e % 2) -> bit 4 * (e / 2) + 2 * j + e % 2
+__device__ __forceinline__ int keep_bit_index(int side, int e) { return 4 * (e / 2) + 2 * side + (e & 1); }
+
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;   // forward: written; backward: read
+  const void* dout;
+  void* out;       // forward output
+  void* dq;        // unused by the kernels (the post-pass writes it)
+  void* dk;
+  void* dv;
+  float* dq_accum;  // [T, heads, d] fp32
+  float* lse;       // [heads, T] natural log
+  float* dsum;      // [heads, T] rowsum(dO * O)
+  int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
+  int64_t o_row, o_head, do_row, do_head;               // out / o and dout strides
+  const int* cu;
+  int batch, heads, total;
+  float scale;  // softmax scale
+  float p;
+  at::PhiloxCudaState philox;
+  int64_t* rng;  // forward: (seed, offset) written; backward: read
+};
+
+__device__ __forceinline__ Dropout read_dropout(const Params& p, bool from_rng) {
+  Dropout d{0, 0, 0, 1.f};
+  if (p.p > 0.f) {
+    if (from_rng) {
+      d.seed = (uint64_t)p.rng[0];
+      d.offset = (uint64_t)p.rng[1];
+    } else {
+      auto s = at::cuda::philox::unpack(p.philox);
+      d.seed = std::get<0>(s);
+      d.offset = std::get<1>(s);
+    }
+    d.threshold = (uint32_t)__float2uint_rn(p.p * 65536.f);
+    d.scale = 1.f / (1.f - p.p);
+  }
+  return d;
+}
+
+// Zero rows [cu[batch], total) of [T, heads, d] tensors (row stride heads * d): the fillers.
+template <typename T>
+__device__ void zero_fillers(const Params& p, int D, T* a, T* b, float* lse) {
+  const int64_t start = (int64_t)p.cu[p.batch] * p.heads * D, end = (int64_t)p.total * p.heads * D;
+  const int64_t step = (int64_t)gridDim.x * gridDim.y * blockDim.x;
+  const int64_t first = ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = start + first; i < end; i += step) {
+    if (a) a[i] = T(0.f);
+    if (b) b[i] = T(0.f);
+  }
+  if (lse) {
+    for (int64_t i = (int64_t)p.cu[p.batch] + first; i < p.total; i += step)
+      for (int h = 0; h < p.heads; ++h) lse[(int64_t)h * p.total + i] = 0.f;
+  }
+}
+
+// rows x D tile of [T, heads, d] at (token row0, head) into shared memory with row pitch LD;
+// rows >= valid are zero-filled.
+template <typename T, int D, int ROWS, int LD>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, int64_t row0, int valid) {
+  constexpr int CHUNKS = D / 8;
+  for (int c = threadIdx.x; c < ROWS * CHUNKS; c += kThreads) {
+    const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+    const bool ok = r < valid;
+    const T* src = ok ? g + (row0 + r) * row_stride + col : g;
+    cp_async16(s + r * LD + col, src, ok ? 16 : 0);
+  }
+}
+
+// ------------------------------------------------------------------------------ forward
+template <typename T, int D, bool DROPOUT>
+__global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
+  constexpr int LD = D + 8;  // +16 bytes per row: ldmatrix rows fall in distinct banks
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + kBlockM * LD;          // [2][kBlockN][LD]
+  T* sV = sK + 2 * kBlockN * LD;      // [2][kBlockN][LD]
+  const int b = blockIdx.z, h = blockIdx.y;
+  if (b == p.batch) {
+    zero_fillers<T>(p, D, static_cast<T*>(p.out), nullptr, p.lse);
+    return;
+  }
+  const Dropout drop = read_dropout(p, false);
+  if (DROPOUT && p.rng != nullptr && blockIdx.x == 0 && b == 0 && h == 0 && threadIdx.x == 0) {
+    p.rng[0] = (int64_t)drop.seed;
+    p.rng[1] = (int64_t)drop.offset;
+  }
+  const int start = p.cu[b], len = p.cu[b + 1] - start;
+  const int m0 = blockIdx.x * kBlockM;
+  if (m0 >= len) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
+  const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
+  const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
+
+  load_tile<T, D, kBlockM, LD>(sQ, q, p.q_row, start + m0, len - m0);
+  load_tile<T, D, kBlockN, LD>(sK, k, p.k_row, start, len);
+  load_tile<T, D, kBlockN, LD>(sV, v, p.v_row, start, len);
+  cp_async_commit();
+
+  constexpr int KS = D / 16;  // k-slices of the head dim
+  constexpr int NT = kBlockN / 8;  // n8 tiles of S per warp
+  constexpr int DT = D / 8;  // n8 tiles of O per warp
+  uint32_t qf[KS][4];
+  float acc[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  const float scale_log2 = p.scale * kLog2e;
+  const int nblocks = (len + kBlockN - 1) / kBlockN;
+  const int64_t row_token = (int64_t)start + m0 + warp * 16 + g;  // the dropout counter's row
+
+  for (int n = 0; n < nblocks; ++n) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (n + 1 < nblocks) {
+      const int stage = (n + 1) & 1;
+      load_tile<T, D, kBlockN, LD>(sK + stage * kBlockN * LD, k, p.k_row, start + (n + 1) * kBlockN,
+                                   len - (n + 1) * kBlockN);
+      load_tile<T, D, kBlockN, LD>(sV + stage * kBlockN * LD, v, p.v_row, start + (n + 1) * kBlockN,
+                                   len - (n + 1) * kBlockN);
+      cp_async_commit();
+    }
+    if (n == 0) {
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        ldmatrix_x4(qf[ks], sQ + (warp * 16 + lane % 16) * LD + ks * 16 + (lane / 16) * 8);
+    }
+    const T* cK = sK + (n & 1) * kBlockN * LD;
+    const T* cV = sV + (n & 1) * kBlockN * LD;
+
+    // S = Q K^T for this warp's 16 rows x 64 keys
+    float s[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t kb[4];
+        const int j = lane / 8, r = lane % 8;
+        ldmatrix_x4(kb, cK + (np * 16 + (j / 2) * 8 + r) * LD + ks * 16 + (j % 2) * 8);
+        mma16816<T>(s[2 * np], qf[ks], kb[0], kb[1]);
+        mma16816<T>(s[2 * np + 1], qf[ks], kb[2], kb[3]);
+      }
+    }
+    // mask keys past the sequence (last block only), scale to log2 units
+    const int key0 = n * kBlockN;
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + i * 8 + 2 * t + (e & 1);
+        s[i][e] = key < len ? s[i][e] * scale_log2 : -INFINITY;
+      }
+    // online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); a row's 64 keys are spread over a quad
+    float corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int i = 0; i < NT; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * r], s[i][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      corr[r] = fast_exp2(row_max[r] - mx);  // 0 on the first block (-inf - finite)
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        s[i][2 * r] = fast_exp2(s[i][2 * r] - mx);
+        s[i][2 * r + 1] = fast_exp2(s[i][2 * r + 1] - mx);
+        sum += s[i][2 * r] + s[i][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * corr[r] + sum;  // quad-partial; reduced at the end
+    }
+#pragma unroll
+    for (int i = 0; i < DT; ++i) {
+      acc[i][0] *= corr[0];
+      acc[i][1] *= corr[0];
+      acc[i][2] *= corr[1];
+      acc[i][3] *= corr[1];
+    }
+    // O += P V, P by 16-key slices straight from the accumulators
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      if constexpr (DROPOUT) {
+        const uint32_t bits = keep_bits(drop, row_token, key0 + kk * 16 + 2 * t, h);
+#pragma unroll
+        for (int side = 0; side < 2; ++side)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
+            s[2 * kk + side][e] = keep ? s[2 * kk + side][e] * drop.scale : 0.f;
+          }
+      }
+      uint32_t a[4];
+      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        uint32_t vb[4];
+        const int j = lane / 8, r = lane % 8;
+        ldmatrix_x4_trans(vb, cV + (kk * 16 + (j % 2) * 8 + r) * LD + dp * 16 + (j / 2) * 8);
+        mma16816<T>(acc[2 * dp], a, vb[0], vb[1]);
+        mma16816<T>(acc[2 * dp + 1], a, vb[2], vb[3]);
+      }
+    }
+  }
+  // finish: O / l, lse = (max + log2 l) * ln 2
+  T* out = static_cast<T*>(p.out) + (int64_t)h * p.o_head;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = 1.f / sum;
+    const int row = m0 + warp * 16 + g + 8 * r;
+    if (row < len) {
+      T* o = out + (int64_t)(start + row) * p.o_row;
+#pragma unroll
+      for (int i = 0; i < DT; ++i)
+        *reinterpret_cast<uint32_t*>(o + i * 8 + 2 * t) = pack2<T>(acc[i][2 * r] * inv, acc[i][2 * r + 1] * inv);
+      if (t == 0) p.lse[(int64_t)h * p.total + start + row] = (row_max[r] + __log2f(sum)) / kLog2e;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ backward
+// D = rowsum(dO * O) per (row, head), fp32; one warp per (row, head)
+template <typename T, int D>
+__global__ void attn_bwd_dsum_kernel(const Params p) {
+  const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= (int64_t)p.total * p.heads) return;
+  const int64_t row = w / p.heads;
+  const int h = (int)(w % p.heads);
+  const T* o = static_cast<const T*>(p.o) + row * p.o_row + (int64_t)h * p.o_head;
+  const T* d = static_cast<const T*>(p.dout) + row * p.do_row + (int64_t)h * p.do_head;
+  float acc = 0.f;
+  for (int c = lane * 2; c < D; c += 64) {
+    const float2 a = unpack2<T>(*reinterpret_cast<const uint32_t*>(o + c));
+    const float2 b = unpack2<T>(*reinterpret_cast<const uint32_t*>(d + c));
+    acc += a.x * b.x + a.y * b.y;
+  }
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (lane == 0) p.dsum[(int64_t)h * p.total + row] = row < p.cu[p.batch] ? acc : 0.f;
+}
+
+template <typename T, int D, bool DROPOUT>
+__global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
+  constexpr int LD = D + 8;
+  constexpr int LP = kBlockN + 8;  // pitch of the P and dS tiles
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);             // [kBlockN][LD]
+  T* sV = sK + kBlockN * LD;                      // [kBlockN][LD]
+  T* sQ = sV + kBlockN * LD;                      // [2][kBlockM][LD]
+  T* sdO = sQ + 2 * kBlockM * LD;                 // [2][kBlockM][LD]
+  T* sP = sdO + 2 * kBlockM * LD;                 // [kBlockM][LP]
+  T* sdS = sP + kBlockM * LP;                     // [kBlockM][LP]
+  float* sLse = reinterpret_cast<float*>(sdS + kBlockM * LP);  // [2][kBlockM], log2 units
+  float* sDsum = sLse + 2 * kBlockM;                            // [2][kBlockM]
+  const int b = blockIdx.z, h = blockIdx.y;
+  if (b == p.batch) {
+    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr);
+    return;
+  }
+  const int start = p.cu[b], len = p.cu[b + 1] - start;
+  const int n0 = blockIdx.x * kBlockN;
+  if (n0 >= len) return;
+  const Dropout drop = read_dropout(p, true);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
+  const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
+  const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
+  const T* dout = static_cast<const T*>(p.dout) + (int64_t)h * p.do_head;
+  const float scale_log2 = p.scale * kLog2e;
+
+  auto load_q_block = [&](int m, int stage) {
+    const int m0 = m * kBlockM;
+    load_tile<T, D, kBlockM, LD>(sQ + stage * kBlockM * LD, q, p.q_row, start + m0, len - m0);
+    load_tile<T, D, kBlockM, LD>(sdO + stage * kBlockM * LD, dout, p.do_row, start + m0, len - m0);
+    for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+      const bool ok = m0 + r < len;
+      const int64_t i = (int64_t)h * p.total + start + m0 + r;
+      // a padded query row gets P = 0 (lse +inf) and D = 0
+      sLse[stage * kBlockM + r] = ok ? p.lse[i] * kLog2e : INFINITY;
+      sDsum[stage * kBlockM + r] = ok ? p.dsum[i] : 0.f;
+    }
+  };
+  load_tile<T, D, kBlockN, LD>(sK, k, p.k_row, start + n0, len - n0);
+  load_tile<T, D, kBlockN, LD>(sV, v, p.v_row, start + n0, len - n0);
+  load_q_block(0, 0);
+  cp_async_commit();
+
+  constexpr int KS = D / 16;
+  constexpr int NT = kBlockN / 8;
+  constexpr int DT = D / 8;
+  float dk[DT][4], dv[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+  const int mblocks = (len + kBlockM - 1) / kBlockM;
+  float* dq_accum = p.dq_accum + (int64_t)h * D;
+  const int64_t dq_row = (int64_t)p.heads * D;
+
+  for (int m = 0; m < mblocks; ++m) {
+    const int stage = m & 1;
+    cp_async_wait_all();
+    __syncthreads();
+    if (m + 1 < mblocks) {
+      load_q_block(m + 1, stage ^ 1);
+      cp_async_commit();
+    }
+    const T* cQ = sQ + stage * kBlockM * LD;
+    const T* cdO = sdO + stage * kBlockM * LD;
+    const int m0 = m * kBlockM;
+    const int wrow = warp * 16;  // this warp's 16 query rows of the block
+
+    // S = Q K^T and dPd = dO V^T for 16 rows x 64 keys
+    float s[NT][4], dp[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t qa[4], da[4];
+      ldmatrix_x4(qa, cQ + (wrow + lane % 16) * LD + ks * 16 + (lane / 16) * 8);
+      ldmatrix_x4(da, cdO + (wrow + lane % 16) * LD + ks * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t kb[4], vb[4];
+        const int j = lane / 8, r = lane % 8;
+        ldmatrix_x4(kb, sK + (np * 16 + (j / 2) * 8 + r) * LD + ks * 16 + (j % 2) * 8);
+        ldmatrix_x4(vb, sV + (np * 16 + (j / 2) * 8 + r) * LD + ks * 16 + (j % 2) * 8);
+        mma16816<T>(s[2 * np], qa, kb[0], kb[1]);
+        mma16816<T>(s[2 * np + 1], qa, kb[2], kb[3]);
+        mma16816<T>(dp[2 * np], da, vb[0], vb[1]);
+        mma16816<T>(dp[2 * np + 1], da, vb[2], vb[3]);
+      }
+    }
+    // P, dropout, dS = P (dP - D); P (dropped) and dS to shared memory as bf16
+    const float lse0 = sLse[stage * kBlockM + wrow + g], lse1 = sLse[stage * kBlockM + wrow + g + 8];
+    const float ds0 = sDsum[stage * kBlockM + wrow + g], ds1 = sDsum[stage * kBlockM + wrow + g + 8];
+    const int64_t row_token = (int64_t)start + m0 + wrow + g;
+    uint32_t dsa[kBlockN / 16][4];  // dS as A fragments (rows = queries, k = keys), for dQ
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t bits = 0xFFu;
+      if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + kk * 16 + 2 * t, h);
+#pragma unroll
+      for (int side = 0; side < 2; ++side) {
+        const int i = 2 * kk + side;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + i * 8 + 2 * t + (e & 1);
+          const float lse = e < 2 ? lse0 : lse1, dsum = e < 2 ? ds0 : ds1;
+          const float pr = key < len ? fast_exp2(s[i][e] * scale_log2 - lse) : 0.f;
+          float pd = pr, dpe = dp[i][e];
+          if constexpr (DROPOUT) {
+            const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
+            pd = keep ? pr * drop.scale : 0.f;
+            dpe = keep ? dpe * drop.scale : 0.f;
+          }
+          s[i][e] = pd;                   // P with dropout, for dV
+          dp[i][e] = pr * (dpe - dsum);   // dS
+        }
+        T* prow = sP + (wrow + g) * LP + i * 8 + 2 * t;
+        T* drow = sdS + (wrow + g) * LP + i * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(prow) = pack2<T>(s[i][0], s[i][1]);
+        *reinterpret_cast<uint32_t*>(prow + 8 * LP) = pack2<T>(s[i][2], s[i][3]);
+        *reinterpret_cast<uint32_t*>(drow) = pack2<T>(dp[i][0], dp[i][1]);
+        *reinterpret_cast<uint32_t*>(drow + 8 * LP) = pack2<T>(dp[i][2], dp[i][3]);
+      }
+      dsa[kk][0] = pack2<T>(dp[2 * kk][0], dp[2 * kk][1]);
+      dsa[kk][1] = pack2<T>(dp[2 * kk][2], dp[2 * kk][3]);
+      dsa[kk][2] = pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+      dsa[kk][3] = pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+    }
+    // dQ (unscaled) += dS K for the warp's 16 rows, fp32 atomics
+    {
+      float dq[DT][4];
+#pragma unroll
+      for (int i = 0; i < DT; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+        for (int dpi = 0; dpi < DT / 2; ++dpi) {
+          uint32_t kb[4];
+          const int j = lane / 8, r = lane % 8;
+          ldmatrix_x4_trans(kb, sK + (kk * 16 + (j % 2) * 8 + r) * LD + dpi * 16 + (j / 2) * 8);
+          mma16816<T>(dq[2 * dpi], dsa[kk], kb[0], kb[1]);
+          mma16816<T>(dq[2 * dpi + 1], dsa[kk], kb[2], kb[3]);
+        }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = m0 + wrow + g + 8 * r;
+        if (row < len) {
+          float* dst = dq_accum + (int64_t)(start + row) * dq_row;
+#pragma unroll
+          for (int i = 0; i < DT; ++i) {
+            atomicAdd(dst + i * 8 + 2 * t, dq[i][2 * r]);
+            atomicAdd(dst + i * 8 + 2 * t + 1, dq[i][2 * r + 1]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // P and dS of all 64 rows are in shared memory
+    // dV += P^T dO and dK += dS^T Q for this warp's 16 keys
+    const int wkey = warp * 16;
+#pragma unroll
+    for (int qs = 0; qs < kBlockM / 16; ++qs) {
+      uint32_t pa[4], sa[4];
+      const int j = lane / 8, r = lane % 8;
+      // A[m = key][k = query] from the [query][key] tiles: ldmatrix.trans
+      ldmatrix_x4_trans(pa, sP + (qs * 16 + (j / 2) * 8 + r) * LP + wkey + (j % 2) * 8);
+      ldmatrix_x4_trans(sa, sdS + (qs * 16 + (j / 2) * 8 + r) * LP + wkey + (j % 2) * 8);
+#pragma unroll
+      for (int dpi = 0; dpi < DT / 2; ++dpi) {
+        uint32_t ob[4], qb[4];
+        ldmatrix_x4_trans(ob, cdO + (qs * 16 + (j % 2) * 8 + r) * LD + dpi * 16 + (j / 2) * 8);
+        ldmatrix_x4_trans(qb, cQ + (qs * 16 + (j % 2) * 8 + r) * LD + dpi * 16 + (j / 2) * 8);
+        mma16816<T>(dv[2 * dpi], pa, ob[0], ob[1]);
+        mma16816<T>(dv[2 * dpi + 1], pa, ob[2], ob[3]);
+        mma16816<T>(dk[2 * dpi], sa, qb[0], qb[1]);
+        mma16816<T>(dk[2 * dpi + 1], sa, qb[2], qb[3]);
+      }
+    }
+  }
+  // write dK (scaled) and dV for this warp's 16 keys; the gradients are [T, heads, d] contiguous
+  T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
+  T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = n0 + warp * 16 + g + 8 * r;
+    if (key < len) {
+      const int64_t off = (int64_t)(start + key) * p.heads * D;
+#pragma unroll
+      for (int i = 0; i < DT; ++i) {
+        *reinterpret_cast<uint32_t*>(dkp + off + i * 8 + 2 * t) =
+            pack2<T>(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[i][2 * r], dv[i][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// dq = scale * dq_accum, cast; 2 elements per thread
+template <typename T>
+__global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale) {
+  const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 2;
+  if (i < n) {
+    const float2 a = *reinterpret_cast<const float2*>(acc + i);
+    *reinterpret_cast<uint32_t*>(dq + i) = pack2<T>(a.x * scale, a.y * scale);
+  }
+}
+
+// ------------------------------------------------------------------------------ host
+void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  BERTACCEL_CHECK(t.is_cuda() && t.dim() == 3, "bertaccel varlen_attention: %s must be a CUDA tensor [tokens, heads, head_dim]",
+                  name);
+  BERTACCEL_CHECK(t.scalar_type() == q.scalar_type() && t.sizes() == q.sizes() && t.device() == q.device(),
+                  "bertaccel varlen_attention: %s must match q in shape %s, dtype and device", name,
+                  shape_str(q.sizes()).c_str());
+  BERTACCEL_CHECK(t.stride(2) == 1 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                  "bertaccel varlen_attention: %s needs a contiguous head dim, token and head strides that are "
+                  "multiples of 8 and a 16-byte aligned start (the eligibility check routes others to PyTorch)",
+                  name);
+}
+
+void check_common(const at::Tensor& q, const at::Tensor& cu, int64_t max_seqlen, double p) {
+  BERTACCEL_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                  "bertaccel varlen_attention: q must be bfloat16 or float16, got %s", c10::toString(q.scalar_type()));
+  const int64_t d = q.size(2);
+  BERTACCEL_CHECK(d == 32 || d == 64 || d == 128, "bertaccel varlen_attention: head dim %lld is not 32, 64 or 128",
+                  (long long)d);
+  BERTACCEL_CHECK(q.size(1) < 65536 && max_seqlen < 65536 && q.size(0) < (1LL << 31),
+                  "bertaccel varlen_attention: up to 65535 heads and sequence length, 2^31 tokens");
+  BERTACCEL_CHECK(cu.is_cuda() && cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.size(0) >= 1 && cu.is_contiguous() &&
+                      cu.device() == q.device(),
+                  "bertaccel varlen_attention: cu_seqlens must be a contiguous int32 [batch + 1] tensor on q's device");
+  BERTACCEL_CHECK(p >= 0 && p < 1, "bertaccel varlen_attention: dropout probability must be in [0, 1), got %g", p);
+}
+
+Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu, double scale,
+                   double p) {
+  Params P{};
+  P.q = q.data_ptr();
+  P.k = k.data_ptr();
+  P.v = v.data_ptr();
+  P.q_row = q.stride(0), P.q_head = q.stride(1);
+  P.k_row = k.stride(0), P.k_head = k.stride(1);
+  P.v_row = v.stride(0), P.v_head = v.stride(1);
+  P.cu = cu.data_ptr<int>();
+  P.batch = (int)cu.size(0) - 1;
+  P.heads = (int)q.size(1);
+  P.total = (int)q.size(0);
+  P.scale = (float)scale;
+  P.p = (float)p;
+  return P;
+}
+
+template <typename Kernel>
+void set_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+}
+
+#define BA_ATTN_DISPATCH(dtype, d, dropout, FN)                                       \
+  do {                                                                                \
+    if (dtype == at::kBFloat16) {                                                     \
+      using T = __nv_bfloat16;                                                        \
+      if (d == 32) { constexpr int D = 32; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
+      else if (d == 64) { constexpr int D = 64; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
+      else { constexpr int D = 128; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
+    } else {                                                                          \
+      using T = __half;                                                               \
+      if (d == 32) { constexpr int D = 32; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
+      else if (d == 64) { constexpr int D = 64; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
+      else { constexpr int D = 128; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
+    }                                                                                 \
+  } while (0)
+
+// (out [T, heads, d], lse [heads, T] fp32 natural log, rng (seed, offset) int64)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                                    const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                                                    int64_t max_seqlen, double dropout_p, double scale) {
+  check_common(q, cu_seqlens, max_seqlen, dropout_p);
+  check_qkv(q, "q", q);
+  check_qkv(k, "k", q);
+  check_qkv(v, "v", q);
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  at::Tensor rng = at::zeros({2}, q.options().dtype(at::kLong));
+  if (q.numel() == 0) return {out, lse, rng};
+  Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
+  P.out = out.data_ptr();
+  P.o_row = out.stride(0), P.o_head = out.stride(1);
+  P.lse = lse.data_ptr<float>();
+  P.rng = rng.data_ptr<int64_t>();
+  const bool dropout = dropout_p > 0;
+  if (dropout) {
+    auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    P.philox = gen->philox_cuda_state(4);  // the counter's own fields give every element its draw
+  }
+  const int64_t d = q.size(2);
+  const dim3 grid((unsigned)std::max<int64_t>((max_seqlen + kBlockM - 1) / kBlockM, 1), (unsigned)P.heads,
+                  (unsigned)P.batch + 1);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  BA_ATTN_DISPATCH(q.scalar_type(), d, dropout, ({
+    constexpr size_t smem = (size_t)(kBlockM + 4 * kBlockN) * (D + 8) * sizeof(T);
+    auto kernel = attn_fwd_kernel<T, D, DR>;
+    set_smem(kernel, smem);
+    kernel<<<grid, kThreads, smem, stream>>>(P);
+  }));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse, rng};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen, double dropout_p, double scale,
+    const at::Tensor& rng) {
+  check_common(q, cu_seqlens, max_seqlen, dropout_p);
+  check_qkv(q, "q", q);
+  check_qkv(k, "k", q);
+  check_qkv(v, "v", q);
+  check_qkv(out, "out", q);
+  check_qkv(dout, "grad_out", q);
+  BERTACCEL_CHECK(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 &&
+                      lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
+                  "bertaccel varlen_attention: lse must be the forward's float32 [heads, tokens]");
+  BERTACCEL_CHECK(rng.is_cuda() && rng.scalar_type() == at::kLong && rng.numel() == 2,
+                  "bertaccel varlen_attention: rng must be the forward's int64 (seed, offset)");
+  c10::cuda::CUDAGuard guard(q.device());
+  const int64_t d = q.size(2);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(q.sizes(), q.options());
+  at::Tensor dv = at::empty(q.sizes(), q.options());
+  if (q.numel() == 0) return {dq, dk, dv};
+  at::Tensor dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
+  P.o = out.data_ptr();
+  P.o_row = out.stride(0), P.o_head = out.stride(1);
+  P.dout = dout.data_ptr();
+  P.do_row = dout.stride(0), P.do_head = dout.stride(1);
+  P.dk = dk.data_ptr();
+  P.dv = dv.data_ptr();
+  P.dq_accum = dq_accum.data_ptr<float>();
+  P.lse = lse.data_ptr<float>();
+  P.dsum = dsum.data_ptr<float>();
+  P.rng = rng.data_ptr<int64_t>();
+  const bool dropout = dropout_p > 0;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t warps = q.size(0) * q.size(1);
+  const dim3 grid((unsigned)std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1), (unsigned)P.heads,
+                  (unsigned)P.batch + 1);
+  BA_ATTN_DISPATCH(q.scalar_type(), d, dropout, ({
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    constexpr size_t smem = (size_t)(2 * kBlockN + 4 * kBlockM) * (D + 8) * sizeof(T) +
+                            (size_t)2 * kBlockM * (kBlockN + 8) * sizeof(T) + 4 * kBlockM * sizeof(float);
+    auto kernel = attn_bwd_kernel<T, D, DR>;
+    set_smem(kernel, smem);
+    kernel<<<grid, kThreads, smem, stream>>>(P);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t n = dq.numel();
+    attn_bwd_dq_kernel<T><<<(unsigned)((n / 2 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
+                                                                             (float)scale);
+  }));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace bertaccel
+
+TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
+  m.impl("varlen_attention_fwd", &bertaccel::varlen_attention_fwd);
+  m.impl("varlen_attention_bwd", &bertaccel::varlen_attention_bwd);
+}
