@@ -185,6 +185,8 @@ def kernel_unavailable(q: Tensor, k: Tensor, v: Tensor) -> str | None:
             return f"{name} is not [tokens, heads, head_dim] like q"
         if t.stride(2) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
             return f"{name}'s strides {tuple(t.stride())} or alignment (needs a contiguous head dim, 16-byte rows)"
+    if torch.are_deterministic_algorithms_enabled() and torch.is_grad_enabled() and q.requires_grad:
+        return "deterministic algorithms are on (the backward adds dQ up with atomics)"
     from bertaccel.ops import build
 
     if torch.compiler.is_compiling():
