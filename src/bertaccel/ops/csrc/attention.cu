@@ -35,6 +35,10 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <set>
+#include <utility>
+
 #include "check.h"
 
 namespace bertaccel {
@@ -200,8 +204,8 @@ __device__ void zero_fillers(const Params& p, int D, T* a, T* b, float* lse) {
   const int64_t step = (int64_t)gridDim.x * gridDim.y * blockDim.x;
   const int64_t first = ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = start + first; i < end; i += step) {
-    if (a) a[i] = T(0.f);
-    if (b) b[i] = T(0.f);
+    if (a) a[i] = T{};  // value-initialised: +0
+    if (b) b[i] = T{};
   }
   if (lse) {
     for (int64_t i = (int64_t)p.cu[p.batch] + first; i < p.total; i += step)
@@ -558,8 +562,12 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
           float* dst = dq_accum + (int64_t)(start + row) * dq_row;
 #pragma unroll
           for (int i = 0; i < DT; ++i) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(dst + i * 8 + 2 * t), make_float2(dq[i][2 * r], dq[i][2 * r + 1]));
+#else
             atomicAdd(dst + i * 8 + 2 * t, dq[i][2 * r]);
             atomicAdd(dst + i * 8 + 2 * t + 1, dq[i][2 * r + 1]);
+#endif
           }
         }
       }
@@ -660,9 +668,18 @@ Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return P;
 }
 
+// Opt a kernel in to more than 48 KB of dynamic shared memory, once per (kernel, device): the call
+// is not allowed while a stream is being captured into a CUDA graph (cudaErrorStreamCaptureImplicit),
+// and the first call always comes from an eager run (the warm-up before any capture).
 template <typename Kernel>
 void set_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> done;
+  const int device = c10::cuda::current_device();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (done.insert({reinterpret_cast<const void*>(kernel), device}).second)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
 #define BA_ATTN_DISPATCH(dtype, d, dropout, FN)                                       \
