@@ -238,7 +238,9 @@ def test_cuda_graph_replays_draw_new_masks_and_match_eager():
 
     def step(p):
         out = varlen_attention(q, k, v, cu, 100, p)
-        return (out, *torch.autograd.grad(out.float().square().sum(), (q, k, v)))
+        # detached: a live autograd graph from an eager call would tie q's AccumulateGrad node to the
+        # default stream, which a capture cannot depend on
+        return (out.detach(), *torch.autograd.grad(out.float().square().sum(), (q, k, v)))
 
     eager = step(0.0)
     s = torch.cuda.Stream()
