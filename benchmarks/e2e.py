@@ -5,7 +5,10 @@ and this project's presets, all in one process on the same inputs.
     python -m benchmarks.e2e --models bert-base --shapes 16x128 --variants hf-sdpa-bf16 fused
 
 "train" = forward + backward + fused AdamW step; "infer" = forward under no_grad. Random-init
-`BertForSequenceClassification`, attention mask all ones. Each cell: warm-up (compilation
+`BertForSequenceClassification`, attention mask all ones; with `--lengths uniform` each row's length
+is uniform in [0.2, 1] x seq (ByteTransformer's setting; fixed seed), where the `*-unpadded-*`
+variants run the encoder on the real tokens only (bertaccel.modules.unpadded, packed once with
+`packed_layout`): our varlen attention kernel, or PyTorch's FlashAttention varlen (`-flash`). Each cell: warm-up (compilation
 included), then the median of CUDA-event step times. Speed-up is over HF bf16 SDPA.
 """
 
@@ -54,15 +57,32 @@ VARIANTS = {
     # + the opt-in `linear` family: every BERT nn.Linear on our own TMA + wgmma GEMM (Hopper)
     "gemm-fused": ("sdpa", True, "gemm", False, False),
     "gemm-fused-graphs": ("sdpa", True, "gemm", False, True),
+    # the encoder on real tokens only (`model.unpadded`), our varlen attention / FlashAttention varlen
+    "fused-unpadded-graphs": ("sdpa", True, True, False, True),
+    "fused-unpadded-graphs-flash": ("sdpa", True, True, False, True),
 }
+UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash"}
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
 
 
+def batch_mask(batch: int, seq: int, lengths: str, device: str) -> torch.Tensor:
+    """The attention mask: all ones (`full`), or right-padded rows of lengths uniform in [0.2, 1] x seq."""
+    if lengths == "full":
+        return torch.ones(batch, seq, dtype=torch.long, device=device)
+    g = torch.Generator().manual_seed(0)
+    n = (torch.rand(batch, generator=g) * 0.8 * seq + 0.2 * seq).long().clamp(1, seq)
+    return (torch.arange(seq)[None] < n[:, None]).long().to(device)
+
+
 def step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int,
-               device: str = "cuda") -> list[float]:
+               device: str = "cuda", lengths: str = "full") -> list[float]:
     """Step times in ms of one variant: CUDA events on a GPU, a wall clock on CPU (smoke runs only)."""
+    import os
+
     attn, bf16, fused, compiled, graphed = VARIANTS[variant]
+    if variant in UNPADDED:
+        os.environ["BERTACCEL_VARLEN_ATTENTION"] = UNPADDED[variant]
     cuda = device == "cuda"
     graphed = graphed and cuda
     torch.manual_seed(0)
@@ -82,8 +102,20 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
         opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=cuda, capturable=graphed)
     g = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(min(1000, cfg.vocab_size // 2), cfg.vocab_size, (batch, seq), device=device, generator=g)
-    mask = torch.ones_like(ids)
+    mask = batch_mask(batch, seq, lengths, device)
     labels = torch.randint(0, 2, (batch,), device=device, generator=g)
+    if variant in UNPADDED:
+        from bertaccel.data.collate import packed_layout
+        from bertaccel.modules.unpadded import Unpadded, classifier_logits
+
+        indices, cu = packed_layout(mask.cpu())
+        layout = Unpadded.from_packed(indices.to(device), cu.to(device), mask)
+
+        def logits_of(ids, mask):
+            return classifier_logits(model, ids, mask, None, layout)
+    else:
+        def logits_of(ids, mask):
+            return model(input_ids=ids, attention_mask=mask).logits
 
     if graphed:
         import contextlib
@@ -102,12 +134,12 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
             make_static_grads(model.parameters())  # the product's static gradient buffers
             # the product's graphed step body (bertaccel.modules.train_step), as `bertaccel fit` builds it
             graph_step = build_train_step(
-                lambda ids, mask, labels: {"loss": model(input_ids=ids, attention_mask=mask, labels=labels).loss},
+                lambda ids, mask, labels: {"loss": torch.nn.functional.cross_entropy(logits_of(ids, mask), labels)},
                 opt, copies=copies, autocast=autocast)
         else:
             def graph_step(ids, mask, labels):
                 with copies.swapped_in() if copies else contextlib.nullcontext(), autocast(), torch.no_grad():
-                    return {"logits": model(input_ids=ids, attention_mask=mask).logits}
+                    return {"logits": logits_of(ids, mask)}
 
     def one_step():
         if graphed:
@@ -116,10 +148,10 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             if train:
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss = torch.nn.functional.cross_entropy(logits_of(ids, mask), labels)
             else:
                 with torch.no_grad():
-                    return model(input_ids=ids, attention_mask=mask).logits
+                    return logits_of(ids, mask)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -146,6 +178,7 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
     if cuda:
         torch.cuda.empty_cache()
     torch._dynamo.reset()
+    os.environ.pop("BERTACCEL_VARLEN_ATTENTION", None)
     return times
 
 
@@ -157,6 +190,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--lengths", default="full", choices=["full", "uniform"],
+                    help="uniform: row lengths uniform in [0.2, 1] x seq (ByteTransformer's setting)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke runs of the harness only")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
@@ -169,7 +204,8 @@ def main() -> None:
                 cell = {}
                 for variant in args.variants:
                     try:
-                        t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps, args.device)
+                        t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps, args.device,
+                                       args.lengths)
                         cell[variant] = statistics.median(t)
                     except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
                         print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
@@ -178,7 +214,7 @@ def main() -> None:
                 base = cell.get(BASELINE)
                 for variant, ms in cell.items():
                     rows.append({
-                        "model": model_name, "shape": shape, "workload": workload, "variant": variant,
+                        "model": model_name, "shape": shape, "lengths": args.lengths, "workload": workload, "variant": variant,
                         "ms": round(ms, 3), "samples/s": round(batch / ms * 1e3, 1) if ms == ms else "",
                         "speedup_vs_sdpa": round(base / ms, 2) if base and ms == ms else "",
                         "TFLOP/s": round(flops / ms / 1e9, 1) if ms == ms else "",
