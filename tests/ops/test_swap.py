@@ -213,3 +213,7 @@ def test_registry_derives_build_sources_and_swap_order():
     assert set(build.sources()) == {s for m in registry.modules() for s in m.CUDA_SOURCES} | others | {"autograd.cpp"}
     assert all((build.CSRC / s).exists() for s in build.sources() + build.HEADERS)
     assert all(name in registry.describe() for name in ORDER)
+    # every CUDA / C++ source belongs to exactly one of the three extensions
+    extensions = [build.sources(), build.GEMM_SOURCES, build.attention_sources()]
+    on_disk = {p.name for p in build.CSRC.iterdir() if p.suffix in (".cu", ".cpp")}
+    assert sorted(s for e in extensions for s in e) == sorted(on_disk)

@@ -56,10 +56,16 @@ HEADERS = ["check.h", "common.cuh", "layer_norm_bwd.cuh"]
 GEMM_SOURCES = ["gemm.cu"]
 GEMM_HEADERS = ["check.h", "wgmma.cuh"]
 GEMM_ARCH = "9.0a"
-# the fused attention extension (mma.sync, sm_80+), built for the GPU's own arch and loaded by
-# `load_attention()` when attention first needs it; a failure there leaves the other ops running
-ATTENTION_SOURCES = ["attention.cu"]
+# the fused attention extension (mma.sync, sm_80+; its sources: bertaccel.ops.attention.CUDA_SOURCES),
+# built for the GPU's own arch and loaded by `load_attention()` when attention first needs it; a
+# failure there leaves the other ops running
 ATTENTION_HEADERS = ["check.h"]
+
+
+def attention_sources() -> list[str]:
+    from bertaccel.ops import attention
+
+    return list(attention.CUDA_SOURCES)
 # --resource-usage prints registers / shared memory / spills per kernel into the (verbose) build log.
 # C++20, as torch's own cpp_extension defaults and as libtorch is built: torch's headers use C++20 (nvcc
 # warned under C++17), and an extension whose inline torch code is compiled to another standard than
@@ -222,8 +228,8 @@ def load_attention(verbose: bool = False) -> bool:
         reason = f"the attention kernels use sm_80 tensor-core instructions; this GPU is sm_{major}{minor}"
 
     def build() -> None:
-        _build_and_load_extension("bertaccel_attention", ATTENTION_SOURCES, ATTENTION_SOURCES + ATTENTION_HEADERS,
-                                  _arch(), verbose)
+        srcs = attention_sources()
+        _build_and_load_extension("bertaccel_attention", srcs, srcs + ATTENTION_HEADERS, _arch(), verbose)
 
     return _settle(_attention_state, reason, build, "attention kernels",
                    "Attention uses PyTorch's (FlashAttention varlen or SDPA).")
