@@ -113,9 +113,9 @@ def _fwd_cpu(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
     out = torch.zeros(q.shape, dtype=q.dtype)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
     for start, length in _sequences(cu_seqlens):
+        if length == 0:
+            continue
         for h in range(q.shape[1]):
-            if length == 0:
-                continue
             probs, factors, row_lse = _reference_probs(q, k, start, length, h, scale, dropout_p, seed, offset)
             out[start:start + length, h] = (probs * factors @ v[start:start + length, h].float()).to(q.dtype)
             lse[h, start:start + length] = row_lse
@@ -127,10 +127,10 @@ def _bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, sca
     seed, offset = int(rng[0]), int(rng[1])
     dq, dk, dv = (torch.zeros(q.shape, dtype=torch.float32) for _ in range(3))
     for start, length in _sequences(cu_seqlens):
+        if length == 0:
+            continue
         rows = slice(start, start + length)
         for h in range(q.shape[1]):
-            if length == 0:
-                continue
             qs, ks, vs = (t[rows, h].float() for t in (q, k, v))
             do = grad_out[rows, h].float()
             probs, factors, _ = _reference_probs(q, k, start, length, h, scale, dropout_p, seed, offset)

@@ -164,7 +164,6 @@ struct Params {
   const void* o;   // forward: written; backward: read
   const void* dout;
   void* out;       // forward output
-  void* dq;        // unused by the kernels (the post-pass writes it)
   void* dk;
   void* dv;
   float* dq_accum;  // [T, heads, d] fp32
@@ -682,20 +681,21 @@ void set_smem(Kernel kernel, size_t bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
-#define BA_ATTN_DISPATCH(dtype, d, dropout, FN)                                       \
-  do {                                                                                \
-    if (dtype == at::kBFloat16) {                                                     \
-      using T = __nv_bfloat16;                                                        \
-      if (d == 32) { constexpr int D = 32; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
-      else if (d == 64) { constexpr int D = 64; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
-      else { constexpr int D = 128; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
-    } else {                                                                          \
-      using T = __half;                                                               \
-      if (d == 32) { constexpr int D = 32; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
-      else if (d == 64) { constexpr int D = 64; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
-      else { constexpr int D = 128; if (dropout) { constexpr bool DR = true; FN; } else { constexpr bool DR = false; FN; } } \
-    }                                                                                 \
-  } while (0)
+// fn(T{}, integral_constant<int, D>, bool_constant<DROPOUT>) for the runtime dtype, head dim and dropout
+template <typename Fn>
+void dispatch(at::ScalarType dtype, int64_t d, bool dropout, Fn&& fn) {
+  auto by_dropout = [&](auto type_tag, auto dim) {
+    if (dropout) fn(type_tag, dim, std::true_type{});
+    else fn(type_tag, dim, std::false_type{});
+  };
+  auto by_dim = [&](auto type_tag) {
+    if (d == 32) by_dropout(type_tag, std::integral_constant<int, 32>{});
+    else if (d == 64) by_dropout(type_tag, std::integral_constant<int, 64>{});
+    else by_dropout(type_tag, std::integral_constant<int, 128>{});
+  };
+  if (dtype == at::kBFloat16) by_dim(__nv_bfloat16{});
+  else by_dim(__half{});
+}
 
 // (out [T, heads, d], lse [heads, T] fp32 natural log, rng (seed, offset) int64)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Tensor& q, const at::Tensor& k,
@@ -725,12 +725,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
   const dim3 grid((unsigned)std::max<int64_t>((max_seqlen + kBlockM - 1) / kBlockM, 1), (unsigned)P.heads,
                   (unsigned)P.batch + 1);
   auto stream = at::cuda::getCurrentCUDAStream();
-  BA_ATTN_DISPATCH(q.scalar_type(), d, dropout, ({
+  dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
+    using T = decltype(type_tag);
+    constexpr int D = decltype(dim)::value;
+    constexpr bool DR = decltype(drop)::value;
     constexpr size_t smem = (size_t)(kBlockM + 4 * kBlockN) * (D + 8) * sizeof(T);
     auto kernel = attn_fwd_kernel<T, D, DR>;
     set_smem(kernel, smem);
     kernel<<<grid, kThreads, smem, stream>>>(P);
-  }));
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse, rng};
 }
@@ -774,7 +777,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   const int64_t warps = q.size(0) * q.size(1);
   const dim3 grid((unsigned)std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1), (unsigned)P.heads,
                   (unsigned)P.batch + 1);
-  BA_ATTN_DISPATCH(q.scalar_type(), d, dropout, ({
+  dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
+    using T = decltype(type_tag);
+    constexpr int D = decltype(dim)::value;
+    constexpr bool DR = decltype(drop)::value;
     attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     constexpr size_t smem = (size_t)(2 * kBlockN + 4 * kBlockM) * (D + 8) * sizeof(T) +
@@ -786,7 +792,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 2 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale);
-  }));
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv};
 }
