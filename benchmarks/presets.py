@@ -5,6 +5,10 @@ from scratch on local text, one `bertaccel fit` per preset, the same data, seed 
         --val-files ../shared/data/wikitext-2/wiki.valid.raw.gz \
         --tokenizer ../shared/data/bert-base-uncased/vocab.txt --steps 1000 --out presets.json
     python -m benchmarks.presets --smoke --out /tmp/presets.json     # CPU, tiny model, a few steps
+    python -m benchmarks.presets --report a.json b.json --out all.json   # merge runs split over calls
+
+The JSON is rewritten after each preset, so a run cut short keeps the presets it finished; `--report`
+merges such files (the same arguments, presets split over several calls) into one table and picture.
 
 Per preset: tokens/s and step time (the throughput meter, warm-up excluded), peak memory, the
 validation loss and perplexity at each validation (equal steps), and at the shortest run's training
@@ -124,7 +128,12 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=Path, default=Path("runs"))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, the shipped sample text: the harness only")
     ap.add_argument("--out", type=Path, default=Path("bench_results/presets.json"))
+    ap.add_argument("--report", nargs="+", type=Path, metavar="JSON",
+                    help="merge saved results (presets split over calls) into --out: table and picture, nothing run")
     args = ap.parse_args(argv)
+    if args.report:
+        report(merge(args.report), args.out)
+        return
     if args.smoke:
         sample = REPO / "src" / "bertaccel" / "data" / "samples" / "sentiment"
         args.train_files = args.train_files or [sample / "train.jsonl"]
@@ -144,15 +153,40 @@ def main(argv=None) -> None:
     for name in args.presets:
         results["presets"][name] = run_preset(args, name)
         print(f"{name}: {results['presets'][name]}", flush=True)
+        save(results, args.out)  # a run cut short keeps what it finished
+    report(results, args.out)
+
+
+def save(results: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(out)
+
+
+def merge(paths: list[Path]) -> dict:
+    """Several saved runs (presets split over calls, same arguments) as one; later files win."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    merged = dict(runs[0], presets={})
+    for run, path in zip(runs, paths):
+        if run.get("device") != merged.get("device"):
+            raise SystemExit(f"{path}: measured on {run.get('device')}, the others on {merged.get('device')}")
+        merged["presets"].update(run["presets"])
+    merged["merged_from"] = [str(p) for p in paths]
+    return merged
+
+
+def report(results: dict, out: Path) -> None:
+    """Equal-time losses over the finished presets, the JSON, the table and the picture."""
     done = {n: r for n, r in results["presets"].items() if "error" not in r and r["val_loss_by_time_s"]}
     if done:
         t = min(r["val_loss_by_time_s"][-1][0] for r in done.values())
         results["equal_time_s"] = t
         for r in done.values():
             r["val_loss_at_equal_time"] = at_time(r["val_loss_by_time_s"], t)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    print(f"\n{results['device']}: masked-LM, {args.steps} steps, batch {args.batch_size} x {args.block_size}")
+    save(results, out)
+    a = results["args"]
+    print(f"\n{results['device']}: masked-LM, {a.get('steps')} steps, batch {a.get('batch_size')} x {a.get('block_size')}")
     print(f"{'preset':<22} {'tokens/s':>10} {'step ms':>8} {'mem GB':>7} {'val loss (last)':>16} {'at equal time':>14}")
     for name, r in results["presets"].items():
         if "error" in r:
@@ -162,7 +196,7 @@ def main(argv=None) -> None:
         eq = r.get("val_loss_at_equal_time")
         print(f"{name:<22} {r['tokens_per_s'] or 0:>10,.0f} {r['step_ms_p50'] or 0:>8.1f} {r['peak_memory_gb'] or 0:>7.2f} "
               f"{last:>16.3f} {eq if eq is not None else float('nan'):>14.3f}")
-    picture = plot(results, args.out.with_suffix(".png"))
+    picture = plot(results, out.with_suffix(".png"))
     if picture:
         print(f"picture: {picture}")
 

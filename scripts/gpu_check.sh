@@ -163,10 +163,13 @@ if has gemm; then  # our GEMM against cuBLAS at BERT's GEMM shapes (GEMM_ARGS=--
   echo "gemm rc=$?"; tail -${GEMM_TAIL:-40} "$OUT/gemm.log"
 fi
 if has presets; then  # the preset comparison (BERT-base MLM from scratch, PRESET_STEPS each; split PRESETS over calls: ~1-2 min per preset)
-  python -m benchmarks.presets --train-files ${PRESET_TRAIN:-.carry/imdb/train.jsonl.gz} --tokenizer .carry/minilm \
-    --steps ${PRESET_STEPS:-1000} --presets ${PRESETS:-baseline bf16 fused recommended recommended-normuon full} \
-    --runs /tmp/preset_runs --out "$OUT/presets.json" > "$OUT/presets.log" 2>&1
-  echo "presets rc=$?"; tail -12 "$OUT/presets.log"
+  # PRESET_ARGS: more options (e.g. "--block-size 512 --batch-size 16"); PRESET_NAME: the JSON's name
+  timeout ${PRESET_TIMEOUT:-560} python -m benchmarks.presets --train-files ${PRESET_TRAIN:-.carry/imdb/train.jsonl.gz} \
+    --tokenizer .carry/minilm --steps ${PRESET_STEPS:-1000} ${PRESET_ARGS:-} \
+    --presets ${PRESETS:-baseline bf16 fused recommended recommended-muon recommended-normuon full} \
+    --runs /tmp/preset_runs --out "$OUT/${PRESET_NAME:-presets}.json" > "$OUT/presets.log" 2>&1
+  echo "presets rc=$?"; grep -E "^[a-z-]+: \{" "$OUT/presets.log" | cut -c1-400; tail -12 "$OUT/presets.log"
+  cp -r /tmp/preset_runs/*.log "$OUT/" 2>/dev/null
 fi
 if has mlm; then  # a short BERT-base masked-LM fit from scratch on local text: loss going down, tokens/s
   python -m bertaccel fit -c configs/mlm_local.yaml --data.init_args.train_files '[.carry/imdb/train.jsonl.gz]' \
