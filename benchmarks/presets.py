@@ -56,7 +56,9 @@ def run_preset(args, name: str) -> dict:
             "--throughput.enabled", "true", "--throughput.warmup_steps", str(args.warmup),
             "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.init_args.save_dir", str(args.runs),
             "--trainer.logger.init_args.name", run_name, "--seed_everything", str(args.seed),
-            "--progress_bar.refresh_rate", "0", "--test_after_fit", "false"]
+            "--progress_bar.refresh_rate", "0", "--test_after_fit", "false",
+            # no checkpoints: a BERT-base one with its optimizer state is ~1.3 GB, written at every validation
+            "--checkpoint.save_top_k", "0", "--checkpoint.save_last", "false"]
     if args.smoke:
         cmd += ["--trainer.accelerator", "cpu", "--model.init_args.config", json.dumps(TINY)]
     t0 = time.perf_counter()

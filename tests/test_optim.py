@@ -27,22 +27,40 @@ def test_orthogonalizers(shape):
     # same singular vectors as the exact factor: the iteration is an odd polynomial of g
     cos = torch.nn.functional.cosine_similarity(orthogonalize(g, 8, "polar-express").flatten(), exact.flatten(), dim=0)
     assert cos > 0.99
-    with pytest.raises(ValueError, match="takes a matrix"):
-        orthogonalize(torch.randn(3, 4, 5))
+    with pytest.raises(ValueError, match="takes a matrix or a stack"):
+        orthogonalize(torch.randn(2, 3, 4, 5))
 
 
-def test_adamw_groups_match_torch_adamw():
+def test_stacked_orthogonalization_equals_one_matrix_at_a_time():
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(4, 12, 20), (3, 20, 12)]:
+        g = torch.randn(shape, generator=gen) * torch.tensor([0.1, 1.0, 30.0, 2.0])[: shape[0], None, None]
+        for method in ("newton-schulz", "polar-express"):
+            stacked = orthogonalize(g, 5, method)
+            one_by_one = torch.stack([orthogonalize(m, 5, method) for m in g])
+            torch.testing.assert_close(stacked, one_by_one, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lr_on_device", [False, True], ids=["lr-float", "lr-tensor"])
+def test_adamw_groups_match_torch_adamw(lr_on_device):
     torch.manual_seed(0)
-    a = torch.nn.Parameter(torch.randn(6, 4))
-    b = torch.nn.Parameter(a.detach().clone())
-    mine = MuonWithAdamW([a], lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
-    ref = torch.optim.AdamW([b], lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
-    for _ in range(6):
-        g = torch.randn(6, 4)
-        a.grad, b.grad = g.clone(), g.clone()
+    shapes = [(6, 4), (4,), (6, 4), (3, 5, 2)]
+    a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    b = [torch.nn.Parameter(t.detach().clone()) for t in a]
+    lr = torch.tensor(3e-3) if lr_on_device else 3e-3
+    mine = MuonWithAdamW(a, lr=lr, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+    ref = torch.optim.AdamW(b, lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+    for step in range(6):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if step == 2 and i == 1:  # a parameter without a gradient this step is left alone
+                x.grad = y.grad = None
+                continue
+            g = torch.randn(x.shape)
+            x.grad, y.grad = g.clone(), g.clone()
         mine.step()
         ref.step()
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
 def reference_steps(w, grads, lr, wd, beta, normuon, beta2=0.95):
@@ -81,6 +99,25 @@ def test_muon_and_normuon_match_the_reference(normuon, shape):
         opt.step()
     torch.testing.assert_close(p.detach().double(), reference_steps(w0, grads, 0.02, 0.1, 0.95, normuon),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("normuon", [False, True], ids=["muon", "normuon"])
+def test_a_group_of_several_shapes_steps_each_matrix_as_alone(normuon):
+    """The optimizer stacks the matrices of each shape; each must still follow its own reference."""
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(16, 8), (8, 20), (16, 8), (20, 8), (16, 8)]
+    w0 = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    ps = [torch.nn.Parameter(w.clone()) for w in w0]
+    opt = MuonWithAdamW([{"params": ps, "muon": True}], lr=0.02, weight_decay=0.1, orthogonalizer="svd",
+                        normuon=normuon)
+    for step in grads:
+        for p, g in zip(ps, step):
+            p.grad = g.clone()
+        opt.step()
+    for i, p in enumerate(ps):
+        ref = reference_steps(w0[i], [step[i] for step in grads], 0.02, 0.1, 0.95, normuon)
+        torch.testing.assert_close(p.detach().double(), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_muon_groups_refuse_vectors():
