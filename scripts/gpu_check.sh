@@ -208,7 +208,7 @@ if has fsdp_test; then  # issue 12 (nvidia-h200-x2): an FSDP fit's checkpoint te
   if [ -z "${FSDP_SKIP_FIT:-}" ]; then
     timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit "${FS[@]}" --trainer.limit_train_batches 30 --trainer.limit_val_batches 5 \
       > "$OUT/fsdp_fit.log" 2>&1
-    echo "fsdp fit rc=$?"; grep -E "test_after_fit|Error" "$OUT/fsdp_fit.log" | cut -c1-300 | head -4
+    echo "fsdp fit rc=$?"; grep -E "test after fit|test/acc|test/loss|Error" "$OUT/fsdp_fit.log" | cut -c1-300 | head -6
   fi
   ls -la runs/fsdp_t/checkpoints 2>&1 | tail -4
   ckpt=$(ls runs/fsdp_t/checkpoints/last.ckpt 2>/dev/null || ls -d runs/fsdp_t/checkpoints/*.ckpt | head -1)
@@ -238,6 +238,13 @@ if has ddp_rows; then  # nvidia-h200-x2: DDP fit (+ test after fit), then predic
   timeout ${MULTI_TIMEOUT:-240} python -m bertaccel predict "${DR[@]}" --ckpt_path runs/ddp_rows/checkpoints/last.ckpt \
     --trainer.logger.init_args.name ddp_rows_predict > "$OUT/ddp_rows_predict.log" 2>&1
   echo "ddp predict rc=$?"; grep -E "Error" "$OUT/ddp_rows_predict.log" | cut -c1-300 | head -3
+  # the same checkpoint tested on 2 GPUs and on 1: the 1,001 test rows counted once each -> the same metrics
+  for n in 2 1; do
+    strategy=ddp; [ $n = 1 ] && strategy=auto
+    timeout ${MULTI_TIMEOUT:-240} python -m bertaccel test "${DR[@]}" --trainer.devices $n --trainer.strategy $strategy \
+      --ckpt_path runs/ddp_rows/checkpoints/last.ckpt --trainer.logger.init_args.name ddp_rows_test$n > "$OUT/ddp_rows_test$n.log" 2>&1
+    echo "test on $n GPU(s) rc=$?: $(grep -oE "test/(acc|loss|f1)\W+[0-9.]+" "$OUT/ddp_rows_test$n.log" | tr -s ' │|' ' ' | tr '\n' ' ')"
+  done
   f=$(ls runs/ddp_rows_predict/version_*/predictions.jsonl 2>/dev/null | head -1)
   [ -n "$f" ] && python - "$f" <<'PY'
 import json, sys

@@ -22,6 +22,13 @@ def bertaccel(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return out
 
 
+def printed_metrics(stdout: str) -> dict[str, float]:
+    """The metrics of Lightning's printed results table (`test/acc  0.51...`)."""
+    import re
+
+    return {m[1]: float(m[2]) for m in re.finditer(r"(test/[a-z0-9_]+)\W+([-+0-9.eE]+)", stdout)}
+
+
 @pytest.mark.slow
 def test_ddp_fit_test_predict_with_meter_and_profiler(tiny_config, tmp_path):
     # an odd number of test rows: DistributedSampler pads one rank's share with a repeated row
@@ -39,7 +46,15 @@ def test_ddp_fit_test_predict_with_meter_and_profiler(tiny_config, tmp_path):
     assert stats["steps"] == 3 and stats["samples_per_s"] > 0
     assert (run / "profiler" / "profile_summary.json").is_file()
 
-    bertaccel("test", "-c", cfg, *DDP, *meter, "--ckpt_path", "last", cwd=tmp_path)
+    ddp_test = bertaccel("test", "-c", cfg, *DDP, *meter, "--ckpt_path", "last", cwd=tmp_path)
+    # the test metrics count each of the 47 rows once: the same numbers as one process evaluating all of them
+    # (PyTorch's DistributedSampler would repeat one row on the second rank: 48 rows counted)
+    one_test = bertaccel("test", "-c", cfg, "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+                         "--ckpt_path", "last", cwd=tmp_path)
+    ddp_metrics, one_metrics = printed_metrics(ddp_test.stdout), printed_metrics(one_test.stdout)
+    assert {"test/acc", "test/loss"} <= set(one_metrics), one_test.stdout[-2000:]
+    for name in ("test/acc", "test/loss", "test/f1"):
+        assert ddp_metrics[name] == pytest.approx(one_metrics[name], rel=1e-5, abs=1e-6), name
     out = tmp_path / "preds.jsonl"
     bertaccel("predict", "-c", cfg, *DDP, *meter, "--ckpt_path", "last", "--predictions.output_path", str(out), cwd=tmp_path)
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -230,3 +230,40 @@ def test_gz_jsonl_line_numbers(tmp_path):
     write_jsonl(d / "test.jsonl", sample_rows("test", 4))
     with pytest.raises(DataError, match=r"train.jsonl.gz:3: empty text"):
         dm(d).setup("fit")
+
+
+@pytest.mark.parametrize("n,world", [(47, 2), (10, 3), (9, 3), (2, 4)])
+def test_evaluation_shards_hold_every_row_once_and_equal_lengths(n, world):
+    """Under DDP each rank evaluates its share of the fixed order; shorter shares end with fillers
+    (not repeated rows, which DistributedSampler adds and the metrics would count twice)."""
+    from torch.utils.data import DistributedSampler
+
+    from bertaccel.data.samplers import FILLER, EvalShardSampler
+
+    base = EpochSampler(n, seed=3, shuffle=True, fixed=True)
+    shares = [list(EvalShardSampler(base, world, r)) for r in range(world)]
+    assert isinstance(EvalShardSampler(base, world, 0), DistributedSampler)  # Lightning keeps it as it is
+    assert len({len(s) for s in shares}) == 1 and len(shares[0]) == len(EvalShardSampler(base, world, 0))
+    real = [i for s in shares for i in s if i != FILLER]
+    assert sorted(real) == list(range(n))
+    assert sum(s.count(FILLER) for s in shares) == len(shares[0]) * world - n
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_filler_rows_become_padding_rows(tiny_data, static):
+    """A rank's last batch may hold fillers, or only fillers: they become padding rows (label -100,
+    index -1), uncounted in `num_rows`; labels stay in the batch even when every row is a filler."""
+    from bertaccel.data.samplers import FILLER
+
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                      batch_size=4, val_size=0.2, static_shapes=static)
+    dm.setup("fit")
+    ds = dm.datasets["validation"]
+    collate = dm.collator(4)
+    batch = collate([ds[0], ds[FILLER], ds[1]])
+    assert batch["num_rows"] == 2 and batch["index"].tolist()[:2] == [ds[0]["index"], ds[1]["index"]]
+    assert (batch["index"][2:] == -1).all() and (batch["labels"][2:] == -100).all()
+    assert batch["input_ids"].shape[0] == (4 if static else 3)
+    only = collate([ds[FILLER]])
+    assert only["num_rows"] == 0 and (only["labels"] == -100).all() and (only["index"] == -1).all()
+    assert only["attention_mask"][:, 0].all()  # a padding row attends to its first token: no empty softmax row

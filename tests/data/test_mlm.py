@@ -129,3 +129,19 @@ def test_exclude_files_drops_documents(tmp_path):
     full.setup("fit")
     total = lambda x: len(x.datasets["train"]) + len(x.datasets["validation"])  # noqa: E731
     assert total(m) < 0.6 * total(full)
+
+
+def test_mlm_filler_rows_add_nothing(tmp_path):
+    """Under DDP a rank's validation share may end with a filler block: no masked labels, attends to
+    its first token only, not counted in `num_rows`."""
+    from bertaccel.data.mlm import MaskedBlocks, _collate
+    from bertaccel.data.samplers import FILLER
+
+    blocks = torch.arange(40, dtype=torch.int32).view(4, 10) + 5
+    ds = MaskedBlocks(blocks, dict(mask_id=1, special=torch.zeros(100, dtype=torch.bool), continuation=None,
+                                   probability=0.5, mask_fraction=0.8, random_fraction=0.1), seed=0,
+                      fixed_epoch=0)
+    batch = _collate([ds[(0, 2)], ds[(0, FILLER)]])
+    assert batch["num_rows"] == 1
+    assert (batch["labels"][1] == -100).all() and batch["attention_mask"][1].tolist() == [1] + [0] * 9
+    assert batch["attention_mask"][0].all()

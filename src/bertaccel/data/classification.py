@@ -13,8 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.collate import ClassificationCollator, bucket_lengths
+from bertaccel.data.masking import IGNORE_INDEX
 from bertaccel.data.loader import ResumableDataLoader, check_worker_sharing, fit_progress, set_worker_sharing
-from bertaccel.data.samplers import EpochSampler
+from bertaccel.data.samplers import FILLER, EpochSampler, shard_for_ranks
 from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, looks_like_path, read_table
 from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
 from bertaccel.errors import DataError, check_batch_sizes
@@ -38,6 +39,8 @@ class ClassificationDataset(Dataset):
         return len(self.indices)
 
     def __getitem__(self, i: int) -> dict:
+        if i == FILLER:  # evaluation under DDP: a rank's share padded to the others' length
+            return {"filler": True, "label": None if self.labels is None else IGNORE_INDEX}
         j = self.indices[i]
         return {
             "input_ids": self.tokens[j].long(),
@@ -352,6 +355,8 @@ class TextClassificationDataModule(pl.LightningDataModule):
                 sampler: EpochSampler | None = None, **loader_kwargs) -> DataLoader:
         ds = self.datasets[split]
         sampler = sampler or self._sampler(split, batch_size, train)
+        if not train:  # under DDP: every row on exactly one rank (no repeated rows in the metrics)
+            sampler = shard_for_ranks(sampler, self.trainer)
         workers = self._workers()
         set_worker_sharing(self.worker_sharing, workers)
         return loader_class(

@@ -41,7 +41,7 @@ def pad_ids(
     token that attends to itself (attention_mask 1 at position 0, so no softmax row is fully
     masked), to be ignored through their labels.
     """
-    longest = max(r.numel() for r in rows)
+    longest = max((r.numel() for r in rows), default=1)  # no rows: a batch of padding rows only
     if buckets:
         i = bisect.bisect_left(buckets, longest)
         if i == len(buckets):
@@ -94,7 +94,8 @@ class ClassificationCollator:
 
     Every batch carries `num_rows`, the number of real rows (a Python int). With `batch_size`
     (static shapes), padding rows are added up to it: their `labels` are -100 and their `index`
-    is -1, so losses, metrics and prediction writers skip them. With `packed`, batches also carry
+    is -1, so losses, metrics and prediction writers skip them. A filler row (`{"filler": True}`, what
+    the datasets return for `EvalShardSampler`'s FILLER index) becomes such a padding row too. With `packed`, batches also carry
     `packed_indices` and `cu_seqlens` (`packed_layout`); with static shapes the token count is
     rounded up to one of `token_buckets` steps of batch x seq.
     """
@@ -112,8 +113,12 @@ class ClassificationCollator:
         self.buckets, self.batch_size = buckets, batch_size
         self.packed, self.token_buckets = packed, token_buckets
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | int]:
-        ids, mask = pad_ids([r["input_ids"] for r in rows], self.pad_id, self.pad_to_multiple_of, self.buckets, self.batch_size)
+    def __call__(self, rows: list[dict | None]) -> dict[str, torch.Tensor | int]:
+        # fillers (an evaluation share under DDP padded to the other ranks' length) become padding rows
+        size = self.batch_size if self.batch_size is not None else len(rows)
+        labelled = any(r.get("label") is not None for r in rows)
+        rows = [r for r in rows if not r.get("filler")]
+        ids, mask = pad_ids([r["input_ids"] for r in rows], self.pad_id, self.pad_to_multiple_of, self.buckets, size)
         n, b = len(rows), ids.shape[0]
         index = torch.full((b,), -1, dtype=torch.long)
         index[:n] = torch.tensor([r["index"] for r in rows], dtype=torch.long)
@@ -124,7 +129,7 @@ class ClassificationCollator:
                 quantum = -(-ids.numel() // self.token_buckets)
                 quantum = -(-quantum // 8) * 8
             batch["packed_indices"], batch["cu_seqlens"] = packed_layout(mask, quantum)
-        if rows[0].get("label") is not None:
+        if labelled:
             labels = torch.full((b,), IGNORE_INDEX, dtype=torch.long)
             labels[:n] = torch.tensor([r["label"] for r in rows], dtype=torch.long)
             batch["labels"] = labels

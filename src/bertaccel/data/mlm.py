@@ -10,9 +10,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bertaccel.data.masking import continuation_table, mask_tokens, special_table
+from bertaccel.data.masking import IGNORE_INDEX, continuation_table, mask_tokens, special_table
 from bertaccel.data.loader import ResumableDataLoader, check_worker_sharing, fit_progress, set_worker_sharing
-from bertaccel.data.samplers import EpochSampler
+from bertaccel.data.samplers import FILLER, EpochSampler, shard_for_ranks
 from bertaccel.data.sources import (TEXT_SUFFIXES, TABLE_SUFFIXES, find_split_file, load_hub_dataset, looks_like_path,
                                      read_text_documents)
 from bertaccel.data.tokenized import tokenize_texts
@@ -53,6 +53,9 @@ class MaskedBlocks(Dataset):
 
     def __getitem__(self, key) -> dict:
         epoch, i = key if isinstance(key, tuple) else (0, key)
+        if i == FILLER:  # evaluation under DDP: a rank's share padded to the others' length
+            ids = self.blocks[0].long()
+            return {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX), "filler": True}
         if self.fixed_epoch is not None:
             epoch = self.fixed_epoch
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + i)
@@ -63,15 +66,24 @@ class MaskedBlocks(Dataset):
 class _EpochTagged(EpochSampler):
     """Yields (epoch, index) so the dataset can draw the masks of that epoch in any worker."""
 
+    yields_epoch = True
+
     def __iter__(self):
         epoch = self.epoch
         for i in super().__iter__():
             yield (epoch, i)
 
 
-def _collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+def _collate(rows: list[dict]) -> dict[str, torch.Tensor | int]:
+    """Blocks to a batch. A filler row (an evaluation share under DDP padded to the other ranks'
+    length) has no masked labels and attends to its first token only: it adds nothing to the loss
+    and is not counted as a sample or as real tokens."""
     ids = torch.stack([r["input_ids"] for r in rows])
-    return {"input_ids": ids, "labels": torch.stack([r["labels"] for r in rows]), "attention_mask": torch.ones_like(ids)}
+    mask = torch.ones_like(ids)
+    fillers = [i for i, r in enumerate(rows) if r.get("filler")]
+    mask[fillers, 1:] = 0
+    return {"input_ids": ids, "labels": torch.stack([r["labels"] for r in rows]), "attention_mask": mask,
+            "num_rows": len(rows) - len(fillers)}
 
 
 class MLMDataModule(pl.LightningDataModule):
@@ -240,10 +252,14 @@ class MLMDataModule(pl.LightningDataModule):
                 sampler: EpochSampler | None = None, **loader_kwargs) -> DataLoader:
         ds = self.datasets[split]
         set_worker_sharing(self.worker_sharing, self.num_workers)
+        if sampler is None:
+            sampler = _EpochTagged(len(ds), self.seed, shuffle=train)
+            if not train:  # under DDP: every block on exactly one rank (no repeated blocks in the metrics)
+                sampler = shard_for_ranks(sampler, self.trainer)
         return loader_class(
             ds,
             batch_size=batch_size,
-            sampler=sampler or _EpochTagged(len(ds), self.seed, shuffle=train),
+            sampler=sampler,
             collate_fn=_collate,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),

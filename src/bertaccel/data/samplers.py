@@ -1,12 +1,15 @@
 """Training samplers whose order depends only on (seed, epoch), so that a resumed run sees the
-same batches as an uninterrupted one."""
+same batches as an uninterrupted one; the evaluation sampler that shares a split over DDP ranks with
+every row on exactly one rank."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
+
+FILLER = -1  # an index that names no row: the evaluation datasets return a filler for it
 
 
 class EpochSampler(Sampler[int]):
@@ -68,3 +71,47 @@ class EpochSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
+
+
+class EvalShardSampler(DistributedSampler):
+    """One rank's share of an evaluation order (`base`: a fixed EpochSampler), every row on exactly one
+    rank: rank r takes rows r, r + W, r + 2W, ... of the order, and the shorter shares end with
+    `FILLER` indices so that every rank runs the same number of batches (collectives stay matched).
+
+    PyTorch's DistributedSampler instead repeats the first rows to even the shares out, so a split of n
+    rows on W ranks is evaluated with up to W - 1 rows twice: the epoch's accuracy, F1 and loss count
+    them. Fillers become padding rows (label -100, index -1; `ClassificationCollator`, the masked-LM's
+    collate) that metrics, losses, prediction writers and the throughput meter skip. Lightning keeps a
+    loader's sampler when it is a DistributedSampler, so this one is used as it is.
+    """
+
+    def __init__(self, base: Sampler, num_replicas: int, rank: int) -> None:
+        super().__init__(base, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)  # type: ignore[arg-type]
+        self.base = base
+        self.n = len(base)  # type: ignore[arg-type]
+        self.num_samples = -(-self.n // num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self) -> Iterator:
+        share = list(self.base)[self.rank :: self.num_replicas]
+        filler = (self.base.epoch, FILLER) if _yields_pairs(self.base) else FILLER
+        return iter(share + [filler] * (self.num_samples - len(share)))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:  # evaluation orders are fixed
+        self.epoch = epoch
+
+
+def _yields_pairs(sampler: Sampler) -> bool:
+    """Whether `sampler` yields (epoch, index) pairs (the masked-LM's epoch-tagged sampler)."""
+    return bool(getattr(sampler, "yields_epoch", False))
+
+
+def shard_for_ranks(sampler: Sampler, trainer) -> Sampler:
+    """An evaluation sampler as is on one process, or this rank's `EvalShardSampler` under DDP/FSDP."""
+    world = getattr(trainer, "world_size", 1) if trainer is not None else 1
+    if world <= 1:
+        return sampler
+    return EvalShardSampler(sampler, num_replicas=world, rank=trainer.global_rank)
