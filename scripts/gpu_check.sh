@@ -250,7 +250,7 @@ if has ddp_rows; then  # nvidia-h200-x2: DDP fit (+ test after fit), then predic
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 idx = [r["index"] for r in rows]
-print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, indices == range(n): {sorted(idx) == list(range(len(rows)))}")
+print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, no filler written: {min(idx) >= 0}")
 PY
 fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
