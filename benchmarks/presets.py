@@ -36,6 +36,10 @@ PRESETS: dict[str, tuple[list[str], list[str]]] = {
     "recommended-muon": (["configs/presets/recommended.yaml"], ["--model.init_args.optimizer", "muon"]),
     "recommended-normuon": (["configs/presets/recommended.yaml"], ["--model.init_args.optimizer", "normuon"]),
     "full": (["configs/presets/full.yaml"], ["--model.init_args.lm_head_fp8", "true"]),
+    # one change at a time against recommended: the FP8 LM head alone; NorMuon at a quarter of the Muon lr
+    "recommended-fp8-head": (["configs/presets/recommended.yaml"], ["--model.init_args.lm_head_fp8", "true"]),
+    "recommended-normuon-lr0.005": (["configs/presets/recommended.yaml"],
+                                    ["--model.init_args.optimizer", "normuon", "--model.init_args.muon_lr", "0.005"]),
 }
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 
