@@ -94,10 +94,10 @@ class ClassificationCollator:
 
     Every batch carries `num_rows`, the number of real rows (a Python int). With `batch_size`
     (static shapes), padding rows are added up to it: their `labels` are -100 and their `index`
-    is -1, so losses, metrics and prediction writers skip them. A filler row (`{"filler": True}`, what
-    the datasets return for `EvalShardSampler`'s FILLER index) becomes such a padding row too. With `packed`, batches also carry
-    `packed_indices` and `cu_seqlens` (`packed_layout`); with static shapes the token count is
-    rounded up to one of `token_buckets` steps of batch x seq.
+    is -1, so losses, metrics and prediction writers skip them. A filler row (`{"filler": True}`,
+    what the datasets return for `EvalShardSampler`'s FILLER index) becomes such a padding row too.
+    With `packed`, batches also carry `packed_indices` and `cu_seqlens` (`packed_layout`); with
+    static shapes the token count is rounded up to one of `token_buckets` steps of batch x seq.
     """
 
     def __init__(
@@ -113,7 +113,7 @@ class ClassificationCollator:
         self.buckets, self.batch_size = buckets, batch_size
         self.packed, self.token_buckets = packed, token_buckets
 
-    def __call__(self, rows: list[dict | None]) -> dict[str, torch.Tensor | int]:
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | int]:
         # fillers (an evaluation share under DDP padded to the other ranks' length) become padding rows
         size = self.batch_size if self.batch_size is not None else len(rows)
         labelled = any(r.get("label") is not None for r in rows)

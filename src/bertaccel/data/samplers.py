@@ -88,13 +88,13 @@ class EvalShardSampler(DistributedSampler):
     def __init__(self, base: Sampler, num_replicas: int, rank: int) -> None:
         super().__init__(base, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)  # type: ignore[arg-type]
         self.base = base
-        self.n = len(base)  # type: ignore[arg-type]
-        self.num_samples = -(-self.n // num_replicas)
+        self.num_samples = -(-len(base) // num_replicas)  # type: ignore[arg-type]
         self.total_size = self.num_samples * num_replicas
 
     def __iter__(self) -> Iterator:
         share = list(self.base)[self.rank :: self.num_replicas]
-        filler = (self.base.epoch, FILLER) if _yields_pairs(self.base) else FILLER
+        # the masked-LM's epoch-tagged sampler yields (epoch, index) pairs
+        filler = (self.base.epoch, FILLER) if getattr(self.base, "yields_epoch", False) else FILLER
         return iter(share + [filler] * (self.num_samples - len(share)))
 
     def __len__(self) -> int:
@@ -102,11 +102,6 @@ class EvalShardSampler(DistributedSampler):
 
     def set_epoch(self, epoch: int) -> None:  # evaluation orders are fixed
         self.epoch = epoch
-
-
-def _yields_pairs(sampler: Sampler) -> bool:
-    """Whether `sampler` yields (epoch, index) pairs (the masked-LM's epoch-tagged sampler)."""
-    return bool(getattr(sampler, "yields_epoch", False))
 
 
 def shard_for_ranks(sampler: Sampler, trainer) -> Sampler:

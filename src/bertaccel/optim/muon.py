@@ -145,7 +145,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         bufs = [self.state[p]["momentum_buffer"] for p in params]
         torch._foreach_lerp_(bufs, grads, 1 - beta)
         updates = torch._foreach_lerp(grads, bufs, beta) if group["nesterov"] else bufs
-        by_shape: dict[tuple[int, ...], list[int]] = {}
+        by_shape: dict[tuple, list[int]] = {}  # (rows, cols, device, dtype) -> positions in params
         for i, p in enumerate(params):
             by_shape.setdefault((*p.shape, str(p.device), p.dtype), []).append(i)
         for index in by_shape.values():
@@ -160,7 +160,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 o = o / (second.sqrt() + 1e-10)
                 o = o * (norm / (o.norm(dim=(-2, -1), keepdim=True) + 1e-10))  # back to the update's Frobenius norm
             o = o * (math.sqrt(max(1.0, rows / cols)) * lr)
-            _foreach_mul_scalar_(ps, 1 - lr * wd)
+            torch._foreach_mul_(ps, 1 - lr * wd)  # lr: a number or a 0-d tensor
             torch._foreach_sub_(ps, list(o.to(ps[0].dtype).unbind(0)))
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
@@ -181,7 +181,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         m = [self.state[p]["exp_avg"] for p in params]
         v = [self.state[p]["exp_avg_sq"] for p in params]
         torch._foreach_add_(steps, 1)
-        _foreach_mul_scalar_(params, 1 - lr * wd)
+        torch._foreach_mul_(params, 1 - lr * wd)
         torch._foreach_lerp_(m, grads, 1 - beta1)
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
@@ -195,12 +195,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         torch._foreach_sqrt_(denom)
         torch._foreach_add_(denom, eps)
         step_size = torch._foreach_reciprocal(bias1)  # lr / bias1
-        _foreach_mul_scalar_(step_size, lr)
+        torch._foreach_mul_(step_size, lr)
         update = torch._foreach_div(m, denom)
         torch._foreach_mul_(update, step_size)
         torch._foreach_sub_(params, update)
 
-
-def _foreach_mul_scalar_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> None:
-    """tensors *= factor, where factor is a number or a 0-d tensor (a learning rate on the device)."""
-    torch._foreach_mul_(tensors, factor)
