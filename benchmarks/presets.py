@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -63,6 +64,7 @@ def run_preset(args, name: str) -> dict:
             "--progress_bar.refresh_rate", "0", "--test_after_fit", "false",
             # no checkpoints: a BERT-base one with its optimizer state is ~1.3 GB, written at every validation
             "--checkpoint.save_top_k", "0", "--checkpoint.save_last", "false"]
+    cmd += shlex.split(args.fit_args)
     if args.smoke:
         cmd += ["--trainer.accelerator", "cpu", "--model.init_args.config", json.dumps(TINY)]
     t0 = time.perf_counter()
@@ -82,6 +84,7 @@ def run_preset(args, name: str) -> dict:
         "step_ms_p50": stats.get("step_ms_p50"),
         "peak_memory_gb": stats.get("peak_memory_gb"),
         "mfu": stats.get("mfu"),
+        "data_wait_ms_mean": stats.get("data_wait_ms_mean"),
         "val_loss_by_step": val,
         "val_loss_by_time_s": [(step * step_s, loss) for step, loss in val],
         "process_wall_s": time.perf_counter() - t0,
@@ -132,6 +135,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--runs", type=Path, default=Path("runs"))
+    ap.add_argument("--fit-args", default="", help="more `bertaccel fit` options for every preset, e.g. "
+                    "'--data.init_args.num_workers 0' (one change measured across the presets)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, the shipped sample text: the harness only")
     ap.add_argument("--out", type=Path, default=Path("bench_results/presets.json"))
     ap.add_argument("--report", nargs="+", type=Path, metavar="JSON",
@@ -193,14 +198,16 @@ def report(results: dict, out: Path) -> None:
     save(results, out)
     a = results["args"]
     print(f"\n{results['device']}: masked-LM, {a.get('steps')} steps, batch {a.get('batch_size')} x {a.get('block_size')}")
-    print(f"{'preset':<22} {'tokens/s':>10} {'step ms':>8} {'mem GB':>7} {'val loss (last)':>16} {'at equal time':>14}")
+    print(f"{'preset':<22} {'tokens/s':>10} {'step ms':>8} {'wait ms':>8} {'mem GB':>7} {'val loss (last)':>16} "
+          f"{'at equal time':>14}")
     for name, r in results["presets"].items():
         if "error" in r:
             print(f"{name:<22} failed: {r['error']}")
             continue
         last = r["val_loss_by_step"][-1][1] if r["val_loss_by_step"] else float("nan")
         eq = r.get("val_loss_at_equal_time")
-        print(f"{name:<22} {r['tokens_per_s'] or 0:>10,.0f} {r['step_ms_p50'] or 0:>8.1f} {r['peak_memory_gb'] or 0:>7.2f} "
+        print(f"{name:<22} {r['tokens_per_s'] or 0:>10,.0f} {r['step_ms_p50'] or 0:>8.1f} "
+              f"{r.get('data_wait_ms_mean') or float('nan'):>8.2f} {r['peak_memory_gb'] or 0:>7.2f} "
               f"{last:>16.3f} {eq if eq is not None else float('nan'):>14.3f}")
     picture = plot(results, out.with_suffix(".png"))
     if picture:

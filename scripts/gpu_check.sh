@@ -43,6 +43,11 @@ if has attn_tests; then  # the fused varlen attention: build, its cuda tests and
   timeout ${ATTN_TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops/test_attention.py tests/modules/test_unpadded.py -q -p no:cacheprovider ${ATTN_TESTS_K:+-k "$ATTN_TESTS_K"} > "$OUT/attn_tests.log" 2>&1
   echo "attention tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/attn_tests.log" | head -40
 fi
+if has data_tests; then  # cuda tests of the data pipeline (prefetch to the GPU, masks on the GPU) + host masking cost
+  python -u -m pytest -m cuda tests/data -q -p no:cacheprovider > "$OUT/data_tests.log" 2>&1
+  echo "data tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/data_tests.log" | head -20
+  python -m benchmarks.bench_masking --vocab .carry/minilm/vocab.txt --out "$OUT/masking.json" 2>&1 | tail -8
+fi
 if has graph_tests; then  # whole-step CUDA graphs: equality with eager, dropout, captures, memory, resume, syncs
   BERTACCEL_FAILURE_LOG="$OUT/graph_test_failures.log" python -u -m pytest -m cuda tests/modules -q -p no:cacheprovider > "$OUT/graph_tests.log" 2>&1
   echo "graph tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/graph_tests.log" | head -30
@@ -165,7 +170,7 @@ fi
 if has presets; then  # the preset comparison (BERT-base MLM from scratch, PRESET_STEPS each; split PRESETS over calls: ~1-2 min per preset)
   # PRESET_ARGS: more options (e.g. "--block-size 512 --batch-size 16"); PRESET_NAME: the JSON's name
   timeout ${PRESET_TIMEOUT:-560} python -m benchmarks.presets --train-files ${PRESET_TRAIN:-.carry/imdb/train.jsonl.gz} \
-    --tokenizer .carry/minilm --steps ${PRESET_STEPS:-1000} ${PRESET_ARGS:-} \
+    --tokenizer .carry/minilm --steps ${PRESET_STEPS:-1000} ${PRESET_ARGS:-} --fit-args "${PRESET_FIT_ARGS:-}" \
     --presets ${PRESETS:-baseline bf16 fused recommended recommended-muon recommended-normuon full} \
     --runs /tmp/preset_runs --out "$OUT/${PRESET_NAME:-presets}.json" > "$OUT/presets.log" 2>&1
   echo "presets rc=$?"; grep -E "^[a-z-]+: \{" "$OUT/presets.log" | cut -c1-400; tail -12 "$OUT/presets.log"

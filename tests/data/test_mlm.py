@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from bertaccel.data import MLMDataModule
-from bertaccel.data.masking import IGNORE_INDEX, continuation_table, mask_tokens, special_table
+from bertaccel.data.masking import (IGNORE_INDEX, block_keys, continuation_table, hash_bits, hash_uniform,
+                                    mask_blocks, mask_tokens, special_table)
 from bertaccel.data.mlm import pack_blocks
 from bertaccel.data.tokenized import TokenizedTexts
 from bertaccel.errors import DataError
@@ -42,9 +43,9 @@ def random_blocks(tok, n=400, T=64, seed=0):
 def test_masking_rate_and_80_10_10(tok):
     special = special_table(tok)
     blocks = random_blocks(tok)
-    g = torch.Generator().manual_seed(1)
-    outs, labels = zip(*(mask_tokens(b, g, mask_id=tok.mask_token_id, special=special) for b in blocks))
-    out, lab, ids = torch.stack(outs), torch.stack(labels), blocks
+    out, lab = mask_blocks(blocks, block_keys(1, 0, torch.arange(len(blocks))), mask_id=tok.mask_token_id,
+                           special=special)
+    ids = blocks
     selected = lab != IGNORE_INDEX
     n_candidates = (~special[ids]).sum()
     rate = selected.sum() / n_candidates
@@ -70,10 +71,9 @@ def test_whole_word_masking_masks_words_together(tok):
     text = " ".join(["unbelievably overwhelmingly xylophonic zigzagging"] * 12)
     ids = torch.tensor(tok(text, max_length=400, truncation=True)["input_ids"])
     assert cont[ids].any(), "the text must contain multi-piece words"
-    g = torch.Generator().manual_seed(0)
     saw_multi = False
-    for _ in range(50):
-        _, lab = mask_tokens(ids, g, mask_id=tok.mask_token_id, special=special, continuation=cont)
+    for key in range(50):
+        _, lab = mask_tokens(ids, key, mask_id=tok.mask_token_id, special=special, continuation=cont)
         sel = lab != IGNORE_INDEX
         starts = (~cont[ids]) | special[ids]
         word = starts.long().cumsum(0)
@@ -82,6 +82,79 @@ def test_whole_word_masking_masks_words_together(tok):
             assert sel[members].all(), "a word was masked only in part"
             saw_multi |= int(members.sum()) > 1
     assert saw_multi
+
+
+def test_hash_draws_are_uniform_and_independent():
+    """The counter-based draws behind the masks: uniform over buckets, uncorrelated between neighbouring
+    blocks, positions and streams, and the integer arithmetic is exact (Python ints agree)."""
+    keys = block_keys(7, 3, torch.arange(2000))
+    assert keys.unique().numel() == 2000 and int(keys.min()) >= 0 and int(keys.max()) < 2**32
+    u = hash_uniform(keys, 1, torch.arange(256))
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    counts = torch.histc(u, bins=64, min=0, max=1)
+    expected = u.numel() / 64
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 63 + 5 * (2 * 63) ** 0.5  # chi-square, 63 degrees of freedom, 5 sigma
+    n = u.numel()
+    for a, b in ((u[1:], u[:-1]), (u[:, 1:], u[:, :-1]), (u, hash_uniform(keys, 2, torch.arange(256)))):
+        c = torch.corrcoef(torch.stack([a.reshape(-1), b.reshape(-1)]))[0, 1]
+        assert abs(float(c)) < 5 / n**0.5
+    # bit-exact against arbitrary-precision Python integers
+    from bertaccel.data.masking import _mix32
+
+    def py_mix(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) % 2**32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) % 2**32
+        return x ^ (x >> 16)
+
+    xs = torch.randint(0, 2**32, (1000,), generator=torch.Generator().manual_seed(0), dtype=torch.long)
+    assert _mix32(xs).tolist() == [py_mix(x) for x in xs.tolist()]
+    assert hash_bits(keys[:3], 5, torch.arange(4)).shape == (3, 4)
+
+
+def test_batched_masks_equal_block_by_block_masks(tok):
+    """A block's masks depend on (seed, epoch, block) only: the same in any batch, in any order."""
+    special, cont = special_table(tok), continuation_table(tok)
+    blocks = random_blocks(tok, n=12, T=40)
+    for continuation in (None, cont):
+        masking = dict(mask_id=tok.mask_token_id, special=special, continuation=continuation)
+        keys = block_keys(3, 1, torch.arange(12))
+        out, lab = mask_blocks(blocks, keys, **masking)
+        perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+        out_p, lab_p = mask_blocks(blocks[perm], keys[perm], **masking)
+        assert torch.equal(out_p, out[perm]) and torch.equal(lab_p, lab[perm])
+        for i in (0, 5, 11):
+            one_out, one_lab = mask_tokens(blocks[i], keys[i], **masking)
+            assert torch.equal(one_out, out[i]) and torch.equal(one_lab, lab[i])
+
+
+@pytest.mark.cuda
+def test_masks_on_the_gpu_equal_the_cpu_masks(tok):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    special, cont = special_table(tok), continuation_table(tok)
+    blocks = random_blocks(tok, n=64, T=128)
+    keys = block_keys(42, 2, torch.arange(64))
+    for continuation in (None, cont):
+        masking = dict(mask_id=tok.mask_token_id, special=special, continuation=continuation)
+        cpu = mask_blocks(blocks, keys, **masking)
+        gpu = mask_blocks(blocks.cuda(), keys.cuda(), **masking)
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
+
+
+def test_dataset_batches_equal_single_items(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(line for line in (SAMPLE / "train.jsonl").read_text().splitlines()[:300]))
+    m = MLMDataModule(train_files=[str(corpus)], tokenizer="sample:sentiment", block_size=32, batch_size=4)
+    m.setup("fit")
+    ds = m.datasets["train"]
+    keys = [(1, 7), (1, 2), (2, 7), (1, 9)]
+    for key, row in zip(keys, ds.__getitems__(keys)):
+        single = ds[key]
+        assert torch.equal(row["input_ids"], single["input_ids"]) and torch.equal(row["labels"], single["labels"])
+    assert not torch.equal(ds[(1, 7)]["labels"], ds[(2, 7)]["labels"])
 
 
 def test_masks_are_new_each_epoch_and_reproducible(tmp_path):

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from bertaccel.data.collate import ClassificationCollator, bucket_lengths
 from bertaccel.data.masking import IGNORE_INDEX
-from bertaccel.data.loader import ResumableDataLoader, check_worker_sharing, fit_progress, set_worker_sharing
+from bertaccel.data.loader import (DeviceLoader, ResumableDataLoader, check_worker_sharing, fit_progress,
+                                   loader_device, set_worker_sharing)
 from bertaccel.data.samplers import FILLER, EpochSampler, shard_for_ranks
 from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, looks_like_path, read_table
 from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
@@ -84,6 +85,8 @@ class TextClassificationDataModule(pl.LightningDataModule):
         predict_split: Which split `predict` runs on: "test", "validation" or "train".
         num_workers: DataLoader worker processes.
         pin_memory: Pin host memory for faster copies to the GPU (only used when a GPU is present).
+        prefetch_to_device: On a GPU, copy each batch to it one batch ahead on a side CUDA stream
+            (bertaccel.data.loader.DeviceLoader); false: Lightning copies it before the step.
         worker_sharing: How workers hand batches over (`file_system`: by shared-memory file name, the
             default; `file_descriptor`: PyTorch's Linux default, a socket per tensor; null: leave
             PyTorch's setting). Process-wide; see bertaccel.data.loader.set_worker_sharing.
@@ -112,6 +115,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         predict_split: str = "test",
         num_workers: int = 0,
         pin_memory: bool = True,
+        prefetch_to_device: bool = True,
         worker_sharing: str | None = "file_system",
         seed: int = 42,
         cache_dir: str | None = None,
@@ -145,6 +149,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         self.predict_split = predict_split
         self.num_workers, self.pin_memory, self.seed = num_workers, pin_memory, seed
         self.worker_sharing = check_worker_sharing(worker_sharing)
+        self.prefetch_to_device = prefetch_to_device
         self.cache_dir = cache_dir
         self.hub_config = hub_config
         self._num_labels = num_labels
@@ -351,7 +356,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             fixed=not train,
         )
 
-    def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DataLoader] = DataLoader,
+    def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DeviceLoader] = DeviceLoader,
                 sampler: EpochSampler | None = None, **loader_kwargs) -> DataLoader:
         ds = self.datasets[split]
         sampler = sampler or self._sampler(split, batch_size, train)
@@ -366,6 +371,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             collate_fn=self.collator(batch_size),
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
+            device=loader_device(self.trainer, self.prefetch_to_device),
             persistent_workers=workers > 0,
             # worker seeds from the loader's own generator: making an iterator does not draw from the
             # global RNG, whose state checkpoints carry (exact resume with dropout)

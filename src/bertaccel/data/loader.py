@@ -1,4 +1,13 @@
-"""`ResumableDataLoader`: a DataLoader whose place in the epoch goes into checkpoints.
+"""`DeviceLoader`: a DataLoader that copies batches to the GPU one batch ahead on a side stream;
+`ResumableDataLoader`: one whose place in the epoch also goes into checkpoints.
+
+Copying ahead: Lightning copies each batch to the GPU on the compute stream right before its step
+(non_blocking from pinned memory, so the host does not wait, but on the GPU the copy queues behind
+the previous step and the step behind the copy). `DeviceLoader` issues the copy of batch N+1 on a
+side stream when batch N is handed out, so the copy engine runs it while step N computes; the step
+of batch N+1 waits for its copy with an event, and the batch's memory is marked as used by the
+compute stream (`record_stream`) so the allocator does not hand it out early. Lightning's own
+transfer then finds the tensors on the device and does nothing.
 
 Lightning saves `state_dict()` of a training loader that has one and hands it back through
 `load_state_dict()` on `fit --ckpt_path ...`. The state is (epoch, batches already trained on in
@@ -22,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
@@ -55,18 +65,70 @@ def set_worker_sharing(strategy: str | None, workers: int) -> None:
         rank_zero_info(f"bertaccel: DataLoader workers share batches by '{strategy}' (data.worker_sharing).")
 
 
-class ResumableDataLoader(DataLoader):
+def prefetch_to_device(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
+    """Yield `batches` moved to the CUDA `device`, each copied on a side stream one batch ahead."""
+    stream = torch.cuda.Stream(device)
+
+    def send(batch: Any) -> tuple[Any, torch.cuda.Event]:
+        with torch.cuda.stream(stream):
+            moved = move_data_to_device(batch, device)  # non_blocking from pinned memory
+        return moved, stream.record_event()
+
+    def receive(moved: Any, copied: torch.cuda.Event) -> Any:
+        here = torch.cuda.current_stream(device)
+        here.wait_event(copied)
+        apply_to_collection(moved, torch.Tensor, lambda t: t.record_stream(here) if t.is_cuda else None)
+        return moved
+
+    ahead = None
+    for batch in batches:
+        sent = send(batch)
+        if ahead is not None:
+            yield receive(*ahead)
+        ahead = sent
+    if ahead is not None:
+        yield receive(*ahead)
+
+
+class DeviceLoader(DataLoader):
+    """A DataLoader whose batches arrive on `device`, copied one batch ahead on a side CUDA stream
+    (see the module docstring). `device` None or not a GPU: a plain DataLoader."""
+
+    def __init__(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = device  # an attribute of this name: Lightning rebuilds loaders from their attributes
+
+    def host_batches(self) -> Iterator[Any]:
+        return super().__iter__()
+
+    def __iter__(self) -> Iterator[Any]:
+        it = self.host_batches()
+        device = torch.device(self.device) if self.device is not None else None
+        if device is None or device.type != "cuda":
+            return it
+        return prefetch_to_device(it, device)
+
+
+def loader_device(trainer, enabled: bool) -> torch.device | None:
+    """The device a data module's loaders copy ahead to: the trainer's GPU, when `enabled`."""
+    if not enabled or trainer is None:
+        return None
+    device = trainer.strategy.root_device
+    return device if device.type == "cuda" else None
+
+
+class ResumableDataLoader(DeviceLoader):
     """A DataLoader with `state_dict` / `load_state_dict` for mid-epoch resume.
 
     `progress` (from the data module) returns (epoch, batches trained on in it) for the running fit;
-    `epoch_sampler` is the sampler whose epoch follows the trainer's.
+    `epoch_sampler` is the sampler whose epoch follows the trainer's; `device` as in `DeviceLoader`.
     """
 
     _resume: tuple[int, int] | None = None
 
     def __init__(self, *args: Any, progress: Callable[[], tuple[int, int]] | None = None,
-                 epoch_sampler: Any = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+                 epoch_sampler: Any = None, device: torch.device | str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, device=device, **kwargs)
         self.progress = progress
         self.epoch_sampler = epoch_sampler  # the EpochSampler, possibly wrapped by Lightning under DDP
 
@@ -80,10 +142,10 @@ class ResumableDataLoader(DataLoader):
         if state:
             self._resume = (int(state["epoch"]), int(state["batches_done"]))
 
-    def __iter__(self) -> Iterator[Any]:
+    def host_batches(self) -> Iterator[Any]:
         if self.progress is not None and self.epoch_sampler is not None:
             self.epoch_sampler.set_epoch(self.progress()[0])
-        it = super().__iter__()
+        it = super().host_batches()
         if self._resume is not None and self.progress is not None:
             epoch, done = self._resume
             if epoch != self.progress()[0]:

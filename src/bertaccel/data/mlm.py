@@ -10,8 +10,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bertaccel.data.masking import IGNORE_INDEX, continuation_table, mask_tokens, special_table
-from bertaccel.data.loader import ResumableDataLoader, check_worker_sharing, fit_progress, set_worker_sharing
+from bertaccel.data.masking import IGNORE_INDEX, block_keys, continuation_table, mask_blocks, special_table
+from bertaccel.data.loader import (DeviceLoader, ResumableDataLoader, check_worker_sharing, fit_progress,
+                                   loader_device, set_worker_sharing)
 from bertaccel.data.samplers import FILLER, EpochSampler, shard_for_ranks
 from bertaccel.data.sources import (TEXT_SUFFIXES, TABLE_SUFFIXES, find_split_file, load_hub_dataset, looks_like_path,
                                      read_text_documents)
@@ -43,7 +44,11 @@ def pack_blocks(docs_ids, block_size: int, cls_id: int, sep_id: int) -> torch.Te
 
 
 class MaskedBlocks(Dataset):
-    """Blocks of token ids; item `(epoch, i)` is block i with the masks of that epoch."""
+    """Blocks of token ids; item `(epoch, i)` is block i with the masks of that epoch.
+
+    The DataLoader fetches a batch through `__getitems__`: one vectorized masking of all its blocks
+    (see bertaccel.data.masking), the same masks block by block as `__getitem__` gives.
+    """
 
     def __init__(self, blocks: torch.Tensor, masking: dict, seed: int, fixed_epoch: int | None = None) -> None:
         self.blocks, self.masking, self.seed, self.fixed_epoch = blocks, masking, seed, fixed_epoch
@@ -52,15 +57,25 @@ class MaskedBlocks(Dataset):
         return self.blocks.shape[0]
 
     def __getitem__(self, key) -> dict:
-        epoch, i = key if isinstance(key, tuple) else (0, key)
-        if i == FILLER:  # evaluation under DDP: a rank's share padded to the others' length
-            ids = self.blocks[0].long()
-            return {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX), "filler": True}
-        if self.fixed_epoch is not None:
-            epoch = self.fixed_epoch
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + i)
-        ids, labels = mask_tokens(self.blocks[i], g, **self.masking)
-        return {"input_ids": ids, "labels": labels}
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list) -> list[dict]:
+        pairs = [key if isinstance(key, tuple) else (0, key) for key in keys]
+        rows: list[dict | None] = [None] * len(pairs)
+        by_epoch: dict[int, list[tuple[int, int]]] = {}  # epoch -> [(position in batch, block)]
+        for pos, (epoch, i) in enumerate(pairs):
+            if i == FILLER:  # evaluation under DDP: a rank's share padded to the others' length
+                ids = self.blocks[0].long()
+                rows[pos] = {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX), "filler": True}
+            else:
+                epoch = self.fixed_epoch if self.fixed_epoch is not None else epoch
+                by_epoch.setdefault(epoch, []).append((pos, i))
+        for epoch, members in by_epoch.items():
+            index = torch.tensor([i for _, i in members], dtype=torch.long)
+            ids, labels = mask_blocks(self.blocks[index], block_keys(self.seed, epoch, index), **self.masking)
+            for (pos, _), row_ids, row_labels in zip(members, ids, labels):
+                rows[pos] = {"input_ids": row_ids, "labels": row_labels}
+        return rows
 
 
 class _EpochTagged(EpochSampler):
@@ -110,6 +125,8 @@ class MLMDataModule(pl.LightningDataModule):
         val_size: Fraction of the training blocks held out when there is no validation split.
         max_train_documents: Use only the first N training documents (quick runs).
         num_workers: DataLoader worker processes.
+        prefetch_to_device: On a GPU, copy each batch to it one batch ahead on a side CUDA stream
+            (bertaccel.data.loader.DeviceLoader); false: Lightning copies it before the step.
         worker_sharing: How workers hand batches over: `file_system` (default), `file_descriptor`
             (PyTorch's Linux default) or null; see bertaccel.data.loader.set_worker_sharing.
         seed: Seed for masks, shuffling and the validation split.
@@ -135,6 +152,7 @@ class MLMDataModule(pl.LightningDataModule):
         val_size: float = 0.05,
         max_train_documents: int | None = None,
         num_workers: int = 0,
+        prefetch_to_device: bool = True,
         worker_sharing: str | None = "file_system",
         seed: int = 42,
         cache_dir: str | None = None,
@@ -158,6 +176,7 @@ class MLMDataModule(pl.LightningDataModule):
         self.max_train_documents = max_train_documents
         self.num_workers, self.seed, self.cache_dir = num_workers, seed, cache_dir
         self.worker_sharing = check_worker_sharing(worker_sharing)
+        self.prefetch_to_device = prefetch_to_device
         self.datasets: dict[str, MaskedBlocks] = {}
 
     @property
@@ -248,7 +267,7 @@ class MLMDataModule(pl.LightningDataModule):
         }
         log.info("MLM data: %d train / %d validation blocks of %d tokens", train.shape[0], val.shape[0], self.block_size)
 
-    def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DataLoader] = DataLoader,
+    def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DeviceLoader] = DeviceLoader,
                 sampler: EpochSampler | None = None, **loader_kwargs) -> DataLoader:
         ds = self.datasets[split]
         set_worker_sharing(self.worker_sharing, self.num_workers)
@@ -263,6 +282,7 @@ class MLMDataModule(pl.LightningDataModule):
             collate_fn=_collate,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
+            device=loader_device(self.trainer, self.prefetch_to_device),
             persistent_workers=self.num_workers > 0,
             # worker seeds from the loader's own generator: making an iterator does not draw from the
             # global RNG, whose state checkpoints carry (exact resume with dropout)
