@@ -20,6 +20,7 @@ Variants:
   A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers); ":bN"
   (cli-graphs:b256) pads to length buckets every N tokens (one bucket when N = max_length); ":cast"
   turns `model.bf16_weight_copies` off (autocast casts each fp32 weight in every graphed step);
+  ":attn" runs `model.attn_implementation: bertaccel` (our attention kernel on the padded batches);
   ":flash" / ":sdpa" run unpadded attention on PyTorch's FlashAttention varlen / re-padded SDPA instead
   of our kernel (BERTACCEL_VARLEN_ATTENTION).
 
@@ -209,11 +210,13 @@ def main(argv=None) -> None:
                     extra += ["--data.init_args.length_buckets", o[1:]]
                 elif o == "cast":
                     extra += ["--model.init_args.bf16_weight_copies", "false"]
+                elif o == "attn":
+                    extra += ["--model.init_args.attn_implementation", "bertaccel"]
                 elif o in ("flash", "sdpa"):
                     env["BERTACCEL_VARLEN_ATTENTION"] = o
                 else:
                     raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
-                                     "every N tokens, cast: no bf16 weight copies, flash / sdpa: unpadded attention "
+                                     "every N tokens, cast: no bf16 weight copies, attn: our attention on padded batches, flash / sdpa: unpadded attention "
                                      "by PyTorch's kernels)")
             results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)

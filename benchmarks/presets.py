@@ -85,6 +85,7 @@ def run_preset(args, name: str) -> dict:
         "peak_memory_gb": stats.get("peak_memory_gb"),
         "mfu": stats.get("mfu"),
         "data_wait_ms_mean": stats.get("data_wait_ms_mean"),
+        "gpu_step_fraction": stats.get("gpu_step_fraction"),
         "val_loss_by_step": val,
         "val_loss_by_time_s": [(step * step_s, loss) for step, loss in val],
         "process_wall_s": time.perf_counter() - t0,

@@ -44,7 +44,7 @@ if has attn_tests; then  # the fused varlen attention: build, its cuda tests and
   echo "attention tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/attn_tests.log" | head -40
 fi
 if has data_tests; then  # cuda tests of the data pipeline (prefetch to the GPU, masks on the GPU) + host masking cost
-  python -u -m pytest -m cuda tests/data -q -p no:cacheprovider > "$OUT/data_tests.log" 2>&1
+  python -u -m pytest -m cuda tests/data tests/callbacks -q -p no:cacheprovider > "$OUT/data_tests.log" 2>&1
   echo "data tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/data_tests.log" | head -20
   python -m benchmarks.bench_masking --vocab .carry/minilm/vocab.txt --out "$OUT/masking.json" 2>&1 | tail -8
 fi

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, BertForSequenceClassification
@@ -121,3 +123,38 @@ def test_profiler_schedule_fits_a_short_stage(tiny_config, tmp_path, caplog):
     summary = json.loads((prof / "test_profile_summary.json").read_text())
     regions = summary["regions"]
     assert regions["embeddings"]["calls"] == 1 and regions["layer0.attention"]["calls"] == 1  # one whole forward
+
+
+@pytest.mark.cuda
+def test_gpu_step_fraction_shows_a_gpu_waiting_for_the_host(tiny_data, tmp_path):
+    """`gpu_step_fraction`: the steps' GPU time over the wall time. A host that sleeps 50 ms between
+    tiny steps leaves the GPU idle most of the time: the fraction must say so."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    import time
+
+    import lightning.pytorch as pl
+
+    from bertaccel.callbacks.throughput import ThroughputMeter
+    from bertaccel.data import TextClassificationDataModule
+    from bertaccel.modules import BertClassifier
+    from tests.conftest import TINY_BERT
+
+    class SlowHost(pl.Callback):
+        def on_train_batch_end(self, *args):
+            time.sleep(0.05)
+
+    fractions = {}
+    for name, extra in (("plain", []), ("slow host", [SlowHost()])):
+        pl.seed_everything(1)
+        meter = ThroughputMeter(enabled=True, warmup_steps=2)
+        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2)
+        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                          batch_size=16, val_size=0.2)
+        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                             limit_val_batches=0, callbacks=[meter, *extra])
+        trainer.fit(model, datamodule=dm)
+        fractions[name] = meter.results["train"]["gpu_step_fraction"]
+    assert 0 < fractions["plain"] <= 1.05, fractions
+    assert fractions["slow host"] < 0.5 and fractions["slow host"] < fractions["plain"], fractions

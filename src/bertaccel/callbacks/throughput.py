@@ -8,6 +8,9 @@ How it stays honest:
   time a stage's loop runs: the training clock stops (synchronized) when validation starts or an
   epoch ends, so validation, checkpoint saving and epoch-end work are not charged to training;
 - real tokens are the attention mask's ones (padding excluded), summed on the device and read lazily;
+- the host's wait for the next batch (`data_wait_ms_mean`) is not the GPU's: with steps queued on the
+  GPU the host may wait without the GPU waiting. `gpu_step_fraction` (the steps' GPU time over the
+  wall time) says whether the GPU waited: ~1.0, it did not;
 - the first `warmup_steps` of every stage (compilation, cuDNN autotune, allocator growth) are excluded;
 - under DDP the numbers are global: samples, tokens and FLOPs summed over ranks, over the slowest
   rank's time; step times are each rank's own (`step_ms_p50_per_rank`);
@@ -189,7 +192,7 @@ class ThroughputMeter(pl.Callback):
             return {}
         self._sync(trainer)
         self._read_events(st)
-        elapsed = self._elapsed(st)
+        elapsed = elapsed_own = self._elapsed(st)
         samples, real, padded, flops = float(st.samples), float(st.real), float(st.padded), float(st.flops)
         p50 = percentile(st.step_ms, 0.5)
         world = trainer.world_size
@@ -217,6 +220,9 @@ class ThroughputMeter(pl.Callback):
             "step_ms_p50": p50,
             "step_ms_p90": percentile(st.step_ms, 0.9),
             "data_wait_ms_mean": 1e3 * st.wait_s / max(st.steps - self.warmup_steps, 1),
+            # this rank's steps' GPU time (events) over the wall time: ~1 when the GPU sets the pace (the
+            # host's data wait was hidden behind queued steps), lower when the GPU waited for the host
+            "gpu_step_fraction": 1e-3 * sum(st.step_ms) / elapsed_own if self._cuda(trainer) else float("nan"),
             "tflops_per_s": flops / elapsed / 1e12,
             "world_size": float(world),
         }

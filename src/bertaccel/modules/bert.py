@@ -11,7 +11,7 @@ from transformers import BertConfig, PreTrainedModel
 from bertaccel.errors import ConfigError
 from bertaccel.pretrained import _offline_advice, resolve_model_path
 
-ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "bertaccel")
 QK_NORMS = (None, "layernorm", "rmsnorm")
 
 
@@ -63,6 +63,10 @@ def build_bert(
         raise ConfigError(
             f"attn_implementation '{attn_implementation}' is not one of {ATTENTION_IMPLEMENTATIONS}."
         )
+    if attn_implementation == "bertaccel":
+        from bertaccel.modules.hf_attention import register
+
+        register()
     fields = {**(config or {}), **{k: v for k, v in config_overrides.items() if v is not None}}
     qk_norm = fields.pop("qk_norm", None)
     if qk_norm not in QK_NORMS:

@@ -26,7 +26,8 @@ class BertClassifier(BertModule):
             overrides such as dropout probabilities for a pretrained model.
         num_labels: Number of classes; linked from the data module, no need to set it.
         vocab_size: Tokenizer size; linked from the data module, used for random init.
-        attn_implementation: "sdpa" (PyTorch scaled_dot_product_attention) or "eager".
+        attn_implementation: "sdpa" (PyTorch scaled_dot_product_attention), "eager", or "bertaccel"
+            (our fused attention kernel on padded batches; bertaccel.modules.hf_attention).
         lr: Peak AdamW learning rate.
         weight_decay: AdamW weight decay (not applied to biases and LayerNorm weights).
         warmup_ratio: Fraction of the training steps spent warming the learning rate up linearly.
@@ -63,7 +64,7 @@ class BertClassifier(BertModule):
         config: dict[str, Any] | None = None,
         num_labels: int = 2,
         vocab_size: int | None = None,
-        attn_implementation: Literal["eager", "sdpa"] = "sdpa",
+        attn_implementation: Literal["eager", "sdpa", "bertaccel"] = "sdpa",
         lr: float = 2e-5,
         weight_decay: float = 0.01,
         warmup_ratio: float = 0.06,

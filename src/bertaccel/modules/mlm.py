@@ -28,7 +28,8 @@ class BertMLM(BertModule):
         pretrained: Hub name or local directory of a BERT checkpoint; None: random init from `config`.
         config: `BertConfig` fields for random init (BERT-base when empty).
         vocab_size: Tokenizer size; linked from the data module.
-        attn_implementation: "sdpa" or "eager".
+        attn_implementation: "sdpa" (PyTorch scaled_dot_product_attention), "eager", or "bertaccel"
+            (our fused attention kernel on padded batches; bertaccel.modules.hf_attention).
         lr: Peak AdamW learning rate.
         weight_decay: AdamW weight decay (not on biases and LayerNorm weights).
         warmup_ratio: Fraction of steps for linear warm-up.
@@ -58,7 +59,7 @@ class BertMLM(BertModule):
         pretrained: str | None = None,
         config: dict[str, Any] | None = None,
         vocab_size: int | None = None,
-        attn_implementation: Literal["eager", "sdpa"] = "sdpa",
+        attn_implementation: Literal["eager", "sdpa", "bertaccel"] = "sdpa",
         lr: float = 1e-4,
         weight_decay: float = 0.01,
         warmup_ratio: float = 0.06,

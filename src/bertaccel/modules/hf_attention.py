@@ -1,0 +1,121 @@
+"""`attn_implementation: bertaccel`: our fused attention kernel inside Hugging Face's BERT.
+
+Registered the transformers way (`AttentionInterface` / `AttentionMaskInterface`), so every
+`BertSelfAttention` - and the kernel swap's `FusedQKVSelfAttention` - calls `attention_forward`
+with q, k, v of shape [batch, heads, seq, head_dim] and the mask `padding_mask` made.
+
+How a padded batch meets a varlen kernel, without a host sync (so the step stays capturable in a
+CUDA graph): a stable sort of the flattened 2-D padding mask puts every sequence's real tokens first,
+in order; the packed q, k, v are gathered in that order, sequence b at rows cu_seqlens[b] ..
+cu_seqlens[b + 1] (cu_seqlens: the cumulative sum of the row lengths, on the device); the padding
+rows after cu_seqlens[-1] are fillers that the kernel writes as zeros; the inverse permutation puts
+the outputs back. Nothing depends on the number of real tokens on the host; the shapes are the
+padded batch's. A batch without a mask (attention_mask None) is read in place as B sequences of S.
+
+Padding query positions come out as zeros (SDPA gives them an average over the real keys); nothing
+reads them - the pooler takes [CLS], the losses skip padding - and the real positions match SDPA.
+
+Falls back to PyTorch's SDPA, said once per reason: not on a GPU, a dtype or head dim the kernel
+does not take, causal or cross attention, `output_attentions` (then eager, which returns weights).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+NAME = "bertaccel"
+_told: set[str] = set()
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
+    """The mask `attention_forward` takes: the 2-D padding mask (bool, True = token) as given, or None.
+    Unlike transformers' flash-attention mask this does not ask the GPU whether there is padding (that
+    `.all()` is a host sync, which a CUDA graph cannot capture)."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, -kv_length:].bool()
+
+
+def _tell(reason: str) -> None:
+    if reason not in _told and not torch.compiler.is_compiling():
+        _told.add(reason)
+        log.warning("bertaccel attention runs PyTorch's instead: %s.", reason)
+
+
+def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions, **kwargs):
+    if output_attentions:
+        from transformers.models.bert.modeling_bert import eager_attention_forward
+
+        additive = None
+        if attention_mask is not None:
+            additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+            additive = additive.masked_fill(~attention_mask, torch.finfo(query.dtype).min)[:, None, None, :]
+        return eager_attention_forward(module, query, key, value, additive, dropout=dropout, scaling=scaling)
+    mask = attention_mask[:, None, None, :] if attention_mask is not None else None
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                         is_causal=bool(is_causal) and mask is None and query.shape[2] > 1)
+    return out.transpose(1, 2), None
+
+
+def packing_order(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For a [B, S] padding mask: (order, inverse, cu_seqlens). `order` lists the flattened positions
+    real tokens first (row by row, in order), then the padding; `inverse` undoes it; cu_seqlens
+    (int32, B + 1) are the packed sequences' bounds. No host sync."""
+    flat = attention_mask.reshape(-1)
+    order = torch.argsort((~flat).to(torch.uint8), stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    lengths = attention_mask.sum(1, dtype=torch.int32)
+    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return order, inverse, cu_seqlens
+
+
+def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                      **kwargs) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention-function signature: q, k, v [B, H, S, D] -> ([B, S, H, D], weights)."""
+    from bertaccel.ops.attention import kernel_unavailable, varlen_attention
+
+    output_attentions = bool(kwargs.pop("output_attentions", False) or
+                             getattr(getattr(module, "config", None), "output_attentions", False))
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", False)
+    B, H, S, D = query.shape
+    reason = None
+    if output_attentions:
+        reason = "output_attentions asks for the attention weights (eager attention)"
+    elif is_causal:
+        reason = "causal attention (BERT as a decoder)"
+    elif key.shape[2] != S:
+        reason = "cross attention (keys of another length)"
+    if reason is None:
+        # [B, H, S, D] -> [B*S, H, D]: views of the projection's [B, S, H*D] output (no copy)
+        q, k, v = (t.transpose(1, 2).reshape(B * S, H, D) for t in (query, key, value))
+        reason = kernel_unavailable(q, k, v)
+    if reason is not None:
+        _tell(reason)
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                         output_attentions, **kwargs)
+    if attention_mask is None:
+        cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
+        out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
+        return out.view(B, S, H, D), None
+    order, inverse, cu_seqlens = packing_order(attention_mask)
+    out = varlen_attention(q[order], k[order], v[order], cu_seqlens, S, dropout, scaling)
+    return out[inverse].view(B, S, H, D), None
+
+
+def register() -> None:
+    """Make `attn_implementation="bertaccel"` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, padding_mask)

@@ -1,0 +1,173 @@
+"""`attn_implementation: bertaccel`: our attention kernel behind transformers' AttentionInterface, on
+padded batches (packing order from the mask, no host sync), against SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bertaccel.modules import hf_attention
+from bertaccel.modules.hf_attention import attention_forward, packing_order
+from tests.conftest import TINY_BERT
+
+
+def random_mask(B: int, S: int, seed: int = 0, left: bool = False) -> torch.Tensor:
+    """Padding masks with lengths 1 .. S (one full row, one of length 1)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, S + 1, (B,), generator=g)
+    lengths[0], lengths[-1] = S, 1
+    mask = torch.arange(S)[None, :] < lengths[:, None]
+    return mask.flip(1) if left else mask
+
+
+@pytest.fixture
+def packed_on_cpu(monkeypatch):
+    """Run the packed path on CPU (the varlen op's CPU reference kernel) instead of falling back."""
+    import bertaccel.ops.attention as attention
+
+    monkeypatch.setattr(attention, "kernel_unavailable", lambda q, k, v: None)
+
+
+def test_packing_order_puts_each_rows_tokens_first_in_order():
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 1, 0]], dtype=torch.bool)
+    order, inverse, cu = packing_order(mask)
+    assert order[:7].tolist() == [0, 1, 5, 6, 7, 8, 10]  # real positions, row by row
+    assert sorted(order[7:].tolist()) == [2, 3, 4, 9, 11]
+    assert cu.tolist() == [0, 2, 5, 7] and cu.dtype == torch.int32
+    assert torch.equal(order[inverse], torch.arange(12))
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_packed_path_equals_sdpa_on_real_positions(packed_on_cpu, left):
+    B, H, S, D = 5, 3, 11, 16
+    g = torch.Generator().manual_seed(1)
+    # q, k, v as BERT makes them: views of [B, S, H*D] projections
+    q, k, v = (torch.randn(B, S, H * D, generator=g, dtype=torch.float64).view(B, S, H, D).transpose(1, 2)
+               .requires_grad_() for _ in range(3))
+    mask = random_mask(B, S, left=left)
+    out, weights = attention_forward(None, q, k, v, mask, dropout=0.0, scaling=D**-0.5)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2)
+    assert weights is None and out.shape == (B, S, H, D)
+    real = mask[:, :, None, None]
+    torch.testing.assert_close(out * real, ref * real, rtol=1e-5, atol=1e-6)
+    assert (out[~mask] == 0).all()  # padding query rows: zeros
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64) * real  # nothing reads padding rows
+    ours = torch.autograd.grad(out, (q, k, v), grad)
+    theirs = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_no_mask_reads_q_k_v_in_place(packed_on_cpu):
+    B, H, S, D = 2, 2, 7, 8
+    q, k, v = (torch.randn(B, S, H * D, dtype=torch.float64).view(B, S, H, D).transpose(1, 2) for _ in range(3))
+    out, _ = attention_forward(None, q, k, v, None, scaling=0.3)
+    ref = F.scaled_dot_product_attention(q, k, v, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)  # the CPU reference computes in fp32
+
+
+def test_fallbacks_say_why_and_match_sdpa(caplog):
+    hf_attention._told.clear()
+    B, H, S, D = 2, 2, 6, 8
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    mask = random_mask(B, S)
+    with caplog.at_level("WARNING"):
+        out, weights = attention_forward(None, q, k, v, mask, scaling=D**-0.5)  # CPU: not a CUDA tensor
+    assert "not a CUDA tensor" in caplog.text and weights is None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+
+    class Module(torch.nn.Module):  # eager_attention_forward reads module.training
+        pass
+
+    out, weights = attention_forward(Module(), q, k, v, mask, scaling=D**-0.5, output_attentions=True)
+    assert weights is not None and weights.shape == (B, H, S, S)
+    assert torch.allclose(weights.sum(-1), torch.ones(B, H, S)) and (weights[0, :, :, ~mask[0]] == 0).all()
+    torch.testing.assert_close(out, ref)
+
+
+def test_bert_classifier_with_bertaccel_attention_equals_sdpa(packed_on_cpu):
+    """The whole model, the transformers way (`attn_implementation: bertaccel`), same weights."""
+    from bertaccel.modules import BertClassifier
+
+    torch.manual_seed(0)
+    config = dict(TINY_BERT, num_hidden_layers=2)
+    models = {impl: BertClassifier(config=config, vocab_size=100, num_labels=3, attn_implementation=impl)
+              for impl in ("sdpa", "bertaccel")}
+    models["bertaccel"].model.load_state_dict(models["sdpa"].model.state_dict())
+    assert models["bertaccel"].model.config._attn_implementation == "bertaccel"
+    ids = torch.randint(5, 100, (4, 13))
+    mask = random_mask(4, 13, seed=3).long()
+    logits = {}
+    for impl, m in models.items():
+        m.train(False)
+        logits[impl] = m.model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits["bertaccel"], logits["sdpa"], rtol=1e-4, atol=1e-5)
+
+
+def _bf16_case(B, S, H, D, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(B, S, 3, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # strided views, like the fused QKV swap
+    return q, k, v, random_mask(B, S, seed=seed).cuda()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("S", [128, 197])
+def test_kernel_error_at_most_twice_sdpa_bf16_error(D, S):
+    hf_attention._told.clear()
+    B, H = 6, 4
+    q, k, v = (t.detach().requires_grad_() for t in _bf16_case(B, S, H, D, seed=D + S)[:3])
+    mask = _bf16_case(B, S, H, D, seed=D + S)[3]
+    real = mask[:, :, None, None]
+    grad = torch.randn(B, S, H, D, device="cuda").to(torch.bfloat16) * real
+
+    def run(fn, *inputs):
+        out = fn(*inputs)
+        return (out, *torch.autograd.grad(out, inputs, grad.to(out.dtype)))
+
+    ours = run(lambda q, k, v: attention_forward(None, q, k, v, mask, scaling=D**-0.5)[0], q, k, v)
+    assert not hf_attention._told, hf_attention._told  # the kernel ran
+    sdpa = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2),
+               q, k, v)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2),
+              q64, k64, v64)
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, sdpa, ref):
+        keep = real if name in ("out", "dq") else torch.ones_like(real)  # padding query rows: ours are zeros
+        err = ((a.double() - r) * keep).abs().max().item()
+        err_sdpa = ((b.double() - r) * keep).abs().max().item()
+        assert err <= 2 * err_sdpa + 1e-6, (name, err, err_sdpa)
+
+
+@pytest.mark.cuda
+def test_padded_batches_replay_in_a_cuda_graph():
+    """Packing order and cu_seqlens live on the GPU: a captured forward + backward replays correctly
+    for a new mask with other lengths."""
+    B, S, H, D = 4, 96, 4, 64
+    q, k, v, mask = _bf16_case(B, S, H, D, seed=0)
+    static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    static_mask = mask.clone()
+
+    def step():
+        out = attention_forward(None, *static, static_mask, scaling=D**-0.5)[0]
+        return out, torch.autograd.grad(out.float().sum(), static)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, grads = step()
+    q2, k2, v2, mask2 = _bf16_case(B, S, H, D, seed=5)
+    for t, new in zip(static, (q2, k2, v2)):
+        t.detach().copy_(new)
+    static_mask.copy_(mask2)
+    graph.replay()
+    want = attention_forward(None, *(t.detach().requires_grad_() for t in (q2, k2, v2)), mask2, scaling=D**-0.5)[0]
+    torch.testing.assert_close(out, want)
+    assert not torch.equal(mask2, mask)
