@@ -1,6 +1,7 @@
 """Attention forward + backward on padded batches: SDPA's backends with the key-padding mask against
 the varlen kernels on the packed real tokens (what `model.unpadded` runs): ours (bertaccel,
-csrc/attention.cu) and PyTorch's FlashAttention-2 varlen.
+csrc/attention.cu) and PyTorch's FlashAttention-2 varlen; and ours on the padded batch as
+`attn_implementation: bertaccel` runs it (packing order from the mask, gathers in and out).
 
     python -m benchmarks.bench_attention --out bench_results/attention.json
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import cuda_time_ms, environment, graph_time_ms, print_table, write_json
+from bertaccel.modules.hf_attention import attention_forward
 from bertaccel.modules.unpadded import Unpadded, _FlashVarlen
 from bertaccel.ops import attention, build
 
@@ -60,7 +62,9 @@ def run_cell(cell: str) -> list[dict]:
     layout = Unpadded.from_mask(mask.long())
     flops = 3.5 * 4 * float((lengths.double() ** 2).sum()) * heads * d
     rows = []
-    qp, kp, vp = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    # padded q, k, v as HF's BERT hands them to attention: [B, H, S, D] views of [B, S, H, D] projections
+    qs, ks, vs = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    qp, kp, vp = (t.transpose(1, 2) for t in (qs, ks, vs))
     dp = torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16)
     key_padding = None if kind == "full" else mask[:, None, None, :]
 
@@ -85,7 +89,19 @@ def run_cell(cell: str) -> list[dict]:
             with torch.no_grad():
                 sdpa()
 
-        add(name, sdpa_fwd, lambda sdpa=sdpa: torch.autograd.grad(sdpa(), (qp, kp, vp), dp))
+        add(name, sdpa_fwd, lambda sdpa=sdpa: torch.autograd.grad(sdpa(), (qs, ks, vs), dp))
+    if build.load_attention():  # attn_implementation: bertaccel (packing order from the mask, every call)
+        padding = None if kind == "full" else mask
+
+        def padded():
+            return attention_forward(None, qp, kp, vp, padding, scaling=d ** -0.5)[0]
+
+        def padded_fwd():
+            with torch.no_grad():
+                padded()
+
+        add("bertaccel (padded, hf interface)", padded_fwd,
+            lambda: torch.autograd.grad(padded(), (qs, ks, vs), dp.transpose(1, 2)))
     q, k, v = (torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16)
     cu, scale = layout.cu_seqlens, d ** -0.5
