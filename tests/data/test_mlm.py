@@ -31,6 +31,16 @@ def test_packing_wraps_blocks_in_cls_sep_and_keeps_the_stream():
     assert blocks[:, 1:-1].reshape(-1).tolist() == stream[:18].tolist()
 
 
+@pytest.fixture
+def sample_mlm(tmp_path):
+    """An MLMDataModule on 300 lines of the shipped sample text, blocks of 32, set up for fit."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(line for line in (SAMPLE / "train.jsonl").read_text().splitlines()[:300]))
+    m = MLMDataModule(train_files=[str(corpus)], tokenizer="sample:sentiment", block_size=32, batch_size=4)
+    m.setup("fit")
+    return m
+
+
 def random_blocks(tok, n=400, T=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     special = special_table(tok)
@@ -144,12 +154,8 @@ def test_masks_on_the_gpu_equal_the_cpu_masks(tok):
         assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
 
 
-def test_dataset_batches_equal_single_items(tmp_path):
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("\n".join(line for line in (SAMPLE / "train.jsonl").read_text().splitlines()[:300]))
-    m = MLMDataModule(train_files=[str(corpus)], tokenizer="sample:sentiment", block_size=32, batch_size=4)
-    m.setup("fit")
-    ds = m.datasets["train"]
+def test_dataset_batches_equal_single_items(sample_mlm):
+    ds = sample_mlm.datasets["train"]
     keys = [(1, 7), (1, 2), (2, 7), (1, 9)]
     for key, row in zip(keys, ds.__getitems__(keys)):
         single = ds[key]
@@ -157,11 +163,8 @@ def test_dataset_batches_equal_single_items(tmp_path):
     assert not torch.equal(ds[(1, 7)]["labels"], ds[(2, 7)]["labels"])
 
 
-def test_masks_are_new_each_epoch_and_reproducible(tmp_path):
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("\n".join(line for line in (SAMPLE / "train.jsonl").read_text().splitlines()[:300]))
-    m = MLMDataModule(train_files=[str(corpus)], tokenizer="sample:sentiment", block_size=32, batch_size=4)
-    m.setup("fit")
+def test_masks_are_new_each_epoch_and_reproducible(sample_mlm):
+    m = sample_mlm
     ds = m.datasets["train"]
     assert torch.equal(ds[(0, 5)]["labels"], ds[(0, 5)]["labels"])
     assert not torch.equal(ds[(0, 5)]["labels"], ds[(1, 5)]["labels"])

@@ -3,12 +3,14 @@ padded batches (packing order from the mask, no host sync), against SDPA."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from bertaccel.modules import hf_attention
 from bertaccel.modules.hf_attention import attention_forward, packing_order
+from bertaccel.ops import eligibility
 from tests.conftest import TINY_BERT
 
 
@@ -67,21 +69,22 @@ def test_no_mask_reads_q_k_v_in_place(packed_on_cpu):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)  # the CPU reference computes in fp32
 
 
-def test_fallbacks_say_why_and_match_sdpa(caplog):
-    hf_attention._told.clear()
+def test_fallbacks_say_why_and_match_sdpa(monkeypatch):
+    monkeypatch.setattr(eligibility, "_warned", set())
     B, H, S, D = 2, 2, 6, 8
     q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
     mask = random_mask(B, S)
-    with caplog.at_level("WARNING"):
+    with pytest.warns(UserWarning, match="attention uses PyTorch: not a CUDA tensor"):
         out, weights = attention_forward(None, q, k, v, mask, scaling=D**-0.5)  # CPU: not a CUDA tensor
-    assert "not a CUDA tensor" in caplog.text and weights is None
+    assert weights is None
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2)
     torch.testing.assert_close(out, ref)
 
     class Module(torch.nn.Module):  # eager_attention_forward reads module.training
         pass
 
-    out, weights = attention_forward(Module(), q, k, v, mask, scaling=D**-0.5, output_attentions=True)
+    with pytest.warns(UserWarning, match="output_attentions"):
+        out, weights = attention_forward(Module(), q, k, v, mask, scaling=D**-0.5, output_attentions=True)
     assert weights is not None and weights.shape == (B, H, S, S)
     assert torch.allclose(weights.sum(-1), torch.ones(B, H, S)) and (weights[0, :, :, ~mask[0]] == 0).all()
     torch.testing.assert_close(out, ref)
@@ -116,8 +119,8 @@ def _bf16_case(B, S, H, D, seed):
 @pytest.mark.cuda
 @pytest.mark.parametrize("D", [32, 64, 128])
 @pytest.mark.parametrize("S", [128, 197])
-def test_kernel_error_at_most_twice_sdpa_bf16_error(D, S):
-    hf_attention._told.clear()
+def test_kernel_error_at_most_twice_sdpa_bf16_error(D, S, monkeypatch):
+    monkeypatch.setattr(eligibility, "_warned", set())
     B, H = 6, 4
     q, k, v = (t.detach().requires_grad_() for t in _bf16_case(B, S, H, D, seed=D + S)[:3])
     mask = _bf16_case(B, S, H, D, seed=D + S)[3]
@@ -128,8 +131,10 @@ def test_kernel_error_at_most_twice_sdpa_bf16_error(D, S):
         out = fn(*inputs)
         return (out, *torch.autograd.grad(out, inputs, grad.to(out.dtype)))
 
-    ours = run(lambda q, k, v: attention_forward(None, q, k, v, mask, scaling=D**-0.5)[0], q, k, v)
-    assert not hf_attention._told, hf_attention._told  # the kernel ran
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ours = run(lambda q, k, v: attention_forward(None, q, k, v, mask, scaling=D**-0.5)[0], q, k, v)
+    assert not [str(w.message) for w in said if "attention uses PyTorch" in str(w.message)]  # the kernel ran
     sdpa = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2),
                q, k, v)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

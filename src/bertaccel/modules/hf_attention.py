@@ -21,16 +21,13 @@ does not take, causal or cross attention, `output_attentions` (then eager, which
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from bertaccel.ops.eligibility import note_fallback
 
 NAME = "bertaccel"
-_told: set[str] = set()
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -43,13 +40,7 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     return attention_mask[:, -kv_length:].bool()
 
 
-def _tell(reason: str) -> None:
-    if reason not in _told and not torch.compiler.is_compiling():
-        _told.add(reason)
-        log.warning("bertaccel attention runs PyTorch's instead: %s.", reason)
-
-
-def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions, **kwargs):
+def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions):
     if output_attentions:
         from transformers.models.bert.modeling_bert import eager_attention_forward
 
@@ -100,9 +91,8 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
         q, k, v = (t.transpose(1, 2).reshape(B * S, H, D) for t in (query, key, value))
         reason = kernel_unavailable(q, k, v)
     if reason is not None:
-        _tell(reason)
-        return _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal,
-                         output_attentions, **kwargs)
+        note_fallback("attention", reason)
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions)
     if attention_mask is None:
         cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
         out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
