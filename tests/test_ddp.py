@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch import Callback
 
 from tests.conftest import sample_rows, write_jsonl
 
@@ -95,3 +96,53 @@ def test_ddp_resume_in_the_middle_of_an_epoch_equals_an_uninterrupted_run(tiny_c
     assert resumed["global_step"] == straight["global_step"] == 16
     for k, v in straight["state_dict"].items():
         torch.testing.assert_close(resumed["state_dict"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class GraphLoopOnCPU(Callback):
+    """Runs the graph-mode training loop (module-driven optimizer step, gradients synced by the step
+    itself) eagerly on CPU, as `model.cuda_graphs` does on a GPU; set before the module's setup."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        pl_module._capture_without_gpu = True
+        pl_module._graph_decisions.clear()  # Lightning asked `automatic_optimization` before this hook
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        steps = pl_module.graph_stats().get("train", {}).get("eager_steps")
+        if pl_module.automatic_optimization or steps != trainer.global_step:
+            raise RuntimeError(f"the graph-mode loop did not run every step ({steps} of {trainer.global_step})")
+
+
+@pytest.mark.slow
+def test_ddp_graph_mode_steps_sync_gradients_like_ddp(tiny_config, tmp_path):
+    """2 processes, the graph-mode step (the captured one on a GPU: it all-reduces the gradients itself,
+    Lightning's DDP reducer idle) trains to the weights of Lightning's DDP automatic optimization, with
+    gradient clipping (which must see the global gradients). Without the step's all-reduce each rank
+    would train on its own shard alone."""
+    import os
+
+    import torch
+
+    data = tmp_path / "even"
+    write_jsonl(data / "train.jsonl", sample_rows("train", 320))  # 256 train rows: 8 steps of 16 per rank
+    write_jsonl(data / "test.jsonl", sample_rows("test", 16))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    common = [*DDP, "--test_after_fit", "false", "--trainer.gradient_clip_val", "0.5",
+              "--data.init_args.static_shapes", "true", "--data.init_args.length_buckets", "16",
+              "--model.init_args.config",
+              json.dumps({"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+                          "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})]
+
+    def fit(name: str, *extra: str) -> tuple[dict, str]:
+        cfg = tiny_config(name, epochs=1, dataset=str(data), val_size=64)
+        out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common, *extra], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        ckpt = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
+        return ckpt, out.stdout + out.stderr
+
+    eager, _ = fit("ddp_eager")
+    graph, _ = fit("ddp_graph_loop", "--model.init_args.cuda_graphs", "true",
+                     "--trainer.callbacks", "tests.test_ddp.GraphLoopOnCPU")
+    assert graph["global_step"] == eager["global_step"] == 8
+    for k, v in eager["state_dict"].items():
+        torch.testing.assert_close(graph["state_dict"][k], v, rtol=1e-4, atol=1e-5, msg=k)

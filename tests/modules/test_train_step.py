@@ -4,6 +4,8 @@ and skip a parameter the forward did not use, as Lightning's eager loop does."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -61,3 +63,46 @@ def test_missing_static_gradients_are_an_error():
     opt = torch.optim.AdamW(net.parameters())
     with pytest.raises(RuntimeError, match="no static .grad buffer"):
         build_train_step(net, opt)
+
+
+def _run_synced(world: int, copies: bool, fused: bool, accumulate: int = 1, clip=None, steps=4):
+    """`steps` updates; with world > 1 the gradient sync stands in for `world` ranks that saw the same
+    batch (an all-reduce sum of identical gradients: each times `world`). It records what it was given."""
+    from bertaccel.modules.weight_copies import Bf16WeightCopies
+
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    make_static_grads(net.parameters())
+    wc = Bf16WeightCopies(net) if copies else None
+    synced: list[list[torch.dtype]] = []
+
+    def sync(grads):
+        synced.append([g.dtype for g in grads])
+        for g in grads:
+            g.mul_(world)
+
+    kw = dict(copies=wc, accumulate=accumulate, clip=clip, fused_copies_update=fused,
+              autocast=(lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if copies else contextlib.nullcontext,
+              grad_sync=sync if world > 1 else None, world_size=world)
+    mid, last = build_train_step(net, opt, last=False, **kw), build_train_step(net, opt, last=True, **kw)
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps * accumulate):
+        (last if (i + 1) % accumulate == 0 else mid)(x=torch.randn(8, 6, generator=g), y=torch.randint(0, 3, (8,), generator=g))
+    return net, synced
+
+
+@pytest.mark.parametrize("copies,fused,accumulate,clip", [
+    (False, False, 1, None), (False, False, 1, (0.05, "norm")), (False, False, 3, None),
+    (True, False, 1, None), (True, True, 1, None), (True, False, 2, (0.05, "norm"))],
+    ids=["fp32", "fp32-clip", "fp32-accumulate", "copies", "copies-fused-adamw", "copies-accumulate-clip"])
+def test_synced_gradients_are_the_mean_over_ranks(copies, fused, accumulate, clip):
+    """The step scales the loss by 1 / world and sums over the ranks: with every rank on the same batch
+    the update is the one-process update, on every path (a gradient the sync missed would be halved)."""
+    one, _ = _run_synced(1, copies, fused, accumulate, clip)
+    two, synced = _run_synced(2, copies, fused, accumulate, clip)
+    assert len(synced) == 4  # once per update, not per micro-batch
+    if copies and fused:  # the fused AdamW reads the copies' bf16 gradients: synced in bf16
+        assert torch.bfloat16 in synced[0] and torch.float32 in synced[0]
+    for (name, a), b in zip(one.named_parameters(), two.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

@@ -34,7 +34,7 @@ from transformers import get_linear_schedule_with_warmup
 from bertaccel.errors import CheckpointError, ConfigError
 from bertaccel.modules.bert import architecture_of
 from bertaccel.modules.graphs import StepGraphs
-from bertaccel.modules.train_step import build_train_step, make_static_grads
+from bertaccel.modules.train_step import all_reduce_grads, build_train_step, make_static_grads
 from bertaccel.modules.weight_copies import Bf16WeightCopies
 
 log = logging.getLogger(__name__)
@@ -245,14 +245,20 @@ class BertModule(pl.LightningModule):
 
     def graphs_unavailable(self) -> str | None:
         """Why the steps of the current trainer stage cannot run as CUDA graphs; None: they can."""
+        trainer = self.trainer
+        if trainer.world_size > 1:
+            # DDP: the captured step all-reduces the gradients itself (modules/train_step.py); sharded or
+            # other strategies hold no whole parameters to capture a step over
+            from lightning.pytorch.strategies import DDPStrategy
+
+            strategy = type(trainer.strategy).__name__
+            if not isinstance(trainer.strategy, DDPStrategy) or "DeepSpeed" in strategy:
+                return (f"{trainer.world_size} processes under {strategy}: graphed steps take DDP "
+                        "(`trainer.strategy: ddp`), whose ranks hold whole parameters")
         if self._capture_without_gpu:
             return None
-        trainer = self.trainer
         if trainer.strategy.root_device.type != "cuda":
             return "no CUDA device (graphs need an NVIDIA GPU)"
-        if trainer.world_size > 1:
-            return (f"{trainer.world_size} processes ({type(trainer.strategy).__name__}): steps that all-reduce "
-                    "gradients through NCCL are not captured yet")
         precision = str(trainer.precision)
         if precision not in GRAPH_PRECISIONS:
             return f"precision {precision} (fp16 loss scaling reads the host every step); use bf16-mixed"
@@ -482,8 +488,10 @@ class BertModule(pl.LightningModule):
         cached = self._train_fns.get(last)
         if cached is not None:
             return cached
+        world = self.trainer.world_size if self._trainer is not None else 1
         step = build_train_step(self.step_outputs, self.optimizers().optimizer, copies=self._weight_copies,
-                                accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast)
+                                accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast,
+                                grad_sync=all_reduce_grads if world > 1 else None, world_size=world)
         self._train_fns[last] = step
         return step
 

@@ -36,7 +36,7 @@ class BertClassifier(BertModule):
         adam_eps: AdamW epsilon.
         cuda_graphs: On a GPU, run each training, evaluation and prediction step as a replayed
             CUDA graph (captured once per batch shape; batches get static shapes, see
-            `data.static_shapes`). Falls back to eager steps, saying why, on CPU, under DDP, with
+            `data.static_shapes`). Falls back to eager steps, saying why, on CPU, under FSDP, with
             fp16 or with the profiler on.
         compile: `torch.compile` the HF model in place with this mode (default, reduce-overhead,
             max-autotune, max-autotune-no-cudagraphs). With `cuda_graphs`, default or

@@ -20,6 +20,13 @@ capture, kept for the whole fit: a captured kernel writes to fixed addresses). I
 - With accumulation (`accumulate > 1`) the static buffers collect the micro-batches' gradients
   (the loss is scaled by 1 / accumulate), and the last micro-step zeroes them after the update.
 
+Several processes (DDP): the step sums the gradients over the ranks itself (`grad_sync`, an
+all-reduce per gradient dtype of one flat buffer, captured with the rest of the step as NCCL kernels),
+after the backward and before clipping and the update; the loss is scaled by 1 / world size first, so
+the sum is the mean DDP would hand the optimizer. Under accumulation only the last micro-step syncs.
+The gradients are reduced in the dtype they have: the bf16 copies' gradients in bf16 (as DDP's
+`bf16_compress_hook` does), the rest in fp32.
+
 AdamW on the copied weights in one pass (`fused_copies_update`): with bf16 copies, no accumulation,
 no clipping and PyTorch's AdamW (no amsgrad, not maximize), the masters are updated by
 `bertaccel::adamw_bf16_copies_` straight from their copies' bf16 gradients, and the same kernel
@@ -51,6 +58,8 @@ def build_train_step(
     autocast: Callable[[], Any] = contextlib.nullcontext,
     transient_grads: bool = True,
     fused_copies_update: bool = True,
+    grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
+    world_size: int = 1,
 ) -> Callable[..., dict[str, torch.Tensor]]:
     """A step function `step(**inputs) -> {name: detached tensor}` for `StepGraphs`.
 
@@ -64,6 +73,8 @@ def build_train_step(
         `scripts/step_anatomy.py`'s comparison).
     fused_copies_update: update the copied masters with `adamw_bf16_copies_` where it applies (see
         the module's docs; False: widen, PyTorch's AdamW, refresh).
+    grad_sync: sums a list of gradients over the ranks in place (`all_reduce_grads`); None: one process.
+    world_size: the ranks `grad_sync` sums over (the loss is scaled by its inverse).
 
     Every parameter of `optimizer` that requires grad must have its static `.grad` buffer already.
     """
@@ -72,7 +83,7 @@ def build_train_step(
     if missing:
         raise RuntimeError(f"build_train_step: {missing} parameters have no static .grad buffer; "
                            "make them (zeros) before building the step")
-    scale = 1.0 / accumulate
+    scale = 1.0 / (accumulate * world_size)
     fused = fused_copies_update and copies and accumulate == 1 and clip is None and fusable_adamw(optimizer, copies)
     copied = {id(m) for m in copies.masters} if copies else set()
     transient = [p for p in params if p.grad is not None and id(p) not in copied] if accumulate == 1 else []
@@ -95,6 +106,8 @@ def build_train_step(
             out = forward(**inputs)
         (out["loss"] * scale if scale != 1.0 else out["loss"]).backward()
         if fused:
+            if grad_sync is not None:
+                grad_sync([p.grad for p in params if p.grad is not None] + [c.grad for c in copies.copies if c.grad is not None])
             optimizer.step()
             adamw_copies_step(optimizer, copies)
             for m, g in zip(copies.masters, master_grads):
@@ -104,6 +117,8 @@ def build_train_step(
         elif copies:
             copies.grads_to_masters(accumulate=accumulate > 1)
         if last and not fused:
+            if grad_sync is not None:
+                grad_sync([p.grad for p in params if p.grad is not None])
             if clip is not None:
                 value, algorithm = clip
                 if algorithm == "value":
@@ -120,6 +135,22 @@ def build_train_step(
         return {k: v.detach() for k, v in out.items()}
 
     return step
+
+
+def all_reduce_grads(grads: list[torch.Tensor], group: Any = None) -> None:
+    """Sum `grads` over the ranks of `group` (None: all) in place: per dtype, the gradients are copied
+    into one flat buffer, all-reduced in one call and copied back (one NCCL kernel per dtype instead of
+    one per parameter; capturable in a CUDA graph). Every rank must pass the same shapes in the same
+    order, which the step guarantees: which parameters get a gradient depends on the model, not the batch."""
+    import torch.distributed as dist
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(same, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in same]), same)])
 
 
 def make_static_grads(params) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
