@@ -194,7 +194,7 @@ if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1
     n=${run:3:1}; extra=(); [[ $run == *fused-graphs ]] && extra=(-c configs/presets/graphs.yaml -c configs/presets/fused.yaml)
     strategy=ddp; [ "$n" = 1 ] && strategy=auto  # the 1-GPU baseline runs as a user would, without DDP
     timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit -c configs/imdb_minilm.yaml "${extra[@]}" "${IMDB[@]}" --trainer.devices $n \
-      --trainer.strategy $strategy --trainer.logger.init_args.name $run > "$OUT/$run.log" 2>&1
+      --trainer.strategy $strategy --trainer.logger.init_args.name $run ${MULTI_ARGS:-} > "$OUT/$run.log" 2>&1
     echo "$run rc=$?"; cp runs/$run/version_0/benchmark_stats.json "$OUT/${run}_stats.json" 2>/dev/null
     grep -E "test/acc|throughput \(|CUDA graphs|eager|Error" "$OUT/$run.log" | cut -c1-300 | head -6
     python -c "import json,sys; t=json.load(open(sys.argv[1]))['train']; print('  train', {k: t.get(k) for k in ('world_size','samples_per_s','tokens_per_s','step_ms_p50','gpu_step_fraction')})" "$OUT/${run}_stats.json" 2>/dev/null
@@ -205,6 +205,10 @@ if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1
     --trainer.limit_train_batches 100 --trainer.limit_val_batches 10 --trainer.limit_test_batches 10 \
     --throughput.enabled true --progress_bar.refresh_rate 50 --trainer.logger.init_args.name fsdp_base > "$OUT/fsdp_base.log" 2>&1
   echo "fsdp bert-base rc=$?"; grep -E "test/acc|throughput \(|Error" "$OUT/fsdp_base.log" | cut -c1-300 | head -5; fi
+fi
+if has grad_sync; then  # issue 12 (2+ GPUs): the graphed DDP step's gradient all-reduce, eager / graphed / NCCL floor
+  timeout 300 python -m benchmarks.bench_grad_sync --out "$OUT/grad_sync.json" > "$OUT/grad_sync.log" 2>&1
+  echo "grad_sync rc=$?"; tail -4 "$OUT/grad_sync.log"
 fi
 if has fsdp_test; then  # issue 12 (nvidia-h200-x2): an FSDP fit's checkpoint tested in a new process; predict under DDP
   FS=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm
