@@ -75,8 +75,36 @@ def batch_mask(batch: int, seq: int, lengths: str, device: str) -> torch.Tensor:
     return (torch.arange(seq)[None] < n[:, None]).long().to(device)
 
 
+PROFILES: dict[tuple, dict] = {}
+
+
+def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
+    """GPU time per step by kernel category (the profiler callback's categories) and the top kernels,
+    from a torch.profiler pass over `steps` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bertaccel.callbacks.profiler import categorize
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            one_step()
+        torch.cuda.synchronize()
+    cats: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = e.device_time / 1e3 / steps
+        cats[categorize(e.name)] = cats.get(categorize(e.name), 0.0) + ms
+        kernels[e.name[:90]] = kernels.get(e.name[:90], 0.0) + ms
+    return {"total_ms": round(sum(cats.values()), 3),
+            "categories": {k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top_kernels": {k: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}
+
+
 def step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int,
-               device: str = "cuda", lengths: str = "full") -> list[float]:
+               device: str = "cuda", lengths: str = "full", profile: bool = False) -> list[float]:
     """Step times in ms of one variant: CUDA events on a GPU, a wall clock on CPU (smoke runs only)."""
     import os
 
@@ -173,6 +201,8 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
             t0 = time.perf_counter()
             one_step()
             times.append((time.perf_counter() - t0) * 1e3)
+    if profile and cuda:
+        PROFILES[(model_name, f"{batch}x{seq}", workload, variant)] = kernel_breakdown(one_step)
     del model, opt
     gc.collect()
     if cuda:
@@ -193,6 +223,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="full", choices=["full", "uniform"],
                     help="uniform: row lengths uniform in [0.2, 1] x seq (ByteTransformer's setting)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke runs of the harness only")
+    ap.add_argument("--profile", action="store_true", help="also list each variant's GPU time by kernel category")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
     rows = []
@@ -205,7 +236,7 @@ def main() -> None:
                 for variant in args.variants:
                     try:
                         t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps, args.device,
-                                       args.lengths)
+                                       args.lengths, args.profile)
                         cell[variant] = statistics.median(t)
                     except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
                         print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
@@ -221,7 +252,18 @@ def main() -> None:
                     })
                 print_table([r for r in rows if r["model"] == model_name and r["shape"] == shape and r["workload"] == workload],
                             COLUMNS)
-    write_json(args.out, {"environment": environment(), "baseline": BASELINE, "rows": rows})
+    profiles = [{"model": k[0], "shape": k[1], "workload": k[2], "variant": k[3], **v} for k, v in PROFILES.items()]
+    write_json(args.out, {"environment": environment(), "baseline": BASELINE, "rows": rows, "profiles": profiles})
+    if profiles:  # categories side by side, ms per step
+        cats = sorted({c for p in profiles for c in p["categories"]}, key=lambda c: -max(p["categories"].get(c, 0) for p in profiles))
+        print("\nGPU ms per step by kernel category")
+        print(f"{'category':24}" + "".join(f"{p['variant'][:22]:>24}" for p in profiles))
+        for c in ["total_ms", *cats]:
+            print(f"{c:24}" + "".join(f"{(p['total_ms'] if c == 'total_ms' else p['categories'].get(c, 0.0)):24.3f}" for p in profiles))
+        for p in profiles:
+            print(f"\n{p['variant']} top kernels:")
+            for k, v in p["top_kernels"].items():
+                print(f"  {v:7.3f}  {k}")
     picture = plot_file(args.out)  # PNG next to the JSON (with matplotlib)
     if picture:
         print(f"picture: {picture}")

@@ -69,9 +69,9 @@ if has headline; then  # the README's fine-tune table: plain loop, compile, and 
   grep -h "CUDA graphs\|cuda_graphs\|captured\|Error\|error" /tmp/ft_runs/*.log | sort | uniq -c | head -20
 fi
 if has e2e_graphs; then
-  timeout ${E2E_TIMEOUT:-300} python -m benchmarks.e2e --models bert-base --shapes ${E2E_SHAPES:-16x128 32x512} --variants ${E2E_VARIANTS:-hf-sdpa-bf16 hf-compile graphs fused-graphs fused-graphs-cast} \
+  timeout ${E2E_TIMEOUT:-300} python -m benchmarks.e2e --models ${E2E_MODELS:-bert-base} --shapes ${E2E_SHAPES:-16x128 32x512} --variants ${E2E_VARIANTS:-hf-sdpa-bf16 hf-compile graphs fused-graphs fused-graphs-cast} \
     --warmup 10 --steps 30 ${E2E_ARGS:-} --out "$OUT/e2e_graphs.json" > "$OUT/e2e_graphs.log" 2>&1
-  echo "e2e graphs rc=$?"; grep -E "^bert" "$OUT/e2e_graphs.log"
+  echo "e2e graphs rc=$?"; grep -E "^(bert|minilm)" "$OUT/e2e_graphs.log"; grep -A24 "GPU ms per step by kernel" "$OUT/e2e_graphs.log"
 fi
 if has e2e_gemm; then  # BERT-base steps with every nn.Linear on our GEMM, beside the default swap and HF SDPA
   timeout ${E2E_TIMEOUT:-300} python -m benchmarks.e2e --models bert-base --shapes ${E2E_SHAPES:-16x128 32x512} \

@@ -267,3 +267,11 @@ def test_filler_rows_become_padding_rows(tiny_data, static):
     only = collate([ds[FILLER]])
     assert only["num_rows"] == 0 and (only["labels"] == -100).all() and (only["index"] == -1).all()
     assert only["attention_mask"][:, 0].all()  # a padding row attends to its first token: no empty softmax row
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5])
+def test_token_buckets_must_be_a_positive_whole_number(tmp_path, value):
+    from bertaccel.data import TextClassificationDataModule
+
+    with pytest.raises(DataError, match="data.token_buckets must be a whole number >= 1"):
+        TextClassificationDataModule(dataset=str(tmp_path), token_buckets=value)

@@ -79,6 +79,11 @@ class TextClassificationDataModule(pl.LightningDataModule):
             Turned on by the model when it runs CUDA graphs (`model.cuda_graphs`).
         length_buckets: With `static_shapes`: the lengths a batch may be padded to, as a multiple
             (64: 64, 128, ... up to `max_length`) or a list; `max_length` is always one of them.
+        token_buckets: With `static_shapes` and the unpadded encoder (`model.unpadded`): batches are
+            padded to `max_length` (the encoder skips padding, so the padded length costs nothing) and
+            their real-token count is rounded up to a multiple of batch x `max_length` / `token_buckets`
+            (32: at 32 x 512, 512 tokens): one CUDA graph per count that occurs, ~1/64 of the
+            batch's padded tokens computed in vain on average.
         group_by_length: Batch training texts of similar length together (less padding).
         train_subset: Use only this many training rows (seeded random subset), e.g. for quick runs.
         test_subset: Use only this many test rows (seeded random subset).
@@ -109,6 +114,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         pad_to_multiple_of: int | None = 8,
         static_shapes: bool = False,
         length_buckets: int | list[int] = 64,
+        token_buckets: int = 32,
         group_by_length: bool = False,
         train_subset: int | None = None,
         test_subset: int | None = None,
@@ -144,6 +150,9 @@ class TextClassificationDataModule(pl.LightningDataModule):
             bucket_lengths(max_length, length_buckets)
         except ValueError as e:
             raise DataError(f"{e} Set `data.length_buckets` to e.g. 64 or [128, 256, 512].") from None
+        if not (isinstance(token_buckets, int) and token_buckets >= 1):
+            raise DataError(f"data.token_buckets must be a whole number >= 1, got {token_buckets!r}.")
+        self.token_buckets = token_buckets
         self.group_by_length = group_by_length
         self.train_subset, self.test_subset = train_subset, test_subset
         self.predict_split = predict_split
@@ -340,9 +349,12 @@ class TextClassificationDataModule(pl.LightningDataModule):
 
     def collator(self, batch_size: int) -> ClassificationCollator:
         pad_id = self.tokenizer.pad_token_id
+        if self.static_shapes and self.packed:  # one length; the shapes vary with the real-token count only
+            return ClassificationCollator(pad_id, buckets=[self.max_length], batch_size=batch_size, packed=True,
+                                          token_buckets=self.token_buckets)
         if self.static_shapes:
             return ClassificationCollator(pad_id, buckets=bucket_lengths(self.max_length, self.length_buckets),
-                                          batch_size=batch_size, packed=self.packed)
+                                          batch_size=batch_size)
         return ClassificationCollator(pad_id, self.pad_to_multiple_of, packed=self.packed)
 
     def _sampler(self, split: str, batch_size: int, train: bool) -> EpochSampler:
