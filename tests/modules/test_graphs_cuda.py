@@ -127,6 +127,39 @@ def test_each_bucket_is_captured_once_and_memory_stays_flat():
     assert torch.cuda.memory_allocated() == before
 
 
+def test_later_shapes_are_captured_without_an_eager_step():
+    """`later_warmup=0`: after the first key, a new shape is captured on its first batch (no eager step);
+    a shape whose capture fails then (a lazy per-shape setup that synchronizes, say) gets its eager
+    step and is captured on its next batch, and graphs stay on."""
+    runner = StepGraphs("t", warmup=1, later_warmup=0)
+    w = torch.randn(64, 64, device="cuda")
+    set_up: set = set()
+
+    def step(x):
+        if x.shape[0] == 32 and x.shape not in set_up:
+            set_up.add(x.shape)
+            torch.cuda.synchronize()  # not allowed while capturing
+        return {"y": (x @ w).relu().sum(0)}
+
+    def run(n):
+        x = torch.randn(n, 64, device="cuda")
+        out = runner.run(("k", n), step, {"x": x})["y"].clone()
+        torch.testing.assert_close(out, (x @ w).relu().sum(0))
+
+    run(8)  # the first key: one eager step
+    run(8)  # captured
+    assert runner.stats.eager_steps == 1 and runner.stats.captured == [("k", 8)]
+    run(16)  # a new shape: captured at once
+    assert runner.stats.eager_steps == 1 and ("k", 16) in runner.stats.captured
+    run(32)  # its capture fails: an eager step instead, graphs stay on
+    assert runner.stats.eager_steps == 2 and runner.disabled_reason is None
+    run(32)  # captured on its next batch
+    assert ("k", 32) in runner.stats.captured and runner.disabled_reason is None
+    for n in (8, 16, 32):
+        run(n)
+    assert runner.stats.eager_steps == 2
+
+
 def test_graphed_fit_memory_is_flat_over_many_replays(tiny_data, tmp_path):
     class Memory(Callback):
         def __init__(self):

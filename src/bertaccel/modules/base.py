@@ -436,7 +436,10 @@ class BertModule(pl.LightningModule):
             # One memory pool per runner (train, eval), shared by that runner's graphs. A pool shared by
             # the train and eval runners gave NaN parameters in 1 of 2 tiny GPU fits (fp32 and bf16; see
             # scripts/debug_graph_nan.py); separate pools did not in the runs made so far.
-            runner = self._graphs[name] = StepGraphs(name, capture=not self._capture_without_gpu)
+            # a new batch shape is captured on its first batch (its eager step would cost as much as the
+            # capture) unless the model is compiled: a new shape recompiles, which must happen eagerly
+            runner = self._graphs[name] = StepGraphs(name, capture=not self._capture_without_gpu,
+                                                     later_warmup=1 if self.compile_mode else 0)
         return runner
 
     @staticmethod

@@ -10,7 +10,9 @@ How it is done (the recipe of `torch.cuda.graphs`' whole-network example):
 
 - The first batches of a key run eagerly on the capture stream (real steps, not thrown away):
   they create the optimizer state, cuBLAS workspaces and autotuned kernels outside the graph.
-  The very first key gets `warmup` such steps, later keys one.
+  The very first key gets `warmup` such steps, later keys `later_warmup` (1 by default; 0 captures
+  a new shape at once - its eager step costs as much as the capture - and if that capture fails,
+  the key gets its eager step and is captured on its next batch instead of turning graphs off).
 - Then the step is captured with the next batch's data in static input buffers, and replayed once
   to run that batch. RNG (dropout) is drawn from PyTorch's Philox generator, whose offset a replay
   advances, so every replay draws new masks.
@@ -64,13 +66,16 @@ class StepGraphs:
     Args:
         name: For messages ("train", "eval").
         capture: False runs every step eagerly (same code path, no graphs).
-        warmup: Eager steps before the first capture (later keys: one).
+        warmup: Eager steps before the first capture.
+        later_warmup: Eager steps before the capture of each later key (0 or 1).
         max_graphs: Keys beyond this many run eagerly (a data pipeline that makes too many shapes).
         pool: A memory pool handle to share with other `StepGraphs` (`torch.cuda.graph_pool_handle()`).
     """
 
-    def __init__(self, name: str, capture: bool = True, warmup: int = 2, max_graphs: int = 32, pool=None) -> None:
-        self.name, self.warmup, self.max_graphs = name, warmup, max_graphs
+    def __init__(self, name: str, capture: bool = True, warmup: int = 2, max_graphs: int = 32, pool=None,
+                 later_warmup: int = 1) -> None:
+        self.name, self.warmup, self.max_graphs, self.later_warmup = name, warmup, max_graphs, later_warmup
+        self._retry: set[Hashable] = set()  # keys whose capture without an eager step failed
         self.disabled_reason: str | None = None if capture else "capture off"
         self.pool = pool
         self.stream: torch.cuda.Stream | None = None
@@ -119,9 +124,13 @@ class StepGraphs:
             return self._eager(fn, inputs, side_stream=False)
         n = self.seen[key]
         self.seen[key] += 1
-        if n < (self.warmup if not self.stats.captured else 1):
+        if not self.stats.captured:
+            warmup = self.warmup
+        else:
+            warmup = 1 if key in self._retry else self.later_warmup
+        if n < warmup:
             return self._eager(fn, inputs, side_stream=True)
-        return self._capture(key, fn, inputs)
+        return self._capture(key, fn, inputs, retry=n == 0 and bool(self.stats.captured))
 
     def _eager(self, fn: StepFn, inputs: dict[str, torch.Tensor], side_stream: bool) -> dict[str, torch.Tensor]:
         self.stats.eager_steps += 1
@@ -142,7 +151,7 @@ class StepGraphs:
             self.stream = torch.cuda.Stream()
         return self.stream
 
-    def _capture(self, key: Hashable, fn: StepFn, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _capture(self, key: Hashable, fn: StepFn, inputs: dict[str, torch.Tensor], retry: bool = False) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         static = {k: v.detach().clone() for k, v in inputs.items()}
         if self.pool is None:
@@ -154,7 +163,13 @@ class StepGraphs:
                 outputs = fn(**static)
         except Exception as e:  # noqa: BLE001 - any capture failure means: this step cannot be graphed
             torch.cuda.synchronize()
-            self.disable(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            if retry:  # a new shape captured without its eager step: give it one, capture it next time
+                self._retry.add(key)
+                log.info("bertaccel: %s graph %s not captured without an eager step (%s); warming it up first.",
+                         self.name, key, reason)
+                return self._eager(fn, inputs, side_stream=True)
+            self.disable(f"capture failed ({reason})")
             return self._eager(fn, inputs, side_stream=False)
         graph.replay()
         self.graphs[key] = _Graph(graph, static, outputs, replays=1)
