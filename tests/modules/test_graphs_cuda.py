@@ -139,7 +139,8 @@ def test_later_shapes_are_captured_without_an_eager_step():
         if x.shape[0] == 32 and x.shape not in set_up:
             set_up.add(x.shape)
             torch.cuda.synchronize()  # not allowed while capturing
-        return {"y": (x @ w).relu().sum(0)}
+        keep = torch.rand(x.shape[1], device="cuda") >= 0  # RNG in the step: usable after a failed capture
+        return {"y": (x @ w).relu().sum(0) * keep}
 
     def run(n):
         x = torch.randn(n, 64, device="cuda")
@@ -158,6 +159,23 @@ def test_later_shapes_are_captured_without_an_eager_step():
     for n in (8, 16, 32):
         run(n)
     assert runner.stats.eager_steps == 2
+    torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5)  # the generator left capture mode
+
+
+def test_after_a_failed_capture_the_eager_steps_draw_random_numbers():
+    """A capture that fails (the step reads the host) turns graphs off; the eager steps after it use
+    dropout: PyTorch's generator must have left capture mode ("Offset increment outside graph capture")."""
+    runner = StepGraphs("t", warmup=1)
+    x = torch.ones(4096, device="cuda")
+
+    def step(x):
+        y = torch.nn.functional.dropout(x, 0.5, training=True)
+        y.sum().item()  # a host read: cannot be captured
+        return {"y": y}
+
+    outs = [runner.run(("k",), step, {"x": x})["y"].clone() for _ in range(3)]
+    assert runner.disabled_reason is not None and runner.stats.eager_steps == 3
+    assert not torch.equal(outs[1], outs[2])
 
 
 def test_graphed_fit_memory_is_flat_over_many_replays(tiny_data, tmp_path):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -151,6 +152,17 @@ class StepGraphs:
             self.stream = torch.cuda.Stream()
         return self.stream
 
+    def _recover_from_failed_capture(self) -> None:
+        """A capture that raised skipped PyTorch's end-of-capture bookkeeping: the CUDA RNG generator
+        still counts itself as capturing, and the next random op outside a graph (dropout in the eager
+        step that follows) raises "Offset increment outside graph capture". An empty capture on the
+        same stream runs that bookkeeping (the generator's capture epilogue)."""
+        torch.cuda.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=self._stream()):
+                pass
+
     def _capture(self, key: Hashable, fn: StepFn, inputs: dict[str, torch.Tensor], retry: bool = False) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         static = {k: v.detach().clone() for k, v in inputs.items()}
@@ -162,7 +174,7 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=self.pool, stream=self._stream(), capture_error_mode="thread_local"):
                 outputs = fn(**static)
         except Exception as e:  # noqa: BLE001 - any capture failure means: this step cannot be graphed
-            torch.cuda.synchronize()
+            self._recover_from_failed_capture()
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             if retry:  # a new shape captured without its eager step: give it one, capture it next time
                 self._retry.add(key)
