@@ -16,7 +16,7 @@ How it is done (the recipe of `torch.cuda.graphs`' whole-network example):
 - Then the step is captured with the next batch's data in static input buffers, and replayed once
   to run that batch. RNG (dropout) is drawn from PyTorch's Philox generator, whose offset a replay
   advances, so every replay draws new masks.
-- All graphs share one memory pool. This is safe because a caller reads a graph's outputs before
+- All graphs share one memory pool (a new one after a failed capture). This is safe because a caller reads a graph's outputs before
   it replays another one (outputs of a graph are only valid until the next replay of *any* graph
   of the same `StepGraphs`); memory stays flat once every key is captured.
 - Inputs must keep their shapes, dtypes and devices per key; the key is built from the shapes.
@@ -178,6 +178,10 @@ class StepGraphs:
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             if retry:  # a new shape captured without its eager step: give it one, capture it next time
                 self._retry.add(key)
+                # the failed capture also left PyTorch's allocator recording into the shared pool
+                # ("beginAllocateToPool: already recording" on the next capture into it): later graphs
+                # get a new pool; the graphs captured so far keep theirs
+                self.pool = None
                 log.info("bertaccel: %s graph %s not captured without an eager step (%s); warming it up first.",
                          self.name, key, reason)
                 return self._eager(fn, inputs, side_stream=True)
