@@ -150,10 +150,10 @@ def test_unpadded_with_cuda_graphs_trains_like_eager_unpadded(tiny_data, tmp_pat
     eager, t_eager, dm = train(False)
     graph, t_graph, dm_graph = train(True)
     assert dm.packed and "packed_indices" in next(iter(dm.train_dataloader()))
-    # static packed batches: one length (max_length), token counts in steps of 16 x 48 / 8 = 96
+    # static packed batches: one length (max_length), token counts in steps of 16 x 48 / 16 = 48
     shapes = {(b["input_ids"].shape, b["packed_indices"].numel()) for b in dm_graph.train_dataloader()}
     assert {s for s, _ in shapes} == {torch.Size([16, 48])}
-    assert all(n % 96 == 0 for _, n in shapes) and len(shapes) > 1
+    assert all(n % 48 == 0 for _, n in shapes) and len(shapes) > 1
     assert t_graph.global_step == t_eager.global_step > 0
     for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)

@@ -82,10 +82,10 @@ class TextClassificationDataModule(pl.LightningDataModule):
         token_buckets: With `static_shapes` and the unpadded encoder (`model.unpadded`): batches are
             padded to `max_length` (the encoder skips padding, so the padded length costs nothing) and
             their real-token count is rounded up to a multiple of batch x `max_length` / `token_buckets`
-            (8: at 32 x 512, 2,048 tokens). Each count that occurs costs an eager step and a capture
-            (~50 ms for MiniLM); a step computes half a multiple of padding on average. Measured on
-            the one-epoch IMDB-512 MiniLM fine-tune (H100): 8 buckets 4,860 samples/s (step p50 5.90 ms),
-            16: 4,282 (5.62 ms), 32: 3,558: finer buckets pay off only over longer runs.
+            (16: at 32 x 512, 1,024 tokens). Each count that occurs costs one capture (~40 ms for
+            MiniLM); a step computes half a multiple of padding on average. Measured on the one-epoch
+            IMDB-512 MiniLM fine-tune (H100, commit 5327146): 8 buckets 5,141 samples/s (step p50
+            5.90 ms), 16: 5,219 (5.53 ms).
         group_by_length: Batch training texts of similar length together (less padding).
         train_subset: Use only this many training rows (seeded random subset), e.g. for quick runs.
         test_subset: Use only this many test rows (seeded random subset).
@@ -116,7 +116,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         pad_to_multiple_of: int | None = 8,
         static_shapes: bool = False,
         length_buckets: int | list[int] = 64,
-        token_buckets: int = 8,
+        token_buckets: int = 16,
         group_by_length: bool = False,
         train_subset: int | None = None,
         test_subset: int | None = None,

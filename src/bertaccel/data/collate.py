@@ -107,7 +107,7 @@ class ClassificationCollator:
         buckets: list[int] | None = None,
         batch_size: int | None = None,
         packed: bool = False,
-        token_buckets: int = 8,
+        token_buckets: int = 16,
     ) -> None:
         self.pad_id, self.pad_to_multiple_of = pad_id, pad_to_multiple_of
         self.buckets, self.batch_size = buckets, batch_size
