@@ -9,7 +9,7 @@ import torch
 
 from bertaccel.data import MLMDataModule
 from bertaccel.data.masking import (IGNORE_INDEX, block_keys, continuation_table, hash_bits, hash_uniform,
-                                    mask_blocks, mask_tokens, special_table)
+                                    mask_blocks, mask_tokens, replacement_pool, special_table)
 from bertaccel.data.mlm import pack_blocks
 from bertaccel.data.tokenized import TokenizedTexts
 from bertaccel.errors import DataError
@@ -138,6 +138,9 @@ def test_batched_masks_equal_block_by_block_masks(tok):
         for i in (0, 5, 11):
             one_out, one_lab = mask_tokens(blocks[i], keys[i], **masking)
             assert torch.equal(one_out, out[i]) and torch.equal(one_lab, lab[i])
+        # the replacement pool passed in (as MaskedBlocks does, once) gives the same masks
+        pooled = mask_blocks(blocks, keys, **masking, pool=replacement_pool(special))
+        assert torch.equal(pooled[0], out) and torch.equal(pooled[1], lab)
 
 
 @pytest.mark.cuda

@@ -74,6 +74,11 @@ def special_table(tokenizer) -> torch.Tensor:
     return table
 
 
+def replacement_pool(special: torch.Tensor) -> torch.Tensor:
+    """The ids of the non-special tokens, in order: what a random replacement is drawn from."""
+    return torch.nonzero(~special, as_tuple=True)[0]
+
+
 def mask_blocks(
     ids: torch.Tensor,
     keys: torch.Tensor,
@@ -84,6 +89,7 @@ def mask_blocks(
     probability: float = 0.15,
     mask_fraction: float = 0.8,
     random_fraction: float = 0.1,
+    pool: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Corrupt a batch of blocks. ids (B, S), keys (B,) from `block_keys`. Returns (input_ids,
     labels), labels -100 where not selected.
@@ -92,6 +98,8 @@ def mask_blocks(
     selected together: a word's tokens share one draw). Selected tokens become [MASK] with
     `mask_fraction`, a random non-special token with `random_fraction`, and stay as they are otherwise.
     A block's result depends on its key alone, not on the other blocks of the batch.
+    pool: the token ids random replacements are drawn from, `replacement_pool(special)` (computed here
+    when not given; callers that mask many batches pass it once).
     """
     ids = ids.long()
     special = special.to(ids.device)
@@ -108,7 +116,7 @@ def mask_blocks(
     action = hash_uniform(keys, _ACTION, positions)
     to_mask = selected & (action < mask_fraction)
     to_random = selected & (action >= mask_fraction) & (action < mask_fraction + random_fraction)
-    pool = torch.nonzero(~special, as_tuple=True)[0]
+    pool = replacement_pool(special) if pool is None else pool.to(ids.device)
     drawn = pool[(hash_bits(keys, _TOKEN, positions) * len(pool)) >> 32]  # < 2**32 * len(pool): no overflow
     out = torch.where(to_mask, mask_id, torch.where(to_random, drawn, ids))
     return out, labels

@@ -10,7 +10,14 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bertaccel.data.masking import IGNORE_INDEX, block_keys, continuation_table, mask_blocks, special_table
+from bertaccel.data.masking import (
+    IGNORE_INDEX,
+    block_keys,
+    continuation_table,
+    mask_blocks,
+    replacement_pool,
+    special_table,
+)
 from bertaccel.data.loader import (DeviceLoader, ResumableDataLoader, check_worker_sharing, fit_progress,
                                    loader_device, set_worker_sharing)
 from bertaccel.data.samplers import FILLER, EpochSampler, shard_for_ranks
@@ -51,7 +58,9 @@ class MaskedBlocks(Dataset):
     """
 
     def __init__(self, blocks: torch.Tensor, masking: dict, seed: int, fixed_epoch: int | None = None) -> None:
-        self.blocks, self.masking, self.seed, self.fixed_epoch = blocks, masking, seed, fixed_epoch
+        self.blocks, self.seed, self.fixed_epoch = blocks, seed, fixed_epoch
+        # the replacement pool once, not per batch (the same ids: mask_blocks would compute it from `special`)
+        self.masking = masking if "pool" in masking else {**masking, "pool": replacement_pool(masking["special"])}
 
     def __len__(self) -> int:
         return self.blocks.shape[0]

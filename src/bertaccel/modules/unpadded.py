@@ -23,15 +23,12 @@ classifier through their module hooks, the embeddings, attention and pooler thro
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,9 +127,6 @@ class _FlashVarlen(torch.autograd.Function):
 
 
 VARLEN_BACKENDS = ("bertaccel", "flash", "sdpa")
-_told: set[str] = set()
-
-
 def varlen_backend() -> str:
     """The attention kernel that packed rows go to first: `bertaccel` (ours, csrc/attention.cu; the
     default), `flash` (PyTorch's FlashAttention-2 varlen) or `sdpa` (re-padded); set by the
@@ -142,12 +136,6 @@ def varlen_backend() -> str:
     if name not in VARLEN_BACKENDS:
         raise ValueError(f"BERTACCEL_VARLEN_ATTENTION={name!r}: choose one of {', '.join(VARLEN_BACKENDS)}")
     return name
-
-
-def _say_once(key: str, message: str, *args) -> None:
-    if key not in _told:
-        _told.add(key)
-        log.warning(message, *args)
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_p: float = 0.0,
@@ -160,6 +148,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_
     Otherwise (CPU, fp32): PyTorch's SDPA on the re-padded tensors with the key-padding mask (the
     padded queries' rows are computed and dropped)."""
     from bertaccel.ops import attention
+    from bertaccel.ops.eligibility import note_fallback
 
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     backend = varlen_backend() if q.is_cuda else "sdpa"
@@ -167,13 +156,13 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_
         reason = attention.kernel_unavailable(q, k, v)
         if reason is None:
             return attention.varlen_attention(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p, scale)
-        _say_once("bertaccel", "unpadded attention: PyTorch's kernels instead of bertaccel's (%s)", reason)
+        note_fallback("unpadded attention", f"{reason} (FlashAttention varlen instead of bertaccel's kernel)")
         backend = "flash"
     if backend == "flash":
         reason = flash_varlen_unavailable(q)
         if reason is None:
             return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p, scale)
-        _say_once("flash", "unpadded attention: re-padded SDPA instead of FlashAttention varlen (%s)", reason)
+        note_fallback("unpadded attention", f"{reason} (re-padded SDPA instead of FlashAttention varlen)")
     qp, kp, vp = (layout.unpack(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, d]
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=layout.key_padding, dropout_p=dropout_p, scale=scale)
     return layout.pack(out.transpose(1, 2))
