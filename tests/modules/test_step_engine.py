@@ -239,3 +239,20 @@ def test_schedule_length_counts_like_lightning(options, tiny_data, tmp_path):
     compare = Compare()
     _train(False, tiny_data, tmp_path, callbacks=[compare], **options)
     assert compare.ours == compare.lightning
+
+
+def test_graphed_steps_take_ddp_but_not_fsdp():
+    """Several processes: DDP's ranks hold whole parameters, so the step (with its own all-reduce) is
+    captured; FSDP shards them: eager steps, saying so and naming the strategy that works."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, cuda_graphs=True)
+    model._trainer = SimpleNamespace(world_size=2, strategy=FSDPStrategy(), precision="bf16-mixed", callbacks=[])
+    reason = model.graphs_unavailable()
+    assert reason and "FSDPStrategy" in reason and "trainer.strategy: ddp" in reason
+    model._capture_without_gpu = True  # the GPU checks that come after the strategy's
+    assert model.graphs_unavailable() is not None
+    model._trainer = SimpleNamespace(world_size=2, strategy=DDPStrategy(), precision="bf16-mixed", callbacks=[])
+    assert model.graphs_unavailable() is None
