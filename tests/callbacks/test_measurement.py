@@ -41,6 +41,9 @@ def test_kernel_categories_cover_real_kernel_names():
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "elementwise",
         "void at::native::reduce_kernel<512, 1, ReduceOp<float, func_wrapper_t<float, sum_functor>>>": "reduction",
         "some_unknown_kernel": "other",
+        # bertaccel's fused varlen attention (was "other" in the e2e profile of 8186c86)
+        "void bertaccel::(anonymous namespace)::attn_bwd_kernel<__nv_bfloat16, 32, true>(bertaccel::AttnParams)": "attention",
+        "void bertaccel::(anonymous namespace)::attn_fwd_kernel<__nv_bfloat16, 64, false>(bertaccel::AttnParams)": "attention",
         # autocast's casts: demangled lambdas must not read as the LAMB optimizer
         "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda(at::TensorIteratorBase&)"
         "::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>": "elementwise",

@@ -35,7 +35,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("memcpy/memset", r"memcpy|memset|Memcpy|Memset"),
     # (not a bare "lamb": demangled names are full of "{lambda()#1}")
     ("optimizer", r"adam|Adam|multi_tensor|_foreach|fused_sgd|\bLAMB|lamb_"),
-    ("attention", r"flash|fmha|attention|Attention|sdpa|efficient_attention|cutlassF|cutlassB"),
+    ("attention", r"flash|fmha|attention|Attention|sdpa|efficient_attention|cutlassF|cutlassB|attn_fwd|attn_bwd"),
     ("softmax", r"softmax|Softmax|SoftMax"),
     ("layernorm", r"layer_norm|layernorm|LayerNorm|ln_fwd|ln_bwd|rms_norm"),
     ("gelu/activation", r"gelu|Gelu|GELU|relu|tanh|silu|erf_kernel|\berf\b"),
