@@ -9,7 +9,8 @@
 # e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
 # gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
-# multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2), anatomy (where a graphed step's
+# multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
+# grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), anatomy (where a graphed step's
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows).
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
