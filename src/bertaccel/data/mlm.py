@@ -10,14 +10,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bertaccel.data.masking import (
-    IGNORE_INDEX,
-    block_keys,
-    continuation_table,
-    mask_blocks,
-    replacement_pool,
-    special_table,
-)
+from bertaccel.data.masking import (IGNORE_INDEX, block_keys, continuation_table, mask_blocks, replacement_pool,
+                                    special_table)
 from bertaccel.data.loader import (DeviceLoader, ResumableDataLoader, check_worker_sharing, fit_progress,
                                    loader_device, set_worker_sharing)
 from bertaccel.data.samplers import FILLER, EpochSampler, shard_for_ranks

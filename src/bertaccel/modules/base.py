@@ -249,11 +249,10 @@ class BertModule(pl.LightningModule):
         if trainer.world_size > 1:
             # DDP: the captured step all-reduces the gradients itself (modules/train_step.py); sharded or
             # other strategies hold no whole parameters to capture a step over
-            from lightning.pytorch.strategies import DDPStrategy
+            from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-            strategy = type(trainer.strategy).__name__
-            if not isinstance(trainer.strategy, DDPStrategy) or "DeepSpeed" in strategy:
-                return (f"{trainer.world_size} processes under {strategy}: graphed steps take DDP "
+            if not isinstance(trainer.strategy, DDPStrategy) or isinstance(trainer.strategy, DeepSpeedStrategy):
+                return (f"{trainer.world_size} processes under {type(trainer.strategy).__name__}: graphed steps take DDP "
                         "(`trainer.strategy: ddp`), whose ranks hold whole parameters")
         if self._capture_without_gpu:
             return None
@@ -491,7 +490,7 @@ class BertModule(pl.LightningModule):
         cached = self._train_fns.get(last)
         if cached is not None:
             return cached
-        world = self.trainer.world_size if self._trainer is not None else 1
+        world = self.trainer.world_size
         step = build_train_step(self.step_outputs, self.optimizers().optimizer, copies=self._weight_copies,
                                 accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast,
                                 grad_sync=all_reduce_grads if world > 1 else None, world_size=world)

@@ -16,9 +16,10 @@ How it is done (the recipe of `torch.cuda.graphs`' whole-network example):
 - Then the step is captured with the next batch's data in static input buffers, and replayed once
   to run that batch. RNG (dropout) is drawn from PyTorch's Philox generator, whose offset a replay
   advances, so every replay draws new masks.
-- All graphs share one memory pool (a new one after a failed capture). This is safe because a caller reads a graph's outputs before
-  it replays another one (outputs of a graph are only valid until the next replay of *any* graph
-  of the same `StepGraphs`); memory stays flat once every key is captured.
+- All graphs share one memory pool (a new one after a failed capture). This is safe because a
+  caller reads a graph's outputs before it replays another one (outputs of a graph are only valid
+  until the next replay of *any* graph of the same `StepGraphs`); memory stays flat once every key
+  is captured.
 - Inputs must keep their shapes, dtypes and devices per key; the key is built from the shapes.
 
 If capture fails (an op that synchronises with the host, say), the step falls back to eager for

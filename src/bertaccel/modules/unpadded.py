@@ -127,6 +127,8 @@ class _FlashVarlen(torch.autograd.Function):
 
 
 VARLEN_BACKENDS = ("bertaccel", "flash", "sdpa")
+
+
 def varlen_backend() -> str:
     """The attention kernel that packed rows go to first: `bertaccel` (ours, csrc/attention.cu; the
     default), `flash` (PyTorch's FlashAttention-2 varlen) or `sdpa` (re-padded); set by the
