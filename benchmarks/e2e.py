@@ -203,7 +203,7 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
             times.append((time.perf_counter() - t0) * 1e3)
     if profile and cuda:
         PROFILES[(model_name, f"{batch}x{seq}", workload, variant)] = kernel_breakdown(one_step)
-    del model, opt
+    model = opt = None  # (not del: the step closures above refer to them) - frees the GPU memory below
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

@@ -5,9 +5,8 @@
 What the JIT build does on the GPU host (`bertaccel.ops.build`), minus the link, with `nvcc -c
 --resource-usage` per translation unit. A CPU-only torch wheel ships no cuBLAS/cuSPARSE/cuSOLVER
 headers, which ATen's CUDA headers include for their handle types: small stand-ins are written to a
-temporary folder (the kernels never call those libraries). cuRAND's device header (Philox) is
-needed for real: from the CUDA toolkit when it has it, else from the `nvidia-curand` wheel
-(`pip download --no-deps nvidia-curand -d DIR` and pass `--curand DIR`).
+temporary folder (the kernels never call those libraries). No cuRAND header is needed: the
+dropouts draw from their own Philox4x32-10 (`csrc/philox.cuh`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,26 +41,11 @@ def demangle(symbol: str) -> str:
     return name.replace("(anonymous namespace)::", "").split("(")[0]
 
 
-def curand_include(toolkit: Path, wheel_dir: Path | None, scratch: Path) -> Path | None:
-    if (toolkit / "include" / "curand_kernel.h").is_file():
-        return toolkit / "include"
-    for wheel in sorted(wheel_dir.glob("nvidia_curand*.whl")) if wheel_dir else []:
-        with zipfile.ZipFile(wheel) as z:
-            for name in z.namelist():
-                if name.endswith((".h", ".hpp")):
-                    z.extract(name, scratch / "curand")
-        found = next((scratch / "curand").rglob("curand_kernel.h"), None)
-        if found:
-            return found.parent
-    return None
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--only", nargs="*", help="source files (default: the build's)")
     ap.add_argument("--filter", default="", help="show kernels whose mangled name contains this")
-    ap.add_argument("--curand", type=Path, help="a folder with the nvidia-curand wheel")
     args = ap.parse_args()
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -72,18 +55,12 @@ def main() -> int:
 
     from bertaccel.ops import build
 
-    toolkit = Path(nvcc).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         for name, text in STUBS.items():
             (scratch / name).parent.mkdir(parents=True, exist_ok=True)
             (scratch / name).write_text(text)
-        curand = curand_include(toolkit, args.curand, scratch)
-        if curand is None:
-            print("curand_kernel.h not found: pip download --no-deps nvidia-curand -d DIR, then --curand DIR",
-                  file=sys.stderr)
-            return 2
-        includes = [f"-I{p}" for p in ext.include_paths()] + [f"-I{scratch}", f"-I{curand}"]
+        includes = [f"-I{p}" for p in ext.include_paths()] + [f"-I{scratch}"]
         failed = 0
         for source in args.only or [s for s in build.sources() + build.GEMM_SOURCES if s.endswith(".cu")]:
             # the GEMM is its own sm_90a build (wgmma, setmaxnreg): the -gencode form, as the JIT build passes it
@@ -98,7 +75,7 @@ def main() -> int:
                 continue
             for line in sorted({line for line in proc.stderr.splitlines() if "warning" in line.lower()})[:20]:
                 print("  " + line[-220:])
-            kernel = None
+            kernel, previous = None, ""  # ptxas prints a kernel's spill line just before its register line
             for line in proc.stderr.splitlines():
                 m = re.search(r"Function properties for (\S+)", line)
                 if m:

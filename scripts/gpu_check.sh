@@ -5,7 +5,7 @@
 #   STAGES="build headline e2e_graphs"                  bash scripts/gpu_check.sh   (graphed steps)
 #   STAGES="build e2e e2e_compile profile sweep mlm"    bash scripts/gpu_check.sh
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
-# (benchmarks/bench_ops.py; OPS= picks families), ln_sweep, e2e, e2e_eager_base, e2e_compile,
+# (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off), ln_sweep, e2e, e2e_eager_base, e2e_compile,
 # e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
 # gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
@@ -82,6 +82,10 @@ fi
 if has ops; then
   python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops.json" > "$OUT/bench_ops.log" 2>&1
   echo "bench rc=$?"; grep -E "^(layer_norm|residual|rms_norm|softmax|embeddings|embedding_scatter|bias_gelu) " "$OUT/bench_ops.log" | cut -c1-120
+  if [ -n "${OPS_RING_OFF:-}" ]; then  # the same ops with the LayerNorm family's row rings off, same call
+    BERTACCEL_LN_RING=0 python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops_ring_off.json" > "$OUT/bench_ops_ring_off.log" 2>&1
+    echo "bench (rings off) rc=$?"; grep -E "^(layer_norm|residual|rms_norm|embeddings) .*bertaccel" "$OUT/bench_ops_ring_off.log" | cut -c1-120
+  fi
 fi
 if has e2e; then
   python -m benchmarks.e2e --variants hf-eager-fp32 hf-eager-bf16 hf-sdpa-bf16 fused fused-eager --warmup 10 --steps 30 \
@@ -265,10 +269,8 @@ print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, no filler writ
 PY
 fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
-if has ln_sweep; then  # rows per thread group in the LayerNorm forward kernel (issue 9)
-  for r in auto 1 2; do
-    if [ $r = auto ]; then python scripts/ln_rows_sweep.py; else BERTACCEL_LN_ROWS=$r python scripts/ln_rows_sweep.py; fi
-  done > "$OUT/ln_sweep.log" 2>&1
+if has ln_sweep; then  # the LayerNorm-family forward kernels (issue 9): the ring against the one-row kernel
+  for setting in "" BERTACCEL_LN_RING=0; do env $setting python scripts/ln_fwd_sweep.py; done > "$OUT/ln_sweep.log" 2>&1
   echo "ln sweep rc=$?"; grep SWEEP "$OUT/ln_sweep.log"
 fi
 if has e2e_eager_base; then  # eager BERT-base 16x128 train step: the swap against HF SDPA (issue 9)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import bertaccel.ops.swap  # noqa: F401 - imports every op family
 from bertaccel.ops.gelu import bias_gelu
 from bertaccel.ops.layer_norm import layer_norm
+from bertaccel.ops.registration import row_dropout_keep
 from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
 from bertaccel.ops.rms_norm import rms_norm
 from tests.ops.conftest import DTYPES, HIDDEN, ROWS, check, cuda_test, leaves, poison, rand
@@ -146,6 +147,10 @@ def test_residual_layer_norm_dropout_is_consistent_and_seeded(dtype, H):
     z = out[1]
     dropped = (z == 0) & (x != 0)
     assert abs(dropped.float().mean().item() - p) < 0.005
+    # exactly the documented draw (common.cuh dropout_keep): 16-bit Philox numbers at the saved seed/offset
+    seed, offset = (int(v) for v in out[4].cpu())
+    keep = row_dropout_keep(rows * H, p, seed, offset).view(rows, H).cuda()
+    assert torch.equal(dropped, ~keep & (x != 0))
     kept = ~dropped
     torch.testing.assert_close(z[kept].float(), (x[kept].float() / (1 - p)).to(dtype).float())
     # backward regenerates the forward's mask
@@ -163,6 +168,53 @@ def test_residual_layer_norm_dropout_is_consistent_and_seeded(dtype, H):
     z_seeded = torch.ops.bertaccel.layer_norm_fwd(x, torch.zeros(H, device="cuda", dtype=dtype), zero, w, b, p, 1e-5)[1]
     dropped_seeded = (z_seeded == 0) & (x != 0)
     assert torch.all(dx[dropped_seeded] == 0) and (dx[~dropped_seeded] != 0).float().mean() > 0.99
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H", [200, 392, 1024])  # partly filled warps (25 and 49 vectors of 8) and a full one
+def test_the_row_ring_keeps_every_row_in_order(dtype, H):
+    """The persistent ring kernels (rows <= 1024 wide, forward and backward) walk many rows per warp:
+    40,000 rows is ~19 per warp of a full H100 grid, so every ring stage is refilled several times.
+    Each row must come out as its own LayerNorm (a stage mix-up would swap or repeat rows), with the
+    saved sum and statistics, and its own gradients; the column sums gather every row once."""
+    rows = 40000
+    x = (torch.randn(rows, H, device="cuda") * 2 + torch.arange(rows, device="cuda")[:, None] % 7).to(dtype)
+    r = torch.randn(rows, H, device="cuda", dtype=dtype)
+    bias = torch.randn(H, device="cuda", dtype=dtype)
+    w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    ref_z = x.double() + bias.double() + r.double()
+    ref = F.layer_norm(ref_z, (H,), w.double(), b.double(), 1e-5)
+    th = F.layer_norm((x + bias + r), (H,), w.to(dtype), b.to(dtype), 1e-5)
+    poison()
+    y, z, mean, rstd, _ = torch.ops.bertaccel.layer_norm_fwd(x, bias, r, w, b, 0.0, 1e-5)
+    check(y, th, ref, dtype, "y")
+    check(z, (x + bias + r), ref_z, dtype, "z")
+    torch.testing.assert_close(mean.double(), z.double().mean(-1), rtol=1e-5, atol=1e-5)
+    check(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (H,), w.to(dtype), b.to(dtype), 1e-5),
+          F.layer_norm(x.double(), (H,), w.double(), b.double(), 1e-5), dtype, "plain y")
+    check(rms_norm(x, w, 1e-5), F.rms_norm(x, (H,), w.to(dtype), 1e-5),
+          F.rms_norm(x.double(), (H,), w.double(), 1e-5), dtype, "rms y")
+    # backward: fused form (dx, dbias, dresidual, dweight, dln_bias) and RMSNorm (dx, dweight)
+    dy = torch.randn(rows, H, device="cuda")
+
+    def grads(fn, dt, wdt):
+        ins = leaves(x.to(dt), bias.to(dt), r.to(dt), w.to(wdt), b.to(wdt))
+        out = fn(*ins)
+        return torch.autograd.grad(out, ins, dy.to(out.dtype))
+
+    res = lambda a, bi, rr, ww, bb: F.layer_norm(a + bi + rr, (H,), ww, bb, 1e-5)  # noqa: E731
+    ref_g, th_g = grads(res, torch.float64, torch.float64), grads(res, dtype, dtype)
+    poison()
+    our_g = grads(lambda a, bi, rr, ww, bb: bias_dropout_add_layer_norm(a, bi, rr, ww, bb, 0.0, 1e-5), dtype, torch.float32)
+    for name, a, t, rf in zip(("dx", "dbias", "dresidual", "dweight", "dln_bias"), our_g, th_g, ref_g):
+        check(a, t, rf, dtype, name)
+    rms = [leaves(x.to(dt), w.to(wdt)) for dt, wdt in ((torch.float64, torch.float64), (dtype, dtype), (dtype, torch.float32))]
+    rms_g = [torch.autograd.grad(F.rms_norm(a, (H,), ww, 1e-5), (a, ww), dy.to(a.dtype)) for a, ww in rms[:2]]
+    poison()
+    ours = torch.autograd.grad(rms_norm(rms[2][0], rms[2][1], 1e-5), rms[2], dy.to(dtype))
+    for name, a, t, rf in zip(("rms dx", "rms dweight"), ours, rms_g[1], rms_g[0]):
+        check(a, t, rf, dtype, name)
 
 
 @cuda_test

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bertaccel.ops.registration import NS, SEEDED, check_dropout, lib
+from bertaccel.ops.registration import _MASK32, NS, SEEDED, check_dropout, dropout_threshold, lib, philox4x32_10
 
 CUDA_SOURCES = ["attention.cu"]
 HEAD_DIMS = (32, 64, 128)
@@ -38,34 +38,7 @@ lib.define(
 )
 
 # ------------------------------------------------------------------------------ the dropout draw
-_MASK32 = 0xFFFFFFFF
-
-
-def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
-    """(hi, lo) 32-bit halves of a * b for uint32 values held in int64 tensors, without overflow."""
-    p_lo = a * (b & 0xFFFF)  # < 2^48
-    p_hi = a * (b >> 16)
-    mid = p_lo + ((p_hi & 0xFFFF) << 16)
-    return ((p_hi >> 16) + (mid >> 32)) & _MASK32, mid & _MASK32
-
-
-def philox4x32_10(c: tuple[Tensor, Tensor, Tensor, Tensor], seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Philox4x32-10 (curand's, Random123's) of counters c (uint32 in int64 tensors) under a 64-bit key."""
-    c0, c1, c2, c3 = c
-    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
-    for _ in range(10):
-        hi0, lo0 = _mulhilo(0xD2511F53, c0)
-        hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
-    return c0, c1, c2, c3
-
-
-def dropout_threshold(p: float) -> int:
-    """A 16-bit draw keeps its element when >= this (the kernel's __float2uint_rn(p * 65536.f))."""
-    return int(torch.tensor(p, dtype=torch.float32).mul(65536).round().item())
-
-
+# (philox4x32_10 and dropout_threshold: bertaccel.ops.registration, shared with the row ops' dropout)
 def dropout_keep(start: int, length: int, head: int, p: float, seed: int, offset: int) -> Tensor:
     """The kernels' keep mask [length, length] of one sequence (rows from packed row `start`) and head:
     element (q, k) uses 16 bits of Philox at counter (token of the first row of q's 16-row tile + q % 8,

@@ -51,7 +51,7 @@ def sources() -> list[str]:
     return registry.cuda_sources() + [s for m in _other_op_modules() for s in m.CUDA_SOURCES] + SHARED_SOURCES
 
 
-HEADERS = ["check.h", "common.cuh", "layer_norm_bwd.cuh"]
+HEADERS = ["check.h", "common.cuh", "philox.cuh", "layer_norm_bwd.cuh"]
 # the GEMM extension: sm_90a only (wgmma, setmaxnreg); TORCH_CUDA_ARCH_LIST "9.0a" gives its -gencode
 GEMM_SOURCES = ["gemm.cu"]
 GEMM_HEADERS = ["check.h", "wgmma.cuh"]
@@ -59,7 +59,7 @@ GEMM_ARCH = "9.0a"
 # the fused attention extension (mma.sync, sm_80+; its sources: bertaccel.ops.attention.CUDA_SOURCES),
 # built for the GPU's own arch and loaded by `load_attention()` when attention first needs it; a
 # failure there leaves the other ops running
-ATTENTION_HEADERS = ["check.h"]
+ATTENTION_HEADERS = ["check.h", "philox.cuh"]
 
 
 def attention_sources() -> list[str]:

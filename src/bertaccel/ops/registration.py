@@ -34,6 +34,51 @@ def check_dropout(p: float) -> None:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}.")
 
 
+# ------------------------------------------------------------------------------ the kernels' dropout draw
+# Python mirrors of csrc/philox.cuh and common.cuh's dropout_keep, for tests that check a kernel's mask
+# exactly: the row ops (LayerNorm, residual LayerNorm, embeddings) and the attention
+# (bertaccel.ops.attention.dropout_keep) draw 16-bit numbers from Philox4x32-10.
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) 32-bit halves of a * b for uint32 values held in int64 tensors, without overflow."""
+    p_lo = a * (b & 0xFFFF)  # < 2^48
+    p_hi = a * (b >> 16)
+    mid = p_lo + ((p_hi & 0xFFFF) << 16)
+    return ((p_hi >> 16) + (mid >> 32)) & _MASK32, mid & _MASK32
+
+
+def philox4x32_10(c: tuple[Tensor, Tensor, Tensor, Tensor], seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32-10 (curand's, Random123's) of counters c (uint32 in int64 tensors) under a 64-bit key."""
+    c0, c1, c2, c3 = c
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(p: float) -> int:
+    """A 16-bit draw keeps its element when >= this (the kernel's __float2uint_rn(p * 65536.f))."""
+    return int(torch.tensor(p, dtype=torch.float32).mul(65536).round().item())
+
+
+def row_dropout_keep(numel: int, p: float, seed: int, offset: int) -> Tensor:
+    """The CUDA row ops' keep mask of a launch's elements 0 .. numel - 1 (flat, row-major): element i
+    keeps when 16-bit half i % 2 of word (i % 8) / 2 of Philox at counter (i / 8 low, i / 8 high,
+    offset low, offset high), key `seed`, is >= dropout_threshold(p)."""
+    i = torch.arange(numel, dtype=torch.int64)
+    group = i // 8
+    c = (group & _MASK32, group >> 32, torch.full_like(i, offset & _MASK32), torch.full_like(i, (offset >> 32) & _MASK32))
+    words = torch.stack(philox4x32_10(c, seed % (1 << 64)))  # [4, numel]
+    e = i % 8
+    draw = (words.gather(0, (e // 2)[None]).squeeze(0) >> (16 * (e % 2))) & 0xFFFF
+    return draw >= dropout_threshold(p)
+
+
 def cpu_dropout_keep(shape, p: float, rng: Tensor) -> Tensor:
     """The CPU reference's dropout mask: a pure function of the seed saved in `rng`."""
     g = torch.Generator().manual_seed(int(rng[0]))

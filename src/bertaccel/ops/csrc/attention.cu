@@ -40,6 +40,7 @@
 #include <utility>
 
 #include "check.h"
+#include "philox.cuh"
 
 namespace bertaccel {
 namespace {
@@ -117,19 +118,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Philox4x32-10 (Salmon et al. 2011), as curand's and Random123's.
-__device__ __forceinline__ uint4 philox(uint4 c, uint32_t k0, uint32_t k1) {
-#pragma unroll
-  for (int i = 0; i < 10; ++i) {
-    const uint32_t hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
-    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
-    c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return c;
-}
-
 struct Dropout {
   uint64_t seed, offset;
   uint32_t threshold;  // keep when the 16-bit draw >= threshold
@@ -142,7 +130,7 @@ struct Dropout {
 __device__ __forceinline__ uint32_t keep_bits(const Dropout& d, int64_t row_token, int key, int head) {
   const uint4 c = make_uint4((uint32_t)row_token, (uint32_t)key | ((uint32_t)head << 16), (uint32_t)d.offset,
                              (uint32_t)(d.offset >> 32));
-  const uint4 r = philox(c, (uint32_t)d.seed, (uint32_t)(d.seed >> 32));
+  const uint4 r = philox4x32_10(c, (uint32_t)d.seed, (uint32_t)(d.seed >> 32));
   const uint32_t w[4] = {r.x, r.y, r.z, r.w};
   uint32_t bits = 0;
 #pragma unroll
@@ -190,7 +178,7 @@ __device__ __forceinline__ Dropout read_dropout(const Params& p, bool from_rng) 
       d.seed = std::get<0>(s);
       d.offset = std::get<1>(s);
     }
-    d.threshold = (uint32_t)__float2uint_rn(p.p * 65536.f);
+    d.threshold = dropout_threshold(p.p);
     d.scale = 1.f / (1.f - p.p);
   }
   return d;

@@ -14,6 +14,7 @@
 // registers for z and 12 for dy, against 48 for the fp32 values), and the second pass recomputes
 // x-hat and weight * dy from them, re-reading the weight from L1. Holding fp32 values took 212-255
 // registers (one block of 256 threads per SM); the packs keep the plain LayerNorm form near 128.
+// The fused form at 768-1024 wide (bf16) runs the row ring below instead (ln_bwd_ring_kernel).
 #pragma once
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -31,6 +32,35 @@ constexpr int kBwdThreads = 256;
 // the dropout-masked gradient of x + bias, and dbias). kRms: RMSNorm (no centring, no beta).
 // kEmb: y = dropout(LayerNorm(z)), the embeddings (dy is masked).
 enum Mode : int { kPlain = 0, kFused = 1, kRms = 2, kEmb = 3 };
+
+// Reduce the per-thread column partials over a block's row slots, one accumulator at a time (kernels
+// whose threads own `tpr`-wide row slots: local_row, t, rpb, nvec, H, ITEMS, VEC in scope): every
+// thread parks its columns in shared memory PARK ([row slot][column], rpb x H floats), then all
+// threads sum the slots of strided columns and write one coalesced partial row per block. Two
+// barriers per accumulator. A macro, not a function taking the arrays: every index stays
+// compile-time, so the accumulators stay in registers.
+#define BA_PARK_AND_SUM(ACC, PART, PARK)                                                                    \
+do {                                                                                                  \
+  __syncthreads();                                                                                    \
+  _Pragma("unroll") for (int k = 0; k < ITEMS; ++k) {                                                 \
+    const int c = t + k * tpr;                                                                        \
+    if (c < nvec) {                                                                                   \
+      float* dst = PARK + local_row * H + c * VEC;                                                    \
+      if constexpr (VEC % 4 == 0) { /* 16-byte stores: 2-way bank conflicts instead of 8-way */      \
+        _Pragma("unroll") for (int j = 0; j < VEC; j += 4)                                            \
+          *reinterpret_cast<float4*>(dst + j) = make_float4(ACC[k][j], ACC[k][j + 1], ACC[k][j + 2], ACC[k][j + 3]); \
+      } else {                                                                                        \
+        _Pragma("unroll") for (int j = 0; j < VEC; ++j) dst[j] = ACC[k][j];                           \
+      }                                                                                               \
+    }                                                                                                 \
+  }                                                                                                   \
+  __syncthreads();                                                                                    \
+  for (int col = threadIdx.x; col < H; col += kBwdThreads) {                                          \
+    float s = 0.f;                                                                                    \
+    for (int r = 0; r < rpb; ++r) s += PARK[r * H + col];                                             \
+    PART[(int64_t)blockIdx.x * H + col] = s;                                                          \
+  }                                                                                                   \
+} while (0)
 
 template <typename T, typename W, int VEC, int ITEMS, int MODE>
 __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
@@ -147,39 +177,184 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
       }
     }
   }
-  // Reduce the per-thread column partials over the block's row slots, one accumulator at a time:
-  // every thread parks its columns in shared memory ([row slot][column], rpb x H <= 256 x 32
-  // floats), then all threads sum the slots of strided columns and write one coalesced partial row
-  // per block. Two barriers per accumulator.
+  // The column partials of the block's row slots -> one partial row per block (rpb x H <= 256 x 32 floats).
   __shared__ __align__(16) float park[kBwdThreads * kMaxElemsPerThread];
-  // A macro, not a function taking the arrays: every index stays compile-time, so the
-  // accumulators stay in registers.
-#define BA_PARK_AND_SUM(ACC, PART)                                                                      \
-  do {                                                                                                  \
-    __syncthreads();                                                                                    \
-    _Pragma("unroll") for (int k = 0; k < ITEMS; ++k) {                                                 \
-      const int c = t + k * tpr;                                                                        \
-      if (c < nvec) {                                                                                   \
-        float* dst = park + local_row * H + c * VEC;                                                    \
-        if constexpr (VEC % 4 == 0) { /* 16-byte stores: 2-way bank conflicts instead of 8-way */      \
-          _Pragma("unroll") for (int j = 0; j < VEC; j += 4)                                            \
-            *reinterpret_cast<float4*>(dst + j) = make_float4(ACC[k][j], ACC[k][j + 1], ACC[k][j + 2], ACC[k][j + 3]); \
-        } else {                                                                                        \
-          _Pragma("unroll") for (int j = 0; j < VEC; ++j) dst[j] = ACC[k][j];                           \
-        }                                                                                               \
-      }                                                                                                 \
-    }                                                                                                   \
-    __syncthreads();                                                                                    \
-    for (int col = threadIdx.x; col < H; col += kBwdThreads) {                                          \
-      float s = 0.f;                                                                                    \
-      for (int r = 0; r < rpb; ++r) s += park[r * H + col];                                             \
-      PART[(int64_t)blockIdx.x * H + col] = s;                                                          \
-    }                                                                                                   \
-  } while (0)
-  BA_PARK_AND_SUM(acc_g, dgamma_part);
-  if constexpr (kBeta) BA_PARK_AND_SUM(acc_b, dbeta_part);
-  if constexpr (kDh) BA_PARK_AND_SUM(acc_h, dbias_part);
-#undef BA_PARK_AND_SUM
+  BA_PARK_AND_SUM(acc_g, dgamma_part, park);
+  if constexpr (kBeta) BA_PARK_AND_SUM(acc_b, dbeta_part, park);
+  if constexpr (kDh) BA_PARK_AND_SUM(acc_h, dbias_part, park);
+}
+
+// ------------------------------------------------------------------------ the row ring (persistent)
+// The backward of rows a warp holds (tpr <= 32: up to 1024 bf16 or fp32) with 16-byte aligned
+// tensors, as the forward's ring (layer_norm_fwd.cu): each warp owns 32 / tpr rows at a time and
+// walks every W-th such group; dy, z, mean and rstd of its next groups stream into shared memory
+// through a ring of cp.async stages, and both passes read the row from there (nothing of the row
+// is held in registers, which leaves them to the column accumulators: the kernel above, holding the
+// row's packs, needed 128-184 registers, one or two blocks per SM and one row in flight per warp).
+// Each lane reads back only what it copied; the block's column partials go through the ring's shared
+// memory once the rows are done.
+constexpr int kBwdRingWarps = kBwdThreads / 32;
+constexpr int kBwdRingBudget = 112 * 1024;  // two blocks per SM on Hopper (228 KB)
+
+template <int ITEMS>
+constexpr int bwd_ring_stage_bytes() { return kBwdRingWarps * (2 * ITEMS * 32 * 16 + 2 * 32 * 4); }  // dy, z, mean, rstd
+template <int ITEMS>
+constexpr int bwd_ring_stages() {
+  constexpr int st = kBwdRingBudget / bwd_ring_stage_bytes<ITEMS>();
+  return st > 4 ? 4 : (st < 2 ? 2 : st);
+}
+
+// Two blocks per SM (<= 128 registers), except the forms whose accumulators do not fit beside the
+// row's values there (the fused form at 768-1024 wide spilled 140-200 bytes): one block, more registers.
+template <int MODE, int VEC, int ITEMS>
+constexpr int bwd_ring_min_blocks() {
+  return (MODE == kFused && ITEMS * VEC >= 24) || (MODE == kEmb && ITEMS * VEC == 32 && VEC == 4) ? 1 : 2;
+}
+
+template <typename T, typename W, int VEC, int ITEMS, int MODE>
+__global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, ITEMS>()) ln_bwd_ring_kernel(
+    const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
+    const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
+    float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
+  constexpr bool kBeta = MODE != kRms;
+  constexpr bool kDh = MODE == kFused;
+  constexpr bool kCentre = MODE != kRms;
+  constexpr int S = bwd_ring_stages<ITEMS>();
+  constexpr int kItem = 32 * 16;
+  constexpr int kStage = bwd_ring_stage_bytes<ITEMS>() / kBwdRingWarps;  // one warp's slice of a stage
+  static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
+  static_assert(ITEMS * VEC <= 32, "the dropout keep bits of a thread's columns fit one 32-bit word");
+  extern __shared__ __align__(16) unsigned char bwd_ring_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  unsigned char* ring = bwd_ring_smem + warp * S * kStage;
+  const int nvec = H / VEC;
+  const int rpw = 32 / tpr;                  // rows per warp at a time
+  const int rpb = kBwdThreads / tpr;         // row slots per block (for the column partials)
+  const int local_row = threadIdx.x / tpr;   // this thread's row slot in the block
+  const int t = lane % tpr, slot = lane / tpr;
+  const int64_t groups = (rows + rpw - 1) / rpw;
+  const int64_t first = (int64_t)blockIdx.x * kBwdRingWarps + warp, stride = (int64_t)gridDim.x * kBwdRingWarps;
+  const uint64_t seed = p > 0.f ? (uint64_t)rng[0] : 0, offset = p > 0.f ? (uint64_t)rng[1] : 0;
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+
+  auto issue = [&](int64_t grp, int stage) {  // copy group `grp` (if any) into `stage`; one commit group either way
+    const int64_t row = grp * rpw + slot;
+    if (grp < groups && row < rows) {
+      unsigned char* dst = ring + stage * kStage;
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const int c = t + k * tpr;
+        if (c < nvec) {
+          cp_async16(dst + k * kItem + lane * 16, dy + row * H + (int64_t)c * VEC);
+          cp_async16(dst + (ITEMS + k) * kItem + lane * 16, z + row * H + (int64_t)c * VEC);
+        }
+      }
+      if constexpr (kCentre) cp_async4(dst + 2 * ITEMS * kItem + lane * 4, mean + row);
+      cp_async4(dst + 2 * ITEMS * kItem + 128 + lane * 4, rstd + row);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int st = 0; st < S; ++st) issue(first + st * stride, st);
+
+  float acc_g[ITEMS][VEC], acc_b[kBeta ? ITEMS : 1][VEC], acc_h[kDh ? ITEMS : 1][VEC];
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      acc_g[k][j] = 0.f;
+      if constexpr (kBeta) acc_b[k][j] = 0.f;
+      if constexpr (kDh) acc_h[k][j] = 0.f;
+    }
+  const float inv_h = 1.f / (float)H;
+  int stage = 0;
+  for (int64_t grp = first; grp < groups; grp += stride) {
+    const int64_t row = grp * rpw + slot;
+    const bool active = row < rows;
+    uint32_t kept = 0xffffffffu;  // with dropout: bit k * VEC + j set where column (k, j) is kept
+    if constexpr (MODE == kEmb || MODE == kFused) {
+      if (p > 0.f && active) {  // drawn while the group lands
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) {
+          const int c = t + k * tpr;
+          if (c < nvec) {
+            bool keep[VEC];
+            dropout_keep<VEC>(seed, offset, row * H + (int64_t)c * VEC, p, keep);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+              if (!keep[j]) kept &= ~(1u << (k * VEC + j));
+          }
+        }
+      }
+    }
+    cp_async_wait<S - 1>();
+    const unsigned char* src = ring + stage * kStage;
+    const float mu = active && kCentre ? *reinterpret_cast<const float*>(src + 2 * ITEMS * kItem + lane * 4) : 0.f;
+    const float rs = active ? *reinterpret_cast<const float*>(src + 2 * ITEMS * kItem + 128 + lane * 4) : 0.f;
+    float s1 = 0.f, s2 = 0.f;  // sum(gamma * dy), sum(gamma * dy * xhat)
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (active && c < nvec) {
+        float d[VEC], zz[VEC], g[VEC];
+        load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kItem + lane * 16), d);
+        load_f<T, VEC>(reinterpret_cast<const T*>(src + (ITEMS + k) * kItem + lane * 16), zz);
+        load_f<W, VEC>(gamma + c * VEC, g);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xh = (zz[j] - mu) * rs;
+          if constexpr (MODE == kEmb) d[j] = (kept >> (k * VEC + j)) & 1u ? d[j] * scale : 0.f;
+          const float gd = g[j] * d[j];
+          s1 += gd;
+          s2 += gd * xh;
+          acc_g[k][j] += d[j] * xh;
+          if constexpr (kBeta) acc_b[k][j] += d[j];
+        }
+      }
+    }
+    s1 = kCentre ? row_reduce(s1, tpr, nullptr, 0, SumOp()) * inv_h : 0.f;  // tpr <= 32: shuffles only
+    s2 = row_reduce(s2, tpr, nullptr, 0, SumOp()) * inv_h;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (active && c < nvec) {
+        const int64_t off = row * H + (int64_t)c * VEC;
+        float d[VEC], zz[VEC], g[VEC], o[VEC];
+        load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kItem + lane * 16), d);
+        load_f<T, VEC>(reinterpret_cast<const T*>(src + (ITEMS + k) * kItem + lane * 16), zz);
+        load_f<W, VEC>(gamma + c * VEC, g);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xh = (zz[j] - mu) * rs;
+          if constexpr (MODE == kEmb) d[j] = (kept >> (k * VEC + j)) & 1u ? d[j] * scale : 0.f;
+          o[j] = rs * (g[j] * d[j] - s1 - xh * s2);
+        }
+        store_f<T, VEC>(dz + off, o);
+        if constexpr (kDh) {
+          if (p > 0.f) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) o[j] = (kept >> (k * VEC + j)) & 1u ? o[j] * scale : 0.f;
+          }
+          // dh is stored in T; dbias sums the rounded values, as a separate bias-grad kernel would.
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            o[j] = to_f(from_f<T>(o[j]));
+            acc_h[k][j] += o[j];
+          }
+          store_f<T, VEC>(dh + off, o);
+        }
+      }
+    }
+    // Both passes have read the stage (their stores consumed every value): refill it.
+    issue(grp + S * stride, stage);
+    stage = stage + 1 == S ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+  float* park = reinterpret_cast<float*>(bwd_ring_smem);  // rpb x H floats <= the ring (BA_PARK_AND_SUM syncs first)
+  BA_PARK_AND_SUM(acc_g, dgamma_part, park);
+  if constexpr (kBeta) BA_PARK_AND_SUM(acc_b, dbeta_part, park);
+  if constexpr (kDh) BA_PARK_AND_SUM(acc_h, dbias_part, park);
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
@@ -210,6 +385,40 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int64_t* rngp = p > 0 ? rng.data_ptr<int64_t>() : nullptr;
   int blocks = 0;
   at::Tensor pg, pb, ph;
+  // The ring where it measured faster (H100, 16384 rows, bf16, same run, rings on vs off): the fused
+  // residual form at 768 and 1024 wide (56.3 vs 61.8 us, 70.8 vs 73.6). It lost for plain LayerNorm
+  // (43.5 vs 42.0 at 768), RMSNorm (39.9 vs 37.0) and the fused form at 384 (36.9 vs 34.4): those keep
+  // the kernel above, which holds the row in registers instead of reading it twice from shared memory.
+  if constexpr (MODE == kFused && sizeof(T) == 2) {  // (only these forms are instantiated)
+    if (vec == max_vec && tpr <= 32 && items * vec >= 24 && ring_enabled()) {
+      const int device = z.get_device();
+#define BA_LN_BWD_RING(V, I)                                                                                     \
+  do {                                                                                                           \
+    if constexpr (V == max_vec && I * V >= 24) {                                                                 \
+      auto kernel = ln_bwd_ring_kernel<T, W, V, I, MODE>;                                                        \
+      constexpr int smem = bwd_ring_stages<I>() * bwd_ring_stage_bytes<I>();                                     \
+      static_assert(smem >= kBwdThreads * I * V * 4, "the column partials are parked in the ring");             \
+      static int per_sm[64] = {};                                                                                \
+      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);         \
+      blocks = (int)std::min<int64_t>((rows * tpr + kBwdThreads - 1) / kBwdThreads, fit);                       \
+      pg = at::empty({blocks, H}, opts);                                                                         \
+      if (dbeta.defined()) pb = at::empty({blocks, H}, opts);                                                    \
+      if (dbias.defined()) ph = at::empty({blocks, H}, opts);                                                    \
+      kernel<<<blocks, kBwdThreads, smem, stream>>>(                                                             \
+          (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp,                    \
+          rstd.data_ptr<float>(), (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(),                                   \
+          pb.defined() ? pb.data_ptr<float>() : nullptr, ph.defined() ? ph.data_ptr<float>() : nullptr, rows,    \
+          (int)H, tpr, (float)p, rngp);                                                                          \
+    }                                                                                                            \
+  } while (0)
+      BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_RING);
+#undef BA_LN_BWD_RING
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  }
 #define BA_LN_BWD(V, I)                                                                                          \
   do {                                                                                                           \
     static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */            \
@@ -266,3 +475,5 @@ inline at::Tensor checked_grad(const at::Tensor& dy_in, const at::Tensor& z) {
 
 }  // namespace
 }  // namespace bertaccel
+
+#undef BA_PARK_AND_SUM

@@ -1,0 +1,32 @@
+"""LayerNorm / RMSNorm / residual LayerNorm forward time at BERT shapes (bf16, fp32 weights, no grad)
+for one setting of the forward kernel, beside a clone of the same bytes. Settings are environment
+variables read once per process, so run once per setting:
+  BERTACCEL_LN_RING=0  the one-row-per-thread-group kernel for every width (the ring off)
+  BERTACCEL_LN_ROWS=2  two rows per thread group in that kernel (turns the ring off too)
+  (neither)            the default: the persistent ring kernel for rows up to 1024 wide
+`for s in "" BERTACCEL_LN_RING=0; do env $s python scripts/ln_fwd_sweep.py; done`"""
+import os
+
+import torch
+
+from benchmarks.common import copy_bandwidth_gbs, graph_time_ms, rotations
+from bertaccel.ops.layer_norm import layer_norm
+from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
+from bertaccel.ops.rms_norm import rms_norm
+
+ceil = copy_bandwidth_gbs()
+setting = " ".join(f"{k}={os.environ[k]}" for k in ("BERTACCEL_LN_RING", "BERTACCEL_LN_ROWS") if k in os.environ) or "default"
+for n, h in [(2048, 768), (16384, 384), (16384, 768), (16384, 1024)]:
+    sets = [(torch.randn(n, h, device="cuda", dtype=torch.bfloat16), torch.randn(h, device="cuda"),
+             torch.randn(h, device="cuda"), torch.randn(h, device="cuda", dtype=torch.bfloat16),
+             torch.randn(n, h, device="cuda", dtype=torch.bfloat16))
+            for _ in range(rotations(5 * n * h))]
+    copy_us = graph_time_ms(lambda x, w, b, lb, r: x.clone(), sets) * 1e3
+    with torch.no_grad():
+        ln = graph_time_ms(lambda x, w, b, lb, r: layer_norm(x, w, b, 1e-12), sets) * 1e3
+        rms = graph_time_ms(lambda x, w, b, lb, r: rms_norm(x, w, 1e-6), sets) * 1e3
+        res = graph_time_ms(lambda x, w, b, lb, r: bias_dropout_add_layer_norm(x, lb, r, w, b, 0.0, 1e-12), sets) * 1e3
+        drop = graph_time_ms(lambda x, w, b, lb, r: bias_dropout_add_layer_norm(x, lb, r, w, b, 0.1, 1e-12), sets) * 1e3
+    pct = lambda us, k: 100 * k * n * h * 2 / us / 1e3 / ceil  # noqa: E731 - k tensors of n x h bf16
+    print(f"SWEEP {setting} {n}x{h}: clone {copy_us:.1f}us ({pct(copy_us, 2):.0f}%) | LN {ln:.1f}us {pct(ln, 2):.0f}% | "
+          f"RMS {rms:.1f}us {pct(rms, 2):.0f}% | resLN {res:.1f}us {pct(res, 3):.0f}% | resLN p=0.1 {drop:.1f}us {pct(drop, 3):.0f}%")
