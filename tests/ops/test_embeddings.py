@@ -133,3 +133,39 @@ def test_embedding_tables_bwd_matches_the_sorted_backward(shape, dtype):
         torch.use_deterministic_algorithms(False)
     for a, t in zip(det, sorted_):
         assert torch.equal(a, t)
+
+
+def _check_position_offset(device):
+    """transformers renamed the embeddings' position offset (`past_key_values_length` -> `cache_length`);
+    the swapped module takes it under the installed version's name, by keyword, and shifts the
+    positions as HF's own module does (CPU: the fallback runs the original; GPU: the kernel)."""
+    import inspect
+
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertEmbeddings
+
+    from bertaccel.ops.embeddings import FusedBertEmbeddings
+
+    cfg = BertConfig(vocab_size=50, hidden_size=32, max_position_embeddings=24, type_vocab_size=2, num_hidden_layers=1,
+                     num_attention_heads=2, intermediate_size=64)
+    original = BertEmbeddings(cfg).to(device).eval()
+    swapped = FusedBertEmbeddings(original).eval()
+    params = inspect.signature(BertEmbeddings.forward).parameters
+    name = next(n for n in ("cache_length", "past_key_values_length") if n in params)
+    ids = torch.randint(1, 50, (3, 9), device=device)
+    with torch.no_grad():
+        for offset in (0, 5):
+            want = original(input_ids=ids, **{name: offset})
+            got = swapped(input_ids=ids, **{name: offset})
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
+        shifted = original(input_ids=ids, **{name: 5})
+    assert not torch.allclose(shifted, original(input_ids=ids)), "the offset changed nothing: the test tests nothing"
+
+
+def test_swapped_embeddings_take_the_position_offset_of_this_transformers():
+    _check_position_offset("cpu")
+
+
+@cuda_test
+def test_swapped_embeddings_kernel_takes_the_position_offset():
+    _check_position_offset("cuda")

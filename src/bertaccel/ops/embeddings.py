@@ -5,6 +5,8 @@ backward under `torch.use_deterministic_algorithms(True)`)."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -152,6 +154,11 @@ class FusedBertEmbeddings(nn.Module):
         if hasattr(original, "token_type_ids"):
             self.register_buffer("token_type_ids", original.token_type_ids, persistent=False)
         object.__setattr__(self, "_original", original)  # not a submodule: its children are ours
+        # the name transformers gives the position offset (of a KV cache) changed in 5.x:
+        # `past_key_values_length` until ~5.20, `cache_length` since; the fallback passes it on by the
+        # name this original takes
+        params = inspect.signature(type(original).forward).parameters
+        self._offset_name = next((n for n in ("cache_length", "past_key_values_length") if n in params), None)
         self.train(original.training)
 
     def _why_not(self, input_ids: Tensor | None) -> str | None:
@@ -167,16 +174,19 @@ class FusedBertEmbeddings(nn.Module):
         return why_not(word, dtype=compute_dtype(word))
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                past_key_values_length: int = 0) -> Tensor:
+                cache_length: int = 0, past_key_values_length: int = 0) -> Tensor:
+        """HF's signature, under either name of the position offset (see `__init__`)."""
+        offset = cache_length or past_key_values_length
         reason = self._why_not(input_ids)
         if reason is not None:
             note_fallback("embeddings", reason)
             # the original's forward, not its __call__: the hooks it shares with this module fire once
+            extra = {self._offset_name: offset} if self._offset_name is not None and offset else {}
             return type(self._original).forward(self._original, input_ids, token_type_ids, position_ids, inputs_embeds,
-                                                past_key_values_length)
+                                                **extra)
         batch, seq = input_ids.shape
         if position_ids is None:
-            position_ids = self.position_ids[:, past_key_values_length: seq + past_key_values_length]
+            position_ids = self.position_ids[:, offset: seq + offset]
         if token_type_ids is None:
             if hasattr(self, "token_type_ids"):  # HF's buffered (all-zero) token types, read as HF reads them
                 buffered = self.token_type_ids.expand(position_ids.shape[0], -1)

@@ -55,6 +55,22 @@ def split_heads(qkv: Tensor, sizes: tuple[int, int, int], head_size: int) -> tup
 
 
 # ---------------------------------------------------------------------------------------- modules
+# What HF passes a BertSelfAttention as its KV cache: `past_key_values` (third positional) in
+# transformers <= ~5.20, `cache` (keyword) since. The replacements take either and pass it on as given.
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def kv_cache(args: tuple, kwargs: dict):
+    """The KV cache a self-attention call was given (None without one), under either name."""
+    if args:
+        return args[0]
+    return next((kwargs[n] for n in CACHE_ARGUMENTS if kwargs.get(n) is not None), None)
+
+
+def without_cache(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k not in CACHE_ARGUMENTS}
+
+
 class SelfAttentionReplacement(nn.Module):
     """What the replacements of an HF `BertSelfAttention` share (this family's and the softmax
     family's `FusedBertSelfAttention`): the original's `query`, `key`, `value` and `dropout` (same
@@ -71,11 +87,11 @@ class SelfAttentionReplacement(nn.Module):
         object.__setattr__(self, "_original", original)  # not a submodule: its children are ours
         self.train(original.training)
 
-    def run_original(self, hidden_states: Tensor, attention_mask: Tensor | None, past_key_values, **kwargs):
+    def run_original(self, hidden_states: Tensor, attention_mask: Tensor | None, *args, **kwargs):
         # not a submodule, so model.train()/eval() did not reach it: its attention dropout follows ours
         self._original.training = self.training
         # the original's forward, not its __call__: the hooks it shares with this module fire once
-        return type(self._original).forward(self._original, hidden_states, attention_mask, past_key_values, **kwargs)
+        return type(self._original).forward(self._original, hidden_states, attention_mask, *args, **kwargs)
 
     def heads(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Query, key, value as [..., heads, T, head_size]: one GEMM when `can_fuse`, else HF's three."""
@@ -92,14 +108,15 @@ class FusedQKVSelfAttention(SelfAttentionReplacement):
     one GEMM, then HF's attention function on the split heads. Runs the original module where the
     fused path does not apply (a KV cache, a tensor the kernels' eligibility rules turn away: CPU)."""
 
-    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, past_key_values=None, **kwargs):
-        reason = "a KV cache is in use" if past_key_values is not None else why_not(
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args, **kwargs):
+        reason = "a KV cache is in use" if kv_cache(args, kwargs) is not None else why_not(
             hidden_states, hidden=1, dtype=compute_dtype(hidden_states))
         if reason is None:
             reason = can_fuse(self.query, self.key, self.value)
         if reason is not None:
             note_fallback("qkv", reason)
-            return self.run_original(hidden_states, attention_mask, past_key_values, **kwargs)
+            return self.run_original(hidden_states, attention_mask, *args, **kwargs)
+        kwargs = without_cache(kwargs)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.bert.modeling_bert import eager_attention_forward
 

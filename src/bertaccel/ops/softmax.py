@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
-from bertaccel.ops.qkv import SelfAttentionReplacement
+from bertaccel.ops.qkv import SelfAttentionReplacement, kv_cache
 from bertaccel.ops.registration import NS, SwapEntry, lib
 
 __all__ = ["softmax", "softmax_reference", "FusedBertSelfAttention"]
@@ -96,12 +96,12 @@ class FusedBertSelfAttention(SelfAttentionReplacement):
     KV cache, no GPU). SDPA and flash attention never materialise the softmax, so this family leaves
     those modules to the `qkv` family."""
 
-    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, past_key_values=None, **kwargs):
-        reason = "a KV cache is in use" if past_key_values is not None else why_not(
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args, **kwargs):
+        reason = "a KV cache is in use" if kv_cache(args, kwargs) is not None else why_not(
             hidden_states, hidden=1, dtype=compute_dtype(hidden_states))
         if reason is not None:
             note_fallback("attention softmax", reason)
-            return self.run_original(hidden_states, attention_mask, past_key_values, **kwargs)
+            return self.run_original(hidden_states, attention_mask, *args, **kwargs)
         q, k, v = self.heads(hidden_states)
         probs = softmax(torch.matmul(q, k.transpose(2, 3)), attention_mask, self.scaling)
         probs = F.dropout(probs, p=self.dropout.p, training=self.training)
