@@ -1,12 +1,19 @@
 """Compile the CUDA ops on a machine without a GPU: errors, and registers / spills per kernel.
 
     python scripts/compile_check.py [--arch sm_90] [--only layer_norm_bwd.cu] [--filter Li8E]
+    python scripts/compile_check.py --only layer_norm_fwd.cu --ptx /tmp/before   # then, after a change:
+    python scripts/compile_check.py --only layer_norm_fwd.cu --ptx /tmp/after && diff -r /tmp/before /tmp/after
 
 What the JIT build does on the GPU host (`bertaccel.ops.build`), minus the link, with `nvcc -c
 --resource-usage` per translation unit. A CPU-only torch wheel ships no cuBLAS/cuSPARSE/cuSOLVER
 headers, which ATen's CUDA headers include for their handle types: small stand-ins are written to a
 temporary folder (the kernels never call those libraries). No cuRAND header is needed: the
 dropouts draw from their own Philox4x32-10 (`csrc/philox.cuh`).
+
+`--ptx DIR` also writes each source's PTX to DIR/<source>.ptx with what does not change what the GPU
+runs taken out (debug line records, the per-translation-unit hashes in internal names), so that a
+refactor meant to change no instruction can be checked without a GPU: identical files after the
+change mean identical kernels.
 """
 
 from __future__ import annotations
@@ -41,11 +48,26 @@ def demangle(symbol: str) -> str:
     return name.replace("(anonymous namespace)::", "").split("(")[0]
 
 
+def normalized_ptx(text: str) -> str:
+    """PTX without what varies between two compiles of equivalent sources: `.loc` / `.file` records,
+    comments, and the translation unit's hash in internal-linkage names."""
+    keep = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith((".loc", ".file", "//")) or not stripped:
+            continue
+        line = re.sub(r"_INTERNAL_[0-9a-f]{8}_\d+_[A-Za-z0-9_]+?_cu_[0-9a-f]{8}", "_INTERNAL_", line)
+        line = re.sub(r"_GLOBAL__N__[0-9a-f]{8}_\d+_[A-Za-z0-9_]+?_cu_[0-9a-f]{8}", "_GLOBAL__N_", line)
+        keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--only", nargs="*", help="source files (default: the build's)")
     ap.add_argument("--filter", default="", help="show kernels whose mangled name contains this")
+    ap.add_argument("--ptx", type=Path, help="also write each source's normalized PTX into this folder")
     args = ap.parse_args()
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -73,6 +95,14 @@ def main() -> int:
                 failed += 1
                 print("\n".join(line for line in proc.stderr.splitlines() if "error" in line)[:4000])
                 continue
+            if args.ptx is not None:
+                args.ptx.mkdir(parents=True, exist_ok=True)
+                ptx = scratch / f"{source}.ptx"
+                ptx_arch = "-arch=sm_90a" if source in build.GEMM_SOURCES else f"-arch={args.arch}"
+                gen = subprocess.run([nvcc, "-ptx", ptx_arch, *cmd[3:cmd.index("-o")], "-o", str(ptx)],
+                                     capture_output=True, text=True)
+                if gen.returncode == 0:
+                    (args.ptx / f"{source}.ptx").write_text(normalized_ptx(ptx.read_text()))
             for line in sorted({line for line in proc.stderr.splitlines() if "warning" in line.lower()})[:20]:
                 print("  " + line[-220:])
             kernel, previous = None, ""  # ptxas prints a kernel's spill line just before its register line
