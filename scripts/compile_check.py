@@ -50,14 +50,22 @@ def demangle(symbol: str) -> str:
 
 def normalized_ptx(text: str) -> str:
     """PTX without what varies between two compiles of equivalent sources: `.loc` / `.file` records,
-    comments, and the translation unit's hash in internal-linkage names."""
-    keep = []
+    comments, the translation unit's hash in internal-linkage names, and the numbering of virtual
+    registers and branch labels (renumbered per function in order of first appearance: a reordering
+    that changes no instruction then changes nothing here)."""
+    keep, names = [], {}
     for line in text.splitlines():
+        if line.startswith((".entry", ".visible .entry", ".func", ".visible .func")):
+            names = {}  # virtual registers are numbered per function, in order of first use
         stripped = line.strip()
         if stripped.startswith((".loc", ".file", "//")) or not stripped:
             continue
-        line = re.sub(r"_INTERNAL_[0-9a-f]{8}_\d+_[A-Za-z0-9_]+?_cu_[0-9a-f]{8}", "_INTERNAL_", line)
-        line = re.sub(r"_GLOBAL__N__[0-9a-f]{8}_\d+_[A-Za-z0-9_]+?_cu_[0-9a-f]{8}", "_GLOBAL__N_", line)
+        # <hash>_<n>_<source>_cu_<hash>_<nvcc's process id>: the digits after it (the id, and the
+        # length of the next name component) go too - alike in both compiles
+        line = re.sub(r"_INTERNAL_[0-9a-f]{8}_\d+_[A-Za-z0-9_]+?_cu_[0-9a-f]{8}_?\d*", "_INTERNAL_", line)
+        line = re.sub(r"_GLOBAL__N__[0-9a-f]{8}_\d+_[A-Za-z0-9_]+?_cu_[0-9a-f]{8}_?\d*", "_GLOBAL__N_", line)
+        line = re.sub(r"%(?:rd|fd|rs|hh|r|f|p|h)\d+\b", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), line)
+        line = re.sub(r"\$L__BB\d+_\d+", lambda m: names.setdefault(m.group(0), f"$L{len(names)}"), line)
         keep.append(line)
     return "\n".join(keep) + "\n"
 

@@ -2,6 +2,7 @@
 // Welford merging, Philox dropout draws, and the column-sum kernel used by every backward.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <cstdlib>
 #include "check.h"
@@ -161,6 +162,33 @@ __device__ __forceinline__ void dropout_keep(uint64_t seed, uint64_t offset, int
   const int e0 = VEC == 8 ? 0 : (int)(i0 & 7);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) keep[j] = half_draw(w, e0 + j) >= threshold;
+}
+
+// Bit `bit` of a thread's keep bits (bit k * VEC + j: element j of its k-th vector is kept). The
+// kernels draw those bits inline: the same loop as a shared device function changed the code around
+// it (the residual LayerNorm backward's and the forward ring's register counts moved by up to 26).
+__device__ __forceinline__ bool kept_bit(uint32_t kept, int bit) { return (kept >> bit) & 1u; }
+
+// A row op's dropout stream: the launch's Philox (seed, offset), unpacked on the device (under a CUDA
+// graph the offset is read from device memory at replay), and written by thread 0 of block 0 to
+// rng_out (when given) for the backward to regenerate the mask. (0, 0) without dropout.
+struct DropoutSeed {
+  uint64_t seed, offset;
+};
+
+__device__ __forceinline__ DropoutSeed launch_dropout_seed(float p, const at::PhiloxCudaState& philox,
+                                                           int64_t* rng_out) {
+  DropoutSeed s{0, 0};
+  if (p > 0.f) {
+    auto u = at::cuda::philox::unpack(philox);
+    s.seed = std::get<0>(u);
+    s.offset = std::get<1>(u);
+  }
+  if (rng_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    rng_out[0] = (int64_t)s.seed;
+    rng_out[1] = (int64_t)s.offset;
+  }
+  return s;
 }
 
 // out[m][c] = sum_r part[m][r, c] for up to 3 (parts, cols) fp32 matrices of one shape (a LayerNorm

@@ -36,16 +36,8 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
   const int t = threadIdx.x % tpr;
   const int64_t row = (int64_t)blockIdx.x * (kThreads / tpr) + local_row;
   const bool active = row < rows;
-  uint64_t seed = 0, offset = 0;
-  if (p > 0.f) {
-    auto s = at::cuda::philox::unpack(philox);
-    seed = std::get<0>(s);
-    offset = std::get<1>(s);
-  }
-  if (rng_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without dropout
-    rng_out[0] = (int64_t)seed;
-    rng_out[1] = (int64_t)offset;
-  }
+  const DropoutSeed rng = launch_dropout_seed(p, philox, rng_out);
+  const uint64_t seed = rng.seed, offset = rng.offset;
   const float* wr = word;
   const float* pr = pos;
   const float* tr = type;

@@ -62,6 +62,60 @@ do {                                                                            
   }                                                                                                   \
 } while (0)
 
+// The two passes over one vector (VEC columns) of a row, shared by both kernels below: dv (dy) and zv
+// (z) as loaded (converted to float per element where used: converting the whole vector first cost
+// the one-row kernel up to 21 registers, e.g. 128 -> 149 at 768 wide), g (gamma) as floats; the
+// vector's keep bits start at bit0 of `kept`.
+// First pass: the row sums s1 = sum(gamma * d), s2 = sum(gamma * d * xhat) and the columns' dgamma /
+// dbeta. kEmb masks d here (dropout came after the norm); the second pass reads the masked d.
+template <int MODE, typename T, int VEC>
+__device__ __forceinline__ void bwd_first_pass(const Pack<T, VEC>& dv, const Pack<T, VEC>& zv, const float (&g)[VEC],
+                                               float mu, float rs, uint32_t kept, int bit0, float scale, float& s1,
+                                               float& s2, float (&acc_g)[VEC], float (&acc_b)[VEC]) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float xh = (to_f(zv.v[j]) - mu) * rs;
+    float d = to_f(dv.v[j]);
+    if constexpr (MODE == kEmb) d = kept_bit(kept, bit0 + j) ? d * scale : 0.f;
+    const float gd = g[j] * d;
+    s1 += gd;
+    s2 += gd * xh;
+    acc_g[j] += d * xh;
+    if constexpr (MODE != kRms) acc_b[j] += d;
+  }
+}
+
+// Second pass: dz = rstd * (gamma * d - s1 - xhat * s2), stored at dz + off; kFused also stores dh at
+// dh + off (dz through the dropout mask, in T) and sums the rounded dh into dbias, as a separate
+// bias-grad kernel would.
+template <int MODE, typename T, int VEC>
+__device__ __forceinline__ void bwd_second_pass(const Pack<T, VEC>& dv, const Pack<T, VEC>& zv, const float (&g)[VEC],
+                                                float mu, float rs, float s1, float s2, uint32_t kept, int bit0,
+                                                float scale, float p, T* __restrict__ dz, T* __restrict__ dh,
+                                                int64_t off, float (&acc_h)[VEC]) {
+  float o[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float xh = (to_f(zv.v[j]) - mu) * rs;
+    float d = to_f(dv.v[j]);
+    if constexpr (MODE == kEmb) d = kept_bit(kept, bit0 + j) ? d * scale : 0.f;
+    o[j] = rs * (g[j] * d - s1 - xh * s2);
+  }
+  store_f<T, VEC>(dz + off, o);
+  if constexpr (MODE == kFused) {
+    if (p > 0.f) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = kept_bit(kept, bit0 + j) ? o[j] * scale : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      o[j] = to_f(from_f<T>(o[j]));
+      acc_h[j] += o[j];
+    }
+    store_f<T, VEC>(dh + off, o);
+  }
+}
+
 template <typename T, typename W, int VEC, int ITEMS, int MODE>
 __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
@@ -95,8 +149,7 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
     const int64_t row = grp * rpb + local_row;
     const bool active = row < rows;
     Pack<T, VEC> zp[ITEMS], dp[ITEMS];
-    uint32_t kept = 0xffffffffu;  // with dropout: bit k * VEC + j set where column (k, j) is kept
-    float s1 = 0.f, s2 = 0.f;     // sum(gamma * dy), sum(gamma * dy * xhat)
+    float s1 = 0.f, s2 = 0.f;  // sum(gamma * dy), sum(gamma * dy * xhat)
     const float mu = active && kCentre ? mean[row] : 0.f, rs = active ? rstd[row] : 0.f;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
@@ -107,8 +160,9 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
         dp[k] = *reinterpret_cast<const Pack<T, VEC>*>(dy + off);
       }
     }
-    // The dropout mask (kEmb: of dy; kFused: of dh) as one bit per column, drawn while the loads
-    // are in flight: the Philox state is not live beside the second pass's values.
+    // The dropout mask (kEmb: of dy; kFused: of dh), drawn while the loads are in flight: the Philox
+    // state is not live beside the second pass's values.
+    uint32_t kept = 0xffffffffu;  // with dropout: bit k * VEC + j set where column (k, j) is kept
     if constexpr (MODE == kEmb || MODE == kFused) {
       if (p > 0.f) {
 #pragma unroll
@@ -130,17 +184,7 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
       if (active && c < nvec) {
         float g[VEC];
         load_f<W, VEC>(gamma + c * VEC, g);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float xh = (to_f(zp[k].v[j]) - mu) * rs;
-          float d = to_f(dp[k].v[j]);
-          if constexpr (MODE == kEmb) d = (kept >> (k * VEC + j)) & 1u ? d * scale : 0.f;
-          const float gd = g[j] * d;
-          s1 += gd;
-          s2 += gd * xh;
-          acc_g[k][j] += d * xh;
-          if constexpr (kBeta) acc_b[k][j] += d;
-        }
+        bwd_first_pass<MODE>(dp[k], zp[k], g, mu, rs, kept, k * VEC, scale, s1, s2, acc_g[k], acc_b[kBeta ? k : 0]);
       }
     }
     const float inv_h = 1.f / (float)H;
@@ -150,30 +194,10 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
       if (active && c < nvec) {
-        const int64_t off = row * H + (int64_t)c * VEC;
-        float g[VEC], o[VEC];
+        float g[VEC];
         load_f<W, VEC>(gamma + c * VEC, g);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float xh = (to_f(zp[k].v[j]) - mu) * rs;
-          float d = to_f(dp[k].v[j]);
-          if constexpr (MODE == kEmb) d = (kept >> (k * VEC + j)) & 1u ? d * scale : 0.f;
-          o[j] = rs * (g[j] * d - s1 - xh * s2);
-        }
-        store_f<T, VEC>(dz + off, o);
-        if constexpr (kDh) {
-          if (p > 0.f) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) o[j] = (kept >> (k * VEC + j)) & 1u ? o[j] * scale : 0.f;
-          }
-          // dh is stored in T; dbias sums the rounded values, as a separate bias-grad kernel would.
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            o[j] = to_f(from_f<T>(o[j]));
-            acc_h[k][j] += o[j];
-          }
-          store_f<T, VEC>(dh + off, o);
-        }
+        bwd_second_pass<MODE>(dp[k], zp[k], g, mu, rs, s1, s2, kept, k * VEC, scale, p, dz, dh,
+                              row * H + (int64_t)c * VEC, acc_h[kDh ? k : 0]);
       }
     }
   }
@@ -297,20 +321,11 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
       if (active && c < nvec) {
-        float d[VEC], zz[VEC], g[VEC];
-        load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kItem + lane * 16), d);
-        load_f<T, VEC>(reinterpret_cast<const T*>(src + (ITEMS + k) * kItem + lane * 16), zz);
+        const Pack<T, VEC> dv = *reinterpret_cast<const Pack<T, VEC>*>(src + k * kItem + lane * 16);
+        const Pack<T, VEC> zv = *reinterpret_cast<const Pack<T, VEC>*>(src + (ITEMS + k) * kItem + lane * 16);
+        float g[VEC];
         load_f<W, VEC>(gamma + c * VEC, g);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float xh = (zz[j] - mu) * rs;
-          if constexpr (MODE == kEmb) d[j] = (kept >> (k * VEC + j)) & 1u ? d[j] * scale : 0.f;
-          const float gd = g[j] * d[j];
-          s1 += gd;
-          s2 += gd * xh;
-          acc_g[k][j] += d[j] * xh;
-          if constexpr (kBeta) acc_b[k][j] += d[j];
-        }
+        bwd_first_pass<MODE>(dv, zv, g, mu, rs, kept, k * VEC, scale, s1, s2, acc_g[k], acc_b[kBeta ? k : 0]);
       }
     }
     s1 = kCentre ? row_reduce(s1, tpr, nullptr, 0, SumOp()) * inv_h : 0.f;  // tpr <= 32: shuffles only
@@ -319,31 +334,12 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
       if (active && c < nvec) {
-        const int64_t off = row * H + (int64_t)c * VEC;
-        float d[VEC], zz[VEC], g[VEC], o[VEC];
-        load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kItem + lane * 16), d);
-        load_f<T, VEC>(reinterpret_cast<const T*>(src + (ITEMS + k) * kItem + lane * 16), zz);
+        const Pack<T, VEC> dv = *reinterpret_cast<const Pack<T, VEC>*>(src + k * kItem + lane * 16);
+        const Pack<T, VEC> zv = *reinterpret_cast<const Pack<T, VEC>*>(src + (ITEMS + k) * kItem + lane * 16);
+        float g[VEC];
         load_f<W, VEC>(gamma + c * VEC, g);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float xh = (zz[j] - mu) * rs;
-          if constexpr (MODE == kEmb) d[j] = (kept >> (k * VEC + j)) & 1u ? d[j] * scale : 0.f;
-          o[j] = rs * (g[j] * d[j] - s1 - xh * s2);
-        }
-        store_f<T, VEC>(dz + off, o);
-        if constexpr (kDh) {
-          if (p > 0.f) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) o[j] = (kept >> (k * VEC + j)) & 1u ? o[j] * scale : 0.f;
-          }
-          // dh is stored in T; dbias sums the rounded values, as a separate bias-grad kernel would.
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            o[j] = to_f(from_f<T>(o[j]));
-            acc_h[k][j] += o[j];
-          }
-          store_f<T, VEC>(dh + off, o);
-        }
+        bwd_second_pass<MODE>(dv, zv, g, mu, rs, s1, s2, kept, k * VEC, scale, p, dz, dh,
+                              row * H + (int64_t)c * VEC, acc_h[kDh ? k : 0]);
       }
     }
     // Both passes have read the stage (their stores consumed every value): refill it.

@@ -48,16 +48,8 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
   const int rpb = kThreads / tpr;  // row slots per block
   const int local_row = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
-  uint64_t seed = 0, offset = 0;
-  if (p > 0.f) {
-    auto s = at::cuda::philox::unpack(philox);
-    seed = std::get<0>(s);
-    offset = std::get<1>(s);
-  }
-  if (rng_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without dropout
-    rng_out[0] = (int64_t)seed;
-    rng_out[1] = (int64_t)offset;
-  }
+  const DropoutSeed rng = launch_dropout_seed(p, philox, rng_out);
+  const uint64_t seed = rng.seed, offset = rng.offset;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 
   int64_t row[ROWS];
@@ -211,16 +203,8 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   unsigned char* ring = ring_smem + warp * S * kStage + lane * 16;
   const int nvec = H / VEC;
   const int64_t first = (int64_t)blockIdx.x * kRingWarps + warp, stride = (int64_t)gridDim.x * kRingWarps;
-  uint64_t seed = 0, offset = 0;
-  if (p > 0.f) {
-    auto s = at::cuda::philox::unpack(philox);
-    seed = std::get<0>(s);
-    offset = std::get<1>(s);
-  }
-  if (rng_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without dropout
-    rng_out[0] = (int64_t)seed;
-    rng_out[1] = (int64_t)offset;
-  }
+  const DropoutSeed rng = launch_dropout_seed(p, philox, rng_out);
+  const uint64_t seed = rng.seed, offset = rng.offset;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 
   auto issue = [&](int64_t row, int stage) {  // copy row `row` (if any) into `stage`; one group either way
@@ -251,7 +235,6 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   }
   const float inv_h = 1.f / (float)H;
   int stage = 0;
-  static_assert(ITEMS * VEC <= 32, "a lane's keep bits fit one 32-bit word");
   for (int64_t row = first; row < rows; row += stride) {
     // The row's dropout mask depends on no data: draw it while the row is still landing.
     uint32_t kept = 0xffffffffu;  // bit k * VEC + j: element j of vector k is kept
@@ -286,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
       }
       if (p > 0.f)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[k][j] = (kept >> (k * VEC + j)) & 1u ? v[k][j] * scale : 0.f;
+        for (int j = 0; j < VEC; ++j) v[k][j] = kept_bit(kept, k * VEC + j) ? v[k][j] * scale : 0.f;
       if constexpr (RES) {
         float rr[VEC];
         load_f<T, VEC>(reinterpret_cast<const T*>(src + (ITEMS + k) * kRingItemBytes), rr);
