@@ -217,3 +217,41 @@ def test_registry_derives_build_sources_and_swap_order():
     extensions = [build.sources(), build.GEMM_SOURCES, build.attention_sources()]
     on_disk = {p.name for p in build.CSRC.iterdir() if p.suffix in (".cu", ".cpp")}
     assert sorted(s for e in extensions for s in e) == sorted(on_disk)
+
+
+class _RecordingCache:
+    """Stands in for an HF KV cache: returns the keys and values it is given, counting the calls."""
+
+    def __init__(self):
+        self.updates = 0
+
+    def update(self, key, value, *args, **kwargs):
+        self.updates += 1
+        return key, value
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_swapped_self_attention_hands_a_kv_cache_to_the_original(model, attn, monkeypatch):
+    """A KV cache, under the name this transformers passes it (`cache` or `past_key_values`), sends
+    the replacement to the original module with the cache (said once), and the result is HF's."""
+    import inspect
+
+    from transformers.models.bert.modeling_bert import BertSelfAttention
+
+    from bertaccel.ops import eligibility
+
+    monkeypatch.setattr(eligibility, "_warned", set())
+    model.set_attn_implementation(attn)
+    name = next(n for n in ("cache", "past_key_values") if n in inspect.signature(BertSelfAttention.forward).parameters)
+    original = model.bert.encoder.layer[0].attention.self
+    h = torch.randn(2, 5, CFG["hidden_size"])
+    with torch.no_grad():
+        want = original(h, None, **{name: _RecordingCache()})[0]
+        swap(model, ["softmax" if attn == "eager" else "qkv"])
+        replaced = model.bert.encoder.layer[0].attention.self
+        assert replaced is not original
+        cache = _RecordingCache()
+        with pytest.warns(UserWarning, match="a KV cache is in use"):
+            got = replaced(h, None, **{name: cache})[0]
+    assert cache.updates == 1, "the cache did not reach the original module"
+    torch.testing.assert_close(got, want)

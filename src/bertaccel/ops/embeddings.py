@@ -154,8 +154,8 @@ class FusedBertEmbeddings(nn.Module):
         if hasattr(original, "token_type_ids"):
             self.register_buffer("token_type_ids", original.token_type_ids, persistent=False)
         object.__setattr__(self, "_original", original)  # not a submodule: its children are ours
-        # the name transformers gives the position offset (of a KV cache) changed in 5.x:
-        # `past_key_values_length` until ~5.20, `cache_length` since; the fallback passes it on by the
+        # the name transformers gives the position offset (of a KV cache) changed within 5.x:
+        # `past_key_values_length` in 5.17, `cache_length` in 5.24; the fallback passes it on by the
         # name this original takes
         params = inspect.signature(type(original).forward).parameters
         self._offset_name = next((n for n in ("cache_length", "past_key_values_length") if n in params), None)

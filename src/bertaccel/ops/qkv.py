@@ -56,7 +56,7 @@ def split_heads(qkv: Tensor, sizes: tuple[int, int, int], head_size: int) -> tup
 
 # ---------------------------------------------------------------------------------------- modules
 # What HF passes a BertSelfAttention as its KV cache: `past_key_values` (third positional) in
-# transformers <= ~5.20, `cache` (keyword) since. The replacements take either and pass it on as given.
+# transformers 5.17, `cache` (keyword) in 5.24. The replacements take either and pass it on as given.
 CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
