@@ -2,7 +2,8 @@
 
     python scripts/compile_check.py [--arch sm_90] [--only layer_norm_bwd.cu] [--filter Li8E]
     python scripts/compile_check.py --only layer_norm_fwd.cu --ptx /tmp/before   # then, after a change:
-    python scripts/compile_check.py --only layer_norm_fwd.cu --ptx /tmp/after && diff -r /tmp/before /tmp/after
+    python scripts/compile_check.py --only layer_norm_fwd.cu --ptx /tmp/after
+    python scripts/compile_check.py --compare-ptx /tmp/before /tmp/after
 
 What the JIT build does on the GPU host (`bertaccel.ops.build`), minus the link, with `nvcc -c
 --resource-usage` per translation unit. A CPU-only torch wheel ships no cuBLAS/cuSPARSE/cuSOLVER
@@ -13,7 +14,9 @@ dropouts draw from their own Philox4x32-10 (`csrc/philox.cuh`).
 `--ptx DIR` also writes each source's PTX to DIR/<source>.ptx with what does not change what the GPU
 runs taken out (debug line records, the per-translation-unit hashes in internal names), so that a
 refactor meant to change no instruction can be checked without a GPU: identical files after the
-change mean identical kernels.
+change mean identical kernels. `--compare-ptx BEFORE AFTER` says per kernel whether its PTX is
+identical, the same instructions in another order (the same count of every opcode), or different
+(the opcodes whose counts moved).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,13 +74,66 @@ def normalized_ptx(text: str) -> str:
     return "\n".join(keep) + "\n"
 
 
+def ptx_kernels(text: str) -> dict[str, list[str]]:
+    """A normalized PTX file's functions: name -> lines."""
+    kernels, current = {}, None
+    for line in text.splitlines():
+        if re.match(r"^(\.visible )?\.(entry|func)\b", line):
+            current = line.split("(")[0].split()[-1]
+            kernels[current] = []
+        if current is not None:
+            kernels[current].append(line)
+    return kernels
+
+
+def opcode_counts(lines: list[str]) -> Counter:
+    counts = Counter()
+    for line in lines:
+        text = re.sub(r"^@!?%\S+\s+", "", line.strip())
+        if text and not text.startswith((".", "$", "{", "}", ")", "//")):
+            counts[text.split()[0].rstrip(";")] += 1
+    return counts
+
+
+def compare_ptx(before: Path, after: Path) -> int:
+    """Per kernel of each PTX file in both folders: identical / reordered / different."""
+    different = 0
+    for old in sorted(before.glob("*.ptx")):
+        new = after / old.name
+        if not new.exists():
+            print(f"== {old.name}: not in {after}")
+            continue
+        a, b = ptx_kernels(old.read_text()), ptx_kernels(new.read_text())
+        tally = Counter()
+        for name in sorted(set(a) | set(b)):
+            if name not in a or name not in b:
+                tally["only in one"] += 1
+                print(f"  only in {'after' if name in b else 'before'}: {demangle(name)[:110]}")
+            elif a[name] == b[name]:
+                tally["identical"] += 1
+            elif opcode_counts(a[name]) == opcode_counts(b[name]):
+                tally["reordered"] += 1
+            else:
+                tally["different"] += 1
+                ca, cb = opcode_counts(a[name]), opcode_counts(b[name])
+                moved = {op: cb[op] - ca[op] for op in sorted(set(ca) | set(cb)) if ca[op] != cb[op]}
+                print(f"  different: {demangle(name)[:110]}  {moved}")
+        different += tally["different"] + tally["only in one"]
+        print(f"== {old.name}: " + ", ".join(f"{n} {k}" for k, n in tally.items()))
+    return 1 if different else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--only", nargs="*", help="source files (default: the build's)")
     ap.add_argument("--filter", default="", help="show kernels whose mangled name contains this")
     ap.add_argument("--ptx", type=Path, help="also write each source's normalized PTX into this folder")
+    ap.add_argument("--compare-ptx", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                    help="compare two --ptx folders kernel by kernel (no compiling)")
     args = ap.parse_args()
+    if args.compare_ptx:
+        return compare_ptx(*args.compare_ptx)
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         print("no nvcc on PATH", file=sys.stderr)
