@@ -14,7 +14,11 @@ dropouts draw from their own Philox4x32-10 (`csrc/philox.cuh`).
 `--ptx DIR` also writes each source's PTX to DIR/<source>.ptx with what does not change what the GPU
 runs taken out (debug line records, the per-translation-unit hashes in internal names), so that a
 refactor meant to change no instruction can be checked without a GPU: identical files after the
-change mean identical kernels. `--compare-ptx BEFORE AFTER` says per kernel whether its PTX is
+change mean identical kernels. `--loads-in-flight` (needs nvdisasm: on PATH, or $NVDISASM; the `nvidia-cuda-nvdisasm` wheel has one)
+also builds a cubin and prints, per kernel, how many 16-byte global loads a thread has in flight at
+most (a load counts from its issue until an instruction reads or overwrites one of its registers): a
+row kernel meant to issue all of a row's loads before using any should show that many.
+`--compare-ptx BEFORE AFTER` says per kernel whether its PTX is
 identical, the same instructions in another order (the same count of every opcode), or different
 (the opcodes whose counts moved).
 """
@@ -22,6 +26,7 @@ identical, the same instructions in another order (the same count of every opcod
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -95,6 +100,57 @@ def opcode_counts(lines: list[str]) -> Counter:
     return counts
 
 
+def sass_functions(text: str) -> dict[str, list[str]]:
+    """nvdisasm -c output: function name -> its instructions (predicate kept, no addresses)."""
+    functions, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*\.text\.(\S+):", line)
+        if m:
+            current = functions.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s*(.*?);", line)
+        if m and current is not None:
+            current.append(m.group(1).strip())
+    return functions
+
+
+def loads_in_flight(instructions: list[str]) -> int:
+    """The most 16-byte global loads (LDG.E.128) pending at once, in program order: a load is pending
+    from its issue until an instruction reads one of its four destination registers, or writes one."""
+    pending, most = set(), 0
+    for ins in instructions:
+        body = re.sub(r"^@!?U?P\w+\s+", "", ins)
+        parts = body.split(None, 1)
+        if len(parts) < 2:
+            continue
+        opcode, operands = parts
+        regs = [int(r) for r in re.findall(r"\bR(\d+)\b", operands)]
+        if not regs:
+            continue
+        stores = opcode.startswith(("ST", "RED", "ATOM"))
+        reads = regs if stores else regs[1:]
+        written = None if stores or opcode.startswith(("ISETP", "FSETP", "BRA")) else regs[0]
+        for base in list(pending):
+            quad = range(base, base + 4)
+            if any(r in quad for r in reads) or (written is not None and written in quad):
+                pending.discard(base)
+        if opcode.startswith("LDG.E.128"):
+            pending.add(regs[0])
+            most = max(most, len(pending))
+    return most
+
+
+def report_loads_in_flight(cubin: Path, name_filter: str) -> None:
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    if nvdisasm is None:
+        print("  (no nvdisasm: set NVDISASM or put it on PATH)")
+        return
+    proc = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True)
+    for name, instructions in sorted(sass_functions(proc.stdout).items()):
+        if name_filter in name and "kernel" in name:
+            print(f"  {loads_in_flight(instructions):>3} loads in flight  {demangle(name).replace('void bertaccel::', '')[:110]}")
+
+
 def compare_ptx(before: Path, after: Path) -> int:
     """Per kernel of each PTX file in both folders: identical / reordered / different."""
     different = 0
@@ -129,6 +185,8 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="source files (default: the build's)")
     ap.add_argument("--filter", default="", help="show kernels whose mangled name contains this")
     ap.add_argument("--ptx", type=Path, help="also write each source's normalized PTX into this folder")
+    ap.add_argument("--loads-in-flight", action="store_true",
+                    help="also report each kernel's most 16-byte loads in flight (SASS, needs nvdisasm)")
     ap.add_argument("--compare-ptx", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
                     help="compare two --ptx folders kernel by kernel (no compiling)")
     args = ap.parse_args()
@@ -160,6 +218,12 @@ def main() -> int:
                 failed += 1
                 print("\n".join(line for line in proc.stderr.splitlines() if "error" in line)[:4000])
                 continue
+            if args.loads_in_flight:
+                cubin = scratch / f"{source}.cubin"
+                gen = subprocess.run([nvcc, "-cubin", *cmd[2:cmd.index("-o")], "-o", str(cubin)],
+                                     capture_output=True, text=True)
+                if gen.returncode == 0:
+                    report_loads_in_flight(cubin, args.filter)
             if args.ptx is not None:
                 args.ptx.mkdir(parents=True, exist_ok=True)
                 ptx = scratch / f"{source}.ptx"
