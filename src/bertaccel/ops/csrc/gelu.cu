@@ -64,21 +64,23 @@ __global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __r
                                                                     T* __restrict__ y, Index nvec, Index cpr,
                                                                     bool tanh_form) {
   const Index base = (Index)blockIdx.x * (kFwdThreads * kUnroll) + threadIdx.x;
-  float v[kUnroll][VEC];
+  // x as loaded (packs), every row load issued before any is converted: converting x as it arrived
+  // let ptxas keep 2 loads in flight (SASS, the 32-bit-index bf16 kernel every BERT shape runs).
+  Pack<T, VEC> xr[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const Index i = base + (Index)u * kFwdThreads;
-    if (i < nvec) load_f<T, VEC>(x + i * VEC, v[u]);
+    if (i < nvec) xr[u] = *reinterpret_cast<const Pack<T, VEC>*>(x + i * VEC);
   }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const Index i = base + (Index)u * kFwdThreads;
     if (i < nvec) {
-      float b[VEC];
+      float v[VEC], b[VEC];
       load_bias<T, VEC>(bias, (int)(i % cpr), b);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) v[u][j] = gelu(v[u][j] + b[j], tanh_form);
-      store_f<T, VEC>(y + i * VEC, v[u]);
+      for (int j = 0; j < VEC; ++j) v[j] = gelu(to_f(xr[u].v[j]) + b[j], tanh_form);
+      store_f<T, VEC>(y + i * VEC, v);
     }
   }
 }

@@ -62,12 +62,13 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
   float v[ROWS][ITEMS][VEC];
   constexpr bool kHoist = RMS;  // RMSNorm reads its weights with the row, before the statistics
   float g[kHoist ? ITEMS : 1][VEC];
-  if constexpr (kHoist) {
+  if constexpr (kHoist && VEC * sizeof(T) == 16) {
     // Every 16-byte load (row and weights) is issued before any is converted. Converting each as it
     // was loaded let ptxas give three of the four row loads of a 4096-wide RMSNorm one register
     // quad, each waiting for the conversion of the one before (SASS via nvdisasm: 9 of 12 loads in
     // flight with fp32 weights, 2 of 8 with bf16 weights; that build measured 145.5 us at 16384 x 4096
-    // against 111.5 for an earlier build with all 12).
+    // against 111.5 for an earlier build with all 12). LayerNorm (weights read after the
+    // statistics) had all its row loads in flight already, and narrower vectors are left as they were.
     Pack<T, VEC> raw[ROWS][ITEMS];
     Pack<W, VEC> graw[ITEMS];
 #pragma unroll
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 #pragma unroll
       for (int j = 0; j < VEC; ++j) g[k][j] = to_f(graw[k].v[j]);
     }
-  } else {  // (its loads were all in flight already: the LayerNorm kernels keep this form)
+  } else {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -99,6 +100,13 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
         const int c = t + k * tpr;
         if (active[r] && c < nvec) load_f<T, VEC>(x + row[r] * H + (int64_t)c * VEC, v[r][k]);
       }
+    if constexpr (kHoist) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const int c = t + k * tpr;
+        if (c < nvec) load_f<W, VEC>(gamma + c * VEC, g[k]);
+      }
+    }
   }
   float sum[ROWS];
 #pragma unroll
