@@ -113,17 +113,26 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_kernel(const T* __restri
   const int t = threadIdx.x % tpr;
   const int64_t row = (int64_t)blockIdx.x * (kThreads / tpr) + local_row;
   const bool active = row < rows;
-  float yv[ITEMS][VEC], dv[ITEMS][VEC];
-  float dot = 0.f;
+  // y and dy held as the 16-byte packs they were loaded as, all loads issued before any is used, and
+  // converted where read (twice): converting as they arrived kept one vector's two loads in flight
+  // (SASS), and the packs take half the registers of fp32 values for bf16.
+  Pack<T, VEC> yp[ITEMS], dp[ITEMS];
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int c = t + k * tpr;
     if (active && c < nvec) {
       const int64_t off = row * S + (int64_t)c * VEC;
-      load_f<T, VEC>(y + off, yv[k]);
-      load_f<T, VEC>(dy + off, dv[k]);
+      yp[k] = *reinterpret_cast<const Pack<T, VEC>*>(y + off);
+      dp[k] = *reinterpret_cast<const Pack<T, VEC>*>(dy + off);
+    }
+  }
+  float dot = 0.f;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) dot += yv[k][j] * dv[k][j];
+  for (int k = 0; k < ITEMS; ++k) {
+    const int c = t + k * tpr;
+    if (active && c < nvec) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dot += to_f(yp[k].v[j]) * to_f(dp[k].v[j]);
     }
   }
   dot = row_reduce(dot, tpr, red, local_row, SumOp());
@@ -134,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_kernel(const T* __restri
     if (c < nvec) {
       float o[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = scale * yv[k][j] * (dv[k][j] - dot);
+      for (int j = 0; j < VEC; ++j) o[j] = scale * to_f(yp[k].v[j]) * (to_f(dp[k].v[j]) - dot);
       store_f<T, VEC>(dx + row * S + (int64_t)c * VEC, o);
     }
   }
