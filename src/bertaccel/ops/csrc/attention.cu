@@ -214,8 +214,14 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
 }
 
 // ------------------------------------------------------------------------------ forward
+// CTAs per SM the forward is compiled for. At D = 64 shared memory fits 4 (5 x 64 x 72 bf16 = 46 KB
+// each) but the kernel compiled to 129 registers, which rounds to 136 x 128 threads: 3 CTAs. Asking
+// for 4 caps it at 128.
+template <int D>
+constexpr int fwd_min_blocks() { return D == 64 ? 4 : 0; }  // 0: no minimum (as without the argument)
+
 template <typename T, int D, bool DROPOUT>
-__global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel(const Params p) {
   constexpr int LD = D + 8;  // +16 bytes per row: ldmatrix rows fall in distinct banks
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
