@@ -210,8 +210,10 @@ def main() -> int:
         for source in args.only or [s for s in build.sources() + build.GEMM_SOURCES if s.endswith(".cu")]:
             # the GEMM is its own sm_90a build (wgmma, setmaxnreg): the -gencode form, as the JIT build passes it
             arch = ["-gencode=arch=compute_90a,code=sm_90a"] if source in build.GEMM_SOURCES else [f"-arch={args.arch}"]
-            cmd = [nvcc, "-c", *arch, *build.CUDA_FLAGS, *includes, "-DTORCH_EXTENSION_NAME=check",
-                   str(build.CSRC / source), "-o", str(scratch / f"{source}.o")]
+            # a cubin (device code only) when its SASS is to be read; ptxas reports registers either way
+            out = scratch / (f"{source}.cubin" if args.loads_in_flight else f"{source}.o")
+            cmd = [nvcc, "-cubin" if args.loads_in_flight else "-c", *arch, *build.CUDA_FLAGS, *includes,
+                   "-DTORCH_EXTENSION_NAME=check", str(build.CSRC / source), "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             print(f"== {source}: {'ok' if proc.returncode == 0 else 'FAILED'}")
             if proc.returncode != 0:
@@ -219,11 +221,7 @@ def main() -> int:
                 print("\n".join(line for line in proc.stderr.splitlines() if "error" in line)[:4000])
                 continue
             if args.loads_in_flight:
-                cubin = scratch / f"{source}.cubin"
-                gen = subprocess.run([nvcc, "-cubin", *cmd[2:cmd.index("-o")], "-o", str(cubin)],
-                                     capture_output=True, text=True)
-                if gen.returncode == 0:
-                    report_loads_in_flight(cubin, args.filter)
+                report_loads_in_flight(out, args.filter)
             if args.ptx is not None:
                 args.ptx.mkdir(parents=True, exist_ok=True)
                 ptx = scratch / f"{source}.ptx"
