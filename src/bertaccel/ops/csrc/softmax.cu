@@ -44,32 +44,20 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restri
   const int64_t row = (int64_t)blockIdx.x * (kThreads / tpr) + local_row;
   const bool active = row < rows;
   const int64_t moff = active ? mask.row_offset(row) : 0;
-  // With 16-byte vectors, the row's loads are all issued before any is used: loading and masking
-  // vector by vector let ptxas put every load of the row in one register quad, each waiting for the
-  // one before (SASS: one load in flight; now ITEMS). Narrower vectors (odd lengths) keep loading as
-  // they go: hoisting their 8-32 loads cost them registers (80 -> 109 at 2-wide) for no such gain.
-  constexpr bool kHoist = VEC * sizeof(T) == 16;
-  Pack<T, VEC> raw[kHoist ? ITEMS : 1];
-  if constexpr (kHoist) {
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      const int c = t + k * tpr;
-      if (active && c < nvec) raw[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + row * S + (int64_t)c * VEC);
-    }
-  }
+  // Loads as they go (SASS: one row load in flight per thread). Issuing the row's ITEMS 16-byte loads
+  // first (commit 4154a19) was measured slower on the H100 and reverted: 32x12x512x512 bf16 167.4 ->
+  // 180.4 us, 8x12x1024x1024 168.8 -> 176.8 us (benchmarks/bench_ops.py, same machine kind).
   float v[ITEMS][VEC];
   float mx = -INFINITY;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int c = t + k * tpr;
     if (active && c < nvec) {
-      Pack<T, VEC> pk;
-      if constexpr (kHoist) pk = raw[k];
-      else pk = *reinterpret_cast<const Pack<T, VEC>*>(x + row * S + (int64_t)c * VEC);
+      load_f<T, VEC>(x + row * S + (int64_t)c * VEC, v[k]);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const int64_t mi = moff + c * VEC + j;
-        float s = to_f(pk.v[j]) * scale;
+        float s = v[k][j] * scale;
         if (mask.add != nullptr) s += mask.add[mi];
         else if (mask.keep != nullptr && !mask.keep[mi]) s = -INFINITY;
         v[k][j] = s;
