@@ -12,7 +12,8 @@
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
 # grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), anatomy (where a graphed step's
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
-# attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows).
+# attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows), gelu_sweep (bias+GELU forward
+# vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py).
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 set -uo pipefail
@@ -281,4 +282,12 @@ if has e2e_eager_base; then  # eager BERT-base 16x128 train step: the swap again
   python -m benchmarks.e2e --models bert-base --shapes 16x128 --variants hf-sdpa-bf16 fused --warmup 10 --steps 30 \
     --out "$OUT/e2e_eager_base.json" > "$OUT/e2e_eager_base.log" 2>&1
   echo "e2e eager base rc=$?"; grep -E "^bert" "$OUT/e2e_eager_base.log"
+fi
+if has gelu_sweep; then  # bias+GELU forward: vectors per thread 1/2/4 against the default choice (csrc/gelu.cu fwd_unroll)
+  for setting in "" BERTACCEL_GELU_UNROLL=1 BERTACCEL_GELU_UNROLL=2 BERTACCEL_GELU_UNROLL=4; do env $setting python scripts/elementwise_sweep.py; done > "$OUT/gelu_sweep.log" 2>&1
+  echo "gelu sweep rc=$?"; grep GELU "$OUT/gelu_sweep.log"
+fi
+if has op_kernels; then  # per-kernel GPU time of the norm / GELU ops' forward and backward (scripts/op_kernels.py)
+  for h in ${OPK_HIDDEN:-384 768}; do python scripts/op_kernels.py --hidden $h; done > "$OUT/op_kernels.log" 2>&1
+  echo "op kernels rc=$?"; grep KERNELS "$OUT/op_kernels.log" | cut -c1-400
 fi

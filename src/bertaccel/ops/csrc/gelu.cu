@@ -1,6 +1,6 @@
 // Fused bias + GELU (exact erf form, as HF's "gelu", or the tanh approximation), forward and backward.
 //
-// Forward: a flat elementwise kernel, 256 threads, each with 4 independent 16-byte loads in flight.
+// Forward: a flat elementwise kernel, 256 threads, each with up to 4 independent 16-byte loads in flight.
 // Backward: grid (ceil(cols / VEC / 128), row chunks), 128 threads. Thread t of block (bx, by) owns
 // the column vector bx * 128 + t and walks the rows of chunk by, 4 rows at a time, so a warp
 // touches 32 consecutive 16-byte vectors of one row (coalesced) and the bias vector is loaded once;
@@ -15,6 +15,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace bertaccel {
@@ -22,7 +24,7 @@ namespace {
 
 constexpr int kThreads = 128;     // backward block: 128 column vectors
 constexpr int kFwdThreads = 256;  // forward block
-constexpr int kUnroll = 4;        // vectors (forward) or rows (backward) in flight per thread
+constexpr int kUnroll = 4;        // rows in flight per thread (backward); the forward's most vectors
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
@@ -57,23 +59,23 @@ __device__ __forceinline__ void load_bias(const T* __restrict__ bias, int cv, fl
 
 // Forward: an elementwise kernel over the flat tensor, seen as nvec vectors of VEC elements
 // (VEC divides the row, so a vector never straddles rows and its bias vector is (i % cpr)).
-// Each thread loads kUnroll vectors, kFwdThreads apart, before it computes any: several
-// independent 16-byte loads in flight per thread are what keeps HBM busy.
-template <typename T, int VEC, typename Index>
+// Each thread loads UNROLL vectors, kFwdThreads apart, before it computes any: several
+// independent 16-byte loads in flight per thread are what keeps HBM busy (see fwd_unroll).
+template <typename T, int VEC, typename Index, int UNROLL>
 __global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                                                     T* __restrict__ y, Index nvec, Index cpr,
                                                                     bool tanh_form) {
-  const Index base = (Index)blockIdx.x * (kFwdThreads * kUnroll) + threadIdx.x;
+  const Index base = (Index)blockIdx.x * (kFwdThreads * UNROLL) + threadIdx.x;
   // x as loaded (packs), every row load issued before any is converted: converting x as it arrived
   // let ptxas keep 2 loads in flight (SASS, the 32-bit-index bf16 kernel every BERT shape runs).
-  Pack<T, VEC> xr[kUnroll];
+  Pack<T, VEC> xr[UNROLL];
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < UNROLL; ++u) {
     const Index i = base + (Index)u * kFwdThreads;
     if (i < nvec) xr[u] = *reinterpret_cast<const Pack<T, VEC>*>(x + i * VEC);
   }
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < UNROLL; ++u) {
     const Index i = base + (Index)u * kFwdThreads;
     if (i < nvec) {
       float v[VEC], b[VEC];
@@ -83,6 +85,22 @@ __global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __r
       store_f<T, VEC>(y + i * VEC, v);
     }
   }
+}
+
+// Vectors per forward thread: 4 when the tensor fills the GPU's resident threads 4 times over, else
+// as many as it fills (at least 1), so that a small tensor still spreads over every SM instead of
+// leaving most of them idle behind a few blocks of 4-vector threads. BERTACCEL_GELU_UNROLL=1|2|4
+// forces one (scripts/elementwise_sweep.py compares them).
+int fwd_unroll(int64_t nvec, const cudaDeviceProp& prop) {
+  static const int forced = [] {
+    const char* e = std::getenv("BERTACCEL_GELU_UNROLL");
+    const int u = e ? std::atoi(e) : 0;
+    return u == 1 || u == 2 || u == 4 ? u : 0;
+  }();
+  if (forced) return forced;
+  const int64_t resident = (int64_t)prop.multiProcessorCount * prop.maxThreadsPerMultiProcessor;
+  const int64_t fills = nvec / std::max<int64_t>(resident, 1);
+  return fills >= 4 ? 4 : fills >= 2 ? 2 : 1;
 }
 
 // Backward: thread t of block (bx, by) owns column vector bx * 128 + t and walks the rows of chunk
@@ -170,22 +188,30 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
     using T = decltype(type_tag);
     int vec = pick_vec((int)cols, 16 / sizeof(T), {&x, &b, &y});
     const int64_t nvec = rows * cols / vec, cpr = cols / vec;
-    const dim3 grid((unsigned)((nvec + kFwdThreads * kUnroll - 1) / (kFwdThreads * kUnroll)));
+    const int unroll = fwd_unroll(nvec, *at::cuda::getCurrentDeviceProperties());
     const T* bp = b.defined() ? (const T*)b.data_ptr() : nullptr;
     // 32-bit indices (cheaper i % cpr) when every element offset i * VEC fits, not just the vector count
     const bool narrow = rows * cols < (int64_t{1} << 31);
+#define BA_GELU_FWD_U(V, U)                                                                                    \
+  do {                                                                                                         \
+    const dim3 grid((unsigned)((nvec + kFwdThreads * U - 1) / (kFwdThreads * U)));                             \
+    if (narrow)                                                                                                \
+      bias_gelu_fwd_kernel<T, V, uint32_t, U><<<grid, kFwdThreads, 0, stream>>>(                               \
+          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (uint32_t)nvec, (uint32_t)cpr, tanh_form);             \
+    else                                                                                                       \
+      bias_gelu_fwd_kernel<T, V, int64_t, U><<<grid, kFwdThreads, 0, stream>>>(                                \
+          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), nvec, cpr, tanh_form);                                 \
+  } while (0)
 #define BA_GELU_FWD(V)                                                                                         \
-  if (narrow)                                                                                                  \
-    bias_gelu_fwd_kernel<T, V, uint32_t><<<grid, kFwdThreads, 0, stream>>>(                                    \
-        (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (uint32_t)nvec, (uint32_t)cpr, tanh_form);               \
-  else                                                                                                         \
-    bias_gelu_fwd_kernel<T, V, int64_t><<<grid, kFwdThreads, 0, stream>>>((const T*)x.data_ptr(), bp,           \
-                                                                          (T*)y.data_ptr(), nvec, cpr, tanh_form)
+  if (unroll == 4) BA_GELU_FWD_U(V, 4);                                                                        \
+  else if (unroll == 2) BA_GELU_FWD_U(V, 2);                                                                   \
+  else BA_GELU_FWD_U(V, 1)
     if (vec == 8) { if constexpr (sizeof(T) == 2) { BA_GELU_FWD(8); } }
     else if (vec == 4) { BA_GELU_FWD(4); }
     else if (vec == 2) { BA_GELU_FWD(2); }
     else { BA_GELU_FWD(1); }
 #undef BA_GELU_FWD
+#undef BA_GELU_FWD_U
   };
   if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});
   else run(float{});
