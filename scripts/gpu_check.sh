@@ -5,7 +5,7 @@
 #   STAGES="build headline e2e_graphs"                  bash scripts/gpu_check.sh   (graphed steps)
 #   STAGES="build e2e e2e_compile profile sweep mlm"    bash scripts/gpu_check.sh
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
-# (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off), ln_sweep, e2e, e2e_eager_base, e2e_compile,
+# (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep, e2e, e2e_eager_base, e2e_compile,
 # norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
 # gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
@@ -86,6 +86,10 @@ if has ops; then
   if [ -n "${OPS_RING_OFF:-}" ]; then  # the same ops with the LayerNorm family's row rings off, same call
     BERTACCEL_LN_RING=0 python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops_ring_off.json" > "$OUT/bench_ops_ring_off.log" 2>&1
     echo "bench (rings off) rc=$?"; grep -E "^(layer_norm|residual|rms_norm|embeddings) .*bertaccel" "$OUT/bench_ops_ring_off.log" | cut -c1-120
+  fi
+  if [ -n "${OPS_PDL_OFF:-}" ]; then  # the same ops with the column sums launched plainly (no programmatic dependent launch)
+    BERTACCEL_PDL=0 python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops_pdl_off.json" > "$OUT/bench_ops_pdl_off.log" 2>&1
+    echo "bench (PDL off) rc=$?"; grep -E "^[a-z_]+ .*bertaccel" "$OUT/bench_ops_pdl_off.log" | cut -c1-120
   fi
 fi
 if has e2e; then

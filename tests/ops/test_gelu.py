@@ -34,8 +34,8 @@ def test_gelu_backward_formula_matches_autograd():
 @cuda_test
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-# The forward's vectors per thread follow the size (csrc/gelu.cu fwd_unroll; on an H100, bf16): 1 at
-# 1023x3072, 2 at 2047x4096 (a partial last block), 4 at 16384x3072; fp32 (4-wide vectors) 2, 4, 4.
+# The forward's vectors per thread follow the size (csrc/gelu.cu fwd_unroll; on an H100): 1 at 1023x3072
+# and 2047x4096 (a partial last block), 2 at 16384x3072 (bf16 and fp32).
 @pytest.mark.parametrize("shape", [(1, 128), (7, 1000), (1023, 3072), (2047, 4096), (16384, 3072), (5, 4097)])
 def test_bias_gelu(shape, approximate, dtype):
     x, bias, dy = torch.randn(shape, device="cuda") * 2, torch.randn(shape[-1], device="cuda"), torch.randn(shape, device="cuda")

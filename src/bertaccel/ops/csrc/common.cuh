@@ -2,6 +2,7 @@
 // Welford merging, Philox dropout draws, and the column-sum kernel used by every backward.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/PhiloxUtils.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <cstdlib>
@@ -201,10 +202,36 @@ struct ColumnSums {
   const float* part[3];
   float* out[3];
 };
+
+// Programmatic dependent launch (Hopper): the column sums are launched while the backward that
+// writes their partial rows still runs, so the second launch's latency hides behind the first
+// kernel's tail instead of following it. The backward kernels allow it at their start
+// (`allow_dependent_launch`); `column_sums_kernel` waits for them, completed and their writes
+// visible, before its first read (`wait_for_prerequisite_grids`). Correctness never rests on where
+// the allowing is: the wait is for the whole prerequisite grid. BERTACCEL_PDL=0 launches the column
+// sums plainly (for comparing both in one run).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("BERTACCEL_PDL");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
 constexpr int kColSumRows = 32;
 
 static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(ColumnSums m, int parts, int cols) {
   __shared__ float red[kColSumRows][33];
+  wait_for_prerequisite_grids();  // the partial rows are the previous kernel's output
   const float* __restrict__ part = m.part[blockIdx.y];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -236,8 +263,18 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  dim3 grid((unsigned)((cols + 31) / 32), (unsigned)n), block(32, kColSumRows);
-  column_sums_kernel<<<grid, block, 0, stream>>>(m, parts, cols);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3((unsigned)((cols + 31) / 32), (unsigned)n);
+  config.blockDim = dim3(32, kColSumRows);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (pdl_enabled() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, column_sums_kernel, m, parts, cols));
 }
 
 // ------------------------------------------------------------------------- host-side launch helpers

@@ -1,6 +1,6 @@
 // Fused bias + GELU (exact erf form, as HF's "gelu", or the tanh approximation), forward and backward.
 //
-// Forward: a flat elementwise kernel, 256 threads, each with up to 4 independent 16-byte loads in flight.
+// Forward: a flat elementwise kernel, 256 threads, each with 1 or 2 (up to 4) independent 16-byte loads in flight.
 // Backward: grid (ceil(cols / VEC / 128), row chunks), 128 threads. Thread t of block (bx, by) owns
 // the column vector bx * 128 + t and walks the rows of chunk by, 4 rows at a time, so a warp
 // touches 32 consecutive 16-byte vectors of one row (coalesced) and the bias vector is loaded once;
@@ -87,10 +87,12 @@ __global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __r
   }
 }
 
-// Vectors per forward thread: 4 when the tensor fills the GPU's resident threads 4 times over, else
-// as many as it fills (at least 1), so that a small tensor still spreads over every SM instead of
-// leaving most of them idle behind a few blocks of 4-vector threads. BERTACCEL_GELU_UNROLL=1|2|4
-// forces one (scripts/elementwise_sweep.py compares them).
+// Vectors per forward thread: 1 unless the tensor fills the GPU's resident threads 4 times over,
+// then 2. Measured on the H100 (bf16, scripts/elementwise_sweep.py, us at 1 / 2 / 4 vectors):
+// 2048x1536 7.5 / 7.9 / 8.3, 2048x3072 12.2 / 13.0 / 14.1, 2048x4096 15.8 / 16.1 / 17.8 (a small
+// tensor gives few threads; at 4 each most SMs sat idle behind a few blocks); 16384x1536 42.0 /
+// 41.4 / 43.7, 16384x3072 79.3 / 78.0 / 79.2, 16384x4096 104.7 / 102.6 / 103.6 (4 was the default
+// before). BERTACCEL_GELU_UNROLL=1|2|4 forces one (scripts/elementwise_sweep.py compares them).
 int fwd_unroll(int64_t nvec, const cudaDeviceProp& prop) {
   static const int forced = [] {
     const char* e = std::getenv("BERTACCEL_GELU_UNROLL");
@@ -99,8 +101,7 @@ int fwd_unroll(int64_t nvec, const cudaDeviceProp& prop) {
   }();
   if (forced) return forced;
   const int64_t resident = (int64_t)prop.multiProcessorCount * prop.maxThreadsPerMultiProcessor;
-  const int64_t fills = nvec / std::max<int64_t>(resident, 1);
-  return fills >= 4 ? 4 : fills >= 2 ? 2 : 1;
+  return nvec >= 4 * resident ? 2 : 1;
 }
 
 // Backward: thread t of block (bx, by) owns column vector bx * 128 + t and walks the rows of chunk
@@ -111,6 +112,7 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __rest
                                                                  const T* __restrict__ bias, T* __restrict__ dx,
                                                                  float* __restrict__ dbias_part, int64_t rows, int cols,
                                                                  int rows_per_chunk, bool tanh_form) {
+  allow_dependent_launch();  // the column sums may launch now (they wait for this grid)
   const int cv = blockIdx.x * kThreads + threadIdx.x;
   if (cv * VEC >= cols) return;
   float b[VEC], acc[VEC];

@@ -127,6 +127,7 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
   constexpr bool kCentre = MODE != kRms;
   static_assert(ITEMS * VEC <= 32, "the dropout keep bits of a thread's columns fit one 32-bit word");
   __shared__ float red[kBwdThreads / 32];
+  allow_dependent_launch();  // the column sums may launch now (they wait for this grid)
   const int nvec = H / VEC;
   const int rpb = kBwdThreads / tpr;
   const int local_row = threadIdx.x / tpr;
@@ -250,6 +251,7 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
   static_assert(ITEMS * VEC <= 32, "the dropout keep bits of a thread's columns fit one 32-bit word");
   extern __shared__ __align__(16) unsigned char bwd_ring_smem[];
+  allow_dependent_launch();  // the column sums may launch now (they wait for this grid)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned char* ring = bwd_ring_smem + warp * S * kStage;
   const int nvec = H / VEC;
