@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bertaccel.ops.registration import _MASK32, NS, SEEDED, check_dropout, dropout_threshold, lib, philox4x32_10
+from bertaccel.ops.registration import MASK32, NS, SEEDED, check_dropout, dropout_threshold, lib, philox4x32_10
 
 CUDA_SOURCES = ["attention.cu"]
 HEAD_DIMS = (32, 64, 128)
@@ -49,8 +49,8 @@ def dropout_keep(start: int, length: int, head: int, p: float, seed: int, offset
     r16, kk = q % 16, k % 16
     row_token = (start + q - r16 + r16 % 8).expand(length, length)
     key = (k - kk + 2 * ((kk % 8) // 2)) | (head << 16)
-    c = (row_token, key.expand(length, length), torch.full_like(row_token, offset & _MASK32),
-         torch.full_like(row_token, (offset >> 32) & _MASK32))
+    c = (row_token, key.expand(length, length), torch.full_like(row_token, offset & MASK32),
+         torch.full_like(row_token, (offset >> 32) & MASK32))
     words = torch.stack(philox4x32_10(c, seed % (1 << 64)))  # [4, length, length]
     word = 2 * (r16 >= 8).long() + (kk >= 8).long()
     draw = (words.gather(0, word.expand(length, length)[None]).squeeze(0) >> (16 * (kk % 2))) & 0xFFFF

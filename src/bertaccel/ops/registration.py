@@ -38,7 +38,7 @@ def check_dropout(p: float) -> None:
 # Python mirrors of csrc/philox.cuh and common.cuh's dropout_keep, for tests that check a kernel's mask
 # exactly: the row ops (LayerNorm, residual LayerNorm, embeddings) and the attention
 # (bertaccel.ops.attention.dropout_keep) draw 16-bit numbers from Philox4x32-10.
-_MASK32 = 0xFFFFFFFF
+MASK32 = 0xFFFFFFFF
 
 
 def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -46,18 +46,18 @@ def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
     p_lo = a * (b & 0xFFFF)  # < 2^48
     p_hi = a * (b >> 16)
     mid = p_lo + ((p_hi & 0xFFFF) << 16)
-    return ((p_hi >> 16) + (mid >> 32)) & _MASK32, mid & _MASK32
+    return ((p_hi >> 16) + (mid >> 32)) & MASK32, mid & MASK32
 
 
 def philox4x32_10(c: tuple[Tensor, Tensor, Tensor, Tensor], seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Philox4x32-10 (curand's, Random123's) of counters c (uint32 in int64 tensors) under a 64-bit key."""
     c0, c1, c2, c3 = c
-    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    k0, k1 = seed & MASK32, (seed >> 32) & MASK32
     for _ in range(10):
         hi0, lo0 = _mulhilo(0xD2511F53, c0)
         hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+        k0, k1 = (k0 + 0x9E3779B9) & MASK32, (k1 + 0xBB67AE85) & MASK32
     return c0, c1, c2, c3
 
 
@@ -72,7 +72,7 @@ def row_dropout_keep(numel: int, p: float, seed: int, offset: int) -> Tensor:
     offset low, offset high), key `seed`, is >= dropout_threshold(p)."""
     i = torch.arange(numel, dtype=torch.int64)
     group = i // 8
-    c = (group & _MASK32, group >> 32, torch.full_like(i, offset & _MASK32), torch.full_like(i, (offset >> 32) & _MASK32))
+    c = (group & MASK32, group >> 32, torch.full_like(i, offset & MASK32), torch.full_like(i, (offset >> 32) & MASK32))
     words = torch.stack(philox4x32_10(c, seed % (1 << 64)))  # [4, numel]
     e = i % 8
     draw = (words.gather(0, (e // 2)[None]).squeeze(0) >> (16 * (e % 2))) & 0xFFFF

@@ -17,7 +17,6 @@
 // (`ln_fwd_kernel`), which the description above is of. Both compute the same statistics the same way.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
-#include <ATen/cuda/PhiloxUtils.cuh>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
