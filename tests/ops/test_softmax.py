@@ -23,6 +23,12 @@ def _mask(kind, b, h, q, k):
         keep = torch.rand(b, 1, 1, k, device="cuda", generator=g) > 0.3
         keep[..., 0] = True
         return keep.expand(b, 1, q, k)
+    if kind == "misaligned_additive":  # the key-padding mask at an odd offset: the kernel's scalar mask loads
+        keep = torch.rand(b, 1, 1, k, device="cuda", generator=g) > 0.3
+        keep[..., 0] = True
+        flat = torch.zeros(b * k + 1, device="cuda")
+        mask = flat[1:].view(b, 1, 1, k)
+        return mask.masked_fill_(~keep, torch.finfo(torch.float32).min)
     if kind == "full_additive":  # a distinct additive bias per head and query
         return torch.randn(b, h, q, k, device="cuda", generator=g)
     raise ValueError(kind)
@@ -30,7 +36,7 @@ def _mask(kind, b, h, q, k):
 
 @cuda_test
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("mask_kind", ["none", "key_padding_additive", "bool_expanded", "full_additive"])
+@pytest.mark.parametrize("mask_kind", ["none", "key_padding_additive", "misaligned_additive", "bool_expanded", "full_additive"])
 @pytest.mark.parametrize("shape", [(2, 12, 128, 128), (1, 3, 7, 1000), (4, 2, 33, 512), (1, 1, 5, 4097), (1, 2, 4, 8192)])
 def test_softmax(shape, mask_kind, dtype):
     b, h, q, k = shape

@@ -8,7 +8,9 @@
 // row, so two rows share a warp and reduce with width-16 shuffles; up to 256 for 8192 keys), each
 // holding ITEMS 16-byte vectors in registers: one read and one write of the scores, max and sum by
 // shuffles (block reduction through shared memory when a row spans several warps). The mask is read
-// with scalar loads through L1/L2 (a key-padding mask is one row per sequence). Bytes: forward 2 x
+// through L1/L2 (a key-padding mask is one row per sequence): an additive mask 4 keys per 16-byte
+// load where its rows are 16-byte aligned (they are for HF's [batch, 1, 1, key] masks, key % 4 == 0),
+// else one key per load, as the boolean mask always is. Bytes: forward 2 x
 // sizeof(T) per element, backward 3 x.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty_like.h>
@@ -27,6 +29,7 @@ struct MaskView {
   const bool* keep = nullptr;  // boolean mask (true = attend)
   int64_t sb = 0, sh = 0, sq = 0;  // element strides of batch, head, query (0: broadcast)
   int heads = 1, q_len = 1;
+  bool add_vec4 = false;  // the additive mask 16-byte aligned at every row start: read 4 keys per load
 
   __device__ __forceinline__ int64_t row_offset(int64_t row) const {
     const int64_t q = row % q_len, bh = row / q_len;
@@ -54,14 +57,32 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restri
     const int c = t + k * tpr;
     if (active && c < nvec) {
       load_f<T, VEC>(x + row * S + (int64_t)c * VEC, v[k]);
+      bool vec_mask = false;  // the additive mask of these VEC keys in 16-byte loads, when aligned
+      if constexpr (VEC % 4 == 0) {
+        if (mask.add != nullptr && mask.add_vec4) {
+          vec_mask = true;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const int64_t mi = moff + c * VEC + j;
-        float s = v[k][j] * scale;
-        if (mask.add != nullptr) s += mask.add[mi];
-        else if (mask.keep != nullptr && !mask.keep[mi]) s = -INFINITY;
-        v[k][j] = s;
-        mx = fmaxf(mx, s);
+          for (int j = 0; j < VEC; j += 4) {
+            const float4 m4 = *reinterpret_cast<const float4*>(mask.add + moff + c * VEC + j);
+            v[k][j] = v[k][j] * scale + m4.x;
+            v[k][j + 1] = v[k][j + 1] * scale + m4.y;
+            v[k][j + 2] = v[k][j + 2] * scale + m4.z;
+            v[k][j + 3] = v[k][j + 3] * scale + m4.w;
+          }
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[k][j]);
+        }
+      }
+      if (!vec_mask) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const int64_t mi = moff + c * VEC + j;
+          float s = v[k][j] * scale;
+          if (mask.add != nullptr) s += mask.add[mi];
+          else if (mask.keep != nullptr && !mask.keep[mi]) s = -INFINITY;
+          v[k][j] = s;
+          mx = fmaxf(mx, s);
+        }
       }
     }
   }
@@ -189,6 +210,8 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
     mv.q_len = (int)x.size(2);
     if (mask.scalar_type() == at::kBool) mv.keep = mask.data_ptr<bool>();
     else mv.add = mask.data_ptr<float>();
+    mv.add_vec4 = mv.add != nullptr && reinterpret_cast<uintptr_t>(mv.add) % 16 == 0 && mv.sb % 4 == 0 &&
+                  mv.sh % 4 == 0 && mv.sq % 4 == 0;
   }
   auto stream = at::cuda::getCurrentCUDAStream();
   auto run = [&](auto type_tag) {
