@@ -25,7 +25,10 @@ STAGES=${STAGES:-build tests ops e2e}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-  echo "commit ${BERTACCEL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; } > "$OUT/environment.txt" 2>&1
+  # Give BERTACCEL_COMMIT (the sha, from the machine that sent the tree): the GPU host's copy may carry
+  # a stale .git (session 15: rev-parse there named the first call's commit in every later call).
+  echo "commit ${BERTACCEL_COMMIT:-unknown (BERTACCEL_COMMIT not given; git there says $(git rev-parse --short HEAD 2>/dev/null || echo nothing))}"; } > "$OUT/environment.txt" 2>&1
+[ -n "${BERTACCEL_COMMIT:-}" ] || echo "warning: BERTACCEL_COMMIT not given; results will not name their commit reliably"
 if has build; then
   s=$(date +%s)
   python -c "from bertaccel.ops import build; assert build.load(verbose=True), build.unavailable_reason()" > "$OUT/build.log" 2>&1
