@@ -15,8 +15,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-
 #include "common.cuh"
 
 namespace bertaccel {
@@ -24,7 +22,7 @@ namespace {
 
 constexpr int kThreads = 128;     // backward block: 128 column vectors
 constexpr int kFwdThreads = 256;  // forward block
-constexpr int kUnroll = 4;        // rows in flight per thread (backward); the forward's most vectors
+constexpr int kUnroll = 4;        // rows in flight per thread (backward; the forward's vectors: fwd_unroll)
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
