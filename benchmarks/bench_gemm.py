@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,23 @@ def _ours_available(device: str) -> bool:
     return build.load() and build.load_gemm()
 
 
-def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2)) -> list[dict]:
+class _staged_stores:
+    """Within it our GEMM stores bf16 outputs from the threads (staged through shared memory) instead of
+    through TMA (BERTACCEL_GEMM_STORE, read at each call)."""
+
+    def __enter__(self):
+        self.old = os.environ.get("BERTACCEL_GEMM_STORE")
+        os.environ["BERTACCEL_GEMM_STORE"] = "staged"
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("BERTACCEL_GEMM_STORE", None)
+        else:
+            os.environ["BERTACCEL_GEMM_STORE"] = self.old
+
+
+def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2),
+        compare_stores: bool = False) -> list[dict]:
     rows = []
 
     def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
@@ -85,6 +102,11 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             ms_ours = time_ms(gemm.gemm_case(name), args, device)
             add({"shape": row["shape"], "gemm": name, "impl": "bertaccel", "ms": round(ms_ours, 4),
                          "TFLOP/s": round(flops / ms_ours / 1e9, 1), "of_cublas": round(ms / ms_ours, 3)})
+            if compare_stores:  # the same pick with the threads' staged stores (the kernel before TMA stores)
+                with _staged_stores():
+                    t = time_ms(gemm.gemm_case(name), args, device)
+                add({"shape": row["shape"], "gemm": name, "impl": "bertaccel staged-store", "ms": round(t, 4),
+                     "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
             if sweep:  # every schedule, tile width and K split, for the tile heuristic
                 configs = [(schedule, tile) for schedule, tiles in ((1, (64, 128, 192, 256)), (2, (64, 128)))
                            if schedule in schedules for tile in tiles]
@@ -108,6 +130,14 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             gelu_cases["bertaccel gemm+bias+gelu (saves pre)"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, True)
             gelu_cases["bertaccel ping-pong gemm+bias+gelu"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, False,
                                                                                       128, 1, 2)[0]
+        if ours and compare_stores:
+            for name in [n for n in gelu_cases if n.startswith("bertaccel")]:
+                fn = gelu_cases[name]
+
+                def staged(x, w, b, fn=fn):
+                    with _staged_stores():
+                        return fn(x, w, b)
+                gelu_cases[name + " [staged stores]"] = staged
         base = None
         for name, fn in gelu_cases.items():
             ms = time_ms(fn, (x, w, bias), device)
@@ -125,9 +155,12 @@ def summary(rows: list[dict]) -> list[dict]:
         sel = [r for r in rows if r["shape"] == shape and r["gemm"] == g]
         cub = next(r for r in sel if r["impl"] == "cublas")
         ours = next((r for r in sel if r["impl"] == "bertaccel"), None)
-        best = max((r for r in sel if r["impl"].startswith("bertaccel ")), key=lambda r: r["TFLOP/s"], default=None)
+        staged = next((r for r in sel if r["impl"] == "bertaccel staged-store"), None)
+        best = max((r for r in sel if r["impl"].startswith("bertaccel ") and r is not staged), key=lambda r: r["TFLOP/s"],
+                   default=None)
         out.append({"shape": shape, "gemm": g, "cublas TFLOP/s": cub["TFLOP/s"],
                     "ours TFLOP/s": ours["TFLOP/s"] if ours else None, "of_cublas": ours["of_cublas"] if ours else None,
+                    "staged-store of_cublas": staged["of_cublas"] if staged else None,
                     "best swept": best["impl"].split(" ", 1)[1] if best else None,
                     "best of_cublas": best["of_cublas"] if best else None})
     return out
@@ -141,13 +174,16 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep", action="store_true", help="also time every tile width and K split of ours")
     ap.add_argument("--schedules", nargs="+", type=int, default=[1, 2], choices=[1, 2],
                     help="the schedules --sweep times: 1 cooperative, 2 ping-pong")
+    ap.add_argument("--compare-stores", action="store_true",
+                    help="also time ours with the threads' staged stores instead of TMA stores (BERTACCEL_GEMM_STORE=staged)")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
-    rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules))
+    rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules), args.compare_stores)
     table = summary(rows)
     write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
-    print_table([r for r in rows if not r["impl"].startswith("bertaccel ")], ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas"])
+    print_table([r for r in rows if not r["impl"].startswith("bertaccel ") or r["impl"] == "bertaccel staged-store"],
+                ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas"])
     if any(r["ours TFLOP/s"] for r in table):
         print()
         print_table(table, list(table[0]))

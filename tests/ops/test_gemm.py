@@ -205,6 +205,30 @@ def test_epilogues(epilogue, bias_dtype):
 
 
 @hopper_test
+@pytest.mark.parametrize("store", ["tma", "staged"])
+@pytest.mark.parametrize("schedule", [1, 2], ids=["cooperative", "pingpong"])
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+def test_both_store_paths_at_ragged_edges(epilogue, schedule, store, monkeypatch):
+    """bf16 outputs leave through TMA stores of 64 x 64 chunks, or (BERTACCEL_GEMM_STORE=staged, and
+    always when N is not a multiple of 8) through the threads' staged stores. M and N end mid-tile and
+    mid-chunk here (1000 = 15 x 64 + 40), with 1002 columns the staged path's element-wise tail."""
+    if store == "staged":
+        monkeypatch.setenv("BERTACCEL_GEMM_STORE", "staged")
+    e = EPILOGUES[epilogue]
+    for M, N, K in [(200, 1000, 192), (131, 1002, 136)]:
+        a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
+        bias = torch.randn(N, device="cuda")
+        aux = torch.randn(M, N, device="cuda").bfloat16()
+        poison()
+        out, pre = GEMM(a, b, bias, aux, e, False, False, False, True, 128, 1, schedule)
+        ref_out, ref_pre = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
+        cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
+        _check(out, cub, ref_out, f"{store} {epilogue} {M}x{N}x{K}")
+        if e in (2, 3):
+            _check(pre, ref_pre.bfloat16(), a.double() @ b.double().t() + bias.double(), f"{store} pre {M}x{N}x{K}")
+
+
+@hopper_test
 @pytest.mark.parametrize("gelu", [None, "none", "tanh"])
 def test_linear_gradients(gelu):
     M, K, N = 515, 768, 3072

@@ -13,6 +13,10 @@
 //     so no operand is ever transposed in memory.
 //   * Epilogues on the fp32 accumulators: bias, bias + GELU (erf / tanh, optionally writing the
 //     pre-activation), bias + residual, dGELU (times gelu'(saved pre-activation)); fp32 or bf16 out.
+//   * bf16 outputs leave through the copy engine: each consumer warpgroup applies the epilogue in
+//     registers, writes 64 x 64 chunks into swizzled shared memory with stmatrix and one thread issues
+//     an asynchronous TMA store (cp.async.bulk.tensor), so the stores drain while the next tile's MMAs
+//     run. fp32 outputs (and split-K slices) are staged through shared memory and stored by the threads.
 //   * Split-K (weight gradients, whose M x N is small and K = tokens is long): each split writes an
 //     fp32 slice of a workspace, a second kernel sums the slices in a fixed order (deterministic).
 //
@@ -27,6 +31,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "check.h"
 #include "wgmma.cuh"
 
@@ -40,7 +47,10 @@ constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kChunk = 32;                       // accumulator columns staged per epilogue round
 constexpr int kChunkStride = kChunk + 8;          // floats per staged row: +8 keeps the float2 writes conflict-free
-constexpr int kStagingBytes = kConsumers * 64 * kChunkStride * 4;
+constexpr int kStoreBufs = 2;                    // TMA-store chunk buffers per consumer warpgroup
+constexpr int kStoreBufBytes = 64 * 64 * 2;       // one 64 x 64 bf16 chunk (128-byte rows, swizzled)
+constexpr int kStagingBytes = (kConsumers * 64 * kChunkStride * 4) > (kConsumers * kStoreBufs * kStoreBufBytes)
+                                  ? kConsumers * 64 * kChunkStride * 4 : kConsumers * kStoreBufs * kStoreBufBytes;
 constexpr int kSmemLimit = 227 * 1024;            // Hopper's per-block maximum
 constexpr int kSmemBudget = kSmemLimit - kStagingBytes - 2048;  // operand stages (the rest: barriers, alignment)
 
@@ -64,6 +74,7 @@ struct Params {
   bool bias_f32;
   const bf16* aux;      // [M, N] residual or saved pre-activation
   bf16* pre;            // [M, N] pre-activation output of the GELU epilogues, or null
+  bool tma_store;       // bf16 out, N % 8 == 0, no split: the epilogue stores through the copy engine
 };
 
 // ------------------------------------------------------------------------------ PTX helpers
@@ -91,6 +102,29 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
       ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
+}
+// 2-D tile copy shared -> global (the tensor map clips rows and columns past the matrix), as one
+// bulk async-group of the issuing thread.
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(src)) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>  // until at most N of this thread's bulk groups still read shared memory
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Generic-proxy writes to shared memory made visible to the copy engine (before a TMA store reads them).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Four 8 x 8 bf16 matrices to shared memory: lanes 8i..8i+7 give the row addresses of matrix i, and
+// each lane's r[i] holds two consecutive elements (row lane / 4, columns 2 (lane % 4), +1) of matrix i -
+// the layout of a wgmma accumulator fragment.
+__device__ __forceinline__ void stmatrix_x4(void* dst, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(smem_u32(dst)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -211,6 +245,90 @@ __device__ __forceinline__ void finish8(const Params& p, void* out, bool raw, in
   }
 }
 
+// ------------------------------------------------------------- epilogue through the copy engine
+// One consumer warpgroup's 64 rows of a tile, 64 columns at a time. Its accumulator fragment: d[4j + c]
+// is row warp * 16 + lane / 4 + 8 (c / 2), column 8j + 2 (lane % 4) + c % 2 of the warpgroup's rows.
+struct StoreRing {
+  uint8_t* bufs;  // this warpgroup's kStoreBufs chunk buffers, 1024-byte aligned (the swizzle's period)
+  int issued;     // chunks stored so far (the same in every thread): picks the next buffer
+};
+
+// v (one 64-column chunk of the fragment: v[4 jj + c] for its column groups jj = 0..7) as bf16 to the
+// matrix behind `map` at (row0, col0): stmatrix into the next buffer, in the 128-byte swizzle the
+// tensor map expects (16-byte group g of row r at g ^ (r % 8): conflict-free), then one TMA store.
+__device__ __forceinline__ void store_chunk(StoreRing& ring, const CUtensorMap* map, const float (&v)[32], int row0,
+                                            int col0, int cw, int t) {
+  uint8_t* buf = ring.bufs + (ring.issued % kStoreBufs) * kStoreBufBytes;
+  if (t == 0) bulk_wait_read<kStoreBufs - 1>();  // the store that used this buffer last has read it
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+  const int warp = t / 32, lane = t % 32, i = lane / 8, rr = lane % 8;
+  const int row = warp * 16 + (i % 2) * 8 + rr;  // matrix i: the warp's rows 0-7 (i even) or 8-15
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // column groups 2q (matrices 0, 1) and 2q + 1 (matrices 2, 3)
+    const int group = 2 * q + i / 2;
+    stmatrix_x4(buf + row * 128 + ((group ^ rr) << 4), pack_bf16(v[8 * q], v[8 * q + 1]),
+                pack_bf16(v[8 * q + 2], v[8 * q + 3]), pack_bf16(v[8 * q + 4], v[8 * q + 5]),
+                pack_bf16(v[8 * q + 6], v[8 * q + 7]));
+  }
+  fence_proxy_async();
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+  if (t == 0) {
+    tma_store(map, buf, col0, row0);
+    bulk_commit();
+  }
+  ++ring.issued;
+}
+
+// The epilogue of one chunk in registers (the branches are per chunk, each body unrolled over its 32
+// values), then its TMA store(s). N % 8 == 0 here, so a column pair is either in range or past N.
+__device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMap* map_out, const CUtensorMap* map_pre,
+                                               StoreRing& ring, float (&v)[32], int row0, int col0, int cw, int t) {
+  const int lane = t % 32, e = p.epilogue;
+  const int r_top = row0 + (t / 32) * 16 + lane / 4, c_lane = col0 + 2 * (lane % 4);
+  if (e >= kBias && e <= kBiasResidual) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int col = c_lane + 8 * jj;
+      float2 b = make_float2(0.f, 0.f);
+      if (col < p.N) {
+        b = p.bias_f32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.bias) + col)
+                       : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.bias) + col));
+      }
+      v[4 * jj] += b.x, v[4 * jj + 1] += b.y, v[4 * jj + 2] += b.x, v[4 * jj + 3] += b.y;
+    }
+  }
+  if (e == kBiasGeluErf || e == kBiasGeluTanh) {
+    if (p.pre != nullptr) store_chunk(ring, map_pre, v, row0, col0, cw, t);
+    if (e == kBiasGeluErf) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) v[i] = gelu_erf(v[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) v[i] = gelu_tanh(v[i]);
+    }
+  } else if (e >= kBiasResidual) {
+    float a[32];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {  // i = 2 jj + (bottom row)
+      const int row = r_top + 8 * (i % 2), col = c_lane + 8 * (i / 2);
+      float2 f = make_float2(0.f, 0.f);
+      if (row < p.M && col < p.N) f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.aux + (int64_t)row * p.N + col));
+      a[4 * (i / 2) + 2 * (i % 2)] = f.x, a[4 * (i / 2) + 2 * (i % 2) + 1] = f.y;
+    }
+    if (e == kBiasResidual) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) v[i] += a[i];
+    } else if (e == kDGeluErf) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) v[i] *= dgelu_erf(a[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) v[i] *= dgelu_tanh(a[i]);
+    }
+  }
+  store_chunk(ring, map_out, v, row0, col0, cw, t);
+}
+
 // ----------------------------------------------------------------------------------- kernel
 template <int BN>
 struct Config {
@@ -229,7 +347,8 @@ struct Config {
 // owns a unit consumes (and releases) its stages.
 template <int BN, bool A_MN, bool B_MN, bool PP>
 __global__ void __launch_bounds__(kThreads, 1)
-gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, const Params p) {
+gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+            const __grid_constant__ CUtensorMap map_out, const __grid_constant__ CUtensorMap map_pre, const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = Config<BN>;
   constexpr int S = C::kStages;
@@ -237,7 +356,8 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
   uint8_t* tiles_b = smem + S * C::kABytes;
-  float* staging = reinterpret_cast<float*>(smem + S * C::kStageBytes);  // [kConsumers][64][kChunkStride]
+  // [kConsumers][64][kChunkStride] floats (staged stores), or [kConsumers][kStoreBufs] 64 x 64 bf16 chunks (TMA stores)
+  float* staging = reinterpret_cast<float*>(smem + S * C::kStageBytes);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * C::kStageBytes + kStagingBytes);
   uint64_t* empty = full + S;
 
@@ -291,6 +411,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
     const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
     float acc[kHalves][BN / 2];
     int it = 0, local = 0;
+    StoreRing ring{smem + S * C::kStageBytes + cw * kStoreBufs * kStoreBufBytes, 0};
     for (int u = blockIdx.x; u < units; u += gridDim.x, ++local) {
       const int split = u % p.splits, tile = u / p.splits;
       const int tm = tile / p.tiles_n, tn = tile % p.tiles_n;
@@ -335,6 +456,26 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
       }
+      if (p.tma_store) {  // bf16 out: epilogue in registers, stores through the copy engine
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) {
+          const int row0 = tm * BM + (PP ? h : cw) * 64;
+          if (row0 >= p.M) continue;  // the same in the whole warpgroup
+#pragma unroll 1
+          for (int c = 0; c < BN / 64 && tn * BN + 64 * c < p.N; ++c) {
+            float v[32];
+#pragma unroll
+            for (int cc = 0; cc < BN / 64; ++cc) {  // registers are named at compile time: select the chunk
+              if (cc == c) {
+#pragma unroll
+                for (int k = 0; k < 32; ++k) v[k] = acc[h][32 * cc + k];
+              }
+            }
+            epilogue_chunk(p, &map_out, &map_pre, ring, v, row0, tn * BN + 64 * c, cw, t);
+          }
+        }
+        continue;
+      }
       // Epilogue, kChunk columns at a time: the accumulator fragment (d[4j + c] is row warp*16 + lane/4
       // + 8*(c/2), column 8j + 2*(lane%4) + c%2) goes to this warpgroup's staging rows, then each thread
       // finishes runs of 8 consecutive columns of a row (coalesced 16-byte stores).
@@ -367,6 +508,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         }
       }
     }
+    if (t == 0) bulk_wait_all();  // the last TMA stores have read this block's shared memory
   }
 #endif
 }
@@ -421,8 +563,12 @@ int sm_count(int device) {
   return counts[device];
 }
 
+struct Maps {
+  CUtensorMap a, b, out, pre;  // out / pre: only read by the TMA-store epilogue (copies of a otherwise)
+};
+
 template <int BN, bool A_MN, bool B_MN, bool PP>
-void launch(const CUtensorMap& ma, const CUtensorMap& mb, const Params& p, int grid, cudaStream_t stream) {
+void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   using C = Config<BN>;
   static bool configured = false;  // per instantiation: raise the dynamic shared-memory limit once
   if (!configured) {
@@ -430,16 +576,15 @@ void launch(const CUtensorMap& ma, const CUtensorMap& mb, const Params& p, int g
                                         C::kSmemBytes));
     configured = true;
   }
-  gemm_kernel<BN, A_MN, B_MN, PP><<<grid, kThreads, C::kSmemBytes, stream>>>(ma, mb, p);
+  gemm_kernel<BN, A_MN, B_MN, PP><<<grid, kThreads, C::kSmemBytes, stream>>>(m.a, m.b, m.out, m.pre, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int BN, bool PP>
-void launch_layout(bool a_mn, bool b_mn, const CUtensorMap& ma, const CUtensorMap& mb, const Params& p, int grid,
-                   cudaStream_t stream) {
-  if (!a_mn && !b_mn) launch<BN, false, false, PP>(ma, mb, p, grid, stream);
-  else if (!a_mn && b_mn) launch<BN, false, true, PP>(ma, mb, p, grid, stream);
-  else if (a_mn && b_mn) launch<BN, true, true, PP>(ma, mb, p, grid, stream);
+void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid, cudaStream_t stream) {
+  if (!a_mn && !b_mn) launch<BN, false, false, PP>(m, p, grid, stream);
+  else if (!a_mn && b_mn) launch<BN, false, true, PP>(m, p, grid, stream);
+  else if (a_mn && b_mn) launch<BN, true, true, PP>(m, p, grid, stream);
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
@@ -556,21 +701,28 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   } else {
     p.out = out.data_ptr();
   }
+  // bf16 outputs whose rows are whole 16-byte runs leave through TMA stores (64 x 64 boxes);
+  // BERTACCEL_GEMM_STORE=staged (read at each call) keeps the threads' stores, for comparison runs.
+  const char* store_env = std::getenv("BERTACCEL_GEMM_STORE");
+  p.tma_store = !out_fp32 && splits == 1 && N % 8 == 0 && !(store_env && std::strcmp(store_env, "staged") == 0);
   // K-major operands are read in [rows, 64] boxes; MN-major ones in [64 K-rows, 64] boxes.
-  const CUtensorMap ma = make_map(a, trans_a ? BK : BM);
-  const CUtensorMap mb = make_map(b, trans_b ? BK : bn);
+  Maps maps;
+  maps.a = make_map(a, trans_a ? BK : BM);
+  maps.b = make_map(b, trans_b ? BK : bn);
+  maps.out = p.tma_store ? make_map(out, 64) : maps.a;
+  maps.pre = p.tma_store && p.pre != nullptr ? make_map(pre, 64) : maps.a;
   const int units = p.tiles_m * p.tiles_n * splits;
   const int grid = units < sms ? units : sms;
   auto stream = at::cuda::getCurrentCUDAStream();
   if (pingpong) {
-    if (bn == 128) launch_layout<128, true>(trans_a, trans_b, ma, mb, p, grid, stream);
-    else launch_layout<64, true>(trans_a, trans_b, ma, mb, p, grid, stream);
+    if (bn == 128) launch_layout<128, true>(trans_a, trans_b, maps, p, grid, stream);
+    else launch_layout<64, true>(trans_a, trans_b, maps, p, grid, stream);
   } else {
     switch (bn) {
-      case 256: launch_layout<256, false>(trans_a, trans_b, ma, mb, p, grid, stream); break;
-      case 192: launch_layout<192, false>(trans_a, trans_b, ma, mb, p, grid, stream); break;
-      case 128: launch_layout<128, false>(trans_a, trans_b, ma, mb, p, grid, stream); break;
-      default: launch_layout<64, false>(trans_a, trans_b, ma, mb, p, grid, stream); break;
+      case 256: launch_layout<256, false>(trans_a, trans_b, maps, p, grid, stream); break;
+      case 192: launch_layout<192, false>(trans_a, trans_b, maps, p, grid, stream); break;
+      case 128: launch_layout<128, false>(trans_a, trans_b, maps, p, grid, stream); break;
+      default: launch_layout<64, false>(trans_a, trans_b, maps, p, grid, stream); break;
     }
   }
   if (splits > 1) {
