@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +69,22 @@ class _staged_stores:
             os.environ["BERTACCEL_GEMM_STORE"] = self.old
 
 
+def _staged_call(fn, *args):
+    with _staged_stores():
+        return fn(*args)
+
+
+def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
+    """Median time of each of fns, timed in turn `rounds` times."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for t, fn in zip(times, fns):
+            t.append(time_ms(fn, args, device))
+    return [statistics.median(t) for t in times]
+
+
 def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2),
-        compare_stores: bool = False) -> list[dict]:
+        compare_stores: bool = False, rounds: int = 3) -> list[dict]:
     rows = []
 
     def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
@@ -93,19 +108,19 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             "wgrad dy^T x": (lambda dy, x: dy.t() @ x, (dy, x), (True, True)),
         }
         for name, (fn, args, (ta, tb)) in cases.items():
-            ms = time_ms(fn, args, device)
+            # cuBLAS and ours (and ours with staged stores) timed in turn, `rounds` times, medians: the
+            # H100's clocks drift under sustained tensor-core load, so one pass ran them at different clocks
+            fns = [fn] + ([gemm.gemm_case(name)] if ours else [])
+            if ours and compare_stores:
+                fns.append(lambda a, b, f=gemm.gemm_case(name): _staged_call(f, a, b))
+            ms, *ms_ours = interleaved_ms(fns, args, device, rounds)
             row = {"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "cublas", "ms": round(ms, 4),
                    "TFLOP/s": round(flops / ms / 1e9, 1)}
             add(row)
             if not ours:
                 continue
-            ms_ours = time_ms(gemm.gemm_case(name), args, device)
-            add({"shape": row["shape"], "gemm": name, "impl": "bertaccel", "ms": round(ms_ours, 4),
-                         "TFLOP/s": round(flops / ms_ours / 1e9, 1), "of_cublas": round(ms / ms_ours, 3)})
-            if compare_stores:  # the same pick with the threads' staged stores (the kernel before TMA stores)
-                with _staged_stores():
-                    t = time_ms(gemm.gemm_case(name), args, device)
-                add({"shape": row["shape"], "gemm": name, "impl": "bertaccel staged-store", "ms": round(t, 4),
+            for impl, t in zip(["bertaccel", "bertaccel staged-store"], ms_ours):
+                add({"shape": row["shape"], "gemm": name, "impl": impl, "ms": round(t, 4),
                      "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
             if sweep:  # every schedule, tile width and K split, for the tile heuristic
                 configs = [(schedule, tile) for schedule, tiles in ((1, (64, 128, 192, 256)), (2, (64, 128)))
@@ -132,18 +147,11 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                                                                                       128, 1, 2)[0]
         if ours and compare_stores:
             for name in [n for n in gelu_cases if n.startswith("bertaccel")]:
-                fn = gelu_cases[name]
-
-                def staged(x, w, b, fn=fn):
-                    with _staged_stores():
-                        return fn(x, w, b)
-                gelu_cases[name + " [staged stores]"] = staged
-        base = None
-        for name, fn in gelu_cases.items():
-            ms = time_ms(fn, (x, w, bias), device)
-            base = base or ms
+                gelu_cases[name + " [staged stores]"] = lambda x, w, b, fn=gelu_cases[name]: _staged_call(fn, x, w, b)
+        times = interleaved_ms(list(gelu_cases.values()), (x, w, bias), device, rounds)
+        for name, ms in zip(gelu_cases, times):
             add({"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "epilogue", "ms": round(ms, 4),
-                         "TFLOP/s": round(flops / ms / 1e9, 1), "of_cublas": round(base / ms, 3)})
+                 "TFLOP/s": round(flops / ms / 1e9, 1), "of_cublas": round(times[0] / ms, 3)})
     return rows
 
 
@@ -176,10 +184,12 @@ def main(argv=None) -> None:
                     help="the schedules --sweep times: 1 cooperative, 2 ping-pong")
     ap.add_argument("--compare-stores", action="store_true",
                     help="also time ours with the threads' staged stores instead of TMA stores (BERTACCEL_GEMM_STORE=staged)")
+    ap.add_argument("--rounds", type=int, default=3, help="times each implementation is timed, in turn (median)")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
-    rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules), args.compare_stores)
+    rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules), args.compare_stores,
+               args.rounds)
     table = summary(rows)
     write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
     print_table([r for r in rows if not r["impl"].startswith("bertaccel ") or r["impl"] == "bertaccel staged-store"],

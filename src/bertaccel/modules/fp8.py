@@ -92,7 +92,7 @@ class _Fp8Linear(torch.autograd.Function):
         if rest.shape[1]:
             dx = dx + rest.float() @ w_rest.float()
             dw = torch.cat([dw, rest.float().t() @ x.float()], dim=0)
-        dbias = dy.float().sum(0) if ctx.has_bias else None
+        dbias = dy.sum(0, dtype=torch.float32) if ctx.has_bias else None
         return dx.to(x_dtype), dw.to(w_dtype), dbias, None
 
 

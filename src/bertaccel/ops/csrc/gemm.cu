@@ -589,14 +589,14 @@ void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int gri
 }
 
 // Schedule, tile width and K splits for a problem, from a cost model fitted (non-negative least squares
-// on relative error; scripts/fit_gemm_model.py) to sweeps of every configuration at BERT's shapes on an
-// H100: the cooperative widths in benchmarks/results/h100/gemm_sweep.json and the ping-pong ones in
-// gemm_pingpong_sweep.json (474 configurations, median error 7%):
-//   cooperative: waves x (MFLOP per unit x us-per-MFLOP of the width + 0.137 us per 1000 tile elements)
-//   ping-pong:   waves x (MFLOP per unit x us-per-MFLOP of the width + 0.041 us per 1000 tile elements)
-//                + 0.168 us per 1000 tile elements once (the last epilogue; the others overlap MMAs)
-//   with splits: + 0.347 us per MB of fp32 workspace written and read back.
-// On those sweeps its picks run at 98.4% of the best configuration's speed on average (worst 84%).
+// on relative error; scripts/fit_gemm_model.py) to a sweep of every configuration at BERT's shapes on an
+// H100 with the TMA-store epilogue (benchmarks/results/h100/gemm_sweep_tma_store_130301c.json: 474
+// configurations, median error 6.4%):
+//   cooperative: waves x (MFLOP per unit x us-per-MFLOP of the width + 0.107 us per 1000 tile elements)
+//   ping-pong:   waves x (MFLOP per unit x us-per-MFLOP of the width + 0.025 us per 1000 tile elements)
+//                + 0.110 us per 1000 tile elements once (the last epilogue; the others overlap MMAs)
+//   with splits: + 0.359 us per MB of fp32 workspace written and read back + 0.65 us.
+// On that sweep its picks run at 99.1% of the best configuration's speed on average (worst 92.5%).
 double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpong) {
   const int kblocks = (K + BK - 1) / BK;
   const int tiles = ((M + BM - 1) / BM) * ((N + bn - 1) / bn);
@@ -607,13 +607,13 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpo
   const double tile_k = BM * bn / 1e3;
   double t;
   if (pingpong) {
-    const double us_per_mflop = bn == 64 ? 0.2704 : 0.1904;
-    t = waves * (mflop * us_per_mflop + tile_k * 0.0412) + tile_k * 0.1677;
+    const double us_per_mflop = bn == 64 ? 0.2669 : 0.1892;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.0245) + tile_k * 0.1097;
   } else {
-    const double us_per_mflop = bn == 64 ? 0.2648 : bn == 128 ? 0.1873 : bn == 192 ? 0.1705 : 0.1620;
-    t = waves * (mflop * us_per_mflop + tile_k * 0.1370);
+    const double us_per_mflop = bn == 64 ? 0.2936 : bn == 128 ? 0.2015 : bn == 192 ? 0.1698 : 0.1648;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.1074);
   }
-  if (splits > 1) t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.3469;
+  if (splits > 1) t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.3594 + 0.6466;
   return t;
 }
 
