@@ -83,7 +83,7 @@ def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2),
+def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2, 3),
         compare_stores: bool = False, rounds: int = 3) -> list[dict]:
     rows = []
 
@@ -123,14 +123,15 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                 add({"shape": row["shape"], "gemm": name, "impl": impl, "ms": round(t, 4),
                      "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
             if sweep:  # every schedule, tile width and K split, for the tile heuristic
-                configs = [(schedule, tile) for schedule, tiles in ((1, (64, 128, 192, 256)), (2, (64, 128)))
+                configs = [(schedule, tile) for schedule, tiles in ((1, (64, 128, 192, 256)), (2, (64, 128)),
+                                                                    (3, (128, 192, 256)))
                            if schedule in schedules for tile in tiles]
                 for schedule, tile in configs:
-                    for splits in (1, 2, 4) if name.startswith("wgrad") or m <= 4096 else (1,):
+                    for splits in (1, 2, 4) if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
                         def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
                             return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]
                         t = time_ms(f, args, device)
-                        kind = "pp " if schedule == 2 else ""
+                        kind = {1: "", 2: "pp ", 3: "sk "}[schedule]
                         add({"shape": row["shape"], "gemm": name, "impl": f"bertaccel {kind}n{tile} s{splits}",
                                      "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
         # the epilogue baselines: linear + bias + GELU
@@ -180,8 +181,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--fp32", action="store_true", help="fp32 operands instead of bf16")
     ap.add_argument("--sweep", action="store_true", help="also time every tile width and K split of ours")
-    ap.add_argument("--schedules", nargs="+", type=int, default=[1, 2], choices=[1, 2],
-                    help="the schedules --sweep times: 1 cooperative, 2 ping-pong")
+    ap.add_argument("--schedules", nargs="+", type=int, default=[1, 2, 3], choices=[1, 2, 3],
+                    help="the schedules --sweep times: 1 cooperative, 2 ping-pong, 3 stream-K")
     ap.add_argument("--compare-stores", action="store_true",
                     help="also time ours with the threads' staged stores instead of TMA stores (BERTACCEL_GEMM_STORE=staged)")
     ap.add_argument("--rounds", type=int, default=3, help="times each implementation is timed, in turn (median)")

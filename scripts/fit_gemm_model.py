@@ -91,6 +91,8 @@ def main() -> None:
             parts = r["impl"].split()  # "bertaccel n128 s2" (cooperative) or "bertaccel pp n128 s1"
             if parts[0] != "bertaccel" or len(parts) not in (3, 4):
                 continue
+            if parts[1] == "sk":
+                continue  # stream-K has its own estimate (estimate_streamk_us), not fitted here
             pp = parts[1] == "pp"
             bn, s = int(parts[-2][1:]), int(parts[-1][1:])
             M, N, K = problem(r["shape"], r["gemm"])

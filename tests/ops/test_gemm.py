@@ -170,6 +170,46 @@ def test_every_schedule_tile_width_and_k_split(schedule, tile_n, splits):
 
 
 @hopper_test
+@pytest.mark.parametrize("tile_n", [128, 192, 256])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_streamk_tiles_shared_by_many_blocks(layout, tile_n):
+    """Stream-K (schedule 3): 333 x 520 x 2056 has 9-15 tiles over 33 K-blocks, so each tile is shared by
+    up to 15 blocks and finished by the one holding its first K-blocks; bf16 and fp32 out, and the same
+    bits on a second run (the partials are added in K order, not as they arrive)."""
+    trans_a, trans_b = LAYOUTS[layout]
+    M, N, K = (336 if trans_a else 333), 520, 2056
+    a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16)
+    A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
+    bias = torch.randn(N, device="cuda")
+    ref = A.double() @ B.double().t() + bias.double()
+    poison()
+    ours = GEMM(a, b, bias, None, 1, trans_a, trans_b, False, False, tile_n, 1, 3)[0]
+    _check(ours, torch.addmm(bias.bfloat16(), A, B.t()), ref, f"stream-K {layout} tile {tile_n}")
+    ours32 = GEMM(a, b, bias, None, 1, trans_a, trans_b, True, False, tile_n, 1, 3)[0]
+    _check(ours32, torch.addmm(bias, A.float(), B.float().t()), ref, f"stream-K {layout} tile {tile_n} fp32 out")
+    for _ in range(3):
+        assert torch.equal(GEMM(a, b, bias, None, 1, trans_a, trans_b, True, False, tile_n, 1, 3)[0], ours32)
+
+
+@hopper_test
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+def test_streamk_epilogues_at_a_bert_shape(epilogue):
+    """Every epilogue after the stream-K fix-up (2048 x 768 x 3072: 96 tiles of 128 x 128 over 132 blocks)."""
+    M, N, K = 2048, 768, 3072
+    a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
+    bias = torch.randn(N, device="cuda")
+    aux = torch.randn(M, N, device="cuda").bfloat16()
+    e = EPILOGUES[epilogue]
+    poison()
+    out, pre = GEMM(a, b, bias, aux, e, False, False, False, True, 128, 1, 3)
+    ref_out, ref_pre = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
+    cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
+    _check(out, cub, ref_out, f"stream-K {epilogue}")
+    if e in (2, 3):
+        _check(pre, ref_pre.bfloat16(), a.double() @ b.double().t() + bias.double(), "stream-K pre-activation")
+
+
+@hopper_test
 @pytest.mark.parametrize("epilogue", ["bias_gelu", "bias_residual", "dgelu"])
 def test_pingpong_epilogues_and_many_units(epilogue):
     """Ping-pong at a BERT shape (many units per block, both warpgroups alternating)."""

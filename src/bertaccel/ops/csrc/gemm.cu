@@ -19,6 +19,11 @@
 //     run. fp32 outputs (and split-K slices) are staged through shared memory and stored by the threads.
 //   * Split-K (weight gradients, whose M x N is small and K = tokens is long): each split writes an
 //     fp32 slice of a workspace, a second kernel sums the slices in a fixed order (deterministic).
+//   * Stream-K (cooperative schedule, for problems of one or two waves of tiles, where whole tiles
+//     leave SMs idle): block b takes the b-th equal share of all (tile, K-block) iterations, so a tile
+//     may be shared by consecutive blocks. The block holding a tile's first K-blocks finishes it: it
+//     adds the fp32 partial sums the later blocks left in a workspace (each flags its slot), in K
+//     order, so the result does not depend on timing, then runs the epilogue.
 //
 // Rows past M, columns past N and the K tail are zero-filled by the copy engine and never stored.
 // The host side (gemm()) checks what TMA needs: bf16, 16-byte aligned bases and leading dimensions.
@@ -31,6 +36,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -75,7 +81,42 @@ struct Params {
   const bf16* aux;      // [M, N] residual or saved pre-activation
   bf16* pre;            // [M, N] pre-activation output of the GELU epilogues, or null
   bool tma_store;       // bf16 out, N % 8 == 0, no split: the epilogue stores through the copy engine
+  bool streamk;         // units are equal shares of the (tile, K-block) iterations (cooperative only)
+  float* sk_partial;    // stream-K: [grid][BM * BN] fp32, one partial tile per block
+  int* sk_flags;        // stream-K: [grid], zero at launch; block b sets its flag once its partial is written
 };
+
+// The i-th unit of this block: a tile and its K-blocks [kb0, kb1). Units are (tile, K-split) pairs
+// dealt round-robin to the blocks, or (stream-K) the pieces of this block's share of the iterations.
+struct Unit {
+  int tile, split, kb0, kb1;
+};
+__device__ __forceinline__ int64_t streamk_begin(const Params& p, int kblocks, int block) {  // first iteration of `block`
+  return (int64_t)p.tiles_m * p.tiles_n * kblocks * block / gridDim.x;
+}
+// This block's stream-K iterations [g0, g1) and the tile of g0 (computed once, outside the loops).
+struct StreamKRange {
+  int64_t g0, g1;
+  int tile0;
+};
+__device__ __forceinline__ bool unit_at(const Params& p, int kblocks, int i, Unit& w, const StreamKRange& r) {
+  if (p.streamk) {
+    const int64_t g0 = r.g0, g1 = r.g1;
+    const int tile = r.tile0 + i;
+    const int64_t start = i == 0 ? g0 : (int64_t)tile * kblocks;
+    const int64_t end = min(g1, (int64_t)(tile + 1) * kblocks);
+    if (start >= end) return false;
+    w.tile = tile, w.split = 0;
+    w.kb0 = (int)(start - (int64_t)tile * kblocks), w.kb1 = (int)(end - (int64_t)tile * kblocks);
+    return true;
+  }
+  const int u = blockIdx.x + i * gridDim.x;
+  if (u >= p.tiles_m * p.tiles_n * p.splits) return false;
+  w.split = u % p.splits, w.tile = u / p.splits;
+  w.kb0 = w.split * p.kblocks_per_split;
+  w.kb1 = min(kblocks, w.kb0 + p.kblocks_per_split);
+  return true;
+}
 
 // ------------------------------------------------------------------------------ PTX helpers
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -121,6 +162,14 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void stmatrix_x4(void* dst, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
                ::"r"(smem_u32(dst)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ void flag_release(int* flag, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(v) : "memory");
+}
+__device__ __forceinline__ int flag_acquire(const int* flag) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
 }
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -371,19 +420,21 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   }
   __syncthreads();
 
-  const int units = p.tiles_m * p.tiles_n * p.splits;
   const int kblocks_total = (p.K + BK - 1) / BK;
+  StreamKRange sk{0, 0, 0};
+  if (p.streamk) {
+    sk.g0 = streamk_begin(p, kblocks_total, blockIdx.x), sk.g1 = streamk_begin(p, kblocks_total, blockIdx.x + 1);
+    sk.tile0 = (int)(sk.g0 / kblocks_total);
+  }
 
   if (wg == 0) {  // ------------------------------------------------------------ producer
     regs_down<40>();
     if (threadIdx.x == 0) {
       int it = 0;
-      for (int u = blockIdx.x; u < units; u += gridDim.x) {
-        const int split = u % p.splits, tile = u / p.splits;
-        const int tm = tile / p.tiles_n, tn = tile % p.tiles_n;  // neighbours share the A rows
-        const int kb0 = split * p.kblocks_per_split;
-        const int kb1 = min(kblocks_total, kb0 + p.kblocks_per_split);
-        for (int kb = kb0; kb < kb1; ++kb, ++it) {
+      Unit w;
+      for (int i = 0; unit_at(p, kblocks_total, i, w, sk); ++i) {
+        const int tm = w.tile / p.tiles_n, tn = w.tile % p.tiles_n;  // neighbours share the A rows
+        for (int kb = w.kb0; kb < w.kb1; ++kb, ++it) {
           const int s = it % S;
           mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
           mbar_expect_tx(&full[s], C::kStageBytes);
@@ -410,13 +461,12 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
     constexpr int kHalves = PP ? 2 : 1;  // 64-row halves of the tile this warpgroup accumulates
     const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
     float acc[kHalves][BN / 2];
-    int it = 0, local = 0;
+    int it = 0;
     StoreRing ring{smem + S * C::kStageBytes + cw * kStoreBufs * kStoreBufBytes, 0};
-    for (int u = blockIdx.x; u < units; u += gridDim.x, ++local) {
-      const int split = u % p.splits, tile = u / p.splits;
-      const int tm = tile / p.tiles_n, tn = tile % p.tiles_n;
-      const int kb0 = split * p.kblocks_per_split;
-      const int kb1 = min(kblocks_total, kb0 + p.kblocks_per_split);
+    Unit w, next;
+    for (int local = 0; unit_at(p, kblocks_total, local, w, sk); ++local) {
+      const int split = w.split, tm = w.tile / p.tiles_n, tn = w.tile % p.tiles_n;
+      const int kb0 = w.kb0, kb1 = w.kb1;
       if (PP && (local & 1) != cw) {  // the other warpgroup's unit: skip its stages in the ring
         it += max(0, kb1 - kb0);
         continue;
@@ -447,7 +497,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
         prev = s;
       }
-      if (PP && u + (int)gridDim.x < units) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");  // your turn
+      if (PP && unit_at(p, kblocks_total, local + 1, next, sk)) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");  // your turn
       wgmma_wait<0>();
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
       if (kb1 <= kb0) {
@@ -455,6 +505,34 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         for (int h = 0; h < kHalves; ++h)
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
+      }
+      if (!PP && p.streamk && !(kb0 == 0 && kb1 == kblocks_total)) {  // a piece of a shared tile
+        // The partial tile in fragment order ([warpgroup][i / 4][thread][4] floats: each warp's float4
+        // stores are 512 contiguous bytes), read back by the finishing block in the same order.
+        float4* slot = reinterpret_cast<float4*>(p.sk_partial) + ((int64_t)blockIdx.x * BM * BN + cw * 64 * BN) / 4;
+        if (kb0 > 0) {  // not the tile's first K-blocks: leave the partial sums, flag them, no epilogue
+#pragma unroll
+          for (int q = 0; q < BN / 8; ++q)
+            __stcg(&slot[q * 128 + t], make_float4(acc[0][4 * q], acc[0][4 * q + 1], acc[0][4 * q + 2], acc[0][4 * q + 3]));
+          __threadfence();
+          asm volatile("bar.sync 5, 256;\n" ::: "memory");  // both consumer warpgroups
+          if (threadIdx.x == 128) flag_release(&p.sk_flags[blockIdx.x], 1);
+          continue;
+        }
+        // The tile's first K-blocks: add the later blocks' partials (they hold the rest of the tile), in order.
+        const int64_t tile_end = (int64_t)(w.tile + 1) * kblocks_total;
+        for (int c = blockIdx.x + 1; c < (int)gridDim.x && streamk_begin(p, kblocks_total, c) < tile_end; ++c) {
+          if (t == 0) {
+            while (flag_acquire(&p.sk_flags[c]) == 0) __nanosleep(64);
+          }
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          const float4* theirs = reinterpret_cast<const float4*>(p.sk_partial) + ((int64_t)c * BM * BN + cw * 64 * BN) / 4;
+#pragma unroll
+          for (int q = 0; q < BN / 8; ++q) {
+            const float4 v = __ldcg(&theirs[q * 128 + t]);
+            acc[0][4 * q] += v.x, acc[0][4 * q + 1] += v.y, acc[0][4 * q + 2] += v.z, acc[0][4 * q + 3] += v.w;
+          }
+        }
       }
       if (p.tma_store) {  // bf16 out: epilogue in registers, stores through the copy engine
 #pragma unroll
@@ -617,12 +695,37 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpo
   return t;
 }
 
-// schedule: 0 = the model picks, 1 = cooperative, 2 = ping-pong; force_bn / force_splits 0 = the model picks.
+// Stream-K (cooperative): every block runs an equal share of the (tile, K-block) iterations, the
+// epilogues of about tiles / blocks tiles, and writes or reads one partial tile (assumed 0.1 us per
+// 1000 fp32 elements each way, through L2; not yet fitted to a sweep).
+double estimate_streamk_us(int M, int N, int K, int sms, int bn) {
+  const int kblocks = (K + BK - 1) / BK;
+  const int64_t tiles = (int64_t)((M + BM - 1) / BM) * ((N + bn - 1) / bn);
+  const double per_block = std::ceil((double)tiles * kblocks / sms);
+  const double us_per_mflop = bn == 128 ? 0.2015 : bn == 192 ? 0.1698 : 0.1648;
+  const double tile_k = BM * bn / 1e3;
+  return per_block * (2.0 * BM * bn * BK / 1e6) * us_per_mflop + std::ceil((double)tiles / sms) * tile_k * 0.1074 +
+         2 * tile_k * 0.1;
+}
+
+// schedule: 0 = the model picks, 1 = cooperative, 2 = ping-pong, 3 = stream-K (cooperative);
+// force_bn / force_splits 0 = the model picks.
 void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, int schedule, int& bn,
-            int& splits, bool& pingpong) {
+            int& splits, bool& pingpong, bool& streamk) {
   const int kblocks = (K + BK - 1) / BK;
   double best = 1e30;
-  bn = 128, splits = 1, pingpong = schedule == 2;
+  bn = 128, splits = 1, pingpong = schedule == 2, streamk = schedule == 3;
+  if (schedule == 3 || schedule == 0) {
+    for (int cand : {256, 192, 128}) {
+      if (force_bn > 0 && cand != force_bn) continue;
+      const int64_t tiles = (int64_t)((M + BM - 1) / BM) * ((N + cand - 1) / cand);
+      if (schedule == 0 && (tiles > 2 * sms || force_splits > 1)) continue;  // whole waves: tiles in order keep L2 reuse
+      const double t = estimate_streamk_us(M, N, K, sms, cand);
+      if (t < best * 0.999) best = t, bn = cand, streamk = true;
+    }
+    if (schedule == 3) return;
+    best *= 1.03;  // unfitted: only when clearly ahead
+  }
   for (int pp = 0; pp < 2; ++pp) {
     if ((schedule == 1 && pp) || (schedule == 2 && !pp)) continue;
     if (pp && force_bn > 128) continue;
@@ -633,7 +736,7 @@ void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force
         if (force_splits > 0 && s != force_splits) continue;
         if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
         const double t = estimate_us(M, N, K, sms, cand, s, pp);
-        if (t < best * 0.999) best = t, bn = cand, splits = s, pingpong = pp;
+        if (t < best * 0.999) best = t, bn = cand, splits = s, pingpong = pp, streamk = false;
       }
     }
   }
@@ -675,11 +778,13 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   const int sms = sm_count(a.get_device());
   int bn, splits;
   const bool split_ok = epilogue == kNone || epilogue == kBias;
-  TORCH_CHECK(schedule >= 0 && schedule <= 2, "bertaccel gemm: schedule is 0 (the model picks), 1 (cooperative) or 2 (ping-pong)");
+  TORCH_CHECK(schedule >= 0 && schedule <= 3,
+              "bertaccel gemm: schedule is 0 (the model picks), 1 (cooperative), 2 (ping-pong) or 3 (stream-K)");
   TORCH_CHECK(schedule != 2 || tile_n == 0 || tile_n <= 128, "bertaccel gemm: the ping-pong schedule takes tile widths 64 and 128");
-  bool pingpong;
+  TORCH_CHECK(schedule != 3 || tile_n == 0 || tile_n >= 128, "bertaccel gemm: stream-K takes tile widths 128, 192 and 256");
+  bool pingpong, streamk;
   choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, (int)schedule, bn, splits,
-         pingpong);
+         pingpong, streamk);
   const int kblocks = (int)((K + BK - 1) / BK);
 
   Params p{};
@@ -711,9 +816,17 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   maps.b = make_map(b, trans_b ? BK : bn);
   maps.out = p.tma_store ? make_map(out, 64) : maps.a;
   maps.pre = p.tma_store && p.pre != nullptr ? make_map(pre, 64) : maps.a;
-  const int units = p.tiles_m * p.tiles_n * splits;
-  const int grid = units < sms ? units : sms;
+  const int64_t units = streamk ? (int64_t)p.tiles_m * p.tiles_n * kblocks : (int64_t)p.tiles_m * p.tiles_n * splits;
+  const int grid = units < sms ? (int)units : sms;
   auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor sk_ws;
+  if (streamk) {  // one partial tile per block, then the blocks' flags (zeroed here: a memset node in a graph)
+    p.streamk = true;
+    sk_ws = at::empty({(int64_t)grid * BM * bn + grid}, a.options().dtype(at::kFloat));
+    p.sk_partial = sk_ws.data_ptr<float>();
+    p.sk_flags = reinterpret_cast<int*>(p.sk_partial + (int64_t)grid * BM * bn);
+    C10_CUDA_CHECK(cudaMemsetAsync(p.sk_flags, 0, grid * sizeof(int), stream));
+  }
   if (pingpong) {
     if (bn == 128) launch_layout<128, true>(trans_a, trans_b, maps, p, grid, stream);
     else launch_layout<64, true>(trans_a, trans_b, maps, p, grid, stream);
