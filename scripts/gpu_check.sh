@@ -7,7 +7,7 @@
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
 # (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep, e2e, e2e_eager_base, e2e_compile,
 # norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
-# gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
+# gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
 # grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), anatomy (where a graphed step's
@@ -175,6 +175,10 @@ fi
 if has gemm_tests; then
   BERTACCEL_FAILURE_LOG="$OUT/gemm_test_failures.log" timeout ${GEMM_TEST_TIMEOUT:-240} python -u -m pytest -m cuda tests/ops/test_gemm.py -q -p no:cacheprovider ${GEMM_TEST_K:+-k "$GEMM_TEST_K"} > "$OUT/gemm_tests.log" 2>&1
   echo "gemm tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|Error" "$OUT/gemm_tests.log" | head -30
+fi
+if has gemm_kernels; then  # per-kernel times of chosen GEMM schedules (GEMM_KERNELS_ARGS="--shapes 2048x768x3072 --schedules 1 3")
+  timeout ${GEMM_KERNELS_TIMEOUT:-240} python -u scripts/gemm_kernels.py ${GEMM_KERNELS_ARGS:-} > "$OUT/gemm_kernels.log" 2>&1
+  echo "gemm kernels rc=$?"; grep -E "^KERNELS|Error" "$OUT/gemm_kernels.log"
 fi
 if has gemm; then  # our GEMM against cuBLAS at BERT's GEMM shapes (GEMM_ARGS=--sweep for every tile / split)
   timeout ${GEMM_TIMEOUT:-300} python -u -m benchmarks.bench_gemm ${GEMM_ARGS:-} --out "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1

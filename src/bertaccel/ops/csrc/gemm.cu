@@ -37,6 +37,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <cstdlib>
 #include <cstring>
 
@@ -523,9 +525,12 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         const int64_t tile_end = (int64_t)(w.tile + 1) * kblocks_total;
         for (int c = blockIdx.x + 1; c < (int)gridDim.x && streamk_begin(p, kblocks_total, c) < tile_end; ++c) {
           if (t == 0) {
-            while (flag_acquire(&p.sk_flags[c]) == 0) __nanosleep(64);
+            while (flag_acquire(&p.sk_flags[c]) == 0) __nanosleep(32);
           }
-          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          // both warpgroups have seen the flag: put it back to zero for the next launch (the flags
+          // live in a buffer kept per stream, zero between launches: no memset before each)
+          asm volatile("bar.sync 5, 256;\n" ::: "memory");
+          if (threadIdx.x == 128) p.sk_flags[c] = 0;
           const float4* theirs = reinterpret_cast<const float4*>(p.sk_partial) + ((int64_t)c * BM * BN + cw * 64 * BN) / 4;
 #pragma unroll
           for (int q = 0; q < BN / 8; ++q) {
@@ -742,6 +747,21 @@ void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force
   }
 }
 
+// Stream-K's flags: one int per block, zero between launches (each finishing block puts back the flags
+// it consumed), in a buffer kept per device and stream, so a launch needs no memset node (one before
+// every GEMM cost more than stream-K saved at small shapes). Made (zeroed) on the first stream-K call
+// on a stream; GEMMs on one stream run in order, so they never share flags at the same time.
+int* streamk_flags(const at::Tensor& like, int blocks, cudaStream_t stream) {
+  static std::mutex mutex;
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();  // never freed: no teardown order
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& buf = (*buffers)[{like.get_device(), stream}];
+  if (!buf.defined() || buf.numel() < blocks) {  // zeroed on `stream`, the current one
+    buf = at::zeros({std::max<int64_t>(blocks, 1024)}, like.options().dtype(at::kInt));
+  }
+  return buf.data_ptr<int>();
+}
+
 // out = epilogue(op(a) op(b)^T). a: [M, K] (trans_a: stored [K, M]); b: [N, K] (trans_b: stored [K, N]).
 std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                         const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a, bool trans_b,
@@ -820,12 +840,11 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   const int grid = units < sms ? (int)units : sms;
   auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor sk_ws;
-  if (streamk) {  // one partial tile per block, then the blocks' flags (zeroed here: a memset node in a graph)
+  if (streamk) {  // one partial tile per block, and the blocks' flags (zero between launches)
     p.streamk = true;
-    sk_ws = at::empty({(int64_t)grid * BM * bn + grid}, a.options().dtype(at::kFloat));
+    sk_ws = at::empty({(int64_t)grid * BM * bn}, a.options().dtype(at::kFloat));
     p.sk_partial = sk_ws.data_ptr<float>();
-    p.sk_flags = reinterpret_cast<int*>(p.sk_partial + (int64_t)grid * BM * bn);
-    C10_CUDA_CHECK(cudaMemsetAsync(p.sk_flags, 0, grid * sizeof(int), stream));
+    p.sk_flags = streamk_flags(a, grid, stream);
   }
   if (pingpong) {
     if (bn == 128) launch_layout<128, true>(trans_a, trans_b, maps, p, grid, stream);
