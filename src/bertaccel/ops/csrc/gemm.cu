@@ -19,10 +19,10 @@
 //     run. fp32 outputs (and split-K slices) are staged through shared memory and stored by the threads.
 //   * Split-K (weight gradients, whose M x N is small and K = tokens is long): each split writes an
 //     fp32 slice of a workspace, a second kernel sums the slices in a fixed order (deterministic).
-//   * Stream-K (cooperative schedule, for problems of one or two waves of tiles, where whole tiles
-//     leave SMs idle): block b takes the b-th equal share of all (tile, K-block) iterations, so a tile
-//     may be shared by consecutive blocks. The block holding a tile's first K-blocks finishes it: it
-//     adds the fp32 partial sums the later blocks left in a workspace (each flags its slot), in K
+//   * Stream-K (cooperative schedule; opt-in, schedule 3, slower at BERT's shapes - see
+//     estimate_streamk_us): block b takes the b-th equal share of all (tile, K-block) iterations, so a
+//     tile may be shared by consecutive blocks. The block holding a tile's first K-blocks finishes it:
+//     it adds the fp32 partial sums the later blocks left in a workspace (each flags its slot), in K
 //     order, so the result does not depend on timing, then runs the epilogue.
 //
 // Rows past M, columns past N and the K tail are zero-filled by the copy engine and never stored.
@@ -702,7 +702,12 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpo
 
 // Stream-K (cooperative): every block runs an equal share of the (tile, K-block) iterations, the
 // epilogues of about tiles / blocks tiles, and writes or reads one partial tile (assumed 0.1 us per
-// 1000 fp32 elements each way, through L2; not yet fitted to a sweep).
+// 1000 fp32 elements each way, through L2; not fitted). The model never picks stream-K: on an H100
+// (scripts/gemm_kernels.py, aff158b) its kernel was slower than the best other schedule at every BERT
+// shape tried - 2048x768x3072 forward 28.2 us vs 19.7 (ping-pong), 2048x768x768 forward 14.0 vs 8.0,
+// 2048x2304x3072 forward 59.2 vs 49.9, 16384x768x768 weight gradient 50.7 vs 40.1 (ping-pong + split-K):
+// with 4-18 K-blocks per block at these shapes, the finishing block reads one or two 128 x 256 fp32
+// partial tiles (128 KB each) from L2, which costs about as much as the idle SMs it recovers.
 double estimate_streamk_us(int M, int N, int K, int sms, int bn) {
   const int kblocks = (K + BK - 1) / BK;
   const int64_t tiles = (int64_t)((M + BM - 1) / BM) * ((N + bn - 1) / bn);
@@ -720,16 +725,13 @@ void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force
   const int kblocks = (K + BK - 1) / BK;
   double best = 1e30;
   bn = 128, splits = 1, pingpong = schedule == 2, streamk = schedule == 3;
-  if (schedule == 3 || schedule == 0) {
+  if (schedule == 3) {  // only when asked for: measured slower than the other schedules at every BERT shape (below)
     for (int cand : {256, 192, 128}) {
       if (force_bn > 0 && cand != force_bn) continue;
-      const int64_t tiles = (int64_t)((M + BM - 1) / BM) * ((N + cand - 1) / cand);
-      if (schedule == 0 && (tiles > 2 * sms || force_splits > 1)) continue;  // whole waves: tiles in order keep L2 reuse
       const double t = estimate_streamk_us(M, N, K, sms, cand);
-      if (t < best * 0.999) best = t, bn = cand, streamk = true;
+      if (t < best * 0.999) best = t, bn = cand;
     }
-    if (schedule == 3) return;
-    best *= 1.03;  // unfitted: only when clearly ahead
+    return;
   }
   for (int pp = 0; pp < 2; ++pp) {
     if ((schedule == 1 && pp) || (schedule == 2 && !pp)) continue;
