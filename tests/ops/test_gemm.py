@@ -249,8 +249,8 @@ def test_epilogues(epilogue, bias_dtype):
 @pytest.mark.parametrize("schedule", [1, 2], ids=["cooperative", "pingpong"])
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 def test_both_store_paths_at_ragged_edges(epilogue, schedule, store, monkeypatch):
-    """bf16 outputs leave through TMA stores of 64 x 64 chunks, or (BERTACCEL_GEMM_STORE=staged, and
-    always when N is not a multiple of 8) through the threads' staged stores. M and N end mid-tile and
+    """Outputs leave through TMA stores (bf16: 64 x 64 chunks; fp32: 64 x 32), or (BERTACCEL_GEMM_STORE=staged,
+    and always when N is not a multiple of 8) through the threads' staged stores. M and N end mid-tile and
     mid-chunk here (1000 = 15 x 64 + 40), with 1002 columns the staged path's element-wise tail."""
     if store == "staged":
         monkeypatch.setenv("BERTACCEL_GEMM_STORE", "staged")
@@ -266,6 +266,10 @@ def test_both_store_paths_at_ragged_edges(epilogue, schedule, store, monkeypatch
         _check(out, cub, ref_out, f"{store} {epilogue} {M}x{N}x{K}")
         if e in (2, 3):
             _check(pre, ref_pre.bfloat16(), a.double() @ b.double().t() + bias.double(), f"{store} pre {M}x{N}x{K}")
+        out32 = GEMM(a, b, bias, aux, e, False, False, True, False, 128, 1, schedule)[0]  # fp32 out: 64 x 32 boxes
+        assert out32.dtype == torch.float32
+        cub32 = apply_epilogue((a.float() @ b.float().t()), bias, aux, e, False, torch.bfloat16)[0]
+        _check(out32, cub32, ref_out, f"{store} {epilogue} fp32 out {M}x{N}x{K}")
 
 
 @hopper_test

@@ -13,10 +13,11 @@
 //     so no operand is ever transposed in memory.
 //   * Epilogues on the fp32 accumulators: bias, bias + GELU (erf / tanh, optionally writing the
 //     pre-activation), bias + residual, dGELU (times gelu'(saved pre-activation)); fp32 or bf16 out.
-//   * bf16 outputs leave through the copy engine: each consumer warpgroup applies the epilogue in
-//     registers, writes 64 x 64 chunks into swizzled shared memory with stmatrix and one thread issues
-//     an asynchronous TMA store (cp.async.bulk.tensor), so the stores drain while the next tile's MMAs
-//     run. fp32 outputs (and split-K slices) are staged through shared memory and stored by the threads.
+//   * Outputs leave through the copy engine: each consumer warpgroup applies the epilogue in registers,
+//     writes 64-row chunks into swizzled shared memory (bf16: 64 columns with stmatrix; fp32 and split-K
+//     slices: 32 columns with float2 stores) and one thread issues an asynchronous TMA store
+//     (cp.async.bulk.tensor), so the stores drain while the next tile's MMAs run. When N is not a
+//     multiple of 8 (rows not whole 16-byte runs) the threads store, staged through shared memory.
 //   * Split-K (weight gradients, whose M x N is small and K = tokens is long): each split writes an
 //     fp32 slice of a workspace, a second kernel sums the slices in a fixed order (deterministic).
 //   * Stream-K (cooperative schedule; opt-in, schedule 3, slower at BERT's shapes - see
@@ -82,7 +83,7 @@ struct Params {
   bool bias_f32;
   const bf16* aux;      // [M, N] residual or saved pre-activation
   bf16* pre;            // [M, N] pre-activation output of the GELU epilogues, or null
-  bool tma_store;       // bf16 out, N % 8 == 0, no split: the epilogue stores through the copy engine
+  bool tma_store;       // N % 8 == 0: the epilogue stores through the copy engine (bf16 or fp32 boxes)
   bool streamk;         // units are equal shares of the (tile, K-block) iterations (cooperative only)
   float* sk_partial;    // stream-K: [grid][BM * BN] fp32, one partial tile per block
   int* sk_flags;        // stream-K: [grid], zero at launch; block b sets its flag once its partial is written
@@ -151,6 +152,11 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
                ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(src)) : "memory");
+}
+// The same into a 3-D map (fp32 outputs: columns, rows, split-K slice), so each slice clips its own rows.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src)) : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>  // until at most N of this thread's bulk groups still read shared memory
@@ -330,11 +336,43 @@ __device__ __forceinline__ void store_chunk(StoreRing& ring, const CUtensorMap* 
   ++ring.issued;
 }
 
+// fp32 out (split-K slices, or an fp32 output): the chunk's 64 columns as two 32-column halves (128-byte
+// rows, the same swizzle), each written with float2 stores - a warp's 256 bytes per store in two
+// conflict-free wavefronts - and stored by one TMA store into slice `split` of a 3-D map.
+__device__ __forceinline__ void store_chunk_f32(StoreRing& ring, const CUtensorMap* map, const float (&v)[32], int row0,
+                                                int col0, int split, int cw, int t) {
+  const int lane = t % 32, rt = (t / 32) * 16 + lane / 4, q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint8_t* buf = ring.bufs + (ring.issued % kStoreBufs) * kStoreBufBytes;
+    if (t == 0) bulk_wait_read<kStoreBufs - 1>();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {  // column groups 4h + jj: columns 8 jj + 2q, +1 of this half
+      const int group = 2 * jj + q / 2, within = (q % 2) * 8;  // 16-byte group of the 128-byte row
+#pragma unroll
+      for (int bottom = 0; bottom < 2; ++bottom) {
+        const int row = rt + 8 * bottom;  // row % 8 == lane / 4 either way
+        *reinterpret_cast<float2*>(buf + row * 128 + ((group ^ (lane / 4)) << 4) + within) =
+            make_float2(v[16 * h + 4 * jj + 2 * bottom], v[16 * h + 4 * jj + 2 * bottom + 1]);
+      }
+    }
+    fence_proxy_async();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+    if (t == 0) {
+      tma_store_3d(map, buf, col0 + 32 * h, row0, split);
+      bulk_commit();
+    }
+    ++ring.issued;
+  }
+}
+
 // The epilogue of one chunk in registers (the branches are per chunk, each body unrolled over its 32
 // values), then its TMA store(s). N % 8 == 0 here, so a column pair is either in range or past N.
 __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMap* map_out, const CUtensorMap* map_pre,
-                                               StoreRing& ring, float (&v)[32], int row0, int col0, int cw, int t) {
-  const int lane = t % 32, e = p.epilogue;
+                                               StoreRing& ring, float (&v)[32], int row0, int col0, int split, int cw,
+                                               int t) {
+  const int lane = t % 32, e = p.splits > 1 ? kNone : p.epilogue;  // a split-K slice: the raw sums
   const int r_top = row0 + (t / 32) * 16 + lane / 4, c_lane = col0 + 2 * (lane % 4);
   if (e >= kBias && e <= kBiasResidual) {
 #pragma unroll
@@ -377,7 +415,8 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
       for (int i = 0; i < 32; ++i) v[i] *= dgelu_tanh(a[i]);
     }
   }
-  store_chunk(ring, map_out, v, row0, col0, cw, t);
+  if (p.out_f32 || p.splits > 1) store_chunk_f32(ring, map_out, v, row0, col0, split, cw, t);
+  else store_chunk(ring, map_out, v, row0, col0, cw, t);
 }
 
 // ----------------------------------------------------------------------------------- kernel
@@ -539,7 +578,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
           }
         }
       }
-      if (p.tma_store) {  // bf16 out: epilogue in registers, stores through the copy engine
+      if (p.tma_store) {  // epilogue in registers, stores through the copy engine
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) {
           const int row0 = tm * BM + (PP ? h : cw) * 64;
@@ -554,7 +593,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
                 for (int k = 0; k < 32; ++k) v[k] = acc[h][32 * cc + k];
               }
             }
-            epilogue_chunk(p, &map_out, &map_pre, ring, v, row0, tn * BN + 64 * c, cw, t);
+            epilogue_chunk(p, &map_out, &map_pre, ring, v, row0, tn * BN + 64 * c, split, cw, t);
           }
         }
         continue;
@@ -637,6 +676,22 @@ CUtensorMap make_map(const at::Tensor& t, int box_rows) {
                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   BERTACCEL_CHECK(r == CUDA_SUCCESS, "bertaccel gemm: cuTensorMapEncodeTiled failed (%d) for a [%lld, %lld] operand with row stride %lld",
              (int)r, (long long)t.size(0), (long long)t.size(1), (long long)t.stride(0));
+  return map;
+}
+
+// A 3-D fp32 tensor map over `slices` row-major [rows, cols] matrices (split-K's workspace, or one fp32
+// output), boxes of [1, 64 rows, 32 columns] (128-byte rows, 128-byte swizzle), for TMA stores.
+CUtensorMap make_map_f32(void* data, int64_t slices, int64_t rows, int64_t cols) {
+  CUtensorMap map;
+  const uint64_t dims[3] = {(uint64_t)cols, (uint64_t)rows, (uint64_t)slices};
+  const uint64_t strides[2] = {(uint64_t)cols * 4, (uint64_t)(rows * cols * 4)};
+  const uint32_t box[3] = {32, 64, 1};
+  const uint32_t elem_strides[3] = {1, 1, 1};
+  CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, data, dims, strides, box, elem_strides,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  BERTACCEL_CHECK(r == CUDA_SUCCESS, "bertaccel gemm: cuTensorMapEncodeTiled failed (%d) for an fp32 [%lld, %lld, %lld] output",
+                  (int)r, (long long)slices, (long long)rows, (long long)cols);
   return map;
 }
 
@@ -828,15 +883,19 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   } else {
     p.out = out.data_ptr();
   }
-  // bf16 outputs whose rows are whole 16-byte runs leave through TMA stores (64 x 64 boxes);
-  // BERTACCEL_GEMM_STORE=staged (read at each call) keeps the threads' stores, for comparison runs.
+  // Outputs whose rows are whole 16-byte runs leave through TMA stores (bf16: 64 x 64 boxes; fp32 and
+  // split-K slices: 64 x 32 boxes of a 3-D map); BERTACCEL_GEMM_STORE=staged (read at each call) keeps
+  // the threads' stores, for comparison runs.
   const char* store_env = std::getenv("BERTACCEL_GEMM_STORE");
-  p.tma_store = !out_fp32 && splits == 1 && N % 8 == 0 && !(store_env && std::strcmp(store_env, "staged") == 0);
+  p.tma_store = N % 8 == 0 && !(store_env && std::strcmp(store_env, "staged") == 0);
   // K-major operands are read in [rows, 64] boxes; MN-major ones in [64 K-rows, 64] boxes.
   Maps maps;
   maps.a = make_map(a, trans_a ? BK : BM);
   maps.b = make_map(b, trans_b ? BK : bn);
-  maps.out = p.tma_store ? make_map(out, 64) : maps.a;
+  maps.out = !p.tma_store ? maps.a
+             : splits > 1 ? make_map_f32(p.out, splits, M, N)
+             : out_fp32   ? make_map_f32(p.out, 1, M, N)
+                          : make_map(out, 64);
   maps.pre = p.tma_store && p.pre != nullptr ? make_map(pre, 64) : maps.a;
   const int64_t units = streamk ? (int64_t)p.tiles_m * p.tiles_n * kblocks : (int64_t)p.tiles_m * p.tiles_n * splits;
   const int grid = units < sms ? (int)units : sms;
