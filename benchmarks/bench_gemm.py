@@ -84,7 +84,7 @@ def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
 
 
 def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2, 3),
-        compare_stores: bool = False, rounds: int = 3) -> list[dict]:
+        compare_stores: bool = False, rounds: int = 3, gelu_only: bool = False) -> list[dict]:
     rows = []
 
     def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
@@ -107,7 +107,7 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             "dgrad dy W": (lambda dy, w: dy @ w, (dy, w), (False, True)),
             "wgrad dy^T x": (lambda dy, x: dy.t() @ x, (dy, x), (True, True)),
         }
-        for name, (fn, args, (ta, tb)) in cases.items():
+        for name, (fn, args, (ta, tb)) in ({} if gelu_only else cases).items():
             # cuBLAS and ours (and ours with staged stores) timed in turn, `rounds` times, medians: the
             # H100's clocks drift under sustained tensor-core load, so one pass ran them at different clocks
             fns = [fn] + ([gemm.gemm_case(name)] if ours else [])
@@ -144,6 +144,9 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             # one GEMM with bias + GELU in the epilogue; training also writes the pre-activation
             gelu_cases["bertaccel gemm+bias+gelu"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, False)[0]
             gelu_cases["bertaccel gemm+bias+gelu (saves pre)"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, True)
+            for label, sched in (("cooperative", 1), ("ping-pong", 2)):  # each schedule with the model's tile, saving pre
+                gelu_cases[f"bertaccel {label} gemm+bias+gelu (saves pre)"] = (
+                    lambda x, w, b, sched=sched: GEMM(x, w, b, None, 2, False, False, False, True, 0, 1, sched))
             gelu_cases["bertaccel ping-pong gemm+bias+gelu"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, False,
                                                                                       128, 1, 2)[0]
         if ours and compare_stores:
@@ -185,12 +188,13 @@ def main(argv=None) -> None:
                     help="the schedules --sweep times: 1 cooperative, 2 ping-pong, 3 stream-K")
     ap.add_argument("--compare-stores", action="store_true",
                     help="also time ours with the threads' staged stores instead of TMA stores (BERTACCEL_GEMM_STORE=staged)")
+    ap.add_argument("--gelu-only", action="store_true", help="only the linear + bias + GELU cases")
     ap.add_argument("--rounds", type=int, default=3, help="times each implementation is timed, in turn (median)")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
     rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules), args.compare_stores,
-               args.rounds)
+               args.rounds, args.gelu_only)
     table = summary(rows)
     write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
     print_table([r for r in rows if not r["impl"].startswith("bertaccel ") or r["impl"] == "bertaccel staged-store"],
