@@ -100,15 +100,23 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>  // wait until at most N of this thread's groups are pending
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// A kernel switch (README "Kernel switches", for comparing variants in one run): the integer in the
+// environment variable `name`, or `fallback` when it is unset or not an integer. Each caller keeps the
+// value in a function-local static, so it is read once per process.
+inline int env_switch(const char* name, int fallback) {
+  const char* e = std::getenv(name);
+  if (e == nullptr || *e == '\0') return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  return *end == '\0' ? (int)v : fallback;
+}
+
 // The row rings (persistent kernels streaming rows into shared memory with cp.async: the LayerNorm
 // family's forward in layer_norm_fwd.cu, their backward in layer_norm_bwd.cuh). BERTACCEL_LN_RING=0
 // turns them off (the one-row kernels run every width), for comparing both in one run
 // (scripts/ln_fwd_sweep.py).
 inline bool ring_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("BERTACCEL_LN_RING");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = env_switch("BERTACCEL_LN_RING", 1) != 0;
   return on;
 }
 
@@ -221,10 +229,7 @@ __device__ __forceinline__ void wait_for_prerequisite_grids() {
 #endif
 }
 inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("BERTACCEL_PDL");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = env_switch("BERTACCEL_PDL", 1) != 0;
   return on;
 }
 constexpr int kColSumRows = 32;

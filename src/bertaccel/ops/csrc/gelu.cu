@@ -93,8 +93,7 @@ __global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __r
 // before). BERTACCEL_GELU_UNROLL=1|2|4 forces one (scripts/elementwise_sweep.py compares them).
 int fwd_unroll(int64_t nvec, const cudaDeviceProp& prop) {
   static const int forced = [] {
-    const char* e = std::getenv("BERTACCEL_GELU_UNROLL");
-    const int u = e ? std::atoi(e) : 0;
+    const int u = env_switch("BERTACCEL_GELU_UNROLL", 0);
     return u == 1 || u == 2 || u == 4 ? u : 0;
   }();
   if (forced) return forced;

@@ -59,6 +59,7 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restri
       load_f<T, VEC>(x + row * S + (int64_t)c * VEC, v[k]);
       bool vec_mask = false;  // the additive mask of these VEC keys in 16-byte loads, when aligned
       if constexpr (VEC % 4 == 0) {
+        // add_vec4 implies add != nullptr; without the redundant test the <bf16, 8, 3> kernel spills 8 bytes
         if (mask.add != nullptr && mask.add_vec4) {
           vec_mask = true;
 #pragma unroll
