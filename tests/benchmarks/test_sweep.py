@@ -73,3 +73,36 @@ def test_gemm_baseline_harness_runs_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["gemm"] for r in rows] == ["fwd x W^T", "dgrad dy W", "wgrad dy^T x", "F.linear(bias) + gelu"]
     assert all(r["ms"] > 0 and r["TFLOP/s"] >= 0 for r in rows)
+
+
+def test_gemm_bench_times_implementations_in_turn_and_restores_the_store_switch(monkeypatch, tmp_path):
+    """bench_gemm: implementations timed in turn, `rounds` times, medians (so clock drift under load
+    affects them alike); the staged-store switch is set only inside its calls and put back after."""
+    import os
+
+    from benchmarks import bench_gemm
+
+    timings = {"a": iter([3.0, 1.0, 1.5]), "b": iter([5.0, 9.0, 4.0])}  # medians 1.5, 5 (means 1.83, 6)
+    order = []
+
+    def fake_time_ms(fn, args, device):
+        order.append(fn())
+        return next(timings[order[-1]])
+
+    monkeypatch.setattr(bench_gemm, "time_ms", fake_time_ms)
+    assert bench_gemm.interleaved_ms([lambda: "a", lambda: "b"], (), "cpu", rounds=3) == [1.5, 5.0]
+    assert order == ["a", "b"] * 3
+
+    for before in (None, "tma"):
+        if before is None:
+            monkeypatch.delenv("BERTACCEL_GEMM_STORE", raising=False)
+        else:
+            monkeypatch.setenv("BERTACCEL_GEMM_STORE", before)
+        seen = bench_gemm._staged_call(lambda: os.environ.get("BERTACCEL_GEMM_STORE"))
+        assert seen == "staged"
+        assert os.environ.get("BERTACCEL_GEMM_STORE") == before
+
+    monkeypatch.undo()
+    out = tmp_path / "gelu.json"
+    bench_gemm.main(["--device", "cpu", "--shapes", "64x48x32", "--gelu-only", "--rounds", "2", "--out", str(out)])
+    assert [r["gemm"] for r in json.loads(out.read_text())["rows"]] == ["F.linear(bias) + gelu"]
