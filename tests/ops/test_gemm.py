@@ -191,57 +191,44 @@ def test_streamk_tiles_shared_by_many_blocks(layout, tile_n):
         assert torch.equal(GEMM(a, b, bias, None, 1, trans_a, trans_b, True, False, tile_n, 1, 3)[0], ours32)
 
 
+def _check_epilogue(M, N, K, epilogue, name, *config, bias_dtype=torch.float32, check_pre=True):
+    """One forward GEMM with `epilogue` at M x N x K (`config`: tile width, splits, schedule, or the
+    model's pick when empty), its output and pre-activation checked against the float64 reference from
+    the same bf16 inputs, beside cuBLAS's bf16 product with the epilogue in fp32. Returns the operands
+    and the reference output, for further checks."""
+    a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
+    bias = torch.randn(N, device="cuda").to(bias_dtype)
+    aux = torch.randn(M, N, device="cuda").bfloat16()
+    e = EPILOGUES[epilogue]
+    poison()
+    out, pre = GEMM(a, b, bias, aux, e, False, False, False, True, *config)
+    ref_out, ref_pre = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
+    cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
+    _check(out, cub, ref_out, name)
+    if check_pre and e in (2, 3):
+        _check(pre, ref_pre.bfloat16(), a.double() @ b.double().t() + bias.double(), f"{name} pre-activation")
+    return a, b, bias, aux, ref_out
+
+
 @hopper_test
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 def test_streamk_epilogues_at_a_bert_shape(epilogue):
     """Every epilogue after the stream-K fix-up (2048 x 768 x 3072: 96 tiles of 128 x 128 over 132 blocks)."""
-    M, N, K = 2048, 768, 3072
-    a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
-    bias = torch.randn(N, device="cuda")
-    aux = torch.randn(M, N, device="cuda").bfloat16()
-    e = EPILOGUES[epilogue]
-    poison()
-    out, pre = GEMM(a, b, bias, aux, e, False, False, False, True, 128, 1, 3)
-    ref_out, ref_pre = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
-    cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
-    _check(out, cub, ref_out, f"stream-K {epilogue}")
-    if e in (2, 3):
-        _check(pre, ref_pre.bfloat16(), a.double() @ b.double().t() + bias.double(), "stream-K pre-activation")
+    _check_epilogue(2048, 768, 3072, epilogue, f"stream-K {epilogue}", 128, 1, 3)
 
 
 @hopper_test
 @pytest.mark.parametrize("epilogue", ["bias_gelu", "bias_residual", "dgelu"])
 def test_pingpong_epilogues_and_many_units(epilogue):
     """Ping-pong at a BERT shape (many units per block, both warpgroups alternating)."""
-    M, N, K = 16384, 768, 768
-    a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
-    bias = torch.randn(N, device="cuda")
-    aux = torch.randn(M, N, device="cuda").bfloat16()
-    e = EPILOGUES[epilogue]
-    poison()
-    out, pre = GEMM(a, b, bias, aux, e, False, False, False, True, 128, 1, 2)
-    ref_out, _ = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
-    cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
-    _check(out, cub, ref_out, f"pingpong {epilogue}")
+    _check_epilogue(16384, 768, 768, epilogue, f"pingpong {epilogue}", 128, 1, 2, check_pre=False)
 
 
 @hopper_test
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_epilogues(epilogue, bias_dtype):
-    M, N, K = 1031, 3072, 768
-    a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
-    bias = torch.randn(N, device="cuda").to(bias_dtype)
-    aux = torch.randn(M, N, device="cuda").bfloat16()
-    e = EPILOGUES[epilogue]
-    poison()
-    out, pre = GEMM(a, b, bias, aux, e, False, False, False, True)
-    # the reference in float64 from the same bf16 inputs; cuBLAS: its bf16 product, the epilogue in fp32
-    ref_out, ref_pre = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
-    cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
-    _check(out, cub, ref_out, epilogue)
-    if e in (2, 3):
-        _check(pre, ref_pre.bfloat16(), (a.double() @ b.double().t() + bias.double()), "pre-activation")
+    _check_epilogue(1031, 3072, 768, epilogue, epilogue, bias_dtype=bias_dtype)
 
 
 @hopper_test
@@ -256,16 +243,7 @@ def test_both_store_paths_at_ragged_edges(epilogue, schedule, store, monkeypatch
         monkeypatch.setenv("BERTACCEL_GEMM_STORE", "staged")
     e = EPILOGUES[epilogue]
     for M, N, K in [(200, 1000, 192), (131, 1002, 136)]:
-        a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
-        bias = torch.randn(N, device="cuda")
-        aux = torch.randn(M, N, device="cuda").bfloat16()
-        poison()
-        out, pre = GEMM(a, b, bias, aux, e, False, False, False, True, 128, 1, schedule)
-        ref_out, ref_pre = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
-        cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
-        _check(out, cub, ref_out, f"{store} {epilogue} {M}x{N}x{K}")
-        if e in (2, 3):
-            _check(pre, ref_pre.bfloat16(), a.double() @ b.double().t() + bias.double(), f"{store} pre {M}x{N}x{K}")
+        a, b, bias, aux, ref_out = _check_epilogue(M, N, K, epilogue, f"{store} {epilogue} {M}x{N}x{K}", 128, 1, schedule)
         out32 = GEMM(a, b, bias, aux, e, False, False, True, False, 128, 1, schedule)[0]  # fp32 out: 64 x 32 boxes
         assert out32.dtype == torch.float32
         cub32 = apply_epilogue((a.float() @ b.float().t()), bias, aux, e, False, torch.bfloat16)[0]
