@@ -89,6 +89,22 @@ class Stopwatch:
         self.s = time.perf_counter() - self.t0
 
 
+def kernel_times_us(work, calls: int) -> dict[str, float]:
+    """GPU time of each CUDA kernel (by name) that `work()` launches, per call, `work` making `calls`
+    calls: from torch.profiler, synchronized before and after."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        work()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] = per.get(e.name, 0.0) + e.device_time / calls
+    return per
+
+
 def graph_time_ms(fn, inputs: list, calls: int = 20, replays: int = 10) -> float:
     """GPU time per call of fn(*inputs[i % len(inputs)]), from replays of a CUDA graph holding
     `calls` calls: launch and Python overhead are gone, only the kernels' time remains."""

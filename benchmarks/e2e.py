@@ -23,7 +23,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from benchmarks.plots import plot_file
-from benchmarks.common import environment, print_table, write_json
+from benchmarks.common import environment, kernel_times_us, print_table, write_json
 from bertaccel.modules.flops import bert_step_flops
 from bertaccel.ops.swap import DEFAULT, ORDER, swap
 
@@ -81,23 +81,17 @@ PROFILES: dict[tuple, dict] = {}
 def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
     """GPU time per step by kernel category (the profiler callback's categories) and the top kernels,
     from a torch.profiler pass over `steps` steps."""
-    from torch.profiler import ProfilerActivity, profile
-
     from bertaccel.callbacks.profiler import categorize
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def work():
         for _ in range(steps):
             one_step()
-        torch.cuda.synchronize()
+
     cats: dict[str, float] = {}
     kernels: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        ms = e.device_time / 1e3 / steps
-        cats[categorize(e.name)] = cats.get(categorize(e.name), 0.0) + ms
-        kernels[e.name[:90]] = kernels.get(e.name[:90], 0.0) + ms
+    for name, us in kernel_times_us(work, steps).items():
+        cats[categorize(name)] = cats.get(categorize(name), 0.0) + us / 1e3
+        kernels[name[:90]] = kernels.get(name[:90], 0.0) + us / 1e3
     return {"total_ms": round(sum(cats.values()), 3),
             "categories": {k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
             "top_kernels": {k: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}

@@ -6,10 +6,9 @@ import argparse
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_gemm import parse_shape
-from benchmarks.common import graph_time_ms
+from benchmarks.common import graph_time_ms, kernel_times_us
 import bertaccel.ops.gemm  # noqa: F401 - defines torch.ops.bertaccel.gemm
 from bertaccel.ops import build
 
@@ -37,16 +36,9 @@ for m, n, k in args.shapes:
                 return GEMM(a, b, None, None, 0, ta, tb, False, False, 0, 0, sched)[0]
             for _ in range(3):
                 call(a, b)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.calls):
-                    call(a, b)
-                torch.cuda.synchronize()
             per = defaultdict(float)
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    name = "gemm_kernel" if "gemm_kernel" in e.name else e.name[:40]
-                    per[name] += e.device_time / args.calls
+            for kernel, us in kernel_times_us(lambda: [call(a, b) for _ in range(args.calls)], args.calls).items():
+                per["gemm_kernel" if "gemm_kernel" in kernel else kernel[:40]] += us
             ms = graph_time_ms(call, [(a, b)], calls=10, replays=10)
             parts = ", ".join(f"{k} {v:.1f} us" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
             print(f"KERNELS {m}x{n}x{k} {g:5s} schedule {sched}: graph {ms * 1e3:.1f} us ({cub_ms / ms:.3f} of cuBLAS "

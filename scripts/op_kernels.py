@@ -7,8 +7,8 @@ import argparse
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.common import kernel_times_us
 from bertaccel.ops.gelu import bias_gelu
 from bertaccel.ops.layer_norm import layer_norm
 from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
@@ -42,19 +42,18 @@ for name, fn in ops.items():
     torch.cuda.synchronize()
     for phase in ("fwd", "bwd"):
         outs = [call() for _ in range(args.calls)] if phase == "bwd" else None
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+        def work():
             for i in range(args.calls):
                 if phase == "fwd":
                     with torch.no_grad():
                         call()
                 else:
                     torch.autograd.grad(outs[i], leaves, dy)
-            torch.cuda.synchronize()
+
         per = defaultdict(float)
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per[e.name[:60]] += e.device_time / args.calls
+        for kernel, us in kernel_times_us(work, args.calls).items():
+            per[kernel[:60]] += us
         total = sum(per.values())
         parts = " | ".join(f"{k} {v:.1f}us" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
         print(f"KERNELS {name} {phase} {n}x{cols}: total {total:.1f}us = {parts}")

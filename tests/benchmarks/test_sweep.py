@@ -106,3 +106,38 @@ def test_gemm_bench_times_implementations_in_turn_and_restores_the_store_switch(
     out = tmp_path / "gelu.json"
     bench_gemm.main(["--device", "cpu", "--shapes", "64x48x32", "--gelu-only", "--rounds", "2", "--out", str(out)])
     assert [r["gemm"] for r in json.loads(out.read_text())["rows"]] == ["F.linear(bias) + gelu"]
+
+
+def test_kernel_times_sum_each_cuda_kernel_per_call(monkeypatch):
+    """benchmarks.common.kernel_times_us (behind e2e's kernel breakdown and the per-kernel scripts): CUDA
+    kernels only, one entry per name summed over its launches, divided by the calls; `work` runs once."""
+    from types import SimpleNamespace
+
+    import torch.profiler
+
+    from benchmarks import common
+
+    CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name="gemm", device_type=CUDA, device_time=30.0),
+              SimpleNamespace(name="gemm", device_type=CUDA, device_time=50.0),
+              SimpleNamespace(name="reduce", device_type=CUDA, device_time=8.0),
+              SimpleNamespace(name="aten::mm", device_type=CPU, device_time=999.0)]
+
+    class FakeProfile:
+        def __init__(self, activities):
+            assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    runs = []
+    assert common.kernel_times_us(lambda: runs.append(1), calls=4) == {"gemm": 20.0, "reduce": 2.0}
+    assert runs == [1]
