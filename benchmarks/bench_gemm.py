@@ -54,24 +54,18 @@ def _ours_available(device: str) -> bool:
     return build.load() and build.load_gemm()
 
 
-class _staged_stores:
-    """Within it our GEMM stores bf16 outputs from the threads (staged through shared memory) instead of
-    through TMA (BERTACCEL_GEMM_STORE, read at each call)."""
-
-    def __enter__(self):
-        self.old = os.environ.get("BERTACCEL_GEMM_STORE")
-        os.environ["BERTACCEL_GEMM_STORE"] = "staged"
-
-    def __exit__(self, *exc):
-        if self.old is None:
+def _staged_call(fn, *args):
+    """fn(*args) with our GEMM's outputs stored by the threads (staged through shared memory) instead of
+    through TMA: BERTACCEL_GEMM_STORE=staged, which the op reads at each call, set only for this call."""
+    old = os.environ.get("BERTACCEL_GEMM_STORE")
+    os.environ["BERTACCEL_GEMM_STORE"] = "staged"
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
             os.environ.pop("BERTACCEL_GEMM_STORE", None)
         else:
-            os.environ["BERTACCEL_GEMM_STORE"] = self.old
-
-
-def _staged_call(fn, *args):
-    with _staged_stores():
-        return fn(*args)
+            os.environ["BERTACCEL_GEMM_STORE"] = old
 
 
 def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
