@@ -25,7 +25,7 @@ from transformers import BertConfig, BertForSequenceClassification
 from benchmarks.plots import plot_file
 from benchmarks.common import environment, kernel_times_us, print_table, write_json
 from bertaccel.modules.flops import bert_step_flops
-from bertaccel.ops.swap import DEFAULT, ORDER, swap
+from bertaccel.ops.swap import DEFAULT, swap
 
 MODELS = {
     "bert-base": dict(),
@@ -34,7 +34,8 @@ MODELS = {
     "tiny": dict(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                  max_position_embeddings=128),
 }
-# name: (attention implementation, autocast bf16, kernel swap (True: `ops: [all]`; "gemm": with `linear`),
+# name: (attention implementation, autocast bf16, kernel swap (True: `ops: [all]`; "gemm": with `linear`;
+#        "ffn": with `linear` and `ffn`),
 #        torch.compile, whole-step CUDA graph)
 VARIANTS = {
     "hf-eager-fp32": ("eager", False, False, False, False),
@@ -57,6 +58,8 @@ VARIANTS = {
     # + the opt-in `linear` family: every BERT nn.Linear on our own TMA + wgmma GEMM (Hopper)
     "gemm-fused": ("sdpa", True, "gemm", False, False),
     "gemm-fused-graphs": ("sdpa", True, "gemm", False, True),
+    # + the opt-in `ffn` family too: BERT's feed-forward block with GELU / dGELU in our GEMM's epilogues
+    "ffn-gemm-fused-graphs": ("sdpa", True, "ffn", False, True),
     # the encoder on real tokens only (`model.unpadded`), our varlen attention / FlashAttention varlen
     "fused-unpadded-graphs": ("sdpa", True, True, False, True),
     "fused-unpadded-graphs-flash": ("sdpa", True, True, False, True),
@@ -112,7 +115,8 @@ def step_times(variant: str, model_name: str, batch: int, seq: int, workload: st
     model = BertForSequenceClassification(cfg).to(device)
     model.set_attn_implementation(attn)
     if fused:
-        ops = ORDER if fused == "gemm" else [f for f in DEFAULT if fused != "noqkv" or f != "qkv"]
+        ops = {"gemm": DEFAULT + ["linear"], "ffn": DEFAULT + ["linear", "ffn"]}.get(
+            fused, [f for f in DEFAULT if fused != "noqkv" or f != "qkv"])
         swap(model, ops)
     train = workload == "train"
     model.train(train)

@@ -7,7 +7,7 @@
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
 # (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep, e2e, e2e_eager_base, e2e_compile,
 # norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
-# gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
+# ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
 # grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), anatomy (where a graphed step's
@@ -80,7 +80,7 @@ if has e2e_graphs; then
 fi
 if has e2e_gemm; then  # BERT-base steps with every nn.Linear on our GEMM, beside the default swap and HF SDPA
   timeout ${E2E_TIMEOUT:-300} python -m benchmarks.e2e --models bert-base --shapes ${E2E_SHAPES:-16x128 32x512} \
-    --variants hf-sdpa-bf16 fused-graphs gemm-fused-graphs --warmup 10 --steps 30 --out "$OUT/e2e_gemm.json" > "$OUT/e2e_gemm.log" 2>&1
+    --variants ${E2E_GEMM_VARIANTS:-hf-sdpa-bf16 fused-graphs gemm-fused-graphs ffn-gemm-fused-graphs} --warmup 10 --steps 30 --out "$OUT/e2e_gemm.json" > "$OUT/e2e_gemm.log" 2>&1
   echo "e2e gemm rc=$?"; grep -E "^bert" "$OUT/e2e_gemm.log"; grep -iE "error|warn.*gemm" "$OUT/e2e_gemm.log" | sort | uniq -c | head -5
 fi
 if has ops; then
@@ -175,6 +175,14 @@ fi
 if has gemm_tests; then
   BERTACCEL_FAILURE_LOG="$OUT/gemm_test_failures.log" timeout ${GEMM_TEST_TIMEOUT:-240} python -u -m pytest -m cuda tests/ops/test_gemm.py -q -p no:cacheprovider ${GEMM_TEST_K:+-k "$GEMM_TEST_K"} > "$OUT/gemm_tests.log" 2>&1
   echo "gemm tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|Error" "$OUT/gemm_tests.log" | head -30
+fi
+if has ffn_tests; then  # the fused feed-forward block (ffn family): its cuda tests (needs the GEMM build)
+  BERTACCEL_FAILURE_LOG="$OUT/ffn_test_failures.log" timeout ${FFN_TEST_TIMEOUT:-240} python -u -m pytest -m cuda tests/ops/test_ffn.py -q -p no:cacheprovider > "$OUT/ffn_tests.log" 2>&1
+  echo "ffn tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|Error" "$OUT/ffn_tests.log" | head -30
+fi
+if has ffn; then  # the feed-forward block: HF, compile, the default swap, our GEMM, the ffn family (FFN_ARGS=)
+  timeout ${FFN_TIMEOUT:-300} python -u -m benchmarks.bench_ffn ${FFN_ARGS:-} --out "$OUT/ffn.json" > "$OUT/ffn.log" 2>&1
+  echo "ffn rc=$?"; grep -vE "Warning|warn|^ +|^$" "$OUT/ffn.log" | tail -20
 fi
 if has gemm_kernels; then  # per-kernel times of chosen GEMM schedules (GEMM_KERNELS_ARGS="--shapes 2048x768x3072 --schedules 1 3")
   timeout ${GEMM_KERNELS_TIMEOUT:-240} python -u scripts/gemm_kernels.py ${GEMM_KERNELS_ARGS:-} > "$OUT/gemm_kernels.log" 2>&1

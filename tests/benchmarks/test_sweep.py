@@ -75,6 +75,19 @@ def test_gemm_baseline_harness_runs_on_cpu(tmp_path):
     assert all(r["ms"] > 0 and r["TFLOP/s"] >= 0 for r in rows)
 
 
+def test_ffn_bench_harness_runs_on_cpu(tmp_path):
+    """benchmarks/bench_ffn.py: HF's block, the default swap's and the ffn family's, timed in turn."""
+    from benchmarks import bench_ffn
+
+    out = tmp_path / "ffn.json"
+    bench_ffn.main(["--device", "cpu", "--tokens", "32", "--hidden", "64", "--inner", "128", "--rounds", "2",
+                    "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["hf", "fused", "ffn"]
+    assert all(r["fwd+bwd_ms"] > 0 and len(r["rounds_fwd+bwd_ms"]) == 2 for r in rows)
+    assert rows[0]["speedup_vs_hf"] == 1.0
+
+
 def test_gemm_bench_times_implementations_in_turn_and_restores_the_store_switch(monkeypatch, tmp_path):
     """bench_gemm: implementations timed in turn, `rounds` times, medians (so clock drift under load
     affects them alike); the staged-store switch is set only inside its calls and put back after."""

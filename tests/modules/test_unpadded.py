@@ -159,7 +159,8 @@ def test_unpadded_with_cuda_graphs_trains_like_eager_unpadded(tiny_data, tmp_pat
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_unpadded_runs_through_swapped_modules():
+@pytest.mark.parametrize("with_ffn", [False, True], ids=["without_ffn", "with_ffn"])
+def test_unpadded_runs_through_swapped_modules(with_ffn):
     """With the kernel swap in place the unpadded path calls the fused modules (PyTorch fallback on
     CPU) and still equals the padded model."""
     from bertaccel.ops.swap import ORDER, swap
@@ -169,27 +170,36 @@ def test_unpadded_runs_through_swapped_modules():
     ids, mask, types = batch([13, 4, 9])
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-        report = swap(model, ORDER)
-        assert report.counts()["residual_layer_norm"] == 4
+        report = swap(model, ORDER if with_ffn else [f for f in ORDER if f != "ffn"])
+        assert report.counts()["residual_layer_norm"] == (2 if with_ffn else 4)
+        assert report.counts().get("ffn", 0) == (2 if with_ffn else 0)
         got = classifier_logits(model, ids, mask, types)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     report.revert()
 
 
-def test_unpadded_path_keeps_the_profiler_regions():
-    """Under the profiler the unpadded model shows the padded model's region labels."""
+@pytest.mark.parametrize("ffn", [False, True], ids=["hf_ffn", "fused_ffn"])
+def test_unpadded_path_keeps_the_profiler_regions(ffn):
+    """Under the profiler the unpadded model shows the padded model's region labels (with the ffn
+    family's fused block too: one layer{i}.ffn region around it)."""
     from bertaccel.callbacks.profiler import _RegionHooks as RegionHooks
+    from bertaccel.ops.swap import swap
 
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(**CFG)).eval()
+    if ffn:
+        assert swap(model, ["ffn"]).counts() == {"ffn": 2}
     hooks = RegionHooks()
     hooks.attach(model)
     ids, mask, types = batch([13, 4])
     with torch.profiler.profile() as prof, torch.no_grad():
         classifier_logits(model, ids, mask, types)
     hooks.remove()
-    names = {e.name for e in prof.events()}
-    assert {"embeddings", "layer0.attention", "layer0.ffn", "layer1.attention", "layer1.ffn", "head"} <= names
+    names = [e.name for e in prof.events()]
+    assert {"embeddings", "layer0.attention", "layer0.ffn", "layer1.attention", "layer1.ffn", "head"} <= set(names)
+    # HF's block: one region per module (intermediate, output); the fused block: one, also when it falls
+    # back to HF's modules (on CPU here), not nested twice
+    assert names.count("layer0.ffn") == (1 if ffn else 2)
 
 
 def _attention_reference(q, k, v, cu, scale):

@@ -34,20 +34,30 @@ def batch():
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def test_swap_replaces_instances_and_revert_restores_them(model):
+@pytest.mark.parametrize("with_ffn", [False, True], ids=["without_ffn", "with_ffn"])
+def test_swap_replaces_instances_and_revert_restores_them(model, with_ffn):
     before = dict(model.named_modules())
     params = {n: p for n, p in model.named_parameters()}
     keys = list(model.state_dict())
-    report = swap(model, ORDER)
+    report = swap(model, ORDER if with_ffn else [f for f in ORDER if f != "ffn"])
     counts = report.counts()
     # 2 layers x 2 outputs; the embeddings' LayerNorm goes with the embeddings; SDPA attention gets the
     # fused QKV projection; linear: 6 dense layers per layer + the pooler (the 3-class classifier is
-    # not a multiple of 8)
-    assert counts == {"linear": 13, "embeddings": 1, "qkv": 2, "residual_layer_norm": 4, "bias_gelu": 2}
+    # not a multiple of 8). The ffn family takes each layer's intermediate and output (not its attention)
+    if with_ffn:
+        assert counts == {"linear": 13, "ffn": 2, "embeddings": 1, "qkv": 2, "residual_layer_norm": 2}
+    else:
+        assert counts == {"linear": 13, "embeddings": 1, "qkv": 2, "residual_layer_norm": 4, "bias_gelu": 2}
     assert [(n, f) for n, f, _ in report.skipped] == [("classifier", "linear")] + [
         (f"bert.encoder.layer.{i}.attention.self", "softmax") for i in range(2)]
     types = {type(m) for m in model.modules()}
-    assert {FusedBertEmbeddings, FusedBertOutput, FusedBertIntermediate} <= types
+    assert {FusedBertEmbeddings, FusedBertOutput} <= types
+    assert (FusedBertIntermediate in types) != with_ffn
+    layer = model.bert.encoder.layer[0]
+    assert isinstance(layer, type(before["bert.encoder.layer.0"]))  # the same class's forward, checkpointing
+    assert isinstance(layer.attention.output, FusedBertOutput)  # the attention stays open to the others
+    assert isinstance(layer.output, FusedBertOutput) != with_ffn
+    assert ("bert.encoder.layer.1.feed_forward" in dict(model.named_modules())) == with_ffn
     assert list(model.state_dict()) == keys
     assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects
     assert type(model.bert.encoder.layer[0].output.LayerNorm) is nn.LayerNorm  # left to its parent

@@ -11,7 +11,7 @@ Outputs, in `<log_dir>/profiler/` (named in the log when written):
 The top kernels, top operators and category shares are printed at the end of the stage.
 
 Labelled regions are `record_function` ranges opened by module hooks (HF code is not edited):
-`embeddings`, `layer{i}.attention`, `layer{i}.ffn` (intermediate + output), `head` (pooler,
+`embeddings`, `layer{i}.attention`, `layer{i}.ffn` (intermediate + output, or the ffn family's fused block), `head` (pooler,
 classifier or MLM head), and in training `backward` and `optimizer_step`.
 """
 
@@ -113,15 +113,19 @@ class _RegionHooks:
         self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
     def attach(self, root: torch.nn.Module) -> None:
-        for name, m in root.named_modules():
+        modules = dict(root.named_modules())
+        for name, m in modules.items():
             leaf = name.rsplit(".", 1)[-1]
             tname = type(m).__name__
             if tname == "BertEmbeddings":
                 self.add(m, "embeddings")
             elif re.search(r"encoder\.layer\.\d+\.attention$", name):
                 self.add(m, f"layer{name.split('.')[-2]}.attention")
-            elif re.search(r"encoder\.layer\.\d+\.(intermediate|output)$", name):
-                self.add(m, f"layer{name.split('.')[-2]}.ffn")
+            elif re.search(r"encoder\.layer\.\d+\.(intermediate|output|feed_forward)$", name):
+                # a layer with the ffn family's fused block: one region around the block (its fallback
+                # calls intermediate and output inside it)
+                if leaf == "feed_forward" or name.rsplit(".", 1)[0] + ".feed_forward" not in modules:
+                    self.add(m, f"layer{name.split('.')[-2]}.ffn")
             elif leaf in ("pooler", "classifier", "cls") and tname != "Dropout":
                 self.add(m, "head")
 

@@ -199,7 +199,7 @@ def encoder_forward(bert: nn.Module, input_ids: Tensor, token_type_ids: Tensor |
         attention = layer.attention
         with _region(f"layer{i}.attention"):
             a = attention.output(_self_attention(attention.self, h, layout), h)  # dense, dropout, LayerNorm(. + h)
-        h = layer.output(layer.intermediate(a), a)  # their module hooks give the layer{i}.ffn regions
+        h = layer.feed_forward_chunk(a)  # HF's: output(intermediate(a), a); the ffn family's fused block
     return h
 
 

@@ -109,10 +109,13 @@ class SwapEntry:
     `skip_reason(module)`: "" when the module is not one this family covers, None to take it, else
     why a module of its kind stays PyTorch (logged and reported). `from_module(module)` builds the
     replacement around the same submodules and Parameters. `covers`: one line for docs and logs.
-    `opt_in`: left out of `ops: [all]`; named explicitly to be used (`ops: [all, linear]`)."""
+    `opt_in`: left out of `ops: [all]`; named explicitly to be used (`ops: [all, linear]`).
+    `claims`: the children of a replaced module that the family takes over (the finer families leave
+    them alone); empty = the whole sub-tree."""
 
     name: str
     skip_reason: Callable[[nn.Module], str | None]
     from_module: Callable[[nn.Module], nn.Module]
     covers: str
     opt_in: bool = False
+    claims: tuple[str, ...] = ()

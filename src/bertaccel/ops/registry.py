@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-FAMILY_MODULES = ["gemm", "embeddings", "softmax", "qkv", "residual_layer_norm", "gelu", "layer_norm", "rms_norm"]
+FAMILY_MODULES = ["gemm", "ffn", "embeddings", "softmax", "qkv", "residual_layer_norm", "gelu", "layer_norm", "rms_norm"]
 
 
 def modules() -> list[ModuleType]:

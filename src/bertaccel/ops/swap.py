@@ -9,6 +9,9 @@ Op families, applied coarse to fine (a module inside one already replaced is lef
 each family declares its entry (`SWAP`) in its own module, listed in `bertaccel.ops.registry`:
     linear (opt-in)      nn.Linear                   -> GemmLinear (own TMA + wgmma GEMM, Hopper); applied
                          first: the coarser families keep the swapped layers and run their matmul on it
+    ffn (opt-in)         BertLayer's feed-forward    -> the same layer with a FusedFeedForward child (GEMM +
+                         bias + GELU, GEMM, residual LN; dGELU in the dgrad GEMM; own GEMM, Hopper); claims
+                         the layer's intermediate and output, not its attention
     embeddings           BertEmbeddings              -> FusedBertEmbeddings (lookups+sum+LN+dropout)
     softmax              BertSelfAttention (eager)   -> FusedBertSelfAttention (QKV in one GEMM, scale+mask+softmax)
     qkv                  BertSelfAttention (SDPA)    -> FusedQKVSelfAttention (QKV projections in one GEMM)
@@ -136,17 +139,17 @@ def swap(model: nn.Module, ops: Sequence[str], only: Sequence[str] = (), exclude
             "run PyTorch's ops.", stacklevel=2,
         )
     _install_hf_output_recorders(model)
-    claimed: dict[str, str] = {}
+    claimed: dict[str, str] = {}  # replaced sub-trees (or, for families with `claims`, those children)
+    replaced_by: dict[str, str] = {}
     for family in [f for f in ORDER if f in ops]:
         entry = FAMILIES[family]
         for name, module in list(model.named_modules()):
             reason = entry.skip_reason(module)
             if reason == "" or not _targeted(name, only, exclude):
                 continue
-            owner = next((c for c in claimed if name == c or name.startswith(c + ".")), None)
-            if owner is not None:
-                if name == owner:
-                    raise ConfigError(f"module {name} is claimed twice: by {claimed[owner]} and {family}.")
+            if name in replaced_by:
+                raise ConfigError(f"module {name} is claimed twice: by {replaced_by[name]} and {family}.")
+            if any(name == c or name.startswith(c + ".") for c in claimed):
                 continue  # part of a module a coarser family replaced already
             if reason is not None:
                 report.skipped.append((name, family, reason))
@@ -155,7 +158,9 @@ def swap(model: nn.Module, ops: Sequence[str], only: Sequence[str] = (), exclude
             new = entry.from_module(module)
             _share_hooks(module, new)
             _set_submodule(model, name, new)
-            claimed[name] = family
+            replaced_by[name] = family
+            for part in entry.claims or ("",):
+                claimed[f"{name}.{part}" if part else name] = family
             report.replaced.append(Replacement(name, family, module, new))
             log.info("kernel swap: %s %s -> %s", name, type(module).__name__, type(new).__name__)
     log.info(report.summary())

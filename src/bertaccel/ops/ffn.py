@@ -1,0 +1,186 @@
+"""BERT's feed-forward block on our GEMM with its elementwise work in the GEMMs' epilogues.
+
+HF's block (`BertLayer.feed_forward_chunk`: `BertIntermediate` then `BertOutput`) is
+    pre = x W1^T + b1;  act = GELU(pre);  y = LayerNorm(dropout(act W2^T + b2) + x)
+and under autocast runs five kernels forward (GEMM, GELU, GEMM, dropout + add, LayerNorm) and more
+backward. The fused block runs
+    forward   GEMM 1 with bias + GELU in its epilogue, writing act and the pre-activation;
+              GEMM 2 (no bias); our bias + dropout + residual + LayerNorm kernel (b2 added there)
+    backward  that kernel's backward (d of GEMM 2's output, db2, dgamma, dbeta);
+              GEMM 2's dgrad with gelu'(pre) in its epilogue: d(pre) in one GEMM, no d(act) tensor;
+              dW2 = dy^T act;  dW1 = d(pre)^T x;  dx = d(pre) W1;  db1 = column sums of d(pre)
+so neither GELU nor its derivative is a pass over the 4H-wide activation of its own.
+
+`feed_forward(x, w1, b1, w2)` is the op (composite over `bertaccel::gemm`, so CPU runs the same
+formulas through the reference GEMM); the swap family `ffn` (opt-in, Hopper) replaces each HF
+`BertLayer` by the same layer whose `feed_forward_chunk` runs it: same Parameters, same state_dict
+keys, the attention sub-tree left to the other families.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from bertaccel.ops import gemm as _gemm  # noqa: F401 - defines bertaccel::gemm
+from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.gelu import activation_kind
+from bertaccel.ops.registration import NS, SwapEntry, lib
+from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
+
+CUDA_SOURCES: list[str] = []  # GEMMs (the sm_90a extension) and the residual LayerNorm's kernels
+
+_GEMM = torch.ops.bertaccel.gemm.default
+_EPILOGUE = {False: (2, 5), True: (3, 6)}  # tanh -> (bias + GELU, dGELU): gemm.EPILOGUES
+
+# ------------------------------------------------------------------------------------------ op
+lib.define("feed_forward_fwd(Tensor x, Tensor w1, Tensor b1, Tensor w2, bool tanh) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl(lib, "feed_forward_fwd", "CompositeExplicitAutograd")
+def _feed_forward_fwd(x, w1, b1, w2, tanh):
+    """(GELU(x W1^T + b1) W2^T, the activation, the pre-activation): what the backward reads."""
+    act, pre = _GEMM(x, w1, b1, None, _EPILOGUE[tanh][0], False, False, False, True)
+    return _GEMM(act, w2, None, None, 0, False, False, False, False)[0], act, pre
+
+
+@torch.library.register_fake(f"{NS}::feed_forward_fwd")
+def _feed_forward_fwd_fake(x, w1, b1, w2, tanh):
+    T, inner = x.shape[0], w1.shape[0]
+    return x.new_empty(T, w2.shape[0]), x.new_empty(T, inner), x.new_empty(T, inner)
+
+
+def _setup(ctx, inputs, output):
+    x, w1, b1, w2, tanh = inputs
+    _, act, pre = output
+    ctx.tanh, ctx.b1_dtype = tanh, b1.dtype
+    ctx.mark_non_differentiable(act, pre)  # saved for the backward; the public op returns neither
+    ctx.save_for_backward(x, w1, w2, act, pre)
+
+
+def _backward(ctx, dy, _dact, _dpre):
+    x, w1, w2, act, pre = ctx.saved_tensors
+    need_x, need_w1, need_b1, need_w2, _ = ctx.needs_input_grad
+    dy = dy.contiguous()  # the copy engine reads unit-stride rows
+    dx = dw1 = db1 = dw2 = None
+    if need_w2:
+        dw2 = _GEMM(dy, act, None, None, 0, True, True, w2.dtype == torch.float32, False)[0]
+    if need_x or need_w1 or need_b1:
+        # GEMM 2's input gradient times gelu'(pre), in its epilogue: d(pre) directly
+        dpre = _GEMM(dy, w2, None, pre, _EPILOGUE[ctx.tanh][1], False, True, False, False)[0]
+        if need_x:
+            dx = _GEMM(dpre, w1, None, None, 0, False, True, False, False)[0]
+        if need_w1:
+            dw1 = _GEMM(dpre, x, None, None, 0, True, True, w1.dtype == torch.float32, False)[0]
+        if need_b1:
+            db1 = dpre.sum(0, dtype=torch.promote_types(dpre.dtype, torch.float32)).to(ctx.b1_dtype)
+    return dx, dw1, db1, dw2, None
+
+
+torch.library.register_autograd(f"{NS}::feed_forward_fwd", _backward, setup_context=_setup)
+_FEED_FORWARD = torch.ops.bertaccel.feed_forward_fwd.default
+
+
+def feed_forward_reference(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, approximate: str = "none") -> Tensor:
+    """Plain PyTorch: GELU(x W1^T + b1) W2^T."""
+    return torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1),
+                                                               approximate=approximate), w2)
+
+
+def feed_forward(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, approximate: str = "none") -> Tensor:
+    """GELU(x W1^T + b1) W2^T for x [T, H], w1 [I, H], b1 [I], w2 [H, I] (one dtype; b1 may also be
+    fp32): the two GEMMs of BERT's feed-forward block without the second bias (the LayerNorm kernel
+    after it adds it)."""
+    return _FEED_FORWARD(x, w1, b1, w2, approximate == "tanh")[0]
+
+
+# ---------------------------------------------------------------------------------------- modules
+def _gemm_reason(x: Tensor, layer: nn.Module, dtype: torch.dtype) -> str | None:
+    from bertaccel.ops.gemm import why_not as gemm_why_not
+
+    inter, out = layer.intermediate.dense, layer.output.dense
+    return gemm_why_not(x, inter.weight, dtype) or gemm_why_not(x.new_empty(0, inter.out_features), out.weight, dtype)
+
+
+class FusedFeedForward(nn.Module):
+    """The feed-forward block of one `BertLayer` (its `intermediate` and `output`, read in place: they
+    stay the layer's children, so this module owns no Parameters and adds no state_dict keys). A
+    child of the swapped layer so that hooks on it (the profiler's `layer{i}.ffn` region) see the block;
+    HF's modules run where the kernels cannot (CPU, fp32, another GPU), said once."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "layer", layer)  # not a submodule: the layer holds this module
+        self.approximate = activation_kind(layer.intermediate.intermediate_act_fn)
+        self.train(layer.training)
+
+    def forward(self, x: Tensor) -> Tensor:
+        inter, out = self.layer.intermediate, self.layer.output
+        ln = out.LayerNorm
+        dtype = compute_dtype(x)
+        reason = why_not(x, x.shape[-1], dtype, (ln.weight, ln.bias)) or _gemm_reason(x, self.layer, dtype)
+        if reason is None:
+            with torch.autocast(x.device.type, enabled=False):
+                shape = x.shape
+                x2 = x.to(dtype).reshape(-1, shape[-1]).contiguous()
+                w1, w2 = inter.dense.weight.to(dtype), out.dense.weight.to(dtype)
+                b1 = inter.dense.bias  # the epilogue reads an fp32 bias as it is (no cast kernel)
+                b1 = b1 if b1.dtype == torch.float32 else b1.to(dtype)
+                # traced by torch.compile there is no address to check: the GEMM op refuses a misaligned one
+                if torch.compiler.is_compiling() or not any(t.data_ptr() % 16 for t in (x2, w1, w2)):
+                    h = _FEED_FORWARD(x2, w1, b1, w2, self.approximate == "tanh")[0]
+                    y = bias_dropout_add_layer_norm(h, out.dense.bias, x2, ln.weight, ln.bias, out.dropout.p, ln.eps,
+                                                    self.training)
+                    return y.view(shape)
+                reason = "operands are not 16-byte aligned"
+        note_fallback("ffn", reason)
+        return out(inter(x), x)
+
+
+class _FeedForwardLayer:
+    """Mixed in before an HF layer class: its feed-forward chunk runs the layer's `feed_forward` child."""
+
+    def feed_forward_chunk(self, attention_output: Tensor) -> Tensor:
+        return self.feed_forward(attention_output)
+
+
+_LAYER_CLASSES: dict[type, type] = {}
+
+
+def fused_layer(layer: nn.Module) -> nn.Module:
+    """The same layer (an instance of a subclass of its class, so `isinstance` checks, HF's gradient
+    checkpointing and its forward are unchanged) sharing its children, Parameters and hooks, plus a
+    `feed_forward` child (`FusedFeedForward`) that its `feed_forward_chunk` calls."""
+    base = type(layer)
+    cls = _LAYER_CLASSES.get(base)
+    if cls is None:
+        cls = _LAYER_CLASSES[base] = type(f"FusedFFN{base.__name__}", (_FeedForwardLayer, base), {"__module__": __name__})
+    new = cls.__new__(cls)
+    new.__dict__.update(layer.__dict__)
+    for d in ("_parameters", "_buffers", "_modules"):  # own dictionaries: the original's stay as they were
+        new.__dict__[d] = dict(layer.__dict__[d])
+    new._modules["feed_forward"] = FusedFeedForward(new)
+    return new
+
+
+def _skip_reason(m: nn.Module) -> str | None:
+    if type(m).__name__ != "BertLayer" or not all(hasattr(m, a) for a in ("intermediate", "output", "feed_forward_chunk")):
+        return ""
+    inter, out = m.intermediate, m.output
+    if not (hasattr(inter, "dense") and hasattr(inter, "intermediate_act_fn")
+            and all(hasattr(out, a) for a in ("dense", "dropout", "LayerNorm"))):
+        return "its intermediate / output are not BERT's dense + GELU / dense + dropout + LayerNorm"
+    if activation_kind(inter.intermediate_act_fn) is None:
+        return f"activation {type(inter.intermediate_act_fn).__name__} is not a GELU"
+    if not isinstance(out.LayerNorm, nn.LayerNorm):
+        return f"its output normalisation is {type(out.LayerNorm).__name__}, not nn.LayerNorm"
+    if not all(isinstance(d, nn.Linear) for d in (inter.dense, out.dense)) or inter.dense.bias is None or out.dense.bias is None:
+        return "its dense layers are not nn.Linear with biases"
+    if inter.dense.in_features % 8 or inter.dense.out_features % 8:
+        return f"hidden / intermediate sizes {inter.dense.in_features}/{inter.dense.out_features} are not multiples of 8"
+    return None
+
+
+SWAP = SwapEntry("ffn", _skip_reason, fused_layer,
+                 "BertLayer's feed-forward -> FusedFeedForward (GEMM + bias + GELU, GEMM, residual LN; dGELU "
+                 "in the dgrad; own GEMM, Hopper; opt-in)", opt_in=True, claims=("intermediate", "output", "feed_forward"))

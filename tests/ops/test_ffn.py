@@ -1,0 +1,265 @@
+"""Tests of the fused feed-forward block (ffn.py): the `feed_forward` op and the `ffn` swap family.
+
+CPU (everywhere): the op's output and every gradient against PyTorch's formulas in float64 (the
+composite runs the reference GEMM there), opcheck, the fused block's plumbing against HF's
+BertIntermediate + BertOutput. `cuda` (Hopper): the op and the swapped block against a float64
+reference from the same bf16 inputs, at most 2x the error of HF's block under bf16 autocast (cuBLAS),
+dropout in training, CUDA-graph capture and `torch.compile(fullgraph=True)`, a swapped model's
+gradients against HF's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BertConfig
+from transformers.models.bert.modeling_bert import BertLayer
+
+import bertaccel.ops.swap  # noqa: F401 - imports every op family
+from bertaccel.ops import build, ffn
+from bertaccel.ops.ffn import FusedFeedForward, feed_forward, feed_forward_reference
+from bertaccel.ops.swap import swap
+from tests.ops.conftest import poison, rel_err
+
+OP = torch.ops.bertaccel.feed_forward_fwd.default
+
+
+def _operands(T, H, I, dtype, device="cpu", requires_grad=True):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(T, H, device=device, generator=g).to(dtype)
+    w1 = (torch.randn(I, H, device=device, generator=g) * H**-0.5).to(dtype)
+    b1 = torch.randn(I, device=device, generator=g).to(dtype)
+    w2 = (torch.randn(H, I, device=device, generator=g) * I**-0.5).to(dtype)
+    return [t.requires_grad_(requires_grad) for t in (x, w1, b1, w2)]
+
+
+def _value_and_grads(fn, inputs, dy):
+    y = fn(*inputs)
+    return [y, *torch.autograd.grad(y, inputs, dy)]
+
+
+# ----------------------------------------------------------------------------------- CPU tests
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_op_and_gradients_match_pytorch(approximate):
+    inputs = _operands(37, 24, 40, torch.float64)
+    dy = torch.randn(37, 24, dtype=torch.float64)
+    ours = _value_and_grads(lambda *a: feed_forward(*a, approximate=approximate), inputs, dy)
+    ref = _value_and_grads(lambda *a: feed_forward_reference(*a, approximate=approximate), inputs, dy)
+    for name, o, r in zip(["y", "dx", "dw1", "db1", "dw2"], ours, ref):
+        torch.testing.assert_close(o, r, msg=name)
+
+
+def test_only_the_needed_gradients_are_computed():
+    x, w1, b1, w2 = _operands(9, 16, 24, torch.float64)
+    x.requires_grad_(False)
+    y = feed_forward(x, w1, b1, w2)
+    dw1, dw2 = torch.autograd.grad(y.sum(), (w1, w2))
+    assert dw1.shape == w1.shape and dw2.shape == w2.shape
+
+
+def test_opcheck_cpu():
+    torch.library.opcheck(OP, (*_operands(9, 16, 24, torch.float32), False))
+    torch.library.opcheck(OP, (*_operands(9, 16, 24, torch.float32), True))
+
+
+def _layer(hidden=64, inner=128, act="gelu", p=0.1):
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=hidden, intermediate_size=inner, num_attention_heads=4, hidden_act=act,
+                     hidden_dropout_prob=p)
+    return BertLayer(cfg)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new"])
+def test_fused_block_computes_hf_block(act, monkeypatch):
+    """The fused route (forced on CPU, where its ops run their references) equals HF's block: the same
+    weights, biases, activation, LayerNorm eps; dropout off in eval."""
+    layer = _layer(act=act).eval()
+    x = torch.randn(2, 11, 64, dtype=torch.float64)
+    layer.double()
+    ref = layer.feed_forward_chunk(x)
+    fused = ffn.fused_layer(layer)
+    monkeypatch.setattr(ffn, "why_not", lambda *a: None)
+    monkeypatch.setattr(ffn, "_gemm_reason", lambda *a: None)
+    torch.testing.assert_close(fused.feed_forward_chunk(x), ref)
+
+
+def test_swapped_layer_is_the_same_layer_and_reverts():
+    layer = _layer()
+    model = torch.nn.Sequential(layer)
+    keys, params = list(model.state_dict()), list(model.parameters())
+    report = swap(model, ["ffn"])
+    new = model[0]
+    assert isinstance(new, BertLayer) and type(new) is not BertLayer
+    assert isinstance(new.feed_forward, FusedFeedForward)
+    assert new.intermediate is layer.intermediate and new.output is layer.output and new.attention is layer.attention
+    assert list(model.state_dict()) == keys and list(model.parameters()) == params
+    assert "feed_forward" not in layer._modules  # the original's dictionaries are untouched
+    model.eval()
+    assert not new.feed_forward.training  # train()/eval() reach the block
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), layer(x))  # CPU: HF's modules run
+    report.revert()
+    assert model[0] is layer
+
+
+def test_layers_the_family_cannot_take_are_reported():
+    layer = _layer(act="relu")
+    report = swap(torch.nn.Sequential(layer), ["ffn"])
+    assert not report.replaced and "not a GELU" in report.skipped[0][2]
+    report = swap(torch.nn.Sequential(_layer(hidden=60, inner=132)), ["ffn"])
+    assert "multiples of 8" in report.skipped[0][2]
+
+
+# ---------------------------------------------------------------------------------- CUDA tests
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(scope="module")
+def gemm_kernel():
+    if not _hopper():
+        pytest.skip("the fused block runs our GEMM: a Hopper GPU (sm_90)")
+    assert build.load(), build.unavailable_reason()
+    assert build.load_gemm(), f"the GEMM did not build: {build.gemm_reason()}"
+
+
+def hopper_test(fn):
+    return pytest.mark.cuda(pytest.mark.usefixtures("gemm_kernel")(fn))
+
+
+def _check(ours, cublas, ref, name):
+    e_ours, e_cublas = rel_err(ours, ref), rel_err(cublas, ref)
+    assert e_ours <= 2 * e_cublas + 1e-4, f"{name}: error {e_ours:.2e} vs cuBLAS {e_cublas:.2e}"
+
+
+@hopper_test
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("T,H,I", [(1031, 768, 3072), (200, 384, 1536), (77, 136, 264)])
+def test_op_against_float64(T, H, I, approximate):
+    inputs = _operands(T, H, I, torch.bfloat16, "cuda")
+    dy = torch.randn(T, H, device="cuda").bfloat16()
+    poison()
+    ours = _value_and_grads(lambda *a: feed_forward(*a, approximate=approximate), inputs, dy)
+    cublas = _value_and_grads(lambda *a: feed_forward_reference(*a, approximate=approximate), inputs, dy)
+    ref_in = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref = _value_and_grads(lambda *a: feed_forward_reference(*a, approximate=approximate), ref_in, dy.double())
+    for name, o, c, r in zip(["y", "dx", "dw1", "db1", "dw2"], ours, cublas, ref):
+        assert o.dtype == c.dtype and o.shape == c.shape, name
+        _check(o, c, r, f"{T}x{H}x{I} {approximate} {name}")
+
+
+@hopper_test
+def test_swapped_block_against_hf_under_autocast():
+    """The block (fp32 master weights, bf16 autocast) and every parameter's gradient, in eval (no
+    dropout), against float64 HF from the same bf16-rounded weights; HF's bf16 block as the bar."""
+    layer = _layer(768, 3072, p=0.1).cuda().eval()
+    ref_layer = _layer(768, 3072, p=0.1).double().cuda().eval()
+    with torch.no_grad():
+        for p, r in zip(layer.parameters(), ref_layer.parameters()):
+            p.copy_(p.bfloat16().float())
+            r.copy_(p)
+    x = torch.randn(4, 259, 768, device="cuda").bfloat16()
+    dy = torch.randn(4, 259, 768, device="cuda")
+
+    def run(module, x):
+        x = x.detach().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.dtype != torch.float64):
+            y = module.feed_forward_chunk(x)
+        params = [p for n, p in sorted(module.named_parameters()) if "attention" not in n]
+        grads = torch.autograd.grad(y, [x, *params], dy.to(y.dtype))
+        return [y, *grads]
+
+    hf = run(layer, x)
+    hf[0] = hf[0].bfloat16()  # the bar at the fused block's output dtype (HF's LayerNorm under autocast: fp32)
+    ref = run(ref_layer, x.double())
+    report = swap(torch.nn.Sequential(layer), ["ffn"])
+    fused = run(report.model[0], x)
+    assert fused[0].dtype == torch.bfloat16
+    names = ["y", "dx"] + [n for n, _ in sorted(layer.named_parameters()) if "attention" not in n]
+    for name, o, c, r in zip(names, fused, hf, ref):
+        _check(o.float(), c.float(), r, f"ffn block {name}")
+
+
+@hopper_test
+def test_dropout_in_training_is_seeded_and_scaled():
+    layer = _layer(256, 1024, p=0.25).cuda().train()
+    fused = ffn.fused_layer(layer)
+    x = torch.randn(3, 64, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.manual_seed(3)
+        a = fused.feed_forward_chunk(x)
+        torch.manual_seed(3)
+        b = fused.feed_forward_chunk(x)
+        c = fused.feed_forward_chunk(x)
+        fused.eval()
+        d = fused.feed_forward_chunk(x)
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, d)
+    assert (a - d).abs().amax(-1).gt(0).float().mean() > 0.9  # dropout acted on (almost) every row
+
+
+@hopper_test
+def test_capture_and_compile():
+    layer = _layer(256, 1024).cuda().eval()
+    fused = ffn.fused_layer(layer)
+    x = torch.randn(2, 100, 256, device="cuda", requires_grad=True)
+    params = [*layer.intermediate.parameters(), *layer.output.parameters()]
+
+    def step(x, fn=fused.feed_forward_chunk):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(x)
+        return y, torch.autograd.grad(y.float().square().sum(), [x, *params])
+
+    eager = step(x)
+    compiled = step(x, torch.compile(fused.feed_forward_chunk, fullgraph=True))
+    for e, c in zip([eager[0], *eager[1]], [compiled[0], *compiled[1]]):
+        torch.testing.assert_close(c, e, rtol=2e-2, atol=2e-2)
+    torch.library.opcheck(OP, (*_operands(300, 256, 512, torch.bfloat16, "cuda"), False))
+    del eager, compiled
+    static_x = x.detach().clone().requires_grad_(True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static_x)
+    with torch.no_grad():
+        static_x.copy_(torch.randn_like(static_x))
+    graph.replay()
+    fresh = step(static_x)
+    for g, f in zip([out[0], *out[1]], [fresh[0], *fresh[1]]):
+        torch.testing.assert_close(g, f)
+
+
+@hopper_test
+def test_swapped_model_matches_hf():
+    from transformers import BertForSequenceClassification
+
+    from bertaccel.ops.swap import DEFAULT
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024, num_labels=2)
+    model = BertForSequenceClassification(cfg).cuda().eval()
+    ids = torch.randint(1000, 30000, (8, 96), device="cuda")
+    labels = torch.randint(0, 2, (8,), device="cuda")
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_hf, g_hf = grads()
+    report = swap(model, DEFAULT + ["linear", "ffn"])
+    assert report.counts()["ffn"] == 2
+    loss_ours, g_ours = grads()
+    report.revert()
+    assert abs(loss_ours - loss_hf) <= 2e-2 * abs(loss_hf) + 1e-3
+    for n in g_hf:
+        if n.endswith("attention.self.key.bias"):
+            continue  # softmax ignores a shift shared by a query's logits: this gradient is rounding noise
+        err = ((g_ours[n] - g_hf[n]).norm() / g_hf[n].norm().clamp_min(1e-12)).item()
+        assert err < 5e-2, f"{n}: relative gradient difference {err:.2e}"
