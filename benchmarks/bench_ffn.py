@@ -25,7 +25,7 @@ import torch
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 
-from benchmarks.common import environment, graph_time_ms, print_table, write_json
+from benchmarks.common import environment, graph_time_ms, kernel_times_us, print_table, write_json
 
 SHAPES = [(2048, 768, 3072), (16384, 768, 3072), (16384, 384, 1536)]  # tokens, hidden, inner (BERT-base, MiniLM)
 FAMILIES = {"hf": None, "hf-compile": None, "fused": ["residual_layer_norm", "bias_gelu"],
@@ -49,7 +49,7 @@ def make_block(name: str, hidden: int, inner: int, device: str):
     return fn, params
 
 
-def run(shapes, device: str, rounds: int, names) -> list[dict]:
+def run(shapes, device: str, rounds: int, names, kernels: bool = False) -> list[dict]:
     rows = []
     for T, H, inner in shapes:
         x = torch.randn(T, H, device=device).bfloat16()
@@ -83,6 +83,14 @@ def run(shapes, device: str, rounds: int, names) -> list[dict]:
                          "fwd+bwd_TFLOP/s": round(3 * flops_fwd / t_ms / 1e9, 1),
                          "speedup_vs_hf": round(base / t_ms, 3) if base else None,
                          "rounds_fwd+bwd_ms": [round(v, 4) for v in times[n]["train"]]})
+        if kernels and device == "cuda":  # where each implementation's fwd+bwd time goes, by kernel (eager calls)
+            for n, (fn, params) in blocks.items():
+                step = train(fn, params)
+                step(x)
+                per = kernel_times_us(lambda: [step(x) for _ in range(5)], 5)
+                print(f"KERNELS {T}x{H}x{inner} {n}: total {sum(per.values()):.1f} us")
+                for k, us in sorted(per.items(), key=lambda kv: -kv[1])[:12]:
+                    print(f"KERNELS   {us:8.1f} us  {k[:110]}")
         del blocks
     return rows
 
@@ -106,11 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--inner", type=int, default=3072)
     ap.add_argument("--impls", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kernels", action="store_true", help="also print each implementation's fwd+bwd time by kernel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     shapes = [(args.tokens, args.hidden, args.inner)] if args.tokens else SHAPES
     names = [n for n in args.impls if args.device == "cuda" or n in ("hf", "fused", "ffn")]
-    rows = run(shapes, args.device, args.rounds, names)
+    rows = run(shapes, args.device, args.rounds, names, args.kernels)
     print_table(rows, ["shape", "impl", "fwd_ms", "fwd+bwd_ms", "fwd+bwd_TFLOP/s", "speedup_vs_hf"])
     if args.out:
         write_json(args.out, {"environment": environment(), "rows": rows})

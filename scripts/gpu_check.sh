@@ -182,7 +182,7 @@ if has ffn_tests; then  # the fused feed-forward block (ffn family): its cuda te
 fi
 if has ffn; then  # the feed-forward block: HF, compile, the default swap, our GEMM, the ffn family (FFN_ARGS=)
   timeout ${FFN_TIMEOUT:-300} python -u -m benchmarks.bench_ffn ${FFN_ARGS:-} --out "$OUT/ffn.json" > "$OUT/ffn.log" 2>&1
-  echo "ffn rc=$?"; grep -vE "Warning|warn|^ +|^$" "$OUT/ffn.log" | tail -20
+  echo "ffn rc=$?"; grep -vE "Warning|warn|^ +|^$|^KERNELS" "$OUT/ffn.log" | tail -20; grep "^KERNELS" "$OUT/ffn.log" | cut -c1-150 | head -${FFN_KERNEL_LINES:-70}
 fi
 if has gemm_kernels; then  # per-kernel times of chosen GEMM schedules (GEMM_KERNELS_ARGS="--shapes 2048x768x3072 --schedules 1 3")
   timeout ${GEMM_KERNELS_TIMEOUT:-240} python -u scripts/gemm_kernels.py ${GEMM_KERNELS_ARGS:-} > "$OUT/gemm_kernels.log" 2>&1

@@ -160,7 +160,7 @@ def test_swapped_block_against_hf_under_autocast():
             p.copy_(p.bfloat16().float())
             r.copy_(p)
     x = torch.randn(4, 259, 768, device="cuda").bfloat16()
-    dy = torch.randn(4, 259, 768, device="cuda")
+    dy = torch.randn(4, 259, 768, device="cuda").bfloat16().float()  # what each block's backward can take exactly
 
     def run(module, x):
         x = x.detach().requires_grad_(True)

@@ -55,12 +55,15 @@ def _setup(ctx, inputs, output):
     _, act, pre = output
     ctx.tanh, ctx.b1_dtype = tanh, b1.dtype
     ctx.mark_non_differentiable(act, pre)  # saved for the backward; the public op returns neither
+    ctx.set_materialize_grads(False)  # no zero-filled [T, I] gradients for them (two fills per step)
     ctx.save_for_backward(x, w1, w2, act, pre)
 
 
 def _backward(ctx, dy, _dact, _dpre):
     x, w1, w2, act, pre = ctx.saved_tensors
     need_x, need_w1, need_b1, need_w2, _ = ctx.needs_input_grad
+    if dy is None:  # the output took no part in the loss
+        return None, None, None, None, None
     dy = dy.contiguous()  # the copy engine reads unit-stride rows
     dx = dw1 = db1 = dw2 = None
     if need_w2:

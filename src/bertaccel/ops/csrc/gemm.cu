@@ -367,11 +367,27 @@ __device__ __forceinline__ void store_chunk_f32(StoreRing& ring, const CUtensorM
   }
 }
 
+// The auxiliary input of one chunk (residual, or the saved pre-activation of the dGELU epilogue), in
+// the accumulator fragment's order: aux[i] = the bf16 pair at row (warp * 16 + lane / 4 + 8 (i % 2)),
+// columns 8 (i / 2) + 2 (lane % 4), +1 of the chunk; zero past M or N. Loaded a chunk ahead (the first
+// chunk of a unit before its MMAs): the loads' latency hides behind the MMAs and the previous chunk's work.
+__device__ __forceinline__ void load_aux(const Params& p, uint32_t (&aux)[16], int row0, int col0, int t) {
+  const int lane = t % 32, r_top = row0 + (t / 32) * 16 + lane / 4, c_lane = col0 + 2 * (lane % 4);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int row = r_top + 8 * (i % 2), col = c_lane + 8 * (i / 2);
+    aux[i] = row < p.M && col < p.N ? __ldg(reinterpret_cast<const unsigned int*>(p.aux + (int64_t)row * p.N + col)) : 0u;
+  }
+}
+
 // The epilogue of one chunk in registers (the branches are per chunk, each body unrolled over its 32
 // values), then its TMA store(s). N % 8 == 0 here, so a column pair is either in range or past N.
+// `aux`: the chunk's auxiliary input (load_aux), read by the residual and dGELU epilogues; with
+// kAuxHere it is read here instead (where registers are short: the 256-wide cooperative tile).
+template <bool kAuxHere>
 __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMap* map_out, const CUtensorMap* map_pre,
-                                               StoreRing& ring, float (&v)[32], int row0, int col0, int split, int cw,
-                                               int t) {
+                                               StoreRing& ring, float (&v)[32], const uint32_t (&aux)[16], int row0,
+                                               int col0, int split, int cw, int t) {
   const int lane = t % 32, e = p.splits > 1 ? kNone : p.epilogue;  // a split-K slice: the raw sums
   const int r_top = row0 + (t / 32) * 16 + lane / 4, c_lane = col0 + 2 * (lane % 4);
   if (e >= kBias && e <= kBiasResidual) {
@@ -399,9 +415,14 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
     float a[32];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {  // i = 2 jj + (bottom row)
-      const int row = r_top + 8 * (i % 2), col = c_lane + 8 * (i / 2);
-      float2 f = make_float2(0.f, 0.f);
-      if (row < p.M && col < p.N) f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.aux + (int64_t)row * p.N + col));
+      float2 f;
+      if constexpr (kAuxHere) {
+        const int row = r_top + 8 * (i % 2), col = c_lane + 8 * (i / 2);
+        f = make_float2(0.f, 0.f);
+        if (row < p.M && col < p.N) f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.aux + (int64_t)row * p.N + col));
+      } else {
+        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&aux[i]));
+      }
       a[4 * (i / 2) + 2 * (i % 2)] = f.x, a[4 * (i / 2) + 2 * (i % 2) + 1] = f.y;
     }
     if (e == kBiasResidual) {
@@ -517,6 +538,16 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       // full barrier two phases behind, whose parity matches, and read a stage not yet loaded.
       if (PP && local > 0) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + cw) : "memory");
       int prev = -1;
+      // The epilogue's auxiliary input (TMA-store epilogues) is loaded a chunk ahead, the first chunk's
+      // before the MMAs, where the registers allow (ptxas, 168 per thread): the cooperative 192-wide tile
+      // loads its first chunk's after the last MMAs are issued (before them: 8 bytes of spill), the
+      // 256-wide one each chunk's at the chunk (a chunk ahead: 20 bytes of spill).
+      constexpr bool kAuxAhead = PP || BN <= 192, kAuxBeforeMmas = PP || BN <= 128;
+      const bool with_aux = p.tma_store && p.aux != nullptr && p.splits == 1;
+      uint32_t aux_next[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) aux_next[i] = 0u;
+      if (kAuxBeforeMmas && with_aux) load_aux(p, aux_next, tm * BM + (PP ? 0 : cw) * 64, tn * BN, t);
       for (int kb = kb0; kb < kb1; ++kb, ++it) {
         const int s = it % S;
         mbar_wait(&full[s], (it / S) & 1);
@@ -539,6 +570,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         prev = s;
       }
       if (PP && unit_at(p, kblocks_total, local + 1, next, sk)) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");  // your turn
+      if (kAuxAhead && !kAuxBeforeMmas && with_aux) load_aux(p, aux_next, tm * BM + cw * 64, tn * BN, t);
       wgmma_wait<0>();
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
       if (kb1 <= kb0) {
@@ -578,7 +610,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
           }
         }
       }
-      if (p.tma_store) {  // epilogue in registers, stores through the copy engine
+      if (!kAuxAhead && p.tma_store) {  // epilogue in registers, stores through the copy engine
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) {
           const int row0 = tm * BM + (PP ? h : cw) * 64;
@@ -593,8 +625,40 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
                 for (int k = 0; k < 32; ++k) v[k] = acc[h][32 * cc + k];
               }
             }
-            epilogue_chunk(p, &map_out, &map_pre, ring, v, row0, tn * BN + 64 * c, split, cw, t);
+            epilogue_chunk<true>(p, &map_out, &map_pre, ring, v, aux_next, row0, tn * BN + 64 * c, split, cw, t);
           }
+        }
+        continue;
+      }
+      if (p.tma_store) {  // the same, with the auxiliary input loaded a chunk ahead
+        // chunks q = h * (BN / 64) + c: 64 rows (half h, or this warpgroup's rows) x 64 columns c
+        constexpr int kChunks = kHalves * (BN / 64);
+#pragma unroll 1
+        for (int q = 0; q < kChunks; ++q) {
+          const int h = q / (BN / 64), c = q % (BN / 64);
+          const int row0 = tm * BM + (PP ? h : cw) * 64, col0 = tn * BN + 64 * c;
+          uint32_t aux_now[16];
+          if constexpr (kAuxAhead) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) aux_now[i] = aux_next[i];
+            if (with_aux && q + 1 < kChunks) {  // the next chunk's, while this one is finished
+              const int hn = (q + 1) / (BN / 64), cn = (q + 1) % (BN / 64);
+              load_aux(p, aux_next, tm * BM + (PP ? hn : cw) * 64, tn * BN + 64 * cn, t);
+            }
+          }
+          if (row0 >= p.M || col0 >= p.N) continue;  // the same in the whole warpgroup
+          float v[32];
+#pragma unroll
+          for (int hh = 0; hh < kHalves; ++hh) {  // registers are named at compile time: select the chunk
+#pragma unroll
+            for (int cc = 0; cc < BN / 64; ++cc) {
+              if (hh == h && cc == c) {
+#pragma unroll
+                for (int k = 0; k < 32; ++k) v[k] = acc[hh][32 * cc + k];
+              }
+            }
+          }
+          epilogue_chunk<false>(p, &map_out, &map_pre, ring, v, aux_now, row0, col0, split, cw, t);
         }
         continue;
       }
