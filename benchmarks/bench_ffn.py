@@ -11,7 +11,8 @@ Implementations, each on the same layer and inputs in one process:
     fused         the default kernel swap's families for the block: bias_gelu + residual_layer_norm
                   (cuBLAS GEMMs without bias, our bias+GELU and bias+dropout+residual+LayerNorm kernels)
     fused-gemm    the same with the `linear` family: both GEMMs on our GEMM (sm_90a)
-    ffn           the `ffn` family: bias + GELU in GEMM 1's epilogue, dGELU in GEMM 2's dgrad epilogue
+    ffn           the `ffn` family: bias + GELU in GEMM 1's epilogue; backward: dgrad, then dGELU + db1 in one pass
+    ffn-dgelu-epilogue   the same with dGELU in GEMM 2's dgrad epilogue (BERTACCEL_FFN_DGELU=epilogue)
 GPU time per call from CUDA-graph replays (interleaved rounds, median). FLOPs: 2 GEMMs forward,
 4 backward, 2 * T * H * I each.
 """
@@ -19,6 +20,7 @@ GPU time per call from CUDA-graph replays (interleaved rounds, median). FLOPs: 2
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -29,7 +31,9 @@ from benchmarks.common import environment, graph_time_ms, kernel_times_us, print
 
 SHAPES = [(2048, 768, 3072), (16384, 768, 3072), (16384, 384, 1536)]  # tokens, hidden, inner (BERT-base, MiniLM)
 FAMILIES = {"hf": None, "hf-compile": None, "fused": ["residual_layer_norm", "bias_gelu"],
-            "fused-gemm": ["linear", "residual_layer_norm", "bias_gelu"], "ffn": ["linear", "ffn"]}
+            "fused-gemm": ["linear", "residual_layer_norm", "bias_gelu"], "ffn": ["linear", "ffn"],
+            "ffn-dgelu-epilogue": ["linear", "ffn"]}
+ENV = {"ffn-dgelu-epilogue": {"BERTACCEL_FFN_DGELU": "epilogue"}}  # set while that implementation runs
 
 
 def make_block(name: str, hidden: int, inner: int, device: str):
@@ -62,19 +66,28 @@ def run(shapes, device: str, rounds: int, names, kernels: bool = False) -> list[
                     return fn(x)
             return f
 
-        def train(fn, params):
+        def train(fn, params, env=None):
             def f(x):
                 x = x.detach().requires_grad_(True)
-                with torch.autocast(device, dtype=torch.bfloat16):
-                    y = fn(x)
-                return torch.autograd.grad(y, [x, *params], dy.to(y.dtype))
+                old = {k: os.environ.get(k) for k in env or {}}
+                os.environ.update(env or {})
+                try:
+                    with torch.autocast(device, dtype=torch.bfloat16):
+                        y = fn(x)
+                    return torch.autograd.grad(y, [x, *params], dy.to(y.dtype))
+                finally:
+                    for k, v in old.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
             return f
 
         times: dict[str, dict[str, list[float]]] = {n: {"fwd": [], "train": []} for n in names}
         for _ in range(rounds):  # in turn, so clock drift under load spreads over every implementation
             for n, (fn, params) in blocks.items():
                 times[n]["fwd"].append(_time(fwd(fn), x, device))
-                times[n]["train"].append(_time(train(fn, params), x, device))
+                times[n]["train"].append(_time(train(fn, params, ENV.get(n)), x, device))
         flops_fwd = 2 * 2 * T * H * inner
         base = statistics.median(times["hf"]["train"]) if "hf" in times else None
         for n in names:
@@ -85,7 +98,7 @@ def run(shapes, device: str, rounds: int, names, kernels: bool = False) -> list[
                          "rounds_fwd+bwd_ms": [round(v, 4) for v in times[n]["train"]]})
         if kernels and device == "cuda":  # where each implementation's fwd+bwd time goes, by kernel (eager calls)
             for n, (fn, params) in blocks.items():
-                step = train(fn, params)
+                step = train(fn, params, ENV.get(n))
                 step(x)
                 per = kernel_times_us(lambda: [step(x) for _ in range(5)], 5)
                 print(f"KERNELS {T}x{H}x{inner} {n}: total {sum(per.values()):.1f} us")

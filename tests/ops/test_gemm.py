@@ -277,6 +277,31 @@ def test_linear_gradients(gelu):
 
 
 @hopper_test
+def test_a_threads_first_cuda_call():
+    """The GEMM as the first CUDA work of a thread (autograd's device thread when a backward starts with
+    it): the tensor maps need a current context (CUDA_ERROR_INVALID_CONTEXT, 201, before bind_primary_context)."""
+    import threading
+
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    result: dict = {}
+
+    def run():
+        try:
+            result["y"] = GEMM(x, w, None, None, 0, False, False, False, False)[0]
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert "error" not in result, result.get("error")
+    torch.testing.assert_close(result["y"], GEMM(x, w, None, None, 0, False, False, False, False)[0])
+
+
+@hopper_test
 def test_fallback_for_shapes_the_copy_engine_cannot_take():
     x = torch.randn(10, 7, device="cuda", dtype=torch.bfloat16)  # 7 in-features: 14-byte rows
     w = torch.randn(16, 7, device="cuda", dtype=torch.bfloat16)

@@ -7,9 +7,12 @@ backward. The fused block runs
     forward   GEMM 1 with bias + GELU in its epilogue, writing act and the pre-activation;
               GEMM 2 (no bias); our bias + dropout + residual + LayerNorm kernel (b2 added there)
     backward  that kernel's backward (d of GEMM 2's output, db2, dgamma, dbeta);
-              GEMM 2's dgrad with gelu'(pre) in its epilogue: d(pre) in one GEMM, no d(act) tensor;
-              dW2 = dy^T act;  dW1 = d(pre)^T x;  dx = d(pre) W1;  db1 = column sums of d(pre)
-so neither GELU nor its derivative is a pass over the 4H-wide activation of its own.
+              GEMM 2's dgrad, then one pass for d(pre) = d(act) gelu'(pre) and db1 (bias_gelu_bwd), or
+              (BERTACCEL_FFN_DGELU=epilogue) the dgrad with gelu'(pre) in its epilogue, then db1's column sums;
+              dW2 = dy^T act;  dW1 = d(pre)^T x;  dx = d(pre) W1
+so the forward's GELU is no pass over the 4H-wide activation of its own. The dGELU epilogue measured
+slower than the separate pass on an H100 (README "fused FFN"): the erf and exp of 50M elements in the
+epilogue are not hidden behind the MMAs, and the bias gradient then needs its own reduction.
 
 `feed_forward(x, w1, b1, w2)` is the op (composite over `bertaccel::gemm`, so CPU runs the same
 formulas through the reference GEMM); the swap family `ffn` (opt-in, Hopper) replaces each HF
@@ -18,6 +21,8 @@ keys, the attention sub-tree left to the other families.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor, nn
@@ -28,9 +33,17 @@ from bertaccel.ops.gelu import activation_kind
 from bertaccel.ops.registration import NS, SwapEntry, lib
 from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
 
-CUDA_SOURCES: list[str] = []  # GEMMs (the sm_90a extension) and the residual LayerNorm's kernels
+CUDA_SOURCES: list[str] = []  # GEMMs (the sm_90a extension), the bias_gelu and residual LayerNorm kernels
 
 _GEMM = torch.ops.bertaccel.gemm.default
+
+
+def dgelu_in_epilogue() -> bool:
+    """Where the backward applies gelu'(pre): BERTACCEL_FFN_DGELU=epilogue puts it in GEMM 2's dgrad
+    epilogue (no d(act) tensor, but the bias gradient is a separate column sum); the default, `kernel`,
+    runs a plain dgrad and one bias_gelu_bwd pass (dGELU and the bias gradient together). On an H100 at
+    16384 x 768 x 3072 the kernel form measured faster (benchmarks/bench_ffn.py, README "fused FFN")."""
+    return os.environ.get("BERTACCEL_FFN_DGELU", "kernel") == "epilogue"
 _EPILOGUE = {False: (2, 5), True: (3, 6)}  # tanh -> (bias + GELU, dGELU): gemm.EPILOGUES
 
 # ------------------------------------------------------------------------------------------ op
@@ -69,14 +82,21 @@ def _backward(ctx, dy, _dact, _dpre):
     if need_w2:
         dw2 = _GEMM(dy, act, None, None, 0, True, True, w2.dtype == torch.float32, False)[0]
     if need_x or need_w1 or need_b1:
-        # GEMM 2's input gradient times gelu'(pre), in its epilogue: d(pre) directly
-        dpre = _GEMM(dy, w2, None, pre, _EPILOGUE[ctx.tanh][1], False, True, False, False)[0]
+        if dgelu_in_epilogue():
+            # GEMM 2's input gradient times gelu'(pre) in its epilogue: d(pre) directly, then its column sums
+            dpre = _GEMM(dy, w2, None, pre, _EPILOGUE[ctx.tanh][1], False, True, False, False)[0]
+            db1 = dpre.sum(0, dtype=torch.promote_types(dpre.dtype, torch.float32)) if need_b1 else None
+        else:
+            # GEMM 2's input gradient, then one memory-bound pass for gelu'(pre) and the bias gradient
+            # (the bias_gelu family's kernel; pre already holds b1, so it is handed a zero bias)
+            dact = _GEMM(dy, w2, None, None, 0, False, True, False, False)[0]
+            dpre, db1 = torch.ops.bertaccel.bias_gelu_bwd(dact, pre, pre.new_zeros(pre.shape[1], dtype=torch.float32),
+                                                          ctx.tanh)
         if need_x:
             dx = _GEMM(dpre, w1, None, None, 0, False, True, False, False)[0]
         if need_w1:
             dw1 = _GEMM(dpre, x, None, None, 0, True, True, w1.dtype == torch.float32, False)[0]
-        if need_b1:
-            db1 = dpre.sum(0, dtype=torch.promote_types(dpre.dtype, torch.float32)).to(ctx.b1_dtype)
+        db1 = db1.to(ctx.b1_dtype) if need_b1 else None
     return dx, dw1, db1, dw2, None
 
 

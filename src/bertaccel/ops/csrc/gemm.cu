@@ -883,6 +883,18 @@ int* streamk_flags(const at::Tensor& like, int blocks, cudaStream_t stream) {
   return buf.data_ptr<int>();
 }
 
+// cuTensorMapEncodeTiled needs a current context (else CUDA_ERROR_INVALID_CONTEXT, 201). A thread whose
+// first CUDA work is this op has none: autograd's device thread when a backward starts with a GEMM (the
+// ffn family's does), as CUDAGuard skips cudaSetDevice when the device already matches. cudaSetDevice
+// makes the device's primary context current (CUDA 12+); once per thread and device.
+void bind_primary_context(int device) {
+  thread_local int bound = -1;
+  if (bound != device) {
+    C10_CUDA_CHECK(cudaSetDevice(device));
+    bound = device;
+  }
+}
+
 // out = epilogue(op(a) op(b)^T). a: [M, K] (trans_a: stored [K, M]); b: [N, K] (trans_b: stored [K, N]).
 std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                         const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a, bool trans_b,
@@ -912,6 +924,7 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
              "bertaccel gemm: this epilogue needs a contiguous bf16 [%lld, %lld] auxiliary input", (long long)M, (long long)N);
   const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
   const c10::cuda::CUDAGuard guard(a.device());
+  bind_primary_context(a.get_device());
   auto out = at::empty({M, N}, a.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   auto pre = (gelu && save_pre) ? at::empty({M, N}, a.options()) : at::empty({0}, a.options());
   if (M == 0 || N == 0) return {out, pre};
