@@ -90,8 +90,7 @@ def _backward(ctx, dy, _dact, _dpre):
             # GEMM 2's input gradient, then one memory-bound pass for gelu'(pre) and the bias gradient
             # (the bias_gelu family's kernel; pre already holds b1, so it is handed a zero bias)
             dact = _GEMM(dy, w2, None, None, 0, False, True, False, False)[0]
-            dpre, db1 = torch.ops.bertaccel.bias_gelu_bwd(dact, pre, pre.new_zeros(pre.shape[1], dtype=torch.float32),
-                                                          ctx.tanh)
+            dpre, db1 = torch.ops.bertaccel.bias_gelu_bwd(dact, pre, pre.new_zeros(pre.shape[1]), ctx.tanh)
         if need_x:
             dx = _GEMM(dpre, w1, None, None, 0, False, True, False, False)[0]
         if need_w1:
