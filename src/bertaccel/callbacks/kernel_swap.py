@@ -14,8 +14,8 @@ class KernelSwap(pl.Callback):
     """Swap BERT submodules for fused equivalents for the length of a run (fit/validate/test/predict).
 
     Args:
-        ops: Op families to swap (`bertaccel.ops.registry.describe()` lists them: linear, embeddings,
-            softmax, residual_layer_norm, bias_gelu, layer_norm, rms_norm); "all" is every family but the
+        ops: Op families to swap (`bertaccel.ops.registry.describe()` lists them: linear, ffn, embeddings,
+            softmax, qkv, residual_layer_norm, bias_gelu, layer_norm, rms_norm); "all" is every family but the
             opt-in `linear` (our Hopper GEMM) and `ffn` (the feed-forward block on it): `[all, linear]` or `[all, linear, ffn]` add them. Empty: no swap (the default).
         only: fnmatch patterns over module names; when given, only the modules they match are swapped
             (e.g. ["bert.encoder.layer.1[01].*"] for the last two layers of BERT-base).
