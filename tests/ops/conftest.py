@@ -7,6 +7,8 @@ against the same float64 reference (plus a small floor)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -30,6 +32,49 @@ def kernels():
 def cuda_test(fn):
     """Mark a test `cuda` and give it the built kernels (skipped without a GPU)."""
     return pytest.mark.cuda(pytest.mark.usefixtures("kernels")(fn))
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(scope="session")
+def gemm_kernel():
+    if not _hopper():
+        pytest.skip("our GEMM kernel needs a Hopper GPU (sm_90)")
+    assert build.load(), build.unavailable_reason()
+    assert build.load_gemm(), f"the GEMM did not build: {build.gemm_reason()}"
+    return os.environ.get("BERTACCEL_CACHE")  # where the extensions were built (a test's child process reuses them)
+
+
+def hopper_test(fn):
+    """Mark a test `cuda` and give it the built GEMM extension (skipped off Hopper)."""
+    return pytest.mark.cuda(pytest.mark.usefixtures("gemm_kernel")(fn))
+
+
+def check_vs_cublas(ours, cublas, ref, name):
+    """Our error against the float64 reference at most twice cuBLAS's (plus a small floor)."""
+    e_ours, e_cublas = rel_err(ours, ref), rel_err(cublas, ref)
+    assert e_ours <= 2 * e_cublas + 1e-4, f"{name}: error {e_ours:.2e} vs cuBLAS {e_cublas:.2e}"
+
+
+def assert_replay_matches_eager(step, static_x, *static):
+    """Capture `step(static_x, *static)` (-> (output, gradients)) in a CUDA graph after a warm-up on a
+    side stream, give static_x new values, replay, and compare with an eager step on the same inputs."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(static_x, *static)  # warm-up: the kernels' one-time setup outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static_x, *static)
+    with torch.no_grad():
+        static_x.copy_(torch.randn_like(static_x))
+    graph.replay()
+    fresh = step(static_x, *static)
+    for g, f in zip([out[0], *out[1]], [fresh[0], *fresh[1]]):
+        torch.testing.assert_close(g, f)
 
 
 def rand(*shape, **kw):

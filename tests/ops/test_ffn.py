@@ -4,8 +4,8 @@ CPU (everywhere): the op's output and every gradient against PyTorch's formulas 
 composite runs the reference GEMM there), opcheck, the fused block's plumbing against HF's
 BertIntermediate + BertOutput. `cuda` (Hopper): the op and the swapped block against a float64
 reference from the same bf16 inputs, at most 2x the error of HF's block under bf16 autocast (cuBLAS),
-dropout in training, CUDA-graph capture and `torch.compile(fullgraph=True)`, a swapped model's
-gradients against HF's.
+dropout in training, CUDA-graph capture and `torch.compile(fullgraph=True)`. A whole swapped model's
+gradients against HF's: tests/ops/test_gemm.py::test_swapped_bert_layer_matches_hf[linear_and_ffn].
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 
 import bertaccel.ops.swap  # noqa: F401 - imports every op family
-from bertaccel.ops import build, ffn
+from bertaccel.ops import ffn
 from bertaccel.ops.ffn import FusedFeedForward, feed_forward, feed_forward_reference
 from bertaccel.ops.swap import swap
-from tests.ops.conftest import poison, rel_err
+from tests.ops.conftest import assert_replay_matches_eager, check_vs_cublas, hopper_test, poison
 
 OP = torch.ops.bertaccel.feed_forward_fwd.default
 
@@ -121,27 +121,6 @@ def test_layers_the_family_cannot_take_are_reported():
 
 
 # ---------------------------------------------------------------------------------- CUDA tests
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.fixture(scope="module")
-def gemm_kernel():
-    if not _hopper():
-        pytest.skip("the fused block runs our GEMM: a Hopper GPU (sm_90)")
-    assert build.load(), build.unavailable_reason()
-    assert build.load_gemm(), f"the GEMM did not build: {build.gemm_reason()}"
-
-
-def hopper_test(fn):
-    return pytest.mark.cuda(pytest.mark.usefixtures("gemm_kernel")(fn))
-
-
-def _check(ours, cublas, ref, name):
-    e_ours, e_cublas = rel_err(ours, ref), rel_err(cublas, ref)
-    assert e_ours <= 2 * e_cublas + 1e-4, f"{name}: error {e_ours:.2e} vs cuBLAS {e_cublas:.2e}"
-
-
 @hopper_test
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("T,H,I", [(1031, 768, 3072), (200, 384, 1536), (77, 136, 264)])
@@ -155,7 +134,7 @@ def test_op_against_float64(T, H, I, approximate, dgelu):
     ref = _value_and_grads(lambda *a: feed_forward_reference(*a, approximate=approximate), ref_in, dy.double())
     for name, o, c, r in zip(["y", "dx", "dw1", "db1", "dw2"], ours, cublas, ref):
         assert o.dtype == c.dtype and o.shape == c.shape, name
-        _check(o, c, r, f"{T}x{H}x{I} {approximate} {name}")
+        check_vs_cublas(o, c, r, f"{T}x{H}x{I} {approximate} {name}")
 
 
 @hopper_test
@@ -187,7 +166,7 @@ def test_swapped_block_against_hf_under_autocast():
     assert fused[0].dtype == torch.bfloat16
     names = ["y", "dx"] + [n for n, _ in sorted(layer.named_parameters()) if "attention" not in n]
     for name, o, c, r in zip(names, fused, hf, ref):
-        _check(o.float(), c.float(), r, f"ffn block {name}")
+        check_vs_cublas(o.float(), c.float(), r, f"ffn block {name}")
 
 
 @hopper_test
@@ -225,50 +204,4 @@ def test_capture_and_compile():
         torch.testing.assert_close(c, e, rtol=2e-2, atol=2e-2)
     torch.library.opcheck(OP, (*_operands(300, 256, 512, torch.bfloat16, "cuda"), False))
     del eager, compiled
-    static_x = x.detach().clone().requires_grad_(True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(static_x)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(static_x)
-    with torch.no_grad():
-        static_x.copy_(torch.randn_like(static_x))
-    graph.replay()
-    fresh = step(static_x)
-    for g, f in zip([out[0], *out[1]], [fresh[0], *fresh[1]]):
-        torch.testing.assert_close(g, f)
-
-
-@hopper_test
-def test_swapped_model_matches_hf():
-    from transformers import BertForSequenceClassification
-
-    from bertaccel.ops.swap import DEFAULT
-
-    torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024, num_labels=2)
-    model = BertForSequenceClassification(cfg).cuda().eval()
-    ids = torch.randint(1000, 30000, (8, 96), device="cuda")
-    labels = torch.randint(0, 2, (8,), device="cuda")
-
-    def grads():
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    loss_hf, g_hf = grads()
-    report = swap(model, DEFAULT + ["linear", "ffn"])
-    assert report.counts()["ffn"] == 2
-    loss_ours, g_ours = grads()
-    report.revert()
-    assert abs(loss_ours - loss_hf) <= 2e-2 * abs(loss_hf) + 1e-3
-    for n in g_hf:
-        if n.endswith("attention.self.key.bias"):
-            continue  # softmax ignores a shift shared by a query's logits: this gradient is rounding noise
-        err = ((g_ours[n] - g_hf[n]).norm() / g_hf[n].norm().clamp_min(1e-12)).item()
-        assert err < 5e-2, f"{n}: relative gradient difference {err:.2e}"
+    assert_replay_matches_eager(step, x.detach().clone().requires_grad_(True))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bertaccel.ops.swap  # noqa: F401 - imports every op family
-from bertaccel.ops import build, registry
+from bertaccel.ops import registry
 from bertaccel.ops.gemm import (
     EPILOGUES,
     GemmLinear,
@@ -28,7 +28,7 @@ from bertaccel.ops.gemm import (
     linear,
     linear_gelu,
 )
-from tests.ops.conftest import poison, rel_err
+from tests.ops.conftest import assert_replay_matches_eager, check_vs_cublas, hopper_test, poison
 
 GEMM = torch.ops.bertaccel.gemm.default
 
@@ -105,28 +105,6 @@ def test_linear_family_is_opt_in_and_falls_back_on_cpu():
 
 
 # ---------------------------------------------------------------------------------- CUDA tests
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.fixture(scope="module")
-def gemm_kernel():
-    if not _hopper():
-        pytest.skip("the GEMM kernel needs a Hopper GPU (sm_90)")
-    assert build.load(), build.unavailable_reason()
-    assert build.load_gemm(), f"the GEMM did not build: {build.gemm_reason()}"
-    return os.environ.get("BERTACCEL_CACHE")  # where the extensions were built (tests then move the cache)
-
-
-def hopper_test(fn):
-    return pytest.mark.cuda(pytest.mark.usefixtures("gemm_kernel")(fn))
-
-
-def _check(ours, cublas, ref, name):
-    e_ours, e_cublas = rel_err(ours, ref), rel_err(cublas, ref)
-    assert e_ours <= 2 * e_cublas + 1e-4, f"{name}: error {e_ours:.2e} vs cuBLAS {e_cublas:.2e}"
-
-
 LAYOUTS = {"fwd": (False, False), "dgrad": (False, True), "wgrad": (True, True)}
 SHAPES = [(1, 8, 8), (77, 776, 200), (128, 256, 64), (2049, 768, 768), (1000, 2304, 3072), (33, 40, 4104),
           (16384, 768, 3072)]
@@ -145,10 +123,10 @@ def test_gemm_layouts_and_shapes(layout, M, N, K):
     ref = A.double() @ B.double().t()
     poison()
     ours = GEMM(a, b, None, None, 0, trans_a, trans_b, False, False)[0]
-    _check(ours, A @ B.t(), ref, f"{layout} {M}x{N}x{K}")
+    check_vs_cublas(ours, A @ B.t(), ref, f"{layout} {M}x{N}x{K}")
     ours32 = GEMM(a, b, None, None, 0, trans_a, trans_b, True, False)[0]
     assert ours32.dtype == torch.float32
-    _check(ours32, (A.float() @ B.float().t()), ref, f"{layout} fp32 out")
+    check_vs_cublas(ours32, (A.float() @ B.float().t()), ref, f"{layout} fp32 out")
 
 
 @hopper_test
@@ -165,7 +143,7 @@ def test_every_schedule_tile_width_and_k_split(schedule, tile_n, splits):
         bias = torch.randn(N, device="cuda")
         poison()
         ours = GEMM(a, b, bias, None, 1, trans_a, trans_b, False, False, tile_n, splits, schedule)[0]
-        _check(ours, torch.addmm(bias.bfloat16(), A, B.t()), A.double() @ B.double().t() + bias.double(),
+        check_vs_cublas(ours, torch.addmm(bias.bfloat16(), A, B.t()), A.double() @ B.double().t() + bias.double(),
                f"{layout} schedule {schedule} tile {tile_n} splits {splits}")
 
 
@@ -184,9 +162,9 @@ def test_streamk_tiles_shared_by_many_blocks(layout, tile_n):
     ref = A.double() @ B.double().t() + bias.double()
     poison()
     ours = GEMM(a, b, bias, None, 1, trans_a, trans_b, False, False, tile_n, 1, 3)[0]
-    _check(ours, torch.addmm(bias.bfloat16(), A, B.t()), ref, f"stream-K {layout} tile {tile_n}")
+    check_vs_cublas(ours, torch.addmm(bias.bfloat16(), A, B.t()), ref, f"stream-K {layout} tile {tile_n}")
     ours32 = GEMM(a, b, bias, None, 1, trans_a, trans_b, True, False, tile_n, 1, 3)[0]
-    _check(ours32, torch.addmm(bias, A.float(), B.float().t()), ref, f"stream-K {layout} tile {tile_n} fp32 out")
+    check_vs_cublas(ours32, torch.addmm(bias, A.float(), B.float().t()), ref, f"stream-K {layout} tile {tile_n} fp32 out")
     for _ in range(3):
         assert torch.equal(GEMM(a, b, bias, None, 1, trans_a, trans_b, True, False, tile_n, 1, 3)[0], ours32)
 
@@ -204,9 +182,9 @@ def _check_epilogue(M, N, K, epilogue, name, *config, bias_dtype=torch.float32, 
     out, pre = GEMM(a, b, bias, aux, e, False, False, False, True, *config)
     ref_out, ref_pre = gemm_reference(a.double(), b.double(), bias.double(), aux.double(), e, False, False, False, True)
     cub = apply_epilogue((a @ b.t()).float(), bias, aux, e, False, torch.bfloat16)[0].bfloat16()
-    _check(out, cub, ref_out, name)
+    check_vs_cublas(out, cub, ref_out, name)
     if check_pre and e in (2, 3):
-        _check(pre, ref_pre.bfloat16(), a.double() @ b.double().t() + bias.double(), f"{name} pre-activation")
+        check_vs_cublas(pre, ref_pre.bfloat16(), a.double() @ b.double().t() + bias.double(), f"{name} pre-activation")
     return a, b, bias, aux, ref_out
 
 
@@ -247,7 +225,7 @@ def test_both_store_paths_at_ragged_edges(epilogue, schedule, store, monkeypatch
         out32 = GEMM(a, b, bias, aux, e, False, False, True, False, 128, 1, schedule)[0]  # fp32 out: 64 x 32 boxes
         assert out32.dtype == torch.float32
         cub32 = apply_epilogue((a.float() @ b.float().t()), bias, aux, e, False, torch.bfloat16)[0]
-        _check(out32, cub32, ref_out, f"{store} {epilogue} fp32 out {M}x{N}x{K}")
+        check_vs_cublas(out32, cub32, ref_out, f"{store} {epilogue} fp32 out {M}x{N}x{K}")
 
 
 @hopper_test
@@ -273,7 +251,7 @@ def test_linear_gradients(gelu):
     ref = [yd] + list(torch.autograd.grad(yd, (xd, wd, bd), dy.double()))
     for name, o, c, r in zip(["y", "dx", "dw", "dbias"], ours, cublas, ref):
         assert o.dtype == c.dtype, f"{name}: {o.dtype} vs {c.dtype}"
-        _check(o, c, r, f"linear {gelu} {name}")
+        check_vs_cublas(o, c, r, f"linear {gelu} {name}")
 
 
 @hopper_test
@@ -341,25 +319,14 @@ def test_opcheck_compile_and_cuda_graphs():
     # Fresh leaves for the capture: the eager outputs above keep autograd nodes of x, w and bias that
     # were made on the default stream, and the backward would make the capture wait on that stream.
     del eager, compiled
-    static_x, static_w, static_b = (t.detach().clone().requires_grad_(True) for t in (x, w, bias))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(static_x, static_w, static_b)  # warm-up: the kernels' one-time setup outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(static_x, static_w, static_b)
-    with torch.no_grad():
-        static_x.copy_(torch.randn_like(static_x))
-    graph.replay()
-    fresh = step(static_x, static_w, static_b)
-    for g, f in zip([out[0], *out[1]], [fresh[0], *fresh[1]]):
-        torch.testing.assert_close(g, f)
+    assert_replay_matches_eager(step, *(t.detach().clone().requires_grad_(True) for t in (x, w, bias)))
 
 
 @hopper_test
-def test_swapped_bert_layer_matches_hf():
+@pytest.mark.parametrize("with_ffn", [False, True], ids=["linear", "linear_and_ffn"])
+def test_swapped_bert_layer_matches_hf(with_ffn):
+    """Every family with our GEMM under the linear layers (the coarser families route their matmul
+    through it), with or without the ffn family's fused feed-forward block."""
     from transformers import BertConfig, BertForSequenceClassification
 
     from bertaccel.ops.swap import ORDER, swap
@@ -380,8 +347,9 @@ def test_swapped_bert_layer_matches_hf():
 
     model.eval()  # no dropout: the comparison is deterministic
     loss_hf, g_hf = grads()
-    report = swap(model, ORDER)
+    report = swap(model, ORDER if with_ffn else [f for f in ORDER if f != "ffn"])
     assert report.counts().get("linear", 0) >= 2 * 4  # Q, K, V, attention output... per layer
+    assert report.counts().get("ffn", 0) == (2 if with_ffn else 0)
     loss_ours, g_ours = grads()
     report.revert()
     assert abs(loss_ours - loss_hf) <= 2e-2 * abs(loss_hf) + 1e-3
