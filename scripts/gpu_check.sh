@@ -13,7 +13,8 @@
 # grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), anatomy (where a graphed step's
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows), gelu_sweep (bias+GELU forward
-# vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py).
+# vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
+# ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 set -uo pipefail
@@ -90,6 +91,10 @@ if has ops; then
     BERTACCEL_LN_RING=0 python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops_ring_off.json" > "$OUT/bench_ops_ring_off.log" 2>&1
     echo "bench (rings off) rc=$?"; grep -E "^(layer_norm|residual|rms_norm|embeddings) .*bertaccel" "$OUT/bench_ops_ring_off.log" | cut -c1-120
   fi
+  for setting in ${OPS_SETTINGS:-}; do  # the same ops again under each kernel switch (README "Kernel switches"), same call
+    env $setting python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops_${setting//[^A-Za-z0-9]/_}.json" > "$OUT/bench_ops_${setting//[^A-Za-z0-9]/_}.log" 2>&1
+    echo "bench ($setting) rc=$?"; grep -E "^[a-z_]+ .*bertaccel" "$OUT/bench_ops_${setting//[^A-Za-z0-9]/_}.log" | cut -c1-120
+  done
   if [ -n "${OPS_PDL_OFF:-}" ]; then  # the same ops with the column sums launched plainly (no programmatic dependent launch)
     BERTACCEL_PDL=0 python -m benchmarks.bench_ops --ops ${OPS:-layer_norm residual_layer_norm rms_norm} --out "$OUT/ops_pdl_off.json" > "$OUT/bench_ops_pdl_off.log" 2>&1
     echo "bench (PDL off) rc=$?"; grep -E "^[a-z_]+ .*bertaccel" "$OUT/bench_ops_pdl_off.log" | cut -c1-120
@@ -289,6 +294,14 @@ print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, no filler writ
 PY
 fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
+if has ncu_rows; then  # hardware counters of the LayerNorm-family kernels (Nsight Compute; NCU_OPS=, NCU_SHAPES=)
+  timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics \
+    smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_drain_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct \
+    python scripts/row_op_calls.py --ops ${NCU_OPS:-layer_norm} --shapes ${NCU_SHAPES:-16384x384 16384x768 16384x1024} > "$OUT/ncu_rows.txt" 2>&1
+  echo "ncu rows rc=$?"
+  grep -E "^  [a-z_:]+.*\(|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall Long|Warp Cycles Per Issued|Duration|L2 Hit|Block Limit Reg|stalled" "$OUT/ncu_rows.txt" | cut -c1-110 | head -${NCU_LINES:-120}
+fi
 if has ln_sweep; then  # the LayerNorm-family forward kernels (issue 9): the ring against the one-row kernel
   for setting in "" BERTACCEL_LN_RING=0; do env $setting python scripts/ln_fwd_sweep.py; done > "$OUT/ln_sweep.log" 2>&1
   echo "ln sweep rc=$?"; grep SWEEP "$OUT/ln_sweep.log"

@@ -6,6 +6,7 @@
 #include <ATen/cuda/PhiloxUtils.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <cstdlib>
+#include <string>
 #include "check.h"
 #include "philox.cuh"
 #include <cuda_bf16.h>
@@ -299,16 +300,35 @@ inline int pick_vec(int64_t H, int max_vec, std::initializer_list<const at::Tens
 }
 
 // Row kernels keep up to 32 elements per thread in registers: ITEMS vectors of VEC. At the widest
-// vector the fewest ITEMS that let one warp (or fewer threads) hold the row are instantiated, so a
-// BERT row (768 bf16 = 96 vectors of 8) takes 3 vectors per thread and no dead registers; narrower
-// vectors (odd sizes, unaligned views) take 32 / VEC.
+// vector, of the ITEMS (1-4) that let one warp (or fewer threads) hold the row, the one whose
+// power-of-two thread group leaves the fewest lanes idle, the fewer ITEMS on a tie: a BERT row (768
+// bf16 = 96 vectors of 8) takes 3 vectors on 32 threads, a MiniLM row (384 = 48 vectors) 3 on 16
+// threads, two rows per warp, where 2 on 32 threads left a quarter of the lanes idle and half the
+// bytes in flight. Narrower vectors (odd sizes, unaligned views) take 32 / VEC.
+// BERTACCEL_ROW_ITEMS=fewest keeps the earlier rule (the fewest ITEMS that fit a warp), for
+// comparing both in one run.
 constexpr int kMaxElemsPerThread = 32;
+inline bool row_items_fewest() {
+  static const bool fewest = [] {
+    const char* e = std::getenv("BERTACCEL_ROW_ITEMS");
+    return e != nullptr && std::string(e) == "fewest";
+  }();
+  return fewest;
+}
 inline int pick_items(int nvec, int vec, int max_vec) {
   if (vec != max_vec) return kMaxElemsPerThread / vec;
   const int max_items = kMaxElemsPerThread / vec;
-  for (int items : {1, 2, 3, 4})
-    if (items <= max_items && (nvec + items - 1) / items <= 32) return items;
-  return max_items;
+  int best = 0, best_lanes = 0;  // lanes of the best so far: nvec / (items * tpr) compared as fractions
+  for (int items : {1, 2, 3, 4}) {
+    const int need = (nvec + items - 1) / items;
+    if (items > max_items || need > 32) continue;
+    if (row_items_fewest()) return items;
+    int tpr = 1;
+    while (tpr < need) tpr <<= 1;
+    // busy share nvec / (items * tpr) above the best's nvec / best_lanes
+    if (best == 0 || items * tpr < best_lanes) best = items, best_lanes = items * tpr;
+  }
+  return best != 0 ? best : max_items;
 }
 
 // Threads per row: the power of two that covers the row's vectors with `items` each.

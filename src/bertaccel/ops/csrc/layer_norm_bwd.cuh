@@ -388,7 +388,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   // (43.5 vs 42.0 at 768), RMSNorm (39.9 vs 37.0) and the fused form at 384 (36.9 vs 34.4): those keep
   // the kernel above, which holds the row in registers instead of reading it twice from shared memory.
   if constexpr (MODE == kFused && sizeof(T) == 2) {  // (only these forms are instantiated)
-    if (vec == max_vec && tpr <= 32 && items * vec >= 24 && ring_enabled()) {
+    if (vec == max_vec && tpr == 32 && items * vec >= 24 && ring_enabled()) {  // one 768-1024-wide row per warp
       const int device = z.get_device();
 #define BA_LN_BWD_RING(V, I)                                                                                     \
   do {                                                                                                           \
