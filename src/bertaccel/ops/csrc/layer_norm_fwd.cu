@@ -214,31 +214,22 @@ constexpr int kRingBudget = 96 * 1024;     // shared memory per block: two block
 
 template <int ITEMS, bool RES>
 constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes * (RES ? 2 : 1); }
-// Stages (rows in flight per warp): enough for about 48 KB per block in flight (a 768-wide bf16 row's
-// four stages; 1024 wide also keeps four), within the budget: a 384-wide bf16 row takes six, where
-// four left half the bytes of a 768-wide row in flight. BERTACCEL_LN_RING_STAGES=4 keeps four for
-// every width (comparing both in one run). MAX > 0: at most MAX stages.
-constexpr int kRingFlight = 48 * 1024;
-template <int ITEMS, bool RES, int MAX = 0>
+// Stages: at most four. Six for the 384-wide bf16 row (half a 768-wide row's bytes in flight with
+// four) measured slower on the H100 (16384 rows: 11.9 against 11.0 us, same run).
+template <int ITEMS, bool RES>
 constexpr int ring_stages() {
-  constexpr int stage = ring_stage_bytes<ITEMS, RES>();
-  constexpr int fit = kRingBudget / stage;
-  constexpr int flight = (kRingFlight + stage - 1) / stage;
-  constexpr int want = MAX > 0 ? MAX : (flight < 4 ? 4 : flight);
-  return fit < 2 ? 2 : (want < fit ? want : fit);
-}
-inline bool ring_four_stages() {
-  static const bool four = env_switch("BERTACCEL_LN_RING_STAGES", 0) == 4;
-  return four;
+  constexpr int s = kRingBudget / ring_stage_bytes<ITEMS, RES>();
+  return s > 4 ? 4 : (s < 2 ? 2 : s);
 }
 
-template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int S>
+template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ residual,
     const W* __restrict__ gamma, const W* __restrict__ beta, T* __restrict__ y, T* __restrict__ z,
     float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int H, float eps,
     float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
+  constexpr int S = ring_stages<ITEMS, RES>();
   constexpr int kStage = ITEMS * kRingItemBytes * (RES ? 2 : 1);  // one warp's row (and residual row)
   extern __shared__ __align__(16) unsigned char ring_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -363,12 +354,12 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   cp_async_wait<0>();
 }
 
-template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int S>
+template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES>
 void launch_ring(const at::Tensor& x, const T* bp, const T* rp, const at::Tensor& gamma, const W* betap, at::Tensor& y,
                  T* zp, float* mp, float* rsp, int64_t rows, int H, double eps, double p,
                  const at::PhiloxCudaState& philox, int64_t* rngp, cudaStream_t stream) {
-  auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, S>;
-  constexpr int smem = S * ring_stage_bytes<ITEMS, RES>();
+  auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES>;
+  constexpr int smem = ring_stages<ITEMS, RES>() * ring_stage_bytes<ITEMS, RES>();
   const int device = x.get_device();
   const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
   static int blocks_per_sm[64] = {};  // this instantiation's, per device
@@ -429,18 +420,9 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
   const int64_t nvec = H / vec;
   if (vec == max_vec && nvec <= 32 * (kMaxElemsPerThread / max_vec) && nrows == 1 && ring_enabled()) {
     const int need = (int)((nvec + 31) / 32);  // vectors per lane
-#define BA_LN_RING_S(I, RES, S)                                                                                   \
-  launch_ring<T, W, max_vec, I, RMS, RES, S>(x, bp, rp, gamma, betap, y, zp, mp, rsp, rows, (int)H, eps, p, philox, \
-                                             rngp, stream)
 #define BA_LN_RING(I, RES)                                                                                       \
-  do {                                                                                                           \
-    constexpr int kS = ring_stages<I, RES>(), kS4 = ring_stages<I, RES, 4>();                                    \
-    if constexpr (kS != kS4) {                                                                                   \
-      if (ring_four_stages()) BA_LN_RING_S(I, RES, kS4); else BA_LN_RING_S(I, RES, kS);                          \
-    } else {                                                                                                     \
-      BA_LN_RING_S(I, RES, kS);                                                                                  \
-    }                                                                                                            \
-  } while (0)
+  launch_ring<T, W, max_vec, I, RMS, RES>(x, bp, rp, gamma, betap, y, zp, mp, rsp, rows, (int)H, eps, p, philox, \
+                                          rngp, stream)
 #define BA_LN_RING_ITEMS(RES)                                                                                    \
   do {                                                                                                           \
     if (need == 1) BA_LN_RING(1, RES);                                                                           \
@@ -458,7 +440,6 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
     }
 #undef BA_LN_RING_ITEMS
 #undef BA_LN_RING
-#undef BA_LN_RING_S
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
