@@ -4,7 +4,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/PhiloxUtils.cuh>
-#include <cooperative_groups.h>
 #include <c10/cuda/CUDAException.h>
 #include <cstdlib>
 #include <string>
@@ -207,102 +206,15 @@ __device__ __forceinline__ DropoutSeed launch_dropout_seed(float p, const at::Ph
 // columns x 32 row slices; each thread sums every 32nd row of its column (independent loads, a few
 // per thread for the few hundred partial rows of a backward), then the slices meet in shared memory.
 // (One launch of 1,024-thread blocks instead of one 256-thread launch per matrix: the sums were
-// latency-bound, ~4 us each, 44 per MiniLM training step.)
+// latency-bound, ~4 us each, 44 per MiniLM training step.) Tried and measured slower (H100, 16384
+// rows, bf16, same run): the sums inside the backward's own grid, launched cooperatively, one grid
+// barrier, each warp summing a 4-column slice - LayerNorm backward 26.3 / 43.1 / 54.9 us at 384 / 768
+// / 1024 wide against 24.3 / 40.1 / 54.5 with this second launch (residual form 37.2 / 57.7 / 69.0
+// against 34.1 / 55.9 / 65.6): the cooperative launch and the barrier cost more than the launch they save.
 struct ColumnSums {
   const float* part[3];
   float* out[3];
 };
-
-// The same column sums inside the kernel that wrote the partial rows (the backward's last step),
-// for a kernel launched cooperatively (`launch_kernel(..., cooperative)`: every block resident, so the
-// grid can wait at one barrier): after the barrier each warp sums one 4-column slice (one column where
-// `cols` is not a multiple of 4) of one matrix over every partial row - lane l takes rows l, l + 32,
-// ... in order, four independent loads at a time, then a shuffle tree: a fixed order, so the sums are
-// deterministic. This replaces the second launch and its wait for the whole first grid (on the H100
-// the column-sum kernel left 3-5 us of a 23-51 us LayerNorm backward exposed even with programmatic
-// dependent launch; the barrier and one round of loads from L2 are ~1-2 us). BERTACCEL_COLSUMS=kernel
-// keeps the second launch (comparing both in one run; also the path where a cooperative launch is
-// unavailable).
-inline bool grid_column_sums_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("BERTACCEL_COLSUMS");
-    return !(e != nullptr && std::string(e) == "kernel");
-  }();
-  return on;
-}
-__device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
-__device__ __forceinline__ const float* column_sums_part(const ColumnSums& m, int k) {
-  return k == 0 ? m.part[0] : (k == 1 ? m.part[1] : m.part[2]);  // no dynamic index into the parameter array
-}
-__device__ __forceinline__ float* column_sums_out(const ColumnSums& m, int k) {
-  return k == 0 ? m.out[0] : (k == 1 ? m.out[1] : m.out[2]);
-}
-static __device__ __noinline__ void grid_column_sums(const ColumnSums& m, int n, int parts, int cols) {
-  cooperative_groups::this_grid().sync();  // every block's partial rows written and visible
-  const int lane = threadIdx.x & 31;
-  const int warp = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5), warps = (int)((gridDim.x * blockDim.x) >> 5);
-  const int width = cols % 4 == 0 ? 4 : 1, slices = cols / width;
-  for (int u = warp; u < n * slices; u += warps) {
-    const int k = u / slices, c = (u % slices) * width;
-    const float* __restrict__ part = column_sums_part(m, k) + c;
-    float4 s[4] = {};
-    auto load = [&](int r) {
-      return width == 4 ? __ldcg(reinterpret_cast<const float4*>(part + (int64_t)r * cols))
-                        : make_float4(__ldcg(part + (int64_t)r * cols), 0.f, 0.f, 0.f);
-    };
-    int r = lane;
-    for (; r + 96 < parts; r += 128) {
-      const float4 a = load(r), b = load(r + 32), d = load(r + 64), e = load(r + 96);
-      s[0] = add4(s[0], a), s[1] = add4(s[1], b), s[2] = add4(s[2], d), s[3] = add4(s[3], e);
-    }
-    for (; r < parts; r += 32) s[0] = add4(s[0], load(r));
-    float4 t = add4(add4(s[0], s[1]), add4(s[2], s[3]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      t.x += __shfl_xor_sync(0xffffffffu, t.x, o);
-      t.y += __shfl_xor_sync(0xffffffffu, t.y, o);
-      t.z += __shfl_xor_sync(0xffffffffu, t.z, o);
-      t.w += __shfl_xor_sync(0xffffffffu, t.w, o);
-    }
-    if (lane == 0) {
-      float* out = column_sums_out(m, k) + c;
-      if (width == 4) *reinterpret_cast<float4*>(out) = t;
-      else *out = t.x;
-    }
-  }
-}
-
-// The defined (part, out) pairs, in order; n = how many.
-inline ColumnSums column_sums_of(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int& n) {
-  ColumnSums m{};
-  n = 0;
-  for (auto [part, out] : pairs)
-    if (part->defined() && out->defined()) {
-      m.part[n] = part->data_ptr<float>();
-      m.out[n] = out->data_ptr<float>();
-      ++n;
-    }
-  return m;
-}
-
-// A kernel launch, cooperative (all blocks resident at once; graph-capturable) when asked.
-template <typename... Params, typename... Args>
-void launch_kernel(void (*kernel)(Params...), int blocks, int threads, int smem, cudaStream_t stream, bool cooperative,
-                   Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3((unsigned)blocks);
-  config.blockDim = dim3((unsigned)threads);
-  config.dynamicSmemBytes = (size_t)smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeCooperative;
-  attribute.val.cooperative = 1;
-  if (cooperative) {
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
 
 // Programmatic dependent launch (Hopper): the column sums are launched while the backward that
 // writes their partial rows still runs, so the second launch's latency hides behind the first
@@ -326,21 +238,27 @@ inline bool pdl_enabled() {
   return on;
 }
 constexpr int kColSumRows = 32;
+constexpr int kColSumBatch = 12;  // loads in flight per thread: one round for up to 384 partial rows
 
 static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(ColumnSums m, int parts, int cols) {
   __shared__ float red[kColSumRows][33];
   wait_for_prerequisite_grids();  // the partial rows are the previous kernel's output
   const float* __restrict__ part = m.part[blockIdx.y];
   const int c = blockIdx.x * 32 + threadIdx.x;
-  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  float s = 0.f;
   if (c < cols) {
-    int r = threadIdx.y;
-    for (; r + 3 * kColSumRows < parts; r += 4 * kColSumRows)
+    for (int r0 = threadIdx.y; r0 < parts; r0 += kColSumBatch * kColSumRows) {
+      float v[kColSumBatch];  // every load issued before the first add: one trip to L2 per batch
 #pragma unroll
-      for (int k = 0; k < 4; ++k) s[k] += part[(int64_t)(r + k * kColSumRows) * cols + c];
-    for (; r < parts; r += kColSumRows) s[0] += part[(int64_t)r * cols + c];
+      for (int k = 0; k < kColSumBatch; ++k) {
+        const int r = r0 + k * kColSumRows;
+        v[k] = r < parts ? part[(int64_t)r * cols + c] : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < kColSumBatch; ++k) s += v[k];
+    }
   }
-  red[threadIdx.y][threadIdx.x] = (s[0] + s[1]) + (s[2] + s[3]);
+  red[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   for (int h = kColSumRows / 2; h > 0; h >>= 1) {
     if (threadIdx.y < h) red[threadIdx.y][threadIdx.x] += red[threadIdx.y + h][threadIdx.x];
@@ -352,8 +270,14 @@ static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(Co
 // The column sums of the defined (part, out) pairs, on `stream`.
 inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int parts,
                                int cols, cudaStream_t stream) {
+  ColumnSums m{};
   int n = 0;
-  const ColumnSums m = column_sums_of(pairs, n);
+  for (auto [part, out] : pairs)
+    if (part->defined() && out->defined()) {
+      m.part[n] = part->data_ptr<float>();
+      m.out[n] = out->data_ptr<float>();
+      ++n;
+    }
   if (n == 0 || cols == 0) return;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3((unsigned)((cols + 31) / 32), (unsigned)n);

@@ -7,10 +7,8 @@
 // Launch: as many blocks as fit on the GPU at once (occupancy query), each looping over groups of
 // rows. A thread owns the same columns in every row it visits, so dgamma / dbeta / dbias accumulate
 // in registers; the block parks them in shared memory, sums its row slots and writes one partial
-// row; then the grid (launched cooperatively) meets at one barrier and sums the partial rows
-// (`grid_column_sums`), or, with BERTACCEL_COLSUMS=kernel, `column_sums_kernel` does in a second
-// launch (one for all three). No atomics; deterministic. Bytes: read dy and z, write dz (+ dh for
-// the fused form).
+// row, and `column_sums_kernel` adds the partial rows up (one launch for all three): no atomics. Bytes: read dy and z, write dz
+// (+ dh for the fused form).
 //
 // Registers: the row is held as the raw 16-byte packs it was loaded as (a 768-wide bf16 row: 12
 // registers for z and 12 for dy, against 48 for the fp32 values), and the second pass recomputes
@@ -123,7 +121,7 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
-    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng, ColumnSums sums, int nsums) {
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
   constexpr bool kBeta = MODE != kRms;
   constexpr bool kDh = MODE == kFused;
   constexpr bool kCentre = MODE != kRms;
@@ -209,7 +207,6 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
   BA_PARK_AND_SUM(acc_g, dgamma_part, park);
   if constexpr (kBeta) BA_PARK_AND_SUM(acc_b, dbeta_part, park);
   if constexpr (kDh) BA_PARK_AND_SUM(acc_h, dbias_part, park);
-  if (nsums > 0) grid_column_sums(sums, nsums, gridDim.x, H);  // launched cooperatively: the sums here
 }
 
 // ------------------------------------------------------------------------ the row ring (persistent)
@@ -244,7 +241,7 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
-    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng, ColumnSums sums, int nsums) {
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
   constexpr bool kBeta = MODE != kRms;
   constexpr bool kDh = MODE == kFused;
   constexpr bool kCentre = MODE != kRms;
@@ -356,7 +353,6 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
   BA_PARK_AND_SUM(acc_g, dgamma_part, park);
   if constexpr (kBeta) BA_PARK_AND_SUM(acc_b, dbeta_part, park);
   if constexpr (kDh) BA_PARK_AND_SUM(acc_h, dbias_part, park);
-  if (nsums > 0) grid_column_sums(sums, nsums, gridDim.x, H);  // launched cooperatively: the sums here
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
@@ -387,10 +383,6 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int64_t* rngp = p > 0 ? rng.data_ptr<int64_t>() : nullptr;
   int blocks = 0;
   at::Tensor pg, pb, ph;
-  // The column sums in the backward's own grid (cooperative launch) unless switched off or unavailable.
-  const bool in_grid = grid_column_sums_enabled() && at::cuda::getCurrentDeviceProperties()->cooperativeLaunch;
-  ColumnSums sums{};
-  int nsums = 0;
   // The ring where it measured faster (H100, 16384 rows, bf16, same run, rings on vs off): the fused
   // residual form at 768 and 1024 wide (56.3 vs 61.8 us, 70.8 vs 73.6). It lost for plain LayerNorm
   // (43.5 vs 42.0 at 768), RMSNorm (39.9 vs 37.0) and the fused form at 384 (36.9 vs 34.4): those keep
@@ -410,17 +402,17 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       pg = at::empty({blocks, H}, opts);                                                                         \
       if (dbeta.defined()) pb = at::empty({blocks, H}, opts);                                                    \
       if (dbias.defined()) ph = at::empty({blocks, H}, opts);                                                    \
-      sums = in_grid ? column_sums_of({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, nsums) : ColumnSums{};       \
-      launch_kernel(kernel, blocks, kBwdThreads, smem, stream, nsums > 0,                                        \
+      kernel<<<blocks, kBwdThreads, smem, stream>>>(                                                             \
           (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp,                    \
           rstd.data_ptr<float>(), (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(),                                   \
           pb.defined() ? pb.data_ptr<float>() : nullptr, ph.defined() ? ph.data_ptr<float>() : nullptr, rows,    \
-          (int)H, tpr, (float)p, rngp, sums, nsums);                                                             \
+          (int)H, tpr, (float)p, rngp);                                                                          \
     }                                                                                                            \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_RING);
 #undef BA_LN_BWD_RING
-      if (nsums == 0) launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
@@ -437,15 +429,15 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     pg = at::empty({blocks, H}, opts);                                                                           \
     if (dbeta.defined()) pb = at::empty({blocks, H}, opts);                                                      \
     if (dbias.defined()) ph = at::empty({blocks, H}, opts);                                                      \
-    sums = in_grid ? column_sums_of({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, nsums) : ColumnSums{};         \
-    launch_kernel(ln_bwd_kernel<T, W, V, I, MODE>, blocks, kBwdThreads, 0, stream, nsums > 0,                    \
+    ln_bwd_kernel<T, W, V, I, MODE><<<blocks, kBwdThreads, 0, stream>>>(                                         \
         (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(), \
         (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(), pb.defined() ? pb.data_ptr<float>() : nullptr,            \
-        ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp, sums, nsums);         \
+        ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp);                      \
   } while (0)
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
 #undef BA_LN_BWD
-  if (nsums == 0) launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
