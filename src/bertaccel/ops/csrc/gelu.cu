@@ -28,10 +28,6 @@ constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 
-// The GELU's form, a kernel argument (uniform per launch): erf as libm's erff, erf by the
-// branch-free approximation below, or the tanh approximation.
-enum GeluForm : int { kErf = 0, kErfFast = 1, kTanh = 2 };
-
 // erf(x) within 1.5e-7 absolute (Abramowitz & Stegun 7.1.26): 1 - t (a1 + t (a2 + ... )) e^(-x^2),
 // t = 1 / (1 + p |x|), sign restored. Two MUFU ops (reciprocal, exp2) and five FMAs, no branches;
 // erff's two polynomial ranges diverge inside a warp of mixed |x| and take both. For bf16 outputs
@@ -46,32 +42,37 @@ __device__ __forceinline__ float erf_fast(float x) {
   return copysignf(1.f - q * t * __expf(-a * a), x);
 }
 
-__device__ __forceinline__ float gelu(float x, int form) {
-  if (form == kTanh) {
+// FAST: erf_fast (bf16 launches, unless BERTACCEL_GELU_ERF=libm), else erff. A template parameter,
+// not a runtime choice: a select between the two let the compiler evaluate both.
+template <bool FAST>
+__device__ __forceinline__ float erf_of(float x) { return FAST ? erf_fast(x) : erff(x); }
+
+template <bool FAST>
+__device__ __forceinline__ float gelu(float x, bool tanh_form) {
+  if (tanh_form) {
     float u = kSqrt2OverPi * (x + 0.044715f * x * x * x);
     return 0.5f * x * (1.f + tanhf(u));
   }
-  const float e = form == kErfFast ? erf_fast(x * kInvSqrt2) : erff(x * kInvSqrt2);
-  return 0.5f * x * (1.f + e);
+  return 0.5f * x * (1.f + erf_of<FAST>(x * kInvSqrt2));
 }
 
-__device__ __forceinline__ float gelu_grad(float x, int form) {
-  if (form == kTanh) {
+template <bool FAST>
+__device__ __forceinline__ float gelu_grad(float x, bool tanh_form) {
+  if (tanh_form) {
     float u = kSqrt2OverPi * (x + 0.044715f * x * x * x);
     float t = tanhf(u);
     return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * 0.044715f * x * x);
   }
-  const float e = form == kErfFast ? erf_fast(x * kInvSqrt2) : erff(x * kInvSqrt2);
-  return 0.5f * (1.f + e) + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
+  return 0.5f * (1.f + erf_of<FAST>(x * kInvSqrt2)) + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
 }
 
-// The form for a launch: the fast erf for bf16 unless BERTACCEL_GELU_ERF=libm (comparing both in one run).
-inline int gelu_form(bool tanh_form, bool bf16) {
+// The fast erf for bf16 launches unless BERTACCEL_GELU_ERF=libm (comparing both in one run).
+inline bool gelu_fast_erf(bool bf16) {
   static const bool libm = [] {
     const char* e = std::getenv("BERTACCEL_GELU_ERF");
     return e != nullptr && std::string(e) == "libm";
   }();
-  return tanh_form ? kTanh : (bf16 && !libm ? kErfFast : kErf);
+  return bf16 && !libm;
 }
 
 // The bias vector of column vector cv, or zeros without a bias.
@@ -89,10 +90,10 @@ __device__ __forceinline__ void load_bias(const T* __restrict__ bias, int cv, fl
 // (VEC divides the row, so a vector never straddles rows and its bias vector is (i % cpr)).
 // Each thread loads UNROLL vectors, kFwdThreads apart, before it computes any: several
 // independent 16-byte loads in flight per thread are what keeps HBM busy (see fwd_unroll).
-template <typename T, int VEC, typename Index, int UNROLL>
+template <typename T, int VEC, typename Index, int UNROLL, bool FAST>
 __global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                                                     T* __restrict__ y, Index nvec, Index cpr,
-                                                                    int form) {
+                                                                    bool tanh_form) {
   const Index base = (Index)blockIdx.x * (kFwdThreads * UNROLL) + threadIdx.x;
   // x as loaded (packs), every row load issued before any is converted: converting x as it arrived
   // let ptxas keep 2 loads in flight (SASS, the 32-bit-index bf16 kernel every BERT shape runs).
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __r
       float v[VEC], b[VEC];
       load_bias<T, VEC>(bias, (int)(i % cpr), b);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) v[j] = gelu(to_f(xr[u].v[j]) + b[j], form);
+      for (int j = 0; j < VEC; ++j) v[j] = gelu<FAST>(to_f(xr[u].v[j]) + b[j], tanh_form);
       store_f<T, VEC>(y + i * VEC, v);
     }
   }
@@ -134,11 +135,11 @@ int fwd_unroll(int64_t nvec, const cudaDeviceProp& prop) {
 // Backward: thread t of block (bx, by) owns column vector bx * 128 + t and walks the rows of chunk
 // by, kUnroll rows at a time (all loads of a group issued before the math), keeping its dbias
 // partial in registers.
-template <typename T, int VEC>
+template <typename T, int VEC, bool FAST>
 __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                                  const T* __restrict__ bias, T* __restrict__ dx,
                                                                  float* __restrict__ dbias_part, int64_t rows, int cols,
-                                                                 int rows_per_chunk, int form) {
+                                                                 int rows_per_chunk, bool tanh_form) {
   allow_dependent_launch();  // the column sums may launch now (they wait for this grid)
   const int cv = blockIdx.x * kThreads + threadIdx.x;
   if (cv * VEC >= cols) return;
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __rest
   auto grad = [&](float (&v)[VEC], const float (&d)[VEC]) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      v[j] = to_f(from_f<T>(d[j] * gelu_grad(v[j] + b[j], form)));
+      v[j] = to_f(from_f<T>(d[j] * gelu_grad<FAST>(v[j] + b[j], tanh_form)));
       acc[j] += v[j];
     }
   };
@@ -215,22 +216,29 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
   auto stream = at::cuda::getCurrentCUDAStream();
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
+    constexpr bool kBf16 = sizeof(T) == 2;  // the fast-erf kernels exist for bf16 only
     int vec = pick_vec((int)cols, 16 / sizeof(T), {&x, &b, &y});
     const int64_t nvec = rows * cols / vec, cpr = cols / vec;
     const int unroll = fwd_unroll(nvec, *at::cuda::getCurrentDeviceProperties());
     const T* bp = b.defined() ? (const T*)b.data_ptr() : nullptr;
-    const int form = gelu_form(tanh_form, sizeof(T) == 2);
+    const bool fast = gelu_fast_erf(sizeof(T) == 2);
     // 32-bit indices (cheaper i % cpr) when every element offset i * VEC fits, not just the vector count
     const bool narrow = rows * cols < (int64_t{1} << 31);
 #define BA_GELU_FWD_U(V, U)                                                                                    \
   do {                                                                                                         \
     const dim3 grid((unsigned)((nvec + kFwdThreads * U - 1) / (kFwdThreads * U)));                             \
-    if (narrow)                                                                                                \
-      bias_gelu_fwd_kernel<T, V, uint32_t, U><<<grid, kFwdThreads, 0, stream>>>(                               \
-          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (uint32_t)nvec, (uint32_t)cpr, form);             \
+    if (narrow && fast)                                                                                        \
+      bias_gelu_fwd_kernel<T, V, uint32_t, U, kBf16><<<grid, kFwdThreads, 0, stream>>>(                        \
+          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (uint32_t)nvec, (uint32_t)cpr, tanh_form);             \
+    else if (narrow)                                                                                           \
+      bias_gelu_fwd_kernel<T, V, uint32_t, U, false><<<grid, kFwdThreads, 0, stream>>>(                        \
+          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (uint32_t)nvec, (uint32_t)cpr, tanh_form);             \
+    else if (fast)                                                                                             \
+      bias_gelu_fwd_kernel<T, V, int64_t, U, kBf16><<<grid, kFwdThreads, 0, stream>>>(                         \
+          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), nvec, cpr, tanh_form);                                 \
     else                                                                                                       \
-      bias_gelu_fwd_kernel<T, V, int64_t, U><<<grid, kFwdThreads, 0, stream>>>(                                \
-          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), nvec, cpr, form);                                      \
+      bias_gelu_fwd_kernel<T, V, int64_t, U, false><<<grid, kFwdThreads, 0, stream>>>(                         \
+          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), nvec, cpr, tanh_form);                                 \
   } while (0)
 #define BA_GELU_FWD(V)                                                                                         \
   if (unroll == 4) BA_GELU_FWD_U(V, 4);                                                                        \
@@ -266,6 +274,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
   auto stream = at::cuda::getCurrentCUDAStream();
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
+    constexpr bool kBf16 = sizeof(T) == 2;  // the fast-erf kernels exist for bf16 only
     int vec = pick_vec((int)cols, 16 / sizeof(T), {&x, &b, &dy, &dx});
     int col_blocks = (int)((cols / vec + kThreads - 1) / kThreads);
     int rpc = rows_per_chunk(rows, col_blocks);
@@ -274,10 +283,16 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
     at::Tensor part = bias ? at::empty({chunks, cols}, x.options().dtype(at::kFloat)) : at::Tensor();
     const T* bp = b.defined() ? (const T*)b.data_ptr() : nullptr;
     float* pp = part.defined() ? part.data_ptr<float>() : nullptr;
-    const int form = gelu_form(tanh_form, sizeof(T) == 2);
+    const bool fast = gelu_fast_erf(sizeof(T) == 2);
 #define BA_GELU_BWD(V)                                                                                     \
-  bias_gelu_bwd_kernel<T, V><<<grid, kThreads, 0, stream>>>((const T*)dy.data_ptr(), (const T*)x.data_ptr(), \
-                                                            bp, (T*)dx.data_ptr(), pp, rows, (int)cols, rpc, form)
+  do {                                                                                                     \
+    if (fast)                                                                                              \
+      bias_gelu_bwd_kernel<T, V, kBf16><<<grid, kThreads, 0, stream>>>(                                    \
+          (const T*)dy.data_ptr(), (const T*)x.data_ptr(), bp, (T*)dx.data_ptr(), pp, rows, (int)cols, rpc, tanh_form); \
+    else                                                                                                   \
+      bias_gelu_bwd_kernel<T, V, false><<<grid, kThreads, 0, stream>>>(                                    \
+          (const T*)dy.data_ptr(), (const T*)x.data_ptr(), bp, (T*)dx.data_ptr(), pp, rows, (int)cols, rpc, tanh_form); \
+  } while (0)
     if (vec == 8) { if constexpr (sizeof(T) == 2) BA_GELU_BWD(8); }
     else if (vec == 4) BA_GELU_BWD(4);
     else if (vec == 2) BA_GELU_BWD(2);
