@@ -112,6 +112,12 @@ inline int env_switch(const char* name, int fallback) {
   return *end == '\0' ? (int)v : fallback;
 }
 
+// A string-valued kernel switch: whether the environment variable `name` is exactly `value`.
+inline bool env_is(const char* name, const char* value) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::string(e) == value;
+}
+
 // The row rings (persistent kernels streaming rows into shared memory with cp.async: the LayerNorm
 // family's forward in layer_norm_fwd.cu, their backward in layer_norm_bwd.cuh). BERTACCEL_LN_RING=0
 // turns them off (the one-row kernels run every width), for comparing both in one run
@@ -321,10 +327,7 @@ inline int pick_vec(int64_t H, int max_vec, std::initializer_list<const at::Tens
 // us against 33.7 with 2 vectors on 32 threads at 128 registers; plain LayerNorm 23.0 against 24.5).
 constexpr int kMaxElemsPerThread = 32;
 inline bool row_items_fewest() {
-  static const bool fewest = [] {
-    const char* e = std::getenv("BERTACCEL_ROW_ITEMS");
-    return e != nullptr && std::string(e) == "fewest";
-  }();
+  static const bool fewest = env_is("BERTACCEL_ROW_ITEMS", "fewest");
   return fewest;
 }
 inline int pick_items(int nvec, int vec, int max_vec, bool fewest = false) {

@@ -68,10 +68,7 @@ __device__ __forceinline__ float gelu_grad(float x, bool tanh_form) {
 
 // The fast erf for bf16 launches unless BERTACCEL_GELU_ERF=libm (comparing both in one run).
 inline bool gelu_fast_erf(bool bf16) {
-  static const bool libm = [] {
-    const char* e = std::getenv("BERTACCEL_GELU_ERF");
-    return e != nullptr && std::string(e) == "libm";
-  }();
+  static const bool libm = env_is("BERTACCEL_GELU_ERF", "libm");
   return bf16 && !libm;
 }
 
@@ -224,21 +221,16 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
     const bool fast = gelu_fast_erf(sizeof(T) == 2);
     // 32-bit indices (cheaper i % cpr) when every element offset i * VEC fits, not just the vector count
     const bool narrow = rows * cols < (int64_t{1} << 31);
+#define BA_GELU_FWD_K(V, U, I, FAST)                                                                           \
+  bias_gelu_fwd_kernel<T, V, I, U, FAST><<<grid, kFwdThreads, 0, stream>>>(                                    \
+      (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (I)nvec, (I)cpr, tanh_form)
 #define BA_GELU_FWD_U(V, U)                                                                                    \
   do {                                                                                                         \
     const dim3 grid((unsigned)((nvec + kFwdThreads * U - 1) / (kFwdThreads * U)));                             \
-    if (narrow && fast)                                                                                        \
-      bias_gelu_fwd_kernel<T, V, uint32_t, U, kBf16><<<grid, kFwdThreads, 0, stream>>>(                        \
-          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (uint32_t)nvec, (uint32_t)cpr, tanh_form);             \
-    else if (narrow)                                                                                           \
-      bias_gelu_fwd_kernel<T, V, uint32_t, U, false><<<grid, kFwdThreads, 0, stream>>>(                        \
-          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (uint32_t)nvec, (uint32_t)cpr, tanh_form);             \
-    else if (fast)                                                                                             \
-      bias_gelu_fwd_kernel<T, V, int64_t, U, kBf16><<<grid, kFwdThreads, 0, stream>>>(                         \
-          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), nvec, cpr, tanh_form);                                 \
-    else                                                                                                       \
-      bias_gelu_fwd_kernel<T, V, int64_t, U, false><<<grid, kFwdThreads, 0, stream>>>(                         \
-          (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), nvec, cpr, tanh_form);                                 \
+    if (narrow && fast) BA_GELU_FWD_K(V, U, uint32_t, kBf16);                                                  \
+    else if (narrow) BA_GELU_FWD_K(V, U, uint32_t, false);                                                     \
+    else if (fast) BA_GELU_FWD_K(V, U, int64_t, kBf16);                                                        \
+    else BA_GELU_FWD_K(V, U, int64_t, false);                                                                  \
   } while (0)
 #define BA_GELU_FWD(V)                                                                                         \
   if (unroll == 4) BA_GELU_FWD_U(V, 4);                                                                        \
@@ -250,6 +242,7 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
     else { BA_GELU_FWD(1); }
 #undef BA_GELU_FWD
 #undef BA_GELU_FWD_U
+#undef BA_GELU_FWD_K
   };
   if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});
   else run(float{});
