@@ -17,8 +17,8 @@ from benchmarks.plots import plot_file
 from benchmarks.common import copy_bandwidth_gbs, environment, print_table, write_json
 from bertaccel.ops import build, registry
 
-# one benchmarks/bench_<family>.py per op family of the registry
-OPS = registry.FAMILY_MODULES
+# one benchmarks/bench_<family>.py per op family of the registry, and the ops other ops call
+OPS = registry.FAMILY_MODULES + ["bias_grad"]
 
 
 def main() -> None:

@@ -178,6 +178,33 @@ def test_unpadded_runs_through_swapped_modules(with_ffn):
     report.revert()
 
 
+def test_unpadded_runs_the_fused_qkv_projection(monkeypatch):
+    """With the swap's Q/K/V module (SDPA models) the packed rows go through its one projection GEMM
+    (`qkv_projection`, cuBLAS + our bias-gradient sums on a GPU), and the logits and every gradient
+    still equal the padded model's."""
+    import bertaccel.ops.qkv as qkv
+    from bertaccel.ops.swap import swap
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**CFG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                     attn_implementation="sdpa")).train()
+    ids, mask, types = batch([13, 1, 7, 10])
+    ref = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    ref_grads = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    report = swap(model, ["qkv"])
+    assert report.counts() == {"qkv": 2}
+    calls = []
+    original = qkv.qkv_projection
+    monkeypatch.setattr(qkv, "qkv_projection", lambda *a: calls.append(1) or original(*a))
+    got = classifier_logits(model, ids, mask, types)
+    got_grads = torch.autograd.grad(got.square().sum(), list(model.parameters()))
+    assert len(calls) == 2  # one projection per layer
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), got_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    report.revert()
+
+
 @pytest.mark.parametrize("ffn", [False, True], ids=["hf_ffn", "fused_ffn"])
 def test_unpadded_path_keeps_the_profiler_regions(ffn):
     """Under the profiler the unpadded model shows the padded model's region labels (with the ffn

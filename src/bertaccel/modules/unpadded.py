@@ -179,8 +179,13 @@ def _region(label: str):
 
 
 def _self_attention(sa: nn.Module, h: Tensor, layout: Unpadded) -> Tensor:
+    from bertaccel.ops.qkv import SelfAttentionReplacement
+
     heads, d = sa.num_attention_heads, sa.attention_head_size
-    q, k, v = (proj(h).view(-1, heads, d) for proj in (sa.query, sa.key, sa.value))
+    if isinstance(sa, SelfAttentionReplacement):  # the kernel swap's: Q, K, V in one GEMM, views of its output
+        q, k, v = (t.transpose(0, 1) for t in sa.heads(h))  # [heads, T, d] -> [T, heads, d]
+    else:
+        q, k, v = (proj(h).view(-1, heads, d) for proj in (sa.query, sa.key, sa.value))
     p = sa.dropout.p if sa.training else 0.0
     return varlen_attention(q, k, v, layout, p, sa.scaling).reshape(h.shape[0], heads * d)
 

@@ -36,7 +36,7 @@ CSRC = Path(__file__).parent / "csrc"
 # sources come from bertaccel.ops.registry, the other ops' (the optimizer's) from OTHER_OP_MODULES.
 SHARED_SOURCES = ["autograd.cpp"]
 # ops that are not kernel-swap families (modules whose schemas must exist before the kernels register)
-OTHER_OP_MODULES = ["adamw"]
+OTHER_OP_MODULES = ["adamw", "bias_grad"]
 
 
 def _other_op_modules():
@@ -51,10 +51,10 @@ def sources() -> list[str]:
     return registry.cuda_sources() + [s for m in _other_op_modules() for s in m.CUDA_SOURCES] + SHARED_SOURCES
 
 
-HEADERS = ["check.h", "common.cuh", "philox.cuh", "layer_norm_bwd.cuh"]
+HEADERS = ["check.h", "common.cuh", "erf_fast.cuh", "philox.cuh", "layer_norm_bwd.cuh"]
 # the GEMM extension: sm_90a only (wgmma, setmaxnreg); TORCH_CUDA_ARCH_LIST "9.0a" gives its -gencode
 GEMM_SOURCES = ["gemm.cu"]
-GEMM_HEADERS = ["check.h", "wgmma.cuh"]
+GEMM_HEADERS = ["check.h", "erf_fast.cuh", "wgmma.cuh"]
 GEMM_ARCH = "9.0a"
 # the fused attention extension (mma.sync, sm_80+; its sources: bertaccel.ops.attention.CUDA_SOURCES),
 # built for the GPU's own arch and loaded by `load_attention()` when attention first needs it; a

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from bertaccel.ops import gemm as _gemm  # noqa: F401 - defines bertaccel::gemm
+from bertaccel.ops.bias_grad import column_sum
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
 from bertaccel.ops.gelu import activation_kind
 from bertaccel.ops.registration import NS, SwapEntry, lib
@@ -85,7 +86,7 @@ def _backward(ctx, dy, _dact, _dpre):
         if dgelu_in_epilogue():
             # GEMM 2's input gradient times gelu'(pre) in its epilogue: d(pre) directly, then its column sums
             dpre = _GEMM(dy, w2, None, pre, _EPILOGUE[ctx.tanh][1], False, True, False, False)[0]
-            db1 = dpre.sum(0, dtype=torch.promote_types(dpre.dtype, torch.float32)) if need_b1 else None
+            db1 = column_sum(dpre) if need_b1 else None
         else:
             # GEMM 2's input gradient, then one memory-bound pass for gelu'(pre) and the bias gradient
             # (the bias_gelu family's kernel; pre already holds b1, so it is handed a zero bias)

@@ -8,14 +8,15 @@ The attention itself is HF's (SDPA, flash, ...) on views of the one output; the 
 module of the softmax family (`FusedBertSelfAttention`) takes the same projection.
 
 The concatenation costs one small copy of the weights per step (3 x hidden^2 elements; with the bf16
-weight copies of graphed steps, in bf16). No CUDA code of its own: the matmul is cuBLAS, or our GEMM
-when the `linear` family made the projections `GemmLinear`s.
+weight copies of graphed steps, in bf16). No CUDA code of its own: the matmul is cuBLAS, with the bias
+gradient from our column-sum kernel (`bertaccel.ops.bias_grad.dense`: PyTorch's `dy.sum(0)` reached
+~35% of the copy bandwidth there), or our GEMM when the `linear` family made the projections
+`GemmLinear`s. The unpadded encoder (`bertaccel.modules.unpadded`) runs the same projection on packed rows.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
@@ -37,14 +38,17 @@ def can_fuse(query: nn.Module, key: nn.Module, value: nn.Module) -> str | None:
 
 
 def qkv_projection(query: nn.Linear, key: nn.Linear, value: nn.Linear, x: Tensor) -> Tensor:
-    """`cat([query(x), key(x), value(x)], -1)` as one GEMM (weights concatenated on the fly)."""
+    """`cat([query(x), key(x), value(x)], -1)` as one GEMM (weights concatenated on the fly): our GEMM
+    when the `linear` family made the projections `GemmLinear`s, else cuBLAS with the bias gradient
+    summed by our column-sum kernel (`bias_grad.dense`)."""
+    from bertaccel.ops.bias_grad import dense
     from bertaccel.ops.gemm import GemmLinear, linear
 
     w = torch.cat((query.weight, key.weight, value.weight))
     b = None if query.bias is None else torch.cat((query.bias, key.bias, value.bias))
     if isinstance(query, GemmLinear):
         return linear(x, w, b)
-    return F.linear(x, w, b)
+    return dense(x, w, b)
 
 
 def split_heads(qkv: Tensor, sizes: tuple[int, int, int], head_size: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -44,6 +44,7 @@
 #include <cstring>
 
 #include "check.h"
+#include "erf_fast.cuh"
 #include "wgmma.cuh"
 
 namespace bertaccel::gemm {
@@ -205,12 +206,14 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo) {
 }
 
 // --------------------------------------------------------------------------------- epilogue
-__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
+// The erf through erf_fast (erf_fast.cuh: within 1.5e-7, no branches; erff's two polynomial ranges
+// diverge inside a warp): the products come from bf16 operands and the GELU outputs are stored bf16.
+__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.f + erf_fast(x * 0.70710678118654752f)); }
 __device__ __forceinline__ float gelu_tanh(float x) {
   return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 __device__ __forceinline__ float dgelu_erf(float x) {
-  return 0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * 0.3989422804014327f * __expf(-0.5f * x * x);
+  return 0.5f * (1.f + erf_fast(x * 0.70710678118654752f)) + x * 0.3989422804014327f * __expf(-0.5f * x * x);
 }
 __device__ __forceinline__ float dgelu_tanh(float x) {
   const float k = 0.7978845608028654f, x2 = x * x;
