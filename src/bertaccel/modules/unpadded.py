@@ -196,10 +196,9 @@ def encoder_forward(bert: nn.Module, input_ids: Tensor, token_type_ids: Tensor |
     ids = layout.pack(input_ids)
     positions = layout.pack(torch.arange(layout.seq, device=ids.device).expand(layout.batch, -1))
     types = layout.pack(token_type_ids) if token_type_ids is not None else torch.zeros_like(ids)
-    with _region("embeddings"):
-        h = emb.word_embeddings(ids) + emb.token_type_embeddings(types)  # HF's order: (word + type) + position
-        h = h + emb.position_embeddings(positions)
-        h = emb.dropout(emb.LayerNorm(h))
+    # the model's own embeddings module on the packed tokens as one row of T (HF's BertEmbeddings, or the
+    # kernel swap's fused lookup + LayerNorm + dropout kernel): its hooks open the `embeddings` region
+    h = emb(input_ids=ids[None], token_type_ids=types[None], position_ids=positions[None])[0]
     for i, layer in enumerate(bert.encoder.layer):
         attention = layer.attention
         with _region(f"layer{i}.attention"):

@@ -6,7 +6,7 @@
 // Grid (ceil(cols / VEC / 32), row chunks), block (32, 8). Thread (x, y) of block (bx, by) owns the
 // column vector bx * 32 + x (VEC columns, one 16-byte load) and walks rows y, y + 8, ... of chunk by,
 // kUnroll rows at a time with every load issued before the adds: a warp reads 512 contiguous bytes of
-// one row, a block 8 rows, up to 8 blocks per SM with 4 loads in flight per thread. The 8 row lanes
+// one row, a block 8 rows, one wave of blocks over the GPU with 4 loads in flight per thread. The 8 row lanes
 // meet in shared memory; each chunk writes one fp32 partial row, and `column_sums_kernel` (common.cuh,
 // launched dependently) adds the partial rows: deterministic, no atomics. With one chunk the kernel
 // writes the sums themselves. Bytes: rows x cols x sizeof(T) read, cols x 4 x (2 x chunks + 1) for the
@@ -73,13 +73,27 @@ __global__ void __launch_bounds__(kLanes * kRowLanes) column_sum_kernel(const T*
   }
 }
 
-// Rows per chunk: enough chunks for ~8 blocks per SM (one full wave at 256 threads a block), at least
-// two unrolled rounds of the block (64 rows) so the partial rows stay a small share of the traffic.
-int rows_per_chunk(int64_t rows, int col_blocks) {
+// One wave: as many blocks as the GPU holds at once (the occupancy calculator's blocks per SM for this
+// instantiation: 6 for the 8-wide bf16 kernel at 40 registers offline, not the 8 its threads would
+// allow), split into column blocks and row chunks of at least one unrolled round of the block (32
+// rows). Sized for 8 per SM, the grid ran a second, partial wave (1,056 blocks against 792 resident).
+template <typename T, int VEC>
+void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t cols, cudaStream_t stream) {
+  static const int per_sm = [] {
+    int b = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, column_sum_kernel<T, VEC>, kLanes * kRowLanes, 0));
+    return std::max(b, 1);
+  }();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t chunks = std::max<int64_t>(1, (int64_t)sms * 8 / std::max(col_blocks, 1));
-  const int64_t rpc = (rows + chunks - 1) / chunks;
-  return (int)std::max<int64_t>(2 * kUnroll * kRowLanes, rpc);
+  const int col_blocks = (int)((cols / VEC + kLanes - 1) / kLanes);
+  const int64_t want = std::max<int64_t>(1, (int64_t)sms * per_sm / col_blocks);
+  const int rpc = (int)std::max<int64_t>(kUnroll * kRowLanes, (rows + want - 1) / want);
+  const int chunks = (int)((rows + rpc - 1) / rpc);
+  at::Tensor part = chunks > 1 ? at::empty({chunks, cols}, x.options().dtype(at::kFloat)) : out;
+  column_sum_kernel<T, VEC><<<dim3(col_blocks, chunks), dim3(kLanes, kRowLanes), 0, stream>>>(
+      (const T*)x.data_ptr(), part.data_ptr<float>(), rows, (int)cols, rpc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (chunks > 1) launch_column_sums({{&part, &out}}, chunks, (int)cols, stream);
 }
 
 at::Tensor column_sum(const at::Tensor& x) {
@@ -97,24 +111,13 @@ at::Tensor column_sum(const at::Tensor& x) {
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
     const int vec = pick_vec(cols, 16 / sizeof(T), {&x});
-    const int col_blocks = (int)((cols / vec + kLanes - 1) / kLanes);
-    const int rpc = rows_per_chunk(rows, col_blocks);
-    const int chunks = (int)((rows + rpc - 1) / rpc);
-    at::Tensor part = chunks > 1 ? at::empty({chunks, cols}, x.options().dtype(at::kFloat)) : out;
-    const dim3 grid(col_blocks, chunks), block(kLanes, kRowLanes);
-#define BA_COLSUM(V) \
-  column_sum_kernel<T, V><<<grid, block, 0, stream>>>((const T*)x.data_ptr(), part.data_ptr<float>(), rows, (int)cols, rpc)
-    if (vec == 8) { if constexpr (sizeof(T) == 2) BA_COLSUM(8); }
-    else if (vec == 4) BA_COLSUM(4);
-    else if (vec == 2) BA_COLSUM(2);
-    else BA_COLSUM(1);
-#undef BA_COLSUM
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (chunks > 1) launch_column_sums({{&part, &out}}, chunks, (int)cols, stream);
+    if (vec == 8) { if constexpr (sizeof(T) == 2) launch<T, 8>(x, out, rows, cols, stream); }
+    else if (vec == 4) launch<T, 4>(x, out, rows, cols, stream);
+    else if (vec == 2) launch<T, 2>(x, out, rows, cols, stream);
+    else launch<T, 1>(x, out, rows, cols, stream);
   };
   if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});
   else run(float{});
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
