@@ -23,7 +23,8 @@ Variants:
   turns `model.bf16_weight_copies` off (autocast casts each fp32 weight in every graphed step);
   ":attn" runs `model.attn_implementation: bertaccel` (our attention kernel on the padded batches);
   ":flash" / ":sdpa" run unpadded attention on PyTorch's FlashAttention varlen / re-padded SDPA instead
-  of our kernel (BERTACCEL_VARLEN_ATTENTION).
+  of our kernel (BERTACCEL_VARLEN_ATTENTION); ":nofreeze" leaves the garbage collector unfrozen under
+  graphs (BERTACCEL_GC_FREEZE=0).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
 does the same with its warm-up steps; graph captures of lengths first seen later stay in the
@@ -171,6 +172,8 @@ def cli_run(args, name: str, presets: list[str], workers: int, extra: list[str] 
         "train_data_wait_ms_mean": stats.get("train", {}).get("data_wait_ms_mean"),
         "train_slowest_steps_ms": stats.get("train", {}).get("slowest_steps_ms"),
         "train_slowest_steps_at": stats.get("train", {}).get("slowest_steps_at"),
+        "train_slowest_steps_gc_ms": stats.get("train", {}).get("slowest_steps_gc_ms"),
+        "train_host_gc_ms_total": stats.get("train", {}).get("host_gc_ms_total"),
         "peak_memory_gb": stats.get("train", {}).get("peak_memory_gb"),
         "test_acc": float(acc[-1]) if acc else None,
         "process_wall_s": wall,
@@ -217,10 +220,12 @@ def main(argv=None) -> None:
                     extra += ["--model.init_args.attn_implementation", "bertaccel"]
                 elif o in ("flash", "sdpa"):
                     env["BERTACCEL_VARLEN_ATTENTION"] = o
+                elif o == "nofreeze":
+                    env["BERTACCEL_GC_FREEZE"] = "0"
                 else:
                     raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
                                      "every N tokens, tN: N token buckets (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, flash / sdpa: unpadded attention "
-                                     "by PyTorch's kernels)")
+                                     "by PyTorch's kernels, nofreeze: BERTACCEL_GC_FREEZE=0)")
             results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if args.out:

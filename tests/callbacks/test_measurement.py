@@ -12,7 +12,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from bertaccel.callbacks.profiler import CATEGORY_NAMES, categorize
 from bertaccel.cli import BertAccelCLI
-from bertaccel.modules.flops import bert_step_flops
+from bertaccel.modules.flops import bert_step_flops, bert_step_flops_unpadded
 
 
 def test_flop_formula_matches_torch_flop_counter():
@@ -26,6 +26,20 @@ def test_flop_formula_matches_torch_flop_counter():
     counted = fc.get_total_flops()
     ours = bert_step_flops(cfg, 4, 96, training=True)
     assert abs(ours - counted) / counted < 0.02, (ours, counted)
+
+
+def test_unpadded_flops_count_attention_per_sequence():
+    """The unpadded step's FLOPs: projections on the packed rows, attention within each sequence
+    (sum of length^2) when the varlen kernels run it, the padded square without them."""
+    cfg = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=256, max_position_embeddings=128, num_labels=3)
+    full = bert_step_flops_unpadded(cfg, 4, 96, 4 * 96, attention_pairs=4 * 96 * 96)
+    assert full == bert_step_flops(cfg, 4, 96) == bert_step_flops_unpadded(cfg, 4, 96, 4 * 96)
+    lengths = torch.tensor([3, 96, 0, 40])
+    packed = bert_step_flops_unpadded(cfg, 4, 96, int(lengths.sum()), attention_pairs=lengths.double().square().sum())
+    padded_attention = bert_step_flops_unpadded(cfg, 4, 96, int(lengths.sum()))
+    H, L = cfg.hidden_size, cfg.num_hidden_layers
+    assert float(padded_attention - packed) == 3 * L * 4 * H * (4 * 96 * 96 - (9 + 96 * 96 + 40 * 40))
 
 
 def test_kernel_categories_cover_real_kernel_names():
@@ -161,3 +175,38 @@ def test_gpu_step_fraction_shows_a_gpu_waiting_for_the_host(tiny_data, tmp_path)
         fractions[name] = meter.results["train"]["gpu_step_fraction"]
     assert 0 < fractions["plain"] <= 1.05, fractions
     assert fractions["slow host"] < 0.5 and fractions["slow host"] < fractions["plain"], fractions
+
+
+def test_meter_times_the_hosts_garbage_collection(tiny_data, tmp_path):
+    """A full collection forced inside one training step shows in that step's `slowest_steps_gc_ms`
+    and in `host_gc_ms_total`; the meter's gc hook is gone after the fit."""
+    import gc
+
+    import lightning.pytorch as pl
+
+    from bertaccel.callbacks.throughput import ThroughputMeter
+    from bertaccel.data import TextClassificationDataModule
+    from bertaccel.modules import BertClassifier
+    from tests.conftest import TINY_BERT
+
+    class CollectAtStep5(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 5:
+                junk = [[i] for i in range(300_000)]  # a heap worth walking
+                gc.collect()
+                del junk
+
+    pl.seed_everything(1)
+    meter = ThroughputMeter(enabled=True, warmup_steps=1)
+    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2)
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                      batch_size=16, val_size=0.2)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         limit_val_batches=0, callbacks=[meter, CollectAtStep5()])
+    trainer.fit(model, datamodule=dm)
+    stats = meter.results["train"]
+    at = stats["slowest_steps_at"].index(5.0)  # the collection made step 5 one of the slowest
+    assert stats["slowest_steps_gc_ms"][at] > 0
+    assert stats["host_gc_ms_total"] >= stats["slowest_steps_gc_ms"][at]
+    assert meter._on_gc not in gc.callbacks

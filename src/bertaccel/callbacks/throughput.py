@@ -20,6 +20,7 @@ How it stays honest:
 
 from __future__ import annotations
 
+import gc
 import heapq
 import json
 import logging
@@ -77,6 +78,9 @@ class _Stage:
         self.real: torch.Tensor | int = 0
         self.flops: torch.Tensor | int = 0
         self.step_ms: list[float] = []
+        self.step_gc_ms: list[float] = []  # the host's garbage-collection time within each counted step
+        self.gc_at_start = 0.0  # the meter's GC total (s) when the current step started
+        self.gc_at_t0 = 0.0  # ... and at the end of warm-up
         self.wait_s = 0.0
         self.pending: list[tuple[Any, Any]] = []  # CUDA event pairs not yet read
         self.t0: float | None = None  # wall clock at the end of warm-up
@@ -108,6 +112,17 @@ class ThroughputMeter(pl.Callback):
         self.stages: dict[str, _Stage] = {}
         self._root: Path | None = None
         self.results: dict[str, dict[str, float]] = {}
+        self._gc_s = 0.0  # the host's time in Python's garbage collector since setup
+        self._gc_t: float | None = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """gc.callbacks hook: the main process's collections, timed (a full collection of a large heap
+        stops the host for tens to hundreds of ms, and with it the queue of GPU work)."""
+        if phase == "start":
+            self._gc_t = time.perf_counter()
+        elif self._gc_t is not None:
+            self._gc_s += time.perf_counter() - self._gc_t
+            self._gc_t = None
 
     # -------------------------------------------------------------------------------- helpers
     def _cuda(self, trainer) -> bool:
@@ -130,11 +145,13 @@ class ThroughputMeter(pl.Callback):
             self._sync(trainer)
             now = time.perf_counter()
             st.t0 = now
+            st.gc_at_t0 = self._gc_s
             if self._cuda(trainer):
                 torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         if st.steps >= self.warmup_steps and st.t_last_end is not None:
             st.wait_s += now - st.t_last_end
         st.t_start = now
+        st.gc_at_start = self._gc_s
         if self._cuda(trainer) and st.steps >= self.warmup_steps:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -155,6 +172,7 @@ class ThroughputMeter(pl.Callback):
             st.real = st.real + (mask[:rows].sum() if mask is not None else ids[:rows].numel())
             if hasattr(pl_module, "flops_per_batch"):
                 st.flops = st.flops + pl_module.flops_per_batch(batch, training=stage == "train")
+            st.step_gc_ms.append((self._gc_s - st.gc_at_start) * 1e3)
             if self._cuda(trainer):
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record()
@@ -225,11 +243,16 @@ class ThroughputMeter(pl.Callback):
             "gpu_step_fraction": 1e-3 * sum(st.step_ms) / elapsed_own if self._cuda(trainer) else float("nan"),
             "tflops_per_s": flops / elapsed / 1e12,
             "world_size": float(world),
+            # the host's time in Python's garbage collector since warm-up (this rank)
+            "host_gc_ms_total": (self._gc_s - st.gc_at_t0) * 1e3,
         }
         if st.step_ms:  # where the time of a mean far above the median went: the 8 slowest steps
             slowest = heapq.nlargest(8, range(len(st.step_ms)), key=st.step_ms.__getitem__)
             out["slowest_steps_ms"] = [st.step_ms[i] for i in slowest]
             out["slowest_steps_at"] = [float(i + self.warmup_steps) for i in slowest]  # steps of the stage
+            # the host's garbage collection inside those steps (a stall the GPU felt when its queue ran dry)
+            if len(st.step_gc_ms) == len(st.step_ms):
+                out["slowest_steps_gc_ms"] = [st.step_gc_ms[i] for i in slowest]
         if world > 1:
             out["step_ms_p50_per_rank"] = per_rank_p50
         device = trainer.strategy.root_device
@@ -267,6 +290,13 @@ class ThroughputMeter(pl.Callback):
     def setup(self, trainer, pl_module, stage):
         # every rank: `trainer.log_dir` broadcasts under DDP, so rank 0 alone must not ask for it later
         self._root = Path(trainer.log_dir or trainer.default_root_dir) if self.enabled else None
+        if self.enabled and self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    @override
+    def teardown(self, trainer, pl_module, stage):
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

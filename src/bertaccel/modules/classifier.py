@@ -52,7 +52,8 @@ class BertClassifier(BertModule):
         qk_norm: "layernorm" or "rmsnorm" on each head's queries and keys (QK-norm), for models
             trained from scratch (it adds parameters a pretrained model lacks); null: none.
         unpadded: Run the embeddings, projections, feed-forward blocks and LayerNorms on the real
-            tokens only (`bertaccel.modules.unpadded`); attention is re-padded for SDPA. Same
+            tokens only (`bertaccel.modules.unpadded`); attention within each packed sequence (our
+            varlen kernel on a GPU; SDPA on the re-padded rows on CPU). Same
             parameters and results as the padded model. The data module packs each batch on the CPU
             (where the real tokens are), so the step reads nothing back to the host; with cuda_graphs
             the token count is rounded up to a few buckets per length bucket (fillers: padding tokens).
@@ -130,7 +131,14 @@ class BertClassifier(BertModule):
         # the rows the encoder runs on: the packed token count (fillers included), else the real tokens
         packed = batch.get("packed_indices")
         rows = packed.numel() if isinstance(packed, torch.Tensor) else batch["attention_mask"].sum()
-        return bert_step_flops_unpadded(self.model.config, B, S, rows, training)
+        # attention within each sequence on a GPU (the varlen kernels), on the re-padded batch on CPU;
+        # the lengths' squares summed on the device (a 0-d tensor: no host read per step)
+        pairs = None
+        if batch["input_ids"].is_cuda:
+            cu = batch.get("cu_seqlens")
+            lengths = cu.diff() if isinstance(cu, torch.Tensor) else batch["attention_mask"].sum(1)
+            pairs = lengths.double().square().sum()
+        return bert_step_flops_unpadded(self.model.config, B, S, rows, training, pairs)
 
     def step_outputs(self, input_ids, attention_mask, token_type_ids=None, labels=None, packed_indices=None,
                      cu_seqlens=None) -> dict[str, torch.Tensor]:

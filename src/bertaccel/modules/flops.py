@@ -30,11 +30,14 @@ def bert_step_flops(config, batch: int, seq: int, head: str = "classifier", pred
     return 3 * fwd if training else fwd
 
 
-def bert_step_flops_unpadded(config, batch: int, seq: int, real_tokens, training: bool = True):
+def bert_step_flops_unpadded(config, batch: int, seq: int, real_tokens, training: bool = True, attention_pairs=None):
     """The classifier step as `model.unpadded` executes it: every projection and feed-forward matmul
-    on the `real_tokens` only (an int or a 0-d tensor), attention still on the padded [batch, seq]
-    (it is re-padded for SDPA), pooler and classifier per sequence."""
+    on the `real_tokens` only (an int or a 0-d tensor), pooler and classifier per sequence. Attention:
+    with `attention_pairs` (the sum over the sequences of length^2, an int or a 0-d tensor) on the
+    packed sequences, as the varlen kernels run it; without, on the padded [batch, seq] (the re-padded
+    SDPA fallback)."""
     H, L, F = config.hidden_size, config.num_hidden_layers, config.intermediate_size
-    fwd = L * (2 * real_tokens * (4 * H * H + 2 * H * F) + batch * 4 * seq * seq * H)
+    attention = batch * seq * seq if attention_pairs is None else attention_pairs
+    fwd = L * (2 * real_tokens * (4 * H * H + 2 * H * F) + 4 * attention * H)
     fwd = fwd + batch * (2 * H * H + 2 * H * config.num_labels)
     return 3 * fwd if training else fwd
