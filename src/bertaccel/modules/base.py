@@ -21,10 +21,8 @@ device and are read when logged (every `trainer.log_every_n_steps` steps and at 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import math
-import os
 import random
 from typing import Any, Literal
 
@@ -610,14 +608,6 @@ class BertModule(pl.LightningModule):
         # on the H100 host (the slowest steps of benchmarks/finetune.py's runs at 8c32708). Make it now.
         for logger in self.trainer.loggers:
             logger.experiment  # noqa: B018 - the property creates it (a dummy on ranks other than 0)
-        # With whole-step graphs the host has little to do per step, and a full garbage collection of
-        # the process's heap (model, tokenizer, Lightning's objects) is a stall the GPU waits through.
-        # What is alive now lives for the whole fit: collect once, then move it out of the collector's
-        # reach (gc.freeze), so later collections only walk what the steps allocate.
-        # BERTACCEL_GC_FREEZE=0 leaves the collector as it is (for comparing both in one run).
-        if self._graphs_on() and os.environ.get("BERTACCEL_GC_FREEZE", "1") != "0":
-            gc.collect()
-            gc.freeze()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.release_graphs()  # loaded optimizer state replaces tensors that graphs point to
