@@ -14,8 +14,11 @@ How it stays honest:
 - the first `warmup_steps` of every stage (compilation, cuDNN autotune, allocator growth) are excluded;
 - under DDP the numbers are global: samples, tokens and FLOPs summed over ranks, over the slowest
   rank's time; step times are each rank's own (`step_ms_p50_per_rank`);
-- MFU = the model's matmul FLOPs (src/bertaccel/modules/flops.py; the executed, padded shape) / time / peak;
-  backward counts as 2x forward. Lightning's sanity-check batches are skipped.
+- MFU = the model's matmul FLOPs (src/bertaccel/modules/flops.py; the executed shape: padded, or the
+  packed rows and sequences of `model.unpadded`) / time / peak; backward counts as 2x forward.
+  Lightning's sanity-check batches are skipped;
+- the host's garbage collection is timed (`gc.callbacks`): `host_gc_ms_total` since warm-up and, for
+  the slowest steps, `slowest_steps_gc_ms`, so a stall can be told apart from a collection.
 """
 
 from __future__ import annotations
