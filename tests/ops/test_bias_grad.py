@@ -145,3 +145,10 @@ def test_dense_compiles_fullgraph():
 def test_reference_matches_torch_sum():
     x = rand(33, 7)
     torch.testing.assert_close(column_sum_reference(x), x.sum(0))
+
+
+def test_column_sum_keeps_float64():
+    x = rand(9, 5, dtype=torch.float64)
+    out = column_sum(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, x.sum(0), rtol=0, atol=1e-12)

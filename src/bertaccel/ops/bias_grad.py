@@ -32,9 +32,13 @@ lib.define("dense(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
 # ------------------------------------------------------------------------------ CPU reference / fake
+def _sum_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+
+
 def column_sum_reference(x: Tensor) -> Tensor:
-    """x summed over every dimension but the last, in fp32 (read in x's dtype, accumulated in fp32)."""
-    return x.reshape(-1, x.shape[-1]).sum(0, dtype=torch.float32)
+    """x summed over every dimension but the last, accumulated and returned in fp32 (fp64 for fp64)."""
+    return x.reshape(-1, x.shape[-1]).sum(0, dtype=_sum_dtype(x))
 
 
 @torch.library.impl(lib, "column_sum", "CPU")
@@ -44,7 +48,7 @@ def _column_sum_cpu(x):
 
 @torch.library.register_fake(f"{NS}::column_sum")
 def _column_sum_fake(x):
-    return x.new_empty(x.shape[-1], dtype=torch.float32)
+    return x.new_empty(x.shape[-1], dtype=_sum_dtype(x))
 
 
 def _column_sum_setup(ctx, inputs, output):
@@ -62,8 +66,8 @@ _COLUMN_SUM = torch.ops.bertaccel.column_sum.default
 
 # ------------------------------------------------------------------------------ public column_sum
 def column_sum(x: Tensor) -> Tensor:
-    """`x.reshape(-1, N).sum(0, dtype=torch.float32)`: on the kernel for contiguous bf16 / fp32 CUDA
-    tensors, PyTorch's sum otherwise (said once)."""
+    """`x.reshape(-1, N).sum(0, dtype=torch.float32)` (fp64 for fp64 inputs): on the kernel for bf16 /
+    fp32 CUDA tensors, PyTorch's sum otherwise (said once)."""
     reason = why_not(x, hidden=1)
     if reason is None:
         return _COLUMN_SUM(x.contiguous())
