@@ -311,3 +311,22 @@ def test_varlen_attention_dropout_is_seeded_and_finite(backend, monkeypatch):
     assert all(torch.isfinite(x).all() for x in (a, *ga))
     d, _ = run(1, 0.0)
     assert not torch.equal(a, d)
+
+
+def test_unpadded_with_projections_that_cannot_fuse():
+    """A swapped self-attention whose projections cannot share one GEMM (a key without bias) runs the
+    three on the packed rows: still the padded model's logits."""
+    from bertaccel.ops.swap import swap
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**CFG, attn_implementation="sdpa")).eval()
+    report = swap(model, ["qkv"])
+    assert report.counts() == {"qkv": 2}
+    for layer in model.bert.encoder.layer:  # after the swap: the replacement holds the same Linear
+        layer.attention.self.key.bias = None
+    ids, mask, types = batch([13, 1, 7, 10])
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+        got = classifier_logits(model, ids, mask, types)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    report.revert()

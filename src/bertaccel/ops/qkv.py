@@ -104,7 +104,7 @@ class SelfAttentionReplacement(nn.Module):
             sizes = (self.query.out_features, self.key.out_features, self.value.out_features)
             return split_heads(qkv, sizes, self.attention_head_size)
         hidden_shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
-        return tuple(p(hidden_states).view(hidden_shape).transpose(1, 2) for p in (self.query, self.key, self.value))
+        return tuple(p(hidden_states).view(hidden_shape).transpose(-3, -2) for p in (self.query, self.key, self.value))
 
 
 class FusedQKVSelfAttention(SelfAttentionReplacement):
