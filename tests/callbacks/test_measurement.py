@@ -42,6 +42,27 @@ def test_unpadded_flops_count_attention_per_sequence():
     assert float(padded_attention - packed) == 3 * L * 4 * H * (4 * 96 * 96 - (9 + 96 * 96 + 40 * 40))
 
 
+def _fit_tiny_with_meter(tiny_data, tmp_path, callbacks, warmup_steps, **trainer_args):
+    """Fit the tiny classifier on tiny_data with a ThroughputMeter first among `callbacks`; the meter."""
+    import lightning.pytorch as pl
+
+    from bertaccel.callbacks.throughput import ThroughputMeter
+    from bertaccel.data import TextClassificationDataModule
+    from bertaccel.modules import BertClassifier
+    from tests.conftest import TINY_BERT
+
+    pl.seed_everything(1)
+    meter = ThroughputMeter(enabled=True, warmup_steps=warmup_steps)
+    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2)
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                      batch_size=16, val_size=0.2)
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[meter, *callbacks],
+                         **trainer_args)
+    trainer.fit(model, datamodule=dm)
+    return meter
+
+
 def test_kernel_categories_cover_real_kernel_names():
     names = {
         "nvjet_sm90_tst_96x128_64x6_2x1_v_bz_NNN": "gemm",
@@ -97,10 +118,6 @@ def test_training_throughput_leaves_out_validation_and_checkpoint_time(tiny_data
 
     import lightning.pytorch as pl
 
-    from bertaccel.callbacks.throughput import ThroughputMeter
-    from bertaccel.data import TextClassificationDataModule
-    from bertaccel.modules import BertClassifier
-    from tests.conftest import TINY_BERT
 
     real_clock, jumped = time.perf_counter, [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
@@ -109,15 +126,7 @@ def test_training_throughput_leaves_out_validation_and_checkpoint_time(tiny_data
         def on_validation_end(self, trainer, pl_module):
             jumped[0] += 100.0
 
-    pl.seed_everything(1)
-    meter = ThroughputMeter(enabled=True, warmup_steps=1)
-    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2)
-    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
-                                      batch_size=16, val_size=0.2)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=[meter, SlowValidation()])
-    trainer.fit(model, datamodule=dm)
+    meter = _fit_tiny_with_meter(tiny_data, tmp_path, [SlowValidation()], 1, accelerator="cpu", max_epochs=3)
     stats = meter.results["train"]
     assert stats["steps"] == 3 * 8 - 1
     seconds = stats["steps"] * 16 / stats["samples_per_s"]
@@ -152,10 +161,6 @@ def test_gpu_step_fraction_shows_a_gpu_waiting_for_the_host(tiny_data, tmp_path)
 
     import lightning.pytorch as pl
 
-    from bertaccel.callbacks.throughput import ThroughputMeter
-    from bertaccel.data import TextClassificationDataModule
-    from bertaccel.modules import BertClassifier
-    from tests.conftest import TINY_BERT
 
     class SlowHost(pl.Callback):
         def on_train_batch_end(self, *args):
@@ -163,15 +168,8 @@ def test_gpu_step_fraction_shows_a_gpu_waiting_for_the_host(tiny_data, tmp_path)
 
     fractions = {}
     for name, extra in (("plain", []), ("slow host", [SlowHost()])):
-        pl.seed_everything(1)
-        meter = ThroughputMeter(enabled=True, warmup_steps=2)
-        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2)
-        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
-                                          batch_size=16, val_size=0.2)
-        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                             limit_val_batches=0, callbacks=[meter, *extra])
-        trainer.fit(model, datamodule=dm)
+        meter = _fit_tiny_with_meter(tiny_data, tmp_path, extra, 2, accelerator="gpu", devices=1, max_epochs=1,
+                                     limit_val_batches=0)
         fractions[name] = meter.results["train"]["gpu_step_fraction"]
     assert 0 < fractions["plain"] <= 1.05, fractions
     assert fractions["slow host"] < 0.5 and fractions["slow host"] < fractions["plain"], fractions
@@ -184,10 +182,6 @@ def test_meter_times_the_hosts_garbage_collection(tiny_data, tmp_path):
 
     import lightning.pytorch as pl
 
-    from bertaccel.callbacks.throughput import ThroughputMeter
-    from bertaccel.data import TextClassificationDataModule
-    from bertaccel.modules import BertClassifier
-    from tests.conftest import TINY_BERT
 
     class CollectAtStep5(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -196,15 +190,8 @@ def test_meter_times_the_hosts_garbage_collection(tiny_data, tmp_path):
                 gc.collect()
                 del junk
 
-    pl.seed_everything(1)
-    meter = ThroughputMeter(enabled=True, warmup_steps=1)
-    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2)
-    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
-                                      batch_size=16, val_size=0.2)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         limit_val_batches=0, callbacks=[meter, CollectAtStep5()])
-    trainer.fit(model, datamodule=dm)
+    meter = _fit_tiny_with_meter(tiny_data, tmp_path, [CollectAtStep5()], 1, accelerator="cpu", max_epochs=1,
+                                 limit_val_batches=0)
     stats = meter.results["train"]
     at = stats["slowest_steps_at"].index(5.0)  # the collection made step 5 one of the slowest
     assert stats["slowest_steps_gc_ms"][at] > 0

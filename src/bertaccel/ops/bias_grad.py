@@ -89,7 +89,8 @@ def _dense_fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _dense_setup(ctx, inputs, output):
+def linear_setup(ctx, inputs, output):
+    """What a linear op's backward keeps (`dense` here, `linear` in gemm.py): x, weight, the bias's dtype."""
     x, weight, bias = inputs
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.save_for_backward(x, weight)
@@ -106,7 +107,7 @@ def _dense_backward(ctx, dy):
     return dx, dw, db
 
 
-torch.library.register_autograd(f"{NS}::dense", _dense_backward, setup_context=_dense_setup)
+torch.library.register_autograd(f"{NS}::dense", _dense_backward, setup_context=linear_setup)
 _DENSE = torch.ops.bertaccel.dense.default
 
 

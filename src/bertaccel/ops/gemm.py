@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops import build
-from bertaccel.ops.bias_grad import column_sum
+from bertaccel.ops.bias_grad import column_sum, linear_setup
 from bertaccel.ops.eligibility import compute_dtype, note_fallback
 from bertaccel.ops.registration import NS, SwapEntry, lib
 
@@ -117,12 +117,6 @@ def _linear_fake(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _linear_setup(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.save_for_backward(x, weight)
-
-
 def _linear_backward(ctx, dy):
     x, weight = ctx.saved_tensors
     dy = dy.contiguous()  # the copy engine reads unit-stride rows (a broadcast gradient is not)
@@ -132,7 +126,7 @@ def _linear_backward(ctx, dy):
     return dx, dw, db
 
 
-torch.library.register_autograd(f"{NS}::linear", _linear_backward, setup_context=_linear_setup)
+torch.library.register_autograd(f"{NS}::linear", _linear_backward, setup_context=linear_setup)
 
 
 @torch.library.impl(lib, "linear_gelu", "CompositeExplicitAutograd")
