@@ -153,11 +153,11 @@ if has anatomy; then  # GPU time of one graphed step by part and by kernel categ
   timeout ${ANATOMY_TIMEOUT:-300} python scripts/step_anatomy.py ${ANATOMY_ARGS:-} --out "$OUT/step_anatomy.json" > "$OUT/step_anatomy.log" 2>&1
   echo "anatomy rc=$?"; cat "$OUT/step_anatomy.log" | grep -v Warning | head -${ANATOMY_TAIL:-80}
 fi
-if has host_steps; then  # host time per steady-state graphed step, cProfile of the main thread
+if has host_steps; then  # host time per steady-state graphed step, cProfile of the main thread (HOST_STEPS_ARGS: more CLI args)
   python scripts/host_steps.py fit -c configs/imdb_minilm.yaml -c configs/presets/graphs.yaml \
     --data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm \
     --data.init_args.val_size 500 --trainer.limit_train_batches 300 --trainer.limit_val_batches 0 --test_after_fit false \
-    --progress_bar.refresh_rate 100 --trainer.logger.init_args.name host_steps > "$OUT/host_steps.log" 2>&1
+    --progress_bar.refresh_rate 100 --trainer.logger.init_args.name host_steps ${HOST_STEPS_ARGS:-} > "$OUT/host_steps.log" 2>&1
   echo "host steps rc=$?"; head -1 "$OUT/host_steps.txt"
   python -X importtime -c "import bertaccel.ops.swap" 2> "$OUT/importtime.txt"; sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -4
 fi

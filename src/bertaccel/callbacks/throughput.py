@@ -275,6 +275,7 @@ class ThroughputMeter(pl.Callback):
             if trainer.state.fn != "fit":
                 rank_zero_info(f"throughput ({stage}): fewer steps than warmup_steps={self.warmup_steps}; nothing measured")
             return
+        stats.update(self._graph_fields(trainer.lightning_module, stage))
         self.results[stage] = stats
         if trainer.is_global_zero:
             root = self._root or Path(trainer.default_root_dir)
@@ -287,6 +288,16 @@ class ThroughputMeter(pl.Callback):
             tmp.replace(path)
             shown = ", ".join(f"{k}={v:.4g}" for k, v in stats.items() if not isinstance(v, list))
             rank_zero_info(f"throughput ({stage}): {shown}  -> {path}")
+
+    @staticmethod
+    def _graph_fields(pl_module, stage: str) -> dict[str, Any]:
+        """The stage's CUDA-graph captures (`BertModule.graph_stats`), warm-up included: how many, their
+        seconds in all, and each one's parts (recording the step, ending the capture, first replay)."""
+        stats = pl_module.graph_stats().get("train" if stage == "train" else "eval") if hasattr(pl_module, "graph_stats") else None
+        if not isinstance(stats, dict) or not stats.get("captured"):
+            return {}
+        return {"graph_captures": float(len(stats["captured"])), "graph_capture_s_total": stats["capture_s"],
+                "graph_capture_parts_s": [round(x, 6) for parts in stats.get("capture_parts_s", []) for x in parts]}
 
     # -------------------------------------------------------------------------------- hooks
     @override

@@ -60,6 +60,9 @@ class GraphStats:
     eager_steps: int = 0
     replays: int = 0
     capture_s: float = 0.0
+    # where each capture's time went, in captured order: (recording the step on the host, ending the
+    # capture - CUDA's graph instantiation included -, the first replay up to the host's return) in seconds
+    capture_parts_s: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 class StepGraphs:
@@ -170,10 +173,12 @@ class StepGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        t_recorded = None
         try:
             # thread_local: other threads (the DataLoader's pin-memory thread) may keep calling CUDA
             with torch.cuda.graph(graph, pool=self.pool, stream=self._stream(), capture_error_mode="thread_local"):
                 outputs = fn(**static)
+                t_recorded = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - any capture failure means: this step cannot be graphed
             self._recover_from_failed_capture()
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -188,11 +193,16 @@ class StepGraphs:
                 return self._eager(fn, inputs, side_stream=True)
             self.disable(f"capture failed ({reason})")
             return self._eager(fn, inputs, side_stream=False)
+        t_ended = time.perf_counter()
         graph.replay()
         self.graphs[key] = _Graph(graph, static, outputs, replays=1)
         self.stats.replays += 1
         self.stats.captured.append(key)
-        seconds = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        seconds = t_end - t0
+        parts = (t_recorded - t0, t_ended - t_recorded, t_end - t_ended)
         self.stats.capture_s += seconds
-        log.info("bertaccel: captured %s graph %s in %.2f s", self.name, key, seconds)
+        self.stats.capture_parts_s.append(parts)
+        log.info("bertaccel: captured %s graph %s in %.3f s (recording %.3f, ending the capture %.3f, first replay "
+                 "%.3f)", self.name, key, seconds, *parts)
         return outputs
