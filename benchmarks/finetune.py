@@ -18,8 +18,9 @@ Variants:
   cli-fused-unpadded  + fused.yaml and unpadded.yaml.
   cli-fused-unpadded-graphs  + graphs.yaml, fused.yaml and unpadded.yaml (packed static batches).
   A ":wN" suffix (cli-graphs:w0) runs a CLI variant with N DataLoader workers (default --workers); ":bN"
-  (cli-graphs:b256) pads to length buckets every N tokens (one bucket when N = max_length); ":tN" rounds
-  packed (unpadded) batches' token counts to N steps (`data.token_buckets`); ":cast"
+  (cli-graphs:b256) pads to length buckets every N tokens (one bucket when N = max_length); ":tN" pads
+  packed (unpadded) batches' token counts to N sizes chosen from the batches (`data.token_buckets`;
+  default "auto"); ":cast"
   turns `model.bf16_weight_copies` off (autocast casts each fp32 weight in every graphed step);
   ":attn" runs `model.attn_implementation: bertaccel` (our attention kernel on the padded batches);
   ":flash" / ":sdpa" run unpadded attention on PyTorch's FlashAttention varlen / re-padded SDPA instead
@@ -224,7 +225,7 @@ def main(argv=None) -> None:
                     env["BERTACCEL_VARLEN_ATTENTION"] = o
                 else:
                     raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
-                                     "every N tokens, tN: N token buckets (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, flash / sdpa: unpadded attention "
+                                     "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, flash / sdpa: unpadded attention "
                                      "by PyTorch's kernels)")
             results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -269,9 +269,37 @@ def test_filler_rows_become_padding_rows(tiny_data, static):
     assert only["attention_mask"][:, 0].all()  # a padding row attends to its first token: no empty softmax row
 
 
-@pytest.mark.parametrize("value", [0, -3, 2.5])
-def test_token_buckets_must_be_a_positive_whole_number(tmp_path, value):
+@pytest.mark.parametrize("value", [0, -3, 2.5, "many", [], [64, 0], True])
+def test_token_buckets_must_be_auto_a_positive_whole_number_or_counts(tmp_path, value):
     from bertaccel.data import TextClassificationDataModule
 
-    with pytest.raises(DataError, match="data.token_buckets must be a whole number >= 1"):
+    with pytest.raises(DataError, match="data.token_buckets must be 'auto', a whole number >= 1 or a list"):
         TextClassificationDataModule(dataset=str(tmp_path), token_buckets=value)
+
+
+@pytest.mark.parametrize("buckets", ["auto", 2, [40, 90]])
+def test_packed_static_batches_take_the_chosen_token_sizes(tiny_data, buckets):
+    """With static shapes and the unpadded encoder, every training batch's token count is padded to one
+    of the sizes chosen from the split's own batches (or given), and every batch fits one of them."""
+    from bertaccel.data.collate import batch_token_counts
+
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                      batch_size=4, val_size=0.2, static_shapes=True, token_buckets=buckets)
+    dm.setup("fit")
+    dm.use_packed_layout()
+    sampler = dm._sampler("train", 4, train=True)
+    sizes = dm.token_sizes("train", 4, sampler)
+    if isinstance(buckets, list):
+        assert sizes == buckets
+    else:
+        counts = batch_token_counts(dm.datasets["train"].lengths(), torch.as_tensor(sampler.order(0)), 4, 32)
+        assert sizes[-1] >= int(counts.max()) and all(s % 8 == 0 for s in sizes)
+        if buckets == 2:
+            assert len(sizes) == 2
+    seen = set()
+    for batch in dm.train_dataloader():
+        n = batch["packed_indices"].numel()
+        real = int(batch["attention_mask"].sum())
+        assert n >= real and (n in sizes or n == batch["input_ids"].numel())
+        seen.add(n)
+    assert seen <= set(sizes) | {4 * 32}

@@ -61,3 +61,51 @@ def test_batches_arrive_on_the_gpu_in_order_and_intact():
         assert len(got) == len(expected)
         for a, b in zip(got, expected):
             assert torch.equal(a["x"].cpu(), b["x"]) and torch.equal(a["index"].cpu(), b["index"])
+
+
+class Mixed(torch.utils.data.Dataset):
+    """Rows with tensors of several dtypes and shapes, an empty one, and non-tensor values."""
+
+    def __len__(self):
+        return 21
+
+    def __getitem__(self, i):
+        return {"ids": torch.arange(i, i + 3), "mask": torch.tensor([i % 2 == 0, True, False]),
+                "cu": torch.tensor([0, i], dtype=torch.int32), "x": torch.full((2, 5), i / 3, dtype=torch.bfloat16),
+                "empty": torch.zeros(0), "tag": f"row{i}", "n": i}
+
+
+def test_one_buffer_batches_come_out_as_collated(tmp_path):
+    """Batches packed into one buffer in the workers come out equal to the plain collate's, every dtype
+    and shape, key order and non-tensor values included; the packed form holds one tensor."""
+    from torch.utils.data import default_collate
+
+    from bertaccel.data.loader import BUFFER_KEY, pack_batch, unpack_batch
+
+    expected = list(torch.utils.data.DataLoader(Mixed(), batch_size=4, collate_fn=default_collate))
+    packed = pack_batch(expected[0])
+    assert [k for k, v in packed.items() if torch.is_tensor(v)] == [BUFFER_KEY]
+    for workers in (0, 2):
+        got = list(DeviceLoader(Mixed(), batch_size=4, collate_fn=default_collate, num_workers=workers))
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            assert list(a) == list(b)
+            for k in b:
+                if torch.is_tensor(b[k]):
+                    assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+                else:
+                    assert a[k] == b[k], k
+    assert unpack_batch({"x": 1}) == {"x": 1} and pack_batch([torch.ones(2)])[0].tolist() == [1.0, 1.0]
+
+
+def test_lightning_rebuilds_do_not_wrap_the_collate_twice():
+    from torch.utils.data import default_collate
+
+    from bertaccel.data.loader import OneBufferCollate
+
+    loader = DeviceLoader(Mixed(), batch_size=4, collate_fn=default_collate)
+    rebuilt = _update_dataloader(loader, DistributedSampler(Mixed(), num_replicas=2, rank=1, shuffle=False))
+    assert isinstance(rebuilt.collate_fn, OneBufferCollate) and rebuilt.collate_fn.collate is default_collate
+    assert torch.equal(next(iter(rebuilt))["ids"], default_collate([Mixed()[i] for i in (1, 3, 5, 7)])["ids"])
+    plain = DeviceLoader(Mixed(), batch_size=4, collate_fn=default_collate, one_buffer=False)
+    assert plain.collate_fn is default_collate

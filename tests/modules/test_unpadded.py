@@ -120,11 +120,16 @@ def test_collator_packs_static_and_dynamic_batches():
     rows = [{"input_ids": torch.arange(5, 5 + n), "label": 1, "index": i} for i, n in enumerate([10, 3, 7])]
     dynamic = ClassificationCollator(pad_id=0, packed=True)(rows)
     assert dynamic["packed_indices"].numel() == 20 and dynamic["cu_seqlens"].tolist() == [0, 10, 13, 20]
-    static = ClassificationCollator(pad_id=0, buckets=[16, 32], batch_size=4, packed=True, token_buckets=8)(rows)
+    static = ClassificationCollator(pad_id=0, buckets=[16, 32], batch_size=4, packed=True, token_sizes=8)(rows)
     # 4 x 16 slots in 8 steps of 8: 20 real tokens + the padding row's one token = 21 -> 24
     assert static["input_ids"].shape == (4, 16) and static["packed_indices"].numel() == 24
     assert static["cu_seqlens"].tolist() == [0, 10, 13, 20, 21]
     assert "packed_indices" not in ClassificationCollator(pad_id=0)(rows)
+    # given sizes: the smallest that holds the 21 tokens; above the largest, the whole 4 x 16
+    sized = ClassificationCollator(pad_id=0, buckets=[16], batch_size=4, packed=True, token_sizes=[32, 22, 40])
+    assert sized(rows)["packed_indices"].numel() == 22
+    assert ClassificationCollator(pad_id=0, buckets=[16], batch_size=4, packed=True, token_sizes=[12])(rows)[
+        "packed_indices"].numel() == 64
 
 
 def test_unpadded_with_cuda_graphs_trains_like_eager_unpadded(tiny_data, tmp_path):
@@ -141,7 +146,8 @@ def test_unpadded_with_cuda_graphs_trains_like_eager_unpadded(tiny_data, tmp_pat
         model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graphs, unpadded=True)
         model._capture_without_gpu = graphs
         dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
-                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
+                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16,
+                                          token_buckets=2)
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
         trainer.fit(model, datamodule=dm)
@@ -150,10 +156,11 @@ def test_unpadded_with_cuda_graphs_trains_like_eager_unpadded(tiny_data, tmp_pat
     eager, t_eager, dm = train(False)
     graph, t_graph, dm_graph = train(True)
     assert dm.packed and "packed_indices" in next(iter(dm.train_dataloader()))
-    # static packed batches: one length (max_length), token counts in steps of 16 x 48 / 16 = 48
+    # static packed batches: one length (max_length), token counts among the 2 sizes chosen for the split
     shapes = {(b["input_ids"].shape, b["packed_indices"].numel()) for b in dm_graph.train_dataloader()}
-    assert {s for s, _ in shapes} == {torch.Size([16, 48])}
-    assert all(n % 48 == 0 for _, n in shapes) and len(shapes) > 1
+    sizes = dm_graph.token_sizes("train", 16, dm_graph._sampler("train", 16, train=True))
+    assert {s for s, _ in shapes} == {torch.Size([16, 48])} and len(sizes) == 2
+    assert {n for _, n in shapes} <= set(sizes) and len(shapes) > 1
     assert t_graph.global_step == t_eager.global_step > 0
     for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)

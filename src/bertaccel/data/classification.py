@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from bertaccel.data.collate import ClassificationCollator, bucket_lengths
+from bertaccel.data.collate import ClassificationCollator, batch_token_counts, bucket_lengths, choose_token_sizes
 from bertaccel.data.masking import IGNORE_INDEX
 from bertaccel.data.loader import (DeviceLoader, ResumableDataLoader, check_worker_sharing, fit_progress,
                                    loader_device, set_worker_sharing)
@@ -81,11 +81,14 @@ class TextClassificationDataModule(pl.LightningDataModule):
             (64: 64, 128, ... up to `max_length`) or a list; `max_length` is always one of them.
         token_buckets: With `static_shapes` and the unpadded encoder (`model.unpadded`): batches are
             padded to `max_length` (the encoder skips padding, so the padded length costs nothing) and
-            their real-token count is rounded up to a multiple of batch x `max_length` / `token_buckets`
-            (16: at 32 x 512, 1,024 tokens). Each count that occurs costs one capture (~40 ms for
-            MiniLM); a step computes half a multiple of padding on average. Measured on the one-epoch
-            IMDB-512 MiniLM fine-tune (H100, commit 5327146): 8 buckets 5,141 samples/s (step p50
-            5.90 ms), 16: 5,219 (5.53 ms).
+            their real-token count is padded to one of a few token counts, each of which costs one CUDA
+            graph capture (~40 ms for MiniLM). The counts are chosen from the split's own batches (their
+            real-token counts, from the sampler's order; `collate.choose_token_sizes`) to minimise the
+            padding: "auto" (default) also picks how many, trading the padding of the run's planned
+            steps against the captures; a number fixes how many; a list gives the token counts. A batch
+            above the largest count is padded to batch x `max_length`. IMDB-512, batch 32: "auto"
+            picks 4 sizes for one epoch of 15,500 rows (padding 5.4% of the real tokens; 16 equal steps
+            of 1,024 tokens: 7 sizes, 5.7%).
         group_by_length: Batch training texts of similar length together (less padding).
         train_subset: Use only this many training rows (seeded random subset), e.g. for quick runs.
         test_subset: Use only this many test rows (seeded random subset).
@@ -116,7 +119,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         pad_to_multiple_of: int | None = 8,
         static_shapes: bool = False,
         length_buckets: int | list[int] = 64,
-        token_buckets: int = 16,
+        token_buckets: int | list[int] | str = "auto",
         group_by_length: bool = False,
         train_subset: int | None = None,
         test_subset: int | None = None,
@@ -152,8 +155,12 @@ class TextClassificationDataModule(pl.LightningDataModule):
             bucket_lengths(max_length, length_buckets)
         except ValueError as e:
             raise DataError(f"{e} Set `data.length_buckets` to e.g. 64 or [128, 256, 512].") from None
-        if not (isinstance(token_buckets, int) and token_buckets >= 1):
-            raise DataError(f"data.token_buckets must be a whole number >= 1, got {token_buckets!r}.")
+        if not (token_buckets == "auto" or (isinstance(token_buckets, int) and not isinstance(token_buckets, bool)
+                                            and token_buckets >= 1)
+                or (isinstance(token_buckets, list) and token_buckets
+                    and all(isinstance(t, int) and t >= 1 for t in token_buckets))):
+            raise DataError(f"data.token_buckets must be 'auto', a whole number >= 1 or a list of token counts, "
+                            f"got {token_buckets!r}.")
         self.token_buckets = token_buckets
         self.group_by_length = group_by_length
         self.train_subset, self.test_subset = train_subset, test_subset
@@ -349,15 +356,40 @@ class TextClassificationDataModule(pl.LightningDataModule):
         """Give every batch `packed_indices` and `cu_seqlens` for the unpadded encoder (`model.unpadded`)."""
         self.packed = True
 
-    def collator(self, batch_size: int) -> ClassificationCollator:
+    def collator(self, batch_size: int, split: str | None = None, sampler: EpochSampler | None = None) -> ClassificationCollator:
         pad_id = self.tokenizer.pad_token_id
         if self.static_shapes and self.packed:  # one length; the shapes vary with the real-token count only
+            sizes = self.token_sizes(split, batch_size, sampler) if split is not None else 16
             return ClassificationCollator(pad_id, buckets=[self.max_length], batch_size=batch_size, packed=True,
-                                          token_buckets=self.token_buckets)
+                                          token_sizes=sizes)
         if self.static_shapes:
             return ClassificationCollator(pad_id, buckets=bucket_lengths(self.max_length, self.length_buckets),
                                           batch_size=batch_size)
         return ClassificationCollator(pad_id, self.pad_to_multiple_of, packed=self.packed)
+
+    def token_sizes(self, split: str, batch_size: int, sampler: EpochSampler | None = None) -> list[int]:
+        """The token counts packed batches of `split` are padded to (`token_buckets`): given, or chosen
+        from the real-token counts of the batches the split's sampler makes (training: its first epochs,
+        at least 2,048 batches when the split is smaller; evaluation: its one fixed order). Every rank of
+        a DDP run computes the same sizes (from the whole order, not its share)."""
+        if isinstance(self.token_buckets, list):
+            return sorted(self.token_buckets)
+        ds = self.datasets[split]
+        train = split == "train" and sampler is not None and not sampler.fixed
+        sampler = sampler or self._sampler(split, batch_size, train=False)
+        per_epoch = -(-len(ds) // batch_size)
+        epochs = min(16, -(-2048 // max(per_epoch, 1))) if train else 1
+        orders = [torch.as_tensor(sampler.order(e), dtype=torch.long) for e in range(epochs)]
+        counts = torch.cat([batch_token_counts(ds.lengths(), o, batch_size, self.max_length) for o in orders])
+        steps = per_epoch * (self._planned_epochs() if split in ("train", "validation") else 1)
+        sizes = choose_token_sizes(counts, self.token_buckets, steps=steps)
+        rank_zero_info(f"bertaccel: packed {split} batches padded to {len(sizes)} token counts {sizes} (data.token_buckets)")
+        return sizes
+
+    def _planned_epochs(self) -> int:
+        """The epochs the trainer will run (1 when unknown or bounded by steps only)."""
+        epochs = getattr(self.trainer, "max_epochs", None) if self.trainer is not None else None
+        return epochs if isinstance(epochs, int) and epochs > 0 else 1
 
     def _sampler(self, split: str, batch_size: int, train: bool) -> EpochSampler:
         ds = self.datasets[split]
@@ -373,7 +405,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
     def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DeviceLoader] = DeviceLoader,
                 sampler: EpochSampler | None = None, **loader_kwargs) -> DataLoader:
         ds = self.datasets[split]
-        sampler = sampler or self._sampler(split, batch_size, train)
+        sampler = base = sampler or self._sampler(split, batch_size, train)
         if not train:  # under DDP: every row on exactly one rank (no repeated rows in the metrics)
             sampler = shard_for_ranks(sampler, self.trainer)
         workers = self._workers()
@@ -382,7 +414,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             ds,
             batch_size=batch_size,
             sampler=sampler,
-            collate_fn=self.collator(batch_size),
+            collate_fn=self.collator(batch_size, split, base),
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             device=loader_device(self.trainer, self.prefetch_to_device),

@@ -62,16 +62,19 @@ def pad_ids(
     return ids, mask
 
 
-def packed_layout(mask: torch.Tensor, token_quantum: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_layout(
+    mask: torch.Tensor, token_quantum: int | None = None, token_sizes: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the real tokens of a right-padded [batch, seq] attention mask are, as the unpadded encoder
     (`bertaccel.modules.unpadded`) takes them: `packed_indices`, the flat positions (b * seq + s) of
     the real tokens sequence by sequence, and `cu_seqlens`, the int32 offsets of each sequence
     ([batch + 1], FlashAttention's varlen convention).
 
-    With `token_quantum`, the token count is rounded up to a multiple of it (at most batch x seq) with
-    filler positions appended after the real tokens: the first padding positions of the batch, each
-    once, so that packing and unpacking stay exact. A CUDA graph then sees a few token counts instead
-    of one per batch; the fillers run through the encoder as padding tokens and are never read back.
+    The token count can be padded, with filler positions appended after the real tokens (the first
+    padding positions of the batch, each once, so that packing and unpacking stay exact): to the
+    smallest of `token_sizes` that holds it, else up to a multiple of `token_quantum`, else (sizes
+    given, none large enough) to batch x seq. A CUDA graph then sees a few token counts instead of one
+    per batch; the fillers run through the encoder as padding tokens and are never read back.
     """
     mask = mask.bool()
     seq = mask.shape[1]
@@ -80,13 +83,93 @@ def packed_layout(mask: torch.Tensor, token_quantum: int | None = None) -> tuple
         raise ValueError("the unpadded encoder needs right-padded batches (real tokens first in every row).")
     flat = mask.reshape(-1)
     indices = flat.nonzero().squeeze(1)
-    if token_quantum:
-        tokens = indices.numel()
-        budget = min(flat.numel(), -(-max(tokens, 1) // token_quantum) * token_quantum)
+    tokens = indices.numel()
+    budget = tokens
+    if token_sizes:
+        i = bisect.bisect_left(token_sizes, tokens)
+        budget = token_sizes[i] if i < len(token_sizes) else flat.numel()
+    elif token_quantum:
+        budget = -(-max(tokens, 1) // token_quantum) * token_quantum
+    budget = min(flat.numel(), budget)
+    if budget > tokens:
         fill = (~flat).nonzero().squeeze(1)[: budget - tokens]
         indices = torch.cat([indices, fill])
     cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     return indices, cu_seqlens
+
+
+# What one more CUDA-graph capture costs, in padded tokens computed (the trade `choose_token_sizes` makes
+# when it picks how many token counts to capture). Measured on the H100 for MiniLM at 32 x 512 (commit
+# beaa183): a capture records the step on the host in 27-62 ms (mean ~39), a graphed step costs ~0.48 us
+# per packed token (4.47 ms for ~9,300): ~80k tokens. BERT-base doubles the recording (12 layers) and
+# about quadruples the per-token cost: ~40k. The value in between; it moves the choice by one size at most.
+CAPTURE_COST_TOKENS = 64_000
+
+
+def batch_token_counts(lengths: torch.Tensor, order: torch.Tensor, batch_size: int, max_length: int) -> torch.Tensor:
+    """The real-token count of each batch of `batch_size` rows taken in `order` (indices into `lengths`),
+    as the packed collator counts it: every row's length capped at `max_length`; the padding rows that
+    fill a short last batch up to `batch_size` count one token each."""
+    order = torch.as_tensor(order, dtype=torch.long)
+    if order.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    per_row = lengths.clamp(max=max_length).to(torch.long)[order]
+    short = -order.numel() % batch_size
+    per_row = torch.cat([per_row, torch.ones(short, dtype=torch.long)])
+    return per_row.view(-1, batch_size).sum(1)
+
+
+def _padding_by_sizes(counts: torch.Tensor, most: int, multiple: int, candidates: int) -> list[tuple[float, list[int]]]:
+    """For k = 1..most: (mean padding per batch, the k sizes) of the best k token sizes for `counts`,
+    each batch padded to the smallest size that holds it. Dynamic programming over candidate sizes: the
+    counts' quantiles rounded up to `multiple` (the largest count among them)."""
+    c = counts.to(torch.float64).sort().values
+    n = c.numel()
+    qs = torch.linspace(0, 1, candidates, dtype=torch.float64)
+    cand = torch.unique(torch.ceil(torch.quantile(c, qs) / multiple) * multiple)
+    m = cand.numel()
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), c.cumsum(0)])
+    below = torch.searchsorted(c, cand, right=True)  # batches of at most each candidate size
+    cnt, tot = below.to(torch.float64), prefix[below]
+    # seg[i, j]: padding of the batches above candidate i and at most candidate j, padded to candidate j
+    seg = (cnt[None, :] - cnt[:, None]) * cand[None, :] - (tot[None, :] - tot[:, None])
+    seg = torch.where(torch.arange(m)[:, None] < torch.arange(m)[None, :], seg, torch.full_like(seg, float("inf")))
+    best = cnt * cand - tot  # one size: the j-th candidate holds every batch up to it
+    choice = [torch.full((m,), -1, dtype=torch.long)]
+    out = [(float(best[-1]) / n, [int(cand[-1])])]
+    for _ in range(2, most + 1):
+        total = best[:, None] + seg  # the previous sizes end at candidate i, the new one is candidate j
+        best, arg = total.min(0)
+        choice.append(arg)
+        sizes, j = [], m - 1
+        for k in range(len(choice) - 1, -1, -1):
+            sizes.append(int(cand[j]))
+            j = int(choice[k][j])
+            if j < 0:
+                break
+        out.append((float(best[-1]) / n, sorted(sizes)))
+    return out
+
+
+def choose_token_sizes(counts: torch.Tensor, buckets: int | str = "auto", steps: int | None = None,
+                       multiple: int = 8, most: int = 16, candidates: int = 256) -> list[int]:
+    """The token counts a packed batch is padded to (`packed_layout`'s `token_sizes`), chosen from the
+    real-token counts of the batches a loader will make (`batch_token_counts`): the sizes that minimise
+    the padding when every batch is padded to the smallest size holding it. Each size that occurs costs one
+    CUDA-graph capture, so `buckets` is how many: a number, or "auto": the number that minimises
+    `steps` x padding per step + captures x `CAPTURE_COST_TOKENS` (`steps`: how many batches the run
+    will take; default: as many as `counts`). Sizes are multiples of `multiple`; the largest is the
+    largest count (a batch above it is padded to batch x seq, one more capture)."""
+    counts = torch.as_tensor(counts, dtype=torch.long)
+    if counts.numel() == 0:
+        return []
+    if buckets != "auto" and not (isinstance(buckets, int) and buckets >= 1):
+        raise ValueError(f"token buckets must be a whole number >= 1 or 'auto', got {buckets!r}.")
+    options = _padding_by_sizes(counts, most if buckets == "auto" else buckets, multiple, candidates)
+    if buckets != "auto":
+        return options[-1][1]
+    steps = counts.numel() if steps is None else steps
+    return min(options, key=lambda o: steps * o[0] + len(o[1]) * CAPTURE_COST_TOKENS)[1]
 
 
 class ClassificationCollator:
@@ -97,7 +180,9 @@ class ClassificationCollator:
     is -1, so losses, metrics and prediction writers skip them. A filler row (`{"filler": True}`,
     what the datasets return for `EvalShardSampler`'s FILLER index) becomes such a padding row too.
     With `packed`, batches also carry `packed_indices` and `cu_seqlens` (`packed_layout`); with
-    static shapes the token count is rounded up to one of `token_buckets` steps of batch x seq.
+    static shapes the token count is padded to the smallest of `token_sizes` that holds it (a list,
+    e.g. from `choose_token_sizes`; batch x seq above the largest), or, given a number N, up to a
+    multiple of batch x seq / N.
     """
 
     def __init__(
@@ -107,11 +192,12 @@ class ClassificationCollator:
         buckets: list[int] | None = None,
         batch_size: int | None = None,
         packed: bool = False,
-        token_buckets: int = 16,
+        token_sizes: int | list[int] = 16,
     ) -> None:
         self.pad_id, self.pad_to_multiple_of = pad_id, pad_to_multiple_of
         self.buckets, self.batch_size = buckets, batch_size
-        self.packed, self.token_buckets = packed, token_buckets
+        self.packed = packed
+        self.token_sizes = token_sizes if isinstance(token_sizes, int) else sorted(int(t) for t in token_sizes)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | int]:
         # fillers (an evaluation share under DDP padded to the other ranks' length) become padding rows
@@ -124,11 +210,14 @@ class ClassificationCollator:
         index[:n] = torch.tensor([r["index"] for r in rows], dtype=torch.long)
         batch = {"input_ids": ids, "attention_mask": mask, "index": index, "num_rows": n}
         if self.packed:
-            quantum = None
-            if self.batch_size is not None:  # static shapes: a few token counts per length bucket
-                quantum = -(-ids.numel() // self.token_buckets)
-                quantum = -(-quantum // 8) * 8
-            batch["packed_indices"], batch["cu_seqlens"] = packed_layout(mask, quantum)
+            quantum, sizes = None, None
+            if self.batch_size is not None:  # static shapes: a few token counts
+                if isinstance(self.token_sizes, int):
+                    quantum = -(-ids.numel() // self.token_sizes)
+                    quantum = -(-quantum // 8) * 8
+                else:
+                    sizes = self.token_sizes
+            batch["packed_indices"], batch["cu_seqlens"] = packed_layout(mask, quantum, sizes)
         if labelled:
             labels = torch.full((b,), IGNORE_INDEX, dtype=torch.long)
             labels[:n] = torch.tensor([r["label"] for r in rows], dtype=torch.long)

@@ -17,6 +17,14 @@ may make one before using it), so the run continues with the batch after the che
 restarting the epoch; with the random states the
 checkpoint also carries, a resumed run ends with the weights of an uninterrupted one.
 
+One buffer per batch: a batch of several tensors (the packed classification batch has six) costs the
+main process per tensor: a shared-memory file from the worker, unpickling it, a pinned copy, a
+host-to-device copy, a `record_stream`. On the H100 host (cProfile of a graphed MiniLM fine-tune,
+commit beaa183) fetching a batch took ~1.9 ms of the host's ~4.5 ms per step, the GPU's step being
+4.5 ms: the host set the pace at times. `DeviceLoader` therefore collates every batch into one byte
+buffer (`pack_batch`, in the worker) and hands out views of it again (`unpack_batch`: after the copy
+to the GPU, or at once without one): one of each of those per batch.
+
 Under DDP Lightning rebuilds the loader around a distributed sampler that wraps ours; `progress` and
 `epoch_sampler` are constructor arguments so the rebuilt loader keeps them. Every iterator sets the
 epoch of the wrapped `EpochSampler` from the trainer's epoch (nothing else reaches it through the
@@ -26,6 +34,7 @@ the batches it already trained on.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -65,6 +74,61 @@ def set_worker_sharing(strategy: str | None, workers: int) -> None:
         rank_zero_info(f"bertaccel: DataLoader workers share batches by '{strategy}' (data.worker_sharing).")
 
 
+BUFFER_KEY, LAYOUT_KEY = "_batch_buffer", "_batch_layout"
+_ALIGN = 16  # bytes: every field starts at a multiple, so any dtype can view its bytes
+
+
+def pack_batch(batch: Any) -> Any:
+    """A dict batch with its CPU tensors copied into one uint8 buffer (`BUFFER_KEY`) and their places
+    (`LAYOUT_KEY`: (key, byte offset, shape, dtype) for each tensor, None for any other value, in the
+    batch's key order); anything else, or a dict with fewer than two tensors, as it is."""
+    if not isinstance(batch, dict) or BUFFER_KEY in batch:
+        return batch
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+               and not v.requires_grad}
+    if len(tensors) < 2:
+        return batch
+    layout, offset = [], 0
+    for k, v in batch.items():
+        if k not in tensors:
+            layout.append((k, None, None, None))
+            continue
+        layout.append((k, offset, tuple(v.shape), v.dtype))
+        offset += -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN
+    buffer = torch.empty(offset, dtype=torch.uint8)
+    for k, at, _, dtype in layout:
+        if at is not None:
+            v = tensors[k]
+            buffer[at : at + v.numel() * v.element_size()].view(dtype).copy_(v.reshape(-1))
+    out = {k: v for k, v in batch.items() if k not in tensors}
+    out[BUFFER_KEY], out[LAYOUT_KEY] = buffer, tuple(layout)
+    return out
+
+
+def unpack_batch(batch: Any) -> Any:
+    """The batch `pack_batch` packed, its tensors views of the buffer (wherever the buffer now is)."""
+    if not isinstance(batch, dict) or BUFFER_KEY not in batch:
+        return batch
+    buffer = batch[BUFFER_KEY]
+    out = {}
+    for k, at, shape, dtype in batch[LAYOUT_KEY]:
+        if at is None:
+            out[k] = batch[k]
+        else:
+            out[k] = buffer[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    return out
+
+
+class OneBufferCollate:
+    """A collate function whose dict batches come out packed into one buffer (`pack_batch`)."""
+
+    def __init__(self, collate: Callable[[list], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, rows: list) -> Any:
+        return pack_batch(self.collate(rows))
+
+
 def prefetch_to_device(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
     """Yield `batches` moved to the CUDA `device`, each copied on a side stream one batch ahead."""
     stream = torch.cuda.Stream(device)
@@ -92,11 +156,18 @@ def prefetch_to_device(batches: Iterator[Any], device: torch.device) -> Iterator
 
 class DeviceLoader(DataLoader):
     """A DataLoader whose batches arrive on `device`, copied one batch ahead on a side CUDA stream
-    (see the module docstring). `device` None or not a GPU: a plain DataLoader."""
+    (see the module docstring). `device` None or not a GPU: a plain DataLoader. With `one_buffer`
+    (default) and a `collate_fn`, each dict batch travels as one buffer (`pack_batch`) and comes out
+    as the collate function made it."""
 
-    def __init__(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, device: torch.device | str | None = None, one_buffer: bool = True, **kwargs: Any) -> None:
+        collate = kwargs.get("collate_fn")
+        if one_buffer and collate is not None and not isinstance(collate, OneBufferCollate):
+            kwargs["collate_fn"] = OneBufferCollate(collate)
         super().__init__(*args, **kwargs)
-        self.device = device  # an attribute of this name: Lightning rebuilds loaders from their attributes
+        # attributes of these names: Lightning rebuilds loaders from their attributes (the collate_fn it
+        # finds is already wrapped, so a rebuilt loader does not wrap it again)
+        self.device, self.one_buffer = device, one_buffer
 
     def host_batches(self) -> Iterator[Any]:
         return super().__iter__()
@@ -104,9 +175,9 @@ class DeviceLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         it = self.host_batches()
         device = torch.device(self.device) if self.device is not None else None
-        if device is None or device.type != "cuda":
-            return it
-        return prefetch_to_device(it, device)
+        if device is not None and device.type == "cuda":
+            it = prefetch_to_device(it, device)
+        return map(unpack_batch, it)
 
 
 def loader_device(trainer, enabled: bool) -> torch.device | None:
