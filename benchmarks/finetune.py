@@ -24,7 +24,8 @@ Variants:
   turns `model.bf16_weight_copies` off (autocast casts each fp32 weight in every graphed step);
   ":attn" runs `model.attn_implementation: bertaccel` (our attention kernel on the padded batches);
   ":flash" / ":sdpa" run unpadded attention on PyTorch's FlashAttention varlen / re-padded SDPA instead
-  of our kernel (BERTACCEL_VARLEN_ATTENTION).
+  of our kernel (BERTACCEL_VARLEN_ATTENTION); ":nofreeze" leaves the garbage collector unfrozen
+  (BERTACCEL_GC_FREEZE=0; see BertModule._freeze_heap).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
 does the same with its warm-up steps; graph captures of lengths first seen later stay in the
@@ -223,10 +224,12 @@ def main(argv=None) -> None:
                     extra += ["--model.init_args.attn_implementation", "bertaccel"]
                 elif o in ("flash", "sdpa"):
                     env["BERTACCEL_VARLEN_ATTENTION"] = o
+                elif o == "nofreeze":
+                    env["BERTACCEL_GC_FREEZE"] = "0"
                 else:
                     raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
                                      "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, flash / sdpa: unpadded attention "
-                                     "by PyTorch's kernels)")
+                                     "by PyTorch's kernels, nofreeze: BERTACCEL_GC_FREEZE=0)")
             results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if args.out:

@@ -197,3 +197,25 @@ def test_meter_times_the_hosts_garbage_collection(tiny_data, tmp_path):
     assert stats["slowest_steps_gc_ms"][at] > 0
     assert stats["host_gc_ms_total"] >= stats["slowest_steps_gc_ms"][at]
     assert meter._on_gc not in gc.callbacks
+
+
+@pytest.mark.parametrize("freeze", ["1", "0"])
+def test_training_freezes_the_heap_and_teardown_unfreezes_it(tiny_data, tmp_path, monkeypatch, freeze):
+    """The objects alive at train start are out of the collector's reach during the steps (a full
+    collection then walks only what the steps made) and back after the run; BERTACCEL_GC_FREEZE=0
+    leaves the collector alone."""
+    import gc
+
+    import lightning.pytorch as pl
+
+    monkeypatch.setenv("BERTACCEL_GC_FREEZE", freeze)
+    seen = []
+
+    class FrozenCount(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(gc.get_freeze_count())
+
+    gc.unfreeze()
+    _fit_tiny_with_meter(tiny_data, tmp_path, [FrozenCount()], 1, accelerator="cpu", max_epochs=1, limit_val_batches=0)
+    assert seen and (min(seen) > 10_000 if freeze == "1" else max(seen) == 0)
+    assert gc.get_freeze_count() == 0
