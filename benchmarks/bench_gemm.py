@@ -85,7 +85,10 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    ours = _ours_available(device) and dtype == torch.bfloat16
+    ours = _ours_available(device) and dtype in (torch.bfloat16, torch.float32)  # fp32: the SIMT kernel
+    fp32 = dtype == torch.float32
+    if device == "cuda" and fp32:
+        torch.backends.cuda.matmul.allow_tf32 = False  # cuBLAS's true fp32 GEMM (PyTorch's default too)
     if ours:
         from bertaccel.ops import gemm
 
@@ -116,7 +119,15 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             for impl, t in zip(["bertaccel", "bertaccel staged-store"], ms_ours):
                 add({"shape": row["shape"], "gemm": name, "impl": impl, "ms": round(t, 4),
                      "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
-            if sweep:  # every schedule, tile width and K split, for the tile heuristic
+            if sweep and fp32:  # the SIMT kernel's block tiles (1: 128x128, 2: 128x64, 3: 64x64) and K splits
+                for tile in (1, 2, 3):
+                    for splits in (1, 2, 4, 8):
+                        def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb):
+                            return GEMM(a, b, None, None, 0, ta, tb, True, False, tile, splits)[0]
+                        t = time_ms(f, args, device)
+                        add({"shape": row["shape"], "gemm": name, "impl": f"bertaccel t{tile} s{splits}",
+                             "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
+            elif sweep:  # every schedule, tile width and K split, for the tile heuristic
                 configs = [(schedule, tile) for schedule, tiles in ((1, (64, 128, 192, 256)), (2, (64, 128)),
                                                                     (3, (128, 192, 256)))
                            if schedule in schedules for tile in tiles]
@@ -138,11 +149,12 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             # one GEMM with bias + GELU in the epilogue; training also writes the pre-activation
             gelu_cases["bertaccel gemm+bias+gelu"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, False)[0]
             gelu_cases["bertaccel gemm+bias+gelu (saves pre)"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, True)
-            for label, sched in (("cooperative", 1), ("ping-pong", 2)):  # each schedule with the model's tile, saving pre
+            for label, sched in () if fp32 else (("cooperative", 1), ("ping-pong", 2)):  # each schedule, saving pre
                 gelu_cases[f"bertaccel {label} gemm+bias+gelu (saves pre)"] = (
                     lambda x, w, b, sched=sched: GEMM(x, w, b, None, 2, False, False, False, True, 0, 1, sched))
-            gelu_cases["bertaccel ping-pong gemm+bias+gelu"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False, False,
-                                                                                      128, 1, 2)[0]
+            if not fp32:
+                gelu_cases["bertaccel ping-pong gemm+bias+gelu"] = lambda x, w, b: GEMM(x, w, b, None, 2, False, False, False,
+                                                                                          False, 128, 1, 2)[0]
         if ours and compare_stores:
             for name in [n for n in gelu_cases if n.startswith("bertaccel")]:
                 gelu_cases[name + " [staged stores]"] = lambda x, w, b, fn=gelu_cases[name]: _staged_call(fn, x, w, b)
@@ -176,7 +188,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES, help="M x N x K, e.g. 16384x3072x768")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--fp32", action="store_true", help="fp32 operands instead of bf16")
+    ap.add_argument("--fp32", action="store_true", help="fp32 operands instead of bf16 (ours: the SIMT kernel; cuBLAS without TF32)")
     ap.add_argument("--sweep", action="store_true", help="also time every tile width and K split of ours")
     ap.add_argument("--schedules", nargs="+", type=int, default=[1, 2, 3], choices=[1, 2, 3],
                     help="the schedules --sweep times: 1 cooperative, 2 ping-pong, 3 stream-K")

@@ -178,7 +178,7 @@ if has gemm_build; then  # the Hopper GEMM extension (sm_90a), its own build
   grep -E "registers|spill" "$OUT/gemm_build.log" > "$OUT/gemm_registers.txt"
 fi
 if has gemm_tests; then
-  BERTACCEL_FAILURE_LOG="$OUT/gemm_test_failures.log" timeout ${GEMM_TEST_TIMEOUT:-240} python -u -m pytest -m cuda tests/ops/test_gemm.py -q -p no:cacheprovider ${GEMM_TEST_K:+-k "$GEMM_TEST_K"} > "$OUT/gemm_tests.log" 2>&1
+  BERTACCEL_FAILURE_LOG="$OUT/gemm_test_failures.log" timeout ${GEMM_TEST_TIMEOUT:-240} python -u -m pytest -m cuda ${GEMM_TEST_FILES:-tests/ops/test_gemm.py} -q -p no:cacheprovider ${GEMM_TEST_K:+-k "$GEMM_TEST_K"} > "$OUT/gemm_tests.log" 2>&1
   echo "gemm tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|Error" "$OUT/gemm_tests.log" | head -30
 fi
 if has ffn_tests; then  # the fused feed-forward block (ffn family): its cuda tests (needs the GEMM build)

@@ -13,7 +13,10 @@ for the backward), bias+residual, and dGELU (the incoming gradient times gelu'(s
 
 The kernel runs on Hopper (compute capability 9.0) for bf16 operands whose inner dimensions are
 multiples of 8 with 16-byte aligned data (what the copy engine needs); M, N and K need not be
-multiples of the tile. Anything else runs `F.linear` / `torch.matmul` (cuBLAS), said once.
+multiples of the tile. fp32 operands run a SIMT kernel on the CUDA cores (csrc/gemm_fp32.cu: 128 x
+128 block tiles, 8 x 8 outputs per thread, double-buffered shared memory; fp32 out, same epilogues,
+split-K for the long-K weight gradient); `linear` / `linear_gelu` take it, the fused FFN stays bf16.
+Anything else runs `F.linear` / `torch.matmul` (cuBLAS), said once.
 """
 
 from __future__ import annotations
@@ -161,13 +164,14 @@ _LINEAR_GELU = torch.ops.bertaccel.linear_gelu.default
 
 
 # ------------------------------------------------------------------------------ public functions
-def why_not(x: Tensor, weight: Tensor, dtype: torch.dtype | None = None) -> str | None:
+def why_not(x: Tensor, weight: Tensor, dtype: torch.dtype | None = None, allow_fp32: bool = False) -> str | None:
     """None when `x @ weight^T` (computed in `dtype`) can run on the kernel, else the reason. The
-    addresses are checked later, on the operands the kernel reads (`_misaligned`)."""
+    addresses are checked later, on the operands the kernel reads (`_misaligned`). `allow_fp32`: float32
+    runs the SIMT kernel (csrc/gemm_fp32.cu) - the linear ops take it; the FFN's fused path stays bf16."""
     dtype = dtype or x.dtype
     if not x.is_cuda:
         return "input is not on a CUDA device"
-    if dtype != torch.bfloat16:
+    if dtype != torch.bfloat16 and not (allow_fp32 and dtype == torch.float32):
         return f"dtype {dtype} (the tensor-core GEMM takes bfloat16; fp32 runs cuBLAS)"
     if not (build.gemm_loaded() if torch.compiler.is_compiling() else build.load_gemm()):
         return build.gemm_reason() or "the GEMM extension is not built"
@@ -188,7 +192,7 @@ def _on_kernel(name: str, x: Tensor, weight: Tensor, bias: Tensor | None, run, f
     """`run(x2, w2, bias2)` on the 2-D operands cast to the compute dtype (x's, or autocast's, as
     F.linear would), reshaped back; `fallback()` (said once, with the reason) when the kernel cannot run."""
     dtype = compute_dtype(x)
-    reason = why_not(x, weight, dtype)
+    reason = why_not(x, weight, dtype, allow_fp32=True)
     if reason is None:
         shape = x.shape
         with torch.autocast(x.device.type, enabled=False):

@@ -48,6 +48,10 @@
 #include "wgmma.cuh"
 
 namespace bertaccel::gemm {
+// gemm_fp32.cu: the SIMT fp32 path
+std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
+                                             const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a,
+                                             bool trans_b, bool save_pre, int64_t tile, int64_t splits_k);
 namespace {
 
 using bf16 = __nv_bfloat16;
@@ -899,10 +903,13 @@ void bind_primary_context(int device) {
 }
 
 // out = epilogue(op(a) op(b)^T). a: [M, K] (trans_a: stored [K, M]); b: [N, K] (trans_b: stored [K, N]).
+// fp32 operands run the SIMT kernel of gemm_fp32.cu (tile_n there: 0 chosen, 1 = 128x128, 2 = 128x64,
+// 3 = 64x64 blocks; the output is fp32).
 std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                         const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a, bool trans_b,
                                         bool out_fp32, bool save_pre, int64_t tile_n, int64_t splits_k,
                                         int64_t schedule) {
+  if (a.scalar_type() == at::kFloat) return gemm_fp32(a, b, bias, aux, epilogue, trans_a, trans_b, save_pre, tile_n, splits_k);
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "bertaccel gemm: operands must be 2-D");
   TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, "bertaccel gemm: operands must be bfloat16");
   TORCH_CHECK(a.is_cuda() && b.device() == a.device(), "bertaccel gemm: operands must be on one CUDA device");

@@ -1,0 +1,308 @@
+// fp32 GEMM on the CUDA cores (SIMT; no tensor cores, no TF32): out[M, N] = epilogue(op(A) op(B)^T),
+// the fp32 path of `bertaccel::gemm` (gemm.cu hands fp32 operands here).
+//
+// The founding documents' technique: a block computes a BM x BN tile of the output (128 x 128,
+// 128 x 64 or 64 x 64, chosen so that the grid fills the GPU), stepping through K 8 at a time. Each
+// step's A and B slices go to shared memory K-major (As[k][m], Bs[k][n]: an operand stored K-major in
+// memory is transposed on the way in), double-buffered: the next slices are loaded into registers
+// while the current ones are multiplied, then stored into the other buffer, one barrier per step. Each
+// thread owns 8 x 8 outputs as four 4 x 4 blocks (rows ty*4 and BM/2 + ty*4, columns tx*4 and
+// BN/2 + tx*4), so its shared-memory reads are four float4 per k for 64 FMAs and a warp's float4 reads
+// of B cover distinct banks. Loads are predicated (zero-filled past M, N and K), stores are guarded:
+// M, N and K need not be multiples of a tile. The contiguous dimension of each operand must be a
+// multiple of 4 with 16-byte aligned data (float4 loads); the Python side sends anything else to cuBLAS.
+// Where the tiles are too few for the GPU (the weight gradient, K = tokens) the K range is split over
+// `splits` blocks writing fp32 partial tiles, summed in a fixed order by a second kernel that applies
+// the epilogue (bias or none): deterministic.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include <tuple>
+
+#include "check.h"
+
+namespace bertaccel::gemm {
+namespace {
+
+constexpr int kBK = 8;
+constexpr int kPad = 4;  // floats after each shared-memory row: the transposed stores spread over banks
+enum Epilogue { kNone = 0, kBias = 1, kBiasGeluErf = 2, kBiasGeluTanh = 3, kBiasResidual = 4, kDGeluErf = 5, kDGeluTanh = 6 };
+
+__device__ __forceinline__ float gelu_erf32(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float gelu_tanh32(float x) {
+  return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float dgelu_erf32(float x) {
+  return 0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * 0.3989422804014327f * expf(-0.5f * x * x);
+}
+__device__ __forceinline__ float dgelu_tanh32(float x) {
+  const float k = 0.7978845608028654f, x2 = x * x;
+  const float t = tanhf(k * (x + 0.044715f * x2 * x));
+  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * k * (1.f + 3.f * 0.044715f * x2);
+}
+
+struct Args {
+  const float* a;
+  const float* b;
+  float* out;           // [M, N], or [splits, M, N] partial sums
+  const float* bias;    // [N] or null
+  const float* aux;     // [M, N]: the residual, or the saved pre-activation of the dGELU epilogues
+  float* pre;           // [M, N] pre-activation written by the GELU epilogues, or null
+  int M, N, K;
+  int64_t lda, ldb;     // row strides (elements) of a and b as stored
+  int epilogue;         // applied by this kernel when splits == 1
+  int k_per_split;      // K range of one blockIdx.z (a multiple of kBK)
+};
+
+__device__ __forceinline__ float finish(const Args& p, float v, int row, int col) {
+  const int e = p.epilogue;
+  if (e >= kBias && e <= kBiasResidual) v += p.bias[col];
+  const int64_t at = (int64_t)row * p.N + col;
+  if (e == kBiasGeluErf || e == kBiasGeluTanh) {
+    if (p.pre != nullptr) p.pre[at] = v;
+    v = e == kBiasGeluErf ? gelu_erf32(v) : gelu_tanh32(v);
+  } else if (e == kBiasResidual) {
+    v += p.aux[at];
+  } else if (e == kDGeluErf || e == kDGeluTanh) {
+    v *= e == kDGeluErf ? dgelu_erf32(p.aux[at]) : dgelu_tanh32(p.aux[at]);
+  }
+  return v;
+}
+
+// One operand's BK-deep slice of a tile, ROWS wide (BM for A, BN for B), as float4 loads: K-major
+// (stored [rows, K]) or MN-major (stored [K, rows]).
+template <int ROWS, int THREADS, bool MN>
+struct Slice {
+  static constexpr int kVecs = ROWS * kBK / 4;
+  static constexpr int kPerThread = (kVecs + THREADS - 1) / THREADS;
+  float4 v[kPerThread];
+
+  __device__ __forceinline__ void load(const float* src, int64_t ld, int row0, int rows, int k0, int kend, int tid) {
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int idx = tid + i * THREADS;
+      v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (kVecs % THREADS != 0 && idx >= kVecs) continue;
+      if (!MN) {  // [rows, K]: a float4 of 4 consecutive k of one row
+        const int r = idx / 2, k = k0 + (idx % 2) * 4;
+        if (row0 + r < rows && k < kend) v[i] = *reinterpret_cast<const float4*>(src + (int64_t)(row0 + r) * ld + k);
+      } else {    // [K, rows]: a float4 of 4 consecutive rows at one k
+        const int k = k0 + idx / (ROWS / 4), r = (idx % (ROWS / 4)) * 4;
+        if (k < kend && row0 + r < rows) v[i] = *reinterpret_cast<const float4*>(src + (int64_t)k * ld + row0 + r);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store(float (*dst)[ROWS + kPad], int tid) const {
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int idx = tid + i * THREADS;
+      if (kVecs % THREADS != 0 && idx >= kVecs) continue;
+      if (!MN) {
+        const int r = idx / 2, k = (idx % 2) * 4;
+        dst[k][r] = v[i].x, dst[k + 1][r] = v[i].y, dst[k + 2][r] = v[i].z, dst[k + 3][r] = v[i].w;
+      } else {
+        const int k = idx / (ROWS / 4), r = (idx % (ROWS / 4)) * 4;
+        *reinterpret_cast<float4*>(&dst[k][r]) = v[i];
+      }
+    }
+  }
+};
+
+template <int BM, int BN, bool A_MN, bool B_MN>
+// at most 128 registers: two 256-thread blocks (16 warps) per SM, four of 128, eight of 64
+__global__ void __launch_bounds__(BM * BN / 64, 512 / (BM * BN / 64)) sgemm_kernel(const Args p) {
+  constexpr int kThreads = BM * BN / 64, kTX = BN / 8;
+  __shared__ __align__(16) float As[2][kBK][BM + kPad];
+  __shared__ __align__(16) float Bs[2][kBK][BN + kPad];
+  const int tid = threadIdx.x, tx = tid % kTX, ty = tid / kTX;
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const int kbegin = blockIdx.z * p.k_per_split, kend = min(p.K, kbegin + p.k_per_split);
+
+  float acc[8][8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+
+  Slice<BM, kThreads, A_MN> sa;
+  Slice<BN, kThreads, B_MN> sb;
+  const int steps = kend > kbegin ? (kend - kbegin + kBK - 1) / kBK : 0;
+  if (steps > 0) {
+    sa.load(p.a, p.lda, m0, p.M, kbegin, kend, tid);
+    sb.load(p.b, p.ldb, n0, p.N, kbegin, kend, tid);
+    sa.store(As[0], tid);
+    sb.store(Bs[0], tid);
+  }
+  __syncthreads();
+  for (int s = 0; s < steps; ++s) {
+    const int cur = s & 1;
+    const bool more = s + 1 < steps;
+    if (more) {  // the next slices into registers while this one is multiplied
+      const int k0 = kbegin + (s + 1) * kBK;
+      sa.load(p.a, p.lda, m0, p.M, k0, kend, tid);
+      sb.load(p.b, p.ldb, n0, p.N, k0, kend, tid);
+    }
+#pragma unroll
+    for (int k = 0; k < kBK; ++k) {
+      const float4 a0 = *reinterpret_cast<const float4*>(&As[cur][k][ty * 4]);
+      const float4 a1 = *reinterpret_cast<const float4*>(&As[cur][k][BM / 2 + ty * 4]);
+      const float4 b0 = *reinterpret_cast<const float4*>(&Bs[cur][k][tx * 4]);
+      const float4 b1 = *reinterpret_cast<const float4*>(&Bs[cur][k][BN / 2 + tx * 4]);
+      const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    if (more) {  // the other buffer was last read before the previous barrier
+      sa.store(As[cur ^ 1], tid);
+      sb.store(Bs[cur ^ 1], tid);
+    }
+    __syncthreads();
+  }
+
+  const bool raw = gridDim.z > 1;  // a K slice: the partial sums, no epilogue
+  float* out = p.out + (raw ? (int64_t)blockIdx.z * p.M * p.N : 0);
+  const bool vec = p.N % 4 == 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int row = m0 + (i < 4 ? ty * 4 + i : BM / 2 + ty * 4 + i - 4);
+    if (row >= p.M) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = n0 + (h == 0 ? tx * 4 : BN / 2 + tx * 4);
+      if (col >= p.N) continue;
+      float v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = (raw || col + j >= p.N) ? acc[i][4 * h + j] : finish(p, acc[i][4 * h + j], row, col + j);
+      float* o = out + (int64_t)row * p.N + col;
+      if (vec && col + 3 < p.N) {
+        *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
+      } else {
+        for (int j = 0; j < 4 && col + j < p.N; ++j) o[j] = v[j];
+      }
+    }
+  }
+}
+
+// out = epilogue(sum over the splits of ws[s]), the slices added in order.
+__global__ void sgemm_split_reduce(const float* __restrict__ ws, int splits, Args p) {
+  const int64_t count = (int64_t)p.M * p.N;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
+    float v = 0.f;
+    for (int s = 0; s < splits; ++s) v += ws[s * count + i];
+    p.out[i] = finish(p, v, (int)(i / p.N), (int)(i % p.N));
+  }
+}
+
+template <int BM, int BN>
+void launch(bool a_mn, bool b_mn, const Args& p, int splits, cudaStream_t stream) {
+  const dim3 grid((p.N + BN - 1) / BN, (p.M + BM - 1) / BM, splits), block(BM * BN / 64);
+  if (!a_mn && !b_mn) sgemm_kernel<BM, BN, false, false><<<grid, block, 0, stream>>>(p);
+  else if (!a_mn && b_mn) sgemm_kernel<BM, BN, false, true><<<grid, block, 0, stream>>>(p);
+  else if (a_mn && !b_mn) sgemm_kernel<BM, BN, true, false><<<grid, block, 0, stream>>>(p);
+  else sgemm_kernel<BM, BN, true, true><<<grid, block, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+int sm_count(int device) {
+  static int counts[64] = {0};
+  if (device < 0 || device >= 64) return 132;
+  if (counts[device] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  return counts[device];
+}
+
+}  // namespace
+
+// The fp32 path of `bertaccel::gemm` (same arguments; `out_fp32` is implied). `tile` picks the block
+// tile for tests and sweeps (0: chosen here; 1: 128 x 128, 2: 128 x 64, 3: 64 x 64), `splits_k` the K
+// split (0: chosen here).
+std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
+                                             const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a,
+                                             bool trans_b, bool save_pre, int64_t tile, int64_t splits_k) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "bertaccel gemm: operands must be 2-D");
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, "bertaccel gemm (fp32): operands must be float32");
+  TORCH_CHECK(a.is_cuda() && b.device() == a.device(), "bertaccel gemm: operands must be on one CUDA device");
+  TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1, "bertaccel gemm: operands must have unit inner stride");
+  const int64_t M = trans_a ? a.size(1) : a.size(0), K = trans_a ? a.size(0) : a.size(1);
+  const int64_t N = trans_b ? b.size(1) : b.size(0);
+  const int64_t K_b = trans_b ? b.size(0) : b.size(1);
+  BERTACCEL_CHECK(K_b == K, "bertaccel gemm: inner dimensions differ (%lld and %lld)", (long long)K, (long long)K_b);
+  for (const at::Tensor* t : {&a, &b}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && t->stride(0) % 4 == 0 && t->size(1) % 4 == 0,
+                "bertaccel gemm (fp32): operands need 16-byte aligned data and rows that are multiples of 4 elements");
+  }
+  TORCH_CHECK(K > 0, "bertaccel gemm: the inner dimension is empty");
+  TORCH_CHECK(M < (int64_t)1 << 31 && N < (int64_t)1 << 31 && K < (int64_t)1 << 31, "bertaccel gemm: a dimension is too large");
+  BERTACCEL_CHECK(epilogue >= kNone && epilogue <= kDGeluTanh, "bertaccel gemm: unknown epilogue %lld", (long long)epilogue);
+  const bool needs_bias = epilogue >= kBias && epilogue <= kBiasResidual;
+  BERTACCEL_CHECK(!needs_bias || (bias.has_value() && bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat),
+                  "bertaccel gemm (fp32): this epilogue needs a contiguous fp32 bias of %lld elements", (long long)N);
+  const bool needs_aux = epilogue >= kBiasResidual;
+  BERTACCEL_CHECK(!needs_aux || (aux.has_value() && aux->scalar_type() == at::kFloat && aux->is_contiguous() &&
+                                 aux->dim() == 2 && aux->size(0) == M && aux->size(1) == N),
+                  "bertaccel gemm (fp32): this epilogue needs a contiguous fp32 [%lld, %lld] auxiliary input", (long long)M,
+                  (long long)N);
+  TORCH_CHECK(tile >= 0 && tile <= 3, "bertaccel gemm (fp32): tile is 0 (chosen), 1 (128x128), 2 (128x64) or 3 (64x64)");
+  const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto out = at::empty({M, N}, a.options());
+  auto pre = (gelu && save_pre) ? at::empty({M, N}, a.options()) : at::empty({0}, a.options());
+  if (M == 0 || N == 0) return {out, pre};
+
+  // Tile and split: the largest tile whose grid fills the SMs (two 256-thread blocks fit one SM);
+  // else the smallest tile, its K range split until it does (bias or no epilogue only), at least 256
+  // of K per split.
+  const int sms = sm_count(a.get_device());
+  auto tiles = [&](int bm, int bn) { return ((M + bm - 1) / bm) * ((N + bn - 1) / bn); };
+  int choice = (int)tile;
+  if (choice == 0) choice = tiles(128, 128) >= sms ? 1 : tiles(128, 64) >= sms ? 2 : 3;
+  const int bm = choice == 3 ? 64 : 128, bn = choice == 1 ? 128 : 64;
+  const bool split_ok = epilogue == kNone || epilogue == kBias;
+  int splits = 1;
+  if (splits_k > 0) {
+    TORCH_CHECK(split_ok || splits_k == 1, "bertaccel gemm (fp32): a K split takes the bias or no epilogue");
+    splits = (int)splits_k;
+  } else if (split_ok) {
+    const int64_t t = tiles(bm, bn), want = 2 * (int64_t)sms;
+    while (t * splits < want && K / (2 * splits) >= 256 && splits < 16) splits *= 2;
+  }
+  const int64_t per_split = ((K + splits - 1) / splits + kBK - 1) / kBK * kBK;
+  splits = (int)((K + per_split - 1) / per_split);
+
+  Args p{};
+  p.a = a.data_ptr<float>(), p.b = b.data_ptr<float>();
+  p.bias = needs_bias ? bias->data_ptr<float>() : nullptr;
+  p.aux = needs_aux ? aux->data_ptr<float>() : nullptr;
+  p.pre = (gelu && save_pre) ? pre.data_ptr<float>() : nullptr;
+  p.M = (int)M, p.N = (int)N, p.K = (int)K, p.lda = a.stride(0), p.ldb = b.stride(0);
+  p.epilogue = (int)epilogue, p.k_per_split = (int)per_split;
+  at::Tensor ws;
+  if (splits > 1) {
+    ws = at::empty({splits, M, N}, a.options());
+    p.out = ws.data_ptr<float>();
+  } else {
+    p.out = out.data_ptr<float>();
+  }
+  auto stream = at::cuda::getCurrentCUDAStream();
+  switch (choice) {
+    case 1: launch<128, 128>(trans_a, trans_b, p, splits, stream); break;
+    case 2: launch<128, 64>(trans_a, trans_b, p, splits, stream); break;
+    default: launch<64, 64>(trans_a, trans_b, p, splits, stream); break;
+  }
+  if (splits > 1) {
+    Args r = p;
+    r.out = out.data_ptr<float>();
+    const int64_t count = M * N;
+    const int blocks = (int)std::min<int64_t>((count + 255) / 256, (int64_t)sms * 8);
+    sgemm_split_reduce<<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), splits, r);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {out, pre};
+}
+
+}  // namespace bertaccel::gemm
