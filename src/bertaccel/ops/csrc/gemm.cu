@@ -909,9 +909,9 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
                                         const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a, bool trans_b,
                                         bool out_fp32, bool save_pre, int64_t tile_n, int64_t splits_k,
                                         int64_t schedule) {
-  if (a.scalar_type() == at::kFloat) return gemm_fp32(a, b, bias, aux, epilogue, trans_a, trans_b, save_pre, tile_n, splits_k);
+  if (a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat) return gemm_fp32(a, b, bias, aux, epilogue, trans_a, trans_b, save_pre, tile_n, splits_k);
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "bertaccel gemm: operands must be 2-D");
-  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, "bertaccel gemm: operands must be bfloat16");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, "bertaccel gemm: operands must be bfloat16 (or both float32)");
   TORCH_CHECK(a.is_cuda() && b.device() == a.device(), "bertaccel gemm: operands must be on one CUDA device");
   TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1, "bertaccel gemm: operands must have unit inner stride");
   const int64_t M = trans_a ? a.size(1) : a.size(0), K = trans_a ? a.size(0) : a.size(1);
