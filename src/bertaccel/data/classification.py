@@ -162,6 +162,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             raise DataError(f"data.token_buckets must be 'auto', a whole number >= 1 or a list of token counts, "
                             f"got {token_buckets!r}.")
         self.token_buckets = token_buckets
+        self._chosen_token_sizes: dict[tuple, list[int]] = {}  # token_sizes, per split / batch size / plan
         self.group_by_length = group_by_length
         self.train_subset, self.test_subset = train_subset, test_subset
         self.predict_split = predict_split
@@ -335,6 +336,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             val_split = "train"  # the validation rows are rows of the train file
         train_idx = self._subset(train_idx, self.train_subset, 1)
         test_idx = self._subset(list(range(len(raw["test"].texts))), self.test_subset, 2)
+        self._chosen_token_sizes.clear()  # chosen from the datasets made here
         self.datasets = {
             "train": ClassificationDataset(tokens["train"], raw["train"].labels, train_idx),
             "validation": ClassificationDataset(tokens[val_split], raw[val_split].labels, val_idx),
@@ -376,13 +378,18 @@ class TextClassificationDataModule(pl.LightningDataModule):
             return sorted(self.token_buckets)
         ds = self.datasets[split]
         train = split == "train" and sampler is not None and not sampler.fixed
-        sampler = sampler or self._sampler(split, batch_size, train=False)
         per_epoch = -(-len(ds) // batch_size)
-        epochs = min(16, -(-2048 // max(per_epoch, 1))) if train else 1
-        orders = [torch.as_tensor(sampler.order(e), dtype=torch.long) for e in range(epochs)]
-        counts = torch.cat([batch_token_counts(ds.lengths(), o, batch_size, self.max_length) for o in orders])
         steps = per_epoch * (self._planned_epochs() if split in ("train", "validation") else 1)
-        sizes = choose_token_sizes(counts, self.token_buckets, steps=steps)
+        # the loaders are built more than once per run (Lightning, the epoch-length check): choose once
+        key = (split, batch_size, train, self.group_by_length, steps)
+        if key in self._chosen_token_sizes:
+            return self._chosen_token_sizes[key]
+        sampler = sampler or self._sampler(split, batch_size, train=False)
+        epochs = min(16, -(-2048 // max(per_epoch, 1))) if train else 1
+        lengths = ds.lengths()
+        counts = torch.cat([batch_token_counts(lengths, torch.as_tensor(sampler.order(e), dtype=torch.long), batch_size,
+                                               self.max_length) for e in range(epochs)])
+        sizes = self._chosen_token_sizes[key] = choose_token_sizes(counts, self.token_buckets, steps=steps)
         rank_zero_info(f"bertaccel: packed {split} batches padded to {len(sizes)} token counts {sizes} (data.token_buckets)")
         return sizes
 
