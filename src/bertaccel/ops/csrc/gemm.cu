@@ -44,7 +44,7 @@
 #include <cstring>
 
 #include "check.h"
-#include "erf_fast.cuh"
+#include "gelu_math.cuh"
 #include "wgmma.cuh"
 
 namespace bertaccel::gemm {
@@ -210,20 +210,8 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo) {
 }
 
 // --------------------------------------------------------------------------------- epilogue
-// The erf through erf_fast (erf_fast.cuh: within 1.5e-7, no branches; erff's two polynomial ranges
-// diverge inside a warp): the products come from bf16 operands and the GELU outputs are stored bf16.
-__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.f + erf_fast(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float gelu_tanh(float x) {
-  return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-}
-__device__ __forceinline__ float dgelu_erf(float x) {
-  return 0.5f * (1.f + erf_fast(x * 0.70710678118654752f)) + x * 0.3989422804014327f * __expf(-0.5f * x * x);
-}
-__device__ __forceinline__ float dgelu_tanh(float x) {
-  const float k = 0.7978845608028654f, x2 = x * x;
-  const float t = tanhf(k * (x + 0.044715f * x2 * x));
-  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * k * (1.f + 3.f * 0.044715f * x2);
-}
+// GELU forms: gelu_math.cuh, the erf through erf_fast (within 1.5e-7, no branches; erff's two polynomial
+// ranges diverge inside a warp): the products come from bf16 operands and the GELU outputs are stored bf16.
 
 // Eight consecutive values as fp32: one 16-byte load when `whole` (8 in range, 16-byte aligned), else
 // element by element with zeros past the first n.
@@ -285,14 +273,14 @@ __device__ __forceinline__ void finish8(const Params& p, void* out, bool raw, in
     if (e == kBiasGeluErf || e == kBiasGeluTanh) {
       if (p.pre != nullptr) store8(p.pre + at, n, whole, v);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = e == kBiasGeluErf ? gelu_erf(v[i]) : gelu_tanh(v[i]);
+      for (int i = 0; i < 8; ++i) v[i] = e == kBiasGeluErf ? gelu_erf<true>(v[i]) : gelu_tanh(v[i]);
     } else if (e >= kBiasResidual) {
       float a[8];
       load8(p.aux + at, n, whole, a);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         if (e == kBiasResidual) v[i] += a[i];
-        else v[i] *= e == kDGeluErf ? dgelu_erf(a[i]) : dgelu_tanh(a[i]);
+        else v[i] *= e == kDGeluErf ? dgelu_erf<true>(a[i]) : dgelu_tanh(a[i]);
       }
     }
   }
@@ -413,7 +401,7 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
     if (p.pre != nullptr) store_chunk(ring, map_pre, v, row0, col0, cw, t);
     if (e == kBiasGeluErf) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) v[i] = gelu_erf(v[i]);
+      for (int i = 0; i < 32; ++i) v[i] = gelu_erf<true>(v[i]);
     } else {
 #pragma unroll
       for (int i = 0; i < 32; ++i) v[i] = gelu_tanh(v[i]);
@@ -437,7 +425,7 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
       for (int i = 0; i < 32; ++i) v[i] += a[i];
     } else if (e == kDGeluErf) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) v[i] *= dgelu_erf(a[i]);
+      for (int i = 0; i < 32; ++i) v[i] *= dgelu_erf<true>(a[i]);
     } else {
 #pragma unroll
       for (int i = 0; i < 32; ++i) v[i] *= dgelu_tanh(a[i]);

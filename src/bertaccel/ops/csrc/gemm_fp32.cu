@@ -22,6 +22,7 @@
 #include <tuple>
 
 #include "check.h"
+#include "gelu_math.cuh"
 
 namespace bertaccel::gemm {
 namespace {
@@ -29,19 +30,6 @@ namespace {
 constexpr int kBK = 8;
 constexpr int kPad = 4;  // floats after each shared-memory row: the transposed stores spread over banks
 enum Epilogue { kNone = 0, kBias = 1, kBiasGeluErf = 2, kBiasGeluTanh = 3, kBiasResidual = 4, kDGeluErf = 5, kDGeluTanh = 6 };
-
-__device__ __forceinline__ float gelu_erf32(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float gelu_tanh32(float x) {
-  return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-}
-__device__ __forceinline__ float dgelu_erf32(float x) {
-  return 0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * 0.3989422804014327f * expf(-0.5f * x * x);
-}
-__device__ __forceinline__ float dgelu_tanh32(float x) {
-  const float k = 0.7978845608028654f, x2 = x * x;
-  const float t = tanhf(k * (x + 0.044715f * x2 * x));
-  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * k * (1.f + 3.f * 0.044715f * x2);
-}
 
 struct Args {
   const float* a;
@@ -62,11 +50,11 @@ __device__ __forceinline__ float finish(const Args& p, float v, int row, int col
   const int64_t at = (int64_t)row * p.N + col;
   if (e == kBiasGeluErf || e == kBiasGeluTanh) {
     if (p.pre != nullptr) p.pre[at] = v;
-    v = e == kBiasGeluErf ? gelu_erf32(v) : gelu_tanh32(v);
+    v = e == kBiasGeluErf ? gelu_erf<false>(v) : gelu_tanh(v);
   } else if (e == kBiasResidual) {
     v += p.aux[at];
   } else if (e == kDGeluErf || e == kDGeluTanh) {
-    v *= e == kDGeluErf ? dgelu_erf32(p.aux[at]) : dgelu_tanh32(p.aux[at]);
+    v *= e == kDGeluErf ? dgelu_erf<false>(p.aux[at]) : dgelu_tanh(p.aux[at]);
   }
   return v;
 }
