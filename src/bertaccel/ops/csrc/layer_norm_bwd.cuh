@@ -355,6 +355,178 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
   if constexpr (kDh) BA_PARK_AND_SUM(acc_h, dbias_part, park);
 }
 
+// ------------------------------------------------- the prefetching kernel (column partials in shared memory)
+// The kernels above hold the column accumulators (dgamma, dbeta, dbias: ITEMS x VEC floats each) in
+// registers: 48-72 of a 768-wide bf16 row's 128-184 registers, which leaves room for one row per warp
+// in flight and one or two blocks per SM (Nsight Compute: 44-50% of cycles stalled on the loads).
+// Here the accumulators live in shared memory, each thread's in its own slots (no barrier until the
+// end, lane-consecutive float4s: no bank conflicts), and the registers they freed hold the warp's
+// *next* rows: their loads are issued before the current rows' two passes, so a warp always has a
+// row group in flight, and up to 80 registers give three blocks per SM (rows <= 768 wide in bf16).
+// Each warp walks every (grid x 8)-th group of 32 / tpr rows: warps never wait for each other.
+// Costs one shared-memory read-modify-write per accumulator and element (16-24 bytes against 6 of
+// global traffic). BERTACCEL_LN_BWD_PREFETCH=0 runs the kernels above instead (one run compares both).
+template <int MODE>
+constexpr int bwd_prefetch_accs() { return 1 + (MODE != kRms) + (MODE == kFused); }
+template <int MODE, int VEC, int ITEMS>
+constexpr int bwd_prefetch_smem() { return bwd_prefetch_accs<MODE>() * kBwdThreads * ITEMS * VEC * 4; }
+template <int VEC, int ITEMS>
+constexpr int bwd_prefetch_min_blocks() { return 2; }
+inline bool bwd_prefetch_enabled() {
+  static const bool on = env_switch("BERTACCEL_LN_BWD_PREFETCH", 1) != 0;
+  return on;
+}
+
+// The weight's VEC values (as floats) at p, read where they are used, every row: a volatile load the
+// compiler cannot hoist out of the row loop (it did: ITEMS x VEC more registers held across the loop,
+// 139 instead of 115 at 768 wide) - the weight stays in L1, the registers go to the next rows.
+template <typename W, int VEC>
+__device__ __forceinline__ void load_weight_in_loop(const W* p, float (&out)[VEC]) {
+  static_assert(VEC * sizeof(W) % 16 == 0, "whole 16-byte vectors");
+  constexpr int kWords = VEC * sizeof(W) / 4;
+  uint32_t w[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; i += 4)
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[i]), "=r"(w[i + 1]), "=r"(w[i + 2]), "=r"(w[i + 3])
+                 : "l"(reinterpret_cast<const char*>(p) + 4 * i));
+  const W* v = reinterpret_cast<const W*>(w);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out[j] = to_f(v[j]);
+}
+
+template <typename T, typename W, int VEC, int ITEMS, int MODE>
+__global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEMS>()) ln_bwd_prefetch_kernel(
+    const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
+    const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
+    float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
+  constexpr bool kBeta = MODE != kRms;
+  constexpr bool kDh = MODE == kFused;
+  constexpr bool kCentre = MODE != kRms;
+  constexpr int kAccs = bwd_prefetch_accs<MODE>();
+  constexpr int kQ = VEC / 4;  // float4s per vector of accumulators
+  static_assert(VEC % 4 == 0, "accumulators are kept as float4s");
+  static_assert(ITEMS * VEC <= 32, "the dropout keep bits of a thread's columns fit one 32-bit word");
+  extern __shared__ float4 bwd_acc_smem[];  // [accumulator][k][q][thread]
+  allow_dependent_launch();  // the column sums may launch now (they wait for this grid)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nvec = H / VEC;
+  const int rpw = 32 / tpr;  // rows per warp at a time
+  const int rpb = kBwdThreads / tpr;
+  const int t = lane % tpr, slot = lane / tpr;
+  const int64_t groups = (rows + rpw - 1) / rpw;
+  const int64_t first = (int64_t)blockIdx.x * kBwdRingWarps + warp, stride = (int64_t)gridDim.x * kBwdRingWarps;
+  const uint64_t seed = p > 0.f ? (uint64_t)rng[0] : 0, offset = p > 0.f ? (uint64_t)rng[1] : 0;
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  const float inv_h = 1.f / (float)H;
+#pragma unroll
+  for (int i = 0; i < kAccs * ITEMS * kQ; ++i) bwd_acc_smem[i * kBwdThreads + threadIdx.x] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // acc[a][k][j..j+3] += v[j..j+3] for accumulator a of vector k
+  auto add_to = [&](int a, int k, const float(&v)[VEC]) {
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      float4& s = bwd_acc_smem[((a * ITEMS + k) * kQ + q) * kBwdThreads + threadIdx.x];
+      float4 x = s;
+      x.x += v[4 * q];
+      x.y += v[4 * q + 1];
+      x.z += v[4 * q + 2];
+      x.w += v[4 * q + 3];
+      s = x;
+    }
+  };
+  auto load = [&](int64_t grp, Pack<T, VEC>(&dp)[ITEMS], Pack<T, VEC>(&zp)[ITEMS], float& mu, float& rs) {
+    const int64_t row = grp * rpw + slot;
+    if (grp < groups && row < rows) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const int c = t + k * tpr;
+        if (c < nvec) {
+          const int64_t off = row * H + (int64_t)c * VEC;
+          zp[k] = *reinterpret_cast<const Pack<T, VEC>*>(z + off);
+          dp[k] = *reinterpret_cast<const Pack<T, VEC>*>(dy + off);
+        }
+      }
+      if constexpr (kCentre) mu = mean[row];
+      rs = rstd[row];
+    }
+  };
+
+  Pack<T, VEC> dcur[ITEMS], zcur[ITEMS];
+  float mu = 0.f, rs = 0.f;
+  load(first, dcur, zcur, mu, rs);
+  for (int64_t grp = first; grp < groups; grp += stride) {
+    Pack<T, VEC> dnext[ITEMS], znext[ITEMS];
+    float mu_next = 0.f, rs_next = 0.f;
+    load(grp + stride, dnext, znext, mu_next, rs_next);  // in flight through this group's two passes
+    const int64_t row = grp * rpw + slot;
+    const bool active = row < rows;
+    uint32_t kept = 0xffffffffu;  // with dropout: bit k * VEC + j set where column (k, j) is kept
+    if constexpr (MODE == kEmb || MODE == kFused) {
+      if (p > 0.f && active) {
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) {
+          const int c = t + k * tpr;
+          if (c < nvec) {
+            bool keep[VEC];
+            dropout_keep<VEC>(seed, offset, row * H + (int64_t)c * VEC, p, keep);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+              if (!keep[j]) kept &= ~(1u << (k * VEC + j));
+          }
+        }
+      }
+    }
+    float s1 = 0.f, s2 = 0.f;  // sum(gamma * dy), sum(gamma * dy * xhat)
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (active && c < nvec) {
+        float g[VEC], pg[VEC] = {}, pb[VEC] = {};
+        load_weight_in_loop<W, VEC>(gamma + c * VEC, g);
+        bwd_first_pass<MODE>(dcur[k], zcur[k], g, mu, rs, kept, k * VEC, scale, s1, s2, pg, pb);
+        add_to(0, k, pg);
+        if constexpr (kBeta) add_to(1, k, pb);
+      }
+    }
+    s1 = kCentre ? row_reduce(s1, tpr, nullptr, 0, SumOp()) * inv_h : 0.f;  // tpr <= 32: shuffles only
+    s2 = row_reduce(s2, tpr, nullptr, 0, SumOp()) * inv_h;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = t + k * tpr;
+      if (active && c < nvec) {
+        float g[VEC], ph[VEC] = {};
+        load_weight_in_loop<W, VEC>(gamma + c * VEC, g);
+        bwd_second_pass<MODE>(dcur[k], zcur[k], g, mu, rs, s1, s2, kept, k * VEC, scale, p, dz, dh,
+                              row * H + (int64_t)c * VEC, ph);
+        if constexpr (kDh) add_to(kAccs - 1, k, ph);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      dcur[k] = dnext[k];
+      zcur[k] = znext[k];
+    }
+    mu = mu_next;
+    rs = rs_next;
+  }
+  // One partial row per block and accumulator: the sum over the block's row slots (thread s * tpr + t
+  // holds columns (t + k * tpr) * VEC + j of slot s).
+  __syncthreads();
+  const float* acc = reinterpret_cast<const float*>(bwd_acc_smem);
+#pragma unroll
+  for (int a = 0; a < kAccs; ++a) {
+    float* part = a == 0 ? dgamma_part : (a == 1 && kBeta ? dbeta_part : dbias_part);
+    for (int col = threadIdx.x; col < H; col += kBwdThreads) {
+      const int c = col / VEC, j = col % VEC, k = c / tpr, tt = c % tpr;
+      const float* src = acc + (((a * ITEMS + k) * kQ + j / 4) * kBwdThreads + tt) * 4 + (j & 3);
+      float s = 0.f;
+      for (int r = 0; r < rpb; ++r) s += src[r * tpr * 4];
+      part[(int64_t)blockIdx.x * H + col] = s;
+    }
+  }
+}
+
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
 template <int MODE, typename T, typename W>
 void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gamma, const at::Tensor& mean,
@@ -369,7 +541,10 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   }
   constexpr int max_vec = 16 / sizeof(T);
   const int vec = pick_vec(H, max_vec, {&dy, &z, &dz, &dh, &gamma});
-  const int items = pick_items((int)(H / vec), vec, max_vec, MODE == kFused);
+  // The fused form's register-held accumulators took the fewest vectors per thread (see pick_items);
+  // the prefetching kernel keeps them in shared memory and takes the usual rule.
+  const bool prefetch = sizeof(T) == 2 && vec == max_vec && bwd_prefetch_enabled();
+  const int items = pick_items((int)(H / vec), vec, max_vec, MODE == kFused && !prefetch);
   const int tpr = pick_tpr((int)(H / vec), items);
   BERTACCEL_CHECK(tpr <= kBwdThreads, "bertaccel layer_norm: hidden size %lld is above %d", (long long)H,
                   (int)(kBwdThreads * kMaxElemsPerThread));
@@ -383,6 +558,36 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int64_t* rngp = p > 0 ? rng.data_ptr<int64_t>() : nullptr;
   int blocks = 0;
   at::Tensor pg, pb, ph;
+  if constexpr (sizeof(T) == 2) {  // bf16 rows with full 16-byte vectors, a row within a warp
+    if (prefetch && tpr <= 32) {
+      const int device = z.get_device();
+#define BA_LN_BWD_PREFETCH(V, I)                                                                                 \
+  do {                                                                                                           \
+    if constexpr (V == max_vec && I <= 4) {                                                                      \
+      auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE>;                                                    \
+      constexpr int smem = bwd_prefetch_smem<MODE, V, I>();                                                      \
+      static int per_sm[64] = {};                                                                                \
+      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);         \
+      const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                            \
+      blocks = (int)std::min<int64_t>((warp_groups + kBwdRingWarps - 1) / kBwdRingWarps, fit);                  \
+      pg = at::empty({blocks, H}, opts);                                                                         \
+      if (dbeta.defined()) pb = at::empty({blocks, H}, opts);                                                    \
+      if (dbias.defined()) ph = at::empty({blocks, H}, opts);                                                    \
+      kernel<<<blocks, kBwdThreads, smem, stream>>>(                                                             \
+          (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp,                    \
+          rstd.data_ptr<float>(), (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(),                                   \
+          pb.defined() ? pb.data_ptr<float>() : nullptr, ph.defined() ? ph.data_ptr<float>() : nullptr, rows,    \
+          (int)H, tpr, (float)p, rngp);                                                                          \
+    }                                                                                                            \
+  } while (0)
+      BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_PREFETCH);
+#undef BA_LN_BWD_PREFETCH
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  }
   // The ring where it measured faster (H100, 16384 rows, bf16, same run, rings on vs off): the fused
   // residual form at 768 and 1024 wide (56.3 vs 61.8 us, 70.8 vs 73.6). It lost for plain LayerNorm
   // (43.5 vs 42.0 at 768), RMSNorm (39.9 vs 37.0) and the fused form at 384 (36.9 vs 34.4): those keep
