@@ -18,6 +18,7 @@ change mean identical kernels. `--loads-in-flight` (needs nvdisasm: on PATH, or 
 also builds a cubin and prints, per kernel, how many 16-byte global loads a thread has in flight at
 most (a load counts from its issue until an instruction reads or overwrites one of its registers): a
 row kernel meant to issue all of a row's loads before using any should show that many.
+`--sass DIR` writes each source's SASS to DIR/<source>.sass (nvdisasm, as above).
 `--compare-ptx BEFORE AFTER` says per kernel whether its PTX is
 identical, the same instructions in another order (the same count of every opcode), or different
 (the opcodes whose counts moved).
@@ -187,9 +188,11 @@ def main() -> int:
     ap.add_argument("--ptx", type=Path, help="also write each source's normalized PTX into this folder")
     ap.add_argument("--loads-in-flight", action="store_true",
                     help="also report each kernel's most 16-byte loads in flight (SASS, needs nvdisasm)")
+    ap.add_argument("--sass", type=Path, help="also write each source's SASS (nvdisasm) into this folder (implies a cubin)")
     ap.add_argument("--compare-ptx", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
                     help="compare two --ptx folders kernel by kernel (no compiling)")
     args = ap.parse_args()
+    cubin = args.loads_in_flight or args.sass is not None
     if args.compare_ptx:
         return compare_ptx(*args.compare_ptx)
     nvcc = shutil.which("nvcc")
@@ -211,8 +214,8 @@ def main() -> int:
             # the GEMM is its own sm_90a build (wgmma, setmaxnreg): the -gencode form, as the JIT build passes it
             arch = ["-gencode=arch=compute_90a,code=sm_90a"] if source in build.GEMM_SOURCES else [f"-arch={args.arch}"]
             # a cubin (device code only) when its SASS is to be read; ptxas reports registers either way
-            out = scratch / (f"{source}.cubin" if args.loads_in_flight else f"{source}.o")
-            cmd = [nvcc, "-cubin" if args.loads_in_flight else "-c", *arch, *build.CUDA_FLAGS, *includes,
+            out = scratch / (f"{source}.cubin" if cubin else f"{source}.o")
+            cmd = [nvcc, "-cubin" if cubin else "-c", *arch, *build.CUDA_FLAGS, *includes,
                    "-DTORCH_EXTENSION_NAME=check", str(build.CSRC / source), "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             print(f"== {source}: {'ok' if proc.returncode == 0 else 'FAILED'}")
@@ -222,6 +225,16 @@ def main() -> int:
                 continue
             if args.loads_in_flight:
                 report_loads_in_flight(out, args.filter)
+            if args.sass is not None:
+                nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+                if nvdisasm is None:
+                    print("  (no nvdisasm: set NVDISASM or put it on PATH)")
+                else:
+                    args.sass.mkdir(parents=True, exist_ok=True)
+                    sass = subprocess.run([nvdisasm, "-c", "-fun", "-1", str(out)], capture_output=True, text=True).stdout
+                    if not sass:
+                        sass = subprocess.run([nvdisasm, "-c", str(out)], capture_output=True, text=True).stdout
+                    (args.sass / f"{source}.sass").write_text(sass)
             if args.ptx is not None:
                 args.ptx.mkdir(parents=True, exist_ok=True)
                 ptx = scratch / f"{source}.ptx"
