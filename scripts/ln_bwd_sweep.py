@@ -12,33 +12,37 @@ import os
 import torch
 
 from benchmarks.common import copy_bandwidth_gbs, graph_time_ms, kernel_times_us
-from bertaccel.ops.layer_norm import layer_norm
-from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
-from bertaccel.ops.rms_norm import rms_norm
+from bertaccel.ops import build, layer_norm, rms_norm  # noqa: F401 - the modules define the ops
 
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "residual_layer_norm"])
 ap.add_argument("--widths", nargs="+", type=int, default=[384, 768, 1024])
 ap.add_argument("--rows", nargs="+", type=int, default=[2048, 8192, 16384, 32768, 65536])
 args = ap.parse_args()
-setting = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("BERTACCEL_")) or "default"
+if not build.load():
+    raise SystemExit(f"the CUDA ops are unavailable: {build.unavailable_reason()}")
+setting = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("BERTACCEL_") and k not in ("BERTACCEL_CACHE", "BERTACCEL_COMMIT")) or "default"
 ceil = copy_bandwidth_gbs()
 print(f"copy ceiling {ceil:.0f} GB/s; setting: {setting}")
 bf = dict(device="cuda", dtype=torch.bfloat16)
 
 
 def backward_call(op: str, n: int, h: int):
-    w, b = (torch.randn(h, device="cuda", requires_grad=True) for _ in range(2))
-    x, r = (torch.randn(n, h, **bf, requires_grad=True) for _ in range(2))
-    lb = torch.randn(h, **bf, requires_grad=True)
-    y, leaves, tensors = {
-        "layer_norm": lambda: (layer_norm(x, w, b, 1e-12), (x, w, b), 3),
-        "rms_norm": lambda: (rms_norm(x, w, 1e-6), (x, w), 3),
-        "residual_layer_norm": lambda: (bias_dropout_add_layer_norm(x, lb, r, w, b, 0.1, 1e-12), (x, r, lb, w, b), 4),
-    }[op]()
-    dy = torch.randn_like(y)
+    """The op's backward custom op on saved tensors from its forward (no autograd engine: only the
+    backward's own kernels), and the bytes it must move."""
+    ops = torch.ops.bertaccel
+    w, b = torch.randn(h, device="cuda"), torch.randn(h, device="cuda")
+    x, r, dy = (torch.randn(n, h, **bf) for _ in range(3))
+    lb = torch.randn(h, **bf)
+    if op == "rms_norm":
+        _, rstd = ops.rms_norm_fwd(x, w, 1e-6)
+        return (lambda: ops.rms_norm_bwd(dy, x, w, rstd)), 3 * n * h * 2
+    fused = op == "residual_layer_norm"
+    p = 0.1 if fused else 0.0
+    _, z, mean, rstd, rng = ops.layer_norm_fwd(x, lb if fused else None, r if fused else None, w, b, p, 1e-12)
+    z = z if z.numel() else x  # the plain form saves its input
     # bytes: dy and the saved input read, dx written (+ dh for the residual form)
-    return (lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)), tensors * n * h * 2
+    return (lambda: ops.layer_norm_bwd(dy, z, w, mean, rstd, rng, p, fused)), (4 if fused else 3) * n * h * 2
 
 
 for op in args.ops:
