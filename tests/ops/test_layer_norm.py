@@ -315,6 +315,31 @@ def test_backward_under_cuda_graph_replay():
 
 
 @cuda_test
+@pytest.mark.parametrize("rows,H", [(16384, 768), (1023, 384), (7, 1024), (40, 1024)])
+def test_weight_grads_are_deterministic(rows, H):
+    """The weight gradients' column sums run inside the backward kernel (the last blocks to finish sum
+    the partial rows in block order): two backward calls on the same inputs give the same bits, and
+    they match float64 (grids of one block, a few blocks each summing several slices, and hundreds)."""
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w, b = torch.randn(H, device="cuda", requires_grad=True), torch.randn(H, device="cuda", requires_grad=True)
+    dy = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+    for fused in (False, True):
+        y = bias_dropout_add_layer_norm(x, bias, r, w, b, 0.0, 1e-12) if fused else layer_norm(x, w, b, 1e-12)
+        leaves_ = (x, w, b, bias) if fused else (x, w, b)
+        first = torch.autograd.grad(y, leaves_, dy, retain_graph=True)
+        second = torch.autograd.grad(y, leaves_, dy)
+        for g1, g2 in zip(first, second):
+            assert torch.equal(g1, g2)
+        h = (x.double() + bias.double() + r.double()) if fused else x.double()
+        ref = F.layer_norm(h, (H,), w.double(), b.double(), 1e-12)
+        dw_ref = ((ref - b.double()) / w.double() * dy.double()).sum(0)
+        torch.testing.assert_close(first[1].double(), dw_ref, atol=1e-2 * rows**0.5, rtol=1e-2)
+        torch.testing.assert_close(first[2].double(), dy.double().sum(0), atol=1e-3 * rows**0.5, rtol=1e-3)
+
+
+@cuda_test
 def test_fp16_falls_back_with_a_warning():
     x = torch.randn(8, 64, device="cuda", dtype=torch.float16)
     w, b = torch.randn(64, device="cuda", dtype=torch.float16), torch.randn(64, device="cuda", dtype=torch.float16)
