@@ -385,6 +385,10 @@ inline bool bwd_prefetch_enabled() {
   static const bool on = env_switch("BERTACCEL_LN_BWD_PREFETCH", 1) != 0;
   return on;
 }
+inline bool bwd_fused_sums_enabled() {
+  static const bool on = env_switch("BERTACCEL_LN_BWD_FUSED_SUMS", 0) != 0;
+  return on;
+}
 constexpr int kSumCols = 32;  // columns per slice of the fused column sums
 
 __device__ __forceinline__ int load_acquire(const int* p) {
@@ -535,7 +539,9 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
       part[a * part_rows + (int64_t)blockIdx.x * H + col] = s;
     }
   }
-  // The column sums: the last `sum_blocks` blocks to finish, once every block has written.
+  // The column sums: the last `sum_blocks` blocks to finish, once every block has written (without a
+  // counter: column_sums_kernel, launched after this one, sums them).
+  if (ticket_counter == nullptr) return;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) ticket_smem = atomicAdd(ticket_counter, 1);
@@ -585,7 +591,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int vec = pick_vec(H, max_vec, {&dy, &z, &dz, &dh, &gamma});
   // The fused form's register-held accumulators took the fewest vectors per thread (see pick_items);
   // the prefetching kernel keeps them in shared memory and takes the usual rule.
-  const bool prefetch = sizeof(T) == 2 && vec == max_vec && bwd_prefetch_enabled();
+  const bool prefetch = sizeof(T) == 2 && vec == max_vec && H <= 768 && bwd_prefetch_enabled();
   const int items = pick_items((int)(H / vec), vec, max_vec, MODE == kFused && !prefetch);
   const int tpr = pick_tpr((int)(H / vec), items);
   BERTACCEL_CHECK(tpr <= kBwdThreads, "bertaccel layer_norm: hidden size %lld is above %d", (long long)H,
@@ -601,11 +607,11 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   int blocks = 0;
   at::Tensor pg, pb, ph;
   if constexpr (sizeof(T) == 2) {  // bf16 rows with full 16-byte vectors, a row within a warp
-    if (prefetch && tpr <= 32) {
+    if (prefetch && tpr <= 32 && items <= 3) {  // at 4 vectors (1024 wide) it spilled and measured slower
       const int device = z.get_device();
 #define BA_LN_BWD_PREFETCH(V, I)                                                                                 \
   do {                                                                                                           \
-    if constexpr (V == max_vec && I <= 4) {                                                                      \
+    if constexpr (V == max_vec && I <= 3) {                                                                      \
       auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE>;                                                    \
       constexpr int smem = bwd_prefetch_smem<MODE, V, I>();                                                      \
       constexpr int accs = bwd_prefetch_accs<MODE>();                                                            \
@@ -614,14 +620,26 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                            \
       blocks = (int)std::min<int64_t>((warp_groups + kBwdRingWarps - 1) / kBwdRingWarps, fit);                  \
       /* the partial rows of every accumulator, then the ticket counter (zeroed here, on the stream) */         \
+      const bool fused_sums = bwd_fused_sums_enabled();                                                          \
       at::Tensor part = at::empty({(int64_t)accs * blocks * H + 4}, opts);                                       \
-      int* counter = reinterpret_cast<int*>(part.data_ptr<float>() + (int64_t)accs * blocks * H);                \
-      C10_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(int), stream));                                          \
+      int* counter = nullptr;                                                                                    \
+      if (fused_sums) {                                                                                          \
+        counter = reinterpret_cast<int*>(part.data_ptr<float>() + (int64_t)accs * blocks * H);                   \
+        C10_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(int), stream));                                        \
+      }                                                                                                          \
       kernel<<<blocks, kBwdThreads, smem, stream>>>(                                                             \
           (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp,                    \
           rstd.data_ptr<float>(), (T*)dz.data_ptr(), dhp, part.data_ptr<float>(), counter,                        \
           dgamma.data_ptr<float>(), dbeta.defined() ? dbeta.data_ptr<float>() : nullptr,                         \
           dbias.defined() ? dbias.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp);               \
+      C10_CUDA_KERNEL_LAUNCH_CHECK();                                                                            \
+      if (!fused_sums) {                                                                                         \
+        const int64_t n = (int64_t)blocks * H;                                                                   \
+        pg = part.narrow(0, 0, n);                                                                               \
+        if (dbeta.defined()) pb = part.narrow(0, n, n);                                                          \
+        if (dbias.defined()) ph = part.narrow(0, (accs - 1) * n, n);                                             \
+        launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);              \
+      }                                                                                                          \
     }                                                                                                            \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_PREFETCH);
