@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
 // node): LayerNorm 25.6 / 41.9 / 51.5 us against 23.5 / 40.8 / 51.3 with the column-sums launch -
 // the memset (0.7-1.1 us) and the wait for the last block cost more than the launch saves, as the
 // cooperative-launch version did (column_sums_kernel, common.cuh). The sweep's fit of time against
-// rows gives the backward a per-call cost of 7-20 us (LayerNorm 7 / 14 / 14 at 384 / 768 / 1024)
+// rows gives the backward a per-call cost of 6-17 us (LayerNorm 8 / 14 / 14 at 384 / 768 / 1024)
 // beside a streaming rate of 80-96% of copy: the first loads, the last rows' two passes and the
 // column sums, which more bytes in flight do not shorten.
 template <int MODE>
