@@ -141,13 +141,17 @@ def loads_in_flight(instructions: list[str]) -> int:
     return most
 
 
-def report_loads_in_flight(cubin: Path, name_filter: str) -> None:
+def disassemble(cubin: Path) -> str | None:
+    """The cubin's SASS (`nvdisasm -c`), or None (with a message) when there is no nvdisasm."""
     nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
     if nvdisasm is None:
         print("  (no nvdisasm: set NVDISASM or put it on PATH)")
-        return
-    proc = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True)
-    for name, instructions in sorted(sass_functions(proc.stdout).items()):
+        return None
+    return subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True).stdout
+
+
+def report_loads_in_flight(sass: str, name_filter: str) -> None:
+    for name, instructions in sorted(sass_functions(sass).items()):
         if name_filter in name and "kernel" in name:
             print(f"  {loads_in_flight(instructions):>3} loads in flight  {demangle(name).replace('void bertaccel::', '')[:110]}")
 
@@ -223,18 +227,12 @@ def main() -> int:
                 failed += 1
                 print("\n".join(line for line in proc.stderr.splitlines() if "error" in line)[:4000])
                 continue
-            if args.loads_in_flight:
-                report_loads_in_flight(out, args.filter)
-            if args.sass is not None:
-                nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
-                if nvdisasm is None:
-                    print("  (no nvdisasm: set NVDISASM or put it on PATH)")
-                else:
-                    args.sass.mkdir(parents=True, exist_ok=True)
-                    sass = subprocess.run([nvdisasm, "-c", "-fun", "-1", str(out)], capture_output=True, text=True).stdout
-                    if not sass:
-                        sass = subprocess.run([nvdisasm, "-c", str(out)], capture_output=True, text=True).stdout
-                    (args.sass / f"{source}.sass").write_text(sass)
+            sass = disassemble(out) if cubin else None
+            if sass is not None and args.loads_in_flight:
+                report_loads_in_flight(sass, args.filter)
+            if sass is not None and args.sass is not None:
+                args.sass.mkdir(parents=True, exist_ok=True)
+                (args.sass / f"{source}.sass").write_text(sass)
             if args.ptx is not None:
                 args.ptx.mkdir(parents=True, exist_ok=True)
                 ptx = scratch / f"{source}.ptx"
