@@ -72,7 +72,7 @@ SHAPES = {
 
 
 @hopper_test
-@pytest.mark.parametrize("tile", [0, 1, 2, 3], ids=["chosen", "128x128", "128x64", "64x64"])
+@pytest.mark.parametrize("tile", range(11), ids=["chosen"] + [f"tile{t}" for t in range(1, 11)])  # gemm_fp32.cu's TileN
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_tiles_and_odd_shapes(layout, tile):
     trans_a, trans_b = LAYOUTS[layout]
@@ -88,9 +88,10 @@ def test_layouts_tiles_and_odd_shapes(layout, tile):
 
 
 @hopper_test
+@pytest.mark.parametrize("tile", [3, 7], ids=["64x64-bk8", "128x128-bk16"])
 @pytest.mark.parametrize("splits", [0, 2, 3, 7])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_k_splits_with_bias(layout, splits):
+def test_k_splits_with_bias(layout, splits, tile):
     """The K range split over blocks (fp32 partial tiles summed in order by the second kernel, which adds
     the bias); 0: the split the kernel chooses. Repeatable bit for bit."""
     trans_a, trans_b = LAYOUTS[layout]
@@ -98,9 +99,9 @@ def test_k_splits_with_bias(layout, splits):
     a, b = operands(M, N, K, trans_a, trans_b, seed=1)
     bias = torch.randn(N, device="cuda")
     A, B = logical(a, b, trans_a, trans_b)
-    out = GEMM(a, b, bias, None, 1, trans_a, trans_b, True, False, 3, splits)[0]
+    out = GEMM(a, b, bias, None, 1, trans_a, trans_b, True, False, tile, splits)[0]
     check(out, torch.addmm(bias, A, B.t()), A.double() @ B.double().t() + bias.double(), f"{layout} splits {splits}")
-    assert torch.equal(out, GEMM(a, b, bias, None, 1, trans_a, trans_b, True, False, 3, splits)[0])
+    assert torch.equal(out, GEMM(a, b, bias, None, 1, trans_a, trans_b, True, False, tile, splits)[0])
 
 
 @hopper_test

@@ -27,8 +27,8 @@
 namespace bertaccel::gemm {
 namespace {
 
-constexpr int kBK = 8;
 constexpr int kPad = 4;  // floats after each shared-memory row: the transposed stores spread over banks
+constexpr int kSplitAlign = 16;  // a K split's length is a multiple of every configuration's BK
 enum Epilogue { kNone = 0, kBias = 1, kBiasGeluErf = 2, kBiasGeluTanh = 3, kBiasResidual = 4, kDGeluErf = 5, kDGeluTanh = 6 };
 
 struct Args {
@@ -41,7 +41,25 @@ struct Args {
   int M, N, K;
   int64_t lda, ldb;     // row strides (elements) of a and b as stored
   int epilogue;         // applied by this kernel when splits == 1
-  int k_per_split;      // K range of one blockIdx.z (a multiple of kBK)
+  int k_per_split;      // K range of one blockIdx.z (a multiple of kSplitAlign)
+};
+
+// A kernel configuration: a BM x BN block tile stepping through K BK at a time; each thread owns TM x TN
+// outputs as (TM / 4) x (TN / 4) blocks of 4 x 4, spaced so that a warp's float4 reads of a k-row of
+// shared memory land on distinct banks or broadcast. WARP_TILED: a warp's threads form a 4 x 8 grid
+// (its reads of A cover 4 float4 and of B 8 float4: one shared-memory wavefront each); otherwise
+// consecutive threads run along N (a warp 2 x 16 at TN = 8: two wavefronts for B).
+template <int BM_, int BN_, int BK_, int TM_, int TN_, bool WARP_TILED>
+struct Config {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, TM = TM_, TN = TN_;
+  static constexpr int kTX = BN / TN, kTY = BM / TM, kThreads = kTX * kTY;
+  static constexpr int kRowStride = kTY * 4, kColStride = kTX * 4;  // between a thread's 4 x 4 blocks
+  static constexpr bool kWarpTiled = WARP_TILED;
+  // at most 128 registers a thread for 8 x 8 outputs, 255 for more; as many blocks per SM as that allows
+  static constexpr int kMinBlocks = 65536 / (kThreads * (TM * TN > 64 ? 256 : 128));
+  static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0 && kSplitAlign % BK == 0, "4 x 4 blocks, float4 K steps");
+  static_assert(!WARP_TILED || (kTX % 8 == 0 && kTY % 4 == 0 && kThreads % 32 == 0), "a warp is 4 x 8 threads");
+  static_assert(2 * BK * (BM + BN + 2 * kPad) * 4 <= 48 * 1024, "static shared memory");
 };
 
 __device__ __forceinline__ float finish(const Args& p, float v, int row, int col) {
@@ -61,9 +79,9 @@ __device__ __forceinline__ float finish(const Args& p, float v, int row, int col
 
 // One operand's BK-deep slice of a tile, ROWS wide (BM for A, BN for B), as float4 loads: K-major
 // (stored [rows, K]) or MN-major (stored [K, rows]).
-template <int ROWS, int THREADS, bool MN>
+template <int ROWS, int BK, int THREADS, bool MN>
 struct Slice {
-  static constexpr int kVecs = ROWS * kBK / 4;
+  static constexpr int kVecs = ROWS * BK / 4, kRowVecs = BK / 4;
   static constexpr int kPerThread = (kVecs + THREADS - 1) / THREADS;
   float4 v[kPerThread];
 
@@ -74,7 +92,7 @@ struct Slice {
       v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (kVecs % THREADS != 0 && idx >= kVecs) continue;
       if (!MN) {  // [rows, K]: a float4 of 4 consecutive k of one row
-        const int r = idx / 2, k = k0 + (idx % 2) * 4;
+        const int r = idx / kRowVecs, k = k0 + (idx % kRowVecs) * 4;
         if (row0 + r < rows && k < kend) v[i] = *reinterpret_cast<const float4*>(src + (int64_t)(row0 + r) * ld + k);
       } else {    // [K, rows]: a float4 of 4 consecutive rows at one k
         const int k = k0 + idx / (ROWS / 4), r = (idx % (ROWS / 4)) * 4;
@@ -89,7 +107,7 @@ struct Slice {
       const int idx = tid + i * THREADS;
       if (kVecs % THREADS != 0 && idx >= kVecs) continue;
       if (!MN) {
-        const int r = idx / 2, k = (idx % 2) * 4;
+        const int r = idx / kRowVecs, k = (idx % kRowVecs) * 4;
         dst[k][r] = v[i].x, dst[k + 1][r] = v[i].y, dst[k + 2][r] = v[i].z, dst[k + 3][r] = v[i].w;
       } else {
         const int k = idx / (ROWS / 4), r = (idx % (ROWS / 4)) * 4;
@@ -99,25 +117,31 @@ struct Slice {
   }
 };
 
-template <int BM, int BN, bool A_MN, bool B_MN>
-// at most 128 registers: two 256-thread blocks (16 warps) per SM, four of 128, eight of 64
-__global__ void __launch_bounds__(BM * BN / 64, 512 / (BM * BN / 64)) sgemm_kernel(const Args p) {
-  constexpr int kThreads = BM * BN / 64, kTX = BN / 8;
-  __shared__ __align__(16) float As[2][kBK][BM + kPad];
-  __shared__ __align__(16) float Bs[2][kBK][BN + kPad];
-  const int tid = threadIdx.x, tx = tid % kTX, ty = tid / kTX;
+template <class C, bool A_MN, bool B_MN>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const Args p) {
+  constexpr int BM = C::BM, BN = C::BN, BK = C::BK, TM = C::TM, TN = C::TN;
+  __shared__ __align__(16) float As[2][BK][BM + kPad];
+  __shared__ __align__(16) float Bs[2][BK][BN + kPad];
+  const int tid = threadIdx.x;
+  int tx, ty;
+  if (C::kWarpTiled) {
+    const int lane = tid % 32, warp = tid / 32;
+    tx = (warp % (C::kTX / 8)) * 8 + lane % 8, ty = (warp / (C::kTX / 8)) * 4 + lane / 8;
+  } else {
+    tx = tid % C::kTX, ty = tid / C::kTX;
+  }
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   const int kbegin = blockIdx.z * p.k_per_split, kend = min(p.K, kbegin + p.k_per_split);
 
-  float acc[8][8];
+  float acc[TM][TN];
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
+  for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+    for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
 
-  Slice<BM, kThreads, A_MN> sa;
-  Slice<BN, kThreads, B_MN> sb;
-  const int steps = kend > kbegin ? (kend - kbegin + kBK - 1) / kBK : 0;
+  Slice<BM, BK, C::kThreads, A_MN> sa;
+  Slice<BN, BK, C::kThreads, B_MN> sb;
+  const int steps = kend > kbegin ? (kend - kbegin + BK - 1) / BK : 0;
   if (steps > 0) {
     sa.load(p.a, p.lda, m0, p.M, kbegin, kend, tid);
     sb.load(p.b, p.ldb, n0, p.N, kbegin, kend, tid);
@@ -129,22 +153,27 @@ __global__ void __launch_bounds__(BM * BN / 64, 512 / (BM * BN / 64)) sgemm_kern
     const int cur = s & 1;
     const bool more = s + 1 < steps;
     if (more) {  // the next slices into registers while this one is multiplied
-      const int k0 = kbegin + (s + 1) * kBK;
+      const int k0 = kbegin + (s + 1) * BK;
       sa.load(p.a, p.lda, m0, p.M, k0, kend, tid);
       sb.load(p.b, p.ldb, n0, p.N, k0, kend, tid);
     }
 #pragma unroll
-    for (int k = 0; k < kBK; ++k) {
-      const float4 a0 = *reinterpret_cast<const float4*>(&As[cur][k][ty * 4]);
-      const float4 a1 = *reinterpret_cast<const float4*>(&As[cur][k][BM / 2 + ty * 4]);
-      const float4 b0 = *reinterpret_cast<const float4*>(&Bs[cur][k][tx * 4]);
-      const float4 b1 = *reinterpret_cast<const float4*>(&Bs[cur][k][BN / 2 + tx * 4]);
-      const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+    for (int k = 0; k < BK; ++k) {
+      float a[TM], b[TN];
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
+      for (int r = 0; r < TM / 4; ++r) {
+        const float4 v = *reinterpret_cast<const float4*>(&As[cur][k][r * C::kRowStride + ty * 4]);
+        a[4 * r] = v.x, a[4 * r + 1] = v.y, a[4 * r + 2] = v.z, a[4 * r + 3] = v.w;
+      }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+      for (int c = 0; c < TN / 4; ++c) {
+        const float4 v = *reinterpret_cast<const float4*>(&Bs[cur][k][c * C::kColStride + tx * 4]);
+        b[4 * c] = v.x, b[4 * c + 1] = v.y, b[4 * c + 2] = v.z, b[4 * c + 3] = v.w;
+      }
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
     }
     if (more) {  // the other buffer was last read before the previous barrier
       sa.store(As[cur ^ 1], tid);
@@ -157,12 +186,12 @@ __global__ void __launch_bounds__(BM * BN / 64, 512 / (BM * BN / 64)) sgemm_kern
   float* out = p.out + (raw ? (int64_t)blockIdx.z * p.M * p.N : 0);
   const bool vec = p.N % 4 == 0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int row = m0 + (i < 4 ? ty * 4 + i : BM / 2 + ty * 4 + i - 4);
+  for (int i = 0; i < TM; ++i) {
+    const int row = m0 + (i / 4) * C::kRowStride + ty * 4 + i % 4;
     if (row >= p.M) continue;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int col = n0 + (h == 0 ? tx * 4 : BN / 2 + tx * 4);
+    for (int h = 0; h < TN / 4; ++h) {
+      const int col = n0 + h * C::kColStride + tx * 4;
       if (col >= p.N) continue;
       float v[4];
 #pragma unroll
@@ -187,14 +216,52 @@ __global__ void sgemm_split_reduce(const float* __restrict__ ws, int splits, Arg
   }
 }
 
-template <int BM, int BN>
+template <class C>
 void launch(bool a_mn, bool b_mn, const Args& p, int splits, cudaStream_t stream) {
-  const dim3 grid((p.N + BN - 1) / BN, (p.M + BM - 1) / BM, splits), block(BM * BN / 64);
-  if (!a_mn && !b_mn) sgemm_kernel<BM, BN, false, false><<<grid, block, 0, stream>>>(p);
-  else if (!a_mn && b_mn) sgemm_kernel<BM, BN, false, true><<<grid, block, 0, stream>>>(p);
-  else if (a_mn && !b_mn) sgemm_kernel<BM, BN, true, false><<<grid, block, 0, stream>>>(p);
-  else sgemm_kernel<BM, BN, true, true><<<grid, block, 0, stream>>>(p);
+  const dim3 grid((p.N + C::BN - 1) / C::BN, (p.M + C::BM - 1) / C::BM, splits), block(C::kThreads);
+  if (!a_mn && !b_mn) sgemm_kernel<C, false, false><<<grid, block, 0, stream>>>(p);
+  else if (!a_mn && b_mn) sgemm_kernel<C, false, true><<<grid, block, 0, stream>>>(p);
+  else if (a_mn && !b_mn) sgemm_kernel<C, true, false><<<grid, block, 0, stream>>>(p);
+  else sgemm_kernel<C, true, true><<<grid, block, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The configurations `tile` names (1-based; 0: chosen by gemm_fp32): block tile, K step, outputs per
+// thread, warp layout.
+using Tile1 = Config<128, 128, 8, 8, 8, false>;   // 256 threads
+using Tile2 = Config<128, 64, 8, 8, 8, false>;    // 128 threads
+using Tile3 = Config<64, 64, 8, 8, 8, false>;     // 64 threads
+using Tile4 = Config<128, 128, 8, 8, 8, true>;
+using Tile5 = Config<128, 128, 16, 8, 8, true>;
+using Tile6 = Config<128, 128, 8, 8, 16, true>;   // 128 threads, 8 x 16 outputs each
+using Tile7 = Config<128, 128, 16, 8, 16, true>;
+using Tile8 = Config<128, 64, 16, 8, 8, true>;
+using Tile9 = Config<64, 64, 16, 8, 8, true>;
+using Tile10 = Config<128, 256, 8, 8, 16, true>;  // 256 threads, one block per SM
+constexpr int kTiles = 10;
+struct TileShape { int bm, bn, resident; };  // resident: blocks of it an SM holds (registers bound)
+constexpr TileShape kTileShapes[kTiles + 1] = {
+    {0, 0, 0},
+    {Tile1::BM, Tile1::BN, Tile1::kMinBlocks}, {Tile2::BM, Tile2::BN, Tile2::kMinBlocks},
+    {Tile3::BM, Tile3::BN, Tile3::kMinBlocks}, {Tile4::BM, Tile4::BN, Tile4::kMinBlocks},
+    {Tile5::BM, Tile5::BN, Tile5::kMinBlocks}, {Tile6::BM, Tile6::BN, Tile6::kMinBlocks},
+    {Tile7::BM, Tile7::BN, Tile7::kMinBlocks}, {Tile8::BM, Tile8::BN, Tile8::kMinBlocks},
+    {Tile9::BM, Tile9::BN, Tile9::kMinBlocks}, {Tile10::BM, Tile10::BN, Tile10::kMinBlocks},
+};
+
+void launch_tile(int tile, bool a_mn, bool b_mn, const Args& p, int splits, cudaStream_t stream) {
+  switch (tile) {
+    case 1: launch<Tile1>(a_mn, b_mn, p, splits, stream); break;
+    case 2: launch<Tile2>(a_mn, b_mn, p, splits, stream); break;
+    case 3: launch<Tile3>(a_mn, b_mn, p, splits, stream); break;
+    case 4: launch<Tile4>(a_mn, b_mn, p, splits, stream); break;
+    case 5: launch<Tile5>(a_mn, b_mn, p, splits, stream); break;
+    case 6: launch<Tile6>(a_mn, b_mn, p, splits, stream); break;
+    case 7: launch<Tile7>(a_mn, b_mn, p, splits, stream); break;
+    case 8: launch<Tile8>(a_mn, b_mn, p, splits, stream); break;
+    case 9: launch<Tile9>(a_mn, b_mn, p, splits, stream); break;
+    default: launch<Tile10>(a_mn, b_mn, p, splits, stream); break;
+  }
 }
 
 int sm_count(int device) {
@@ -235,7 +302,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
                                  aux->dim() == 2 && aux->size(0) == M && aux->size(1) == N),
                   "bertaccel gemm (fp32): this epilogue needs a contiguous fp32 [%lld, %lld] auxiliary input", (long long)M,
                   (long long)N);
-  TORCH_CHECK(tile >= 0 && tile <= 3, "bertaccel gemm (fp32): tile is 0 (chosen), 1 (128x128), 2 (128x64) or 3 (64x64)");
+  TORCH_CHECK(tile >= 0 && tile <= kTiles, "bertaccel gemm (fp32): tile is 0 (chosen) or 1-", kTiles,
+              " (the configurations in csrc/gemm_fp32.cu)");
   const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
   const c10::cuda::CUDAGuard guard(a.device());
   auto out = at::empty({M, N}, a.options());
@@ -249,17 +317,17 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
   auto tiles = [&](int bm, int bn) { return ((M + bm - 1) / bm) * ((N + bn - 1) / bn); };
   int choice = (int)tile;
   if (choice == 0) choice = tiles(128, 128) >= sms ? 1 : tiles(128, 64) >= sms ? 2 : 3;
-  const int bm = choice == 3 ? 64 : 128, bn = choice == 1 ? 128 : 64;
+  const TileShape shape = kTileShapes[choice];
   const bool split_ok = epilogue == kNone || epilogue == kBias;
   int splits = 1;
   if (splits_k > 0) {
     TORCH_CHECK(split_ok || splits_k == 1, "bertaccel gemm (fp32): a K split takes the bias or no epilogue");
     splits = (int)splits_k;
   } else if (split_ok) {
-    const int64_t t = tiles(bm, bn), want = 2 * (int64_t)sms;
+    const int64_t t = tiles(shape.bm, shape.bn), want = 2 * (int64_t)sms;
     while (t * splits < want && K / (2 * splits) >= 128 && splits < 16) splits *= 2;
   }
-  const int64_t per_split = ((K + splits - 1) / splits + kBK - 1) / kBK * kBK;
+  const int64_t per_split = ((K + splits - 1) / splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   splits = (int)((K + per_split - 1) / per_split);
 
   Args p{};
@@ -277,11 +345,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
     p.out = out.data_ptr<float>();
   }
   auto stream = at::cuda::getCurrentCUDAStream();
-  switch (choice) {
-    case 1: launch<128, 128>(trans_a, trans_b, p, splits, stream); break;
-    case 2: launch<128, 64>(trans_a, trans_b, p, splits, stream); break;
-    default: launch<64, 64>(trans_a, trans_b, p, splits, stream); break;
-  }
+  launch_tile(choice, trans_a, trans_b, p, splits, stream);
   if (splits > 1) {
     Args r = p;
     r.out = out.data_ptr<float>();
