@@ -1,25 +1,29 @@
 // fp32 GEMM on the CUDA cores (SIMT; no tensor cores, no TF32): out[M, N] = epilogue(op(A) op(B)^T),
 // the fp32 path of `bertaccel::gemm` (gemm.cu hands fp32 operands here).
 //
-// The founding documents' technique: a block computes a BM x BN tile of the output (128 x 128,
-// 128 x 64 or 64 x 64, chosen so that the grid fills the GPU), stepping through K 8 at a time. Each
-// step's A and B slices go to shared memory K-major (As[k][m], Bs[k][n]: an operand stored K-major in
-// memory is transposed on the way in), double-buffered: the next slices are loaded into registers
-// while the current ones are multiplied, then stored into the other buffer, one barrier per step. Each
-// thread owns 8 x 8 outputs as four 4 x 4 blocks (rows ty*4 and BM/2 + ty*4, columns tx*4 and
-// BN/2 + tx*4), so its shared-memory reads are four float4 per k for 64 FMAs and a warp's float4 reads
-// of B cover distinct banks. Loads are predicated (zero-filled past M, N and K), stores are guarded:
-// M, N and K need not be multiples of a tile. The contiguous dimension of each operand must be a
-// multiple of 4 with 16-byte aligned data (float4 loads); the Python side sends anything else to cuBLAS.
-// Where the tiles are too few for the GPU (the weight gradient, K = tokens) the K range is split over
-// `splits` blocks writing fp32 partial tiles, summed in a fixed order by a second kernel that applies
-// the epilogue (bias or none): deterministic.
+// The founding documents' technique: a block computes a BM x BN tile of the output (128 x 128 with
+// 256 threads or 128 x 64 with 128), stepping through K 16 at a time. Each step's A and B slices go
+// to shared memory K-major (As[k][m], Bs[k][n]: an operand stored K-major in memory is transposed on
+// the way in), double-buffered: the next slices are loaded into registers while the current ones are
+// multiplied, then stored into the other buffer, one barrier per step. Each thread owns 8 x 8 outputs
+// as four 4 x 4 blocks (rows ty*4 and BM/2 + ty*4, columns tx*4 and BN/2 + tx*4), a warp's threads a
+// 4 x 8 grid of them, so that a thread's shared-memory reads are four float4 per k for 64 FMAs and a
+// warp's reads of a k-row take one wavefront for A and one for B. Loads are predicated (zero-filled
+// past M, N and K), stores are guarded: M, N and K need not be multiples of a tile. The contiguous
+// dimension of each operand must be a multiple of 4 with 16-byte aligned data (float4 loads); the
+// Python side sends anything else to cuBLAS. Where the tiles are too few for the GPU (the weight
+// gradient, K = tokens; 2,048-row layers) the K range is split over `splits` blocks writing fp32
+// partial tiles, summed in a fixed order by a second kernel that applies the epilogue (bias or none):
+// deterministic. `plan` picks the tile and split from a model of waves and split traffic.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <tuple>
+#include <utility>
 
 #include "check.h"
 #include "gelu_math.cuh"
@@ -45,20 +49,18 @@ struct Args {
 };
 
 // A kernel configuration: a BM x BN block tile stepping through K BK at a time; each thread owns TM x TN
-// outputs as (TM / 4) x (TN / 4) blocks of 4 x 4, spaced so that a warp's float4 reads of a k-row of
-// shared memory land on distinct banks or broadcast. WARP_TILED: a warp's threads form a 4 x 8 grid
-// (its reads of A cover 4 float4 and of B 8 float4: one shared-memory wavefront each); otherwise
-// consecutive threads run along N (a warp 2 x 16 at TN = 8: two wavefronts for B).
-template <int BM_, int BN_, int BK_, int TM_, int TN_, bool WARP_TILED>
+// outputs as (TM / 4) x (TN / 4) blocks of 4 x 4, spaced kRowStride / kColStride apart. A warp's threads
+// form a 4 x 8 grid, so that its float4 reads of a k-row of shared memory cover 4 distinct vectors of A
+// and 8 of B: one shared-memory wavefront each (a warp of 2 x 16 threads needs two for B).
+template <int BM_, int BN_, int BK_, int TM_, int TN_>
 struct Config {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, TM = TM_, TN = TN_;
-  static constexpr int kTX = BN / TN, kTY = BM / TM, kThreads = kTX * kTY;
+  static constexpr int kTX = BN / TN, kTY = BM / TM, kThreads = kTX * kTY, kWarps = kThreads / 32;
   static constexpr int kRowStride = kTY * 4, kColStride = kTX * 4;  // between a thread's 4 x 4 blocks
-  static constexpr bool kWarpTiled = WARP_TILED;
   // at most 128 registers a thread for 8 x 8 outputs, 255 for more; as many blocks per SM as that allows
   static constexpr int kMinBlocks = 65536 / (kThreads * (TM * TN > 64 ? 256 : 128));
   static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0 && kSplitAlign % BK == 0, "4 x 4 blocks, float4 K steps");
-  static_assert(!WARP_TILED || (kTX % 8 == 0 && kTY % 4 == 0 && kThreads % 32 == 0), "a warp is 4 x 8 threads");
+  static_assert(kTX % 8 == 0 && kTY % 4 == 0, "a warp is 4 x 8 threads");
   static_assert(2 * BK * (BM + BN + 2 * kPad) * 4 <= 48 * 1024, "static shared memory");
 };
 
@@ -123,13 +125,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
   __shared__ __align__(16) float As[2][BK][BM + kPad];
   __shared__ __align__(16) float Bs[2][BK][BN + kPad];
   const int tid = threadIdx.x;
-  int tx, ty;
-  if (C::kWarpTiled) {
-    const int lane = tid % 32, warp = tid / 32;
-    tx = (warp % (C::kTX / 8)) * 8 + lane % 8, ty = (warp / (C::kTX / 8)) * 4 + lane / 8;
-  } else {
-    tx = tid % C::kTX, ty = tid / C::kTX;
-  }
+  const int lane = tid % 32, warp = tid / 32;
+  const int tx = (warp % (C::kTX / 8)) * 8 + lane % 8, ty = (warp / (C::kTX / 8)) * 4 + lane / 8;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   const int kbegin = blockIdx.z * p.k_per_split, kend = min(p.K, kbegin + p.k_per_split);
 
@@ -226,42 +223,66 @@ void launch(bool a_mn, bool b_mn, const Args& p, int splits, cudaStream_t stream
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The configurations `tile` names (1-based; 0: chosen by gemm_fp32): block tile, K step, outputs per
-// thread, warp layout.
-using Tile1 = Config<128, 128, 8, 8, 8, false>;   // 256 threads
-using Tile2 = Config<128, 64, 8, 8, 8, false>;    // 128 threads
-using Tile3 = Config<64, 64, 8, 8, 8, false>;     // 64 threads
-using Tile4 = Config<128, 128, 8, 8, 8, true>;
-using Tile5 = Config<128, 128, 16, 8, 8, true>;
-using Tile6 = Config<128, 128, 8, 8, 16, true>;   // 128 threads, 8 x 16 outputs each
-using Tile7 = Config<128, 128, 16, 8, 16, true>;
-using Tile8 = Config<128, 64, 16, 8, 8, true>;
-using Tile9 = Config<64, 64, 16, 8, 8, true>;
-using Tile10 = Config<128, 256, 8, 8, 16, true>;  // 256 threads, one block per SM
-constexpr int kTiles = 10;
-struct TileShape { int bm, bn, resident; };  // resident: blocks of it an SM holds (registers bound)
+// The configurations `tile` names (0: chosen by `plan`). Both 256 / 128 threads at <= 128 registers, two /
+// four blocks per SM. Session 22's sweep (benchmarks/results/h100/gemm_fp32_configs_5aec575.json) also
+// timed K steps of 8, the 2 x 16 warp layout and 8 x 16 outputs per thread at 255 registers (128 x 128 and
+// 128 x 256 tiles): all slower than these two at every BERT shape.
+using Tile1 = Config<128, 128, 16, 8, 8>;
+using Tile2 = Config<128, 64, 16, 8, 8>;
+constexpr int kTiles = 2;
+
+struct TileShape {
+  int bm, bn, resident, warps;  // resident: blocks of it an SM holds (registers bound)
+  double speed;                 // work rate of a full SM relative to Tile1
+};
 constexpr TileShape kTileShapes[kTiles + 1] = {
-    {0, 0, 0},
-    {Tile1::BM, Tile1::BN, Tile1::kMinBlocks}, {Tile2::BM, Tile2::BN, Tile2::kMinBlocks},
-    {Tile3::BM, Tile3::BN, Tile3::kMinBlocks}, {Tile4::BM, Tile4::BN, Tile4::kMinBlocks},
-    {Tile5::BM, Tile5::BN, Tile5::kMinBlocks}, {Tile6::BM, Tile6::BN, Tile6::kMinBlocks},
-    {Tile7::BM, Tile7::BN, Tile7::kMinBlocks}, {Tile8::BM, Tile8::BN, Tile8::kMinBlocks},
-    {Tile9::BM, Tile9::BN, Tile9::kMinBlocks}, {Tile10::BM, Tile10::BN, Tile10::kMinBlocks},
+    {0, 0, 0, 0, 0.0},
+    {Tile1::BM, Tile1::BN, Tile1::kMinBlocks, Tile1::kWarps, 1.0},
+    {Tile2::BM, Tile2::BN, Tile2::kMinBlocks, Tile2::kWarps, 0.85},
 };
 
 void launch_tile(int tile, bool a_mn, bool b_mn, const Args& p, int splits, cudaStream_t stream) {
-  switch (tile) {
-    case 1: launch<Tile1>(a_mn, b_mn, p, splits, stream); break;
-    case 2: launch<Tile2>(a_mn, b_mn, p, splits, stream); break;
-    case 3: launch<Tile3>(a_mn, b_mn, p, splits, stream); break;
-    case 4: launch<Tile4>(a_mn, b_mn, p, splits, stream); break;
-    case 5: launch<Tile5>(a_mn, b_mn, p, splits, stream); break;
-    case 6: launch<Tile6>(a_mn, b_mn, p, splits, stream); break;
-    case 7: launch<Tile7>(a_mn, b_mn, p, splits, stream); break;
-    case 8: launch<Tile8>(a_mn, b_mn, p, splits, stream); break;
-    case 9: launch<Tile9>(a_mn, b_mn, p, splits, stream); break;
-    default: launch<Tile10>(a_mn, b_mn, p, splits, stream); break;
+  if (tile == 1) launch<Tile1>(a_mn, b_mn, p, splits, stream);
+  else launch<Tile2>(a_mn, b_mn, p, splits, stream);
+}
+
+// Predicted time (seconds) of a tile and K split on `sms` SMs - the model behind `plan`, fitted to the
+// H100 sweep above (it picks the measured best of 2 tiles x 4 splits in 35 of 36 BERT GEMMs, within 2% in
+// the last). Blocks run in waves of `resident` per SM; a wave's time is that of its most loaded SM, whose
+// rate grows with its resident warps as (warps / 16)^0.3; a split adds its partial sums' traffic (written,
+// then read and summed by the second kernel) and that kernel's launch.
+double predicted_seconds(int64_t M, int64_t N, int64_t K, int tile, int splits, int sms) {
+  constexpr double kFmaPerSecond = 2e11, kBytesPerSecond = 2.5e12, kLaunch = 3e-6, kWarpExponent = 0.3;
+  const TileShape& t = kTileShapes[tile];
+  const int64_t blocks = ((M + t.bm - 1) / t.bm) * ((N + t.bn - 1) / t.bn) * splits;
+  const int64_t k_per_block = ((K + splits - 1) / splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  const double work = (double)t.bm * t.bn * k_per_block / t.speed;  // FMAs of one block
+  auto rate = [&](int64_t n) { return std::pow(std::min(1.0, (double)(n * t.warps) / 16.0), kWarpExponent); };
+  const int64_t per_wave = (int64_t)t.resident * sms, full = blocks / per_wave, rest = blocks % per_wave;
+  double units = (double)full * t.resident * work / rate(t.resident);
+  if (rest > 0) {
+    const int64_t n = (rest + sms - 1) / sms;
+    units += n * work / rate(n);
   }
+  double seconds = units / kFmaPerSecond;
+  if (splits > 1) seconds += (2.0 * splits + 1.0) * M * N * 4.0 / kBytesPerSecond + kLaunch;
+  return seconds;
+}
+
+// The tile and K split with the least predicted time; splits only where the epilogue allows them
+// (bias or none), at most 16 and at least 128 of K each (also fewer roundings than one long sum).
+std::pair<int, int> plan(int64_t M, int64_t N, int64_t K, int sms, bool split_ok, int tile) {
+  std::pair<int, int> best{tile > 0 ? tile : 1, 1};
+  double best_seconds = 0.0;
+  for (int t = 1; t <= kTiles; ++t) {
+    if (tile > 0 && t != tile) continue;
+    for (int s = 1; s <= (split_ok ? 16 : 1); ++s) {
+      if (s > 1 && K / s < 128) break;
+      const double seconds = predicted_seconds(M, N, K, t, s, sms);
+      if (best_seconds == 0.0 || seconds < best_seconds) best = {t, s}, best_seconds = seconds;
+    }
+  }
+  return best;
 }
 
 int sm_count(int device) {
@@ -302,31 +323,19 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
                                  aux->dim() == 2 && aux->size(0) == M && aux->size(1) == N),
                   "bertaccel gemm (fp32): this epilogue needs a contiguous fp32 [%lld, %lld] auxiliary input", (long long)M,
                   (long long)N);
-  TORCH_CHECK(tile >= 0 && tile <= kTiles, "bertaccel gemm (fp32): tile is 0 (chosen) or 1-", kTiles,
-              " (the configurations in csrc/gemm_fp32.cu)");
+  TORCH_CHECK(tile >= 0 && tile <= kTiles, "bertaccel gemm (fp32): tile is 0 (chosen), 1 (128 x 128) or 2 (128 x 64)");
   const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
   const c10::cuda::CUDAGuard guard(a.device());
   auto out = at::empty({M, N}, a.options());
   auto pre = (gelu && save_pre) ? at::empty({M, N}, a.options()) : at::empty({0}, a.options());
   if (M == 0 || N == 0) return {out, pre};
 
-  // Tile and split: the largest tile whose grid fills the SMs (two 256-thread blocks fit one SM);
-  // else the smallest tile, its K range split until it does (bias or no epilogue only), at least 128
-  // of K per split (splits also sum K in blocks: less rounding than one long sequential sum).
+  // Tile and split: `plan`'s pick, or the ones asked for (tests and sweeps)
   const int sms = sm_count(a.get_device());
-  auto tiles = [&](int bm, int bn) { return ((M + bm - 1) / bm) * ((N + bn - 1) / bn); };
-  int choice = (int)tile;
-  if (choice == 0) choice = tiles(128, 128) >= sms ? 1 : tiles(128, 64) >= sms ? 2 : 3;
-  const TileShape shape = kTileShapes[choice];
   const bool split_ok = epilogue == kNone || epilogue == kBias;
-  int splits = 1;
-  if (splits_k > 0) {
-    TORCH_CHECK(split_ok || splits_k == 1, "bertaccel gemm (fp32): a K split takes the bias or no epilogue");
-    splits = (int)splits_k;
-  } else if (split_ok) {
-    const int64_t t = tiles(shape.bm, shape.bn), want = 2 * (int64_t)sms;
-    while (t * splits < want && K / (2 * splits) >= 128 && splits < 16) splits *= 2;
-  }
+  TORCH_CHECK(split_ok || splits_k <= 1, "bertaccel gemm (fp32): a K split takes the bias or no epilogue");
+  auto [choice, splits] = plan(M, N, K, sms, split_ok, (int)tile);
+  if (splits_k > 0) splits = (int)splits_k;
   const int64_t per_split = ((K + splits - 1) / splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   splits = (int)((K + per_split - 1) / per_split);
 
