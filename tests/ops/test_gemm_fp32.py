@@ -105,13 +105,15 @@ def test_k_splits_with_bias(layout, splits, tile):
 
 
 @hopper_test
+@pytest.mark.parametrize("splits", [0, 3], ids=["chosen", "3-splits"])
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
-def test_every_epilogue(epilogue):
+def test_every_epilogue(epilogue, splits):
+    """Every epilogue, in the GEMM kernel or (K split) in the kernel that sums the partial tiles."""
     M, N, K = 259, 132, 300
     a, b = operands(M, N, K, False, False, seed=2)
     bias, aux = torch.randn(N, device="cuda"), torch.randn(M, N, device="cuda")
     e = EPILOGUES[epilogue]
-    out, pre = GEMM(a, b, bias, aux, e, False, False, True, True)
+    out, pre = GEMM(a, b, bias, aux, e, False, False, True, True, 0, splits)
     ref, ref_pre = apply_epilogue(a.double() @ b.double().t(), bias.double(), aux.double(), e, True, torch.float64)
     cub, _ = apply_epilogue(a @ b.t(), bias, aux, e, False, torch.float32)
     check(out, cub, ref, epilogue)

@@ -45,13 +45,22 @@
 
 #include "check.h"
 #include "gelu_math.cuh"
+#include "gemm.h"
 #include "wgmma.cuh"
 
 namespace bertaccel::gemm {
-// gemm_fp32.cu: the SIMT fp32 path
-std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
-                                             const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a,
-                                             bool trans_b, bool save_pre, int64_t tile, int64_t splits_k);
+Dims dims(const at::Tensor& a, const at::Tensor& b, bool trans_a, bool trans_b) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "bertaccel gemm: operands must be 2-D");
+  TORCH_CHECK(a.is_cuda() && b.device() == a.device(), "bertaccel gemm: operands must be on one CUDA device");
+  TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1, "bertaccel gemm: operands must have unit inner stride");
+  const int64_t M = trans_a ? a.size(1) : a.size(0), K = trans_a ? a.size(0) : a.size(1);
+  const int64_t N = trans_b ? b.size(1) : b.size(0);
+  const int64_t K_b = trans_b ? b.size(0) : b.size(1);
+  BERTACCEL_CHECK(K_b == K, "bertaccel gemm: inner dimensions differ (%lld and %lld)", (long long)K, (long long)K_b);
+  TORCH_CHECK(K > 0, "bertaccel gemm: the inner dimension is empty");
+  return {M, N, K};
+}
+
 namespace {
 
 using bf16 = __nv_bfloat16;
@@ -898,19 +907,12 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
                                         bool out_fp32, bool save_pre, int64_t tile_n, int64_t splits_k,
                                         int64_t schedule) {
   if (a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat) return gemm_fp32(a, b, bias, aux, epilogue, trans_a, trans_b, save_pre, tile_n, splits_k);
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "bertaccel gemm: operands must be 2-D");
   TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, "bertaccel gemm: operands must be bfloat16 (or both float32)");
-  TORCH_CHECK(a.is_cuda() && b.device() == a.device(), "bertaccel gemm: operands must be on one CUDA device");
-  TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1, "bertaccel gemm: operands must have unit inner stride");
-  const int64_t M = trans_a ? a.size(1) : a.size(0), K = trans_a ? a.size(0) : a.size(1);
-  const int64_t N = trans_b ? b.size(1) : b.size(0);
-  const int64_t K_b = trans_b ? b.size(0) : b.size(1);
-  BERTACCEL_CHECK(K_b == K, "bertaccel gemm: inner dimensions differ (%lld and %lld)", (long long)K, (long long)K_b);
+  const auto [M, N, K] = dims(a, b, trans_a, trans_b);
   for (const at::Tensor* t : {&a, &b}) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && (t->stride(0) * 2) % 16 == 0,
                 "bertaccel gemm: operands need 16-byte aligned data and row strides (a multiple of 8 elements)");
   }
-  TORCH_CHECK(K > 0, "bertaccel gemm: the inner dimension is empty");
   BERTACCEL_CHECK(epilogue >= kNone && epilogue <= kDGeluTanh, "bertaccel gemm: unknown epilogue %lld", (long long)epilogue);
   const bool needs_bias = epilogue >= kBias && epilogue <= kBiasResidual;
   BERTACCEL_CHECK(!needs_bias || (bias.has_value() && bias->numel() == N && bias->is_contiguous() &&

@@ -13,8 +13,8 @@
 // dimension of each operand must be a multiple of 4 with 16-byte aligned data (float4 loads); the
 // Python side sends anything else to cuBLAS. Where the tiles are too few for the GPU (the weight
 // gradient, K = tokens; 2,048-row layers) the K range is split over `splits` blocks writing fp32
-// partial tiles, summed in a fixed order by a second kernel that applies the epilogue (bias or none):
-// deterministic. `plan` picks the tile and split from a model of waves and split traffic.
+// partial tiles, summed in a fixed order by a second kernel that applies the epilogue (any of them:
+// it is elementwise): deterministic. `plan` picks the tile and split from a model of waves and split traffic.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +27,7 @@
 
 #include "check.h"
 #include "gelu_math.cuh"
+#include "gemm.h"
 
 namespace bertaccel::gemm {
 namespace {
@@ -269,14 +270,14 @@ double predicted_seconds(int64_t M, int64_t N, int64_t K, int tile, int splits, 
   return seconds;
 }
 
-// The tile and K split with the least predicted time; splits only where the epilogue allows them
-// (bias or none), at most 16 and at least 128 of K each (also fewer roundings than one long sum).
-std::pair<int, int> plan(int64_t M, int64_t N, int64_t K, int sms, bool split_ok, int tile) {
+// The tile and K split with the least predicted time: at most 16 splits, at least 128 of K each (also
+// fewer roundings than one long sum).
+std::pair<int, int> plan(int64_t M, int64_t N, int64_t K, int sms, int tile) {
   std::pair<int, int> best{tile > 0 ? tile : 1, 1};
   double best_seconds = 0.0;
   for (int t = 1; t <= kTiles; ++t) {
     if (tile > 0 && t != tile) continue;
-    for (int s = 1; s <= (split_ok ? 16 : 1); ++s) {
+    for (int s = 1; s <= 16; ++s) {
       if (s > 1 && K / s < 128) break;
       const double seconds = predicted_seconds(M, N, K, t, s, sms);
       if (best_seconds == 0.0 || seconds < best_seconds) best = {t, s}, best_seconds = seconds;
@@ -300,19 +301,12 @@ int sm_count(int device) {
 std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                              const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a,
                                              bool trans_b, bool save_pre, int64_t tile, int64_t splits_k) {
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "bertaccel gemm: operands must be 2-D");
   TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, "bertaccel gemm (fp32): operands must be float32");
-  TORCH_CHECK(a.is_cuda() && b.device() == a.device(), "bertaccel gemm: operands must be on one CUDA device");
-  TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1, "bertaccel gemm: operands must have unit inner stride");
-  const int64_t M = trans_a ? a.size(1) : a.size(0), K = trans_a ? a.size(0) : a.size(1);
-  const int64_t N = trans_b ? b.size(1) : b.size(0);
-  const int64_t K_b = trans_b ? b.size(0) : b.size(1);
-  BERTACCEL_CHECK(K_b == K, "bertaccel gemm: inner dimensions differ (%lld and %lld)", (long long)K, (long long)K_b);
+  const auto [M, N, K] = dims(a, b, trans_a, trans_b);
   for (const at::Tensor* t : {&a, &b}) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && t->stride(0) % 4 == 0 && t->size(1) % 4 == 0,
                 "bertaccel gemm (fp32): operands need 16-byte aligned data and rows that are multiples of 4 elements");
   }
-  TORCH_CHECK(K > 0, "bertaccel gemm: the inner dimension is empty");
   TORCH_CHECK(M < (int64_t)1 << 31 && N < (int64_t)1 << 31 && K < (int64_t)1 << 31, "bertaccel gemm: a dimension is too large");
   BERTACCEL_CHECK(epilogue >= kNone && epilogue <= kDGeluTanh, "bertaccel gemm: unknown epilogue %lld", (long long)epilogue);
   const bool needs_bias = epilogue >= kBias && epilogue <= kBiasResidual;
@@ -332,9 +326,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
 
   // Tile and split: `plan`'s pick, or the ones asked for (tests and sweeps)
   const int sms = sm_count(a.get_device());
-  const bool split_ok = epilogue == kNone || epilogue == kBias;
-  TORCH_CHECK(split_ok || splits_k <= 1, "bertaccel gemm (fp32): a K split takes the bias or no epilogue");
-  auto [choice, splits] = plan(M, N, K, sms, split_ok, (int)tile);
+  auto [choice, splits] = plan(M, N, K, sms, (int)tile);
   if (splits_k > 0) splits = (int)splits_k;
   const int64_t per_split = ((K + splits - 1) / splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   splits = (int)((K + per_split - 1) / per_split);

@@ -566,8 +566,20 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   T* dhp = dh.defined() ? (T*)dh.data_ptr() : nullptr;
   const float* meanp = mean.defined() ? mean.data_ptr<float>() : nullptr;
   const int64_t* rngp = p > 0 ? rng.data_ptr<int64_t>() : nullptr;
-  int blocks = 0;
-  at::Tensor pg, pb, ph;
+  // Every backward kernel takes the same arguments and writes one fp32 partial row per block for each
+  // weight gradient: `run` allocates those, launches `kernel` on `blocks` blocks and adds the rows up.
+  auto run = [&](auto kernel, int smem, int blocks) {
+    at::Tensor pg = at::empty({blocks, H}, opts), pb, ph;
+    if (dbeta.defined()) pb = at::empty({blocks, H}, opts);
+    if (dbias.defined()) ph = at::empty({blocks, H}, opts);
+    kernel<<<blocks, kBwdThreads, smem, stream>>>(
+        (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(),
+        (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(), pb.defined() ? pb.data_ptr<float>() : nullptr,
+        ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
   // The prefetching kernel where it measured faster (H100, 16384 rows, bf16, same run, 528e565): the
   // fused residual form at 384 and 768 wide, 32.7 vs 34.5 us and 53.0 vs 55.9 (the ring). Plain
   // LayerNorm and RMSNorm measured even (23.1 vs 23.3, 40.7 vs 40.3; 36.6 vs 36.3) and keep the
@@ -575,30 +587,19 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   if constexpr (MODE == kFused && sizeof(T) == 2) {  // bf16 rows with full 16-byte vectors, a row within a warp
     if (prefetch && tpr <= 32 && items <= 3) {
       const int device = z.get_device();
-#define BA_LN_BWD_PREFETCH(V, I)                                                                                 \
-  do {                                                                                                           \
-    if constexpr (V == max_vec && I <= 3) {                                                                      \
-      auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE>;                                                    \
-      constexpr int smem = bwd_prefetch_smem<MODE, V, I>();                                                      \
-      static int per_sm[64] = {};                                                                                \
-      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);         \
-      const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                            \
-      blocks = (int)std::min<int64_t>((warp_groups + kBwdRingWarps - 1) / kBwdRingWarps, fit);                  \
-      pg = at::empty({blocks, H}, opts);                                                                         \
-      if (dbeta.defined()) pb = at::empty({blocks, H}, opts);                                                    \
-      if (dbias.defined()) ph = at::empty({blocks, H}, opts);                                                    \
-      kernel<<<blocks, kBwdThreads, smem, stream>>>(                                                             \
-          (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp,                    \
-          rstd.data_ptr<float>(), (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(),                                   \
-          pb.defined() ? pb.data_ptr<float>() : nullptr, ph.defined() ? ph.data_ptr<float>() : nullptr, rows,    \
-          (int)H, tpr, (float)p, rngp);                                                                          \
-    }                                                                                                            \
+#define BA_LN_BWD_PREFETCH(V, I)                                                                          \
+  do {                                                                                                    \
+    if constexpr (V == max_vec && I <= 3) {                                                               \
+      auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE>;                                             \
+      constexpr int smem = bwd_prefetch_smem<MODE, V, I>();                                               \
+      static int per_sm[64] = {};                                                                         \
+      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);  \
+      const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                     \
+      run(kernel, smem, (int)std::min<int64_t>((warp_groups + kBwdRingWarps - 1) / kBwdRingWarps, fit)); \
+    }                                                                                                     \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_PREFETCH);
 #undef BA_LN_BWD_PREFETCH
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
   }
@@ -609,55 +610,34 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   if constexpr (MODE == kFused && sizeof(T) == 2) {  // (only these forms are instantiated)
     if (vec == max_vec && tpr == 32 && items * vec >= 24 && ring_enabled()) {  // one 768-1024-wide row per warp
       const int device = z.get_device();
-#define BA_LN_BWD_RING(V, I)                                                                                     \
-  do {                                                                                                           \
-    if constexpr (V == max_vec && I * V >= 24) {                                                                 \
-      auto kernel = ln_bwd_ring_kernel<T, W, V, I, MODE>;                                                        \
-      constexpr int smem = bwd_ring_stages<I>() * bwd_ring_stage_bytes<I>();                                     \
-      static_assert(smem >= kBwdThreads * I * V * 4, "the column partials are parked in the ring");             \
-      static int per_sm[64] = {};                                                                                \
-      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);         \
-      blocks = (int)std::min<int64_t>((rows * tpr + kBwdThreads - 1) / kBwdThreads, fit);                       \
-      pg = at::empty({blocks, H}, opts);                                                                         \
-      if (dbeta.defined()) pb = at::empty({blocks, H}, opts);                                                    \
-      if (dbias.defined()) ph = at::empty({blocks, H}, opts);                                                    \
-      kernel<<<blocks, kBwdThreads, smem, stream>>>(                                                             \
-          (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp,                    \
-          rstd.data_ptr<float>(), (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(),                                   \
-          pb.defined() ? pb.data_ptr<float>() : nullptr, ph.defined() ? ph.data_ptr<float>() : nullptr, rows,    \
-          (int)H, tpr, (float)p, rngp);                                                                          \
-    }                                                                                                            \
+#define BA_LN_BWD_RING(V, I)                                                                              \
+  do {                                                                                                    \
+    if constexpr (V == max_vec && I * V >= 24) {                                                          \
+      auto kernel = ln_bwd_ring_kernel<T, W, V, I, MODE>;                                                 \
+      constexpr int smem = bwd_ring_stages<I>() * bwd_ring_stage_bytes<I>();                              \
+      static_assert(smem >= kBwdThreads * I * V * 4, "the column partials are parked in the ring");      \
+      static int per_sm[64] = {};                                                                         \
+      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);  \
+      run(kernel, smem, (int)std::min<int64_t>((rows * tpr + kBwdThreads - 1) / kBwdThreads, fit));      \
+    }                                                                                                     \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_RING);
 #undef BA_LN_BWD_RING
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
   }
-#define BA_LN_BWD(V, I)                                                                                          \
-  do {                                                                                                           \
-    static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */            \
-      int n = 1;                                                                                                 \
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ln_bwd_kernel<T, W, V, I, MODE>,          \
-                                                                   kBwdThreads, 0));                             \
-      return n;                                                                                                  \
-    }();                                                                                                         \
-    blocks = (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1));                                \
-    pg = at::empty({blocks, H}, opts);                                                                           \
-    if (dbeta.defined()) pb = at::empty({blocks, H}, opts);                                                      \
-    if (dbias.defined()) ph = at::empty({blocks, H}, opts);                                                      \
-    ln_bwd_kernel<T, W, V, I, MODE><<<blocks, kBwdThreads, 0, stream>>>(                                         \
-        (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(), \
-        (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(), pb.defined() ? pb.data_ptr<float>() : nullptr,            \
-        ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp);                      \
+#define BA_LN_BWD(V, I)                                                                                   \
+  do {                                                                                                    \
+    static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */     \
+      int n = 1;                                                                                          \
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ln_bwd_kernel<T, W, V, I, MODE>,   \
+                                                                   kBwdThreads, 0));                      \
+      return n;                                                                                           \
+    }();                                                                                                  \
+    run(ln_bwd_kernel<T, W, V, I, MODE>, 0, (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1))); \
   } while (0)
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
 #undef BA_LN_BWD
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // gamma's dtype (float32, or bf16 beside bf16 activations) picks W. kEmb takes float32 only.
