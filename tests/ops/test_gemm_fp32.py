@@ -105,6 +105,27 @@ def test_k_splits_with_bias(layout, splits, tile):
 
 
 @hopper_test
+@pytest.mark.parametrize("epilogue", ["none", "bias_gelu", "bias_residual"])
+def test_tail_split(epilogue):
+    """More 128 x 128 tiles than one wave of blocks holds (2 per SM): the tiles that fill whole waves
+    computed whole (epilogue in the GEMM kernel), the rest split 3 ways over K (splits_k < 0; epilogue in
+    the summing kernel); and the default plan at the same shape."""
+    M, N, K = 2052, 2308, 260  # 17 x 19 = 323 tiles
+    slots = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    if not (323 > slots and 323 % slots != 0):
+        pytest.skip(f"323 tiles fill whole waves of {slots} blocks on this GPU: no tail to split")
+    a, b = operands(M, N, K, False, False, seed=5)
+    bias, aux = torch.randn(N, device="cuda"), torch.randn(M, N, device="cuda")
+    e = EPILOGUES[epilogue]
+    ref, _ = apply_epilogue(a.double() @ b.double().t(), bias.double(), aux.double(), e, True, torch.float64)
+    cub, _ = apply_epilogue(a @ b.t(), bias, aux, e, False, torch.float32)
+    for splits in (-3, 0):
+        out, _ = GEMM(a, b, bias, aux, e, False, False, True, False, 1, splits)
+        check(out, cub, ref, f"{epilogue} splits {splits}")
+    assert torch.equal(out, GEMM(a, b, bias, aux, e, False, False, True, False, 1, 0)[0])
+
+
+@hopper_test
 @pytest.mark.parametrize("splits", [0, 3], ids=["chosen", "3-splits"])
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 def test_every_epilogue(epilogue, splits):

@@ -900,8 +900,8 @@ void bind_primary_context(int device) {
 }
 
 // out = epilogue(op(a) op(b)^T). a: [M, K] (trans_a: stored [K, M]); b: [N, K] (trans_b: stored [K, N]).
-// fp32 operands run the SIMT kernel of gemm_fp32.cu (tile_n there: 0 chosen, 1 = 128x128, 2 = 128x64,
-// 3 = 64x64 blocks; the output is fp32).
+// fp32 operands run the SIMT kernel of gemm_fp32.cu (tile_n there: 0 chosen, 1 = 128x128, 2 = 128x64
+// blocks; splits_k < 0 there splits only the tiles past the last full wave; the output is fp32).
 std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                         const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a, bool trans_b,
                                         bool out_fp32, bool save_pre, int64_t tile_n, int64_t splits_k,

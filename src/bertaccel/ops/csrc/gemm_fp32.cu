@@ -39,14 +39,18 @@ enum Epilogue { kNone = 0, kBias = 1, kBiasGeluErf = 2, kBiasGeluTanh = 3, kBias
 struct Args {
   const float* a;
   const float* b;
-  float* out;           // [M, N], or [splits, M, N] partial sums
+  float* out;           // [M, N]
+  float* ws;            // the split tiles' partial sums: [split tile][split][BM * BN]
   const float* bias;    // [N] or null
   const float* aux;     // [M, N]: the residual, or the saved pre-activation of the dGELU epilogues
   float* pre;           // [M, N] pre-activation written by the GELU epilogues, or null
   int M, N, K;
   int64_t lda, ldb;     // row strides (elements) of a and b as stored
-  int epilogue;         // applied by this kernel when splits == 1
-  int k_per_split;      // K range of one blockIdx.z (a multiple of kSplitAlign)
+  int epilogue;         // applied by this kernel to whole tiles, by sgemm_split_reduce to split ones
+  int tiles_n;          // tiles along N (tile t is row t / tiles_n, column t % tiles_n of tiles)
+  int whole;            // tiles 0 .. whole-1 are computed whole by one block each; the rest are split:
+  int splits;           //   `splits` blocks each, over K ranges of
+  int k_per_split;      //   k_per_split (a multiple of kSplitAlign)
 };
 
 // A kernel configuration: a BM x BN block tile stepping through K BK at a time; each thread owns TM x TN
@@ -128,8 +132,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
   const int tid = threadIdx.x;
   const int lane = tid % 32, warp = tid / 32;
   const int tx = (warp % (C::kTX / 8)) * 8 + lane % 8, ty = (warp / (C::kTX / 8)) * 4 + lane / 8;
-  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-  const int kbegin = blockIdx.z * p.k_per_split, kend = min(p.K, kbegin + p.k_per_split);
+  // blocks 0 .. whole-1: a whole tile each; then `splits` blocks per remaining tile, one K range each
+  // (worked out again after the K loop: kept live through it, they pushed the loop into spilling)
+  auto raw = [&] { return (int)blockIdx.x >= p.whole; };  // a K slice: its partial sums, no epilogue
+  auto tile = [&] { return raw() ? p.whole + ((int)blockIdx.x - p.whole) / p.splits : (int)blockIdx.x; };
+  auto split = [&] { return raw() ? ((int)blockIdx.x - p.whole) % p.splits : 0; };
+  const int m0 = tile() / p.tiles_n * BM, n0 = tile() % p.tiles_n * BN;
+  const int kbegin = raw() ? split() * p.k_per_split : 0, kend = raw() ? min(p.K, kbegin + p.k_per_split) : p.K;
 
   float acc[TM][TN];
 #pragma unroll
@@ -180,9 +189,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
     __syncthreads();
   }
 
-  const bool raw = gridDim.z > 1;  // a K slice: the partial sums, no epilogue
-  float* out = p.out + (raw ? (int64_t)blockIdx.z * p.M * p.N : 0);
-  const bool vec = p.N % 4 == 0;
+  // a whole tile into out; a K slice into its own BM x BN block of ws
+  const bool is_raw = raw();
+  float* const slice = is_raw ? p.ws + ((int64_t)(tile() - p.whole) * p.splits + split()) * BM * BN : nullptr;
+  const bool vec = is_raw || p.N % 4 == 0;
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     const int row = m0 + (i / 4) * C::kRowStride + ty * 4 + i % 4;
@@ -193,8 +203,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
       if (col >= p.N) continue;
       float v[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = (raw || col + j >= p.N) ? acc[i][4 * h + j] : finish(p, acc[i][4 * h + j], row, col + j);
-      float* o = out + (int64_t)row * p.N + col;
+      for (int j = 0; j < 4; ++j) v[j] = (is_raw || col + j >= p.N) ? acc[i][4 * h + j] : finish(p, acc[i][4 * h + j], row, col + j);
+      float* o = is_raw ? slice + (row - m0) * BN + (col - n0) : p.out + (int64_t)row * p.N + col;
       if (vec && col + 3 < p.N) {
         *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
       } else {
@@ -204,24 +214,37 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
   }
 }
 
-// out = epilogue(sum over the splits of ws[s]), the slices added in order.
-__global__ void sgemm_split_reduce(const float* __restrict__ ws, int splits, Args p) {
-  const int64_t count = (int64_t)p.M * p.N;
+// The split tiles: out = epilogue(sum over the splits of their partial tiles), added in split order.
+template <int BM, int BN>
+__global__ void sgemm_split_reduce(const Args p, int tiles) {
+  const int64_t count = (int64_t)(tiles - p.whole) * BM * BN;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t t = i / (BM * BN);
+    const int at = (int)(i % (BM * BN)), tile = p.whole + (int)t;
+    const int row = tile / p.tiles_n * BM + at / BN, col = tile % p.tiles_n * BN + at % BN;
+    if (row >= p.M || col >= p.N) continue;
+    const float* src = p.ws + t * p.splits * BM * BN + at;
     float v = 0.f;
-    for (int s = 0; s < splits; ++s) v += ws[s * count + i];
-    p.out[i] = finish(p, v, (int)(i / p.N), (int)(i % p.N));
+    for (int s = 0; s < p.splits; ++s) v += src[(int64_t)s * BM * BN];
+    p.out[(int64_t)row * p.N + col] = finish(p, v, row, col);
   }
 }
 
+// The GEMM blocks, then (if any tile is split) the sum of the split tiles' partials.
 template <class C>
-void launch(bool a_mn, bool b_mn, const Args& p, int splits, cudaStream_t stream) {
-  const dim3 grid((p.N + C::BN - 1) / C::BN, (p.M + C::BM - 1) / C::BM, splits), block(C::kThreads);
-  if (!a_mn && !b_mn) sgemm_kernel<C, false, false><<<grid, block, 0, stream>>>(p);
-  else if (!a_mn && b_mn) sgemm_kernel<C, false, true><<<grid, block, 0, stream>>>(p);
-  else if (a_mn && !b_mn) sgemm_kernel<C, true, false><<<grid, block, 0, stream>>>(p);
-  else sgemm_kernel<C, true, true><<<grid, block, 0, stream>>>(p);
+void launch(bool a_mn, bool b_mn, const Args& p, int tiles, int sms, cudaStream_t stream) {
+  const int blocks = p.whole + (tiles - p.whole) * p.splits;
+  if (!a_mn && !b_mn) sgemm_kernel<C, false, false><<<blocks, C::kThreads, 0, stream>>>(p);
+  else if (!a_mn && b_mn) sgemm_kernel<C, false, true><<<blocks, C::kThreads, 0, stream>>>(p);
+  else if (a_mn && !b_mn) sgemm_kernel<C, true, false><<<blocks, C::kThreads, 0, stream>>>(p);
+  else sgemm_kernel<C, true, true><<<blocks, C::kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (p.whole < tiles) {
+    const int64_t count = (int64_t)(tiles - p.whole) * C::BM * C::BN;
+    const int reduce_blocks = (int)std::min<int64_t>((count + 255) / 256, (int64_t)sms * 8);
+    sgemm_split_reduce<C::BM, C::BN><<<reduce_blocks, 256, 0, stream>>>(p, tiles);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 // The configurations `tile` names (0: chosen by `plan`). Both 256 / 128 threads at <= 128 registers, two /
@@ -242,45 +265,68 @@ constexpr TileShape kTileShapes[kTiles + 1] = {
     {Tile2::BM, Tile2::BN, Tile2::kMinBlocks, Tile2::kWarps, 0.85},
 };
 
-void launch_tile(int tile, bool a_mn, bool b_mn, const Args& p, int splits, cudaStream_t stream) {
-  if (tile == 1) launch<Tile1>(a_mn, b_mn, p, splits, stream);
-  else launch<Tile2>(a_mn, b_mn, p, splits, stream);
+void launch_tile(int tile, bool a_mn, bool b_mn, const Args& p, int tiles, int sms, cudaStream_t stream) {
+  if (tile == 1) launch<Tile1>(a_mn, b_mn, p, tiles, sms, stream);
+  else launch<Tile2>(a_mn, b_mn, p, tiles, sms, stream);
 }
 
-// Predicted time (seconds) of a tile and K split on `sms` SMs - the model behind `plan`, fitted to the
-// H100 sweep above (it picks the measured best of 2 tiles x 4 splits in 35 of 36 BERT GEMMs, within 2% in
-// the last). Blocks run in waves of `resident` per SM; a wave's time is that of its most loaded SM, whose
-// rate grows with its resident warps as (warps / 16)^0.3; a split adds its partial sums' traffic (written,
-// then read and summed by the second kernel) and that kernel's launch.
-double predicted_seconds(int64_t M, int64_t N, int64_t K, int tile, int splits, int sms) {
+// How a GEMM is cut into blocks: the tile configuration; tiles 0 .. whole-1 computed whole, each of the
+// others by `splits` blocks over K ranges (whole = tiles: no split; whole = 0: every tile split).
+struct Schedule {
+  int tile, whole, splits;
+};
+
+// Predicted time (seconds) of a schedule on `sms` SMs - the model behind `plan`, fitted to the H100
+// sweep of tiles x uniform splits (benchmarks/results/h100/gemm_fp32_aea30fa.json: it picks the
+// measured best of 2 tiles x 8 splits, or within 2% of it, in every BERT GEMM). Blocks run in waves
+// of `resident` per SM; a wave's time is that of its most loaded SM, whose rate grows with its
+// resident warps as (warps / 16)^0.3; the whole tiles' blocks run first, then the split ones; a split
+// adds its partial tiles' traffic (written, then read and summed by the second kernel) and that
+// kernel's launch.
+double predicted_seconds(int64_t M, int64_t N, int64_t K, const Schedule& s, int sms) {
   constexpr double kFmaPerSecond = 2e11, kBytesPerSecond = 2.5e12, kLaunch = 3e-6, kWarpExponent = 0.3;
-  const TileShape& t = kTileShapes[tile];
-  const int64_t blocks = ((M + t.bm - 1) / t.bm) * ((N + t.bn - 1) / t.bn) * splits;
-  const int64_t k_per_block = ((K + splits - 1) / splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
-  const double work = (double)t.bm * t.bn * k_per_block / t.speed;  // FMAs of one block
+  const TileShape& t = kTileShapes[s.tile];
+  const int64_t tiles = ((M + t.bm - 1) / t.bm) * ((N + t.bn - 1) / t.bn), split_tiles = tiles - s.whole;
+  const int64_t k_per_split = ((K + s.splits - 1) / s.splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   auto rate = [&](int64_t n) { return std::pow(std::min(1.0, (double)(n * t.warps) / 16.0), kWarpExponent); };
-  const int64_t per_wave = (int64_t)t.resident * sms, full = blocks / per_wave, rest = blocks % per_wave;
-  double units = (double)full * t.resident * work / rate(t.resident);
-  if (rest > 0) {
-    const int64_t n = (rest + sms - 1) / sms;
-    units += n * work / rate(n);
-  }
-  double seconds = units / kFmaPerSecond;
-  if (splits > 1) seconds += (2.0 * splits + 1.0) * M * N * 4.0 / kBytesPerSecond + kLaunch;
+  auto fmas = [&](int64_t blocks, int64_t k) {  // most-loaded-SM FMAs of `blocks` blocks of k each, in waves
+    const double work = (double)t.bm * t.bn * k / t.speed;
+    const int64_t per_wave = (int64_t)t.resident * sms, full = blocks / per_wave, rest = blocks % per_wave;
+    double units = (double)full * t.resident * work / rate(t.resident);
+    if (rest > 0) {
+      const int64_t n = (rest + sms - 1) / sms;
+      units += n * work / rate(n);
+    }
+    return units;
+  };
+  double seconds = (fmas(s.whole, K) + fmas(split_tiles * s.splits, k_per_split)) / kFmaPerSecond;
+  if (split_tiles > 0) seconds += (2.0 * s.splits + 1.0) * split_tiles * t.bm * t.bn * 4.0 / kBytesPerSecond + kLaunch;
   return seconds;
 }
 
-// The tile and K split with the least predicted time: at most 16 splits, at least 128 of K each (also
-// fewer roundings than one long sum).
-std::pair<int, int> plan(int64_t M, int64_t N, int64_t K, int sms, int tile) {
-  std::pair<int, int> best{tile > 0 ? tile : 1, 1};
-  double best_seconds = 0.0;
+int tile_count(int64_t M, int64_t N, int tile) {
+  const TileShape& t = kTileShapes[tile];
+  return (int)(((M + t.bm - 1) / t.bm) * ((N + t.bn - 1) / t.bn));
+}
+
+// The schedule with the least predicted time: each tile configuration with no split, every tile split
+// 2-16 ways, or - where the tiles overrun the last full wave - only the tiles past it split 2-16 ways
+// (the tail then fills one wave instead of leaving most SMs idle). At least 128 of K per split (also
+// fewer roundings than one long sum). `tile` > 0 keeps that configuration.
+Schedule plan(int64_t M, int64_t N, int64_t K, int sms, int tile) {
+  Schedule best{tile > 0 ? tile : 1, tile_count(M, N, tile > 0 ? tile : 1), 1};
+  double best_seconds = predicted_seconds(M, N, K, best, sms);
+  auto consider = [&](const Schedule& s) {
+    const double seconds = predicted_seconds(M, N, K, s, sms);
+    if (seconds < best_seconds) best = s, best_seconds = seconds;
+  };
   for (int t = 1; t <= kTiles; ++t) {
     if (tile > 0 && t != tile) continue;
-    for (int s = 1; s <= 16; ++s) {
-      if (s > 1 && K / s < 128) break;
-      const double seconds = predicted_seconds(M, N, K, t, s, sms);
-      if (best_seconds == 0.0 || seconds < best_seconds) best = {t, s}, best_seconds = seconds;
+    const int tiles = tile_count(M, N, t), per_wave = kTileShapes[t].resident * sms;
+    consider({t, tiles, 1});
+    for (int s = 2; s <= 16 && K / s >= 128; ++s) {
+      consider({t, 0, s});
+      if (tiles > per_wave && tiles % per_wave != 0) consider({t, tiles / per_wave * per_wave, s});
     }
   }
   return best;
@@ -324,12 +370,20 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
   auto pre = (gelu && save_pre) ? at::empty({M, N}, a.options()) : at::empty({0}, a.options());
   if (M == 0 || N == 0) return {out, pre};
 
-  // Tile and split: `plan`'s pick, or the ones asked for (tests and sweeps)
+  // The schedule: `plan`'s pick, or the one asked for (tests and sweeps): splits_k > 0 splits every
+  // tile that many ways (1: none), splits_k < 0 only the tiles past the last full wave, -splits_k ways.
   const int sms = sm_count(a.get_device());
-  auto [choice, splits] = plan(M, N, K, sms, (int)tile);
-  if (splits_k > 0) splits = (int)splits_k;
-  const int64_t per_split = ((K + splits - 1) / splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
-  splits = (int)((K + per_split - 1) / per_split);
+  Schedule sched = plan(M, N, K, sms, (int)tile);
+  const int tiles = tile_count(M, N, sched.tile);
+  if (splits_k != 0) {
+    const int per_wave = kTileShapes[sched.tile].resident * sms;
+    sched.splits = (int)std::max<int64_t>(1, std::abs(splits_k));
+    sched.whole = splits_k == 1 ? tiles : splits_k > 0 ? 0 : tiles / per_wave * per_wave;
+  }
+  int64_t per_split = ((K + sched.splits - 1) / sched.splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  sched.splits = (int)((K + per_split - 1) / per_split);  // none empty
+  if (sched.splits == 1) sched.whole = tiles, per_split = K;
+  const TileShape& shape = kTileShapes[sched.tile];
 
   Args p{};
   p.a = a.data_ptr<float>(), p.b = b.data_ptr<float>();
@@ -337,24 +391,15 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
   p.aux = needs_aux ? aux->data_ptr<float>() : nullptr;
   p.pre = (gelu && save_pre) ? pre.data_ptr<float>() : nullptr;
   p.M = (int)M, p.N = (int)N, p.K = (int)K, p.lda = a.stride(0), p.ldb = b.stride(0);
-  p.epilogue = (int)epilogue, p.k_per_split = (int)per_split;
+  p.epilogue = (int)epilogue, p.out = out.data_ptr<float>();
+  p.tiles_n = (int)((N + shape.bn - 1) / shape.bn), p.whole = sched.whole, p.splits = sched.splits;
+  p.k_per_split = (int)per_split;
   at::Tensor ws;
-  if (splits > 1) {
-    ws = at::empty({splits, M, N}, a.options());
-    p.out = ws.data_ptr<float>();
-  } else {
-    p.out = out.data_ptr<float>();
+  if (sched.whole < tiles) {
+    ws = at::empty({(int64_t)(tiles - sched.whole) * sched.splits * shape.bm * shape.bn}, a.options());
+    p.ws = ws.data_ptr<float>();
   }
-  auto stream = at::cuda::getCurrentCUDAStream();
-  launch_tile(choice, trans_a, trans_b, p, splits, stream);
-  if (splits > 1) {
-    Args r = p;
-    r.out = out.data_ptr<float>();
-    const int64_t count = M * N;
-    const int blocks = (int)std::min<int64_t>((count + 255) / 256, (int64_t)sms * 8);
-    sgemm_split_reduce<<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), splits, r);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  launch_tile(sched.tile, trans_a, trans_b, p, tiles, sms, at::cuda::getCurrentCUDAStream());
   return {out, pre};
 }
 
