@@ -107,9 +107,9 @@ def test_k_splits_with_bias(layout, splits, tile):
 @hopper_test
 @pytest.mark.parametrize("epilogue", ["none", "bias_gelu", "bias_residual"])
 def test_tail_split(epilogue):
-    """More 128 x 128 tiles than one wave of blocks holds (2 per SM): the tiles that fill whole waves
-    computed whole (epilogue in the GEMM kernel), the rest split 3 ways over K (splits_k < 0; epilogue in
-    the summing kernel); and the default plan at the same shape."""
+    """More 128 x 128 tiles than one wave of blocks holds (2 per SM): the rows of tiles that fit the full
+    waves computed whole (epilogue in the GEMM kernel), the rows past them split 3 ways over K as a GEMM
+    of their own (splits_k < 0; epilogue in the summing kernel); and the default plan at the same shape."""
     M, N, K = 2052, 2308, 260  # 17 x 19 = 323 tiles
     slots = 2 * torch.cuda.get_device_properties(0).multi_processor_count
     if not (323 > slots and 323 % slots != 0):

@@ -14,7 +14,10 @@
 // Python side sends anything else to cuBLAS. Where the tiles are too few for the GPU (the weight
 // gradient, K = tokens; 2,048-row layers) the K range is split over `splits` blocks writing fp32
 // partial tiles, summed in a fixed order by a second kernel that applies the epilogue (any of them:
-// it is elementwise): deterministic. `plan` picks the tile and split from a model of waves and split traffic.
+// it is elementwise): deterministic. Where the tiles overrun the last full wave of blocks, only the
+// rows of tiles past it can be split (a tail split: a second launch on those rows, so that the tail
+// fills a wave instead of leaving most SMs idle). `plan` picks the tile and split from a model of
+// waves and split traffic.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,7 +26,6 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
-#include <type_traits>
 #include <utility>
 
 #include "check.h"
@@ -49,8 +51,8 @@ struct Args {
   int64_t lda, ldb;     // row strides (elements) of a and b as stored
   int epilogue;         // applied by this kernel to whole tiles, by sgemm_split_reduce to split ones
   int tiles_n;          // tiles along N (tile t is row t / tiles_n, column t % tiles_n of tiles)
-  int whole;            // tiles 0 .. whole-1 are computed whole by one block each; the rest are split:
-  int splits;           //   `splits` blocks each, over K ranges of
+  int whole;            // tiles 0 .. whole-1 are computed whole (a multiple of tiles_n: whole rows of tiles)
+  int splits;           // the others by `splits` blocks each, over K ranges of
   int k_per_split;      //   k_per_split (a multiple of kSplitAlign)
 };
 
@@ -125,11 +127,9 @@ struct Slice {
   }
 };
 
-// TAIL: the grid is 1-D - whole tiles, then split ones (a tail split); otherwise it is (tiles along N,
-// tiles along M, splits) and either no tile or every tile is split. Two forms because the 1-D
-// decoding moved the register allocation of the K loop (weight gradients 0.82 -> 0.72-0.78 of cuBLAS
-// with it, 7067c7f against aea30fa).
-template <class C, bool A_MN, bool B_MN, bool TAIL>
+// The grid: (tiles along N, rows of tiles, splits). With one split the blocks finish their tiles
+// (epilogue included); with more, each writes its K slice's partial tile.
+template <class C, bool A_MN, bool B_MN>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const Args p) {
   constexpr int BM = C::BM, BN = C::BN, BK = C::BK, TM = C::TM, TN = C::TN;
   __shared__ __align__(16) float As[2][BK][BM + kPad];
@@ -137,14 +137,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
   const int tid = threadIdx.x;
   const int lane = tid % 32, warp = tid / 32;
   const int tx = (warp % (C::kTX / 8)) * 8 + lane % 8, ty = (warp / (C::kTX / 8)) * 4 + lane / 8;
-  // blocks 0 .. whole-1: a whole tile each; then `splits` blocks per remaining tile, one K range each
-  // (worked out again after the K loop: kept live through it, they pushed the loop into spilling)
-  const int b = blockIdx.x;
-  auto raw = [&] { return TAIL ? b >= p.whole : gridDim.z > 1; };  // a K slice: its partial sums, no epilogue
-  auto tile = [&] { return TAIL ? (raw() ? p.whole + (b - p.whole) / p.splits : b) : (int)blockIdx.y * p.tiles_n + b; };
-  auto split = [&] { return TAIL ? (raw() ? (b - p.whole) % p.splits : 0) : (int)blockIdx.z; };
-  const int m0 = TAIL ? tile() / p.tiles_n * BM : blockIdx.y * BM, n0 = TAIL ? tile() % p.tiles_n * BN : b * BN;
-  const int kbegin = raw() ? split() * p.k_per_split : 0, kend = raw() ? min(p.K, kbegin + p.k_per_split) : p.K;
+  const bool raw = gridDim.z > 1;  // a K slice: its partial sums, no epilogue
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  // (written so, not as blockIdx.z * k_per_split alone: this form compiled to a K loop without spills
+  // for more of the layouts - the loop sits at the 128-register limit)
+  const int kbegin = raw ? blockIdx.z * p.k_per_split : 0, kend = raw ? min(p.K, kbegin + p.k_per_split) : p.K;
 
   float acc[TM][TN];
 #pragma unroll
@@ -195,10 +192,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
     __syncthreads();
   }
 
-  // a whole tile into out; a K slice into its own BM x BN block of ws
-  const bool is_raw = raw();
-  float* const slice = is_raw ? p.ws + ((int64_t)(tile() - p.whole) * p.splits + split()) * BM * BN : nullptr;
-  const bool vec = is_raw || p.N % 4 == 0;
+  // a whole tile into out; a K slice into its own BM x BN block of ws (the split tiles in order)
+  const int64_t split_tile = (int64_t)blockIdx.y * p.tiles_n + blockIdx.x;  // (a split launch's tiles all are)
+  float* const slice = raw ? p.ws + (split_tile * p.splits + blockIdx.z) * BM * BN : nullptr;
+  const bool vec = raw || p.N % 4 == 0;
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     const int row = m0 + (i / 4) * C::kRowStride + ty * 4 + i % 4;
@@ -209,8 +206,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
       if (col >= p.N) continue;
       float v[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = (is_raw || col + j >= p.N) ? acc[i][4 * h + j] : finish(p, acc[i][4 * h + j], row, col + j);
-      float* o = is_raw ? slice + (row - m0) * BN + (col - n0) : p.out + (int64_t)row * p.N + col;
+      for (int j = 0; j < 4; ++j) v[j] = (raw || col + j >= p.N) ? acc[i][4 * h + j] : finish(p, acc[i][4 * h + j], row, col + j);
+      float* o = raw ? slice + (row - m0) * BN + (col - n0) : p.out + (int64_t)row * p.N + col;
       if (vec && col + 3 < p.N) {
         *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
       } else {
@@ -236,27 +233,35 @@ __global__ void sgemm_split_reduce(const Args p, int tiles) {
   }
 }
 
-// The GEMM blocks, then (if any tile is split) the sum of the split tiles' partials.
+template <class C>
+void launch_grid(bool a_mn, bool b_mn, const Args& p, int rows, int splits, cudaStream_t stream) {
+  const dim3 grid(p.tiles_n, rows, splits);
+  if (!a_mn && !b_mn) sgemm_kernel<C, false, false><<<grid, C::kThreads, 0, stream>>>(p);
+  else if (!a_mn && b_mn) sgemm_kernel<C, false, true><<<grid, C::kThreads, 0, stream>>>(p);
+  else if (a_mn && !b_mn) sgemm_kernel<C, true, false><<<grid, C::kThreads, 0, stream>>>(p);
+  else sgemm_kernel<C, true, true><<<grid, C::kThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The whole tiles' rows; then the split tiles' rows as a GEMM of their own (operand A, out, aux and
+// pre moved on to their first row), `splits` blocks per tile, and the sum of its partial tiles.
 template <class C>
 void launch(bool a_mn, bool b_mn, const Args& p, int tiles, int sms, cudaStream_t stream) {
-  auto go = [&](auto tail) {
-    constexpr bool T = decltype(tail)::value;
-    const dim3 grid = T ? dim3(p.whole + (tiles - p.whole) * p.splits)
-                        : dim3(p.tiles_n, tiles / p.tiles_n, p.whole == tiles ? 1 : p.splits);
-    if (!a_mn && !b_mn) sgemm_kernel<C, false, false, T><<<grid, C::kThreads, 0, stream>>>(p);
-    else if (!a_mn && b_mn) sgemm_kernel<C, false, true, T><<<grid, C::kThreads, 0, stream>>>(p);
-    else if (a_mn && !b_mn) sgemm_kernel<C, true, false, T><<<grid, C::kThreads, 0, stream>>>(p);
-    else sgemm_kernel<C, true, true, T><<<grid, C::kThreads, 0, stream>>>(p);
-  };
-  if (p.whole > 0 && p.whole < tiles) go(std::true_type{});
-  else go(std::false_type{});
+  const int whole_rows = p.whole / p.tiles_n, rows = tiles / p.tiles_n;
+  if (whole_rows > 0) launch_grid<C>(a_mn, b_mn, p, whole_rows, 1, stream);
+  if (whole_rows == rows) return;
+  Args q = p;
+  const int64_t r = (int64_t)whole_rows * C::BM;  // first row of the split part
+  q.a += a_mn ? r : r * p.lda;
+  q.out += r * p.N;
+  if (q.aux != nullptr) q.aux += r * p.N;
+  if (q.pre != nullptr) q.pre += r * p.N;
+  q.M = p.M - (int)r, q.whole = 0;
+  launch_grid<C>(a_mn, b_mn, q, rows - whole_rows, p.splits, stream);
+  const int64_t count = (int64_t)(tiles - p.whole) * C::BM * C::BN;
+  const int reduce_blocks = (int)std::min<int64_t>((count + 255) / 256, (int64_t)sms * 8);
+  sgemm_split_reduce<C::BM, C::BN><<<reduce_blocks, 256, 0, stream>>>(q, tiles - p.whole);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (p.whole < tiles) {
-    const int64_t count = (int64_t)(tiles - p.whole) * C::BM * C::BN;
-    const int reduce_blocks = (int)std::min<int64_t>((count + 255) / 256, (int64_t)sms * 8);
-    sgemm_split_reduce<C::BM, C::BN><<<reduce_blocks, 256, 0, stream>>>(p, tiles);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
 }
 
 // The configurations `tile` names (0: chosen by `plan`). Both 256 / 128 threads at <= 128 registers, two /
@@ -321,9 +326,16 @@ int tile_count(int64_t M, int64_t N, int tile) {
   return (int)(((M + t.bm - 1) / t.bm) * ((N + t.bn - 1) / t.bn));
 }
 
+// A tail split's whole tiles: the rows of tiles that fit in the full waves of blocks.
+int tail_whole(int64_t M, int64_t N, int tile, int sms) {
+  const int tiles_n = (int)((N + kTileShapes[tile].bn - 1) / kTileShapes[tile].bn);
+  const int per_wave = kTileShapes[tile].resident * sms, tiles = tile_count(M, N, tile);
+  return tiles / per_wave * per_wave / tiles_n * tiles_n;
+}
+
 // The schedule with the least predicted time: each tile configuration with no split, every tile split
-// 2-16 ways, or - where the tiles overrun the last full wave - only the tiles past it split 2-16 ways
-// (the tail then fills one wave instead of leaving most SMs idle). At least 128 of K per split (also
+// 2-16 ways, or - where the tiles overrun the last full wave - only the rows of tiles past it split
+// 2-16 ways (the tail then fills a wave instead of leaving most SMs idle). At least 128 of K per split (also
 // fewer roundings than one long sum). `tile` > 0 keeps that configuration.
 Schedule plan(int64_t M, int64_t N, int64_t K, int sms, int tile) {
   Schedule best{tile > 0 ? tile : 1, tile_count(M, N, tile > 0 ? tile : 1), 1};
@@ -334,11 +346,11 @@ Schedule plan(int64_t M, int64_t N, int64_t K, int sms, int tile) {
   };
   for (int t = 1; t <= kTiles; ++t) {
     if (tile > 0 && t != tile) continue;
-    const int tiles = tile_count(M, N, t), per_wave = kTileShapes[t].resident * sms;
+    const int tiles = tile_count(M, N, t), whole = tail_whole(M, N, t, sms);
     consider({t, tiles, 1});
     for (int s = 2; s <= 16 && K / s >= 128; ++s) {
       consider({t, 0, s});
-      if (tiles > per_wave && tiles % per_wave != 0) consider({t, tiles / per_wave * per_wave, s});
+      if (whole > 0 && whole < tiles) consider({t, whole, s});
     }
   }
   return best;
@@ -388,9 +400,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
   Schedule sched = plan(M, N, K, sms, (int)tile);
   const int tiles = tile_count(M, N, sched.tile);
   if (splits_k != 0) {
-    const int per_wave = kTileShapes[sched.tile].resident * sms;
     sched.splits = (int)std::max<int64_t>(1, std::abs(splits_k));
-    sched.whole = splits_k == 1 ? tiles : splits_k > 0 ? 0 : tiles / per_wave * per_wave;
+    sched.whole = splits_k == 1 ? tiles : splits_k > 0 ? 0 : tail_whole(M, N, sched.tile, sms);
   }
   int64_t per_split = ((K + sched.splits - 1) / sched.splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   sched.splits = (int)((K + per_split - 1) / per_split);  // none empty
