@@ -16,7 +16,7 @@ multiples of 8 with 16-byte aligned data (what the copy engine needs); M, N and 
 multiples of the tile. fp32 operands run a SIMT kernel on the CUDA cores (csrc/gemm_fp32.cu: 128 x
 128 or 128 x 64 block tiles, K steps of 16, 8 x 8 outputs per thread, double-buffered shared memory;
 fp32 out, same epilogues, K split where the tiles are too few); `linear` / `linear_gelu` take it only
-with BERTACCEL_GEMM_FP32=1 (it measured 0.68-0.87x of cuBLAS's fp32 GEMM, commit aea30fa), the fused
+with BERTACCEL_GEMM_FP32=1 (it measured 0.64-0.92x of cuBLAS's fp32 GEMM, commit 9da32bf), the fused
 FFN stays bf16.
 Anything else runs `F.linear` / `torch.matmul` (cuBLAS), said once.
 """
@@ -176,7 +176,7 @@ def why_not(x: Tensor, weight: Tensor, dtype: torch.dtype | None = None, allow_f
     if not x.is_cuda:
         return "input is not on a CUDA device"
     if dtype == torch.float32 and allow_fp32 and os.environ.get("BERTACCEL_GEMM_FP32") != "1":
-        return ("dtype float32 runs cuBLAS (our SIMT fp32 kernel measured 0.68-0.87x of cuBLAS's fp32 GEMM on the "
+        return ("dtype float32 runs cuBLAS (our SIMT fp32 kernel measured 0.64-0.92x of cuBLAS's fp32 GEMM on the "
                 "H100; BERTACCEL_GEMM_FP32=1 uses it)")
     if dtype != torch.bfloat16 and not (allow_fp32 and dtype == torch.float32):
         return f"dtype {dtype} (the tensor-core GEMM takes bfloat16; fp32 runs cuBLAS)"
