@@ -51,8 +51,7 @@ struct Args {
   int64_t lda, ldb;     // row strides (elements) of a and b as stored
   int epilogue;         // applied by this kernel to whole tiles, by sgemm_split_reduce to split ones
   int tiles_n;          // tiles along N (tile t is row t / tiles_n, column t % tiles_n of tiles)
-  int whole;            // tiles 0 .. whole-1 are computed whole (a multiple of tiles_n: whole rows of tiles)
-  int splits;           // the others by `splits` blocks each, over K ranges of
+  int splits;           // blocks per split tile, each over a K range of
   int k_per_split;      //   k_per_split (a multiple of kSplitAlign)
 };
 
@@ -217,13 +216,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
   }
 }
 
-// The split tiles: out = epilogue(sum over the splits of their partial tiles), added in split order.
+// A split launch's tiles: out = epilogue(sum over the splits of their partial tiles), in split order.
 template <int BM, int BN>
 __global__ void sgemm_split_reduce(const Args p, int tiles) {
-  const int64_t count = (int64_t)(tiles - p.whole) * BM * BN;
+  const int64_t count = (int64_t)tiles * BM * BN;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t t = i / (BM * BN);
-    const int at = (int)(i % (BM * BN)), tile = p.whole + (int)t;
+    const int at = (int)(i % (BM * BN)), tile = (int)t;
     const int row = tile / p.tiles_n * BM + at / BN, col = tile % p.tiles_n * BN + at % BN;
     if (row >= p.M || col >= p.N) continue;
     const float* src = p.ws + t * p.splits * BM * BN + at;
@@ -243,11 +242,12 @@ void launch_grid(bool a_mn, bool b_mn, const Args& p, int rows, int splits, cuda
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The whole tiles' rows; then the split tiles' rows as a GEMM of their own (operand A, out, aux and
-// pre moved on to their first row), `splits` blocks per tile, and the sum of its partial tiles.
+// The rows of whole tiles (tiles 0 .. whole-1, a multiple of tiles_n); then the split tiles' rows as a
+// GEMM of their own (operand A, out, aux and pre moved on to their first row), `splits` blocks per
+// tile, and the sum of its partial tiles.
 template <class C>
-void launch(bool a_mn, bool b_mn, const Args& p, int tiles, int sms, cudaStream_t stream) {
-  const int whole_rows = p.whole / p.tiles_n, rows = tiles / p.tiles_n;
+void launch(bool a_mn, bool b_mn, const Args& p, int tiles, int whole, int sms, cudaStream_t stream) {
+  const int whole_rows = whole / p.tiles_n, rows = tiles / p.tiles_n;
   if (whole_rows > 0) launch_grid<C>(a_mn, b_mn, p, whole_rows, 1, stream);
   if (whole_rows == rows) return;
   Args q = p;
@@ -256,11 +256,11 @@ void launch(bool a_mn, bool b_mn, const Args& p, int tiles, int sms, cudaStream_
   q.out += r * p.N;
   if (q.aux != nullptr) q.aux += r * p.N;
   if (q.pre != nullptr) q.pre += r * p.N;
-  q.M = p.M - (int)r, q.whole = 0;
+  q.M = p.M - (int)r;
   launch_grid<C>(a_mn, b_mn, q, rows - whole_rows, p.splits, stream);
-  const int64_t count = (int64_t)(tiles - p.whole) * C::BM * C::BN;
+  const int64_t count = (int64_t)(tiles - whole) * C::BM * C::BN;
   const int reduce_blocks = (int)std::min<int64_t>((count + 255) / 256, (int64_t)sms * 8);
-  sgemm_split_reduce<C::BM, C::BN><<<reduce_blocks, 256, 0, stream>>>(q, tiles - p.whole);
+  sgemm_split_reduce<C::BM, C::BN><<<reduce_blocks, 256, 0, stream>>>(q, tiles - whole);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -282,9 +282,9 @@ constexpr TileShape kTileShapes[kTiles + 1] = {
     {Tile2::BM, Tile2::BN, Tile2::kMinBlocks, Tile2::kWarps, 0.85},
 };
 
-void launch_tile(int tile, bool a_mn, bool b_mn, const Args& p, int tiles, int sms, cudaStream_t stream) {
-  if (tile == 1) launch<Tile1>(a_mn, b_mn, p, tiles, sms, stream);
-  else launch<Tile2>(a_mn, b_mn, p, tiles, sms, stream);
+void launch_tile(int tile, bool a_mn, bool b_mn, const Args& p, int tiles, int whole, int sms, cudaStream_t stream) {
+  if (tile == 1) launch<Tile1>(a_mn, b_mn, p, tiles, whole, sms, stream);
+  else launch<Tile2>(a_mn, b_mn, p, tiles, whole, sms, stream);
 }
 
 // How a GEMM is cut into blocks: the tile configuration; tiles 0 .. whole-1 computed whole, each of the
@@ -415,14 +415,14 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
   p.pre = (gelu && save_pre) ? pre.data_ptr<float>() : nullptr;
   p.M = (int)M, p.N = (int)N, p.K = (int)K, p.lda = a.stride(0), p.ldb = b.stride(0);
   p.epilogue = (int)epilogue, p.out = out.data_ptr<float>();
-  p.tiles_n = (int)((N + shape.bn - 1) / shape.bn), p.whole = sched.whole, p.splits = sched.splits;
+  p.tiles_n = (int)((N + shape.bn - 1) / shape.bn), p.splits = sched.splits;
   p.k_per_split = (int)per_split;
   at::Tensor ws;
   if (sched.whole < tiles) {
     ws = at::empty({(int64_t)(tiles - sched.whole) * sched.splits * shape.bm * shape.bn}, a.options());
     p.ws = ws.data_ptr<float>();
   }
-  launch_tile(sched.tile, trans_a, trans_b, p, tiles, sms, at::cuda::getCurrentCUDAStream());
+  launch_tile(sched.tile, trans_a, trans_b, p, tiles, sched.whole, sms, at::cuda::getCurrentCUDAStream());
   return {out, pre};
 }
 
