@@ -61,6 +61,8 @@ Dims dims(const at::Tensor& a, const at::Tensor& b, bool trans_a, bool trans_b) 
   return {M, N, K};
 }
 
+int sm_count(int device) { return at::cuda::getDeviceProperties(device)->multiProcessorCount; }  // cached by ATen
+
 namespace {
 
 using bf16 = __nv_bfloat16;
@@ -761,12 +763,6 @@ CUtensorMap make_map_f32(void* data, int64_t slices, int64_t rows, int64_t cols)
   BERTACCEL_CHECK(r == CUDA_SUCCESS, "bertaccel gemm: cuTensorMapEncodeTiled failed (%d) for an fp32 [%lld, %lld, %lld] output",
                   (int)r, (long long)slices, (long long)rows, (long long)cols);
   return map;
-}
-
-int sm_count(int device) {
-  static int counts[64] = {0};
-  if (counts[device] == 0) counts[device] = at::cuda::getDeviceProperties(device)->multiProcessorCount;
-  return counts[device];
 }
 
 struct Maps {

@@ -15,6 +15,9 @@ struct Dims {
 };
 Dims dims(const at::Tensor& a, const at::Tensor& b, bool trans_a, bool trans_b);
 
+// The device's SM count (both paths size their grids and schedules by it).
+int sm_count(int device);
+
 // gemm_fp32.cu: `bertaccel::gemm` with float32 operands
 std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                              const c10::optional<at::Tensor>& aux, int64_t epilogue, bool trans_a,

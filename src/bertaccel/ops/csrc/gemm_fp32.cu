@@ -356,13 +356,6 @@ Schedule plan(int64_t M, int64_t N, int64_t K, int sms, int tile) {
   return best;
 }
 
-int sm_count(int device) {
-  static int counts[64] = {0};
-  if (device < 0 || device >= 64) return 132;
-  if (counts[device] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
-  return counts[device];
-}
-
 }  // namespace
 
 // The fp32 path of `bertaccel::gemm` (same arguments; `out_fp32` is implied). `tile` picks the block
