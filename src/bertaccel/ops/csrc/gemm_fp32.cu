@@ -216,19 +216,33 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
   }
 }
 
-// A split launch's tiles: out = epilogue(sum over the splits of their partial tiles), in split order.
+// A split launch's tiles: out = epilogue(sum over the splits of their partial tiles), in split order,
+// four columns per thread (float4; a scalar form took 10 us at 2048 x 768 with 2 splits, ~10% of the GEMM).
 template <int BM, int BN>
 __global__ void sgemm_split_reduce(const Args p, int tiles) {
-  const int64_t count = (int64_t)tiles * BM * BN;
+  static_assert(BN % 4 == 0, "float4 groups within a tile row");
+  const int64_t count = (int64_t)tiles * BM * BN / 4;
+  const bool vec_out = p.N % 4 == 0;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t t = i / (BM * BN);
-    const int at = (int)(i % (BM * BN)), tile = (int)t;
+    const int64_t t = i * 4 / (BM * BN);
+    const int at = (int)(i * 4 % (BM * BN)), tile = (int)t;
     const int row = tile / p.tiles_n * BM + at / BN, col = tile % p.tiles_n * BN + at % BN;
     if (row >= p.M || col >= p.N) continue;
-    const float* src = p.ws + t * p.splits * BM * BN + at;
-    float v = 0.f;
-    for (int s = 0; s < p.splits; ++s) v += src[(int64_t)s * BM * BN];
-    p.out[(int64_t)row * p.N + col] = finish(p, v, row, col);
+    const float4* src = reinterpret_cast<const float4*>(p.ws + t * p.splits * BM * BN + at);
+    float4 v = src[0];
+    for (int s = 1; s < p.splits; ++s) {
+      const float4 u = src[(int64_t)s * BM * BN / 4];
+      v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+    }
+    float r[4] = {v.x, v.y, v.z, v.w};
+    float* o = p.out + (int64_t)row * p.N + col;
+    if (vec_out && col + 3 < p.N) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) r[j] = finish(p, r[j], row, col + j);
+      *reinterpret_cast<float4*>(o) = make_float4(r[0], r[1], r[2], r[3]);
+    } else {
+      for (int j = 0; j < 4 && col + j < p.N; ++j) o[j] = finish(p, r[j], row, col + j);
+    }
   }
 }
 
@@ -258,7 +272,7 @@ void launch(bool a_mn, bool b_mn, const Args& p, int tiles, int whole, int sms, 
   if (q.pre != nullptr) q.pre += r * p.N;
   q.M = p.M - (int)r;
   launch_grid<C>(a_mn, b_mn, q, rows - whole_rows, p.splits, stream);
-  const int64_t count = (int64_t)(tiles - whole) * C::BM * C::BN;
+  const int64_t count = (int64_t)(tiles - whole) * C::BM * C::BN / 4;  // float4 groups
   const int reduce_blocks = (int)std::min<int64_t>((count + 255) / 256, (int64_t)sms * 8);
   sgemm_split_reduce<C::BM, C::BN><<<reduce_blocks, 256, 0, stream>>>(q, tiles - whole);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
