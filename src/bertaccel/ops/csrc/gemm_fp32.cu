@@ -222,7 +222,7 @@ template <int BM, int BN>
 __global__ void sgemm_split_reduce(const Args p, int tiles) {
   static_assert(BN % 4 == 0, "float4 groups within a tile row");
   const int64_t count = (int64_t)tiles * BM * BN / 4;
-  const bool vec_out = p.N % 4 == 0;
+  const bool vec_out = p.N % 4 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;  // rows of 16-byte groups
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t t = i * 4 / (BM * BN);
     const int at = (int)(i * 4 % (BM * BN)), tile = (int)t;
