@@ -1,6 +1,7 @@
 """Attention forward + backward on padded batches: SDPA's backends with the key-padding mask against
 the varlen kernels on the packed real tokens (what `model.unpadded` runs): ours (bertaccel,
-csrc/attention.cu) and PyTorch's FlashAttention-2 varlen; and ours on the padded batch as
+csrc/attention.cu; on a Hopper its warpgroup-MMA forward, and again with the mma.sync forward,
+BERTACCEL_ATTENTION_FWD=mma) and PyTorch's FlashAttention-2 varlen; and ours on the padded batch as
 `attn_implementation: bertaccel` runs it (packing order from the mask, gathers in and out).
 
     python -m benchmarks.bench_attention --out bench_results/attention.json
@@ -16,6 +17,7 @@ The first four cells are issue 11's targets (16k tokens, seq 128 / 512, head dim
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +113,15 @@ def run_cell(cell: str) -> list[dict]:
     varlen = {"flash-varlen (packed)": lambda: _FlashVarlen.apply(q, k, v, cu, layout.max_seqlen, 0.0, scale)}
     if build.load_attention():
         varlen["bertaccel-varlen (packed)"] = lambda: attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)
+        if torch.cuda.get_device_capability() == (9, 0):  # the same op with the mma.sync forward, same run
+            def mma_forward():
+                os.environ["BERTACCEL_ATTENTION_FWD"] = "mma"
+                try:
+                    return attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)
+                finally:
+                    del os.environ["BERTACCEL_ATTENTION_FWD"]
+
+            varlen["bertaccel-varlen (packed, mma.sync fwd)"] = mma_forward
     else:
         print(f"bertaccel attention off: {build.attention_reason()}")
     for name, fn in varlen.items():

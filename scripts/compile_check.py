@@ -214,9 +214,14 @@ def main() -> int:
             (scratch / name).write_text(text)
         includes = [f"-I{p}" for p in ext.include_paths()] + [f"-I{scratch}"]
         failed = 0
-        for source in args.only or [s for s in build.sources() + build.GEMM_SOURCES if s.endswith(".cu")]:
-            # the GEMM is its own sm_90a build (wgmma, setmaxnreg): the -gencode form, as the JIT build passes it
-            arch = ["-gencode=arch=compute_90a,code=sm_90a"] if source in build.GEMM_SOURCES else [f"-arch={args.arch}"]
+        attention = build.attention_sources()
+        for source in args.only or [s for s in build.sources() + build.GEMM_SOURCES + attention if s.endswith(".cu")]:
+            # the GEMM is its own sm_90a build (wgmma, setmaxnreg): the -gencode form, as the JIT build passes it;
+            # attention too, with its warpgroup-MMA forward, as built on a Hopper GPU
+            sm90a = source in build.GEMM_SOURCES or (source in attention and args.arch == "sm_90")
+            arch = ["-gencode=arch=compute_90a,code=sm_90a"] if sm90a else [f"-arch={args.arch}"]
+            if source in attention and sm90a:
+                arch += build.ATTENTION_SM90A_FLAGS
             # a cubin (device code only) when its SASS is to be read; ptxas reports registers either way
             out = scratch / (f"{source}.cubin" if cubin else f"{source}.o")
             cmd = [nvcc, "-cubin" if cubin else "-c", *arch, *build.CUDA_FLAGS, *includes,
@@ -236,7 +241,7 @@ def main() -> int:
             if args.ptx is not None:
                 args.ptx.mkdir(parents=True, exist_ok=True)
                 ptx = scratch / f"{source}.ptx"
-                ptx_arch = "-arch=sm_90a" if source in build.GEMM_SOURCES else f"-arch={args.arch}"
+                ptx_arch = "-arch=sm_90a" if sm90a else f"-arch={args.arch}"
                 gen = subprocess.run([nvcc, "-ptx", ptx_arch, *cmd[3:cmd.index("-o")], "-o", str(ptx)],
                                      capture_output=True, text=True)
                 if gen.returncode == 0:

@@ -150,12 +150,23 @@ def _err(a, ref, real):
     return (a[:real].double() - ref[:real]).abs().max().item()
 
 
+def _forward_kernel(name, monkeypatch):
+    """`hopper`: the default forward where the GPU is a Hopper (warpgroup MMAs); `mma`: the mma.sync
+    forward (BERTACCEL_ATTENTION_FWD=mma), the default elsewhere."""
+    if name == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup-MMA forward needs a Hopper GPU (sm_90)")
+    if name == "mma":
+        monkeypatch.setenv("BERTACCEL_ATTENTION_FWD", "mma")
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("fwd", ["hopper", "mma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-@pytest.mark.parametrize("lengths", [[77, 1, 0, 128, 33], [513, 64, 65, 3]])
-def test_forward_and_gradients_within_twice_sdpa_error(dtype, head_dim, lengths):
+@pytest.mark.parametrize("lengths", [[77, 1, 0, 128, 33], [513, 64, 65, 3], [200, 129, 257]])
+def test_forward_and_gradients_within_twice_sdpa_error(dtype, head_dim, lengths, fwd, monkeypatch):
     _kernel_or_skip()
+    _forward_kernel(fwd, monkeypatch)
     from tests.ops.conftest import poison
 
     heads = 3
@@ -183,11 +194,13 @@ def test_forward_and_gradients_within_twice_sdpa_error(dtype, head_dim, lengths)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("head_dim", [32, 64])
-def test_dropout_is_the_reference_mask_for_the_kernels_seed(head_dim):
+@pytest.mark.parametrize("fwd", ["hopper", "mma"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_dropout_is_the_reference_mask_for_the_kernels_seed(head_dim, fwd, monkeypatch):
     """The GPU's dropout equals the CPU reference's mask for the (seed, offset) the kernel reports:
     output and gradients, against float64 attention with that mask."""
     _kernel_or_skip()
+    _forward_kernel(fwd, monkeypatch)
     lengths, heads, p = [130, 17, 1, 64], 2, 0.2
     cu, T = _cu(lengths, fillers=3)
     real = int(cu[-1])
@@ -208,6 +221,27 @@ def test_dropout_is_the_reference_mask_for_the_kernels_seed(head_dim):
     again = torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), 130, p, scale)
     assert torch.equal(out, again[0]) and torch.equal(rng, again[2].cpu())
     assert not torch.equal(out, torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), 130, p, scale)[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_hopper_forward_equals_the_mma_forward(p, monkeypatch):
+    """Both forwards draw the same dropout mask and round alike: outputs within a few bf16 ulps, lse
+    within fp32 rounding, for the same (seed, offset)."""
+    _kernel_or_skip()
+    _forward_kernel("hopper", monkeypatch)
+    lengths, heads, d = [300, 1, 64, 129, 0, 77], 3, 64
+    cu, T = _cu(lengths, fillers=4)
+    q, k, v = (torch.randn(T, heads, d, device="cuda").bfloat16() for _ in range(3))
+    torch.manual_seed(3)
+    out, lse, rng = torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), 300, p, d ** -0.5)
+    monkeypatch.setenv("BERTACCEL_ATTENTION_FWD", "mma")
+    torch.manual_seed(3)
+    out2, lse2, rng2 = torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), 300, p, d ** -0.5)
+    assert torch.equal(rng, rng2)
+    torch.testing.assert_close(out.float(), out2.float(), atol=2e-2, rtol=2e-2)
+    assert (lse - lse2).abs().max().item() <= 1e-4
+    assert not out[int(cu[-1]):].any() and not lse[:, int(cu[-1]):].any()
 
 
 @pytest.mark.cuda

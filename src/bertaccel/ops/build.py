@@ -59,7 +59,9 @@ GEMM_ARCH = "9.0a"
 # the fused attention extension (mma.sync, sm_80+; its sources: bertaccel.ops.attention.CUDA_SOURCES),
 # built for the GPU's own arch and loaded by `load_attention()` when attention first needs it; a
 # failure there leaves the other ops running
-ATTENTION_HEADERS = ["check.h", "philox.cuh"]
+ATTENTION_HEADERS = ["check.h", "philox.cuh", "wgmma.cuh"]
+# on a Hopper GPU the attention extension is built for sm_90a with its warpgroup-MMA forward
+ATTENTION_SM90A_FLAGS = ["-DBERTACCEL_ATTENTION_SM90A"]
 
 
 def attention_sources() -> list[str]:
@@ -229,10 +231,19 @@ def load_attention(verbose: bool = False) -> bool:
 
     def build() -> None:
         srcs = attention_sources()
-        _build_and_load_extension("bertaccel_attention", srcs, srcs + ATTENTION_HEADERS, _arch(), verbose)
+        arch = _attention_arch()
+        flags = ATTENTION_SM90A_FLAGS if arch == "9.0a" else []
+        _build_and_load_extension("bertaccel_attention", srcs, srcs + ATTENTION_HEADERS, arch, verbose, flags)
 
     return _settle(_attention_state, reason, build, "attention kernels",
                    "Attention uses PyTorch's (FlashAttention varlen or SDPA).")
+
+
+def _attention_arch() -> str:
+    """The attention extension's arch: the GPU's own, "9.0a" on a Hopper (sm_90a: wgmma), unless
+    TORCH_CUDA_ARCH_LIST names one."""
+    arch = _arch()
+    return "9.0a" if arch == "9.0" and not os.environ.get("TORCH_CUDA_ARCH_LIST") else arch
 
 
 def attention_loaded() -> bool | None:
@@ -248,7 +259,8 @@ def _build_and_load(verbose: bool) -> None:
     _build_and_load_extension("bertaccel_ops", sources(), sources() + HEADERS, _arch(), verbose)
 
 
-def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arch: str, verbose: bool) -> None:
+def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arch: str, verbose: bool,
+                              extra_cuda_flags: list[str] | None = None) -> None:
     from torch.utils.cpp_extension import load as cpp_load
 
     from bertaccel.ops import registry
@@ -257,7 +269,8 @@ def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arc
     _other_op_modules()
     import bertaccel.ops.attention  # noqa: F401
 
-    key = build_key(hashed, arch)
+    extra_cuda_flags = list(extra_cuda_flags or [])
+    key = build_key(hashed, arch + " ".join(extra_cuda_flags))
     build_dir = cache_root() / f"{name}_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -285,7 +298,7 @@ def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arc
                 name=f"{name}_{key}",
                 sources=[str(CSRC / s) for s in srcs],
                 extra_cflags=["-O3", "-std=c++20"],
-                extra_cuda_cflags=CUDA_FLAGS,
+                extra_cuda_cflags=CUDA_FLAGS + extra_cuda_flags,
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=verbose,

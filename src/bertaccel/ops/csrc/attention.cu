@@ -35,12 +35,17 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <mutex>
+#include <string>
 #include <set>
 #include <utility>
 
 #include "check.h"
 #include "philox.cuh"
+#if defined(BERTACCEL_ATTENTION_SM90A)
+#include "wgmma.cuh"
+#endif
 
 namespace bertaccel {
 namespace {
@@ -615,6 +620,235 @@ __global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict_
   }
 }
 
+// ------------------------------------------------------------------------------ forward, Hopper
+// sm_90a (built when the GPU is a Hopper: BERTACCEL_ATTENTION_SM90A): the same algorithm, dropout
+// and outputs as attn_fwd_kernel, with warpgroup MMAs. A CTA of NWG warpgroups takes 64 * NWG
+// queries of one (sequence, head); each warpgroup owns 64 of them. Per block of BN keys: S = Q K^T
+// by wgmma with Q and K in shared memory, online softmax in the accumulators' registers, then
+// O += P V by wgmma with P from registers (the accumulator layout of S is, per warp, the mma.sync
+// layout, so P packs into A fragments in place) and V in shared memory as an MN-major operand.
+// Tiles are stored as the tensor cores read them: rows of 128 bytes (64 elements; D = 128 as two
+// column blocks) or 64 bytes (D = 32) with the matching swizzle, loaded by cp.async, double-buffered.
+#if defined(BERTACCEL_ATTENTION_SM90A)
+namespace hopper {
+
+// The shared-memory image of a [rows x D] tile: column blocks of kRowBytes-wide rows, 16-byte chunks
+// XOR-swizzled within each 8-row atom (128-byte rows: chunk ^ row % 8; 64-byte rows: chunk ^ (row / 2) % 4),
+// as TMA's SWIZZLE_128B / SWIZZLE_64B would write it.
+template <int D>
+struct Swz {
+  static constexpr int kRowBytes = D >= 64 ? 128 : D * 2;
+  static constexpr int kChunks = kRowBytes / 16;  // 16-byte chunks per row of a column block
+  static constexpr int kAtom = 8 * kRowBytes;      // 8 rows: the swizzle's period
+  static_assert(D == 32 || D % 64 == 0, "head dim 32 or a multiple of 64");
+  template <int R>
+  __device__ static __forceinline__ int offset(int r, int c) {  // bytes; chunk c of D / 8
+    const int blk = c / kChunks, cc = c % kChunks;
+    const int phase = kRowBytes == 128 ? (r & 7) : ((r >> 1) & 3);
+    return blk * R * kRowBytes + r * kRowBytes + ((cc ^ phase) << 4);
+  }
+  // wgmma descriptor: start, leading offset (MN-major: the next column block), stride offset (8 rows)
+  __device__ static __forceinline__ uint64_t desc(const void* p, uint32_t lbo) {
+    uint64_t d = (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4);
+    d |= (uint64_t)((lbo & 0x3FFFF) >> 4) << 16;
+    d |= (uint64_t)((kAtom & 0x3FFFF) >> 4) << 32;
+    d |= (kRowBytes == 128 ? 1ull : 2ull) << 62;  // 128-byte / 64-byte swizzle
+    return d;
+  }
+  // A K-major operand ([R rows x D], K = D): the descriptor of k-slice ks (16 elements, 32 bytes)
+  template <int R>
+  __device__ static __forceinline__ uint64_t k_major(const uint8_t* tile, int ks) {
+    const int byte = ks * 32;
+    return desc(tile + byte / kRowBytes * R * kRowBytes + byte % kRowBytes, R * kRowBytes);
+  }
+  // An MN-major operand ([R rows = K x D = N]): the descriptor of K rows 16 ks .. 16 ks + 15
+  template <int R>
+  __device__ static __forceinline__ uint64_t mn_major(const uint8_t* tile, int ks) {
+    return desc(tile + ks * 16 * kRowBytes, R * kRowBytes);
+  }
+};
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled
+template <typename T, int D, int R, int NT>
+__device__ __forceinline__ void load_tile(uint8_t* s, const T* g, int64_t row_stride, int64_t row0, int valid) {
+  constexpr int CH = D / 8;
+#pragma unroll
+  for (int c = threadIdx.x; c < R * CH; c += NT) {
+    const int r = c / CH, ch = c % CH;
+    const bool ok = r < valid;
+    const T* src = ok ? g + (row0 + r) * row_stride + ch * 8 : g;
+    cp_async16(s + Swz<D>::template offset<R>(r, ch), src, ok ? 16 : 0);
+  }
+}
+
+template <int D, int NWG, int BN>
+constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + 1024; }  // Q, 2 x (K, V), alignment
+
+template <int D>
+constexpr int fwd_min_blocks() { return D <= 64 ? 2 : 1; }
+
+template <typename T, int D, bool DROPOUT, int NWG, int BN>
+__global__ void __launch_bounds__(NWG * 128, fwd_min_blocks<D>()) attn_fwd_kernel(const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BM = 64 * NWG, NT = NWG * 128;
+  constexpr bool F16 = std::is_same_v<T, __half>;
+  using S = Swz<D>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint8_t* sQ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sK = sQ + BM * D * 2;      // [2][BN x D]
+  uint8_t* sV = sK + 2 * BN * D * 2;  // [2][BN x D]
+  const int b = blockIdx.z, h = blockIdx.y;
+  if (b == p.batch) {
+    zero_fillers<T>(p, D, static_cast<T*>(p.out), nullptr, p.lse);
+    return;
+  }
+  const Dropout drop = read_dropout(p, false);
+  if (DROPOUT && p.rng != nullptr && blockIdx.x == 0 && b == 0 && h == 0 && threadIdx.x == 0) {
+    p.rng[0] = (int64_t)drop.seed;
+    p.rng[1] = (int64_t)drop.offset;
+  }
+  const int start = p.cu[b], len = p.cu[b + 1] - start;
+  const int m0 = blockIdx.x * BM;
+  if (m0 >= len) return;
+  const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
+  const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
+  const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
+
+  load_tile<T, D, BM, NT>(sQ, q, p.q_row, start + m0, len - m0);
+  load_tile<T, D, BN, NT>(sK, k, p.k_row, start, len);
+  load_tile<T, D, BN, NT>(sV, v, p.v_row, start, len);
+  cp_async_commit();
+
+  constexpr int KS = D / 16;   // k-slices of S = Q K^T
+  constexpr int PS = BN / 16;  // k-slices of O += P V
+  constexpr int NS = BN / 8;   // n8 column groups of S
+  constexpr int NO = D / 8;    // n8 column groups of O
+  float o[D / 2], s[BN / 2];  // s: written by each block's first MMA (scale_d 0), declared here to be defined
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  const float scale_log2 = p.scale * kLog2e;
+  const int nblocks = (len + BN - 1) / BN;
+  const int wrow = wg * 64 + warp * 16;  // this warp's 16 query rows of the CTA's BM
+  const int64_t row_token = (int64_t)start + m0 + wrow + g;  // the dropout counter's row
+  // this warpgroup's 64 rows of Q: 64-row offsets keep the swizzle phase (a multiple of 8 rows)
+  const uint8_t* q_wg = sQ + wg * 64 * S::kRowBytes;
+
+  for (int n = 0; n < nblocks; ++n) {
+    cp_async_wait_all();
+    fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' (async proxy) reads
+    __syncthreads();      // every thread's: stage n is in; every warpgroup's MMAs of n - 1 are done
+    if (n + 1 < nblocks) {
+      const int stage = (n + 1) & 1, r0 = (n + 1) * BN;
+      load_tile<T, D, BN, NT>(sK + stage * BN * D * 2, k, p.k_row, start + r0, len - r0);
+      load_tile<T, D, BN, NT>(sV + stage * BN * D * 2, v, p.v_row, start + r0, len - r0);
+      cp_async_commit();
+    }
+    const uint8_t* cK = sK + (n & 1) * BN * D * 2;
+    const uint8_t* cV = sV + (n & 1) * BN * D * 2;
+
+    // S = Q K^T: this warpgroup's 64 rows x BN keys
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wgmma::mma_ss<F16, BN, 0, 0>(s, S::template k_major<BM>(q_wg, ks), S::template k_major<BN>(cK, ks), ks > 0 ? 1 : 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+
+    // mask keys past the sequence, scale to log2 units; element 4 j + e: row g + 8 (e / 2), key 8 j + 2 t + e % 2
+    const int key0 = n * BN;
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + j * 8 + 2 * t + (e & 1);
+        s[4 * j + e] = key < len ? s[4 * j + e] * scale_log2 : -INFINITY;
+      }
+    float corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      corr[r] = fast_exp2(row_max[r] - mx);
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+        s[4 * j + 2 * r] = fast_exp2(s[4 * j + 2 * r] - mx);
+        s[4 * j + 2 * r + 1] = fast_exp2(s[4 * j + 2 * r + 1] - mx);
+        sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * corr[r] + sum;
+    }
+#pragma unroll
+    for (int i = 0; i < NO; ++i) {
+      o[4 * i] *= corr[0];
+      o[4 * i + 1] *= corr[0];
+      o[4 * i + 2] *= corr[1];
+      o[4 * i + 3] *= corr[1];
+    }
+    // P (dropped) as A fragments, all of them before the MMAs read them asynchronously
+    uint32_t pa[PS][4];
+#pragma unroll
+    for (int kk = 0; kk < PS; ++kk) {
+      if constexpr (DROPOUT) {
+        const uint32_t bits = keep_bits(drop, row_token, key0 + kk * 16 + 2 * t, h);
+#pragma unroll
+        for (int side = 0; side < 2; ++side)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
+            float& x = s[4 * (2 * kk + side) + e];
+            x = keep ? x * drop.scale : 0.f;
+          }
+      }
+      pa[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
+      pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    // O += P V: V [BN keys x D] is the MN-major B operand (K = keys, N = D)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < PS; ++kk) wgmma::mma_rs<F16, D, 1>(o, pa[kk], S::template mn_major<BN>(cV, kk), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  // finish: O / l, lse = (max + log2 l) * ln 2
+  T* out = static_cast<T*>(p.out) + (int64_t)h * p.o_head;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = 1.f / sum;
+    const int row = m0 + wrow + g + 8 * r;
+    if (row < len) {
+      T* op = out + (int64_t)(start + row) * p.o_row;
+#pragma unroll
+      for (int i = 0; i < NO; ++i)
+        *reinterpret_cast<uint32_t*>(op + i * 8 + 2 * t) = pack2<T>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+      if (t == 0) p.lse[(int64_t)h * p.total + start + row] = (row_max[r] + __log2f(sum)) / kLog2e;
+    }
+  }
+#endif
+}
+
+}  // namespace hopper
+#endif  // BERTACCEL_ATTENTION_SM90A
+
 // ------------------------------------------------------------------------------ host
 void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
   BERTACCEL_CHECK(t.is_cuda() && t.dim() == 3, "bertaccel varlen_attention: %s must be a CUDA tensor [tokens, heads, head_dim]",
@@ -675,6 +909,17 @@ void set_smem(Kernel kernel, size_t bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
+#if defined(BERTACCEL_ATTENTION_SM90A)
+// The forward on warpgroup MMAs (hopper::attn_fwd_kernel) on a Hopper GPU, unless
+// BERTACCEL_ATTENTION_FWD=mma asks for the mma.sync kernel (read per call: benchmarks compare both).
+bool hopper_forward() {
+  const char* env = std::getenv("BERTACCEL_ATTENTION_FWD");
+  if (env != nullptr && std::string(env) == "mma") return false;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+}
+#endif
+
 // fn(T{}, integral_constant<int, D>, bool_constant<DROPOUT>) for the runtime dtype, head dim and dropout
 template <typename Fn>
 void dispatch(at::ScalarType dtype, int64_t d, bool dropout, Fn&& fn) {
@@ -719,6 +964,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
   const dim3 grid((unsigned)std::max<int64_t>((max_seqlen + kBlockM - 1) / kBlockM, 1), (unsigned)P.heads,
                   (unsigned)P.batch + 1);
   auto stream = at::cuda::getCurrentCUDAStream();
+#if defined(BERTACCEL_ATTENTION_SM90A)
+  if (hopper_forward()) {
+    constexpr int NWG = 2, BN = 64;
+    const dim3 hgrid((unsigned)std::max<int64_t>((max_seqlen + 64 * NWG - 1) / (64 * NWG), 1), (unsigned)P.heads,
+                     (unsigned)P.batch + 1);
+    dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
+      using T = decltype(type_tag);
+      constexpr int D = decltype(dim)::value;
+      constexpr bool DR = decltype(drop)::value;
+      constexpr size_t smem = hopper::fwd_smem<D, NWG, BN>();
+      auto kernel = hopper::attn_fwd_kernel<T, D, DR, NWG, BN>;
+      set_smem(kernel, smem);
+      kernel<<<hgrid, NWG * 128, smem, stream>>>(P);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {out, lse, rng};
+  }
+#endif
   dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
     using T = decltype(type_tag);
     constexpr int D = decltype(dim)::value;
