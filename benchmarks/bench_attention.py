@@ -30,6 +30,9 @@ from bertaccel.ops import attention, build
 
 CELLS = ["128x128x12x64:full", "128x128x12x32:full", "32x512x12x64:full", "32x512x12x32:full",
          "32x256x12x32:imdb256", "32x512x12x64:uniform", "32x512x12x32:uniform"]
+# BERTACCEL_ATTENTION_FWD choices timed beside the default on a Hopper: the mma.sync forward, and the
+# warpgroup-MMA forward with 64 / 128 queries per CTA
+FORWARDS = ["mma", "wg1", "wg2"]
 BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
             "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
@@ -113,15 +116,16 @@ def run_cell(cell: str) -> list[dict]:
     varlen = {"flash-varlen (packed)": lambda: _FlashVarlen.apply(q, k, v, cu, layout.max_seqlen, 0.0, scale)}
     if build.load_attention():
         varlen["bertaccel-varlen (packed)"] = lambda: attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)
-        if torch.cuda.get_device_capability() == (9, 0):  # the same op with the mma.sync forward, same run
-            def mma_forward():
-                os.environ["BERTACCEL_ATTENTION_FWD"] = "mma"
-                try:
-                    return attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)
-                finally:
-                    del os.environ["BERTACCEL_ATTENTION_FWD"]
+        if torch.cuda.get_device_capability() == (9, 0):  # the same op with other forwards, same run
+            for choice in FORWARDS:
+                def forced(choice=choice):
+                    os.environ["BERTACCEL_ATTENTION_FWD"] = choice
+                    try:
+                        return attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)
+                    finally:
+                        del os.environ["BERTACCEL_ATTENTION_FWD"]
 
-            varlen["bertaccel-varlen (packed, mma.sync fwd)"] = mma_forward
+                varlen[f"bertaccel-varlen (packed, fwd {choice})"] = forced
     else:
         print(f"bertaccel attention off: {build.attention_reason()}")
     for name, fn in varlen.items():

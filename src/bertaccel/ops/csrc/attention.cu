@@ -690,19 +690,38 @@ __device__ __forceinline__ void load_tile(uint8_t* s, const T* g, int64_t row_st
 template <int D, int NWG, int BN>
 constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + 1024; }  // Q, 2 x (K, V), alignment
 
-template <int D>
-constexpr int fwd_min_blocks() { return D <= 64 ? 2 : 1; }
+template <int D, int NWG>
+constexpr int fwd_min_blocks() { return D <= 64 ? 4 / NWG : 1; }  // 128 registers at D <= 64
 
+// Pin registers at this point of the program: the compiler may not move their reads or writes across
+// (a wgmma reads and writes them asynchronously, between its issue and the wait that follows).
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// Per block n of BN keys, each warpgroup: the softmax of S_n (its exponentials overlap the MMAs of
+// O += P_{n-1} V_{n-1} still running), then the MMAs of S_{n+1} = Q K_{n+1}^T and of O += P_n V_n are
+// issued together and only S_{n+1}'s are waited for (FlashAttention-3's intra-warpgroup overlap).
+// Loads run one block ahead: K_{n+2} and V_{n+1} are copied while block n computes.
 template <typename T, int D, bool DROPOUT, int NWG, int BN>
-__global__ void __launch_bounds__(NWG * 128, fwd_min_blocks<D>()) attn_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fwd_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BM = 64 * NWG, NT = NWG * 128;
   constexpr bool F16 = std::is_same_v<T, __half>;
   using S = Swz<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint8_t* sQ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sK = sQ + BM * D * 2;      // [2][BN x D]
-  uint8_t* sV = sK + 2 * BN * D * 2;  // [2][BN x D]
+  uint8_t* sK = sQ + BM * D * 2;      // [2][BN x D]: K_n in stage n % 2
+  uint8_t* sV = sK + 2 * BN * D * 2;  // [2][BN x D]: V_n in stage n % 2
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
     zero_fillers<T>(p, D, static_cast<T*>(p.out), nullptr, p.lse);
@@ -716,55 +735,57 @@ __global__ void __launch_bounds__(NWG * 128, fwd_min_blocks<D>()) attn_fwd_kerne
   const int start = p.cu[b], len = p.cu[b + 1] - start;
   const int m0 = blockIdx.x * BM;
   if (m0 >= len) return;
-  const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wg = threadIdx.x / 128, wt = threadIdx.x % 128, warp = wt / 32, lane = threadIdx.x % 32, g = lane / 4,
+            t = lane % 4;
   const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
   const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
   const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
+  const int nblocks = (len + BN - 1) / BN;
+  auto load_k = [&](int n) { load_tile<T, D, BN, NT>(sK + (n & 1) * BN * D * 2, k, p.k_row, start + n * BN, len - n * BN); };
+  auto load_v = [&](int n) { load_tile<T, D, BN, NT>(sV + (n & 1) * BN * D * 2, v, p.v_row, start + n * BN, len - n * BN); };
 
   load_tile<T, D, BM, NT>(sQ, q, p.q_row, start + m0, len - m0);
-  load_tile<T, D, BN, NT>(sK, k, p.k_row, start, len);
-  load_tile<T, D, BN, NT>(sV, v, p.v_row, start, len);
+  load_k(0);
+  load_v(0);
+  if (nblocks > 1) load_k(1);
   cp_async_commit();
 
   constexpr int KS = D / 16;   // k-slices of S = Q K^T
   constexpr int PS = BN / 16;  // k-slices of O += P V
   constexpr int NS = BN / 8;   // n8 column groups of S
   constexpr int NO = D / 8;    // n8 column groups of O
-  float o[D / 2], s[BN / 2];  // s: written by each block's first MMA (scale_d 0), declared here to be defined
+  float o[D / 2], s[BN / 2];
+  uint32_t pa[PS][4];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < PS; ++i) pa[i][0] = pa[i][1] = pa[i][2] = pa[i][3] = 0u;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   const float scale_log2 = p.scale * kLog2e;
-  const int nblocks = (len + BN - 1) / BN;
   const int wrow = wg * 64 + warp * 16;  // this warp's 16 query rows of the CTA's BM
   const int64_t row_token = (int64_t)start + m0 + wrow + g;  // the dropout counter's row
   // this warpgroup's 64 rows of Q: 64-row offsets keep the swizzle phase (a multiple of 8 rows)
   const uint8_t* q_wg = sQ + wg * 64 * S::kRowBytes;
-
-  for (int n = 0; n < nblocks; ++n) {
-    cp_async_wait_all();
-    fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' (async proxy) reads
-    __syncthreads();      // every thread's: stage n is in; every warpgroup's MMAs of n - 1 are done
-    if (n + 1 < nblocks) {
-      const int stage = (n + 1) & 1, r0 = (n + 1) * BN;
-      load_tile<T, D, BN, NT>(sK + stage * BN * D * 2, k, p.k_row, start + r0, len - r0);
-      load_tile<T, D, BN, NT>(sV + stage * BN * D * 2, v, p.v_row, start + r0, len - r0);
-      cp_async_commit();
-    }
-    const uint8_t* cK = sK + (n & 1) * BN * D * 2;
-    const uint8_t* cV = sV + (n & 1) * BN * D * 2;
-
-    // S = Q K^T: this warpgroup's 64 rows x BN keys
-    wgmma_fence();
+  auto issue_s = [&](int n) {  // S_n = Q K_n^T, this warpgroup's 64 rows x BN keys
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      wgmma::mma_ss<F16, BN, 0, 0>(s, S::template k_major<BM>(q_wg, ks), S::template k_major<BN>(cK, ks), ks > 0 ? 1 : 0);
+      wgmma::mma_ss<F16, BN, 0, 0>(s, S::template k_major<BM>(q_wg, ks),
+                                   S::template k_major<BN>(sK + (n & 1) * BN * D * 2, ks), ks > 0 ? 1 : 0);
     wgmma_commit();
-    wgmma_wait<0>();
+  };
 
-    // mask keys past the sequence, scale to log2 units; element 4 j + e: row g + 8 (e / 2), key 8 j + 2 t + e % 2
+  cp_async_wait_all();
+  fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' (async proxy) reads
+  __syncthreads();      // and every thread's
+  wgmma_fence();
+  issue_s(0);
+  wgmma_wait<0>();
+  reg_fence(s);
+
+  for (int n = 0; n < nblocks; ++n) {
+    // softmax of S_n: mask keys past the sequence, log2 units; element 4 j + e: row g + 8 (e / 2), key 8 j + 2 t + e % 2
     const int key0 = n * BN;
 #pragma unroll
     for (int j = 0; j < NS; ++j)
@@ -792,6 +813,15 @@ __global__ void __launch_bounds__(NWG * 128, fwd_min_blocks<D>()) attn_fwd_kerne
       }
       row_sum[r] = row_sum[r] * corr[r] + sum;
     }
+    wgmma_wait<0>();  // O += P_{n-1} V_{n-1} is done: O and the P registers are free
+    reg_fence(o);
+    reg_fence(pa);
+    cp_async_wait_all();  // K_{n+1} and V_n (copied during block n - 1, or before the loop)
+    fence_proxy_async();
+    __syncthreads();  // every warpgroup is past S_n and P_{n-1} V_{n-1}: K_n's and V_{n-1}'s stages are free
+    if (n + 2 < nblocks) load_k(n + 2);
+    if (n + 1 < nblocks) load_v(n + 1);
+    cp_async_commit();
 #pragma unroll
     for (int i = 0; i < NO; ++i) {
       o[4 * i] *= corr[0];
@@ -799,8 +829,7 @@ __global__ void __launch_bounds__(NWG * 128, fwd_min_blocks<D>()) attn_fwd_kerne
       o[4 * i + 2] *= corr[1];
       o[4 * i + 3] *= corr[1];
     }
-    // P (dropped) as A fragments, all of them before the MMAs read them asynchronously
-    uint32_t pa[PS][4];
+    // P (dropped) as A fragments
 #pragma unroll
     for (int kk = 0; kk < PS; ++kk) {
       if constexpr (DROPOUT) {
@@ -819,29 +848,46 @@ __global__ void __launch_bounds__(NWG * 128, fwd_min_blocks<D>()) attn_fwd_kerne
       pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
       pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
     }
-    // O += P V: V [BN keys x D] is the MN-major B operand (K = keys, N = D)
     wgmma_fence();
+    if (n + 1 < nblocks) issue_s(n + 1);
+    // O += P_n V_n: V [BN keys x D] is the MN-major B operand (K = keys, N = D)
+    const uint8_t* cV = sV + (n & 1) * BN * D * 2;
 #pragma unroll
     for (int kk = 0; kk < PS; ++kk) wgmma::mma_rs<F16, D, 1>(o, pa[kk], S::template mn_major<BN>(cV, kk), 1);
     wgmma_commit();
-    wgmma_wait<0>();
+    if (n + 1 < nblocks) {
+      wgmma_wait<1>();  // S_{n+1} is in; P_n V_n may still run
+      reg_fence(s);
+    }
   }
-  // finish: O / l, lse = (max + log2 l) * ln 2
-  T* out = static_cast<T*>(p.out) + (int64_t)h * p.o_head;
+  wgmma_wait<0>();
+  reg_fence(o);
+  // finish: O / l through shared memory (this warpgroup's Q rows, free now) for 16-byte row stores;
+  // lse = (max + log2 l) * ln 2
+  uint8_t* stage = sQ + wg * 64 * S::kRowBytes;  // 64 rows of each column block (Swz<D>::offset<BM>)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float sum = row_sum[r];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const float inv = 1.f / sum;
-    const int row = m0 + wrow + g + 8 * r;
-    if (row < len) {
-      T* op = out + (int64_t)(start + row) * p.o_row;
+    const int lr = warp * 16 + g + 8 * r;  // row within the warpgroup's 64
 #pragma unroll
-      for (int i = 0; i < NO; ++i)
-        *reinterpret_cast<uint32_t*>(op + i * 8 + 2 * t) = pack2<T>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-      if (t == 0) p.lse[(int64_t)h * p.total + start + row] = (row_max[r] + __log2f(sum)) / kLog2e;
-    }
+    for (int i = 0; i < NO; ++i)
+      *reinterpret_cast<uint32_t*>(stage + S::template offset<BM>(lr, i) + 4 * t) =
+          pack2<T>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+    const int row = m0 + wg * 64 + lr;
+    if (t == 0 && row < len) p.lse[(int64_t)h * p.total + start + row] = (row_max[r] + __log2f(sum)) / kLog2e;
+  }
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's rows are staged
+  T* out = static_cast<T*>(p.out) + (int64_t)h * p.o_head;
+  constexpr int CH = D / 8;
+#pragma unroll
+  for (int c = wt; c < 64 * CH; c += 128) {
+    const int lr = c / CH, ch = c % CH, row = m0 + wg * 64 + lr;
+    if (row < len)
+      *reinterpret_cast<uint4*>(out + (int64_t)(start + row) * p.o_row + ch * 8) =
+          *reinterpret_cast<const uint4*>(stage + S::template offset<BM>(lr, ch));
   }
 #endif
 }
@@ -910,13 +956,18 @@ void set_smem(Kernel kernel, size_t bytes) {
 }
 
 #if defined(BERTACCEL_ATTENTION_SM90A)
-// The forward on warpgroup MMAs (hopper::attn_fwd_kernel) on a Hopper GPU, unless
-// BERTACCEL_ATTENTION_FWD=mma asks for the mma.sync kernel (read per call: benchmarks compare both).
-bool hopper_forward() {
-  const char* env = std::getenv("BERTACCEL_ATTENTION_FWD");
-  if (env != nullptr && std::string(env) == "mma") return false;
+// Warpgroups per CTA of the warpgroup-MMA forward (hopper::attn_fwd_kernel) on a Hopper GPU, or 0 for
+// the mma.sync kernel. BERTACCEL_ATTENTION_FWD (read per call, so that benchmarks compare them in one
+// process): "mma" (the mma.sync kernel), "wg1" / "wg2" (64 / 128 queries per CTA), else chosen here.
+int hopper_forward_warpgroups(int64_t max_seqlen) {
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  return prop->major == 9 && prop->minor == 0;
+  if (prop->major != 9 || prop->minor != 0) return 0;
+  const char* env = std::getenv("BERTACCEL_ATTENTION_FWD");
+  const std::string choice = env != nullptr ? env : "";
+  if (choice == "mma") return 0;
+  if (choice == "wg1") return 1;
+  if (choice == "wg2") return 2;
+  return 2;
 }
 #endif
 
@@ -965,18 +1016,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
                   (unsigned)P.batch + 1);
   auto stream = at::cuda::getCurrentCUDAStream();
 #if defined(BERTACCEL_ATTENTION_SM90A)
-  if (hopper_forward()) {
-    constexpr int NWG = 2, BN = 64;
-    const dim3 hgrid((unsigned)std::max<int64_t>((max_seqlen + 64 * NWG - 1) / (64 * NWG), 1), (unsigned)P.heads,
-                     (unsigned)P.batch + 1);
+  if (const int nwg = hopper_forward_warpgroups(max_seqlen)) {
+    constexpr int BN = 64;
     dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
       using T = decltype(type_tag);
       constexpr int D = decltype(dim)::value;
       constexpr bool DR = decltype(drop)::value;
-      constexpr size_t smem = hopper::fwd_smem<D, NWG, BN>();
-      auto kernel = hopper::attn_fwd_kernel<T, D, DR, NWG, BN>;
-      set_smem(kernel, smem);
-      kernel<<<hgrid, NWG * 128, smem, stream>>>(P);
+      auto launch = [&](auto warpgroups) {
+        constexpr int NWG = decltype(warpgroups)::value;
+        constexpr size_t smem = hopper::fwd_smem<D, NWG, BN>();
+        const dim3 grid((unsigned)std::max<int64_t>((max_seqlen + 64 * NWG - 1) / (64 * NWG), 1), (unsigned)P.heads,
+                        (unsigned)P.batch + 1);
+        auto kernel = hopper::attn_fwd_kernel<T, D, DR, NWG, BN>;
+        set_smem(kernel, smem);
+        kernel<<<grid, NWG * 128, smem, stream>>>(P);
+      };
+      if (nwg == 1) launch(std::integral_constant<int, 1>{});
+      else launch(std::integral_constant<int, 2>{});
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse, rng};
