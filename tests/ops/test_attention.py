@@ -151,16 +151,17 @@ def _err(a, ref, real):
 
 
 def _forward_kernel(name, monkeypatch):
-    """`hopper`: the default forward where the GPU is a Hopper (warpgroup MMAs); `mma`: the mma.sync
-    forward (BERTACCEL_ATTENTION_FWD=mma), the default elsewhere."""
-    if name == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+    """`hopper`: the default forward where the GPU is a Hopper (warpgroup MMAs); `wg1` / `wg2`: that
+    forward with 64 / 128 queries per CTA; `mma`: the mma.sync forward, the default elsewhere
+    (BERTACCEL_ATTENTION_FWD names all but the default)."""
+    if name != "mma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup-MMA forward needs a Hopper GPU (sm_90)")
-    if name == "mma":
-        monkeypatch.setenv("BERTACCEL_ATTENTION_FWD", "mma")
+    if name != "hopper":
+        monkeypatch.setenv("BERTACCEL_ATTENTION_FWD", name)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "wg1", "mma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("lengths", [[77, 1, 0, 128, 33], [513, 64, 65, 3], [200, 129, 257]])
@@ -194,7 +195,7 @@ def test_forward_and_gradients_within_twice_sdpa_error(dtype, head_dim, lengths,
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "wg1", "mma"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_dropout_is_the_reference_mask_for_the_kernels_seed(head_dim, fwd, monkeypatch):
     """The GPU's dropout equals the CPU reference's mask for the (seed, offset) the kernel reports:
