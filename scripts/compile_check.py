@@ -246,6 +246,12 @@ def main() -> int:
                                      capture_output=True, text=True)
                 if gen.returncode == 0:
                     (args.ptx / f"{source}.ptx").write_text(normalized_ptx(ptx.read_text()))
+            # warnings, and ptxas's performance advisories (C7514: wgmma serialized; C7519: an injected
+            # warpgroup.arrive) with the kernels they name
+            found = {(c, re.sub(r" (in )?around line \d+", "", t)) for c, t in re.findall(r"\((C75\d\d)\) (.*?) in (?:the )?function", proc.stderr)}
+            for code, text in sorted(found):
+                names = sorted({demangle(f) for f in re.findall(rf"\({code}\) .*? in (?:the )?function '(\S+)'", proc.stderr)})
+                print(f"  {code} {text[:150]}: {len(names)} kernels, e.g. {names[0][:90] if names else '?'}")
             for line in sorted({line for line in proc.stderr.splitlines() if "warning" in line.lower()})[:20]:
                 print("  " + line[-220:])
             kernel, previous = None, ""  # ptxas prints a kernel's spill line just before its register line

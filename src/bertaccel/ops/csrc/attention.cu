@@ -855,10 +855,8 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
 #pragma unroll
     for (int kk = 0; kk < PS; ++kk) wgmma::mma_rs<F16, D, 1>(o, pa[kk], S::template mn_major<BN>(cV, kk), 1);
     wgmma_commit();
-    if (n + 1 < nblocks) {
-      wgmma_wait<1>();  // S_{n+1} is in; P_n V_n may still run
-      reg_fence(s);
-    }
+    wgmma_wait<1>();  // S_{n+1} is in; P_n V_n may still run (unconditional: ptxas serializes every wgmma otherwise)
+    reg_fence(s);
   }
   wgmma_wait<0>();
   reg_fence(o);
