@@ -688,7 +688,7 @@ __device__ __forceinline__ void load_tile(uint8_t* s, const T* g, int64_t row_st
 }
 
 template <int D, int NWG, int BN>
-constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + 1024; }  // Q, 2 x (K, V), alignment
+constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + NWG * 128 * 4 + 1024; }  // Q, 2 x (K, V), anchor, alignment
 
 template <int D, int NWG>
 constexpr int fwd_min_blocks() { return D <= 64 ? 4 / NWG : 1; }  // 128 registers at D <= 64
@@ -711,7 +711,8 @@ __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) {
 // Per block n of BN keys, each warpgroup: the softmax of S_n (its exponentials overlap the MMAs of
 // O += P_{n-1} V_{n-1} still running), then the MMAs of S_{n+1} = Q K_{n+1}^T and of O += P_n V_n are
 // issued together and only S_{n+1}'s are waited for (FlashAttention-3's intra-warpgroup overlap).
-// Loads run one block ahead: K_{n+2} and V_{n+1} are copied while block n computes.
+// Loads run a block ahead: K_{n+2} and V_{n+1} are copied, issued behind those MMAs, while block n+1's
+// softmax runs.
 template <typename T, int D, bool DROPOUT, int NWG, int BN>
 __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fwd_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -722,6 +723,7 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
   uint8_t* sQ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sK = sQ + BM * D * 2;      // [2][BN x D]: K_n in stage n % 2
   uint8_t* sV = sK + 2 * BN * D * 2;  // [2][BN x D]: V_n in stage n % 2
+  volatile float* anchor = reinterpret_cast<float*>(sV + 2 * BN * D * 2);  // [NT], written, never read
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
     zero_fillers<T>(p, D, static_cast<T*>(p.out), nullptr, p.lse);
@@ -784,7 +786,11 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
   wgmma_wait<0>();
   reg_fence(s);
 
-  for (int n = 0; n < nblocks; ++n) {
+  // Block n; NEXT: S_{n+1} follows (every block but the last). The last block is its own instance, so
+  // that no wgmma issue or wait is conditional at run time: ptxas then serializes every wgmma (C7514)
+  // or waits for all of them before the softmax.
+  auto block = [&](int n, auto next) {
+    constexpr bool NEXT = decltype(next)::value;
     // softmax of S_n: mask keys past the sequence, log2 units; element 4 j + e: row g + 8 (e / 2), key 8 j + 2 t + e % 2
     const int key0 = n * BN;
 #pragma unroll
@@ -813,15 +819,16 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
       }
       row_sum[r] = row_sum[r] * corr[r] + sum;
     }
+    // Keep the exponentials above ahead of the wait and the barrier below: ptxas moves register-only work
+    // freely across both, and sank the whole softmax below them (no overlap with P_{n-1} V_{n-1}). A
+    // shared-memory store of a value that needs every exponential (the row sums) is ordered before them.
+    anchor[threadIdx.x] = row_sum[0] + row_sum[1];
     wgmma_wait<0>();  // O += P_{n-1} V_{n-1} is done: O and the P registers are free
     reg_fence(o);
     reg_fence(pa);
     cp_async_wait_all();  // K_{n+1} and V_n (copied during block n - 1, or before the loop)
     fence_proxy_async();
     __syncthreads();  // every warpgroup is past S_n and P_{n-1} V_{n-1}: K_n's and V_{n-1}'s stages are free
-    if (n + 2 < nblocks) load_k(n + 2);
-    if (n + 1 < nblocks) load_v(n + 1);
-    cp_async_commit();
 #pragma unroll
     for (int i = 0; i < NO; ++i) {
       o[4 * i] *= corr[0];
@@ -849,15 +856,24 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
       pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
     }
     wgmma_fence();
-    if (n + 1 < nblocks) issue_s(n + 1);
+    if constexpr (NEXT) issue_s(n + 1);
     // O += P_n V_n: V [BN keys x D] is the MN-major B operand (K = keys, N = D)
     const uint8_t* cV = sV + (n & 1) * BN * D * 2;
 #pragma unroll
     for (int kk = 0; kk < PS; ++kk) wgmma::mma_rs<F16, D, 1>(o, pa[kk], S::template mn_major<BN>(cV, kk), 1);
     wgmma_commit();
-    wgmma_wait<1>();  // S_{n+1} is in; P_n V_n may still run (unconditional: ptxas serializes every wgmma otherwise)
-    reg_fence(s);
-  }
+    // the next copies, behind the MMAs just issued: K_{n+2} into K_n's stage, V_{n+1} into V_{n-1}'s
+    if (n + 2 < nblocks) load_k(n + 2);
+    if constexpr (NEXT) load_v(n + 1);
+    cp_async_commit();
+    if constexpr (NEXT) {
+      wgmma_wait<1>();  // S_{n+1} is in; P_n V_n may still run
+      reg_fence(s);
+    }
+
+  };
+  for (int n = 0; n + 1 < nblocks; ++n) block(n, std::true_type{});
+  block(nblocks - 1, std::false_type{});
   wgmma_wait<0>();
   reg_fence(o);
   // finish: O / l through shared memory (this warpgroup's Q rows, free now) for 16-byte row stores;
