@@ -791,30 +791,33 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
   // or waits for all of them before the softmax.
   auto block = [&](int n, auto next) {
     constexpr bool NEXT = decltype(next)::value;
-    // softmax of S_n: mask keys past the sequence, log2 units; element 4 j + e: row g + 8 (e / 2), key 8 j + 2 t + e % 2
+    // softmax of S_n; element 4 j + e: row g + 8 (e / 2), key 8 j + 2 t + e % 2. Keys past the sequence
+    // (the last block only) masked to -inf; max in raw units, exponentials as exp2(s * scale_log2 - max
+    // * scale_log2): one FFMA per element. row_max is kept in log2 units.
     const int key0 = n * BN;
+    if (key0 + BN > len) {
 #pragma unroll
-    for (int j = 0; j < NS; ++j)
+      for (int j = 0; j < NS; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + j * 8 + 2 * t + (e & 1);
-        s[4 * j + e] = key < len ? s[4 * j + e] * scale_log2 : -INFINITY;
-      }
+        for (int e = 0; e < 4; ++e)
+          if (key0 + j * 8 + 2 * t + (e & 1) >= len) s[4 * j + e] = -INFINITY;
+    }
     float corr[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+      float mx = s[2 * r];
 #pragma unroll
       for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      corr[r] = fast_exp2(row_max[r] - mx);
-      row_max[r] = mx;
+      const float mx_log2 = fmaxf(row_max[r], mx * scale_log2);  // key 0 of block 0 is real: finite
+      corr[r] = fast_exp2(row_max[r] - mx_log2);  // 0 on the first block (-inf - finite)
+      row_max[r] = mx_log2;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < NS; ++j) {
-        s[4 * j + 2 * r] = fast_exp2(s[4 * j + 2 * r] - mx);
-        s[4 * j + 2 * r + 1] = fast_exp2(s[4 * j + 2 * r + 1] - mx);
+        s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], scale_log2, -mx_log2));
+        s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], scale_log2, -mx_log2));
         sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
       }
       row_sum[r] = row_sum[r] * corr[r] + sum;
