@@ -674,21 +674,30 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
-// rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled
+// rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled.
+// Thread x copies chunk x % (D / 8) of rows x / (D / 8) + i * NT / (D / 8): a fixed chunk, so its
+// shared-memory offset (the swizzle phase repeats every 8 rows) and its global column are set once.
 template <typename T, int D, int R, int NT>
 __device__ __forceinline__ void load_tile(uint8_t* s, const T* g, int64_t row_stride, int64_t row0, int valid) {
-  constexpr int CH = D / 8;
+  constexpr int CH = D / 8, ROWS = NT / CH;  // rows per pass
+  static_assert(NT % CH == 0 && ROWS % 8 == 0 && R % ROWS == 0, "whole passes of whole swizzle atoms");
+  const int r0 = threadIdx.x / CH, ch = threadIdx.x % CH;
+  uint8_t* dst = s + Swz<D>::template offset<R>(r0, ch);
+  const T* src = g + (row0 + r0) * row_stride + ch * 8;
 #pragma unroll
-  for (int c = threadIdx.x; c < R * CH; c += NT) {
-    const int r = c / CH, ch = c % CH;
-    const bool ok = r < valid;
-    const T* src = ok ? g + (row0 + r) * row_stride + ch * 8 : g;
-    cp_async16(s + Swz<D>::template offset<R>(r, ch), src, ok ? 16 : 0);
+  for (int i = 0; i < R / ROWS; ++i) {
+    const bool ok = r0 + i * ROWS < valid;
+    cp_async16(dst + i * ROWS * Swz<D>::kRowBytes, ok ? src + i * ROWS * row_stride : g, ok ? 16 : 0);
   }
 }
 
 template <int D, int NWG, int BN>
 constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + NWG * 128 * 4 + 1024; }  // Q, 2 x (K, V), anchor, alignment
+
+// keys per block. 128 at D = 32 (half-length MMAs: fewer, longer blocks) spilled 48-144 bytes at the
+// 128-register cap (offline ptxas), so 64 everywhere.
+template <int D>
+constexpr int fwd_block_n() { return 64; }
 
 template <int D, int NWG>
 constexpr int fwd_min_blocks() { return D <= 64 ? 4 / NWG : 1; }  // 128 registers at D <= 64
@@ -1034,11 +1043,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
   auto stream = at::cuda::getCurrentCUDAStream();
 #if defined(BERTACCEL_ATTENTION_SM90A)
   if (const int nwg = hopper_forward_warpgroups(max_seqlen)) {
-    constexpr int BN = 64;
     dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
       using T = decltype(type_tag);
       constexpr int D = decltype(dim)::value;
       constexpr bool DR = decltype(drop)::value;
+      constexpr int BN = hopper::fwd_block_n<D>();
       auto launch = [&](auto warpgroups) {
         constexpr int NWG = decltype(warpgroups)::value;
         constexpr size_t smem = hopper::fwd_smem<D, NWG, BN>();
