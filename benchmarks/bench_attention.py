@@ -1,7 +1,7 @@
 """Attention forward + backward on padded batches: SDPA's backends with the key-padding mask against
 the varlen kernels on the packed real tokens (what `model.unpadded` runs): ours (bertaccel,
-csrc/attention.cu; on a Hopper its warpgroup-MMA forward, and again with the mma.sync forward,
-BERTACCEL_ATTENTION_FWD=mma) and PyTorch's FlashAttention-2 varlen; and ours on the padded batch as
+csrc/attention.cu; on a Hopper its warpgroup-MMA kernels, and again with the mma.sync ones,
+VARIANTS below) and PyTorch's FlashAttention-2 varlen; and ours on the padded batch as
 `attn_implementation: bertaccel` runs it (packing order from the mask, gathers in and out).
 
     python -m benchmarks.bench_attention --out bench_results/attention.json
@@ -17,6 +17,7 @@ The first four cells are issue 11's targets (16k tokens, seq 128 / 512, head dim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -30,9 +31,28 @@ from bertaccel.ops import attention, build
 
 CELLS = ["128x128x12x64:full", "128x128x12x32:full", "32x512x12x64:full", "32x512x12x32:full",
          "32x256x12x32:imdb256", "32x512x12x64:uniform", "32x512x12x32:uniform"]
-# BERTACCEL_ATTENTION_FWD choices timed beside the default on a Hopper: the mma.sync forward, and the
-# warpgroup-MMA forward with 64 / 128 queries per CTA
-FORWARDS = ["mma", "wg1", "wg2"]
+# Our op with other kernels, timed beside the default on a Hopper (BERTACCEL_ATTENTION_FWD / _BWD, read
+# per call, set around the forward and the backward alike): the mma.sync kernels, and the warpgroup-MMA
+# forward with 128 queries per CTA
+VARIANTS = {"fwd mma, bwd mma": {"BERTACCEL_ATTENTION_FWD": "mma", "BERTACCEL_ATTENTION_BWD": "mma"},
+            "bwd mma": {"BERTACCEL_ATTENTION_BWD": "mma"},
+            "fwd wg2": {"BERTACCEL_ATTENTION_FWD": "wg2"}}
+
+
+@contextlib.contextmanager
+def kernel_env(env: dict[str, str]):
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
             "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
@@ -113,27 +133,25 @@ def run_cell(cell: str) -> list[dict]:
     q, k, v = (torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16)
     cu, scale = layout.cu_seqlens, d ** -0.5
-    varlen = {"flash-varlen (packed)": lambda: _FlashVarlen.apply(q, k, v, cu, layout.max_seqlen, 0.0, scale)}
+    varlen = {"flash-varlen (packed)": (lambda: _FlashVarlen.apply(q, k, v, cu, layout.max_seqlen, 0.0, scale), {})}
     if build.load_attention():
-        varlen["bertaccel-varlen (packed)"] = lambda: attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)
-        if torch.cuda.get_device_capability() == (9, 0):  # the same op with other forwards, same run
-            for choice in FORWARDS:
-                def forced(choice=choice):
-                    os.environ["BERTACCEL_ATTENTION_FWD"] = choice
-                    try:
-                        return attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)
-                    finally:
-                        del os.environ["BERTACCEL_ATTENTION_FWD"]
-
-                varlen[f"bertaccel-varlen (packed, fwd {choice})"] = forced
+        ours = lambda: attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)  # noqa: E731
+        varlen["bertaccel-varlen (packed)"] = (ours, {})
+        if torch.cuda.get_device_capability() == (9, 0):  # the same op with other kernels, same run
+            for label, env in VARIANTS.items():
+                varlen[f"bertaccel-varlen (packed, {label})"] = (ours, env)
     else:
         print(f"bertaccel attention off: {build.attention_reason()}")
-    for name, fn in varlen.items():
-        def fwd(fn=fn):
-            with torch.no_grad():
+    for name, (fn, env) in varlen.items():
+        def fwd(fn=fn, env=env):
+            with torch.no_grad(), kernel_env(env):
                 fn()
 
-        add(name, fwd, lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), do))
+        def step(fn=fn, env=env):
+            with kernel_env(env):
+                return torch.autograd.grad(fn(), (q, k, v), do)
+
+        add(name, fwd, step)
     best_sdpa = min((r["ms"] for r in rows if r["impl"].startswith("sdpa")), default=None)
     for r in rows:
         r["real_fraction"] = round(float(lengths.sum()) / (batch * seq), 3)

@@ -151,13 +151,15 @@ def _err(a, ref, real):
 
 
 def _forward_kernel(name, monkeypatch):
-    """`hopper`: the default forward where the GPU is a Hopper (warpgroup MMAs); `wg1` / `wg2`: that
-    forward with 64 / 128 queries per CTA; `mma`: the mma.sync forward, the default elsewhere
-    (BERTACCEL_ATTENTION_FWD names all but the default)."""
+    """`hopper`: the default kernels where the GPU is a Hopper (warpgroup MMAs); `wg1` / `wg2`: that
+    forward with 64 / 128 queries per CTA; `mma`: the mma.sync forward and backward, the default
+    elsewhere (BERTACCEL_ATTENTION_FWD / _BWD)."""
     if name != "mma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup-MMA forward needs a Hopper GPU (sm_90)")
     if name != "hopper":
         monkeypatch.setenv("BERTACCEL_ATTENTION_FWD", name)
+    if name == "mma":  # the mma.sync backward too (the Hopper one takes head dims 32 and 64)
+        monkeypatch.setenv("BERTACCEL_ATTENTION_BWD", "mma")
 
 
 @pytest.mark.cuda

@@ -918,6 +918,183 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
 #endif
 }
 
+// Backward on warpgroup MMAs (D <= 64): one warpgroup per CTA of 64 keys, as attn_bwd_kernel walks the
+// query blocks. Per block of 64 queries: S = Q K^T and dP = dO V^T (A and B in shared memory); P and dS
+// in registers; dQ = dS K with dS from registers (fp32 atomics, as before); P and dS through shared
+// memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q) are read
+// MN-major from the same tiles the first two MMAs read K-major.
+template <int D>
+constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), alignment
+  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 1024;
+}
+
+template <typename T, int D, bool DROPOUT>
+__global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
+  constexpr int TILE = B * D * 2;
+  constexpr bool F16 = std::is_same_v<T, __half>;
+  using S = Swz<D>;
+  using SP = Swz<64>;  // P and dS: [64 queries x 64 keys], 128-byte rows
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint8_t* sK = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sV = sK + TILE;
+  uint8_t* sQ = sV + TILE;         // [2]
+  uint8_t* sdO = sQ + 2 * TILE;    // [2]
+  uint8_t* sP = sdO + 2 * TILE;    // 8 KB
+  uint8_t* sdS = sP + B * 64 * 2;  // 8 KB
+  float* sLse = reinterpret_cast<float*>(sdS + B * 64 * 2);  // [2][64], log2 units
+  float* sDsum = sLse + 2 * B;                                // [2][64]
+  const int b = blockIdx.z, h = blockIdx.y;
+  if (b == p.batch) {
+    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr);
+    return;
+  }
+  const int start = p.cu[b], len = p.cu[b + 1] - start;
+  const int n0 = blockIdx.x * B;
+  if (n0 >= len) return;
+  const Dropout drop = read_dropout(p, true);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
+  const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
+  const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
+  const T* dout = static_cast<const T*>(p.dout) + (int64_t)h * p.do_head;
+  const float scale_log2 = p.scale * kLog2e;
+  auto load_q_block = [&](int m, int stage) {
+    const int m0 = m * B;
+    load_tile<T, D, B, NT>(sQ + stage * TILE, q, p.q_row, start + m0, len - m0);
+    load_tile<T, D, B, NT>(sdO + stage * TILE, dout, p.do_row, start + m0, len - m0);
+    if (threadIdx.x < B) {
+      const int r = threadIdx.x;
+      const bool ok = m0 + r < len;
+      const int64_t i = (int64_t)h * p.total + start + m0 + r;
+      sLse[stage * B + r] = ok ? p.lse[i] * kLog2e : INFINITY;  // a padded query row: P = 0
+      sDsum[stage * B + r] = ok ? p.dsum[i] : 0.f;
+    }
+  };
+  load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
+  load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
+  load_q_block(0, 0);
+  cp_async_commit();
+
+  constexpr int KS = D / 16;  // k-slices over the head dim
+  constexpr int NO = D / 8;
+  float s[32], dp[32], dq[D / 2], dk[D / 2], dv[D / 2];
+  uint32_t dsa[4][4];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = dq[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
+  const int mblocks = (len + B - 1) / B;
+  float* dq_accum = p.dq_accum + (int64_t)h * D;
+  const int64_t dq_row = (int64_t)p.heads * D;
+
+  for (int m = 0; m < mblocks; ++m) {
+    const int stage = m & 1;
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();  // block m is in (every thread's copies and lse / dsum); block m - 1's MMAs are done
+    if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
+    cp_async_commit();
+    const uint8_t* cQ = sQ + stage * TILE;
+    const uint8_t* cdO = sdO + stage * TILE;
+    const int m0 = m * B;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wgmma::mma_ss<F16, 64, 0, 0>(s, S::template k_major<B>(cQ, ks), S::template k_major<B>(sK, ks), ks > 0 ? 1 : 0);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wgmma::mma_ss<F16, 64, 0, 0>(dp, S::template k_major<B>(cdO, ks), S::template k_major<B>(sV, ks), ks > 0 ? 1 : 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+    // P (dropped, for dV), dS = P (dP - D); rows g and g + 8 of the warp's 16 queries
+    const int wrow = warp * 16;
+    const float lse0 = sLse[stage * B + wrow + g], lse1 = sLse[stage * B + wrow + g + 8];
+    const float ds0 = sDsum[stage * B + wrow + g], ds1 = sDsum[stage * B + wrow + g + 8];
+    const int64_t row_token = (int64_t)start + m0 + wrow + g;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t bits = 0xFFu;
+      if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + kk * 16 + 2 * t, h);
+#pragma unroll
+      for (int side = 0; side < 2; ++side) {
+        const int j = 2 * kk + side;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + j * 8 + 2 * t + (e & 1);
+          const float lse = e < 2 ? lse0 : lse1, dsum = e < 2 ? ds0 : ds1;
+          const float pr = key < len ? fast_exp2(fmaf(s[4 * j + e], scale_log2, -lse)) : 0.f;
+          float pd = pr, dpe = dp[4 * j + e];
+          if constexpr (DROPOUT) {
+            const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
+            pd = keep ? pr * drop.scale : 0.f;
+            dpe = keep ? dpe * drop.scale : 0.f;
+          }
+          s[4 * j + e] = pd;
+          dp[4 * j + e] = pr * (dpe - dsum);
+        }
+        // to shared memory, [query][key] swizzled: key chunk j of rows g, g + 8
+        *reinterpret_cast<uint32_t*>(sP + SP::offset<B>(wrow + g, j) + 4 * t) = pack2<T>(s[4 * j], s[4 * j + 1]);
+        *reinterpret_cast<uint32_t*>(sP + SP::offset<B>(wrow + g + 8, j) + 4 * t) = pack2<T>(s[4 * j + 2], s[4 * j + 3]);
+        *reinterpret_cast<uint32_t*>(sdS + SP::offset<B>(wrow + g, j) + 4 * t) = pack2<T>(dp[4 * j], dp[4 * j + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + SP::offset<B>(wrow + g + 8, j) + 4 * t) = pack2<T>(dp[4 * j + 2], dp[4 * j + 3]);
+      }
+      dsa[kk][0] = pack2<T>(dp[8 * kk], dp[8 * kk + 1]);
+      dsa[kk][1] = pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
+      dsa[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
+      dsa[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
+    }
+    fence_proxy_async();  // P and dS, visible to the tensor cores
+    __syncthreads();
+    wgmma_fence();
+    // dQ (unscaled) = dS K: K [64 keys x D] as the MN-major B (K = keys)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<F16, D, 1>(dq, dsa[kk], S::template mn_major<B>(sK, kk), kk > 0 ? 1 : 0);
+    // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T (MN-major: [query][key] rows), B = dO / Q (MN-major)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      wgmma::mma_ss<F16, D, 1, 1>(dv, SP::template mn_major<B>(sP, ks), S::template mn_major<B>(cdO, ks), 1);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(dq);
+    reg_fence(dv);
+    reg_fence(dk);
+    reg_fence(dsa);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = m0 + wrow + g + 8 * r;
+      if (row < len) {
+        float* dst = dq_accum + (int64_t)(start + row) * dq_row;
+#pragma unroll
+        for (int i = 0; i < NO; ++i)
+          atomicAdd(reinterpret_cast<float2*>(dst + i * 8 + 2 * t), make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]));
+      }
+    }
+  }
+  // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
+  T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
+  T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = n0 + warp * 16 + g + 8 * r;
+    if (key < len) {
+      const int64_t off = (int64_t)(start + key) * p.heads * D;
+#pragma unroll
+      for (int i = 0; i < NO; ++i) {
+        *reinterpret_cast<uint32_t*>(dkp + off + i * 8 + 2 * t) = pack2<T>(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+      }
+    }
+  }
+#endif
+}
+
 }  // namespace hopper
 #endif  // BERTACCEL_ATTENTION_SM90A
 
@@ -996,6 +1173,15 @@ int hopper_forward_warpgroups(int64_t max_seqlen) {
   // one warpgroup: as fast or faster in every cell of benchmarks/bench_attention.py at 238afcd (seq 128:
   // 0.046 vs 0.048 ms at d 64; packed uniform lengths 0.051 vs 0.055; seq 512 d 64 0.0905 vs 0.0903)
   return 1;
+}
+
+// The backward on warpgroup MMAs (hopper::attn_bwd_kernel, head dims 32 and 64) on a Hopper GPU, unless
+// BERTACCEL_ATTENTION_BWD=mma (read per call).
+bool hopper_backward() {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major != 9 || prop->minor != 0) return false;
+  const char* env = std::getenv("BERTACCEL_ATTENTION_BWD");
+  return env == nullptr || std::string(env) != "mma";
 }
 #endif
 
@@ -1124,11 +1310,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     constexpr bool DR = decltype(drop)::value;
     attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    constexpr size_t smem = (size_t)(2 * kBlockN + 4 * kBlockM) * (D + 8) * sizeof(T) +
-                            (size_t)2 * kBlockM * (kBlockN + 8) * sizeof(T) + 4 * kBlockM * sizeof(float);
-    auto kernel = attn_bwd_kernel<T, D, DR>;
-    set_smem(kernel, smem);
-    kernel<<<grid, kThreads, smem, stream>>>(P);
+    bool launched = false;
+#if defined(BERTACCEL_ATTENTION_SM90A)
+    if constexpr (D <= 64) {
+      if (hopper_backward()) {
+        constexpr size_t smem = hopper::bwd_smem<D>();
+        auto kernel = hopper::attn_bwd_kernel<T, D, DR>;
+        set_smem(kernel, smem);
+        kernel<<<grid, 128, smem, stream>>>(P);
+        launched = true;
+      }
+    }
+#endif
+    if (!launched) {
+      constexpr size_t smem = (size_t)(2 * kBlockN + 4 * kBlockM) * (D + 8) * sizeof(T) +
+                              (size_t)2 * kBlockM * (kBlockN + 8) * sizeof(T) + 4 * kBlockM * sizeof(float);
+      auto kernel = attn_bwd_kernel<T, D, DR>;
+      set_smem(kernel, smem);
+      kernel<<<grid, kThreads, smem, stream>>>(P);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 2 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
