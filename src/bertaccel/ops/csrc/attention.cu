@@ -610,12 +610,20 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
   }
 }
 
-// dq = scale * dq_accum, cast; 2 elements per thread
+// dq = scale * dq_accum, cast; 2 elements per thread. dq is [T, heads, d]; dq_accum the same, or
+// [heads, T, d] when heads_major (the Hopper backward's)
 template <typename T>
-__global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale) {
+__global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale,
+                                   bool heads_major, int heads, int d) {
   const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 2;
   if (i < n) {
-    const float2 a = *reinterpret_cast<const float2*>(acc + i);
+    int64_t j = i;
+    if (heads_major) {
+      const int64_t row = (int64_t)heads * d, tokens = n / row, tok = i / row;
+      const int h = (int)(i % row / d), c = (int)(i % d);
+      j = ((int64_t)h * tokens + tok) * d + c;
+    }
+    const float2 a = *reinterpret_cast<const float2*>(acc + j);
     *reinterpret_cast<uint32_t*>(dq + i) = pack2<T>(a.x * scale, a.y * scale);
   }
 }
@@ -673,6 +681,15 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// dst[0 .. bytes) += src (fp32), by the copy engine (a bulk async reduction; 16-byte aligned, bytes % 16 == 0)
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled.
 // Thread x copies chunk x % (D / 8) of rows x / (D / 8) + i * NT / (D / 8): a fixed chunk, so its
@@ -920,7 +937,8 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
 
 // Backward on warpgroup MMAs (D <= 64): one warpgroup per CTA of 64 keys, as attn_bwd_kernel walks the
 // query blocks. Per block of 64 queries: S = Q K^T and dP = dO V^T (A and B in shared memory); P and dS
-// in registers; dQ = dS K with dS from registers (fp32 atomics, as before); P and dS through shared
+// in registers; dQ = dS K with dS from registers, its 64 rows added to an fp32 [heads, T, d] buffer by
+// one bulk asynchronous reduction (cp.reduce.async.bulk) instead of per-element atomics; P and dS through shared
 // memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q) are read
 // MN-major from the same tiles the first two MMAs read K-major.
 template <int D>
@@ -986,12 +1004,15 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
 #pragma unroll
   for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
   const int mblocks = (len + B - 1) / B;
-  float* dq_accum = p.dq_accum + (int64_t)h * D;
-  const int64_t dq_row = (int64_t)p.heads * D;
+  // dQ partial sums: [heads, T, d] fp32 (this layout: a block's 64 rows are one contiguous run), added
+  // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
+  float* dq_accum = p.dq_accum + ((int64_t)h * p.total + start) * D;
+  float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
 
   for (int m = 0; m < mblocks; ++m) {
     const int stage = m & 1;
     cp_async_wait_all();
+    if (threadIdx.x == 0) bulk_wait_read();  // block m - 1's dQ has left shared memory
     fence_proxy_async();
     __syncthreads();  // block m is in (every thread's copies and lse / dsum); block m - 1's MMAs are done
     if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
@@ -1067,16 +1088,15 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
     reg_fence(dk);
     reg_fence(dsa);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = m0 + wrow + g + 8 * r;
-      if (row < len) {
-        float* dst = dq_accum + (int64_t)(start + row) * dq_row;
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int i = 0; i < NO; ++i)
-          atomicAdd(reinterpret_cast<float2*>(dst + i * 8 + 2 * t), make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]));
-      }
-    }
+      for (int i = 0; i < NO; ++i)
+        *reinterpret_cast<float2*>(sdQ + (wrow + g + 8 * r) * D + i * 8 + 2 * t) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+    fence_proxy_async();
+    __syncthreads();
+    if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
   }
+  if (threadIdx.x == 0) bulk_wait();
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
@@ -1310,7 +1330,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     constexpr bool DR = decltype(drop)::value;
     attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    bool launched = false;
+    bool launched = false, heads_major = false;
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
       if (hopper_backward()) {
@@ -1318,7 +1338,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
         auto kernel = hopper::attn_bwd_kernel<T, D, DR>;
         set_smem(kernel, smem);
         kernel<<<grid, 128, smem, stream>>>(P);
-        launched = true;
+        launched = heads_major = true;
       }
     }
 #endif
@@ -1332,7 +1352,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 2 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
-                                                                             (float)scale);
+                                                                             (float)scale, heads_major, P.heads, (int)D);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv};
