@@ -35,7 +35,6 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -938,14 +937,13 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
 
 // Backward on warpgroup MMAs (D <= 64): one warpgroup per CTA of 64 keys, as attn_bwd_kernel walks the
 // query blocks. Per block of 64 queries: S = Q K^T and dP = dO V^T (A and B in shared memory); P and dS
-// in registers; dQ = dS K with dS from registers, its rows added to an fp32 [heads, T, d] buffer by
-// bulk asynchronous reductions (cp.reduce.async.bulk, one per row) instead of per-element atomics; P and dS through shared
+// in registers; dQ = dS K with dS from registers, its 64 rows added to an fp32 [heads, T, d] buffer by
+// one bulk asynchronous reduction (cp.reduce.async.bulk) instead of per-element atomics; P and dS through shared
 // memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q) are read
 // MN-major from the same tiles the first two MMAs read K-major.
 template <int D>
 constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), alignment
-  // P and dS (2 x 8 KB) double as dQ's fp32 staging, 64 x (D + 8) floats: 18 KB at D = 64
-  return (size_t)6 * 64 * D * 2 + std::max<size_t>(2 * 64 * 64 * 2, 64 * (D + 8) * 4) + 4 * 64 * 4 + 1024;
+  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 1024;
 }
 
 template <typename T, int D, bool DROPOUT>
@@ -963,7 +961,7 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
   uint8_t* sdO = sQ + 2 * TILE;    // [2]
   uint8_t* sP = sdO + 2 * TILE;    // 8 KB
   uint8_t* sdS = sP + B * 64 * 2;  // 8 KB
-  float* sLse = reinterpret_cast<float*>(sP + std::max(2 * B * 64 * 2, B * (D + 8) * 4));  // [2][64], log2 units
+  float* sLse = reinterpret_cast<float*>(sdS + B * 64 * 2);  // [2][64], log2 units
   float* sDsum = sLse + 2 * B;                                // [2][64]
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
@@ -1009,15 +1007,12 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
   // dQ partial sums: [heads, T, d] fp32 (this layout: a block's 64 rows are one contiguous run), added
   // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
   float* dq_accum = p.dq_accum + ((int64_t)h * p.total + start) * D;
-  // [64][D + 8] fp32: rows 32 bytes apart in the banks, so a warp's float2 stores of 8 rows do not collide
-  // (a dense 256-byte pitch put all 8 rows in one bank group: 8-way conflicts); one bulk reduction per row
-  constexpr int kDqPitch = D + 8;
-  float* sdQ = reinterpret_cast<float*>(sP);
+  float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
 
   for (int m = 0; m < mblocks; ++m) {
     const int stage = m & 1;
     cp_async_wait_all();
-    if (threadIdx.x < B) bulk_wait_read();  // block m - 1's dQ rows have left shared memory
+    if (threadIdx.x == 0) bulk_wait_read();  // block m - 1's dQ has left shared memory
     fence_proxy_async();
     __syncthreads();  // block m is in (every thread's copies and lse / dsum); block m - 1's MMAs are done
     if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
@@ -1096,13 +1091,12 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int i = 0; i < NO; ++i)
-        *reinterpret_cast<float2*>(sdQ + (wrow + g + 8 * r) * kDqPitch + i * 8 + 2 * t) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+        *reinterpret_cast<float2*>(sdQ + (wrow + g + 8 * r) * D + i * 8 + 2 * t) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
     fence_proxy_async();
     __syncthreads();
-    if (threadIdx.x < min(B, len - m0))
-      bulk_reduce_add_f32(dq_accum + (int64_t)(m0 + threadIdx.x) * D, sdQ + threadIdx.x * kDqPitch, D * 4);
+    if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
   }
-  if (threadIdx.x < B) bulk_wait();
+  if (threadIdx.x == 0) bulk_wait();
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
