@@ -310,3 +310,24 @@ def test_compile_fullgraph_and_opcheck_on_cuda():
     out = fn(q, k, v)
     assert torch.equal(out, varlen_attention(q, k, v, cu, 40))
     torch.library.opcheck(torch.ops.bertaccel.varlen_attention_fwd.default, (q, k, v, cu, 40, 0.0, 0.125))
+
+
+def test_attention_build_targets_sm90a_on_hopper_only(monkeypatch):
+    """The attention extension is built for sm_90a (its wgmma kernels, with their define) on a Hopper,
+    for the GPU's own arch elsewhere, and as TORCH_CUDA_ARCH_LIST says when it is set; every header
+    its sources include is hashed into the build key."""
+    import re
+
+    from bertaccel.ops import build
+
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert build._attention_arch() == "9.0a"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert build._attention_arch() == "8.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert build._attention_arch() == "9.0"
+    included = {name for src in build.attention_sources()
+                for name in re.findall(r'#include "([^"]+)"', (build.CSRC / src).read_text())}
+    assert included <= set(build.ATTENTION_HEADERS)
+    assert build.ATTENTION_SM90A_FLAGS == ["-DBERTACCEL_ATTENTION_SM90A"]
