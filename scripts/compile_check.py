@@ -22,6 +22,12 @@ row kernel meant to issue all of a row's loads before using any should show that
 `--compare-ptx BEFORE AFTER` says per kernel whether its PTX is
 identical, the same instructions in another order (the same count of every opcode), or different
 (the opcodes whose counts moved).
+
+The sm_90a sources (the GEMM; attention when --arch is sm_90, as a Hopper builds it) also report
+ptxas's warpgroup-MMA advisories with the kernels they name: C7514 (every wgmma of the kernel
+serialized, e.g. a wgmma wait under a run-time condition, or a non-wgmma instruction touching an
+accumulator inside the pipeline stage) and C7519 (a warpgroup.arrive injected). ptxas prints them as
+"info", not as warnings, so a build log shows them only when asked.
 """
 
 from __future__ import annotations
