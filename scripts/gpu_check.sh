@@ -46,6 +46,7 @@ if has attn_tests; then  # the fused varlen attention: build, its cuda tests and
   python -c "from bertaccel.ops import build; assert build.load_attention(verbose=True), build.attention_reason()" > "$OUT/attn_build.log" 2>&1
   echo "attention build rc=$? in $(( $(date +%s) - s ))s"
   grep -E "bytes spill stores" "$OUT/attn_build.log" | grep -v " 0 bytes spill stores" | head -3  # spills, if any
+  grep -c "C7514" "$OUT/attn_build.log" | sed 's/^/wgmma-serialized kernels (ptxas C7514, want 0): /'
   timeout ${ATTN_TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops/test_attention.py tests/modules/test_unpadded.py -q -p no:cacheprovider ${ATTN_TESTS_K:+-k "$ATTN_TESTS_K"} > "$OUT/attn_tests.log" 2>&1
   echo "attention tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/attn_tests.log" | head -40
 fi
