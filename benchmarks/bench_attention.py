@@ -17,14 +17,12 @@ The first four cells are issue 11's targets (16k tokens, seq 128 / 512, head dim
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import cuda_time_ms, environment, graph_time_ms, print_table, write_json
+from benchmarks.common import cuda_time_ms, environment, graph_time_ms, kernel_env, print_table, write_json
 from bertaccel.modules.hf_attention import attention_forward
 from bertaccel.modules.unpadded import Unpadded, _FlashVarlen
 from bertaccel.ops import attention, build
@@ -37,20 +35,6 @@ CELLS = ["128x128x12x64:full", "128x128x12x32:full", "32x512x12x64:full", "32x51
 VARIANTS = {"fwd mma, bwd mma": {"BERTACCEL_ATTENTION_FWD": "mma", "BERTACCEL_ATTENTION_BWD": "mma"},
             "bwd mma": {"BERTACCEL_ATTENTION_BWD": "mma"},
             "fwd wg2": {"BERTACCEL_ATTENTION_FWD": "wg2"}}
-
-
-@contextlib.contextmanager
-def kernel_env(env: dict[str, str]):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,

@@ -20,14 +20,13 @@ GPU time per call from CUDA-graph replays (interleaved rounds, median). FLOPs: 2
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 
-from benchmarks.common import environment, graph_time_ms, kernel_times_us, print_table, write_json
+from benchmarks.common import environment, graph_time_ms, kernel_env, kernel_times_us, print_table, write_json
 
 SHAPES = [(2048, 768, 3072), (16384, 768, 3072), (16384, 384, 1536)]  # tokens, hidden, inner (BERT-base, MiniLM)
 FAMILIES = {"hf": None, "hf-compile": None, "fused": ["residual_layer_norm", "bias_gelu"],
@@ -69,18 +68,10 @@ def run(shapes, device: str, rounds: int, names, kernels: bool = False) -> list[
         def train(fn, params, env=None):
             def f(x):
                 x = x.detach().requires_grad_(True)
-                old = {k: os.environ.get(k) for k in env or {}}
-                os.environ.update(env or {})
-                try:
+                with kernel_env(env):
                     with torch.autocast(device, dtype=torch.bfloat16):
                         y = fn(x)
                     return torch.autograd.grad(y, [x, *params], dy.to(y.dtype))
-                finally:
-                    for k, v in old.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
             return f
 
         times: dict[str, dict[str, list[float]]] = {n: {"fwd": [], "train": []} for n in names}

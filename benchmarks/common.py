@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -78,6 +79,22 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+
+
+@contextlib.contextmanager
+def kernel_env(env: dict[str, str] | None):
+    """Set the environment variables `env` (kernel switches read per call) for the block, then put back
+    what was there before."""
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class Stopwatch:
