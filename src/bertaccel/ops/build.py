@@ -60,7 +60,7 @@ GEMM_ARCH = "9.0a"
 # built for the GPU's own arch and loaded by `load_attention()` when attention first needs it; a
 # failure there leaves the other ops running
 ATTENTION_HEADERS = ["check.h", "philox.cuh", "wgmma.cuh"]
-# on a Hopper GPU the attention extension is built for sm_90a with its warpgroup-MMA forward
+# on a Hopper GPU it is built for sm_90a, with its warpgroup-MMA forward and backward
 ATTENTION_SM90A_FLAGS = ["-DBERTACCEL_ATTENTION_SM90A"]
 
 
@@ -91,12 +91,12 @@ def _arch() -> str:
     return f"{major}.{minor}"
 
 
-def build_key(files: list[str] | None = None, arch: str | None = None) -> str:
+def build_key(files: list[str] | None = None, arch: str | None = None, extra_cuda_flags: list[str] | None = None) -> str:
     h = hashlib.sha256()
     for name in files if files is not None else sources() + HEADERS:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(CUDA_FLAGS).encode())
+    h.update(" ".join(CUDA_FLAGS + list(extra_cuda_flags or [])).encode())
     h.update(f"{torch.__version__}|{torch.version.cuda}|{arch or _arch()}".encode())
     return h.hexdigest()[:12]
 
@@ -270,7 +270,7 @@ def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arc
     import bertaccel.ops.attention  # noqa: F401
 
     extra_cuda_flags = list(extra_cuda_flags or [])
-    key = build_key(hashed, arch + " ".join(extra_cuda_flags))
+    key = build_key(hashed, arch, extra_cuda_flags)
     build_dir = cache_root() / f"{name}_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
