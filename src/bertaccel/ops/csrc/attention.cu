@@ -676,11 +676,6 @@ struct Swz {
   }
 };
 
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // dst[0 .. bytes) += src (fp32), by the copy engine (a bulk async reduction; 16-byte aligned, bytes % 16 == 0)
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
@@ -713,8 +708,7 @@ constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + NWG *
 
 // keys per block. 128 at D = 32 (half-length MMAs: fewer, longer blocks) spilled 48-144 bytes at the
 // 128-register cap (offline ptxas), so 64 everywhere.
-template <int D>
-constexpr int fwd_block_n() { return 64; }
+constexpr int kFwdBlockN = 64;
 
 template <int D, int NWG>
 constexpr int fwd_min_blocks() { return D <= 64 ? 4 / NWG : 1; }  // 128 registers at D <= 64
@@ -801,15 +795,15 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
     for (int ks = 0; ks < KS; ++ks)
       wgmma::mma_ss<F16, BN, 0, 0>(s, S::template k_major<BM>(q_wg, ks),
                                    S::template k_major<BN>(sK + (n & 1) * BN * D * 2, ks), ks > 0 ? 1 : 0);
-    wgmma_commit();
+    wgmma::commit();
   };
 
   cp_async_wait_all();
-  fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' (async proxy) reads
+  wgmma::fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' (async proxy) reads
   __syncthreads();      // and every thread's
-  wgmma_fence();
+  wgmma::fence();
   issue_s(0);
-  wgmma_wait<0>();
+  wgmma::wait<0>();
   reg_fence(s);
 
   // Block n; NEXT: S_{n+1} follows (every block but the last). The last block is its own instance, so
@@ -852,11 +846,11 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
     // freely across both, and sank the whole softmax below them (no overlap with P_{n-1} V_{n-1}). A
     // shared-memory store of a value that needs every exponential (the row sums) is ordered before them.
     anchor[threadIdx.x] = row_sum[0] + row_sum[1];
-    wgmma_wait<0>();  // O += P_{n-1} V_{n-1} is done: O and the P registers are free
+    wgmma::wait<0>();  // O += P_{n-1} V_{n-1} is done: O and the P registers are free
     reg_fence(o);
     reg_fence(pa);
     cp_async_wait_all();  // K_{n+1} and V_n (copied during block n - 1, or before the loop)
-    fence_proxy_async();
+    wgmma::fence_proxy_async();
     __syncthreads();  // every warpgroup is past S_n and P_{n-1} V_{n-1}: K_n's and V_{n-1}'s stages are free
 #pragma unroll
     for (int i = 0; i < NO; ++i) {
@@ -884,26 +878,25 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
       pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
       pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
     }
-    wgmma_fence();
+    wgmma::fence();
     if constexpr (NEXT) issue_s(n + 1);
     // O += P_n V_n: V [BN keys x D] is the MN-major B operand (K = keys, N = D)
     const uint8_t* cV = sV + (n & 1) * BN * D * 2;
 #pragma unroll
     for (int kk = 0; kk < PS; ++kk) wgmma::mma_rs<F16, D, 1>(o, pa[kk], S::template mn_major<BN>(cV, kk), 1);
-    wgmma_commit();
+    wgmma::commit();
     // the next copies, behind the MMAs just issued: K_{n+2} into K_n's stage, V_{n+1} into V_{n-1}'s
     if (n + 2 < nblocks) load_k(n + 2);
     if constexpr (NEXT) load_v(n + 1);
     cp_async_commit();
     if constexpr (NEXT) {
-      wgmma_wait<1>();  // S_{n+1} is in; P_n V_n may still run
+      wgmma::wait<1>();  // S_{n+1} is in; P_n V_n may still run
       reg_fence(s);
     }
-
   };
   for (int n = 0; n + 1 < nblocks; ++n) block(n, std::true_type{});
   block(nblocks - 1, std::false_type{});
-  wgmma_wait<0>();
+  wgmma::wait<0>();
   reg_fence(o);
   // finish: O / l through shared memory (this warpgroup's Q rows, free now) for 16-byte row stores;
   // lse = (max + log2 l) * ln 2
@@ -1013,22 +1006,22 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
     const int stage = m & 1;
     cp_async_wait_all();
     if (threadIdx.x == 0) bulk_wait_read();  // block m - 1's dQ has left shared memory
-    fence_proxy_async();
+    wgmma::fence_proxy_async();
     __syncthreads();  // block m is in (every thread's copies and lse / dsum); block m - 1's MMAs are done
     if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
     cp_async_commit();
     const uint8_t* cQ = sQ + stage * TILE;
     const uint8_t* cdO = sdO + stage * TILE;
     const int m0 = m * B;
-    wgmma_fence();
+    wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
       wgmma::mma_ss<F16, 64, 0, 0>(s, S::template k_major<B>(cQ, ks), S::template k_major<B>(sK, ks), ks > 0 ? 1 : 0);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
       wgmma::mma_ss<F16, 64, 0, 0>(dp, S::template k_major<B>(cdO, ks), S::template k_major<B>(sV, ks), ks > 0 ? 1 : 0);
-    wgmma_commit();
-    wgmma_wait<0>();
+    wgmma::commit();
+    wgmma::wait<0>();
     reg_fence(s);
     reg_fence(dp);
     // P (dropped, for dV), dS = P (dP - D); rows g and g + 8 of the warp's 16 queries
@@ -1068,9 +1061,9 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
       dsa[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
       dsa[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
     }
-    fence_proxy_async();  // P and dS, visible to the tensor cores
+    wgmma::fence_proxy_async();  // P and dS, visible to the tensor cores
     __syncthreads();
-    wgmma_fence();
+    wgmma::fence();
     // dQ (unscaled) = dS K: K [64 keys x D] as the MN-major B (K = keys)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<F16, D, 1>(dq, dsa[kk], S::template mn_major<B>(sK, kk), kk > 0 ? 1 : 0);
@@ -1081,8 +1074,8 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
       wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
+    wgmma::commit();
+    wgmma::wait<0>();
     reg_fence(dq);
     reg_fence(dv);
     reg_fence(dk);
@@ -1092,7 +1085,7 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
 #pragma unroll
       for (int i = 0; i < NO; ++i)
         *reinterpret_cast<float2*>(sdQ + (wrow + g + 8 * r) * D + i * 8 + 2 * t) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-    fence_proxy_async();
+    wgmma::fence_proxy_async();
     __syncthreads();
     if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
   }
@@ -1255,7 +1248,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
       using T = decltype(type_tag);
       constexpr int D = decltype(dim)::value;
       constexpr bool DR = decltype(drop)::value;
-      constexpr int BN = hopper::fwd_block_n<D>();
+      constexpr int BN = hopper::kFwdBlockN;
       auto launch = [&](auto warpgroups) {
         constexpr int NWG = decltype(warpgroups)::value;
         constexpr size_t smem = hopper::fwd_smem<D, NWG, BN>();

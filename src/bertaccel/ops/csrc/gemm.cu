@@ -178,8 +178,6 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 template <int N>  // until at most N of this thread's bulk groups still read shared memory
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-// Generic-proxy writes to shared memory made visible to the copy engine (before a TMA store reads them).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Four 8 x 8 bf16 matrices to shared memory: lanes 8i..8i+7 give the row addresses of matrix i, and
 // each lane's r[i] holds two consecutive elements (row lane / 4, columns 2 (lane % 4), +1) of matrix i -
 // the layout of a wgmma accumulator fragment.
@@ -199,10 +197,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 template <int R>
 __device__ __forceinline__ void regs_up() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)); }
 template <int R>
@@ -333,7 +327,7 @@ __device__ __forceinline__ void store_chunk(StoreRing& ring, const CUtensorMap* 
                 pack_bf16(v[8 * q + 2], v[8 * q + 3]), pack_bf16(v[8 * q + 4], v[8 * q + 5]),
                 pack_bf16(v[8 * q + 6], v[8 * q + 7]));
   }
-  fence_proxy_async();
+  wgmma::fence_proxy_async();
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
   if (t == 0) {
     tma_store(map, buf, col0, row0);
@@ -363,7 +357,7 @@ __device__ __forceinline__ void store_chunk_f32(StoreRing& ring, const CUtensorM
             make_float2(v[16 * h + 4 * jj + 2 * bottom], v[16 * h + 4 * jj + 2 * bottom + 1]);
       }
     }
-    fence_proxy_async();
+    wgmma::fence_proxy_async();
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
     if (t == 0) {
       tma_store_3d(map, buf, col0 + 32 * h, row0, split);
@@ -559,7 +553,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         mbar_wait(&full[s], (it / S) & 1);
         const uint8_t* a = tiles_a + s * C::kABytes + (PP ? 0 : cw * 64 * BK * 2);  // both layouts: 8 KB per 64 rows
         const uint8_t* b = tiles_b + s * C::kBBytes;
-        wgmma_fence();
+        wgmma::fence();
 #pragma unroll
         for (int k = 0; k < BK / 16; ++k) {
           // K-major: the next 16 K-elements are 32 bytes along the swizzled row; MN-major: 16 K-rows down.
@@ -570,14 +564,14 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
             wgmma::mma<BN, A_MN ? 1 : 0, B_MN ? 1 : 0>(acc[h], da, db, (kb > kb0 || k > 0) ? 1 : 0);
           }
         }
-        wgmma_commit();
-        wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+        wgmma::commit();
+        wgmma::wait<1>();  // the previous stage's MMAs are done: release it
         if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
         prev = s;
       }
       if (PP && unit_at(p, kblocks_total, local + 1, next, sk)) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");  // your turn
       if (kAuxAhead && !kAuxBeforeMmas && with_aux) load_aux(p, aux_next, tm * BM + cw * 64, tn * BN, t);
-      wgmma_wait<0>();
+      wgmma::wait<0>();
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
       if (kb1 <= kb0) {
 #pragma unroll

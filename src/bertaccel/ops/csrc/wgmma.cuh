@@ -6,6 +6,17 @@
 
 namespace bertaccel::wgmma {
 
+// Before the first wgmma of a batch, and between another instruction's access to a wgmma's registers
+// and that wgmma.
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// The wgmmas issued since the last commit form one group.
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Wait until at most N groups are pending (groups complete in order).
+template <int N>
+__device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// This thread's generic-proxy writes to shared memory, made visible to async-proxy readers (wgmma, TMA).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // D[64 x 32] (+)= A[64 x 16] * B[32 x 16]^T, bf16; A, B described in shared memory; scale_d == 0 ignores D.
 template <int TransA, int TransB>
 __device__ __forceinline__ void ssBf16_m64n32k16(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) {
