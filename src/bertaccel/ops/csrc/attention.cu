@@ -1172,30 +1172,31 @@ void set_smem(Kernel kernel, size_t bytes) {
 }
 
 #if defined(BERTACCEL_ATTENTION_SM90A)
-// Warpgroups per CTA of the warpgroup-MMA forward (hopper::attn_fwd_kernel) on a Hopper GPU, or 0 for
-// the mma.sync kernel. BERTACCEL_ATTENTION_FWD (read per call, so that benchmarks compare them in one
-// process): "mma" (the mma.sync kernel), "wg1" / "wg2" (64 / 128 queries per CTA), else chosen here.
-int hopper_forward_warpgroups(int64_t max_seqlen) {
+// The warpgroup-MMA kernels run on a Hopper GPU (sm_90) unless an environment switch (read per call,
+// so that benchmarks compare the kernels in one process) asks for the mma.sync ones.
+bool on_hopper() {
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  if (prop->major != 9 || prop->minor != 0) return 0;
-  const char* env = std::getenv("BERTACCEL_ATTENTION_FWD");
-  const std::string choice = env != nullptr ? env : "";
+  return prop->major == 9 && prop->minor == 0;
+}
+std::string switch_value(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr ? env : "";
+}
+
+// Warpgroups per CTA of the forward (hopper::attn_fwd_kernel), or 0 for the mma.sync kernel.
+// BERTACCEL_ATTENTION_FWD: "mma" (the mma.sync kernel), "wg1" / "wg2" (64 / 128 queries per CTA).
+int hopper_forward_warpgroups() {
+  if (!on_hopper()) return 0;
+  const std::string choice = switch_value("BERTACCEL_ATTENTION_FWD");
   if (choice == "mma") return 0;
-  if (choice == "wg1") return 1;
   if (choice == "wg2") return 2;
   // one warpgroup: as fast or faster in every cell of benchmarks/bench_attention.py at 238afcd (seq 128:
   // 0.046 vs 0.048 ms at d 64; packed uniform lengths 0.051 vs 0.055; seq 512 d 64 0.0905 vs 0.0903)
   return 1;
 }
 
-// The backward on warpgroup MMAs (hopper::attn_bwd_kernel, head dims 32 and 64) on a Hopper GPU, unless
-// BERTACCEL_ATTENTION_BWD=mma (read per call).
-bool hopper_backward() {
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  if (prop->major != 9 || prop->minor != 0) return false;
-  const char* env = std::getenv("BERTACCEL_ATTENTION_BWD");
-  return env == nullptr || std::string(env) != "mma";
-}
+// The backward (hopper::attn_bwd_kernel, head dims 32 and 64) unless BERTACCEL_ATTENTION_BWD=mma.
+bool hopper_backward() { return on_hopper() && switch_value("BERTACCEL_ATTENTION_BWD") != "mma"; }
 #endif
 
 // fn(T{}, integral_constant<int, D>, bool_constant<DROPOUT>) for the runtime dtype, head dim and dropout
@@ -1243,7 +1244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
                   (unsigned)P.batch + 1);
   auto stream = at::cuda::getCurrentCUDAStream();
 #if defined(BERTACCEL_ATTENTION_SM90A)
-  if (const int nwg = hopper_forward_warpgroups(max_seqlen)) {
+  if (const int nwg = hopper_forward_warpgroups()) {
     dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
       using T = decltype(type_tag);
       constexpr int D = decltype(dim)::value;
