@@ -65,15 +65,21 @@ def demangle(symbol: str) -> str:
 
 
 def normalized_ptx(text: str) -> str:
-    """PTX without what varies between two compiles of equivalent sources: `.loc` / `.file` records,
-    comments, the translation unit's hash in internal-linkage names, and the numbering of virtual
+    """PTX without what varies between two compiles of equivalent sources: `.loc` / `.file` records and
+    the `.debug_*` sections, comments, the translation unit's hash in internal-linkage names, and the numbering of virtual
     registers and branch labels (renumbered per function in order of first appearance: a reordering
     that changes no instruction then changes nothing here)."""
-    keep, names = [], {}
+    keep, names, in_debug = [], {}, False
     for line in text.splitlines():
         if line.startswith((".entry", ".visible .entry", ".func", ".visible .func")):
             names = {}  # virtual registers are numbered per function, in order of first use
         stripped = line.strip()
+        # -lineinfo's .debug_* sections: byte strings that spell the hashed names out
+        if stripped.startswith(".section") and ".debug" in stripped:
+            in_debug = True
+        if in_debug:
+            in_debug = stripped != "}"
+            continue
         if stripped.startswith((".loc", ".file", "//")) or not stripped:
             continue
         # <hash>_<n>_<source>_cu_<hash>_<nvcc's process id>: the digits after it (the id, and the

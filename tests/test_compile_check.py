@@ -37,6 +37,10 @@ $L__BB0_7:
     assert cc.normalized_ptx(a) == cc.normalized_ptx(b)
     # an instruction that differs still shows
     assert cc.normalized_ptx(a) != cc.normalized_ptx(b.replace("mul.f32", "add.f32"))
+    # -lineinfo's debug strings spell the hashed names out as bytes: the section goes, what follows stays
+    debug = "\n\t.section\t.debug_str\n\t{\n$L__info_string0:\n.b8 95,90,78,HASH,0\n\t}\n.global .u32 x;"
+    assert cc.normalized_ptx(a + debug.replace("HASH", "52,57")) == cc.normalized_ptx(b + debug.replace("HASH", "56,97"))
+    assert ".global .u32 x;" in cc.normalized_ptx(a + debug.replace("HASH", "52,57"))
 
 
 def test_ptx_kernels_and_opcode_counts_tell_reordered_from_different():
