@@ -80,8 +80,6 @@ __device__ __forceinline__ void commit() {{ asm volatile("wgmma.commit_group.syn
 // Wait until at most N groups are pending (groups complete in order).
 template <int N>
 __device__ __forceinline__ void wait() {{ asm volatile("wgmma.wait_group.sync.aligned %0;\\n" ::"n"(N) : "memory"); }}
-// This thread's generic-proxy writes to shared memory, made visible to async-proxy readers (wgmma, TMA).
-__device__ __forceinline__ void fence_proxy_async() {{ asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory"); }}
 {body}
 // bf16 x bf16, A and B in shared memory (the GEMM's form)
 template <int N, int TransA, int TransB>

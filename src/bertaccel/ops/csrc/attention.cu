@@ -44,6 +44,7 @@
 #include "check.h"
 #include "philox.cuh"
 #if defined(BERTACCEL_ATTENTION_SM90A)
+#include "async_copy.cuh"
 #include "wgmma.cuh"
 #endif
 
@@ -681,10 +682,8 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src,
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
                "r"(smem_u32(src)), "r"(bytes)
                : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  async_copy::bulk_commit();
 }
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled.
 // Thread x copies chunk x % (D / 8) of rows x / (D / 8) + i * NT / (D / 8): a fixed chunk, so its
@@ -799,7 +798,7 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
   };
 
   cp_async_wait_all();
-  wgmma::fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' (async proxy) reads
+  async_copy::fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' (async proxy) reads
   __syncthreads();      // and every thread's
   wgmma::fence();
   issue_s(0);
@@ -850,7 +849,7 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
     reg_fence(o);
     reg_fence(pa);
     cp_async_wait_all();  // K_{n+1} and V_n (copied during block n - 1, or before the loop)
-    wgmma::fence_proxy_async();
+    async_copy::fence_proxy_async();
     __syncthreads();  // every warpgroup is past S_n and P_{n-1} V_{n-1}: K_n's and V_{n-1}'s stages are free
 #pragma unroll
     for (int i = 0; i < NO; ++i) {
@@ -1005,8 +1004,8 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
   for (int m = 0; m < mblocks; ++m) {
     const int stage = m & 1;
     cp_async_wait_all();
-    if (threadIdx.x == 0) bulk_wait_read();  // block m - 1's dQ has left shared memory
-    wgmma::fence_proxy_async();
+    if (threadIdx.x == 0) async_copy::bulk_wait_read<0>();  // block m - 1's dQ has left shared memory
+    async_copy::fence_proxy_async();
     __syncthreads();  // block m is in (every thread's copies and lse / dsum); block m - 1's MMAs are done
     if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
     cp_async_commit();
@@ -1061,7 +1060,7 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
       dsa[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
       dsa[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
     }
-    wgmma::fence_proxy_async();  // P and dS, visible to the tensor cores
+    async_copy::fence_proxy_async();  // P and dS, visible to the tensor cores
     __syncthreads();
     wgmma::fence();
     // dQ (unscaled) = dS K: K [64 keys x D] as the MN-major B (K = keys)
@@ -1085,11 +1084,11 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
 #pragma unroll
       for (int i = 0; i < NO; ++i)
         *reinterpret_cast<float2*>(sdQ + (wrow + g + 8 * r) * D + i * 8 + 2 * t) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-    wgmma::fence_proxy_async();
+    async_copy::fence_proxy_async();
     __syncthreads();
     if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
   }
-  if (threadIdx.x == 0) bulk_wait();
+  if (threadIdx.x == 0) async_copy::bulk_wait_all();
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;

@@ -43,6 +43,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "async_copy.cuh"
 #include "check.h"
 #include "gelu_math.cuh"
 #include "gemm.h"
@@ -174,10 +175,6 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
                ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src)) : "memory");
 }
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-template <int N>  // until at most N of this thread's bulk groups still read shared memory
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // Four 8 x 8 bf16 matrices to shared memory: lanes 8i..8i+7 give the row addresses of matrix i, and
 // each lane's r[i] holds two consecutive elements (row lane / 4, columns 2 (lane % 4), +1) of matrix i -
 // the layout of a wgmma accumulator fragment.
@@ -316,7 +313,7 @@ struct StoreRing {
 __device__ __forceinline__ void store_chunk(StoreRing& ring, const CUtensorMap* map, const float (&v)[32], int row0,
                                             int col0, int cw, int t) {
   uint8_t* buf = ring.bufs + (ring.issued % kStoreBufs) * kStoreBufBytes;
-  if (t == 0) bulk_wait_read<kStoreBufs - 1>();  // the store that used this buffer last has read it
+  if (t == 0) async_copy::bulk_wait_read<kStoreBufs - 1>();  // the store that used this buffer last has read it
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
   const int warp = t / 32, lane = t % 32, i = lane / 8, rr = lane % 8;
   const int row = warp * 16 + (i % 2) * 8 + rr;  // matrix i: the warp's rows 0-7 (i even) or 8-15
@@ -327,11 +324,11 @@ __device__ __forceinline__ void store_chunk(StoreRing& ring, const CUtensorMap* 
                 pack_bf16(v[8 * q + 2], v[8 * q + 3]), pack_bf16(v[8 * q + 4], v[8 * q + 5]),
                 pack_bf16(v[8 * q + 6], v[8 * q + 7]));
   }
-  wgmma::fence_proxy_async();
+  async_copy::fence_proxy_async();
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
   if (t == 0) {
     tma_store(map, buf, col0, row0);
-    bulk_commit();
+    async_copy::bulk_commit();
   }
   ++ring.issued;
 }
@@ -345,7 +342,7 @@ __device__ __forceinline__ void store_chunk_f32(StoreRing& ring, const CUtensorM
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     uint8_t* buf = ring.bufs + (ring.issued % kStoreBufs) * kStoreBufBytes;
-    if (t == 0) bulk_wait_read<kStoreBufs - 1>();
+    if (t == 0) async_copy::bulk_wait_read<kStoreBufs - 1>();
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {  // column groups 4h + jj: columns 8 jj + 2q, +1 of this half
@@ -357,11 +354,11 @@ __device__ __forceinline__ void store_chunk_f32(StoreRing& ring, const CUtensorM
             make_float2(v[16 * h + 4 * jj + 2 * bottom], v[16 * h + 4 * jj + 2 * bottom + 1]);
       }
     }
-    wgmma::fence_proxy_async();
+    async_copy::fence_proxy_async();
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
     if (t == 0) {
       tma_store_3d(map, buf, col0 + 32 * h, row0, split);
-      bulk_commit();
+      async_copy::bulk_commit();
     }
     ++ring.issued;
   }
@@ -694,7 +691,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         }
       }
     }
-    if (t == 0) bulk_wait_all();  // the last TMA stores have read this block's shared memory
+    if (t == 0) async_copy::bulk_wait_all();  // the last TMA stores have read this block's shared memory
   }
 #endif
 }

@@ -14,8 +14,6 @@ __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync
 // Wait until at most N groups are pending (groups complete in order).
 template <int N>
 __device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-// This thread's generic-proxy writes to shared memory, made visible to async-proxy readers (wgmma, TMA).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // D[64 x 32] (+)= A[64 x 16] * B[32 x 16]^T, bf16; A, B described in shared memory; scale_d == 0 ignores D.
 template <int TransA, int TransB>
