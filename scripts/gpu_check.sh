@@ -14,7 +14,7 @@
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows), gelu_sweep (bias+GELU forward
 # vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
-# ncu_attn (Nsight Compute on the attention forward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
+# ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 set -uo pipefail
@@ -295,13 +295,16 @@ print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, no filler writ
 PY
 fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
-if has ncu_attn; then  # Nsight Compute on the attention forward kernels (NCU_ATTN_CELL=32x512x12x64; NCU_ATTN_FWD="wg2 mma")
+if has ncu_attn; then  # Nsight Compute on the attention kernels (NCU_ATTN_CELL=32x512x12x64; NCU_ATTN_FWD="wg2 mma"; NCU_ATTN_KERNEL=attn_bwd_kernel for the backward)
+  kernel=${NCU_ATTN_KERNEL:-attn_fwd}
+  back=(); [[ $kernel == *bwd* ]] && back=(--backward)
   for fwd in ${NCU_ATTN_FWD:-wg2}; do
-    BERTACCEL_ATTENTION_FWD=$fwd timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name regex:attn_fwd --launch-skip 1 --launch-count 1 \
+    BERTACCEL_ATTENTION_FWD=$fwd timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name regex:$kernel --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section LaunchStats \
-      python scripts/attention_calls.py --cell ${NCU_ATTN_CELL:-32x512x12x64} > "$OUT/ncu_attn_$fwd.txt" 2>&1
-    echo "ncu attention $fwd rc=$?"
-    grep -E "attn_fwd|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A|Stall|No Eligible|Theoretical Occ|Block Limit" "$OUT/ncu_attn_$fwd.txt" | cut -c1-120 | head -${NCU_LINES:-40}
+      --section MemoryWorkloadAnalysis --section InstructionStats \
+      python scripts/attention_calls.py --cell ${NCU_ATTN_CELL:-32x512x12x64} "${back[@]}" > "$OUT/ncu_attn_${kernel}_$fwd.txt" 2>&1
+    echo "ncu attention $kernel $fwd rc=$?"
+    grep -E "attn_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A|Stall|No Eligible|Theoretical Occ|Block Limit|Shared Memory|Bank|Executed Instructions  " "$OUT/ncu_attn_${kernel}_$fwd.txt" | cut -c1-120 | head -${NCU_LINES:-50}
   done
 fi
 if has ncu_rows; then  # hardware counters of the LayerNorm-family kernels (Nsight Compute; NCU_OPS=, NCU_SHAPES=)
