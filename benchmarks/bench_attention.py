@@ -34,7 +34,8 @@ CELLS = ["128x128x12x64:full", "128x128x12x32:full", "32x512x12x64:full", "32x51
 # forward with 128 queries per CTA
 VARIANTS = {"fwd mma, bwd mma": {"BERTACCEL_ATTENTION_FWD": "mma", "BERTACCEL_ATTENTION_BWD": "mma"},
             "bwd mma": {"BERTACCEL_ATTENTION_BWD": "mma"},
-            "fwd wg2": {"BERTACCEL_ATTENTION_FWD": "wg2"}}
+            "fwd wg2": {"BERTACCEL_ATTENTION_FWD": "wg2"},
+            "bwd v0": {"BERTACCEL_ATTENTION_BWD": "v0"}}  # TEMPORARY: the backward before session 24
 
 
 BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,

@@ -66,6 +66,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
 }
+// 4 bytes global -> shared (through L1); zero-filled when `src_bytes` is 0
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
@@ -386,12 +390,15 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
 }
 
 // ------------------------------------------------------------------------------ backward
-// D = rowsum(dO * O) per (row, head), fp32; one warp per (row, head)
+// D = rowsum(dO * O) per (row, head), fp32; one warp per (row, head),
+// and, when zero_dq, clears the fp32 dQ sums (D values per warp: all of them, whatever their layout)
 template <typename T, int D>
-__global__ void attn_bwd_dsum_kernel(const Params p) {
+__global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
   const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (w >= (int64_t)p.total * p.heads) return;
+  if (zero_dq)
+    for (int c = lane * 2; c < D; c += 64) *reinterpret_cast<float2*>(p.dq_accum + w * D + c) = make_float2(0.f, 0.f);
   const int64_t row = w / p.heads;
   const int h = (int)(w % p.heads);
   const T* o = static_cast<const T*>(p.o) + row * p.o_row + (int64_t)h * p.o_head;
@@ -611,17 +618,27 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
   }
 }
 
-// dq = scale * dq_accum, cast; 2 elements per thread. dq is [T, heads, d]; dq_accum the same, or
-// [heads, T, d] when heads_major (the Hopper backward's)
+// The Hopper backward's dQ partial sums: [heads, T, d] fp32, each token row's 32-byte chunks (8 values)
+// XOR-permuted by the token index: chunk c of token row r at chunk c ^ dq_chunk_phase(r, d). The backward
+// stages 64 rows in shared memory in this layout (so the 8 rows one store instruction writes fall in
+// different banks) and adds them with one bulk copy; attn_bwd_dq_kernel undoes the permutation.
+__host__ __device__ __forceinline__ int dq_chunk_phase(int row, int d) { return row & (d / 8 - 1); }
+
+// The layouts of dq_accum: the mma.sync backward's [T, heads, d], the Hopper backward's (dq_chunk_phase)
+enum class DqLayout : int { kTokensMajor = 0, kHeadsMajorPermuted = 1, kHeadsMajor = 2 /* TEMPORARY: v0 */ };
+
+// dq = scale * dq_accum, cast; 2 elements per thread. dq is [T, heads, d]; dq_accum in `layout`
 template <typename T>
 __global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale,
-                                   bool heads_major, int heads, int d) {
+                                   DqLayout layout, int heads, int d) {
   const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 2;
   if (i < n) {
     int64_t j = i;
-    if (heads_major) {
+    if (layout != DqLayout::kTokensMajor) {
       const int64_t row = (int64_t)heads * d, tokens = n / row, tok = i / row;
-      const int h = (int)(i % row / d), c = (int)(i % d);
+      const int h = (int)(i % row / d);
+      int c = (int)(i % d);
+      if (layout == DqLayout::kHeadsMajorPermuted) c = (((c >> 3) ^ dq_chunk_phase((int)tok, d)) << 3) | (c & 7);
       j = ((int64_t)h * tokens + tok) * d + c;
     }
     const float2 a = *reinterpret_cast<const float2*>(acc + j);
@@ -938,8 +955,10 @@ constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), ali
   return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 1024;
 }
 
+// TEMPORARY (session 24): the backward before the cp.async lse / dsum and swizzled dQ staging, for a
+// same-run comparison (BERTACCEL_ATTENTION_BWD=v0); removed once measured.
 template <typename T, int D, bool DROPOUT>
-__global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
+__global__ void __launch_bounds__(128) attn_bwd_kernel_v0(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
   constexpr int TILE = B * D * 2;
@@ -1084,6 +1103,188 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
 #pragma unroll
       for (int i = 0; i < NO; ++i)
         *reinterpret_cast<float2*>(sdQ + (wrow + g + 8 * r) * D + i * 8 + 2 * t) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+    async_copy::fence_proxy_async();
+    __syncthreads();
+    if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
+  }
+  if (threadIdx.x == 0) async_copy::bulk_wait_all();
+  // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
+  T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
+  T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = n0 + warp * 16 + g + 8 * r;
+    if (key < len) {
+      const int64_t off = (int64_t)(start + key) * p.heads * D;
+#pragma unroll
+      for (int i = 0; i < NO; ++i) {
+        *reinterpret_cast<uint32_t*>(dkp + off + i * 8 + 2 * t) = pack2<T>(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+      }
+    }
+  }
+#endif
+}
+
+template <typename T, int D, bool DROPOUT>
+__global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
+  constexpr int TILE = B * D * 2;
+  constexpr bool F16 = std::is_same_v<T, __half>;
+  using S = Swz<D>;
+  using SP = Swz<64>;  // P and dS: [64 queries x 64 keys], 128-byte rows
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint8_t* sK = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sV = sK + TILE;
+  uint8_t* sQ = sV + TILE;         // [2]
+  uint8_t* sdO = sQ + 2 * TILE;    // [2]
+  uint8_t* sP = sdO + 2 * TILE;    // 8 KB
+  uint8_t* sdS = sP + B * 64 * 2;  // 8 KB
+  float* sLse = reinterpret_cast<float*>(sdS + B * 64 * 2);  // [2][64]
+  float* sDsum = sLse + 2 * B;                                // [2][64]
+  const int b = blockIdx.z, h = blockIdx.y;
+  if (b == p.batch) {
+    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr);
+    return;
+  }
+  const int start = p.cu[b], len = p.cu[b + 1] - start;
+  const int n0 = blockIdx.x * B;
+  if (n0 >= len) return;
+  const Dropout drop = read_dropout(p, true);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
+  const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
+  const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
+  const T* dout = static_cast<const T*>(p.dout) + (int64_t)h * p.do_head;
+  const float scale_log2 = p.scale * kLog2e;
+  const bool keys_full = n0 + B <= len;  // no key of this CTA past the sequence
+  auto load_q_block = [&](int m, int stage) {
+    const int m0 = m * B;
+    load_tile<T, D, B, NT>(sQ + stage * TILE, q, p.q_row, start + m0, len - m0);
+    load_tile<T, D, B, NT>(sdO + stage * TILE, dout, p.do_row, start + m0, len - m0);
+    // lse (threads 0-63) and D (64-127) of the block's rows, copied as Q and dO are (a plain load here
+    // held warps 0 and 1, and so the warpgroup's next MMAs, for a global-memory round trip per block).
+    // Rows past the sequence read 0: their Q and dO rows are zero, so S = 0, P = 1 and dP = 0, and P, dS
+    // reach nothing (dV's and dK's terms are P^T dO = 0 and dS^T Q with dS = P (dP - D) = 0; their dQ
+    // rows are not added).
+    static_assert(NT == 2 * B, "one lse or D value per thread");
+    const int r = threadIdx.x % B;
+    const bool ok = m0 + r < len;
+    const int64_t i = (int64_t)h * p.total + start + m0 + (ok ? r : 0);
+    cp_async4(threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r], (threadIdx.x < B ? p.lse : p.dsum) + i,
+              ok ? 4 : 0);
+  };
+  load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
+  load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
+  load_q_block(0, 0);
+  cp_async_commit();
+
+  constexpr int KS = D / 16;  // k-slices over the head dim
+  constexpr int NO = D / 8;
+  float s[32], dp[32], dq[D / 2], dk[D / 2], dv[D / 2];
+  uint32_t dsa[4][4];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = dq[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
+  const int mblocks = (len + B - 1) / B;
+  // dQ partial sums: [heads, T, d] fp32 (this layout: a block's 64 rows are one contiguous run), added
+  // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
+  float* dq_accum = p.dq_accum + ((int64_t)h * p.total + start) * D;
+  float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
+
+  for (int m = 0; m < mblocks; ++m) {
+    const int stage = m & 1;
+    cp_async_wait_all();
+    async_copy::fence_proxy_async();
+    __syncthreads();  // block m is in (every thread's copies and lse / dsum); block m - 1's MMAs are done
+    const uint8_t* cQ = sQ + stage * TILE;
+    const uint8_t* cdO = sdO + stage * TILE;
+    const int m0 = m * B;
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wgmma::mma_ss<F16, 64, 0, 0>(s, S::template k_major<B>(cQ, ks), S::template k_major<B>(sK, ks), ks > 0 ? 1 : 0);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wgmma::mma_ss<F16, 64, 0, 0>(dp, S::template k_major<B>(cdO, ks), S::template k_major<B>(sV, ks), ks > 0 ? 1 : 0);
+    wgmma::commit();
+    // behind the MMAs: block m + 1's copies (into block m - 1's stage, whose MMAs are done), and the
+    // wait for block m - 1's dQ to leave the P and dS tiles
+    if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
+    cp_async_commit();
+    if (threadIdx.x == 0) async_copy::bulk_wait_read<0>();
+    wgmma::wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+    __syncthreads();  // thread 0 is past its wait: the P and dS tiles are free
+    // P (dropped, for dV), dS = P (dP - D); rows g and g + 8 of the warp's 16 queries
+    const int wrow = warp * 16;
+    const float lse0 = sLse[stage * B + wrow + g] * kLog2e, lse1 = sLse[stage * B + wrow + g + 8] * kLog2e;
+    const float ds0 = sDsum[stage * B + wrow + g], ds1 = sDsum[stage * B + wrow + g + 8];
+    const int64_t row_token = (int64_t)start + m0 + wrow + g;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t bits = 0xFFu;
+      if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + kk * 16 + 2 * t, h);
+#pragma unroll
+      for (int side = 0; side < 2; ++side) {
+        const int j = 2 * kk + side;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + j * 8 + 2 * t + (e & 1);
+          const float lse = e < 2 ? lse0 : lse1, dsum = e < 2 ? ds0 : ds1;
+          const float pr = (keys_full || key < len) ? fast_exp2(fmaf(s[4 * j + e], scale_log2, -lse)) : 0.f;
+          float pd = pr, dpe = dp[4 * j + e];
+          if constexpr (DROPOUT) {
+            const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
+            pd = keep ? pr * drop.scale : 0.f;
+            dpe = keep ? dpe * drop.scale : 0.f;
+          }
+          s[4 * j + e] = pd;
+          dp[4 * j + e] = pr * (dpe - dsum);
+        }
+        // to shared memory, [query][key] swizzled: key chunk j of rows g, g + 8
+        *reinterpret_cast<uint32_t*>(sP + SP::offset<B>(wrow + g, j) + 4 * t) = pack2<T>(s[4 * j], s[4 * j + 1]);
+        *reinterpret_cast<uint32_t*>(sP + SP::offset<B>(wrow + g + 8, j) + 4 * t) = pack2<T>(s[4 * j + 2], s[4 * j + 3]);
+        *reinterpret_cast<uint32_t*>(sdS + SP::offset<B>(wrow + g, j) + 4 * t) = pack2<T>(dp[4 * j], dp[4 * j + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + SP::offset<B>(wrow + g + 8, j) + 4 * t) = pack2<T>(dp[4 * j + 2], dp[4 * j + 3]);
+      }
+      dsa[kk][0] = pack2<T>(dp[8 * kk], dp[8 * kk + 1]);
+      dsa[kk][1] = pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
+      dsa[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
+      dsa[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
+    }
+    async_copy::fence_proxy_async();  // P and dS, visible to the tensor cores
+    __syncthreads();
+    wgmma::fence();
+    // dQ (unscaled) = dS K: K [64 keys x D] as the MN-major B (K = keys)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<F16, D, 1>(dq, dsa[kk], S::template mn_major<B>(sK, kk), kk > 0 ? 1 : 0);
+    // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T (MN-major: [query][key] rows), B = dO / Q (MN-major)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      wgmma::mma_ss<F16, D, 1, 1>(dv, SP::template mn_major<B>(sP, ks), S::template mn_major<B>(cdO, ks), 1);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
+    wgmma::commit();
+    wgmma::wait<0>();
+    reg_fence(dq);
+    reg_fence(dv);
+    reg_fence(dk);
+    reg_fence(dsa);
+    // rows in dq_accum's layout (dq_chunk): the 8 rows of a store land in different banks
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wrow + g + 8 * r;
+      float* dst = sdQ + row * D + 2 * t;
+      const int phase = dq_chunk_phase(start + m0 + row, D);
+#pragma unroll
+      for (int i = 0; i < NO; ++i)
+        *reinterpret_cast<float2*>(dst + ((i ^ phase) << 3)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+    }
     async_copy::fence_proxy_async();
     __syncthreads();
     if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
@@ -1299,7 +1500,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   at::Tensor dk = at::empty(q.sizes(), q.options());
   at::Tensor dv = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return {dq, dk, dv};
-  at::Tensor dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  at::Tensor dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));  // cleared by the dsum kernel
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
   P.o = out.data_ptr();
@@ -1321,17 +1522,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     using T = decltype(type_tag);
     constexpr int D = decltype(dim)::value;
     constexpr bool DR = decltype(drop)::value;
-    attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P);
+    bool launched = false;
+    DqLayout layout = DqLayout::kTokensMajor;
+#if defined(BERTACCEL_ATTENTION_SM90A)
+    const bool v0 = switch_value("BERTACCEL_ATTENTION_BWD") == "v0";  // TEMPORARY
+    if (v0) dq_accum.zero_();
+#else
+    const bool v0 = false;
+#endif
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P, !v0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    bool launched = false, heads_major = false;
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
       if (hopper_backward()) {
         constexpr size_t smem = hopper::bwd_smem<D>();
-        auto kernel = hopper::attn_bwd_kernel<T, D, DR>;
+        auto kernel = v0 ? hopper::attn_bwd_kernel_v0<T, D, DR> : hopper::attn_bwd_kernel<T, D, DR>;
         set_smem(kernel, smem);
         kernel<<<grid, 128, smem, stream>>>(P);
-        launched = heads_major = true;
+        launched = true;
+        layout = v0 ? DqLayout::kHeadsMajor : DqLayout::kHeadsMajorPermuted;
       }
     }
 #endif
@@ -1345,7 +1554,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 2 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
-                                                                             (float)scale, heads_major, P.heads, (int)D);
+                                                                             (float)scale, layout, P.heads, (int)D);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv};
