@@ -165,6 +165,7 @@ struct Params {
   void* dk;
   void* dv;
   float* dq_accum;  // [T, heads, d] fp32
+  void* dq;         // the Hopper backward in clusters: written directly
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
@@ -196,13 +197,14 @@ __device__ __forceinline__ Dropout read_dropout(const Params& p, bool from_rng) 
 
 // Zero rows [cu[batch], total) of [T, heads, d] tensors (row stride heads * d): the fillers.
 template <typename T>
-__device__ void zero_fillers(const Params& p, int D, T* a, T* b, float* lse) {
+__device__ void zero_fillers(const Params& p, int D, T* a, T* b, float* lse, T* c = nullptr) {
   const int64_t start = (int64_t)p.cu[p.batch] * p.heads * D, end = (int64_t)p.total * p.heads * D;
   const int64_t step = (int64_t)gridDim.x * gridDim.y * blockDim.x;
   const int64_t first = ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = start + first; i < end; i += step) {
     if (a) a[i] = T{};  // value-initialised: +0
     if (b) b[i] = T{};
+    if (c) c[i] = T{};
   }
   if (lse) {
     for (int64_t i = (int64_t)p.cu[p.batch] + first; i < p.total; i += step)
@@ -694,6 +696,38 @@ struct Swz {
   }
 };
 
+// Thread-block clusters: mbarriers other CTAs arrive at, and reads of another CTA's shared memory
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// the same shared-memory offset in CTA `rank` of the cluster
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t local, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+// arrive (release, cluster scope) at CTA `rank`'s copy of this CTA's mbarrier `bar`
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, int rank) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(map_to_rank(smem_u32(bar), rank))
+               : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, int parity) {
+  const uint32_t addr = smem_u32(bar);
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+}
+__device__ __forceinline__ float4 ld_shared_cluster_f4(uint32_t local, int rank) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(map_to_rank(local, rank)) : "memory");
+  return v;
+}
+
 // dst[0 .. bytes) += src (fp32), by the copy engine (a bulk async reduction; 16-byte aligned, bytes % 16 == 0)
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
@@ -951,8 +985,8 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
 // memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q) are read
 // MN-major from the same tiles the first two MMAs read K-major.
 template <int D>
-constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), alignment
-  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 1024;
+constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 mbarriers, alignment
+  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 1024;
 }
 
 // TEMPORARY (session 24): the backward before the cp.async lse / dsum and swizzled dQ staging, for a
@@ -1126,7 +1160,7 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel_v0(const Params p) {
 #endif
 }
 
-template <typename T, int D, bool DROPOUT>
+template <typename T, int D, bool DROPOUT, bool CLUSTER>
 __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
@@ -1143,13 +1177,29 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
   uint8_t* sdS = sP + B * 64 * 2;  // 8 KB
   float* sLse = reinterpret_cast<float*>(sdS + B * 64 * 2);  // [2][64]
   float* sDsum = sLse + 2 * B;                                // [2][64]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sDsum + 2 * B);  // CLUSTER: staged, consumed
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
-    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr);
+    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr, CLUSTER ? static_cast<T*>(p.dq) : nullptr);
     return;
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
   const int n0 = blockIdx.x * B;
+  // CLUSTER: the CTAs of one (sequence, head) - every key block, gridDim.x <= 8 - form a cluster, and sum
+  // their dQ partials through each other's shared memory: per query block, each CTA stages its 64 x D
+  // partial (fp32), and the `nact` CTAs with keys split the block's rows, each adding the nact partials of
+  // its rows (distributed shared memory) and writing them, scaled and cast, to dq. No fp32 dQ buffer (no
+  // clearing, no casting pass, no reductions in L2). Two mbarriers per CTA pace it: `staged` (one arrival
+  // per active CTA: its partial is in) and `consumed` (one per active CTA: it has read this CTA's partial).
+  const int nact = (len + B - 1) / B;
+  if constexpr (CLUSTER) {
+    if (threadIdx.x == 0 && n0 < len) {
+      mbarrier_init(&bars[0], nact);
+      mbarrier_init(&bars[1], nact);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    cluster_sync();  // every CTA's barriers are initialised before any remote arrival
+  }
   if (n0 >= len) return;
   const Dropout drop = read_dropout(p, true);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -1191,8 +1241,32 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
   const int mblocks = (len + B - 1) / B;
   // dQ partial sums: [heads, T, d] fp32 (this layout: a block's 64 rows are one contiguous run), added
   // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
-  float* dq_accum = p.dq_accum + ((int64_t)h * p.total + start) * D;
+  float* dq_accum = CLUSTER ? nullptr : p.dq_accum + ((int64_t)h * p.total + start) * D;
   float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
+  // CLUSTER: rows [nact_rank * 64 / nact, ...) of query block m, summed over the active CTAs' staged partials
+  auto sum_dq = [&](int m) {
+    mbarrier_wait_cluster(&bars[0], m & 1);  // every active CTA's block m partial is staged
+    const int rank = blockIdx.x, r0 = rank * B / nact, r1 = (rank + 1) * B / nact, m0 = m * B;
+    const int rows = min(r1, len - m0) - r0;
+    T* dq = static_cast<T*>(p.dq) + (int64_t)h * D;
+    constexpr int C4 = D / 4;  // float4 chunks per row
+    for (int idx = threadIdx.x; idx < rows * C4; idx += NT) {
+      const int row = r0 + idx / C4, c = (idx % C4) * 4;
+      const int pc = (((c >> 3) ^ dq_chunk_phase(row, D)) << 3) | (c & 7);
+      const uint32_t local = smem_u32(sdQ + row * D + pc);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int j = 0; j < nact; ++j) {
+        const float4 x = ld_shared_cluster_f4(local, j);
+        acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+      }
+      uint2 out;
+      out.x = pack2<T>(acc.x * p.scale, acc.y * p.scale);
+      out.y = pack2<T>(acc.z * p.scale, acc.w * p.scale);
+      *reinterpret_cast<uint2*>(dq + (int64_t)(start + m0 + row) * p.heads * D + c) = out;
+    }
+    __syncthreads();  // this CTA's reads are done
+    if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[1], threadIdx.x);  // at each active CTA
+  };
 
   for (int m = 0; m < mblocks; ++m) {
     const int stage = m & 1;
@@ -1214,7 +1288,14 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
     // wait for block m - 1's dQ to leave the P and dS tiles
     if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
     cp_async_commit();
-    if (threadIdx.x == 0) async_copy::bulk_wait_read<0>();
+    if constexpr (CLUSTER) {
+      if (m > 0) {
+        sum_dq(m - 1);  // behind the MMAs: block m - 1's dQ rows of this CTA, from every active CTA
+        mbarrier_wait_cluster(&bars[1], (m - 1) & 1);  // every CTA has read this CTA's block m - 1 partial
+      }
+    } else if (threadIdx.x == 0) {
+      async_copy::bulk_wait_read<0>();
+    }
     wgmma::wait<0>();
     reg_fence(s);
     reg_fence(dp);
@@ -1280,16 +1361,26 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
     for (int r = 0; r < 2; ++r) {
       const int row = wrow + g + 8 * r;
       float* dst = sdQ + row * D + 2 * t;
-      const int phase = dq_chunk_phase(start + m0 + row, D);
+      const int phase = dq_chunk_phase(CLUSTER ? row : start + m0 + row, D);
 #pragma unroll
       for (int i = 0; i < NO; ++i)
         *reinterpret_cast<float2*>(dst + ((i ^ phase) << 3)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
     }
-    async_copy::fence_proxy_async();
-    __syncthreads();
-    if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
+    if constexpr (CLUSTER) {
+      __syncthreads();  // the partial is staged
+      if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[0], threadIdx.x);  // at each active CTA
+    } else {
+      async_copy::fence_proxy_async();
+      __syncthreads();
+      if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
+    }
   }
-  if (threadIdx.x == 0) async_copy::bulk_wait_all();
+  if constexpr (CLUSTER) {
+    sum_dq(mblocks - 1);
+    mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
+  } else if (threadIdx.x == 0) {
+    async_copy::bulk_wait_all();
+  }
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
@@ -1395,7 +1486,8 @@ int hopper_forward_warpgroups() {
   return 1;
 }
 
-// The backward (hopper::attn_bwd_kernel, head dims 32 and 64) unless BERTACCEL_ATTENTION_BWD=mma.
+// The backward (hopper::attn_bwd_kernel, head dims 32 and 64) unless BERTACCEL_ATTENTION_BWD=mma
+// (=bulk: dQ through the fp32 buffer at every length, see varlen_attention_bwd).
 bool hopper_backward() { return on_hopper() && switch_value("BERTACCEL_ATTENTION_BWD") != "mma"; }
 #endif
 
@@ -1500,7 +1592,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   at::Tensor dk = at::empty(q.sizes(), q.options());
   at::Tensor dv = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return {dq, dk, dv};
-  at::Tensor dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));  // cleared by the dsum kernel
+#if defined(BERTACCEL_ATTENTION_SM90A)
+  const bool v0 = switch_value("BERTACCEL_ATTENTION_BWD") == "v0";  // TEMPORARY
+  const bool hopper = d <= 64 && hopper_backward();
+#else
+  const bool v0 = false, hopper = false;
+#endif
+  const int64_t key_blocks = std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1);
+  // The Hopper backward sums dQ within a cluster of a sequence's key blocks (at most 8, the portable
+  // cluster size: max_seqlen <= 512) and writes it; otherwise partial sums go to an fp32 buffer, cleared by
+  // the dsum kernel and cast by attn_bwd_dq_kernel.
+  // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
+  const bool clustered = hopper && !v0 && key_blocks <= 8 && switch_value("BERTACCEL_ATTENTION_BWD") != "bulk";
+  at::Tensor dq_accum;
+  if (!clustered) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
   P.o = out.data_ptr();
@@ -1509,7 +1614,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   P.do_row = dout.stride(0), P.do_head = dout.stride(1);
   P.dk = dk.data_ptr();
   P.dv = dv.data_ptr();
-  P.dq_accum = dq_accum.data_ptr<float>();
+  P.dq_accum = clustered ? nullptr : dq_accum.data_ptr<float>();
+  P.dq = dq.data_ptr();
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
   P.rng = rng.data_ptr<int64_t>();
@@ -1524,23 +1630,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     constexpr bool DR = decltype(drop)::value;
     bool launched = false;
     DqLayout layout = DqLayout::kTokensMajor;
-#if defined(BERTACCEL_ATTENTION_SM90A)
-    const bool v0 = switch_value("BERTACCEL_ATTENTION_BWD") == "v0";  // TEMPORARY
     if (v0) dq_accum.zero_();
-#else
-    const bool v0 = false;
-#endif
-    attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P, !v0);
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P, !clustered && !v0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
-      if (hopper_backward()) {
+      if (hopper) {
         constexpr size_t smem = hopper::bwd_smem<D>();
-        auto kernel = v0 ? hopper::attn_bwd_kernel_v0<T, D, DR> : hopper::attn_bwd_kernel<T, D, DR>;
-        set_smem(kernel, smem);
-        kernel<<<grid, 128, smem, stream>>>(P);
+        if (clustered) {
+          auto kernel = hopper::attn_bwd_kernel<T, D, DR, true>;
+          set_smem(kernel, smem);
+          cudaLaunchConfig_t config = {};
+          config.gridDim = grid;
+          config.blockDim = dim3(128);
+          config.dynamicSmemBytes = smem;
+          config.stream = stream;
+          cudaLaunchAttribute cluster;
+          cluster.id = cudaLaunchAttributeClusterDimension;
+          cluster.val.clusterDim.x = grid.x;
+          cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+          config.attrs = &cluster;
+          config.numAttrs = 1;
+          C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P));
+        } else {
+          auto kernel = v0 ? hopper::attn_bwd_kernel_v0<T, D, DR> : hopper::attn_bwd_kernel<T, D, DR, false>;
+          set_smem(kernel, smem);
+          kernel<<<grid, 128, smem, stream>>>(P);
+          layout = v0 ? DqLayout::kHeadsMajor : DqLayout::kHeadsMajorPermuted;
+        }
         launched = true;
-        layout = v0 ? DqLayout::kHeadsMajor : DqLayout::kHeadsMajorPermuted;
       }
     }
 #endif
@@ -1552,6 +1670,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
       kernel<<<grid, kThreads, smem, stream>>>(P);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (clustered) return;
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 2 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale, layout, P.heads, (int)D);
