@@ -627,7 +627,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
 __host__ __device__ __forceinline__ int dq_chunk_phase(int row, int d) { return row & (d / 8 - 1); }
 
 // The layouts of dq_accum: the mma.sync backward's [T, heads, d], the Hopper backward's (dq_chunk_phase)
-enum class DqLayout : int { kTokensMajor = 0, kHeadsMajorPermuted = 1, kHeadsMajor = 2 /* TEMPORARY: v0 */ };
+enum class DqLayout : int { kTokensMajor = 0, kHeadsMajorPermuted = 1 };
 
 // dq = scale * dq_accum, cast; 2 elements per thread. dq is [T, heads, d]; dq_accum in `layout`
 template <typename T>
@@ -989,179 +989,12 @@ constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 m
   return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 1024;
 }
 
-// TEMPORARY (session 24): the backward before the cp.async lse / dsum and swizzled dQ staging, for a
-// same-run comparison (BERTACCEL_ATTENTION_BWD=v0); removed once measured.
-template <typename T, int D, bool DROPOUT>
-__global__ void __launch_bounds__(128) attn_bwd_kernel_v0(const Params p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
-  constexpr int TILE = B * D * 2;
-  constexpr bool F16 = std::is_same_v<T, __half>;
-  using S = Swz<D>;
-  using SP = Swz<64>;  // P and dS: [64 queries x 64 keys], 128-byte rows
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint8_t* sK = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sV = sK + TILE;
-  uint8_t* sQ = sV + TILE;         // [2]
-  uint8_t* sdO = sQ + 2 * TILE;    // [2]
-  uint8_t* sP = sdO + 2 * TILE;    // 8 KB
-  uint8_t* sdS = sP + B * 64 * 2;  // 8 KB
-  float* sLse = reinterpret_cast<float*>(sdS + B * 64 * 2);  // [2][64], log2 units
-  float* sDsum = sLse + 2 * B;                                // [2][64]
-  const int b = blockIdx.z, h = blockIdx.y;
-  if (b == p.batch) {
-    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr);
-    return;
-  }
-  const int start = p.cu[b], len = p.cu[b + 1] - start;
-  const int n0 = blockIdx.x * B;
-  if (n0 >= len) return;
-  const Dropout drop = read_dropout(p, true);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
-  const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
-  const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
-  const T* dout = static_cast<const T*>(p.dout) + (int64_t)h * p.do_head;
-  const float scale_log2 = p.scale * kLog2e;
-  auto load_q_block = [&](int m, int stage) {
-    const int m0 = m * B;
-    load_tile<T, D, B, NT>(sQ + stage * TILE, q, p.q_row, start + m0, len - m0);
-    load_tile<T, D, B, NT>(sdO + stage * TILE, dout, p.do_row, start + m0, len - m0);
-    if (threadIdx.x < B) {
-      const int r = threadIdx.x;
-      const bool ok = m0 + r < len;
-      const int64_t i = (int64_t)h * p.total + start + m0 + r;
-      sLse[stage * B + r] = ok ? p.lse[i] * kLog2e : INFINITY;  // a padded query row: P = 0
-      sDsum[stage * B + r] = ok ? p.dsum[i] : 0.f;
-    }
-  };
-  load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
-  load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
-  load_q_block(0, 0);
-  cp_async_commit();
+// CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one)
+template <int D, bool DROPOUT>
+constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : (DROPOUT ? 2 : 3); }
 
-  constexpr int KS = D / 16;  // k-slices over the head dim
-  constexpr int NO = D / 8;
-  float s[32], dp[32], dq[D / 2], dk[D / 2], dv[D / 2];
-  uint32_t dsa[4][4];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = dq[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-  const int mblocks = (len + B - 1) / B;
-  // dQ partial sums: [heads, T, d] fp32 (this layout: a block's 64 rows are one contiguous run), added
-  // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
-  float* dq_accum = p.dq_accum + ((int64_t)h * p.total + start) * D;
-  float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
-
-  for (int m = 0; m < mblocks; ++m) {
-    const int stage = m & 1;
-    cp_async_wait_all();
-    if (threadIdx.x == 0) async_copy::bulk_wait_read<0>();  // block m - 1's dQ has left shared memory
-    async_copy::fence_proxy_async();
-    __syncthreads();  // block m is in (every thread's copies and lse / dsum); block m - 1's MMAs are done
-    if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
-    cp_async_commit();
-    const uint8_t* cQ = sQ + stage * TILE;
-    const uint8_t* cdO = sdO + stage * TILE;
-    const int m0 = m * B;
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      wgmma::mma_ss<F16, 64, 0, 0>(s, S::template k_major<B>(cQ, ks), S::template k_major<B>(sK, ks), ks > 0 ? 1 : 0);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      wgmma::mma_ss<F16, 64, 0, 0>(dp, S::template k_major<B>(cdO, ks), S::template k_major<B>(sV, ks), ks > 0 ? 1 : 0);
-    wgmma::commit();
-    wgmma::wait<0>();
-    reg_fence(s);
-    reg_fence(dp);
-    // P (dropped, for dV), dS = P (dP - D); rows g and g + 8 of the warp's 16 queries
-    const int wrow = warp * 16;
-    const float lse0 = sLse[stage * B + wrow + g], lse1 = sLse[stage * B + wrow + g + 8];
-    const float ds0 = sDsum[stage * B + wrow + g], ds1 = sDsum[stage * B + wrow + g + 8];
-    const int64_t row_token = (int64_t)start + m0 + wrow + g;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t bits = 0xFFu;
-      if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + kk * 16 + 2 * t, h);
-#pragma unroll
-      for (int side = 0; side < 2; ++side) {
-        const int j = 2 * kk + side;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = n0 + j * 8 + 2 * t + (e & 1);
-          const float lse = e < 2 ? lse0 : lse1, dsum = e < 2 ? ds0 : ds1;
-          const float pr = key < len ? fast_exp2(fmaf(s[4 * j + e], scale_log2, -lse)) : 0.f;
-          float pd = pr, dpe = dp[4 * j + e];
-          if constexpr (DROPOUT) {
-            const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
-            pd = keep ? pr * drop.scale : 0.f;
-            dpe = keep ? dpe * drop.scale : 0.f;
-          }
-          s[4 * j + e] = pd;
-          dp[4 * j + e] = pr * (dpe - dsum);
-        }
-        // to shared memory, [query][key] swizzled: key chunk j of rows g, g + 8
-        *reinterpret_cast<uint32_t*>(sP + SP::offset<B>(wrow + g, j) + 4 * t) = pack2<T>(s[4 * j], s[4 * j + 1]);
-        *reinterpret_cast<uint32_t*>(sP + SP::offset<B>(wrow + g + 8, j) + 4 * t) = pack2<T>(s[4 * j + 2], s[4 * j + 3]);
-        *reinterpret_cast<uint32_t*>(sdS + SP::offset<B>(wrow + g, j) + 4 * t) = pack2<T>(dp[4 * j], dp[4 * j + 1]);
-        *reinterpret_cast<uint32_t*>(sdS + SP::offset<B>(wrow + g + 8, j) + 4 * t) = pack2<T>(dp[4 * j + 2], dp[4 * j + 3]);
-      }
-      dsa[kk][0] = pack2<T>(dp[8 * kk], dp[8 * kk + 1]);
-      dsa[kk][1] = pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
-      dsa[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
-      dsa[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
-    }
-    async_copy::fence_proxy_async();  // P and dS, visible to the tensor cores
-    __syncthreads();
-    wgmma::fence();
-    // dQ (unscaled) = dS K: K [64 keys x D] as the MN-major B (K = keys)
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<F16, D, 1>(dq, dsa[kk], S::template mn_major<B>(sK, kk), kk > 0 ? 1 : 0);
-    // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T (MN-major: [query][key] rows), B = dO / Q (MN-major)
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss<F16, D, 1, 1>(dv, SP::template mn_major<B>(sP, ks), S::template mn_major<B>(cdO, ks), 1);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
-    wgmma::commit();
-    wgmma::wait<0>();
-    reg_fence(dq);
-    reg_fence(dv);
-    reg_fence(dk);
-    reg_fence(dsa);
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int i = 0; i < NO; ++i)
-        *reinterpret_cast<float2*>(sdQ + (wrow + g + 8 * r) * D + i * 8 + 2 * t) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-    async_copy::fence_proxy_async();
-    __syncthreads();
-    if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
-  }
-  if (threadIdx.x == 0) async_copy::bulk_wait_all();
-  // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
-  T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
-  T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = n0 + warp * 16 + g + 8 * r;
-    if (key < len) {
-      const int64_t off = (int64_t)(start + key) * p.heads * D;
-#pragma unroll
-      for (int i = 0; i < NO; ++i) {
-        *reinterpret_cast<uint32_t*>(dkp + off + i * 8 + 2 * t) = pack2<T>(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
-      }
-    }
-  }
-#endif
-}
-
-template <typename T, int D, bool DROPOUT, bool CLUSTER>
-__global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
+template <typename T, int D, bool DROPOUT, int CLUSTER>
+__global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
   constexpr int TILE = B * D * 2;
@@ -1180,19 +1013,23 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
   uint64_t* bars = reinterpret_cast<uint64_t*>(sDsum + 2 * B);  // CLUSTER: staged, consumed
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
-    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr, CLUSTER ? static_cast<T*>(p.dq) : nullptr);
+    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr, p.dq_accum ? nullptr : static_cast<T*>(p.dq));
     return;
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
   const int n0 = blockIdx.x * B;
-  // CLUSTER: the CTAs of one (sequence, head) - every key block, gridDim.x <= 8 - form a cluster, and sum
-  // their dQ partials through each other's shared memory: per query block, each CTA stages its 64 x D
-  // partial (fp32), and the `nact` CTAs with keys split the block's rows, each adding the nact partials of
-  // its rows (distributed shared memory) and writing them, scaled and cast, to dq. No fp32 dQ buffer (no
-  // clearing, no casting pass, no reductions in L2). Two mbarriers per CTA pace it: `staged` (one arrival
-  // per active CTA: its partial is in) and `consumed` (one per active CTA: it has read this CTA's partial).
-  const int nact = (len + B - 1) / B;
-  if constexpr (CLUSTER) {
+  // CLUSTER > 0: CLUSTER consecutive key blocks of one (sequence, head) form a thread-block cluster and
+  // sum their dQ partials through each other's shared memory: per query block, each CTA stages its
+  // 64 x D partial (fp32), and the `nact` CTAs of the cluster with keys split the block's rows, each adding
+  // the nact partials of its rows (distributed shared memory). When the cluster holds every key block
+  // (`direct`), the sums are final: scaled, cast and written to dq (no fp32 buffer, no clearing, no cast
+  // pass); otherwise they are added to the fp32 buffer by a bulk reduction, half (CLUSTER 2) the L2
+  // traffic of one per CTA. Two mbarriers per CTA pace it: `staged` (one arrival per active CTA of the
+  // cluster: its partial is in) and `consumed` (one per active CTA: it has read this CTA's partial).
+  const int rank = CLUSTER ? blockIdx.x % CLUSTER : 0;
+  const int nact = CLUSTER ? min(CLUSTER, (len + B - 1) / B - (int)(blockIdx.x - rank)) : 1;
+  const bool direct = CLUSTER > 0 && gridDim.x <= CLUSTER;
+  if constexpr (CLUSTER > 0) {
     if (threadIdx.x == 0 && n0 < len) {
       mbarrier_init(&bars[0], nact);
       mbarrier_init(&bars[1], nact);
@@ -1241,31 +1078,38 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
   const int mblocks = (len + B - 1) / B;
   // dQ partial sums: [heads, T, d] fp32 (this layout: a block's 64 rows are one contiguous run), added
   // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
-  float* dq_accum = CLUSTER ? nullptr : p.dq_accum + ((int64_t)h * p.total + start) * D;
+  float* dq_accum = direct ? nullptr : p.dq_accum + ((int64_t)h * p.total + start) * D;
   float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
-  // CLUSTER: rows [nact_rank * 64 / nact, ...) of query block m, summed over the active CTAs' staged partials
+  // CLUSTER: rows [rank * 64 / nact, ...) of query block m, summed over the active CTAs' staged partials
   auto sum_dq = [&](int m) {
     mbarrier_wait_cluster(&bars[0], m & 1);  // every active CTA's block m partial is staged
-    const int rank = blockIdx.x, r0 = rank * B / nact, r1 = (rank + 1) * B / nact, m0 = m * B;
+    const int r0 = rank * B / nact, r1 = (rank + 1) * B / nact, m0 = m * B;
     const int rows = min(r1, len - m0) - r0;
     T* dq = static_cast<T*>(p.dq) + (int64_t)h * D;
     constexpr int C4 = D / 4;  // float4 chunks per row
     for (int idx = threadIdx.x; idx < rows * C4; idx += NT) {
       const int row = r0 + idx / C4, c = (idx % C4) * 4;
-      const int pc = (((c >> 3) ^ dq_chunk_phase(row, D)) << 3) | (c & 7);
+      const int pc = (((c >> 3) ^ dq_chunk_phase(start + m0 + row, D)) << 3) | (c & 7);
       const uint32_t local = smem_u32(sdQ + row * D + pc);
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int j = 0; j < nact; ++j) {
         const float4 x = ld_shared_cluster_f4(local, j);
         acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
       }
-      uint2 out;
-      out.x = pack2<T>(acc.x * p.scale, acc.y * p.scale);
-      out.y = pack2<T>(acc.z * p.scale, acc.w * p.scale);
-      *reinterpret_cast<uint2*>(dq + (int64_t)(start + m0 + row) * p.heads * D + c) = out;
+      if (direct) {
+        uint2 out;
+        out.x = pack2<T>(acc.x * p.scale, acc.y * p.scale);
+        out.y = pack2<T>(acc.z * p.scale, acc.w * p.scale);
+        *reinterpret_cast<uint2*>(dq + (int64_t)(start + m0 + row) * p.heads * D + c) = out;
+      } else {  // over this CTA's own partial of the row (no other CTA reads this CTA's rows)
+        *reinterpret_cast<float4*>(sdQ + row * D + pc) = acc;
+      }
     }
-    __syncthreads();  // this CTA's reads are done
+    if (!direct) async_copy::fence_proxy_async();
+    __syncthreads();  // this CTA's reads (and sums) are done
     if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[1], threadIdx.x);  // at each active CTA
+    if (!direct && threadIdx.x == 0 && rows > 0)
+      bulk_reduce_add_f32(dq_accum + (int64_t)(m0 + r0) * D, sdQ + r0 * D, (uint32_t)rows * D * 4);
   };
 
   for (int m = 0; m < mblocks; ++m) {
@@ -1288,14 +1132,13 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
     // wait for block m - 1's dQ to leave the P and dS tiles
     if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
     cp_async_commit();
-    if constexpr (CLUSTER) {
+    if constexpr (CLUSTER > 0) {
       if (m > 0) {
         sum_dq(m - 1);  // behind the MMAs: block m - 1's dQ rows of this CTA, from every active CTA
         mbarrier_wait_cluster(&bars[1], (m - 1) & 1);  // every CTA has read this CTA's block m - 1 partial
       }
-    } else if (threadIdx.x == 0) {
-      async_copy::bulk_wait_read<0>();
     }
+    if (!direct && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
     wgmma::wait<0>();
     reg_fence(s);
     reg_fence(dp);
@@ -1361,12 +1204,12 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
     for (int r = 0; r < 2; ++r) {
       const int row = wrow + g + 8 * r;
       float* dst = sdQ + row * D + 2 * t;
-      const int phase = dq_chunk_phase(CLUSTER ? row : start + m0 + row, D);
+      const int phase = dq_chunk_phase(start + m0 + row, D);
 #pragma unroll
       for (int i = 0; i < NO; ++i)
         *reinterpret_cast<float2*>(dst + ((i ^ phase) << 3)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
     }
-    if constexpr (CLUSTER) {
+    if constexpr (CLUSTER > 0) {
       __syncthreads();  // the partial is staged
       if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[0], threadIdx.x);  // at each active CTA
     } else {
@@ -1375,12 +1218,11 @@ __global__ void __launch_bounds__(128) attn_bwd_kernel(const Params p) {
       if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
     }
   }
-  if constexpr (CLUSTER) {
+  if constexpr (CLUSTER > 0) {
     sum_dq(mblocks - 1);
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
-  } else if (threadIdx.x == 0) {
-    async_copy::bulk_wait_all();
   }
+  if (!direct && threadIdx.x == 0) async_copy::bulk_wait_all();
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
@@ -1593,19 +1435,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   at::Tensor dv = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return {dq, dk, dv};
 #if defined(BERTACCEL_ATTENTION_SM90A)
-  const bool v0 = switch_value("BERTACCEL_ATTENTION_BWD") == "v0";  // TEMPORARY
   const bool hopper = d <= 64 && hopper_backward();
 #else
-  const bool v0 = false, hopper = false;
+  const bool hopper = false;
 #endif
   const int64_t key_blocks = std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1);
-  // The Hopper backward sums dQ within a cluster of a sequence's key blocks (at most 8, the portable
-  // cluster size: max_seqlen <= 512) and writes it; otherwise partial sums go to an fp32 buffer, cleared by
-  // the dsum kernel and cast by attn_bwd_dq_kernel.
-  // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
-  const bool clustered = hopper && !v0 && key_blocks <= 8 && switch_value("BERTACCEL_ATTENTION_BWD") != "bulk";
+  // The Hopper backward runs key blocks in clusters of 2 that sum their dQ partials on chip. With at most
+  // 2 key blocks (max_seqlen <= 128) a cluster holds the whole sequence and writes dq itself; past that,
+  // clusters add their sums to an fp32 buffer (cleared by the dsum kernel, cast by attn_bwd_dq_kernel).
+  // Clusters of all 8 key blocks at max_seqlen 512 (direct writes, no buffer) measured slower: a78e2b0,
+  // 32x512x12x64 fwd+bwd 0.506 ms against 0.424 with a buffer add per CTA (benchmarks/bench_attention.py).
+  // BERTACCEL_ATTENTION_BWD=bulk: no clusters, one buffer add per CTA (for tests and timing).
+  const int cluster = hopper && switch_value("BERTACCEL_ATTENTION_BWD") != "bulk" ? 2 : 0;
+  const bool direct = cluster > 0 && key_blocks <= cluster;
   at::Tensor dq_accum;
-  if (!clustered) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
   P.o = out.data_ptr();
@@ -1614,7 +1458,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   P.do_row = dout.stride(0), P.do_head = dout.stride(1);
   P.dk = dk.data_ptr();
   P.dv = dv.data_ptr();
-  P.dq_accum = clustered ? nullptr : dq_accum.data_ptr<float>();
+  P.dq_accum = direct ? nullptr : dq_accum.data_ptr<float>();
   P.dq = dq.data_ptr();
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
@@ -1622,43 +1466,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   const bool dropout = dropout_p > 0;
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t warps = q.size(0) * q.size(1);
-  const dim3 grid((unsigned)std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1), (unsigned)P.heads,
-                  (unsigned)P.batch + 1);
+  // key blocks, rounded up to whole clusters (the extra CTAs have no keys and return)
+  const int64_t grid_x = cluster > 0 && !direct ? (key_blocks + cluster - 1) / cluster * cluster : key_blocks;
+  const dim3 grid((unsigned)grid_x, (unsigned)P.heads, (unsigned)P.batch + 1);
   dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
     using T = decltype(type_tag);
     constexpr int D = decltype(dim)::value;
     constexpr bool DR = decltype(drop)::value;
     bool launched = false;
     DqLayout layout = DqLayout::kTokensMajor;
-    if (v0) dq_accum.zero_();
-    attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P, !clustered && !v0);
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P, !direct);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
       if (hopper) {
         constexpr size_t smem = hopper::bwd_smem<D>();
-        if (clustered) {
-          auto kernel = hopper::attn_bwd_kernel<T, D, DR, true>;
+        if (cluster > 0) {
+          auto kernel = hopper::attn_bwd_kernel<T, D, DR, 2>;
           set_smem(kernel, smem);
           cudaLaunchConfig_t config = {};
           config.gridDim = grid;
           config.blockDim = dim3(128);
           config.dynamicSmemBytes = smem;
           config.stream = stream;
-          cudaLaunchAttribute cluster;
-          cluster.id = cudaLaunchAttributeClusterDimension;
-          cluster.val.clusterDim.x = grid.x;
-          cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-          config.attrs = &cluster;
+          cudaLaunchAttribute attr;
+          attr.id = cudaLaunchAttributeClusterDimension;
+          attr.val.clusterDim.x = (unsigned)std::min<int64_t>(cluster, grid_x);
+          attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+          config.attrs = &attr;
           config.numAttrs = 1;
           C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P));
         } else {
-          auto kernel = v0 ? hopper::attn_bwd_kernel_v0<T, D, DR> : hopper::attn_bwd_kernel<T, D, DR, false>;
+          auto kernel = hopper::attn_bwd_kernel<T, D, DR, 0>;
           set_smem(kernel, smem);
           kernel<<<grid, 128, smem, stream>>>(P);
-          layout = v0 ? DqLayout::kHeadsMajor : DqLayout::kHeadsMajorPermuted;
         }
         launched = true;
+        layout = DqLayout::kHeadsMajorPermuted;
       }
     }
 #endif
@@ -1670,7 +1514,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
       kernel<<<grid, kThreads, smem, stream>>>(P);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (clustered) return;
+    if (direct) return;
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 2 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale, layout, P.heads, (int)D);
