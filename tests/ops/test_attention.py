@@ -202,31 +202,32 @@ def test_forward_and_gradients_within_twice_sdpa_error(dtype, head_dim, lengths,
 @pytest.mark.cuda
 @pytest.mark.parametrize("fwd", ["hopper", "wg2", "bulk", "mma"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_dropout_is_the_reference_mask_for_the_kernels_seed(head_dim, fwd, monkeypatch):
+@pytest.mark.parametrize("longest", [130, 128])  # 3 key blocks; 2 (the Hopper backward's cluster path)
+def test_dropout_is_the_reference_mask_for_the_kernels_seed(head_dim, fwd, longest, monkeypatch):
     """The GPU's dropout equals the CPU reference's mask for the (seed, offset) the kernel reports:
     output and gradients, against float64 attention with that mask."""
     _kernel_or_skip()
     _forward_kernel(fwd, monkeypatch)
-    lengths, heads, p = [130, 17, 1, 64], 2, 0.2
+    lengths, heads, p = [longest, 17, 1, 64], 2, 0.2
     cu, T = _cu(lengths, fillers=3)
     real = int(cu[-1])
     q, k, v, dout = (torch.randn(T, heads, head_dim, device="cuda").bfloat16() for _ in range(4))
     scale = head_dim ** -0.5
     torch.manual_seed(7)
-    out, lse, rng = torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), 130, p, scale)
+    out, lse, rng = torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), longest, p, scale)
     rng = rng.cpu()
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = _reference(*leaves, cu, scale, p, rng)
     plain = _reference(*leaves, cu, scale)
     assert _err(out, ref, real) < 0.05 < _err(out, plain, real)  # the mask matters, and it is this one
-    grads = torch.ops.bertaccel.varlen_attention_bwd(dout, q, k, v, out, lse, cu.cuda(), 130, p, scale, rng.cuda())
+    grads = torch.ops.bertaccel.varlen_attention_bwd(dout, q, k, v, out, lse, cu.cuda(), longest, p, scale, rng.cuda())
     ref_grads = torch.autograd.grad(ref, leaves, dout.double())
     for name, a, r in zip("qkv", grads, ref_grads):
         assert _err(a, r, real) < 0.05 * max(1.0, r.abs().max().item()), name
     torch.manual_seed(7)
-    again = torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), 130, p, scale)
+    again = torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), longest, p, scale)
     assert torch.equal(out, again[0]) and torch.equal(rng, again[2].cpu())
-    assert not torch.equal(out, torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), 130, p, scale)[0])
+    assert not torch.equal(out, torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu.cuda(), longest, p, scale)[0])
 
 
 @pytest.mark.cuda

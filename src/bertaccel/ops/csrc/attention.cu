@@ -981,9 +981,11 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
 // Backward on warpgroup MMAs (D <= 64): one warpgroup per CTA of 64 keys, as attn_bwd_kernel walks the
 // query blocks. Per block of 64 queries: S = Q K^T and dP = dO V^T (A and B in shared memory); P and dS
 // in registers; dQ = dS K with dS from registers, its 64 rows added to an fp32 [heads, T, d] buffer by
-// one bulk asynchronous reduction (cp.reduce.async.bulk) instead of per-element atomics; P and dS through shared
-// memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q) are read
-// MN-major from the same tiles the first two MMAs read K-major.
+// one bulk asynchronous reduction (cp.reduce.async.bulk) instead of per-element atomics - or, with at
+// most 2 key blocks, summed with the other CTA's through distributed shared memory (CLUSTER); P and dS
+// through shared memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q)
+// are read MN-major from the same tiles the first two MMAs read K-major. The next block's Q, dO, lse and D
+// are copied (cp.async) behind the current block's first MMAs.
 template <int D>
 constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 mbarriers, alignment
   return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 1024;
@@ -1018,17 +1020,15 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
   const int n0 = blockIdx.x * B;
-  // CLUSTER > 0: CLUSTER consecutive key blocks of one (sequence, head) form a thread-block cluster and
-  // sum their dQ partials through each other's shared memory: per query block, each CTA stages its
-  // 64 x D partial (fp32), and the `nact` CTAs of the cluster with keys split the block's rows, each adding
-  // the nact partials of its rows (distributed shared memory). When the cluster holds every key block
-  // (`direct`), the sums are final: scaled, cast and written to dq (no fp32 buffer, no clearing, no cast
-  // pass); otherwise they are added to the fp32 buffer by a bulk reduction, half (CLUSTER 2) the L2
-  // traffic of one per CTA. Two mbarriers per CTA pace it: `staged` (one arrival per active CTA of the
-  // cluster: its partial is in) and `consumed` (one per active CTA: it has read this CTA's partial).
-  const int rank = CLUSTER ? blockIdx.x % CLUSTER : 0;
-  const int nact = CLUSTER ? min(CLUSTER, (len + B - 1) / B - (int)(blockIdx.x - rank)) : 1;
-  const bool direct = CLUSTER > 0 && gridDim.x <= CLUSTER;
+  // CLUSTER > 0 (gridDim.x <= CLUSTER): every key block of one (sequence, head) in one thread-block
+  // cluster, summing dQ through each other's shared memory: per query block, each CTA stages its 64 x D
+  // partial (fp32), and the `nact` CTAs with keys split the block's rows, each adding the nact partials of
+  // its rows (distributed shared memory), scaling, casting and writing them to dq: no fp32 buffer to clear,
+  // add to and cast. Two mbarriers per CTA pace it: `staged` (one arrival per active CTA: its partial is
+  // in) and `consumed` (one per active CTA: it has read this CTA's partial).
+  constexpr bool direct = CLUSTER > 0;
+  const int rank = blockIdx.x;
+  const int nact = CLUSTER ? (len + B - 1) / B : 1;
   if constexpr (CLUSTER > 0) {
     if (threadIdx.x == 0 && n0 < len) {
       mbarrier_init(&bars[0], nact);
@@ -1096,20 +1096,13 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
         const float4 x = ld_shared_cluster_f4(local, j);
         acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
       }
-      if (direct) {
-        uint2 out;
-        out.x = pack2<T>(acc.x * p.scale, acc.y * p.scale);
-        out.y = pack2<T>(acc.z * p.scale, acc.w * p.scale);
-        *reinterpret_cast<uint2*>(dq + (int64_t)(start + m0 + row) * p.heads * D + c) = out;
-      } else {  // over this CTA's own partial of the row (no other CTA reads this CTA's rows)
-        *reinterpret_cast<float4*>(sdQ + row * D + pc) = acc;
-      }
+      uint2 out;
+      out.x = pack2<T>(acc.x * p.scale, acc.y * p.scale);
+      out.y = pack2<T>(acc.z * p.scale, acc.w * p.scale);
+      *reinterpret_cast<uint2*>(dq + (int64_t)(start + m0 + row) * p.heads * D + c) = out;
     }
-    if (!direct) async_copy::fence_proxy_async();
-    __syncthreads();  // this CTA's reads (and sums) are done
+    __syncthreads();  // this CTA's reads are done
     if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[1], threadIdx.x);  // at each active CTA
-    if (!direct && threadIdx.x == 0 && rows > 0)
-      bulk_reduce_add_f32(dq_accum + (int64_t)(m0 + r0) * D, sdQ + r0 * D, (uint32_t)rows * D * 4);
   };
 
   for (int m = 0; m < mblocks; ++m) {
@@ -1440,14 +1433,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   const bool hopper = false;
 #endif
   const int64_t key_blocks = std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1);
-  // The Hopper backward runs key blocks in clusters of 2 that sum their dQ partials on chip. With at most
-  // 2 key blocks (max_seqlen <= 128) a cluster holds the whole sequence and writes dq itself; past that,
-  // clusters add their sums to an fp32 buffer (cleared by the dsum kernel, cast by attn_bwd_dq_kernel).
-  // Clusters of all 8 key blocks at max_seqlen 512 (direct writes, no buffer) measured slower: a78e2b0,
-  // 32x512x12x64 fwd+bwd 0.506 ms against 0.424 with a buffer add per CTA (benchmarks/bench_attention.py).
-  // BERTACCEL_ATTENTION_BWD=bulk: no clusters, one buffer add per CTA (for tests and timing).
-  const int cluster = hopper && switch_value("BERTACCEL_ATTENTION_BWD") != "bulk" ? 2 : 0;
-  const bool direct = cluster > 0 && key_blocks <= cluster;
+  // The Hopper backward: with at most 2 key blocks (max_seqlen <= 128) both CTAs of a (sequence, head) run as
+  // one cluster and write dq from on-chip sums (128x128x12x64 fwd+bwd 0.212 ms against 0.245 through the
+  // buffer, 6f6343a); past that, each CTA adds its dQ partial to an fp32 buffer (cleared by the dsum
+  // kernel, cast by attn_bwd_dq_kernel). Clusters measured slower there (benchmarks/bench_attention.py,
+  // 32x512x12x64): all 8 key blocks writing dq directly 0.506 ms (a78e2b0), pairs adding their sums to
+  // the buffer (half the L2 reductions) 0.539 ms (6f6343a), against 0.416-0.424 without clusters.
+  // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
+  const int cluster = hopper && key_blocks <= 2 && switch_value("BERTACCEL_ATTENTION_BWD") != "bulk" ? 2 : 0;
+  const bool direct = cluster > 0;
   at::Tensor dq_accum;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
@@ -1466,9 +1460,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   const bool dropout = dropout_p > 0;
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t warps = q.size(0) * q.size(1);
-  // key blocks, rounded up to whole clusters (the extra CTAs have no keys and return)
-  const int64_t grid_x = cluster > 0 && !direct ? (key_blocks + cluster - 1) / cluster * cluster : key_blocks;
-  const dim3 grid((unsigned)grid_x, (unsigned)P.heads, (unsigned)P.batch + 1);
+  const dim3 grid((unsigned)key_blocks, (unsigned)P.heads, (unsigned)P.batch + 1);
   dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
     using T = decltype(type_tag);
     constexpr int D = decltype(dim)::value;
@@ -1491,7 +1483,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
           config.stream = stream;
           cudaLaunchAttribute attr;
           attr.id = cudaLaunchAttributeClusterDimension;
-          attr.val.clusterDim.x = (unsigned)std::min<int64_t>(cluster, grid_x);
+          attr.val.clusterDim.x = grid.x;  // every key block
           attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
           config.attrs = &attr;
           config.numAttrs = 1;
