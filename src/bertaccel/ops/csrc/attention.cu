@@ -166,6 +166,7 @@ struct Params {
   void* dv;
   float* dq_accum;  // [T, heads, d] fp32
   void* dq;         // the Hopper backward in clusters: written directly
+  int rotate;       // the Hopper backward without clusters: CTA n walks the query blocks from block n
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
@@ -392,28 +393,35 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
 }
 
 // ------------------------------------------------------------------------------ backward
-// D = rowsum(dO * O) per (row, head), fp32; one warp per (row, head),
-// and, when zero_dq, clears the fp32 dQ sums (D values per warp: all of them, whatever their layout)
+// D = rowsum(dO * O) per (row, head), fp32: D / 8 threads per (row, head), 16 bytes of each per thread;
+// and, when zero_dq, clears the fp32 dQ sums (D values per (row, head): all of them, whatever their layout)
 template <typename T, int D>
 __global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
-  const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (w >= (int64_t)p.total * p.heads) return;
-  if (zero_dq)
-    for (int c = lane * 2; c < D; c += 64) *reinterpret_cast<float2*>(p.dq_accum + w * D + c) = make_float2(0.f, 0.f);
+  constexpr int TPR = D / 8;  // threads per (row, head); divides 32
+  const int64_t gid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t w = gid / TPR;
+  const int part = (int)(gid % TPR);
+  const bool valid = w < (int64_t)p.total * p.heads;  // no early return: the shuffles below take every lane
   const int64_t row = w / p.heads;
   const int h = (int)(w % p.heads);
-  const T* o = static_cast<const T*>(p.o) + row * p.o_row + (int64_t)h * p.o_head;
-  const T* d = static_cast<const T*>(p.dout) + row * p.do_row + (int64_t)h * p.do_head;
   float acc = 0.f;
-  for (int c = lane * 2; c < D; c += 64) {
-    const float2 a = unpack2<T>(*reinterpret_cast<const uint32_t*>(o + c));
-    const float2 b = unpack2<T>(*reinterpret_cast<const uint32_t*>(d + c));
-    acc += a.x * b.x + a.y * b.y;
+  if (valid) {
+    const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + row * p.o_row + (int64_t)h * p.o_head + part * 8);
+    const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + row * p.do_row + (int64_t)h * p.do_head + part * 8);
+    const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 x = unpack2<T>(av[i]), y = unpack2<T>(bv[i]);
+      acc += x.x * y.x + x.y * y.y;
+    }
+    if (zero_dq) {
+      float4* z = reinterpret_cast<float4*>(p.dq_accum + w * D + part * 8);
+      z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 #pragma unroll
-  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (lane == 0) p.dsum[(int64_t)h * p.total + row] = row < p.cu[p.batch] ? acc : 0.f;
+  for (int s = TPR / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (valid && part == 0) p.dsum[(int64_t)h * p.total + row] = row < p.cu[p.batch] ? acc : 0.f;
 }
 
 template <typename T, int D, bool DROPOUT>
@@ -629,22 +637,28 @@ __host__ __device__ __forceinline__ int dq_chunk_phase(int row, int d) { return 
 // The layouts of dq_accum: the mma.sync backward's [T, heads, d], the Hopper backward's (dq_chunk_phase)
 enum class DqLayout : int { kTokensMajor = 0, kHeadsMajorPermuted = 1 };
 
-// dq = scale * dq_accum, cast; 2 elements per thread. dq is [T, heads, d]; dq_accum in `layout`
+// dq = scale * dq_accum, cast; 8 elements (one 32-byte chunk of dq_accum) per thread. dq is [T, heads, d];
+// dq_accum in `layout`
 template <typename T>
 __global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale,
                                    DqLayout layout, int heads, int d) {
-  const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 2;
+  const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (i < n) {
     int64_t j = i;
     if (layout != DqLayout::kTokensMajor) {
       const int64_t row = (int64_t)heads * d, tokens = n / row, tok = i / row;
       const int h = (int)(i % row / d);
       int c = (int)(i % d);
-      if (layout == DqLayout::kHeadsMajorPermuted) c = (((c >> 3) ^ dq_chunk_phase((int)tok, d)) << 3) | (c & 7);
+      if (layout == DqLayout::kHeadsMajorPermuted) c = ((c >> 3) ^ dq_chunk_phase((int)tok, d)) << 3;
       j = ((int64_t)h * tokens + tok) * d + c;
     }
-    const float2 a = *reinterpret_cast<const float2*>(acc + j);
-    *reinterpret_cast<uint32_t*>(dq + i) = pack2<T>(a.x * scale, a.y * scale);
+    const float4 a = *reinterpret_cast<const float4*>(acc + j), b = *reinterpret_cast<const float4*>(acc + j + 4);
+    uint4 out;
+    out.x = pack2<T>(a.x * scale, a.y * scale);
+    out.y = pack2<T>(a.z * scale, a.w * scale);
+    out.z = pack2<T>(b.x * scale, b.y * scale);
+    out.w = pack2<T>(b.z * scale, b.w * scale);
+    *reinterpret_cast<uint4*>(dq + i) = out;
   }
 }
 
@@ -1062,9 +1076,14 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     cp_async4(threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r], (threadIdx.x < B ? p.lse : p.dsum) + i,
               ok ? 4 : 0);
   };
+  const int mblocks = (len + B - 1) / B;
+  // The query block of step i. Without clusters CTA n starts at block n % mblocks (`rotate`): the CTAs of a
+  // sequence, running side by side, then add to different dQ rows at a time, not all to the same 64.
+  const int first = CLUSTER == 0 && p.rotate ? (int)blockIdx.x % mblocks : 0;
+  auto qblock = [&](int i) { return first + i < mblocks ? first + i : first + i - mblocks; };
   load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
   load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
-  load_q_block(0, 0);
+  load_q_block(qblock(0), 0);
   cp_async_commit();
 
   constexpr int KS = D / 16;  // k-slices over the head dim
@@ -1075,7 +1094,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = dq[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-  const int mblocks = (len + B - 1) / B;
   // dQ partial sums: [heads, T, d] fp32 (this layout: a block's 64 rows are one contiguous run), added
   // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
   float* dq_accum = direct ? nullptr : p.dq_accum + ((int64_t)h * p.total + start) * D;
@@ -1112,7 +1130,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     __syncthreads();  // block m is in (every thread's copies and lse / dsum); block m - 1's MMAs are done
     const uint8_t* cQ = sQ + stage * TILE;
     const uint8_t* cdO = sdO + stage * TILE;
-    const int m0 = m * B;
+    const int m0 = qblock(m) * B;
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
@@ -1123,7 +1141,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     wgmma::commit();
     // behind the MMAs: block m + 1's copies (into block m - 1's stage, whose MMAs are done), and the
     // wait for block m - 1's dQ to leave the P and dS tiles
-    if (m + 1 < mblocks) load_q_block(m + 1, stage ^ 1);
+    if (m + 1 < mblocks) load_q_block(qblock(m + 1), stage ^ 1);
     cp_async_commit();
     if constexpr (CLUSTER > 0) {
       if (m > 0) {
@@ -1297,16 +1315,19 @@ void set_smem(Kernel kernel, size_t bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
+// A kernel switch: the environment variable's value ("" when unset), read per call so that benchmarks
+// compare kernels in one process.
+std::string switch_value(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr ? env : "";
+}
+
 #if defined(BERTACCEL_ATTENTION_SM90A)
 // The warpgroup-MMA kernels run on a Hopper GPU (sm_90) unless an environment switch (read per call,
 // so that benchmarks compare the kernels in one process) asks for the mma.sync ones.
 bool on_hopper() {
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   return prop->major == 9 && prop->minor == 0;
-}
-std::string switch_value(const char* name) {
-  const char* env = std::getenv(name);
-  return env != nullptr ? env : "";
 }
 
 // Warpgroups per CTA of the forward (hopper::attn_fwd_kernel), or 0 for the mma.sync kernel.
@@ -1457,9 +1478,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
   P.rng = rng.data_ptr<int64_t>();
+  P.rotate = switch_value("BERTACCEL_ATTENTION_BWD_ORDER") != "inorder";  // for timing both in one run
   const bool dropout = dropout_p > 0;
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int64_t warps = q.size(0) * q.size(1);
+  const int64_t rows = q.size(0) * q.size(1);  // (token, head) pairs
   const dim3 grid((unsigned)key_blocks, (unsigned)P.heads, (unsigned)P.batch + 1);
   dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
     using T = decltype(type_tag);
@@ -1467,7 +1489,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     constexpr bool DR = decltype(drop)::value;
     bool launched = false;
     DqLayout layout = DqLayout::kTokensMajor;
-    attn_bwd_dsum_kernel<T, D><<<(unsigned)((warps * 32 + 255) / 256), 256, 0, stream>>>(P, !direct);
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, !direct);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
@@ -1508,7 +1530,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (direct) return;
     const int64_t n = dq.numel();
-    attn_bwd_dq_kernel<T><<<(unsigned)((n / 2 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
+    attn_bwd_dq_kernel<T><<<(unsigned)((n / 8 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale, layout, P.heads, (int)D);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
