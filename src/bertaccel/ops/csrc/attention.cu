@@ -166,7 +166,6 @@ struct Params {
   void* dv;
   float* dq_accum;  // [T, heads, d] fp32
   void* dq;         // the Hopper backward in clusters: written directly
-  int rotate;       // the Hopper backward without clusters: CTA n walks the query blocks from block n
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
@@ -1077,9 +1076,10 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
               ok ? 4 : 0);
   };
   const int mblocks = (len + B - 1) / B;
-  // The query block of step i. Without clusters CTA n starts at block n % mblocks (`rotate`): the CTAs of a
-  // sequence, running side by side, then add to different dQ rows at a time, not all to the same 64.
-  const int first = CLUSTER == 0 && p.rotate ? (int)blockIdx.x % mblocks : 0;
+  // The query block of step i. Without clusters CTA n starts at block n % mblocks: the CTAs of a sequence,
+  // running side by side, then add to different dQ rows at a time, not all to the same 64 (b348d32: 32x512
+  // d 32 0.253 against 0.258 ms in order, d 64 0.403 against 0.401, packed cells 0-1% faster).
+  const int first = CLUSTER == 0 ? (int)blockIdx.x % mblocks : 0;
   auto qblock = [&](int i) { return first + i < mblocks ? first + i : first + i - mblocks; };
   load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
   load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
@@ -1123,14 +1123,10 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[1], threadIdx.x);  // at each active CTA
   };
 
-  for (int m = 0; m < mblocks; ++m) {
-    const int stage = m & 1;
-    cp_async_wait_all();
-    async_copy::fence_proxy_async();
-    __syncthreads();  // block m is in (every thread's copies and lse / dsum); block m - 1's MMAs are done
-    const uint8_t* cQ = sQ + stage * TILE;
-    const uint8_t* cdO = sdO + stage * TILE;
-    const int m0 = qblock(m) * B;
+  // S_m and dP_m, both operands in shared memory
+  auto issue_s_dp = [&](int m) {
+    const uint8_t* cQ = sQ + (m & 1) * TILE;
+    const uint8_t* cdO = sdO + (m & 1) * TILE;
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
@@ -1139,6 +1135,17 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     for (int ks = 0; ks < KS; ++ks)
       wgmma::mma_ss<F16, 64, 0, 0>(dp, S::template k_major<B>(cdO, ks), S::template k_major<B>(sV, ks), ks > 0 ? 1 : 0);
     wgmma::commit();
+  };
+  cp_async_wait_all();
+  async_copy::fence_proxy_async();
+  __syncthreads();  // block 0 is in (every thread's copies)
+
+  for (int m = 0; m < mblocks; ++m) {
+    const int stage = m & 1;
+    const uint8_t* cQ = sQ + stage * TILE;
+    const uint8_t* cdO = sdO + stage * TILE;
+    const int m0 = qblock(m) * B;
+    issue_s_dp(m);  // block m is in: copied before the loop or before block m - 1's dQ staging
     // behind the MMAs: block m + 1's copies (into block m - 1's stage, whose MMAs are done), and the
     // wait for block m - 1's dQ to leave the P and dS tiles
     if (m + 1 < mblocks) load_q_block(qblock(m + 1), stage ^ 1);
@@ -1210,6 +1217,14 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     reg_fence(dv);
     reg_fence(dk);
     reg_fence(dsa);
+    // Block m + 1's S and dP follow dQ's staging (issued before it, their accumulators would be live through
+    // it: offline ptxas spilled 544-556 bytes at d 64 and serialized the wgmmas), at the top of the loop
+    // with no barrier between: the one here also has block m + 1 in.
+    if (m + 1 < mblocks) {
+      cp_async_wait_all();  // block m + 1 (this thread's copies)
+      async_copy::fence_proxy_async();
+    }
+    __syncthreads();  // every warp is done with block m's MMAs, which read the P / dS tiles dQ is staged in
     // rows in dq_accum's layout (dq_chunk): the 8 rows of a store land in different banks
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -1225,7 +1240,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
       if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[0], threadIdx.x);  // at each active CTA
     } else {
       async_copy::fence_proxy_async();
-      __syncthreads();
+      __syncthreads();  // dQ is staged, and block m + 1 is in
       if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
     }
   }
@@ -1478,7 +1493,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
   P.rng = rng.data_ptr<int64_t>();
-  P.rotate = switch_value("BERTACCEL_ATTENTION_BWD_ORDER") != "inorder";  // for timing both in one run
   const bool dropout = dropout_p > 0;
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t rows = q.size(0) * q.size(1);  // (token, head) pairs
