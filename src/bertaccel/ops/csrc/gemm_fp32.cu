@@ -13,9 +13,8 @@
 // dimension of each operand must be a multiple of 4 with 16-byte aligned data (float4 loads); the
 // Python side sends anything else to cuBLAS. Where the tiles are too few for the GPU (the weight
 // gradient, K = tokens; 2,048-row layers) the K range is split over `splits` blocks writing fp32
-// partial tiles, summed in a fixed order by the last of a tile's blocks to finish (a count per split
-// tile), which applies the epilogue (any of them: it is elementwise): deterministic. (Before: a second
-// kernel summed them, still there under BERTACCEL_GEMM_FP32_FIXUP=0.) Where the tiles overrun the last full wave of blocks, only the
+// partial tiles, summed in a fixed order by a second kernel that applies the epilogue (any of them:
+// it is elementwise): deterministic. Where the tiles overrun the last full wave of blocks, only the
 // rows of tiles past it can be split (a tail split: a second launch on those rows, so that the tail
 // fills a wave instead of leaving most SMs idle). `plan` picks the tile and split from a model of
 // waves and split traffic.
@@ -26,8 +25,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string>
 #include <tuple>
 #include <utility>
 
@@ -56,8 +53,6 @@ struct Args {
   int tiles_n;          // tiles along N (tile t is row t / tiles_n, column t % tiles_n of tiles)
   int splits;           // blocks per split tile, each over a K range of
   int k_per_split;      //   k_per_split (a multiple of kSplitAlign)
-  int* arrived;         // per split tile, the blocks done with it (zeroed; the last block sums the tile and
-                        // clears its count), or null: sgemm_split_reduce sums them
 };
 
 // A kernel configuration: a BM x BN block tile stepping through K BK at a time; each thread owns TM x TN
@@ -89,47 +84,6 @@ __device__ __forceinline__ float finish(const Args& p, float v, int row, int col
     v *= e == kDGeluErf ? dgelu_erf<false>(p.aux[at]) : dgelu_tanh(p.aux[at]);
   }
   return v;
-}
-
-// A split tile's out = epilogue(sum over the splits of its partial tiles, in split order), four columns
-// per thread: the body of sgemm_split_reduce, and what the last block of a split tile does (`arrived`).
-// The partial tiles are read past L1 (other SMs wrote them).
-template <int BM, int BN>
-__device__ __forceinline__ void sum_split_tile(const Args& p, int64_t t, int at) {
-  const int tile = (int)t, row = tile / p.tiles_n * BM + at / BN, col = tile % p.tiles_n * BN + at % BN;
-  if (row >= p.M || col >= p.N) return;
-  const float4* src = reinterpret_cast<const float4*>(p.ws + t * p.splits * BM * BN + at);
-  float4 v = __ldcg(src);
-  for (int s = 1; s < p.splits; ++s) {
-    const float4 u = __ldcg(src + (int64_t)s * BM * BN / 4);
-    v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
-  }
-  float r[4] = {v.x, v.y, v.z, v.w};
-  float* o = p.out + (int64_t)row * p.N + col;
-  const bool vec_out = p.N % 4 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;  // rows of 16-byte groups
-  if (vec_out && col + 3 < p.N) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) r[j] = finish(p, r[j], row, col + j);
-    *reinterpret_cast<float4*>(o) = make_float4(r[0], r[1], r[2], r[3]);
-  } else {
-    for (int j = 0; j < 4 && col + j < p.N; ++j) o[j] = finish(p, r[j], row, col + j);
-  }
-}
-
-// After a split block has written its partial tile: the last of the tile's blocks sums it (no second
-// kernel) and clears its count for the next launch. Not inlined: inlined, it moved ptxas's register
-// allocation of the K loop (spills in other operand layouts).
-template <int BM, int BN, int THREADS>
-__device__ __noinline__ void sum_if_last(const Args& p, int64_t split_tile) {
-  __shared__ int last;
-  __threadfence();  // this block's partial tile, visible to the block that sums it
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&p.arrived[split_tile], 1) == p.splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other blocks' partial tiles (their writes came before their counts)
-  for (int at = threadIdx.x * 4; at < BM * BN; at += THREADS * 4) sum_split_tile<BM, BN>(p, split_tile, at);
-  if (threadIdx.x == 0) p.arrived[split_tile] = 0;
 }
 
 // One operand's BK-deep slice of a tile, ROWS wide (BM for A, BN for B), as float4 loads: K-major
@@ -260,7 +214,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) sgemm_kernel(const
       }
     }
   }
-  if (raw && p.arrived != nullptr) sum_if_last<BM, BN, C::kThreads>(p, split_tile);
 }
 
 // A split launch's tiles: out = epilogue(sum over the splits of their partial tiles), in split order,
@@ -269,8 +222,28 @@ template <int BM, int BN>
 __global__ void sgemm_split_reduce(const Args p, int tiles) {
   static_assert(BN % 4 == 0, "float4 groups within a tile row");
   const int64_t count = (int64_t)tiles * BM * BN / 4;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x)
-    sum_split_tile<BM, BN>(p, i * 4 / (BM * BN), (int)(i * 4 % (BM * BN)));
+  const bool vec_out = p.N % 4 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;  // rows of 16-byte groups
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t t = i * 4 / (BM * BN);
+    const int at = (int)(i * 4 % (BM * BN)), tile = (int)t;
+    const int row = tile / p.tiles_n * BM + at / BN, col = tile % p.tiles_n * BN + at % BN;
+    if (row >= p.M || col >= p.N) continue;
+    const float4* src = reinterpret_cast<const float4*>(p.ws + t * p.splits * BM * BN + at);
+    float4 v = src[0];
+    for (int s = 1; s < p.splits; ++s) {
+      const float4 u = src[(int64_t)s * BM * BN / 4];
+      v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+    }
+    float r[4] = {v.x, v.y, v.z, v.w};
+    float* o = p.out + (int64_t)row * p.N + col;
+    if (vec_out && col + 3 < p.N) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) r[j] = finish(p, r[j], row, col + j);
+      *reinterpret_cast<float4*>(o) = make_float4(r[0], r[1], r[2], r[3]);
+    } else {
+      for (int j = 0; j < 4 && col + j < p.N; ++j) o[j] = finish(p, r[j], row, col + j);
+    }
+  }
 }
 
 template <class C>
@@ -299,7 +272,6 @@ void launch(bool a_mn, bool b_mn, const Args& p, int tiles, int whole, int sms, 
   if (q.pre != nullptr) q.pre += r * p.N;
   q.M = p.M - (int)r;
   launch_grid<C>(a_mn, b_mn, q, rows - whole_rows, p.splits, stream);
-  if (p.arrived != nullptr) return;  // the last block of each split tile summed it
   const int64_t count = (int64_t)(tiles - whole) * C::BM * C::BN / 4;  // float4 groups
   const int reduce_blocks = (int)std::min<int64_t>((count + 255) / 256, (int64_t)sms * 8);
   sgemm_split_reduce<C::BM, C::BN><<<reduce_blocks, 256, 0, stream>>>(q, tiles - whole);
@@ -452,17 +424,10 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
   p.epilogue = (int)epilogue, p.out = out.data_ptr<float>();
   p.tiles_n = (int)((N + shape.bn - 1) / shape.bn), p.splits = sched.splits;
   p.k_per_split = (int)per_split;
-  at::Tensor ws, arrived;
+  at::Tensor ws;
   if (sched.whole < tiles) {
     ws = at::empty({(int64_t)(tiles - sched.whole) * sched.splits * shape.bm * shape.bn}, a.options());
     p.ws = ws.data_ptr<float>();
-    // The split tiles summed by their last block (BERTACCEL_GEMM_FP32_FIXUP=0: by a second kernel, for
-    // the same-run comparison)
-    const char* fixup = std::getenv("BERTACCEL_GEMM_FP32_FIXUP");
-    if (fixup == nullptr || std::string(fixup) != "0") {
-      arrived = at::zeros({(int64_t)(tiles - sched.whole)}, a.options().dtype(at::kInt));
-      p.arrived = arrived.data_ptr<int>();
-    }
   }
   launch_tile(sched.tile, trans_a, trans_b, p, tiles, sched.whole, sms, at::cuda::getCurrentCUDAStream());
   return {out, pre};
