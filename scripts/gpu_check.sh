@@ -147,7 +147,8 @@ if has sweep; then
 fi
 for f in e2e_eager e2e_compile; do [ -f "$f.log" ] && grep -A80 "^$" "$f.log" | grep -E "^(model|bert|minilm)" | tail -41; done
 if has attention; then  # SDPA backends (padded, masked) vs FlashAttention varlen on the packed tokens
-  timeout ${ATTN_TIMEOUT:-200} python -m benchmarks.bench_attention --out "$OUT/attention.json" > "$OUT/attention.log" 2>&1
+  # ATTN_CELLS="32x512x12x64:full ...": only those cells (a quicker call while iterating on one)
+  timeout ${ATTN_TIMEOUT:-200} python -m benchmarks.bench_attention ${ATTN_CELLS:+--cells $ATTN_CELLS} --out "$OUT/attention.json" > "$OUT/attention.log" 2>&1
   echo "attention rc=$?"; tail -25 "$OUT/attention.log"
 fi
 if has anatomy; then  # GPU time of one graphed step by part and by kernel category (scripts/step_anatomy.py)
