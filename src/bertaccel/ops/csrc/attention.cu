@@ -195,6 +195,18 @@ __device__ __forceinline__ Dropout read_dropout(const Params& p, bool from_rng) 
   return d;
 }
 
+// The forward's dropout state, drawn from PyTorch's generator; the grid's first thread also writes its
+// (seed, offset) to p.rng, from which the backward regenerates the mask.
+template <bool DROPOUT>
+__device__ __forceinline__ Dropout forward_dropout(const Params& p) {
+  const Dropout drop = read_dropout(p, false);
+  if (DROPOUT && p.rng != nullptr && blockIdx.x == 0 && blockIdx.z == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    p.rng[0] = (int64_t)drop.seed;
+    p.rng[1] = (int64_t)drop.offset;
+  }
+  return drop;
+}
+
 // Zero rows [cu[batch], total) of [T, heads, d] tensors (row stride heads * d): the fillers.
 template <typename T>
 __device__ void zero_fillers(const Params& p, int D, T* a, T* b, float* lse, T* c = nullptr) {
@@ -244,11 +256,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
     zero_fillers<T>(p, D, static_cast<T*>(p.out), nullptr, p.lse);
     return;
   }
-  const Dropout drop = read_dropout(p, false);
-  if (DROPOUT && p.rng != nullptr && blockIdx.x == 0 && b == 0 && h == 0 && threadIdx.x == 0) {
-    p.rng[0] = (int64_t)drop.seed;
-    p.rng[1] = (int64_t)drop.offset;
-  }
+  const Dropout drop = forward_dropout<DROPOUT>(p);
   const int start = p.cu[b], len = p.cu[b + 1] - start;
   const int m0 = blockIdx.x * kBlockM;
   if (m0 >= len) return;
@@ -812,11 +820,7 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
     zero_fillers<T>(p, D, static_cast<T*>(p.out), nullptr, p.lse);
     return;
   }
-  const Dropout drop = read_dropout(p, false);
-  if (DROPOUT && p.rng != nullptr && blockIdx.x == 0 && b == 0 && h == 0 && threadIdx.x == 0) {
-    p.rng[0] = (int64_t)drop.seed;
-    p.rng[1] = (int64_t)drop.offset;
-  }
+  const Dropout drop = forward_dropout<DROPOUT>(p);
   const int start = p.cu[b], len = p.cu[b + 1] - start;
   const int m0 = blockIdx.x * BM;
   if (m0 >= len) return;
