@@ -1361,9 +1361,16 @@ int hopper_forward_warpgroups() {
   return 1;
 }
 
-// The backward (hopper::attn_bwd_kernel, head dims 32 and 64) unless BERTACCEL_ATTENTION_BWD=mma
-// (=bulk: dQ through the fp32 buffer at every length, see varlen_attention_bwd).
-bool hopper_backward() { return on_hopper() && switch_value("BERTACCEL_ATTENTION_BWD") != "mma"; }
+// Which backward runs at head dims 32 and 64: hopper::attn_bwd_kernel on a Hopper (kClusters: with dQ
+// summed on chip where varlen_attention_bwd allows it), unless BERTACCEL_ATTENTION_BWD=mma (the mma.sync
+// kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer).
+enum class HopperBackward { kNone, kClusters, kBuffer };
+HopperBackward hopper_backward() {
+  if (!on_hopper()) return HopperBackward::kNone;
+  const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD");
+  if (choice == "mma") return HopperBackward::kNone;
+  return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
+}
 #endif
 
 // fn(T{}, integral_constant<int, D>, bool_constant<DROPOUT>) for the runtime dtype, head dim and dropout
@@ -1468,9 +1475,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   at::Tensor dv = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return {dq, dk, dv};
 #if defined(BERTACCEL_ATTENTION_SM90A)
-  const bool hopper = d <= 64 && hopper_backward();
+  const HopperBackward choice = d <= 64 ? hopper_backward() : HopperBackward::kNone;
+  const bool hopper = choice != HopperBackward::kNone, clusters = choice == HopperBackward::kClusters;
 #else
-  const bool hopper = false;
+  const bool hopper = false, clusters = false;
 #endif
   const int64_t key_blocks = std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1);
   // The Hopper backward: with at most 2 key blocks (max_seqlen <= 128) both CTAs of a (sequence, head) run as
@@ -1480,7 +1488,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   // 32x512x12x64): all 8 key blocks writing dq directly 0.506 ms (a78e2b0), pairs adding their sums to
   // the buffer (half the L2 reductions) 0.539 ms (6f6343a), against 0.416-0.424 without clusters.
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
-  const int cluster = hopper && key_blocks <= 2 && switch_value("BERTACCEL_ATTENTION_BWD") != "bulk" ? 2 : 0;
+  const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
   const bool direct = cluster > 0;
   at::Tensor dq_accum;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
