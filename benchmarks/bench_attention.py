@@ -35,10 +35,7 @@ CELLS = ["128x128x12x64:full", "128x128x12x32:full", "32x512x12x64:full", "32x51
 VARIANTS = {"fwd mma, bwd mma": {"BERTACCEL_ATTENTION_FWD": "mma", "BERTACCEL_ATTENTION_BWD": "mma"},
             "bwd mma": {"BERTACCEL_ATTENTION_BWD": "mma"},
             "fwd wg2": {"BERTACCEL_ATTENTION_FWD": "wg2"},
-            "bwd bulk": {"BERTACCEL_ATTENTION_BWD": "bulk"},
-            "bwd 2 warpgroups": {"BERTACCEL_ATTENTION_BWD": "bulk", "BERTACCEL_ATTENTION_BWD_WG": "2"},
-            "bwd 2 warpgroups, early S/dP": {"BERTACCEL_ATTENTION_BWD": "bulk", "BERTACCEL_ATTENTION_BWD_WG": "2e"},
-            "bwd 3 warpgroups": {"BERTACCEL_ATTENTION_BWD": "bulk", "BERTACCEL_ATTENTION_BWD_WG": "3"}}
+            "bwd bulk": {"BERTACCEL_ATTENTION_BWD": "bulk"}}
 
 
 BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,

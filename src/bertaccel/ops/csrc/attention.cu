@@ -1003,37 +1003,31 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fw
 // through shared memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q)
 // are read MN-major from the same tiles the first two MMAs read K-major. The next block's Q, dO, lse and D
 // are copied (cp.async) behind the current block's first MMAs.
-template <int D, int NWG>
-constexpr size_t bwd_smem() {  // K, V (NWG x 64 keys), 2 x (Q, dO), NWG x (P, dS), 2 x (lse, dsum), 2 mbarriers, alignment
-  return (size_t)(2 * NWG + 4) * 64 * D * 2 + NWG * 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 1024;
+template <int D>
+constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 mbarriers, alignment
+  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 1024;
 }
 
-// CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one);
-// with several warpgroups, one CTA per SM (their accumulators take 160 registers a thread)
-template <int D, bool DROPOUT, int NWG>
-constexpr int bwd_min_blocks() { return NWG > 1 ? 1 : D <= 32 ? (DROPOUT ? 3 : 4) : (DROPOUT ? 2 : 3); }
+// CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one)
+template <int D, bool DROPOUT>
+constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : (DROPOUT ? 2 : 3); }
 
-// EARLY: block m + 1's S and dP are issued before block m's dQ is staged (their accumulators live through
-// the staging: for the one-CTA-per-SM forms, whose registers allow it).
-template <typename T, int D, bool DROPOUT, int CLUSTER, int NWG, bool EARLY = false>
-__global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())) attn_bwd_kernel(const Params p) {
+template <typename T, int D, bool DROPOUT, int CLUSTER>
+__global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(CLUSTER == 0 || NWG == 1, "clusters with one warpgroup per CTA");
-  static_assert(!EARLY || NWG > 1, "the early issue needs the registers of one CTA per SM");
-  constexpr int B = 64, NT = 128 * NWG;  // keys per warpgroup = queries per block
-  constexpr int LT = NT > 256 ? 256 : NT;  // threads copying a query block (whole passes of swizzle atoms)
+  constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
   constexpr int TILE = B * D * 2;
-  constexpr int PDS = 2 * B * 64 * 2;  // a warpgroup's P and dS tiles (bytes)
   constexpr bool F16 = std::is_same_v<T, __half>;
   using S = Swz<D>;
   using SP = Swz<64>;  // P and dS: [64 queries x 64 keys], 128-byte rows
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint8_t* sK = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sV = sK + NWG * TILE;
-  uint8_t* sQ = sV + NWG * TILE;   // [2]
+  uint8_t* sV = sK + TILE;
+  uint8_t* sQ = sV + TILE;         // [2]
   uint8_t* sdO = sQ + 2 * TILE;    // [2]
-  uint8_t* sPdS = sdO + 2 * TILE;  // [NWG] x (P 8 KB, dS 8 KB)
-  float* sLse = reinterpret_cast<float*>(sPdS + NWG * PDS);  // [2][64]
+  uint8_t* sP = sdO + 2 * TILE;    // 8 KB
+  uint8_t* sdS = sP + B * 64 * 2;  // 8 KB
+  float* sLse = reinterpret_cast<float*>(sdS + B * 64 * 2);  // [2][64]
   float* sDsum = sLse + 2 * B;                                // [2][64]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sDsum + 2 * B);  // CLUSTER: staged, consumed
   const int b = blockIdx.z, h = blockIdx.y;
@@ -1042,15 +1036,7 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
     return;
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
-  // NWG > 1: the CTA's NWG * 64 keys split between its warpgroups, which share the query blocks' Q, dO,
-  // lse and D tiles and add their dQ partials in shared memory before one bulk reduction per block: half
-  // (NWG = 2) the L2 reads of Q / dO and the dQ reductions of one warpgroup per CTA, at one CTA per SM.
-  const int wg = NWG > 1 ? threadIdx.x / 128 : 0;
-  const int n0 = (blockIdx.x * NWG + wg) * B;  // this warpgroup's first key
-  uint8_t* sP = sPdS + wg * PDS;
-  uint8_t* sdS = sP + B * 64 * 2;
-  const uint8_t* sKw = sK + wg * TILE;  // D <= 64: one column block, so 64-row slices are 64-row tiles
-  const uint8_t* sVw = sV + wg * TILE;
+  const int n0 = blockIdx.x * B;
   // CLUSTER > 0 (gridDim.x <= CLUSTER): every key block of one (sequence, head) in one thread-block
   // cluster, summing dQ through each other's shared memory: per query block, each CTA stages its 64 x D
   // partial (fp32), and the `nact` CTAs with keys split the block's rows, each adding the nact partials of
@@ -1068,9 +1054,9 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
     }
     cluster_sync();  // every CTA's barriers are initialised before any remote arrival
   }
-  if ((int)blockIdx.x * NWG * B >= len) return;  // the CTA's keys: all past the sequence
+  if (n0 >= len) return;
   const Dropout drop = read_dropout(p, true);
-  const int warp = (NWG > 1 ? threadIdx.x % 128 : threadIdx.x) / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
   const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
   const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
@@ -1079,22 +1065,19 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
   const bool keys_full = n0 + B <= len;  // no key of this CTA past the sequence
   auto load_q_block = [&](int m, int stage) {
     const int m0 = m * B;
-    if (NT == LT || threadIdx.x < LT) {
-      load_tile<T, D, B, LT>(sQ + stage * TILE, q, p.q_row, start + m0, len - m0);
-      load_tile<T, D, B, LT>(sdO + stage * TILE, dout, p.do_row, start + m0, len - m0);
-    }
+    load_tile<T, D, B, NT>(sQ + stage * TILE, q, p.q_row, start + m0, len - m0);
+    load_tile<T, D, B, NT>(sdO + stage * TILE, dout, p.do_row, start + m0, len - m0);
     // lse (threads 0-63) and D (64-127) of the block's rows, copied as Q and dO are (a plain load here
     // held warps 0 and 1, and so the warpgroup's next MMAs, for a global-memory round trip per block).
     // Rows past the sequence read 0: their Q and dO rows are zero, so S = 0, P = 1 and dP = 0, and P, dS
     // reach nothing (dV's and dK's terms are P^T dO = 0 and dS^T Q with dS = P (dP - D) = 0; their dQ
     // rows are not added).
-    if (NT == 2 * B || threadIdx.x < 2 * B) {  // one lse or D value per thread of the first 128
-      const int r = threadIdx.x % B;
-      const bool ok = m0 + r < len;
-      const int64_t i = (int64_t)h * p.total + start + m0 + (ok ? r : 0);
-      cp_async4(threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r], (threadIdx.x < B ? p.lse : p.dsum) + i,
-                ok ? 4 : 0);
-    }
+    static_assert(NT == 2 * B, "one lse or D value per thread");
+    const int r = threadIdx.x % B;
+    const bool ok = m0 + r < len;
+    const int64_t i = (int64_t)h * p.total + start + m0 + (ok ? r : 0);
+    cp_async4(threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r], (threadIdx.x < B ? p.lse : p.dsum) + i,
+              ok ? 4 : 0);
   };
   const int mblocks = (len + B - 1) / B;
   // The query block of step i. Without clusters CTA n starts at block n % mblocks: the CTAs of a sequence,
@@ -1102,11 +1085,8 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
   // d 32 0.253 against 0.258 ms in order, d 64 0.403 against 0.401, packed cells 0-1% faster).
   const int first = CLUSTER == 0 ? (int)blockIdx.x % mblocks : 0;
   auto qblock = [&](int i) { return first + i < mblocks ? first + i : first + i - mblocks; };
-  {
-    const int c0 = blockIdx.x * NWG * B;  // the CTA's first key
-    load_tile<T, D, NWG * B, NT>(sK, k, p.k_row, start + c0, len - c0);
-    load_tile<T, D, NWG * B, NT>(sV, v, p.v_row, start + c0, len - c0);
-  }
+  load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
+  load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
   load_q_block(qblock(0), 0);
   cp_async_commit();
 
@@ -1154,23 +1134,22 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      wgmma::mma_ss<F16, 64, 0, 0>(s, S::template k_major<B>(cQ, ks), S::template k_major<B>(sKw, ks), ks > 0 ? 1 : 0);
+      wgmma::mma_ss<F16, 64, 0, 0>(s, S::template k_major<B>(cQ, ks), S::template k_major<B>(sK, ks), ks > 0 ? 1 : 0);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      wgmma::mma_ss<F16, 64, 0, 0>(dp, S::template k_major<B>(cdO, ks), S::template k_major<B>(sVw, ks), ks > 0 ? 1 : 0);
+      wgmma::mma_ss<F16, 64, 0, 0>(dp, S::template k_major<B>(cdO, ks), S::template k_major<B>(sV, ks), ks > 0 ? 1 : 0);
     wgmma::commit();
   };
   cp_async_wait_all();
   async_copy::fence_proxy_async();
   __syncthreads();  // block 0 is in (every thread's copies)
-  if constexpr (EARLY) issue_s_dp(0);
 
   for (int m = 0; m < mblocks; ++m) {
     const int stage = m & 1;
     const uint8_t* cQ = sQ + stage * TILE;
     const uint8_t* cdO = sdO + stage * TILE;
     const int m0 = qblock(m) * B;
-    if constexpr (!EARLY) issue_s_dp(m);  // block m is in: copied before the loop or before block m - 1's dQ staging
+    issue_s_dp(m);  // block m is in: copied before the loop or before block m - 1's dQ staging
     // behind the MMAs: block m + 1's copies (into block m - 1's stage, whose MMAs are done), and the
     // wait for block m - 1's dQ to leave the P and dS tiles
     if (m + 1 < mblocks) load_q_block(qblock(m + 1), stage ^ 1);
@@ -1228,7 +1207,7 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
     wgmma::fence();
     // dQ (unscaled) = dS K: K [64 keys x D] as the MN-major B (K = keys)
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<F16, D, 1>(dq, dsa[kk], S::template mn_major<B>(sKw, kk), kk > 0 ? 1 : 0);
+    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<F16, D, 1>(dq, dsa[kk], S::template mn_major<B>(sK, kk), kk > 0 ? 1 : 0);
     // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T (MN-major: [query][key] rows), B = dO / Q (MN-major)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
@@ -1250,9 +1229,6 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
       async_copy::fence_proxy_async();
     }
     __syncthreads();  // every warp is done with block m's MMAs, which read the P / dS tiles dQ is staged in
-    // EARLY: block m + 1's S and dP run during the staging (after the last block, an unused pair reading the
-    // other stage: an issue under a run-time condition makes ptxas serialize every wgmma)
-    if constexpr (EARLY) issue_s_dp(m + 1);
     // rows in dq_accum's layout (dq_chunk): the 8 rows of a store land in different banks
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -1267,30 +1243,15 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
       __syncthreads();  // the partial is staged
       if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[0], threadIdx.x);  // at each active CTA
     } else {
-      if constexpr (NWG > 1) {  // warpgroup 0's tiles := the sum of every warpgroup's partial
-        __syncthreads();  // every partial is staged
-        float4* acc = reinterpret_cast<float4*>(sPdS);
-        const int n4 = min(B, len - m0) * D / 4;
-        for (int i = threadIdx.x; i < n4; i += NT) {
-          float4 a = acc[i];
-#pragma unroll
-          for (int w = 1; w < NWG; ++w) {
-            const float4 x = acc[w * PDS / 16 + i];
-            a.x += x.x, a.y += x.y, a.z += x.z, a.w += x.w;
-          }
-          acc[i] = a;
-        }
-      }
       async_copy::fence_proxy_async();
       __syncthreads();  // dQ is staged, and block m + 1 is in
-      if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sPdS, (uint32_t)min(B, len - m0) * D * 4);
+      if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
     }
   }
   if constexpr (CLUSTER > 0) {
     sum_dq(mblocks - 1);
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
-  if constexpr (EARLY) wgmma::wait<0>();  // the unused pair
   if (!direct && threadIdx.x == 0) async_copy::bulk_wait_all();
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
@@ -1409,17 +1370,6 @@ HopperBackward hopper_backward() {
   const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD");
   if (choice == "mma") return HopperBackward::kNone;
   return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
-}
-
-// Warpgroups per CTA of the Hopper backward where dQ goes through the fp32 buffer (64 keys each):
-// BERTACCEL_ATTENTION_BWD_WG = 1, 2 or 3.
-// "2e": 2 warpgroups, the next block's S and dP issued before dQ's staging (returned as -2).
-int hopper_backward_warpgroups() {
-  const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD_WG");
-  if (choice == "2") return 2;
-  if (choice == "2e") return -2;
-  if (choice == "3") return 3;
-  return 1;
 }
 #endif
 
@@ -1540,11 +1490,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
   const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
   const bool direct = cluster > 0;
-#if defined(BERTACCEL_ATTENTION_SM90A)
-  const int bwd_wg = hopper && !direct ? hopper_backward_warpgroups() : 1;
-#else
-  const int bwd_wg = 1;
-#endif
   at::Tensor dq_accum;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
@@ -1575,9 +1520,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
       if (hopper) {
-        constexpr size_t smem = hopper::bwd_smem<D, 1>();
+        constexpr size_t smem = hopper::bwd_smem<D>();
         if (cluster > 0) {
-          auto kernel = hopper::attn_bwd_kernel<T, D, DR, 2, 1>;
+          auto kernel = hopper::attn_bwd_kernel<T, D, DR, 2>;
           set_smem(kernel, smem);
           cudaLaunchConfig_t config = {};
           config.gridDim = grid;
@@ -1592,18 +1537,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
           config.numAttrs = 1;
           C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P));
         } else {
-          auto launch = [&](auto warpgroups, auto early) {
-            constexpr int NWG = decltype(warpgroups)::value;
-            constexpr size_t bytes = hopper::bwd_smem<D, NWG>();
-            auto kernel = hopper::attn_bwd_kernel<T, D, DR, 0, NWG, decltype(early)::value>;
-            set_smem(kernel, bytes);
-            const dim3 g((unsigned)std::max<int64_t>((max_seqlen + 64 * NWG - 1) / (64 * NWG), 1), grid.y, grid.z);
-            kernel<<<g, 128 * NWG, bytes, stream>>>(P);
-          };
-          if (bwd_wg == 2) launch(std::integral_constant<int, 2>{}, std::false_type{});
-          else if (bwd_wg == -2) launch(std::integral_constant<int, 2>{}, std::true_type{});
-          else if (bwd_wg == 3) launch(std::integral_constant<int, 3>{}, std::false_type{});
-          else launch(std::integral_constant<int, 1>{}, std::false_type{});
+          auto kernel = hopper::attn_bwd_kernel<T, D, DR, 0>;
+          set_smem(kernel, smem);
+          kernel<<<grid, 128, smem, stream>>>(P);
         }
         launched = true;
         layout = DqLayout::kHeadsMajorPermuted;
