@@ -35,6 +35,7 @@ CELLS = ["128x128x12x64:full", "128x128x12x32:full", "32x512x12x64:full", "32x51
 VARIANTS = {"fwd mma, bwd mma": {"BERTACCEL_ATTENTION_FWD": "mma", "BERTACCEL_ATTENTION_BWD": "mma"},
             "bwd mma": {"BERTACCEL_ATTENTION_BWD": "mma"},
             "fwd wg2": {"BERTACCEL_ATTENTION_FWD": "wg2"},
+            "fwd 128 keys": {"BERTACCEL_ATTENTION_FWD": "n128"},
             "bwd bulk": {"BERTACCEL_ATTENTION_BWD": "bulk"}}
 
 

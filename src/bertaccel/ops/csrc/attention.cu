@@ -781,8 +781,8 @@ constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + NWG *
 // 128-register cap (offline ptxas), so 64 everywhere.
 constexpr int kFwdBlockN = 64;
 
-template <int D, int NWG>
-constexpr int fwd_min_blocks() { return D <= 64 ? 4 / NWG : 1; }  // 128 registers at D <= 64
+template <int D, int NWG, int BN>
+constexpr int fwd_min_blocks() { return D <= 64 ? (BN > 64 ? 3 : 4) / NWG : 1; }  // 128 registers at D <= 64 (168 with 128 keys)
 
 // Pin registers at this point of the program: the compiler may not move their reads or writes across
 // (a wgmma reads and writes them asynchronously, between its issue and the wait that follows).
@@ -805,7 +805,7 @@ __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) {
 // Loads run a block ahead: K_{n+2} and V_{n+1} are copied, issued behind those MMAs, while block n+1's
 // softmax runs.
 template <typename T, int D, bool DROPOUT, int NWG, int BN>
-__global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG>())) attn_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) attn_fwd_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BM = 64 * NWG, NT = NWG * 128;
   constexpr bool F16 = std::is_same_v<T, __half>;
@@ -1350,12 +1350,14 @@ bool on_hopper() {
 }
 
 // Warpgroups per CTA of the forward (hopper::attn_fwd_kernel), or 0 for the mma.sync kernel.
-// BERTACCEL_ATTENTION_FWD: "mma" (the mma.sync kernel), "wg1" / "wg2" (64 / 128 queries per CTA).
+// BERTACCEL_ATTENTION_FWD: "mma" (the mma.sync kernel), "wg1" / "wg2" (64 / 128 queries per CTA),
+// "n128": one warpgroup, 128 keys per block (returned as -1).
 int hopper_forward_warpgroups() {
   if (!on_hopper()) return 0;
   const std::string choice = switch_value("BERTACCEL_ATTENTION_FWD");
   if (choice == "mma") return 0;
   if (choice == "wg2") return 2;
+  if (choice == "n128") return -1;
   // one warpgroup: as fast or faster in every cell of benchmarks/bench_attention.py at 238afcd (seq 128:
   // 0.046 vs 0.048 ms at d 64; packed uniform lengths 0.051 vs 0.055; seq 512 d 64 0.0905 vs 0.0903)
   return 1;
@@ -1423,9 +1425,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
       using T = decltype(type_tag);
       constexpr int D = decltype(dim)::value;
       constexpr bool DR = decltype(drop)::value;
-      constexpr int BN = hopper::kFwdBlockN;
-      auto launch = [&](auto warpgroups) {
+      auto launch = [&](auto warpgroups, auto keys) {
         constexpr int NWG = decltype(warpgroups)::value;
+        constexpr int BN = decltype(keys)::value;
         constexpr size_t smem = hopper::fwd_smem<D, NWG, BN>();
         const dim3 grid((unsigned)std::max<int64_t>((max_seqlen + 64 * NWG - 1) / (64 * NWG), 1), (unsigned)P.heads,
                         (unsigned)P.batch + 1);
@@ -1433,8 +1435,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
         set_smem(kernel, smem);
         kernel<<<grid, NWG * 128, smem, stream>>>(P);
       };
-      if (nwg == 1) launch(std::integral_constant<int, 1>{});
-      else launch(std::integral_constant<int, 2>{});
+      constexpr std::integral_constant<int, hopper::kFwdBlockN> bn{};
+      if (nwg == 2) launch(std::integral_constant<int, 2>{}, bn);
+      else if constexpr (D <= 64) {
+        if (nwg == -1) launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 128>{});
+        else launch(std::integral_constant<int, 1>{}, bn);
+      } else launch(std::integral_constant<int, 1>{}, bn);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse, rng};

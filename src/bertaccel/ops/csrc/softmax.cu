@@ -114,6 +114,107 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restri
   }
 }
 
+// The forward of rows one warp holds (512-1024 bf16 keys, 256-1024 fp32; 16-byte aligned, S a multiple of
+// VEC), as the LayerNorm forward's row ring (layer_norm_fwd.cu): a persistent grid, each warp owns a row
+// at a time and walks every W-th row (W warps in the grid); its next rows stream into shared memory
+// through a ring of cp.async stages issued S_RING rows ahead, so several rows per warp are in flight
+// without holding them in registers. Each lane reads back only the 16-byte slots it copied: no barrier.
+// The mask is read as in the kernel above (consecutive rows of a warp's block share a mask row: L1 hits).
+constexpr int kRingWarps = kThreads / 32;
+constexpr int kRingItemBytes = 32 * 16;  // one item of a row: 16 bytes per lane
+constexpr int kRingBudget = 96 * 1024;   // shared memory per block: two blocks per SM
+template <int ITEMS>
+constexpr int ring_stages() {
+  constexpr int s = kRingBudget / (kRingWarps * ITEMS * kRingItemBytes);
+  return s > 4 ? 4 : (s < 2 ? 2 : s);
+}
+
+template <typename T, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                                       MaskView mask, int64_t rows, int S, float scale) {
+  static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
+  constexpr int ST = ring_stages<ITEMS>();
+  constexpr int kStage = ITEMS * kRingItemBytes;  // one warp's row
+  extern __shared__ __align__(16) unsigned char ring_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  unsigned char* ring = ring_smem + warp * ST * kStage + lane * 16;
+  const int nvec = S / VEC;
+  const int64_t first = (int64_t)blockIdx.x * kRingWarps + warp, stride = (int64_t)gridDim.x * kRingWarps;
+  auto issue = [&](int64_t row, int stage) {  // copy row `row` (if any) into `stage`; one group either way
+    if (row < rows) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const int c = lane + k * 32;
+        if (c < nvec) cp_async16(ring + stage * kStage + k * kRingItemBytes, x + row * S + (int64_t)c * VEC);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int st = 0; st < ST; ++st) issue(first + st * stride, st);
+  int stage = 0;
+  for (int64_t row = first; row < rows; row += stride) {
+    const int64_t moff = mask.row_offset(row);
+    cp_async_wait<ST - 1>();  // this row's group (the oldest pending) has landed
+    const unsigned char* src = ring + stage * kStage;
+    float v[ITEMS][VEC];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = lane + k * 32;
+      if (c >= nvec) continue;
+      load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kRingItemBytes), v[k]);
+      if (mask.add != nullptr && mask.add_vec4) {
+#pragma unroll
+        for (int j = 0; j < VEC; j += 4) {
+          const float4 m4 = *reinterpret_cast<const float4*>(mask.add + moff + c * VEC + j);
+          v[k][j] = v[k][j] * scale + m4.x;
+          v[k][j + 1] = v[k][j + 1] * scale + m4.y;
+          v[k][j + 2] = v[k][j + 2] * scale + m4.z;
+          v[k][j + 3] = v[k][j + 3] * scale + m4.w;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const int64_t mi = moff + c * VEC + j;
+          float sc = v[k][j] * scale;
+          if (mask.add != nullptr) sc += mask.add[mi];
+          else if (mask.keep != nullptr && !mask.keep[mi]) sc = -INFINITY;
+          v[k][j] = sc;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[k][j]);
+    }
+    // The stage is free once its values are read (the max depends on all of them): refill it.
+    issue(row + ST * stride, stage);
+    stage = stage + 1 == ST ? 0 : stage + 1;
+    mx = row_reduce(mx, 32, nullptr, 0, MaxOp());
+    const float base = mx == -INFINITY ? 0.f : mx;  // all keys masked: exp(-inf) = 0 everywhere
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+      if (lane + k * 32 < nvec)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          v[k][j] = __expf(v[k][j] - base);
+          sum += v[k][j];
+        }
+    sum = row_reduce(sum, 32, nullptr, 0, SumOp());
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int c = lane + k * 32;
+      if (c < nvec) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[k][j] *= inv;
+        store_f<T, VEC>(y + row * S + (int64_t)c * VEC, v[k]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
 template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ y,
                                                                T* __restrict__ dx, int64_t rows, int S, int tpr, float scale) {
@@ -218,6 +319,28 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
     RowLaunch l = plan<T>(S, rows, {&x, &y});
+    constexpr int max_vec = 16 / sizeof(T);
+    // The ring (a persistent grid) for rows a whole warp holds with 16-byte vectors; BERTACCEL_LN_RING=0
+    // (the LayerNorms' switch) keeps the kernel above.
+    if (l.vec == max_vec && l.tpr == 32 && ring_enabled()) {
+      const int device = x.get_device();
+      const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+#define BA_SOFTMAX_RING(V, I)                                                                            \
+  do {                                                                                                   \
+    if constexpr (V == max_vec) {                                                                        \
+      auto kernel = softmax_fwd_ring_kernel<T, V, I>;                                                    \
+      constexpr int smem = ring_stages<I>() * kRingWarps * I * kRingItemBytes;                           \
+      static int per_sm[64] = {};                                                                        \
+      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, per_sm);     \
+      const int64_t blocks = std::min<int64_t>((rows + kRingWarps - 1) / kRingWarps, fit);               \
+      kernel<<<(unsigned)blocks, kThreads, smem, stream>>>((const T*)x.data_ptr(), (T*)y.data_ptr(), mv,  \
+                                                           rows, (int)S, (float)scale);                  \
+    }                                                                                                    \
+  } while (0)
+      BA_DISPATCH_VEC_ITEMS(sizeof(T), l.vec, l.items, BA_SOFTMAX_RING);
+#undef BA_SOFTMAX_RING
+      return;
+    }
 #define BA_SOFTMAX_FWD(V, I)                                                                             \
   softmax_fwd_kernel<T, V, I><<<l.grid, kThreads, 0, stream>>>((const T*)x.data_ptr(), (T*)y.data_ptr(), mv, \
                                                                rows, (int)S, l.tpr, (float)scale)
