@@ -36,7 +36,6 @@ VARIANTS = {"fwd mma, bwd mma": {"BERTACCEL_ATTENTION_FWD": "mma", "BERTACCEL_AT
             "bwd mma": {"BERTACCEL_ATTENTION_BWD": "mma"},
             "fwd wg2": {"BERTACCEL_ATTENTION_FWD": "wg2"},
             "fwd 128 keys": {"BERTACCEL_ATTENTION_FWD": "n128"},
-            "fwd 64 keys": {"BERTACCEL_ATTENTION_FWD": "wg1"},
             "bwd bulk": {"BERTACCEL_ATTENTION_BWD": "bulk"}}
 
 

@@ -1352,19 +1352,19 @@ bool on_hopper() {
 // The forward's kernel (hopper::attn_fwd_kernel) as its warpgroups per CTA, or 0 for the mma.sync
 // kernel; -1: one warpgroup with 128 keys per block. BERTACCEL_ATTENTION_FWD: "mma" (the mma.sync
 // kernel), "wg1" / "wg2" (64 / 128 queries per CTA, 64 keys per block), "n128" (64 queries, 128 keys;
-// head dims 32 and 64). Default: one warpgroup - as fast or faster than two in every cell of
-// benchmarks/bench_attention.py at 238afcd (seq 128: 0.046 vs 0.048 ms at d 64; packed uniform
-// lengths 0.051 vs 0.055; seq 512 d 64 0.0905 vs 0.0903) - with 128 keys per block at head dim 32
-// without dropout (f8f5eff, 32x512x12x32 forward 0.0642 against 0.0688 ms; at d 64 0.0925 against
-// 0.0916 and 3 CTAs per SM instead of 4; with dropout the d 32 kernel spills 108 bytes).
-int hopper_forward_warpgroups(int64_t d, bool dropout) {
+// head dims 32 and 64). Default: one warpgroup, 64 keys - as fast or faster than two warpgroups in every
+// cell of benchmarks/bench_attention.py at 238afcd (seq 128: 0.046 vs 0.048 ms at d 64; packed uniform
+// lengths 0.051 vs 0.055; seq 512 d 64 0.0905 vs 0.0903). 128 keys per block (3 CTAs per SM instead of
+// 4) won only on full 512-token sequences at d 32 (a190df3: 0.0653 vs 0.0692 ms) and lost on packed
+// ragged lengths (IMDB-like 0.0196 vs 0.0187, uniform 0.0384 vs 0.0379: a partial last block wastes up
+// to 127 keys) and at d 64 (f8f5eff: 0.0925 vs 0.0916).
+int hopper_forward_warpgroups() {
   if (!on_hopper()) return 0;
   const std::string choice = switch_value("BERTACCEL_ATTENTION_FWD");
   if (choice == "mma") return 0;
   if (choice == "wg2") return 2;
-  if (choice == "wg1") return 1;
   if (choice == "n128") return -1;
-  return d == 32 && !dropout ? -1 : 1;
+  return 1;
 }
 
 // Which backward runs at head dims 32 and 64: hopper::attn_bwd_kernel on a Hopper (kClusters: with dQ
@@ -1424,7 +1424,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
                   (unsigned)P.batch + 1);
   auto stream = at::cuda::getCurrentCUDAStream();
 #if defined(BERTACCEL_ATTENTION_SM90A)
-  if (const int nwg = hopper_forward_warpgroups(q.size(2), dropout_p > 0)) {
+  if (const int nwg = hopper_forward_warpgroups()) {
     dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
       using T = decltype(type_tag);
       constexpr int D = decltype(dim)::value;
