@@ -777,8 +777,9 @@ __device__ __forceinline__ void load_tile(uint8_t* s, const T* g, int64_t row_st
 template <int D, int NWG, int BN>
 constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + NWG * 128 * 4 + 1024; }  // Q, 2 x (K, V), anchor, alignment
 
-// keys per block. 128 at D = 32 (half-length MMAs: fewer, longer blocks) spilled 48-144 bytes at the
-// 128-register cap (offline ptxas), so 64 everywhere.
+// Keys per block by default. 128 (BERTACCEL_ATTENTION_FWD=n128, D <= 64) needs 156-168 registers (3 CTAs
+// per SM instead of 4; it spilled 48-144 bytes at the 128-register cap) and measured faster only on full
+// 512-token sequences at D = 32 (see hopper_forward_warpgroups).
 constexpr int kFwdBlockN = 64;
 
 template <int D, int NWG, int BN>
