@@ -119,12 +119,22 @@ inline bool env_is(const char* name, const char* value) {
 }
 
 // The row rings (persistent kernels streaming rows into shared memory with cp.async: the LayerNorm
-// family's forward in layer_norm_fwd.cu, their backward in layer_norm_bwd.cuh). BERTACCEL_LN_RING=0
-// turns them off (the one-row kernels run every width), for comparing both in one run
-// (scripts/ln_fwd_sweep.py).
+// family's forward in layer_norm_fwd.cu, their backward in layer_norm_bwd.cuh, the softmax forward in
+// softmax.cu). BERTACCEL_LN_RING=0 turns them off (the one-row kernels run every width), for comparing
+// both in one run (scripts/ln_fwd_sweep.py).
 inline bool ring_enabled() {
   static const bool on = env_switch("BERTACCEL_LN_RING", 1) != 0;
   return on;
+}
+
+// The forward rings (one row per warp, each lane copying 16-byte items): shared memory per block for
+// two blocks per SM on Hopper/Ampere, and the stages a block's `stage_bytes` allow within it - at most
+// four: six for the 384-wide bf16 LayerNorm row (half a 768-wide row's bytes in flight with four)
+// measured slower on the H100 (16384 rows: 11.9 against 11.0 us, same run).
+constexpr int kRingItemBytes = 32 * 16;  // one item of a row: 16 bytes per lane
+constexpr int kRingBudget = 96 * 1024;
+constexpr int ring_stages_for(int stage_bytes) {
+  return kRingBudget / stage_bytes > 4 ? 4 : (kRingBudget / stage_bytes < 2 ? 2 : kRingBudget / stage_bytes);
 }
 
 // Blocks per SM of one ring kernel on `device` (the attribute for its dynamic shared memory set

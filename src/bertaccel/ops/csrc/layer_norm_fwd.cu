@@ -209,18 +209,11 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 // kernel above). Weight and bias are read into registers once per warp, before the row loop. Each
 // lane reads back only the 16-byte slots it copied itself: no barrier anywhere, warps run free.
 constexpr int kRingWarps = kThreads / 32;
-constexpr int kRingItemBytes = 32 * 16;    // one item of a row: 16 bytes per lane
-constexpr int kRingBudget = 96 * 1024;     // shared memory per block: two blocks per SM on Hopper/Ampere
 
 template <int ITEMS, bool RES>
 constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes * (RES ? 2 : 1); }
-// Stages: at most four. Six for the 384-wide bf16 row (half a 768-wide row's bytes in flight with
-// four) measured slower on the H100 (16384 rows: 11.9 against 11.0 us, same run).
 template <int ITEMS, bool RES>
-constexpr int ring_stages() {
-  constexpr int s = kRingBudget / ring_stage_bytes<ITEMS, RES>();
-  return s > 4 ? 4 : (s < 2 ? 2 : s);
-}
+constexpr int ring_stages() { return ring_stages_for(ring_stage_bytes<ITEMS, RES>()); }
 
 template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(

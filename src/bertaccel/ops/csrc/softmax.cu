@@ -37,6 +37,44 @@ struct MaskView {
   }
 };
 
+// v = v * scale + mask for the VEC keys of vector c of a row whose mask starts at moff, and mx = the max
+// of mx and them: the additive mask 4 keys per 16-byte load where aligned (add_vec4), else one key per
+// load; a boolean mask's dropped keys become -inf. Shared by both forwards. Offline ptxas: the max
+// folded into the scalar loop (computed after it, the <bf16, 2, 16> kernel spilled 12 bytes) and the mask
+// taken by value (by reference, the <bf16, 8, 3> kernel spilled 8) keep the one-row kernel's registers.
+template <int VEC>
+__device__ __forceinline__ void scale_and_mask(float (&v)[VEC], const MaskView mask, int64_t moff, int c, float scale,
+                                               float& mx) {
+  bool vec_mask = false;  // the additive mask of these VEC keys in 16-byte loads, when aligned
+  if constexpr (VEC % 4 == 0) {
+    // add_vec4 implies add != nullptr; without the redundant test the <bf16, 8, 3> kernel spills 8 bytes
+    if (mask.add != nullptr && mask.add_vec4) {
+      vec_mask = true;
+#pragma unroll
+      for (int j = 0; j < VEC; j += 4) {
+        const float4 m4 = *reinterpret_cast<const float4*>(mask.add + moff + c * VEC + j);
+        v[j] = v[j] * scale + m4.x;
+        v[j + 1] = v[j + 1] * scale + m4.y;
+        v[j + 2] = v[j + 2] * scale + m4.z;
+        v[j + 3] = v[j + 3] * scale + m4.w;
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[j]);
+    }
+  }
+  if (!vec_mask) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const int64_t mi = moff + c * VEC + j;
+      float s = v[j] * scale;
+      if (mask.add != nullptr) s += mask.add[mi];
+      else if (mask.keep != nullptr && !mask.keep[mi]) s = -INFINITY;
+      v[j] = s;
+      mx = fmaxf(mx, s);
+    }
+  }
+}
+
 template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                MaskView mask, int64_t rows, int S, int tpr, float scale) {
@@ -57,34 +95,7 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restri
     const int c = t + k * tpr;
     if (active && c < nvec) {
       load_f<T, VEC>(x + row * S + (int64_t)c * VEC, v[k]);
-      bool vec_mask = false;  // the additive mask of these VEC keys in 16-byte loads, when aligned
-      if constexpr (VEC % 4 == 0) {
-        // add_vec4 implies add != nullptr; without the redundant test the <bf16, 8, 3> kernel spills 8 bytes
-        if (mask.add != nullptr && mask.add_vec4) {
-          vec_mask = true;
-#pragma unroll
-          for (int j = 0; j < VEC; j += 4) {
-            const float4 m4 = *reinterpret_cast<const float4*>(mask.add + moff + c * VEC + j);
-            v[k][j] = v[k][j] * scale + m4.x;
-            v[k][j + 1] = v[k][j + 1] * scale + m4.y;
-            v[k][j + 2] = v[k][j + 2] * scale + m4.z;
-            v[k][j + 3] = v[k][j + 3] * scale + m4.w;
-          }
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[k][j]);
-        }
-      }
-      if (!vec_mask) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const int64_t mi = moff + c * VEC + j;
-          float s = v[k][j] * scale;
-          if (mask.add != nullptr) s += mask.add[mi];
-          else if (mask.keep != nullptr && !mask.keep[mi]) s = -INFINITY;
-          v[k][j] = s;
-          mx = fmaxf(mx, s);
-        }
-      }
+      scale_and_mask<VEC>(v[k], mask, moff, c, scale, mx);
     }
   }
   mx = row_reduce(mx, tpr, red, local_row, MaxOp());
@@ -121,19 +132,14 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restri
 // without holding them in registers. Each lane reads back only the 16-byte slots it copied: no barrier.
 // The mask is read as in the kernel above (consecutive rows of a warp's block share a mask row: L1 hits).
 constexpr int kRingWarps = kThreads / 32;
-constexpr int kRingItemBytes = 32 * 16;  // one item of a row: 16 bytes per lane
-constexpr int kRingBudget = 96 * 1024;   // shared memory per block: two blocks per SM
 template <int ITEMS>
-constexpr int ring_stages() {
-  constexpr int s = kRingBudget / (kRingWarps * ITEMS * kRingItemBytes);
-  return s > 4 ? 4 : (s < 2 ? 2 : s);
-}
+constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes; }
 
 template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                        MaskView mask, int64_t rows, int S, float scale) {
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
-  constexpr int ST = ring_stages<ITEMS>();
+  constexpr int ST = ring_stages_for(ring_stage_bytes<ITEMS>());
   constexpr int kStage = ITEMS * kRingItemBytes;  // one warp's row
   extern __shared__ __align__(16) unsigned char ring_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -164,27 +170,7 @@ __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* 
       const int c = lane + k * 32;
       if (c >= nvec) continue;
       load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kRingItemBytes), v[k]);
-      if (mask.add != nullptr && mask.add_vec4) {
-#pragma unroll
-        for (int j = 0; j < VEC; j += 4) {
-          const float4 m4 = *reinterpret_cast<const float4*>(mask.add + moff + c * VEC + j);
-          v[k][j] = v[k][j] * scale + m4.x;
-          v[k][j + 1] = v[k][j + 1] * scale + m4.y;
-          v[k][j + 2] = v[k][j + 2] * scale + m4.z;
-          v[k][j + 3] = v[k][j + 3] * scale + m4.w;
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const int64_t mi = moff + c * VEC + j;
-          float sc = v[k][j] * scale;
-          if (mask.add != nullptr) sc += mask.add[mi];
-          else if (mask.keep != nullptr && !mask.keep[mi]) sc = -INFINITY;
-          v[k][j] = sc;
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[k][j]);
+      scale_and_mask<VEC>(v[k], mask, moff, c, scale, mx);
     }
     // The stage is free once its values are read (the max depends on all of them): refill it.
     issue(row + ST * stride, stage);
@@ -329,7 +315,7 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
   do {                                                                                                   \
     if constexpr (V == max_vec) {                                                                        \
       auto kernel = softmax_fwd_ring_kernel<T, V, I>;                                                    \
-      constexpr int smem = ring_stages<I>() * kRingWarps * I * kRingItemBytes;                           \
+      constexpr int smem = ring_stages_for(ring_stage_bytes<I>()) * ring_stage_bytes<I>();             \
       static int per_sm[64] = {};                                                                        \
       const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, per_sm);     \
       const int64_t blocks = std::min<int64_t>((rows + kRingWarps - 1) / kRingWarps, fit);               \
