@@ -21,6 +21,8 @@ ap.add_argument("--schedules", nargs="+", type=int, default=[0, 1, 3])
 ap.add_argument("--calls", type=int, default=20)
 ap.add_argument("--fp32", action="store_true", help="fp32 operands: the SIMT kernel (cuBLAS without TF32 beside it)")
 ap.add_argument("--configs", nargs="+", default=["0:0"], help="--fp32: tile:splits pairs (0:0 = the plan's pick)")
+ap.add_argument("--cublas-names", action="store_true",
+                help="also list cuBLAS's kernels for each call (their names carry its tile, cluster and split choices)")
 args = ap.parse_args()
 torch.backends.cuda.matmul.allow_tf32 = False
 assert build.load() and build.load_gemm(), build.gemm_reason()
@@ -37,6 +39,10 @@ for m, n, k in args.shapes:
         ta, tb = LAYOUT[g]
         cub = {"fwd": lambda x, w: x @ w.t(), "dgrad": lambda dy, w: dy @ w, "wgrad": lambda dy, x: dy.t() @ x}[g]
         cub_ms = graph_time_ms(cub, [(a, b)], calls=10, replays=10)
+        if args.cublas_names:
+            names = kernel_times_us(lambda: [cub(a, b) for _ in range(args.calls)], args.calls)
+            listed = "; ".join(f"{name} {us:.1f} us" for name, us in sorted(names.items(), key=lambda kv: -kv[1]))
+            print(f"CUBLAS {m}x{n}x{k} {g:5s}: graph {cub_ms * 1e3:.1f} us; {listed}", flush=True)
         configs = [tuple(int(v) for v in c.split(":")) for c in args.configs] if args.fp32 else args.schedules
         for sched in configs:
             def call(a, b, sched=sched):

@@ -14,7 +14,7 @@
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows), gelu_sweep (bias+GELU forward
 # vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
-# ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
+# ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 set -uo pipefail
@@ -307,6 +307,14 @@ if has ncu_attn; then  # Nsight Compute on the attention kernels (NCU_ATTN_CELL=
     echo "ncu attention $kernel $fwd rc=$?"
     grep -E "attn_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A|Stall|No Eligible|Theoretical Occ|Block Limit|Shared Memory|Bank|Executed Instructions  " "$OUT/ncu_attn_${kernel}_$fwd.txt" | cut -c1-120 | head -${NCU_LINES:-50}
   done
+fi
+if has ncu_gemm; then  # Nsight Compute on our GEMM and cuBLAS's at chosen cells (NCU_GEMM_SHAPES=, NCU_GEMM_GEMMS=)
+  timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --section SpeedOfLight --section LaunchStats \
+    --section MemoryWorkloadAnalysis --section Occupancy --metrics \
+    sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum.per_second,lts__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,launch__cluster_dim_x,launch__cluster_dim_y \
+    python scripts/gemm_calls.py --shapes ${NCU_GEMM_SHAPES:-2048x768x768 16384x768x3072} --gemms ${NCU_GEMM_GEMMS:-fwd wgrad} > "$OUT/ncu_gemm.txt" 2>&1
+  echo "ncu gemm rc=$?"
+  grep -E "^CALLS|^  [a-zA-Z_0-9:<>, ]+\(|Duration|gmma|lts__t_bytes|lts__throughput|sm__throughput|Registers Per|cluster_dim|Grid Size|L2 Hit|Memory Throughput" "$OUT/ncu_gemm.txt" | cut -c1-150 | head -${NCU_LINES:-160}
 fi
 if has ncu_rows; then  # hardware counters of the LayerNorm-family kernels (Nsight Compute; NCU_OPS=, NCU_SHAPES=)
   timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \

@@ -1,0 +1,49 @@
+"""GEMM calls for Nsight Compute: our GEMM and/or cuBLAS (torch.matmul) at chosen BERT shapes, each warmed
+up first and then called inside cudaProfilerStart/Stop, so `ncu --profile-from-start off` sees only the
+measured calls.
+`ncu --profile-from-start off --section SpeedOfLight ... python scripts/gemm_calls.py --shapes 2048x768x768
+--gemms fwd --impls ours cublas`"""
+import argparse
+
+import torch
+
+from benchmarks.bench_gemm import parse_shape
+import bertaccel.ops.gemm  # noqa: F401 - defines torch.ops.bertaccel.gemm
+from bertaccel.ops import build
+
+ap = argparse.ArgumentParser(description=__doc__)
+ap.add_argument("--shapes", nargs="+", type=parse_shape, default=[(2048, 768, 768)])
+ap.add_argument("--gemms", nargs="+", default=["fwd"], choices=["fwd", "dgrad", "wgrad"])
+ap.add_argument("--impls", nargs="+", default=["ours", "cublas"], choices=["ours", "cublas"])
+ap.add_argument("--schedule", type=int, default=0, help="our schedule (0: the model picks)")
+ap.add_argument("--calls", type=int, default=1)
+args = ap.parse_args()
+if "ours" in args.impls:
+    assert build.load() and build.load_gemm(), build.gemm_reason()
+GEMM = torch.ops.bertaccel.gemm.default if "ours" in args.impls else None
+LAYOUT = {"fwd": (False, False), "dgrad": (False, True), "wgrad": (True, True)}
+CUBLAS = {"fwd": lambda x, w: x @ w.t(), "dgrad": lambda dy, w: dy @ w, "wgrad": lambda dy, x: dy.t() @ x}
+for m, n, k in args.shapes:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    operands = {"fwd": (x, w), "dgrad": (dy, w), "wgrad": (dy, x)}
+    for g in args.gemms:
+        a, b = operands[g]
+        ta, tb = LAYOUT[g]
+        for impl in args.impls:
+            if impl == "ours":
+                def call(a=a, b=b, ta=ta, tb=tb):
+                    return GEMM(a, b, None, None, 0, ta, tb, False, False, 0, 0, args.schedule)[0]
+            else:
+                def call(a=a, b=b, g=g):
+                    return CUBLAS[g](a, b)
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize()
+            print(f"CALLS {m}x{n}x{k} {g} {impl}", flush=True)
+            torch.cuda.cudart().cudaProfilerStart()
+            for _ in range(args.calls):
+                call()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
