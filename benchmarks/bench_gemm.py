@@ -130,14 +130,14 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                              "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
             elif sweep:  # every schedule, tile width and K split, for the tile heuristic
                 configs = [(schedule, tile) for schedule, tiles in ((1, (64, 128, 192, 256)), (2, (64, 128)),
-                                                                    (3, (128, 192, 256)))
+                                                                    (3, (128, 192, 256)), (4, (64, 128, 192)))
                            if schedule in schedules for tile in tiles]
                 for schedule, tile in configs:
                     for splits in (1, 2, 4) if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
                         def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
                             return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]
                         t = time_ms(f, args, device)
-                        kind = {1: "", 2: "pp ", 3: "sk "}[schedule]
+                        kind = {1: "", 2: "pp ", 3: "sk ", 4: "r192 "}[schedule]
                         add({"shape": row["shape"], "gemm": name, "impl": f"bertaccel {kind}n{tile} s{splits}",
                                      "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
         # the epilogue baselines: linear + bias + GELU
@@ -191,8 +191,9 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--fp32", action="store_true", help="fp32 operands instead of bf16 (ours: the SIMT kernel; cuBLAS without TF32)")
     ap.add_argument("--sweep", action="store_true", help="also time every tile width and K split of ours")
-    ap.add_argument("--schedules", nargs="+", type=int, default=[1, 2, 3], choices=[1, 2, 3],
-                    help="the schedules --sweep times: 1 cooperative, 2 ping-pong, 3 stream-K")
+    ap.add_argument("--schedules", nargs="+", type=int, default=[1, 2, 3, 4], choices=[1, 2, 3, 4],
+                    help="the schedules --sweep times: 1 cooperative, 2 ping-pong, 3 stream-K, 4 cooperative "
+                         "with 192-row tiles (three consumer warpgroups)")
     ap.add_argument("--fp32-tiles", nargs="+", type=int, default=[1, 2],
                     help="the SIMT block tiles --fp32 --sweep times (1: 128x128, 2: 128x64)")
     ap.add_argument("--compare-stores", action="store_true",

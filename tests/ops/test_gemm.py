@@ -130,8 +130,9 @@ def test_gemm_layouts_and_shapes(layout, M, N, K):
 
 
 @hopper_test
-@pytest.mark.parametrize("schedule,tile_n", [(1, 64), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128)],
-                         ids=lambda v: {1: "cooperative", 2: "pingpong"}.get(v, str(v)) if v in (1, 2) else str(v))
+@pytest.mark.parametrize("schedule,tile_n", [(1, 64), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128), (4, 64), (4, 128),
+                                             (4, 192)],
+                         ids=lambda v: {1: "cooperative", 2: "pingpong", 4: "rows192"}.get(v, str(v)) if v in (1, 2, 4) else str(v))
 @pytest.mark.parametrize("splits", [1, 2, 3, 8])
 def test_every_schedule_tile_width_and_k_split(schedule, tile_n, splits):
     M, N, K = 333, 520, 2056  # no dimension a multiple of a tile
@@ -203,6 +204,34 @@ def test_pingpong_epilogues_and_many_units(epilogue):
 
 
 @hopper_test
+@pytest.mark.parametrize("tile_n", [64, 128, 192])
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+def test_192_row_tiles_every_epilogue(epilogue, tile_n):
+    """Three consumer warpgroups (schedule 4, 192-row tiles) with every epilogue: 2048 x 2304 is 11 x 12
+    tiles of 192 x 192 (the last row of tiles ends at row 2048 = 10 x 192 + 128, mid-tile); 16384 rows
+    give each block several tiles."""
+    for M, N, K in [(2048, 2304, 768), (16384, 768, 200)]:
+        _check_epilogue(M, N, K, epilogue, f"192-row tiles {epilogue} n{tile_n} {M}x{N}x{K}", tile_n, 1, 4)
+
+
+@hopper_test
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_192_row_tiles_layouts_and_fp32_out(layout):
+    """Schedule 4 with each operand layout (MN-major A is loaded as three 64-row chunks) and fp32 out."""
+    trans_a, trans_b = LAYOUTS[layout]
+    M, N, K = 1000, 776, 520
+    a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16)
+    A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
+    ref = A.double() @ B.double().t()
+    for tile_n in (64, 128, 192):
+        poison()
+        ours = GEMM(a, b, None, None, 0, trans_a, trans_b, False, False, tile_n, 1, 4)[0]
+        check_vs_cublas(ours, A @ B.t(), ref, f"192-row tiles {layout} n{tile_n}")
+        ours32 = GEMM(a, b, None, None, 0, trans_a, trans_b, True, False, tile_n, 1, 4)[0]
+        check_vs_cublas(ours32, A.float() @ B.float().t(), ref, f"192-row tiles {layout} n{tile_n} fp32 out")
+
+
+@hopper_test
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_epilogues(epilogue, bias_dtype):
@@ -211,7 +240,7 @@ def test_epilogues(epilogue, bias_dtype):
 
 @hopper_test
 @pytest.mark.parametrize("store", ["tma", "staged"])
-@pytest.mark.parametrize("schedule", [1, 2], ids=["cooperative", "pingpong"])
+@pytest.mark.parametrize("schedule", [1, 2, 4], ids=["cooperative", "pingpong", "rows192"])
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 def test_both_store_paths_at_ragged_edges(epilogue, schedule, store, monkeypatch):
     """Outputs leave through TMA stores (bf16: 64 x 64 chunks; fp32: 64 x 32), or (BERTACCEL_GEMM_STORE=staged,

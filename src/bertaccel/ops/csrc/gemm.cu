@@ -67,18 +67,29 @@ int sm_count(int device) { return at::cuda::getDeviceProperties(device)->multiPr
 namespace {
 
 using bf16 = __nv_bfloat16;
-constexpr int BM = 128;          // tile rows: two consumer warpgroups of 64
 constexpr int BK = 64;           // 64 bf16 = 128 bytes: one swizzle row
-constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kChunk = 32;                       // accumulator columns staged per epilogue round
 constexpr int kChunkStride = kChunk + 8;          // floats per staged row: +8 keeps the float2 writes conflict-free
 constexpr int kStoreBufs = 2;                    // TMA-store chunk buffers per consumer warpgroup
 constexpr int kStoreBufBytes = 64 * 64 * 2;       // one 64 x 64 bf16 chunk (128-byte rows, swizzled)
-constexpr int kStagingBytes = (kConsumers * 64 * kChunkStride * 4) > (kConsumers * kStoreBufs * kStoreBufBytes)
-                                  ? kConsumers * 64 * kChunkStride * 4 : kConsumers * kStoreBufs * kStoreBufBytes;
 constexpr int kSmemLimit = 227 * 1024;            // Hopper's per-block maximum
-constexpr int kSmemBudget = kSmemLimit - kStagingBytes - 2048;  // operand stages (the rest: barriers, alignment)
+
+// The block's warpgroups: one producer and CONS consumers. Two consumers: 128-row tiles (cooperative,
+// 64 rows each, or ping-pong, whole tiles in turn); three: 192-row tiles (cooperative), which fit BERT's
+// M = 2048 problems into 132 SMs (2048 x 2304 in 11 x 12 tiles of 192 x 192) and read fewer operand
+// bytes per FLOP. Registers: 65536 per SM shared by the block, rebalanced with setmaxnreg.
+template <int CONS>
+struct Team {
+  static_assert(CONS == 2 || CONS == 3, "two or three consumer warpgroups");
+  static constexpr int kConsumers = CONS;
+  static constexpr int BM = 64 * CONS;  // tile rows (cooperative; ping-pong tiles are 128 rows with two)
+  static constexpr int kThreads = 128 * (1 + CONS);
+  static constexpr int kProducerRegs = CONS == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = CONS == 2 ? 232 : 160;  // 128 (40 + 2 x 232) or 128 (32 + 3 x 160) x 128 <= 65536
+  static constexpr int kStagingBytes = (CONS * 64 * kChunkStride * 4) > (CONS * kStoreBufs * kStoreBufBytes)
+                                           ? CONS * 64 * kChunkStride * 4 : CONS * kStoreBufs * kStoreBufBytes;
+  static constexpr int kSmemBudget = kSmemLimit - kStagingBytes - 2048;  // operand stages (the rest: barriers, alignment)
+};
 
 enum Epilogue : int {
   kNone = 0,
@@ -119,8 +130,10 @@ struct StreamKRange {
   int64_t g0, g1;
   int tile0;
 };
+// kMayStreamK: the kernel can be launched for stream-K (the cooperative schedule of two consumers).
+template <bool kMayStreamK>
 __device__ __forceinline__ bool unit_at(const Params& p, int kblocks, int i, Unit& w, const StreamKRange& r) {
-  if (p.streamk) {
+  if (kMayStreamK && p.streamk) {
     const int64_t g0 = r.g0, g1 = r.g1;
     const int tile = r.tile0 + i;
     const int64_t start = i == 0 ? g0 : (int64_t)tile * kblocks;
@@ -438,13 +451,14 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
 }
 
 // ----------------------------------------------------------------------------------- kernel
-template <int BN>
-struct Config {
-  static constexpr int kABytes = BM * BK * 2;
+template <int BN, int CONS>
+struct Config : Team<CONS> {
+  using T = Team<CONS>;
+  static constexpr int kABytes = T::BM * BK * 2;
   static constexpr int kBBytes = BN * BK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = kSmemBudget / kStageBytes > 8 ? 8 : kSmemBudget / kStageBytes;
-  static constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
+  static constexpr int kStages = T::kSmemBudget / kStageBytes > 8 ? 8 : T::kSmemBudget / kStageBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + T::kStagingBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
   static_assert(kSmemBytes <= kSmemLimit, "shared memory over the per-block limit");
 };
 
@@ -453,20 +467,21 @@ struct Config {
 // splits every tile's rows between the two and leaves the tensor cores idle during the epilogue).
 // The producer fills the ring unit after unit in either schedule; with PP only the warpgroup that
 // owns a unit consumes (and releases) its stages.
-template <int BN, bool A_MN, bool B_MN, bool PP>
-__global__ void __launch_bounds__(kThreads, 1)
+template <int BN, bool A_MN, bool B_MN, bool PP, int CONS>
+__global__ void __launch_bounds__(Team<CONS>::kThreads, 1)
 gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
             const __grid_constant__ CUtensorMap map_out, const __grid_constant__ CUtensorMap map_pre, const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = Config<BN>;
-  constexpr int S = C::kStages;
+  static_assert(!PP || CONS == 2, "ping-pong: two consumer warpgroups");
+  using C = Config<BN, CONS>;
+  constexpr int S = C::kStages, BM = C::BM, kConsumers = CONS;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
   uint8_t* tiles_b = smem + S * C::kABytes;
   // [kConsumers][64][kChunkStride] floats (staged stores), or [kConsumers][kStoreBufs] 64 x 64 bf16 chunks (TMA stores)
   float* staging = reinterpret_cast<float*>(smem + S * C::kStageBytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * C::kStageBytes + kStagingBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * C::kStageBytes + C::kStagingBytes);
   uint64_t* empty = full + S;
 
   const int wg = threadIdx.x / 128;
@@ -481,17 +496,18 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
 
   const int kblocks_total = (p.K + BK - 1) / BK;
   StreamKRange sk{0, 0, 0};
-  if (p.streamk) {
+  constexpr bool kMayStreamK = !PP && CONS == 2;
+  if (kMayStreamK && p.streamk) {
     sk.g0 = streamk_begin(p, kblocks_total, blockIdx.x), sk.g1 = streamk_begin(p, kblocks_total, blockIdx.x + 1);
     sk.tile0 = (int)(sk.g0 / kblocks_total);
   }
 
   if (wg == 0) {  // ------------------------------------------------------------ producer
-    regs_down<40>();
+    regs_down<C::kProducerRegs>();
     if (threadIdx.x == 0) {
       int it = 0;
       Unit w;
-      for (int i = 0; unit_at(p, kblocks_total, i, w, sk); ++i) {
+      for (int i = 0; unit_at<kMayStreamK>(p, kblocks_total, i, w, sk); ++i) {
         const int tm = w.tile / p.tiles_n, tn = w.tile % p.tiles_n;  // neighbours share the A rows
         for (int kb = w.kb0; kb < w.kb1; ++kb, ++it) {
           const int s = it % S;
@@ -515,7 +531,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       }
     }
   } else {  // ----------------------------------------------------------------- consumers
-    regs_up<232>();
+    regs_up<C::kConsumerRegs>();
     const int cw = wg - 1;  // cooperative: which 64 rows of each tile; ping-pong: which units
     constexpr int kHalves = PP ? 2 : 1;  // 64-row halves of the tile this warpgroup accumulates
     const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
@@ -523,7 +539,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
     int it = 0;
     StoreRing ring{smem + S * C::kStageBytes + cw * kStoreBufs * kStoreBufBytes, 0};
     Unit w, next;
-    for (int local = 0; unit_at(p, kblocks_total, local, w, sk); ++local) {
+    for (int local = 0; unit_at<kMayStreamK>(p, kblocks_total, local, w, sk); ++local) {
       const int split = w.split, tm = w.tile / p.tiles_n, tn = w.tile % p.tiles_n;
       const int kb0 = w.kb0, kb1 = w.kb1;
       if (PP && (local & 1) != cw) {  // the other warpgroup's unit: skip its stages in the ring
@@ -538,8 +554,9 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       // The epilogue's auxiliary input (TMA-store epilogues) is loaded a chunk ahead, the first chunk's
       // before the MMAs, where the registers allow (ptxas, 168 per thread): the cooperative 192-wide tile
       // loads its first chunk's after the last MMAs are issued (before them: 8 bytes of spill), the
-      // 256-wide one each chunk's at the chunk (a chunk ahead: 20 bytes of spill).
-      constexpr bool kAuxAhead = PP || BN <= 192, kAuxBeforeMmas = PP || BN <= 128;
+      // 256-wide one each chunk's at the chunk (a chunk ahead: 20 bytes of spill), and so does every tile
+      // of three consumers (160 registers each: a chunk ahead spilled 24 bytes at width 128, 692 at 192).
+      constexpr bool kAuxAhead = CONS == 2 && (PP || BN <= 192), kAuxBeforeMmas = CONS == 2 && (PP || BN <= 128);
       const bool with_aux = p.tma_store && p.aux != nullptr && p.splits == 1;
       uint32_t aux_next[16];
 #pragma unroll
@@ -566,7 +583,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
         prev = s;
       }
-      if (PP && unit_at(p, kblocks_total, local + 1, next, sk)) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");  // your turn
+      if (PP && unit_at<kMayStreamK>(p, kblocks_total, local + 1, next, sk)) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");  // your turn
       if (kAuxAhead && !kAuxBeforeMmas && with_aux) load_aux(p, aux_next, tm * BM + cw * 64, tn * BN, t);
       wgmma::wait<0>();
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
@@ -576,7 +593,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
       }
-      if (!PP && p.streamk && !(kb0 == 0 && kb1 == kblocks_total)) {  // a piece of a shared tile
+      if (kMayStreamK && p.streamk && !(kb0 == 0 && kb1 == kblocks_total)) {  // a piece of a shared tile
         // The partial tile in fragment order ([warpgroup][i / 4][thread][4] floats: each warp's float4
         // stores are 512 contiguous bytes), read back by the finishing block in the same order.
         float4* slot = reinterpret_cast<float4*>(p.sk_partial) + ((int64_t)blockIdx.x * BM * BN + cw * 64 * BN) / 4;
@@ -760,24 +777,24 @@ struct Maps {
   CUtensorMap a, b, out, pre;  // out / pre: only read by the TMA-store epilogue (copies of a otherwise)
 };
 
-template <int BN, bool A_MN, bool B_MN, bool PP>
+template <int BN, bool A_MN, bool B_MN, bool PP, int CONS>
 void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
-  using C = Config<BN>;
+  using C = Config<BN, CONS>;
   static bool configured = false;  // per instantiation: raise the dynamic shared-memory limit once
   if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<BN, A_MN, B_MN, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        C::kSmemBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<BN, A_MN, B_MN, PP, CONS>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
     configured = true;
   }
-  gemm_kernel<BN, A_MN, B_MN, PP><<<grid, kThreads, C::kSmemBytes, stream>>>(m.a, m.b, m.out, m.pre, p);
+  gemm_kernel<BN, A_MN, B_MN, PP, CONS><<<grid, C::kThreads, C::kSmemBytes, stream>>>(m.a, m.b, m.out, m.pre, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int BN, bool PP>
+template <int BN, bool PP, int CONS = 2>
 void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid, cudaStream_t stream) {
-  if (!a_mn && !b_mn) launch<BN, false, false, PP>(m, p, grid, stream);
-  else if (!a_mn && b_mn) launch<BN, false, true, PP>(m, p, grid, stream);
-  else if (a_mn && b_mn) launch<BN, true, true, PP>(m, p, grid, stream);
+  if (!a_mn && !b_mn) launch<BN, false, false, PP, CONS>(m, p, grid, stream);
+  else if (!a_mn && b_mn) launch<BN, false, true, PP, CONS>(m, p, grid, stream);
+  else if (a_mn && b_mn) launch<BN, true, true, PP, CONS>(m, p, grid, stream);
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
@@ -790,7 +807,7 @@ void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int gri
 //                + 0.110 us per 1000 tile elements once (the last epilogue; the others overlap MMAs)
 //   with splits: + 0.359 us per MB of fp32 workspace written and read back + 0.65 us.
 // On that sweep its picks run at 99.1% of the best configuration's speed on average (worst 92.5%).
-double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpong) {
+double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpong, int BM = 128) {
   const int kblocks = (K + BK - 1) / BK;
   const int tiles = ((M + BM - 1) / BM) * ((N + bn - 1) / bn);
   const int units = tiles * splits;
@@ -819,6 +836,7 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpo
 // with 4-18 K-blocks per block at these shapes, the finishing block reads one or two 128 x 256 fp32
 // partial tiles (128 KB each) from L2, which costs about as much as the idle SMs it recovers.
 double estimate_streamk_us(int M, int N, int K, int sms, int bn) {
+  constexpr int BM = 128;
   const int kblocks = (K + BK - 1) / BK;
   const int64_t tiles = (int64_t)((M + BM - 1) / BM) * ((N + bn - 1) / bn);
   const double per_block = std::ceil((double)tiles * kblocks / sms);
@@ -828,13 +846,25 @@ double estimate_streamk_us(int M, int N, int K, int sms, int bn) {
          2 * tile_k * 0.1;
 }
 
-// schedule: 0 = the model picks, 1 = cooperative, 2 = ping-pong, 3 = stream-K (cooperative);
-// force_bn / force_splits 0 = the model picks.
+// schedule: 0 = the model picks, 1 = cooperative, 2 = ping-pong, 3 = stream-K (cooperative), 4 = cooperative
+// with three consumer warpgroups (192-row tiles; widths 64, 128, 192); force_bn / force_splits 0 = the model picks.
 void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, int schedule, int& bn,
-            int& splits, bool& pingpong, bool& streamk) {
+            int& splits, bool& pingpong, bool& streamk, bool& rows192) {
   const int kblocks = (K + BK - 1) / BK;
   double best = 1e30;
-  bn = 128, splits = 1, pingpong = schedule == 2, streamk = schedule == 3;
+  bn = 128, splits = 1, pingpong = schedule == 2, streamk = schedule == 3, rows192 = schedule == 4;
+  if (schedule == 4) {  // not fitted yet: costed like the 128-row cooperative tile of the same width
+    for (int cand : {192, 128, 64}) {
+      if (force_bn > 0 && cand != force_bn) continue;
+      for (int s : {1, 2, 3, 4, 6, 8}) {
+        if (force_splits > 0 && s != force_splits) continue;
+        if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
+        const double t = estimate_us(M, N, K, sms, cand, s, false, 192);
+        if (t < best * 0.999) best = t, bn = cand, splits = s;
+      }
+    }
+    return;
+  }
   if (schedule == 3) {  // only when asked for: measured slower than the other schedules at every BERT shape (below)
     for (int cand : {256, 192, 128}) {
       if (force_bn > 0 && cand != force_bn) continue;
@@ -919,14 +949,18 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   const int sms = sm_count(a.get_device());
   int bn, splits;
   const bool split_ok = epilogue == kNone || epilogue == kBias;
-  TORCH_CHECK(schedule >= 0 && schedule <= 3,
-              "bertaccel gemm: schedule is 0 (the model picks), 1 (cooperative), 2 (ping-pong) or 3 (stream-K)");
+  TORCH_CHECK(schedule >= 0 && schedule <= 4,
+              "bertaccel gemm: schedule is 0 (the model picks), 1 (cooperative), 2 (ping-pong), 3 (stream-K) or 4 "
+              "(cooperative, 192-row tiles)");
   TORCH_CHECK(schedule != 2 || tile_n == 0 || tile_n <= 128, "bertaccel gemm: the ping-pong schedule takes tile widths 64 and 128");
   TORCH_CHECK(schedule != 3 || tile_n == 0 || tile_n >= 128, "bertaccel gemm: stream-K takes tile widths 128, 192 and 256");
-  bool pingpong, streamk;
+  TORCH_CHECK(schedule != 4 || tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 192,
+              "bertaccel gemm: 192-row tiles take widths 64, 128 and 192");
+  bool pingpong, streamk, rows192;
   choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, (int)schedule, bn, splits,
-         pingpong, streamk);
+         pingpong, streamk, rows192);
   const int kblocks = (int)((K + BK - 1) / BK);
+  const int BM = rows192 ? 192 : 128;
 
   Params p{};
   p.M = (int)M, p.N = (int)N, p.K = (int)K;
@@ -971,7 +1005,13 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
     p.sk_partial = sk_ws.data_ptr<float>();
     p.sk_flags = streamk_flags(a, grid, stream);
   }
-  if (pingpong) {
+  if (rows192) {
+    switch (bn) {
+      case 192: launch_layout<192, false, 3>(trans_a, trans_b, maps, p, grid, stream); break;
+      case 128: launch_layout<128, false, 3>(trans_a, trans_b, maps, p, grid, stream); break;
+      default: launch_layout<64, false, 3>(trans_a, trans_b, maps, p, grid, stream); break;
+    }
+  } else if (pingpong) {
     if (bn == 128) launch_layout<128, true>(trans_a, trans_b, maps, p, grid, stream);
     else launch_layout<64, true>(trans_a, trans_b, maps, p, grid, stream);
   } else {
