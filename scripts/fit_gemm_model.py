@@ -15,6 +15,9 @@ other warpgroup's epilogue overlapping)
     waves x (MFLOP per unit x c_pp[tile width] + tile elements / 1000 x c_pp_epi) + tile elements / 1000 x c_pp_tail
     + (splits > 1) x (workspace MB x c_ws + c_reduce)
 
+and for 192-row tiles (schedule 4: three consumer warpgroups, cooperative) the cooperative form with its
+own c_r192[tile width] and c_r192_epi.
+
 Several sweeps (e.g. one per schedule, from different runs) are fitted together: each row's time is
 rescaled by the ratio of cuBLAS's time at its shape in the last sweep to that in its own sweep.
 
@@ -35,7 +38,7 @@ from collections import defaultdict
 
 import numpy as np
 
-BM, BK, SMS = 128, 64, 132
+BK, SMS = 64, 132
 WIDTHS = (64, 128, 192, 256)
 
 
@@ -50,20 +53,26 @@ def problem(shape: str, gemm: str) -> tuple[int, int, int]:
 
 
 PP_WIDTHS = (64, 128)
-N_FEATURES = len(WIDTHS) + len(PP_WIDTHS) + 5
+R192_WIDTHS = (64, 128, 192)
+N_FEATURES = len(WIDTHS) + len(PP_WIDTHS) + len(R192_WIDTHS) + 6
 
 
-def features(M: int, N: int, K: int, bn: int, s: int, pp: bool = False) -> np.ndarray:
+def features(M: int, N: int, K: int, bn: int, s: int, kind: str = "") -> np.ndarray:
+    """kind: "" cooperative, "pp" ping-pong, "r192" 192-row tiles."""
+    BM = 192 if kind == "r192" else 128
     kb = math.ceil(K / BK)
     units = math.ceil(M / BM) * math.ceil(N / bn) * s
     waves = math.ceil(units / SMS)
     mflop = waves * 2.0 * BM * bn * BK * math.ceil(kb / s) / 1e6
     f = np.zeros(N_FEATURES)
-    base = len(WIDTHS) + len(PP_WIDTHS)
-    if pp:
+    base = len(WIDTHS) + len(PP_WIDTHS) + len(R192_WIDTHS)
+    if kind == "pp":
         f[len(WIDTHS) + PP_WIDTHS.index(bn)] = mflop
         f[base + 3] = waves * BM * bn / 1e3
         f[base + 4] = BM * bn / 1e3
+    elif kind == "r192":
+        f[len(WIDTHS) + len(PP_WIDTHS) + R192_WIDTHS.index(bn)] = mflop
+        f[base + 5] = waves * BM * bn / 1e3
     else:
         f[WIDTHS.index(bn)] = mflop
         f[base] = waves * BM * bn / 1e3
@@ -88,12 +97,12 @@ def main() -> None:
     for data in files:
         own = cublas_ms(data)
         for r in data["rows"]:
-            parts = r["impl"].split()  # "bertaccel n128 s2" (cooperative) or "bertaccel pp n128 s1"
+            parts = r["impl"].split()  # "bertaccel n128 s2" (cooperative), "bertaccel pp n128 s1", "bertaccel r192 n64 s1"
             if parts[0] != "bertaccel" or len(parts) not in (3, 4):
                 continue
             if parts[1] == "sk":
                 continue  # stream-K has its own estimate (estimate_streamk_us), not fitted here
-            pp = parts[1] == "pp"
+            kind = parts[1] if len(parts) == 4 else ""
             bn, s = int(parts[-2][1:]), int(parts[-1][1:])
             M, N, K = problem(r["shape"], r["gemm"])
             if s > 1 and math.ceil(K / BK) // s < 4:
@@ -101,20 +110,22 @@ def main() -> None:
             key = (r["shape"], r["gemm"])
             if key not in scale_to or key not in own:
                 continue
-            rows.append((M, N, K, bn, s, pp, r["ms"] * 1e3 * scale_to[key] / own[key], key))
+            rows.append((M, N, K, bn, s, kind, r["ms"] * 1e3 * scale_to[key] / own[key], key))
     X = np.array([features(*r[:6]) for r in rows])
     y = np.array([r[6] for r in rows])
     coef, _ = nnls(X / y[:, None], np.ones(len(y)))
     pred = X @ coef
     names = ([f"us/MFLOP n{w}" for w in WIDTHS] + [f"us/MFLOP pp n{w}" for w in PP_WIDTHS]
+             + [f"us/MFLOP r192 n{w}" for w in R192_WIDTHS]
              + ["us per 1000 tile elements", "us per workspace MB", "reduce us",
-                "pp: us per 1000 tile elements per wave", "pp: us per 1000 tile elements, once"])
+                "pp: us per 1000 tile elements per wave", "pp: us per 1000 tile elements, once",
+                "r192: us per 1000 tile elements"])
     for name, c in zip(names, coef):
         print(f"{name:40s} {c:.4f}")
     print(f"{len(rows)} configurations; median |error| {np.median(np.abs(pred / y - 1)):.3f}")
     groups: dict = defaultdict(list)
     for r, p in zip(rows, pred):
-        groups[r[7]].append((p, r[6], ("pp " if r[5] else "") + f"n{r[3]} s{r[4]}"))
+        groups[r[7]].append((p, r[6], (f"{r[5]} " if r[5] else "") + f"n{r[3]} s{r[4]}"))
     share = []
     for key, g in sorted(groups.items()):
         pick = min(g)

@@ -798,16 +798,19 @@ void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int gri
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
-// Schedule, tile width and K splits for a problem, from a cost model fitted (non-negative least squares
-// on relative error; scripts/fit_gemm_model.py) to a sweep of every configuration at BERT's shapes on an
-// H100 with the TMA-store epilogue (benchmarks/results/h100/gemm_sweep_tma_store_130301c.json: 474
-// configurations, median error 6.4%):
-//   cooperative: waves x (MFLOP per unit x us-per-MFLOP of the width + 0.107 us per 1000 tile elements)
-//   ping-pong:   waves x (MFLOP per unit x us-per-MFLOP of the width + 0.025 us per 1000 tile elements)
-//                + 0.110 us per 1000 tile elements once (the last epilogue; the others overlap MMAs)
-//   with splits: + 0.359 us per MB of fp32 workspace written and read back + 0.65 us.
-// On that sweep its picks run at 99.1% of the best configuration's speed on average (worst 92.5%).
-double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpong, int BM = 128) {
+// Schedule, tile shape and K splits for a problem, from a cost model fitted (non-negative least squares
+// on relative error; scripts/fit_gemm_model.py) to two sweeps of every configuration at BERT's shapes on
+// an H100 (benchmarks/results/h100/gemm_sweep_tma_store_130301c.json and, with the 192-row tiles,
+// gemm_sweep_rows192_1e3a756.json: 960 configurations, median error 5.5%):
+//   cooperative: waves x (MFLOP per unit x us-per-MFLOP of the width + 0.126 us per 1000 tile elements)
+//   192-row:     waves x (MFLOP per unit x us-per-MFLOP of the width + 0.094 us per 1000 tile elements)
+//   ping-pong:   waves x (MFLOP per unit x us-per-MFLOP of the width + 0.057 us per 1000 tile elements)
+//                + 0.151 us per 1000 tile elements once (the last epilogue; the others overlap MMAs)
+//   with splits: + 0.321 us per MB of fp32 workspace written and read back + 0.62 us.
+// On those sweeps its picks run at 99.5% of the best configuration's speed on average (worst 95.5%).
+enum class Kind { kCooperative, kPingPong, kRows192 };
+double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind) {
+  const int BM = kind == Kind::kRows192 ? 192 : 128;
   const int kblocks = (K + BK - 1) / BK;
   const int tiles = ((M + BM - 1) / BM) * ((N + bn - 1) / bn);
   const int units = tiles * splits;
@@ -816,14 +819,17 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, bool pingpo
   const double mflop = 2.0 * BM * bn * BK * per_split / 1e6;
   const double tile_k = BM * bn / 1e3;
   double t;
-  if (pingpong) {
-    const double us_per_mflop = bn == 64 ? 0.2669 : 0.1892;
-    t = waves * (mflop * us_per_mflop + tile_k * 0.0245) + tile_k * 0.1097;
+  if (kind == Kind::kPingPong) {
+    const double us_per_mflop = bn == 64 ? 0.2571 : 0.1773;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.0571) + tile_k * 0.1514;
+  } else if (kind == Kind::kRows192) {
+    const double us_per_mflop = bn == 64 ? 0.2914 : bn == 128 ? 0.1771 : 0.1702;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.0944);
   } else {
-    const double us_per_mflop = bn == 64 ? 0.2936 : bn == 128 ? 0.2015 : bn == 192 ? 0.1698 : 0.1648;
-    t = waves * (mflop * us_per_mflop + tile_k * 0.1074);
+    const double us_per_mflop = bn == 64 ? 0.2999 : bn == 128 ? 0.2012 : bn == 192 ? 0.1632 : 0.1550;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.1260);
   }
-  if (splits > 1) t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.3594 + 0.6466;
+  if (splits > 1) t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.3211 + 0.6241;
   return t;
 }
 
@@ -853,18 +859,6 @@ void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force
   const int kblocks = (K + BK - 1) / BK;
   double best = 1e30;
   bn = 128, splits = 1, pingpong = schedule == 2, streamk = schedule == 3, rows192 = schedule == 4;
-  if (schedule == 4) {  // not fitted yet: costed like the 128-row cooperative tile of the same width
-    for (int cand : {192, 128, 64}) {
-      if (force_bn > 0 && cand != force_bn) continue;
-      for (int s : {1, 2, 3, 4, 6, 8}) {
-        if (force_splits > 0 && s != force_splits) continue;
-        if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
-        const double t = estimate_us(M, N, K, sms, cand, s, false, 192);
-        if (t < best * 0.999) best = t, bn = cand, splits = s;
-      }
-    }
-    return;
-  }
   if (schedule == 3) {  // only when asked for: measured slower than the other schedules at every BERT shape (below)
     for (int cand : {256, 192, 128}) {
       if (force_bn > 0 && cand != force_bn) continue;
@@ -873,17 +867,22 @@ void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force
     }
     return;
   }
-  for (int pp = 0; pp < 2; ++pp) {
-    if ((schedule == 1 && pp) || (schedule == 2 && !pp)) continue;
-    if (pp && force_bn > 128) continue;
+  for (Kind kind : {Kind::kCooperative, Kind::kPingPong, Kind::kRows192}) {
+    if (schedule == 1 && kind != Kind::kCooperative) continue;
+    if (schedule == 2 && kind != Kind::kPingPong) continue;
+    if (schedule == 4 && kind != Kind::kRows192) continue;
     for (int cand : {256, 192, 128, 64}) {
       if (force_bn > 0 && cand != force_bn) continue;
-      if (pp && cand > 128) continue;  // a warpgroup holds a whole 128 x BN tile: BN <= 128
+      if (kind == Kind::kPingPong && cand > 128) continue;  // a warpgroup holds a whole 128 x BN tile: BN <= 128
+      if (kind == Kind::kRows192 && cand > 192) continue;   // 160 registers per consumer thread
       for (int s : {1, 2, 3, 4, 6, 8}) {
         if (force_splits > 0 && s != force_splits) continue;
         if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
-        const double t = estimate_us(M, N, K, sms, cand, s, pp);
-        if (t < best * 0.999) best = t, bn = cand, splits = s, pingpong = pp, streamk = false;
+        const double t = estimate_us(M, N, K, sms, cand, s, kind);
+        if (t < best * 0.999) {
+          best = t, bn = cand, splits = s, streamk = false;
+          pingpong = kind == Kind::kPingPong, rows192 = kind == Kind::kRows192;
+        }
       }
     }
   }
