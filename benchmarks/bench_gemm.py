@@ -79,7 +79,7 @@ def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
 
 def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2, 3),
         compare_stores: bool = False, rounds: int = 3, gelu_only: bool = False,
-        fp32_tiles=(1, 2)) -> list[dict]:
+        fp32_tiles=(1, 2), gemms=("fwd", "dgrad", "wgrad"), epilogues: bool = True) -> list[dict]:
     rows = []
 
     def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
@@ -106,6 +106,8 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             "wgrad dy^T x": (lambda dy, x: dy.t() @ x, (dy, x), (True, True)),
         }
         for name, (fn, args, (ta, tb)) in ({} if gelu_only else cases).items():
+            if name.split()[0] not in gemms:
+                continue
             # cuBLAS and ours (and ours with staged stores) timed in turn, `rounds` times, medians: the
             # H100's clocks drift under sustained tensor-core load, so one pass ran them at different clocks
             fns = [fn] + ([gemm.gemm_case(name)] if ours else [])
@@ -140,6 +142,8 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                         kind = {1: "", 2: "pp ", 3: "sk ", 4: "r192 "}[schedule]
                         add({"shape": row["shape"], "gemm": name, "impl": f"bertaccel {kind}n{tile} s{splits}",
                                      "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
+        if not epilogues:
+            continue
         # the epilogue baselines: linear + bias + GELU
         gelu_cases = {"F.linear(bias) + gelu": lambda x, w, b: F.gelu(F.linear(x, w, b))}
         if device == "cuda":
@@ -199,12 +203,15 @@ def main(argv=None) -> None:
     ap.add_argument("--compare-stores", action="store_true",
                     help="also time ours with the threads' staged stores instead of TMA stores (BERTACCEL_GEMM_STORE=staged)")
     ap.add_argument("--gelu-only", action="store_true", help="only the linear + bias + GELU cases")
+    ap.add_argument("--gemms", nargs="+", default=["fwd", "dgrad", "wgrad"], choices=["fwd", "dgrad", "wgrad"],
+                    help="which of each shape's three GEMMs to time")
+    ap.add_argument("--no-epilogues", action="store_true", help="skip the linear + bias + GELU cases")
     ap.add_argument("--rounds", type=int, default=3, help="times each implementation is timed, in turn (median)")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
     rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules), args.compare_stores,
-               args.rounds, args.gelu_only, tuple(args.fp32_tiles))
+               args.rounds, args.gelu_only, tuple(args.fp32_tiles), tuple(args.gemms), not args.no_epilogues)
     table = summary(rows)
     write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
     print_table([r for r in rows if not r["impl"].startswith("bertaccel ") or r["impl"] == "bertaccel staged-store"],

@@ -115,7 +115,15 @@ struct Params {
   bool streamk;         // units are equal shares of the (tile, K-block) iterations (cooperative only)
   float* sk_partial;    // stream-K: [grid][BM * BN] fp32, one partial tile per block
   int* sk_flags;        // stream-K: [grid], zero at launch; block b sets its flag once its partial is written
+  // Split-K summed in the kernel (splits > 1 and fixup): per (tile, consumer slot) an arrival count and
+  // one flag per split (zero at launch), and the partial sums [tile][slot][split][128 threads x values].
+  bool fixup;
+  int* fix_counts;      // [tiles][slots]
+  int* fix_flags;       // [tiles][slots][splits]
+  float* fix_partial;
 };
+// A split-K slice of the workspace (raw fp32 sums, summed by split_reduce_kernel) rather than the output.
+__device__ __forceinline__ bool slice_out(const Params& p) { return p.splits > 1 && !p.fixup; }
 
 // The i-th unit of this block: a tile and its K-blocks [kb0, kb1). Units are (tile, K-split) pairs
 // dealt round-robin to the blocks, or (stream-K) the pieces of this block's share of the iterations.
@@ -398,7 +406,7 @@ template <bool kAuxHere>
 __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMap* map_out, const CUtensorMap* map_pre,
                                                StoreRing& ring, float (&v)[32], const uint32_t (&aux)[16], int row0,
                                                int col0, int split, int cw, int t) {
-  const int lane = t % 32, e = p.splits > 1 ? kNone : p.epilogue;  // a split-K slice: the raw sums
+  const int lane = t % 32, e = slice_out(p) ? kNone : p.epilogue;  // a split-K slice: the raw sums
   const int r_top = row0 + (t / 32) * 16 + lane / 4, c_lane = col0 + 2 * (lane % 4);
   if (e >= kBias && e <= kBiasResidual) {
 #pragma unroll
@@ -446,7 +454,7 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
       for (int i = 0; i < 32; ++i) v[i] *= dgelu_tanh(a[i]);
     }
   }
-  if (p.out_f32 || p.splits > 1) store_chunk_f32(ring, map_out, v, row0, col0, split, cw, t);
+  if (p.out_f32 || slice_out(p)) store_chunk_f32(ring, map_out, v, row0, col0, slice_out(p) ? split : 0, cw, t);
   else store_chunk(ring, map_out, v, row0, col0, cw, t);
 }
 
@@ -458,7 +466,7 @@ struct Config : Team<CONS> {
   static constexpr int kBBytes = BN * BK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = T::kSmemBudget / kStageBytes > 8 ? 8 : T::kSmemBudget / kStageBytes;
-  static constexpr int kSmemBytes = kStages * kStageBytes + T::kStagingBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
+  static constexpr int kSmemBytes = kStages * kStageBytes + T::kStagingBytes + 2 * kStages * 8 + 16 + 1024;  // + barriers, words, alignment
   static_assert(kSmemBytes <= kSmemLimit, "shared memory over the per-block limit");
 };
 
@@ -557,7 +565,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       // 256-wide one each chunk's at the chunk (a chunk ahead: 20 bytes of spill), and so does every tile
       // of three consumers (160 registers each: a chunk ahead spilled 24 bytes at width 128, 692 at 192).
       constexpr bool kAuxAhead = CONS == 2 && (PP || BN <= 192), kAuxBeforeMmas = CONS == 2 && (PP || BN <= 128);
-      const bool with_aux = p.tma_store && p.aux != nullptr && p.splits == 1;
+      const bool with_aux = p.tma_store && p.aux != nullptr && !slice_out(p);
       uint32_t aux_next[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) aux_next[i] = 0u;
@@ -592,6 +600,55 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         for (int h = 0; h < kHalves; ++h)
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
+      }
+      if (!PP && p.splits > 1 && p.fixup) {  // (not built into ping-pong: its registers are short - 52 bytes of spill)
+        // Split-K summed here: the last split of this tile's rows (this warpgroup's slot) to arrive adds the
+        // others' partial sums and runs the epilogue; the others leave their partials and go on. Arriving
+        // comes before writing, so the last one only waits for splits already running (no co-residency
+        // needed). The sum is p0 + p1 + ... in split order whoever arrives last: bitwise repeatable.
+        constexpr int kVals = BN / 2;  // fp32 sums per thread
+        const int ts = w.tile * kConsumers + cw;
+        int* word = reinterpret_cast<int*>(empty + S) + cw;  // this warpgroup's broadcast word
+        if (t == 0) *word = atomicAdd(&p.fix_counts[ts], 1);
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+        const bool last = *word == p.splits - 1;
+        float4* part = reinterpret_cast<float4*>(p.fix_partial) + (int64_t)ts * p.splits * 128 * (kVals / 4);
+        float4* mine = part + (int64_t)split * 128 * (kVals / 4);
+        if (!last || (p.splits > 2 && split != 0)) {  // the last one writes its own only to re-read it in order
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+            for (int q = 0; q < BN / 8; ++q)
+              __stcg(&mine[(h * (BN / 8) + q) * 128 + t],
+                     make_float4(acc[h][4 * q], acc[h][4 * q + 1], acc[h][4 * q + 2], acc[h][4 * q + 3]));
+        }
+        if (!last) {
+          __threadfence();
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          if (t == 0) flag_release(&p.fix_flags[ts * p.splits + split], 1);
+          continue;
+        }
+        if (t == 0) {
+          for (int s2 = 0; s2 < p.splits; ++s2)
+            if (s2 != split)
+              while (flag_acquire(&p.fix_flags[ts * p.splits + s2]) == 0) __nanosleep(32);
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+        for (int s2 = 0; s2 < p.splits; ++s2) {
+          // two splits: mine + the other (a + b == b + a); more: p0 (re-read unless mine), then + p1, + p2, ...
+          if (p.splits == 2 ? s2 == split : (s2 == 0 && split == 0)) continue;
+          const float4* theirs = part + (int64_t)s2 * 128 * (kVals / 4);
+          const bool first = p.splits > 2 && s2 == 0;
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+            for (int q = 0; q < BN / 8; ++q) {
+              const float4 v = __ldcg(&theirs[(h * (BN / 8) + q) * 128 + t]);
+              const float keep = first ? 0.f : 1.f;  // p0 replaces the registers, later splits add to them
+              acc[h][4 * q] = fmaf(acc[h][4 * q], keep, v.x), acc[h][4 * q + 1] = fmaf(acc[h][4 * q + 1], keep, v.y);
+              acc[h][4 * q + 2] = fmaf(acc[h][4 * q + 2], keep, v.z), acc[h][4 * q + 3] = fmaf(acc[h][4 * q + 3], keep, v.w);
+            }
+        }
       }
       if (kMayStreamK && p.streamk && !(kb0 == 0 && kb1 == kblocks_total)) {  // a piece of a shared tile
         // The partial tile in fragment order ([warpgroup][i / 4][thread][4] floats: each warp's float4
@@ -679,7 +736,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       // Epilogue, kChunk columns at a time: the accumulator fragment (d[4j + c] is row warp*16 + lane/4
       // + 8*(c/2), column 8j + 2*(lane%4) + c%2) goes to this warpgroup's staging rows, then each thread
       // finishes runs of 8 consecutive columns of a row (coalesced 16-byte stores).
-      void* out = p.splits > 1 ? static_cast<void*>(static_cast<float*>(p.out) + (int64_t)split * p.M * p.N) : p.out;
+      void* out = slice_out(p) ? static_cast<void*>(static_cast<float*>(p.out) + (int64_t)split * p.M * p.N) : p.out;
       float* stage = staging + cw * 64 * kChunkStride;
       const int r0 = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
 #pragma unroll
@@ -701,7 +758,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
             for (int i = t; i < 64 * (kChunk / 8); i += 128) {
               const int r = i / (kChunk / 8), seg = i % (kChunk / 8);
               const int row = row_base + r, col = col_base + seg * 8;
-              if (row < p.M && col < p.N) finish8(p, out, p.splits > 1, row, col, &stage[r * kChunkStride + seg * 8]);
+              if (row < p.M && col < p.N) finish8(p, out, slice_out(p), row, col, &stage[r * kChunkStride + seg * 8]);
             }
           }
           asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
@@ -973,12 +1030,26 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   p.bias_f32 = needs_bias && bias->scalar_type() == at::kFloat;
   p.aux = needs_aux ? static_cast<const bf16*>(aux->data_ptr()) : nullptr;
   p.pre = (gelu && save_pre) ? static_cast<bf16*>(pre.data_ptr()) : nullptr;
+  // K splits are summed inside the kernel (the last split of each tile to finish adds the others'
+  // partials and runs the epilogue); BERTACCEL_GEMM_SPLIT=workspace (read at each call) writes every
+  // split's fp32 slice and sums them in a second kernel instead, for comparison runs.
+  const char* split_env = std::getenv("BERTACCEL_GEMM_SPLIT");
+  p.fixup = splits > 1 && !pingpong && !(split_env && std::strcmp(split_env, "workspace") == 0);
   at::Tensor ws;
-  if (splits > 1) {
+  if (splits > 1 && !p.fixup) {
     ws = at::empty({splits, M, N}, a.options().dtype(at::kFloat));
     p.out = ws.data_ptr();
   } else {
     p.out = out.data_ptr();
+  }
+  if (p.fixup) {  // partial sums [tile][slot][split][BM * bn / slots], then the counts and flags (zeroed)
+    const int64_t tiles = (int64_t)p.tiles_m * p.tiles_n, slots = rows192 ? 3 : 2;
+    const int64_t floats = tiles * splits * BM * bn, ints = tiles * slots * (1 + splits);
+    ws = at::empty({floats + ints}, a.options().dtype(at::kFloat));
+    p.fix_partial = ws.data_ptr<float>();
+    p.fix_counts = reinterpret_cast<int*>(p.fix_partial + floats);
+    p.fix_flags = p.fix_counts + tiles * slots;
+    C10_CUDA_CHECK(cudaMemsetAsync(p.fix_counts, 0, ints * sizeof(int), at::cuda::getCurrentCUDAStream()));
   }
   // Outputs whose rows are whole 16-byte runs leave through TMA stores (bf16: 64 x 64 boxes; fp32 and
   // split-K slices: 64 x 32 boxes of a 3-D map); BERTACCEL_GEMM_STORE=staged (read at each call) keeps
@@ -990,7 +1061,7 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   maps.a = make_map(a, trans_a ? BK : BM);
   maps.b = make_map(b, trans_b ? BK : bn);
   maps.out = !p.tma_store ? maps.a
-             : splits > 1 ? make_map_f32(p.out, splits, M, N)
+             : splits > 1 && !p.fixup ? make_map_f32(p.out, splits, M, N)
              : out_fp32   ? make_map_f32(p.out, 1, M, N)
                           : make_map(out, 64);
   maps.pre = p.tma_store && p.pre != nullptr ? make_map(pre, 64) : maps.a;
@@ -1021,7 +1092,7 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
       default: launch_layout<64, false>(trans_a, trans_b, maps, p, grid, stream); break;
     }
   }
-  if (splits > 1) {
+  if (splits > 1 && !p.fixup) {
     const int64_t count = M * N;
     const int threads = 256;
     const int blocks = (int)std::min<int64_t>((count + threads - 1) / threads, (int64_t)sms * 8);
