@@ -163,6 +163,7 @@ def test_split_k_summed_in_kernel_matches_the_workspace_sum(layout, splits, sche
     A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
     bias = torch.randn(N, device="cuda")
     ref = A.double() @ B.double().t() + bias.double()
+    monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", "kernel")
     for out_fp32 in (False, True):
         poison()
         fixed = GEMM(a, b, bias, None, 1, trans_a, trans_b, out_fp32, False, tile_n, splits, schedule)[0]
@@ -172,7 +173,7 @@ def test_split_k_summed_in_kernel_matches_the_workspace_sum(layout, splits, sche
             assert torch.equal(GEMM(a, b, bias, None, 1, trans_a, trans_b, out_fp32, False, tile_n, splits, schedule)[0], fixed)
         monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", "workspace")
         slices = GEMM(a, b, bias, None, 1, trans_a, trans_b, out_fp32, False, tile_n, splits, schedule)[0]
-        monkeypatch.delenv("BERTACCEL_GEMM_SPLIT")
+        monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", "kernel")
         assert torch.equal(fixed, slices), f"in-kernel and workspace split sums differ ({layout}, {splits} splits)"
 
 

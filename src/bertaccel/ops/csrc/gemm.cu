@@ -5,7 +5,8 @@
 //     "empty" one (the consumers release it).
 //   * Warp specialisation: warpgroup 0 is the producer (one thread issues the copies, its registers
 //     given back with setmaxnreg); warpgroups 1 and 2 are consumers, 64 rows of the 128-row tile each,
-//     issuing wgmma.m64nBNk16 from shared memory with fp32 accumulators in registers.
+//     issuing wgmma.m64nBNk16 from shared memory with fp32 accumulators in registers. Schedule 4 has
+//     three consumers and 192-row tiles (see Team): BERT's M = 2048 problems then fill 132 SMs.
 //   * Persistent: min(work units, SMs) blocks walk the (tile, k-split) units; the producer runs ahead
 //     into the next unit while the consumers finish the epilogue of the current one.
 //   * Either operand may be K-major (nn.Linear's x and W in the forward) or MN-major (W in the
@@ -19,7 +20,9 @@
 //     (cp.async.bulk.tensor), so the stores drain while the next tile's MMAs run. When N is not a
 //     multiple of 8 (rows not whole 16-byte runs) the threads store, staged through shared memory.
 //   * Split-K (weight gradients, whose M x N is small and K = tokens is long): each split writes an
-//     fp32 slice of a workspace, a second kernel sums the slices in a fixed order (deterministic).
+//     fp32 slice of a workspace, a second kernel sums the slices in a fixed order (deterministic); or
+//     (BERTACCEL_GEMM_SPLIT=kernel, opt-in, not yet timed) the last split of a tile to finish adds the
+//     others' partials in split order and runs the epilogue itself (the same bits, no second pass).
 //   * Stream-K (cooperative schedule; opt-in, schedule 3, slower at BERT's shapes - see
 //     estimate_streamk_us): block b takes the b-th equal share of all (tile, K-block) iterations, so a
 //     tile may be shared by consecutive blocks. The block holding a tile's first K-blocks finishes it:
@@ -1030,11 +1033,12 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   p.bias_f32 = needs_bias && bias->scalar_type() == at::kFloat;
   p.aux = needs_aux ? static_cast<const bf16*>(aux->data_ptr()) : nullptr;
   p.pre = (gelu && save_pre) ? static_cast<bf16*>(pre.data_ptr()) : nullptr;
-  // K splits are summed inside the kernel (the last split of each tile to finish adds the others'
-  // partials and runs the epilogue); BERTACCEL_GEMM_SPLIT=workspace (read at each call) writes every
-  // split's fp32 slice and sums them in a second kernel instead, for comparison runs.
+  // K splits: every split writes its fp32 slice of a workspace and a second kernel sums them (the measured
+  // default); BERTACCEL_GEMM_SPLIT=kernel (read at each call; cooperative and 192-row schedules) sums them
+  // inside the GEMM instead - the last split of each tile to finish adds the others' partials and runs
+  // the epilogue. Tested (same bits as the workspace sum), not yet timed on a GPU: opt-in until it is.
   const char* split_env = std::getenv("BERTACCEL_GEMM_SPLIT");
-  p.fixup = splits > 1 && !pingpong && !(split_env && std::strcmp(split_env, "workspace") == 0);
+  p.fixup = splits > 1 && !pingpong && split_env && std::strcmp(split_env, "kernel") == 0;
   at::Tensor ws;
   if (splits > 1 && !p.fixup) {
     ws = at::empty({splits, M, N}, a.options().dtype(at::kFloat));
