@@ -609,7 +609,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         // others' partial sums and runs the epilogue; the others leave their partials and go on. Arriving
         // comes before writing, so the last one only waits for splits already running (no co-residency
         // needed). The sum is p0 + p1 + ... in split order whoever arrives last: bitwise repeatable.
-        constexpr int kVals = BN / 2;  // fp32 sums per thread
+        constexpr int kVals = BN / 2;  // fp32 sums per thread (one 64-row half: not ping-pong)
         const int ts = w.tile * kConsumers + cw;
         int* word = reinterpret_cast<int*>(empty + S) + cw;  // this warpgroup's broadcast word
         if (t == 0) *word = atomicAdd(&p.fix_counts[ts], 1);
@@ -619,11 +619,8 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         float4* mine = part + (int64_t)split * 128 * (kVals / 4);
         if (!last || (p.splits > 2 && split != 0)) {  // the last one writes its own only to re-read it in order
 #pragma unroll
-          for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-            for (int q = 0; q < BN / 8; ++q)
-              __stcg(&mine[(h * (BN / 8) + q) * 128 + t],
-                     make_float4(acc[h][4 * q], acc[h][4 * q + 1], acc[h][4 * q + 2], acc[h][4 * q + 3]));
+          for (int q = 0; q < BN / 8; ++q)
+            __stcg(&mine[q * 128 + t], make_float4(acc[0][4 * q], acc[0][4 * q + 1], acc[0][4 * q + 2], acc[0][4 * q + 3]));
         }
         if (!last) {
           __threadfence();
@@ -643,14 +640,12 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
           const float4* theirs = part + (int64_t)s2 * 128 * (kVals / 4);
           const bool first = p.splits > 2 && s2 == 0;
 #pragma unroll
-          for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-            for (int q = 0; q < BN / 8; ++q) {
-              const float4 v = __ldcg(&theirs[(h * (BN / 8) + q) * 128 + t]);
-              const float keep = first ? 0.f : 1.f;  // p0 replaces the registers, later splits add to them
-              acc[h][4 * q] = fmaf(acc[h][4 * q], keep, v.x), acc[h][4 * q + 1] = fmaf(acc[h][4 * q + 1], keep, v.y);
-              acc[h][4 * q + 2] = fmaf(acc[h][4 * q + 2], keep, v.z), acc[h][4 * q + 3] = fmaf(acc[h][4 * q + 3], keep, v.w);
-            }
+          for (int q = 0; q < BN / 8; ++q) {
+            const float4 v = __ldcg(&theirs[q * 128 + t]);
+            const float keep = first ? 0.f : 1.f;  // p0 replaces the registers, later splits add to them
+            acc[0][4 * q] = fmaf(acc[0][4 * q], keep, v.x), acc[0][4 * q + 1] = fmaf(acc[0][4 * q + 1], keep, v.y);
+            acc[0][4 * q + 2] = fmaf(acc[0][4 * q + 2], keep, v.z), acc[0][4 * q + 3] = fmaf(acc[0][4 * q + 3], keep, v.w);
+          }
         }
       }
       if (kMayStreamK && p.streamk && !(kb0 == 0 && kb1 == kblocks_total)) {  // a piece of a shared tile
