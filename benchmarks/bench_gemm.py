@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import environment, graph_time_ms, print_table, write_json
+from benchmarks.common import environment, graph_time_ms, kernel_env, print_table, write_json
 
 # the issue's grid: M x N x K in {2048, 16384} x {768, 2304, 3072} x {768, 3072}
 SHAPES = [(m, n, k) for m in (2048, 16384) for n in (768, 2304, 3072) for k in (768, 3072)]
@@ -46,26 +45,22 @@ def time_ms(fn, args, device: str) -> float:
     return (time.perf_counter() - t0) / 3 * 1e3
 
 
-def _ours_available(device: str) -> bool:
+def _ours_available(device: str, epilogues: bool = True) -> bool:
+    """Our GEMM's extension loaded (and, for the epilogue baselines, the main one with bias_gelu)."""
     if device != "cuda":
         return False
     from bertaccel.ops import build
 
-    return build.load() and build.load_gemm()
+    return build.load_gemm() and (not epilogues or build.load())
 
 
-def _staged_call(fn, *args):
-    """fn(*args) with our GEMM's outputs stored by the threads (staged through shared memory) instead of
-    through TMA: BERTACCEL_GEMM_STORE=staged, which the op reads at each call, set only for this call."""
-    old = os.environ.get("BERTACCEL_GEMM_STORE")
-    os.environ["BERTACCEL_GEMM_STORE"] = "staged"
-    try:
+def _env_call(var: str, value: str, fn, *args):
+    """fn(*args) with the environment variable `var` set to `value` for this call only: the GEMM op reads
+    BERTACCEL_GEMM_STORE (staged: the threads store the outputs instead of TMA) and BERTACCEL_GEMM_SPLIT
+    (kernel: K splits summed inside the kernel; workspace: by a second pass) at each call, so a graph
+    captured inside this call keeps that choice."""
+    with kernel_env({var: value}):
         return fn(*args)
-    finally:
-        if old is None:
-            os.environ.pop("BERTACCEL_GEMM_STORE", None)
-        else:
-            os.environ["BERTACCEL_GEMM_STORE"] = old
 
 
 def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
@@ -79,14 +74,15 @@ def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
 
 def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2, 3),
         compare_stores: bool = False, rounds: int = 3, gelu_only: bool = False,
-        fp32_tiles=(1, 2), gemms=("fwd", "dgrad", "wgrad"), epilogues: bool = True) -> list[dict]:
+        fp32_tiles=(1, 2), gemms=("fwd", "dgrad", "wgrad"), epilogues: bool = True,
+        split_sums=("default",)) -> list[dict]:
     rows = []
 
     def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    ours = _ours_available(device) and dtype in (torch.bfloat16, torch.float32)  # fp32: the SIMT kernel
+    ours = _ours_available(device, epilogues or gelu_only) and dtype in (torch.bfloat16, torch.float32)  # fp32: the SIMT kernel
     fp32 = dtype == torch.float32
     if device == "cuda" and fp32:
         torch.backends.cuda.matmul.allow_tf32 = False  # cuBLAS's true fp32 GEMM (PyTorch's default too)
@@ -111,15 +107,21 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             # cuBLAS and ours (and ours with staged stores) timed in turn, `rounds` times, medians: the
             # H100's clocks drift under sustained tensor-core load, so one pass ran them at different clocks
             fns = [fn] + ([gemm.gemm_case(name)] if ours else [])
+            labels = ["bertaccel"]
             if ours and compare_stores:
-                fns.append(lambda a, b, f=gemm.gemm_case(name): _staged_call(f, a, b))
+                fns.append(lambda a, b, f=gemm.gemm_case(name): _env_call("BERTACCEL_GEMM_STORE", "staged", f, a, b))
+                labels.append("bertaccel staged-store")
+            for mode in split_sums if ours else ():
+                if mode != "default":
+                    fns.append(lambda a, b, f=gemm.gemm_case(name), mode=mode: _env_call("BERTACCEL_GEMM_SPLIT", mode, f, a, b))
+                    labels.append(f"bertaccel {mode}-split")
             ms, *ms_ours = interleaved_ms(fns, args, device, rounds)
             row = {"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "cublas", "ms": round(ms, 4),
                    "TFLOP/s": round(flops / ms / 1e9, 1)}
             add(row)
             if not ours:
                 continue
-            for impl, t in zip(["bertaccel", "bertaccel staged-store"], ms_ours):
+            for impl, t in zip(labels, ms_ours):
                 add({"shape": row["shape"], "gemm": name, "impl": impl, "ms": round(t, 4),
                      "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
             if sweep and fp32:  # the SIMT kernel's block tiles (1: 128x128, 2: 128x64) and K splits
@@ -134,14 +136,20 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                 configs = [(schedule, tile) for schedule, tiles in ((1, (64, 128, 192, 256)), (2, (64, 128)),
                                                                     (3, (128, 192, 256)), (4, (64, 128, 192)))
                            if schedule in schedules for tile in tiles]
+                # split_sums: "kernel" / "workspace" time each split configuration with its K splits summed
+                # that way (BERTACCEL_GEMM_SPLIT), labelled "... s2 kernel-sum"; "default" unlabelled
                 for schedule, tile in configs:
                     for splits in (1, 2, 4) if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
-                        def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
-                            return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]
-                        t = time_ms(f, args, device)
-                        kind = {1: "", 2: "pp ", 3: "sk ", 4: "r192 "}[schedule]
-                        add({"shape": row["shape"], "gemm": name, "impl": f"bertaccel {kind}n{tile} s{splits}",
-                                     "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
+                        for mode in split_sums if splits > 1 and schedule in (1, 4) else ("default",):
+                            def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
+                                return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]
+                            if mode != "default":
+                                f = (lambda a, b, f=f, mode=mode: _env_call("BERTACCEL_GEMM_SPLIT", mode, f, a, b))
+                            t = time_ms(f, args, device)
+                            kind = {1: "", 2: "pp ", 3: "sk ", 4: "r192 "}[schedule]
+                            label = f"bertaccel {kind}n{tile} s{splits}" + ("" if mode == "default" else f" {mode}-sum")
+                            add({"shape": row["shape"], "gemm": name, "impl": label,
+                                 "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
         if not epilogues:
             continue
         # the epilogue baselines: linear + bias + GELU
@@ -162,7 +170,8 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                                                                                           False, 128, 1, 2)[0]
         if ours and compare_stores:
             for name in [n for n in gelu_cases if n.startswith("bertaccel")]:
-                gelu_cases[name + " [staged stores]"] = lambda x, w, b, fn=gelu_cases[name]: _staged_call(fn, x, w, b)
+                gelu_cases[name + " [staged stores]"] = (
+                    lambda x, w, b, fn=gelu_cases[name]: _env_call("BERTACCEL_GEMM_STORE", "staged", fn, x, w, b))
         times = interleaved_ms(list(gelu_cases.values()), (x, w, bias), device, rounds)
         for name, ms in zip(gelu_cases, times):
             add({"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "epilogue", "ms": round(ms, 4),
@@ -179,11 +188,14 @@ def summary(rows: list[dict]) -> list[dict]:
         cub = next(r for r in sel if r["impl"] == "cublas")
         ours = next((r for r in sel if r["impl"] == "bertaccel"), None)
         staged = next((r for r in sel if r["impl"] == "bertaccel staged-store"), None)
-        best = max((r for r in sel if r["impl"].startswith("bertaccel ") and r is not staged), key=lambda r: r["TFLOP/s"],
+        picks = {r["impl"].split()[1]: r["of_cublas"] for r in sel if r["impl"].endswith("-split")}
+        best = max((r for r in sel if r["impl"].startswith("bertaccel ") and r is not staged
+                    and not r["impl"].endswith("-split")), key=lambda r: r["TFLOP/s"],
                    default=None)
         out.append({"shape": shape, "gemm": g, "cublas TFLOP/s": cub["TFLOP/s"],
                     "ours TFLOP/s": ours["TFLOP/s"] if ours else None, "of_cublas": ours["of_cublas"] if ours else None,
                     "staged-store of_cublas": staged["of_cublas"] if staged else None,
+                    **{f"{mode} of_cublas": v for mode, v in picks.items()},
                     "best swept": best["impl"].split(" ", 1)[1] if best else None,
                     "best of_cublas": best["of_cublas"] if best else None})
     return out
@@ -206,19 +218,24 @@ def main(argv=None) -> None:
     ap.add_argument("--gemms", nargs="+", default=["fwd", "dgrad", "wgrad"], choices=["fwd", "dgrad", "wgrad"],
                     help="which of each shape's three GEMMs to time")
     ap.add_argument("--no-epilogues", action="store_true", help="skip the linear + bias + GELU cases")
+    ap.add_argument("--split-sums", nargs="+", default=["default"], choices=["default", "workspace", "kernel"],
+                    help="how K splits are summed (BERTACCEL_GEMM_SPLIT) in the times of ours: each mode named is "
+                         "timed beside the others, for the model's pick and, with --sweep, every split configuration")
     ap.add_argument("--rounds", type=int, default=3, help="times each implementation is timed, in turn (median)")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
     rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules), args.compare_stores,
-               args.rounds, args.gelu_only, tuple(args.fp32_tiles), tuple(args.gemms), not args.no_epilogues)
+               args.rounds, args.gelu_only, tuple(args.fp32_tiles), tuple(args.gemms), not args.no_epilogues,
+               tuple(args.split_sums))
     table = summary(rows)
     write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
-    print_table([r for r in rows if not r["impl"].startswith("bertaccel ") or r["impl"] == "bertaccel staged-store"],
+    print_table([r for r in rows if not r["impl"].startswith("bertaccel ") or r["impl"] == "bertaccel staged-store"
+                 or r["impl"].endswith("-split")],
                 ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas"])
     if any(r["ours TFLOP/s"] for r in table):
         print()
-        print_table(table, list(table[0]))
+        print_table(table, list(dict.fromkeys(c for r in table for c in r)))
 
 
 if __name__ == "__main__":
