@@ -16,7 +16,14 @@ other warpgroup's epilogue overlapping)
     + (splits > 1) x (workspace MB x c_ws + c_reduce)
 
 and for 192-row tiles (schedule 4: three consumer warpgroups, cooperative) the cooperative form with its
-own c_r192[tile width] and c_r192_epi.
+own c_r192[tile width] and c_r192_epi. K splits summed inside the kernel (rows labelled "kernel-sum":
+the last split of a tile to finish adds the others' partials, then runs the epilogue) replace the
+workspace terms with
+
+    (splits > 1) x (partials MB x c_ks + tile elements / 1000 x (splits - 1) x c_ks_add + c_ks0)
+
+(the partials the other splits write and the last reads; the last one's additions, which no other
+block overlaps; the counters' memset).
 
 Several sweeps (e.g. one per schedule, from different runs) are fitted together: each row's time is
 rescaled by the ratio of cuBLAS's time at its shape in the last sweep to that in its own sweep.
@@ -54,11 +61,11 @@ def problem(shape: str, gemm: str) -> tuple[int, int, int]:
 
 PP_WIDTHS = (64, 128)
 R192_WIDTHS = (64, 128, 192)
-N_FEATURES = len(WIDTHS) + len(PP_WIDTHS) + len(R192_WIDTHS) + 6
+N_FEATURES = len(WIDTHS) + len(PP_WIDTHS) + len(R192_WIDTHS) + 9
 
 
-def features(M: int, N: int, K: int, bn: int, s: int, kind: str = "") -> np.ndarray:
-    """kind: "" cooperative, "pp" ping-pong, "r192" 192-row tiles."""
+def features(M: int, N: int, K: int, bn: int, s: int, kind: str = "", kernel_sum: bool = False) -> np.ndarray:
+    """kind: "" cooperative, "pp" ping-pong, "r192" 192-row tiles; kernel_sum: K splits summed in the kernel."""
     BM = 192 if kind == "r192" else 128
     kb = math.ceil(K / BK)
     units = math.ceil(M / BM) * math.ceil(N / bn) * s
@@ -76,7 +83,11 @@ def features(M: int, N: int, K: int, bn: int, s: int, kind: str = "") -> np.ndar
     else:
         f[WIDTHS.index(bn)] = mflop
         f[base] = waves * BM * bn / 1e3
-    if s > 1:
+    if s > 1 and kernel_sum:
+        f[base + 6] = (s - 1) * M * N * 4 * 2 / 1e6
+        f[base + 7] = BM * bn / 1e3 * (s - 1)
+        f[base + 8] = 1.0
+    elif s > 1:
         f[base + 1] = (s * M * N * 4 * 2 + M * N * 2) / 1e6
         f[base + 2] = 1.0
     return f
@@ -98,6 +109,9 @@ def main() -> None:
         own = cublas_ms(data)
         for r in data["rows"]:
             parts = r["impl"].split()  # "bertaccel n128 s2" (cooperative), "bertaccel pp n128 s1", "bertaccel r192 n64 s1"
+            kernel_sum = parts[-1] == "kernel-sum"  # "bertaccel n128 s2 kernel-sum": K splits summed in the kernel
+            if parts[-1].endswith("-sum"):
+                parts = parts[:-1]
             if parts[0] != "bertaccel" or len(parts) not in (3, 4):
                 continue
             if parts[1] == "sk":
@@ -110,22 +124,23 @@ def main() -> None:
             key = (r["shape"], r["gemm"])
             if key not in scale_to or key not in own:
                 continue
-            rows.append((M, N, K, bn, s, kind, r["ms"] * 1e3 * scale_to[key] / own[key], key))
-    X = np.array([features(*r[:6]) for r in rows])
-    y = np.array([r[6] for r in rows])
+            rows.append((M, N, K, bn, s, kind, kernel_sum, r["ms"] * 1e3 * scale_to[key] / own[key], key))
+    X = np.array([features(*r[:7]) for r in rows])
+    y = np.array([r[7] for r in rows])
     coef, _ = nnls(X / y[:, None], np.ones(len(y)))
     pred = X @ coef
     names = ([f"us/MFLOP n{w}" for w in WIDTHS] + [f"us/MFLOP pp n{w}" for w in PP_WIDTHS]
              + [f"us/MFLOP r192 n{w}" for w in R192_WIDTHS]
              + ["us per 1000 tile elements", "us per workspace MB", "reduce us",
                 "pp: us per 1000 tile elements per wave", "pp: us per 1000 tile elements, once",
-                "r192: us per 1000 tile elements"])
+                "r192: us per 1000 tile elements", "kernel sum: us per partials MB",
+                "kernel sum: us per 1000 tile elements added", "kernel sum us"])
     for name, c in zip(names, coef):
         print(f"{name:40s} {c:.4f}")
     print(f"{len(rows)} configurations; median |error| {np.median(np.abs(pred / y - 1)):.3f}")
     groups: dict = defaultdict(list)
     for r, p in zip(rows, pred):
-        groups[r[7]].append((p, r[6], (f"{r[5]} " if r[5] else "") + f"n{r[3]} s{r[4]}"))
+        groups[r[8]].append((p, r[7], (f"{r[5]} " if r[5] else "") + f"n{r[3]} s{r[4]}" + (" ks" if r[6] else "")))
     share = []
     for key, g in sorted(groups.items()):
         pick = min(g)

@@ -462,3 +462,14 @@ def test_clear_errors_for_bad_operands(gemm_kernel):
                           check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+
+@hopper_test
+def test_unknown_split_sum_mode_is_refused(monkeypatch):
+    """BERTACCEL_GEMM_SPLIT takes 'workspace' or 'kernel': a typo is an error naming the variable, not a
+    silent fallback to the model's pick."""
+    a = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", "kernal")
+    with pytest.raises(RuntimeError, match="BERTACCEL_GEMM_SPLIT"):
+        GEMM(a, b, None, None, 0, False, False, False, False, 128, 2, 1)

@@ -19,10 +19,12 @@
 //     slices: 32 columns with float2 stores) and one thread issues an asynchronous TMA store
 //     (cp.async.bulk.tensor), so the stores drain while the next tile's MMAs run. When N is not a
 //     multiple of 8 (rows not whole 16-byte runs) the threads store, staged through shared memory.
-//   * Split-K (weight gradients, whose M x N is small and K = tokens is long): each split writes an
-//     fp32 slice of a workspace, a second kernel sums the slices in a fixed order (deterministic); or
-//     (BERTACCEL_GEMM_SPLIT=kernel, opt-in, not yet timed) the last split of a tile to finish adds the
-//     others' partials in split order and runs the epilogue itself (the same bits, no second pass).
+//   * Split-K (weight gradients, whose M x N is small and K = tokens is long), summed one of two ways,
+//     both in a fixed split order (deterministic, the same bits): each split writes an fp32 slice of a
+//     workspace and a second kernel sums the slices; or (cooperative and 192-row schedules) the last
+//     split of a tile to finish adds the others' partials and runs the epilogue itself. The cost model
+//     picks per call (neither wins everywhere: see estimate_us); BERTACCEL_GEMM_SPLIT=workspace|kernel
+//     forces one.
 //   * Stream-K (cooperative schedule; opt-in, schedule 3, slower at BERT's shapes - see
 //     estimate_streamk_us): block b takes the b-th equal share of all (tile, K-block) iterations, so a
 //     tile may be shared by consecutive blocks. The block holding a tile's first K-blocks finishes it:
@@ -853,18 +855,24 @@ void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int gri
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
-// Schedule, tile shape and K splits for a problem, from a cost model fitted (non-negative least squares
-// on relative error; scripts/fit_gemm_model.py) to two sweeps of every configuration at BERT's shapes on
-// an H100 (benchmarks/results/h100/gemm_sweep_tma_store_130301c.json and, with the 192-row tiles,
-// gemm_sweep_rows192_1e3a756.json: 960 configurations, median error 5.5%):
-//   cooperative: waves x (MFLOP per unit x us-per-MFLOP of the width + 0.126 us per 1000 tile elements)
-//   192-row:     waves x (MFLOP per unit x us-per-MFLOP of the width + 0.094 us per 1000 tile elements)
-//   ping-pong:   waves x (MFLOP per unit x us-per-MFLOP of the width + 0.057 us per 1000 tile elements)
-//                + 0.151 us per 1000 tile elements once (the last epilogue; the others overlap MMAs)
-//   with splits: + 0.321 us per MB of fp32 workspace written and read back + 0.62 us.
-// On those sweeps its picks run at 99.5% of the best configuration's speed on average (worst 95.5%).
+// Schedule, tile shape, K splits and how they are summed, from a cost model fitted (non-negative least
+// squares on relative error; scripts/fit_gemm_model.py) to three sweeps of every configuration at BERT's
+// shapes on an H100 (benchmarks/results/h100/gemm_sweep_tma_store_130301c.json, with the 192-row tiles
+// gemm_sweep_rows192_1e3a756.json, with the in-kernel split sum gemm_split_sum_f28dacb.json: 1694
+// configurations, median error 6.2%):
+//   cooperative: waves x (MFLOP per unit x us-per-MFLOP of the width + 0.125 us per 1000 tile elements)
+//   192-row:     waves x (MFLOP per unit x us-per-MFLOP of the width + 0.093 us per 1000 tile elements)
+//   ping-pong:   waves x (MFLOP per unit x us-per-MFLOP of the width + 0.067 us per 1000 tile elements)
+//                + 0.144 us per 1000 tile elements once (the last epilogue; the others overlap MMAs)
+//   splits summed through the workspace: + 0.318 us per MB of fp32 workspace written and read back + 0.57 us
+//   splits summed in the kernel: + 0.464 us per MB of partials the other splits write and the last reads
+//                + 0.081 us per 1000 tile elements per extra split (the last split's additions) + 0.17 us.
+// The in-kernel sum wins where the workspace pass is long next to the GEMM (2048 x 3072 x 768 forward in
+// 4 splits: 1.9x faster than through the workspace) and loses where many splits of large tiles leave the
+// last block adding alone (16384 x 3072 x 3072 weight gradient in 4 splits of 128 x 256: 0.78x).
+// On those sweeps its picks run at 99.0% of the best configuration's speed on average (worst 89.9%).
 enum class Kind { kCooperative, kPingPong, kRows192 };
-double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind) {
+double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind, bool kernel_sum) {
   const int BM = kind == Kind::kRows192 ? 192 : 128;
   const int kblocks = (K + BK - 1) / BK;
   const int tiles = ((M + BM - 1) / BM) * ((N + bn - 1) / bn);
@@ -875,16 +883,20 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind) 
   const double tile_k = BM * bn / 1e3;
   double t;
   if (kind == Kind::kPingPong) {
-    const double us_per_mflop = bn == 64 ? 0.2571 : 0.1773;
-    t = waves * (mflop * us_per_mflop + tile_k * 0.0571) + tile_k * 0.1514;
+    const double us_per_mflop = bn == 64 ? 0.2540 : 0.1762;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.0669) + tile_k * 0.1440;
   } else if (kind == Kind::kRows192) {
-    const double us_per_mflop = bn == 64 ? 0.2914 : bn == 128 ? 0.1771 : 0.1702;
-    t = waves * (mflop * us_per_mflop + tile_k * 0.0944);
+    const double us_per_mflop = bn == 64 ? 0.2933 : bn == 128 ? 0.1757 : 0.1699;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.0929);
   } else {
-    const double us_per_mflop = bn == 64 ? 0.2999 : bn == 128 ? 0.2012 : bn == 192 ? 0.1632 : 0.1550;
-    t = waves * (mflop * us_per_mflop + tile_k * 0.1260);
+    const double us_per_mflop = bn == 64 ? 0.3133 : bn == 128 ? 0.2058 : bn == 192 ? 0.1648 : 0.1537;
+    t = waves * (mflop * us_per_mflop + tile_k * 0.1251);
   }
-  if (splits > 1) t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.3211 + 0.6241;
+  if (splits > 1 && kernel_sum) {
+    t += (double)(splits - 1) * M * N * 4 * 2 / 1e6 * 0.4636 + tile_k * (splits - 1) * 0.0812 + 0.1732;
+  } else if (splits > 1) {
+    t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.3175 + 0.5691;
+  }
   return t;
 }
 
@@ -908,12 +920,13 @@ double estimate_streamk_us(int M, int N, int K, int sms, int bn) {
 }
 
 // schedule: 0 = the model picks, 1 = cooperative, 2 = ping-pong, 3 = stream-K (cooperative), 4 = cooperative
-// with three consumer warpgroups (192-row tiles; widths 64, 128, 192); force_bn / force_splits 0 = the model picks.
-void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, int schedule, int& bn,
-            int& splits, bool& pingpong, bool& streamk, bool& rows192) {
+// with three consumer warpgroups (192-row tiles; widths 64, 128, 192); force_bn / force_splits 0 = the model
+// picks; split_sum: 0 = the model picks, 1 = through the workspace, 2 = in the kernel (not ping-pong).
+void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, int schedule, int split_sum,
+            int& bn, int& splits, bool& pingpong, bool& streamk, bool& rows192, bool& kernel_sum) {
   const int kblocks = (K + BK - 1) / BK;
   double best = 1e30;
-  bn = 128, splits = 1, pingpong = schedule == 2, streamk = schedule == 3, rows192 = schedule == 4;
+  bn = 128, splits = 1, pingpong = schedule == 2, streamk = schedule == 3, rows192 = schedule == 4, kernel_sum = false;
   if (schedule == 3) {  // only when asked for: measured slower than the other schedules at every BERT shape (below)
     for (int cand : {256, 192, 128}) {
       if (force_bn > 0 && cand != force_bn) continue;
@@ -933,10 +946,14 @@ void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force
       for (int s : {1, 2, 3, 4, 6, 8}) {
         if (force_splits > 0 && s != force_splits) continue;
         if (s > 1 && (!split_ok || kblocks / s < 4)) continue;
-        const double t = estimate_us(M, N, K, sms, cand, s, kind);
-        if (t < best * 0.999) {
-          best = t, bn = cand, splits = s, streamk = false;
-          pingpong = kind == Kind::kPingPong, rows192 = kind == Kind::kRows192;
+        for (bool ks : {false, true}) {
+          if (ks && (s == 1 || kind == Kind::kPingPong)) continue;  // ping-pong kernels sum through the workspace
+          if (s > 1 && kind != Kind::kPingPong && split_sum != 0 && ks != (split_sum == 2)) continue;
+          const double t = estimate_us(M, N, K, sms, cand, s, kind, ks);
+          if (t < best * 0.999) {
+            best = t, bn = cand, splits = s, streamk = false, kernel_sum = ks;
+            pingpong = kind == Kind::kPingPong, rows192 = kind == Kind::kRows192;
+          }
         }
       }
     }
@@ -1010,9 +1027,16 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   TORCH_CHECK(schedule != 3 || tile_n == 0 || tile_n >= 128, "bertaccel gemm: stream-K takes tile widths 128, 192 and 256");
   TORCH_CHECK(schedule != 4 || tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 192,
               "bertaccel gemm: 192-row tiles take widths 64, 128 and 192");
-  bool pingpong, streamk, rows192;
-  choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, (int)schedule, bn, splits,
-         pingpong, streamk, rows192);
+  // K splits summed through a workspace and a second kernel, or by the last split inside the kernel: the
+  // model picks; BERTACCEL_GEMM_SPLIT=workspace|kernel (read at each call) forces one, for comparison runs
+  const char* split_env = std::getenv("BERTACCEL_GEMM_SPLIT");
+  const int split_sum = !split_env || !*split_env ? 0 : std::strcmp(split_env, "workspace") == 0 ? 1
+                        : std::strcmp(split_env, "kernel") == 0 ? 2 : -1;
+  TORCH_CHECK(split_sum >= 0, "bertaccel gemm: BERTACCEL_GEMM_SPLIT is '", split_env,
+              "'; use 'workspace' or 'kernel' (or unset it: the cost model picks)");
+  bool pingpong, streamk, rows192, kernel_sum;
+  choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, (int)schedule, split_sum, bn,
+         splits, pingpong, streamk, rows192, kernel_sum);
   const int kblocks = (int)((K + BK - 1) / BK);
   const int BM = rows192 ? 192 : 128;
 
@@ -1028,12 +1052,7 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   p.bias_f32 = needs_bias && bias->scalar_type() == at::kFloat;
   p.aux = needs_aux ? static_cast<const bf16*>(aux->data_ptr()) : nullptr;
   p.pre = (gelu && save_pre) ? static_cast<bf16*>(pre.data_ptr()) : nullptr;
-  // K splits: every split writes its fp32 slice of a workspace and a second kernel sums them (the measured
-  // default); BERTACCEL_GEMM_SPLIT=kernel (read at each call; cooperative and 192-row schedules) sums them
-  // inside the GEMM instead - the last split of each tile to finish adds the others' partials and runs
-  // the epilogue. Tested (same bits as the workspace sum), not yet timed on a GPU: opt-in until it is.
-  const char* split_env = std::getenv("BERTACCEL_GEMM_SPLIT");
-  p.fixup = splits > 1 && !pingpong && split_env && std::strcmp(split_env, "kernel") == 0;
+  p.fixup = splits > 1 && !pingpong && kernel_sum;
   at::Tensor ws;
   if (splits > 1 && !p.fixup) {
     ws = at::empty({splits, M, N}, a.options().dtype(at::kFloat));
