@@ -133,9 +133,10 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                         add({"shape": row["shape"], "gemm": name, "impl": f"bertaccel t{tile} s{splits}",
                              "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
             elif sweep:  # every schedule, tile width and K split, for the tile heuristic
-                configs = [(schedule, tile) for schedule, tiles in ((1, (64, 128, 192, 256)), (2, (64, 128)),
+                # 96-wide tiles: cooperative, with a K-major B (the forward's layout) only
+                configs = [(schedule, tile) for schedule, tiles in ((1, (64, 96, 128, 192, 256)), (2, (64, 128)),
                                                                     (3, (128, 192, 256)), (4, (64, 128, 192)))
-                           if schedule in schedules for tile in tiles]
+                           if schedule in schedules for tile in tiles if tile != 96 or not tb]
                 # split_sums: "kernel" / "workspace" time each split configuration with its K splits summed
                 # that way (BERTACCEL_GEMM_SPLIT), labelled "... s2 kernel-sum"; "default" unlabelled
                 for schedule, tile in configs:

@@ -46,7 +46,7 @@ from collections import defaultdict
 import numpy as np
 
 BK, SMS = 64, 132
-WIDTHS = (64, 128, 192, 256)
+WIDTHS = (64, 96, 128, 192, 256)
 
 
 def problem(shape: str, gemm: str) -> tuple[int, int, int]:

@@ -10,7 +10,7 @@ from registers (`mma_rs`: attention's O += P V, P straight from the softmax's re
 
 from pathlib import Path
 
-SS_SHAPES = (32, 64, 128, 192, 256)
+SS_SHAPES = (32, 64, 96, 128, 192, 256)
 RS_SHAPES = (32, 64, 128)
 TYPES = (("bf16", "Bf16"), ("f16", "F16"))
 OUT = Path(__file__).resolve().parents[1] / "src" / "bertaccel" / "ops" / "csrc" / "wgmma.cuh"

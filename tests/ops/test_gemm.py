@@ -244,6 +244,56 @@ def test_192_row_tiles_every_epilogue(epilogue, tile_n):
 
 
 @hopper_test
+@pytest.mark.parametrize("store", ["tma", "staged"])
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+def test_96_wide_tiles_every_epilogue(epilogue, store, monkeypatch):
+    """96-wide tiles (cooperative, K-major B): a 64-column chunk and a 32-column tail chunk stored through
+    their own 32-column tensor maps. 2048 x 768 is 16 x 8 whole tiles; 272 = 2 x 96 + 80 ends inside the
+    last tile's tail chunk, 1000 = 10 x 96 + 40 inside its first chunk (the tail wholly past N); bf16 and
+    fp32 out; the staged stores (N % 8 != 0, or BERTACCEL_GEMM_STORE=staged) too."""
+    if store == "staged":
+        monkeypatch.setenv("BERTACCEL_GEMM_STORE", "staged")
+    e = EPILOGUES[epilogue]
+    for M, N, K in [(2048, 768, 768), (200, 272, 192), (131, 1000, 136), (77, 1002, 200)]:
+        a, b, bias, aux, ref_out = _check_epilogue(M, N, K, epilogue, f"n96 {store} {epilogue} {M}x{N}x{K}", 96, 1, 1)
+        out32 = GEMM(a, b, bias, aux, e, False, False, True, False, 96, 1, 1)[0]
+        cub32 = apply_epilogue((a.float() @ b.float().t()), bias, aux, e, False, torch.bfloat16)[0]
+        check_vs_cublas(out32, cub32, ref_out, f"n96 {store} {epilogue} fp32 out {M}x{N}x{K}")
+
+
+@hopper_test
+@pytest.mark.parametrize("split_sum", ["workspace", "kernel"])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_96_wide_tiles_with_k_splits(splits, split_sum, monkeypatch):
+    """96-wide tiles with K splits summed either way (the same bits), bf16 and fp32 out, ragged N."""
+    monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", split_sum)
+    M, N, K = 333, 560, 2056  # 560 = 5 x 96 + 80
+    a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
+    bias = torch.randn(N, device="cuda")
+    ref = a.double() @ b.double().t() + bias.double()
+    for out_fp32 in (False, True):
+        poison()
+        ours = GEMM(a, b, bias, None, 1, False, False, out_fp32, False, 96, splits, 1)[0]
+        cub = torch.addmm(bias, a.float(), b.float().t()) if out_fp32 else torch.addmm(bias.bfloat16(), a, b.t())
+        check_vs_cublas(ours, cub, ref, f"n96 s{splits} {split_sum} fp32={out_fp32}")
+        monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", "workspace" if split_sum == "kernel" else "kernel")
+        assert torch.equal(GEMM(a, b, bias, None, 1, False, False, out_fp32, False, 96, splits, 1)[0], ours)
+        monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", split_sum)
+
+
+@hopper_test
+def test_96_wide_tiles_refused_where_not_built():
+    """96-wide tiles read B in one K-major box: asked for with an MN-major B (trans_b) or another schedule,
+    the op says so."""
+    a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(512, 192, device="cuda", dtype=torch.bfloat16)  # stored [K, N]
+    with pytest.raises(RuntimeError, match="96-wide"):
+        GEMM(a, b, None, None, 0, False, True, False, False, 96, 1, 1)
+    with pytest.raises(RuntimeError, match="96-wide"):
+        GEMM(a, b.t().contiguous(), None, None, 0, False, False, False, False, 96, 1, 2)
+
+
+@hopper_test
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_192_row_tiles_layouts_and_fp32_out(layout):
     """Schedule 4 with each operand layout (MN-major A is loaded as three 64-row chunks) and fp32 out."""

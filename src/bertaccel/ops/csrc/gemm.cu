@@ -333,20 +333,25 @@ struct StoreRing {
   int issued;     // chunks stored so far (the same in every thread): picks the next buffer
 };
 
-// v (one 64-column chunk of the fragment: v[4 jj + c] for its column groups jj = 0..7) as bf16 to the
-// matrix behind `map` at (row0, col0): stmatrix into the next buffer, in the 128-byte swizzle the
-// tensor map expects (16-byte group g of row r at g ^ (r % 8): conflict-free), then one TMA store.
-__device__ __forceinline__ void store_chunk(StoreRing& ring, const CUtensorMap* map, const float (&v)[32], int row0,
+// v (one W-column chunk of the fragment: v[4 jj + c] for its column groups jj < W / 8) as bf16 to the
+// matrix behind `map` at (row0, col0): stmatrix into the next buffer, in the swizzle the tensor map
+// expects, then one TMA store. W = 64: 128-byte rows, 128-byte swizzle (16-byte group g of row r at
+// g ^ (r % 8)); W = 32 (the last chunk of a 96-wide tile, through a map of 32-column boxes): 64-byte
+// rows, 64-byte swizzle (g ^ (r / 2 % 4)). Conflict-free either way.
+template <int W>
+__device__ __forceinline__ void store_chunk(StoreRing& ring, const CUtensorMap* map, const float (&v)[W / 2], int row0,
                                             int col0, int cw, int t) {
+  static_assert(W == 64 || W == 32, "64- or 32-column chunks");
   uint8_t* buf = ring.bufs + (ring.issued % kStoreBufs) * kStoreBufBytes;
   if (t == 0) async_copy::bulk_wait_read<kStoreBufs - 1>();  // the store that used this buffer last has read it
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
   const int warp = t / 32, lane = t % 32, i = lane / 8, rr = lane % 8;
   const int row = warp * 16 + (i % 2) * 8 + rr;  // matrix i: the warp's rows 0-7 (i even) or 8-15
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {  // column groups 2q (matrices 0, 1) and 2q + 1 (matrices 2, 3)
+  for (int q = 0; q < W / 16; ++q) {  // column groups 2q (matrices 0, 1) and 2q + 1 (matrices 2, 3)
     const int group = 2 * q + i / 2;
-    stmatrix_x4(buf + row * 128 + ((group ^ rr) << 4), pack_bf16(v[8 * q], v[8 * q + 1]),
+    uint8_t* dst = W == 64 ? buf + row * 128 + ((group ^ rr) << 4) : buf + row * 64 + ((group ^ ((row >> 1) & 3)) << 4);
+    stmatrix_x4(dst, pack_bf16(v[8 * q], v[8 * q + 1]),
                 pack_bf16(v[8 * q + 2], v[8 * q + 3]), pack_bf16(v[8 * q + 4], v[8 * q + 5]),
                 pack_bf16(v[8 * q + 6], v[8 * q + 7]));
   }
@@ -359,14 +364,15 @@ __device__ __forceinline__ void store_chunk(StoreRing& ring, const CUtensorMap* 
   ++ring.issued;
 }
 
-// fp32 out (split-K slices, or an fp32 output): the chunk's 64 columns as two 32-column halves (128-byte
+// fp32 out (split-K slices, or an fp32 output): the chunk's W columns as 32-column halves (128-byte
 // rows, the same swizzle), each written with float2 stores - a warp's 256 bytes per store in two
 // conflict-free wavefronts - and stored by one TMA store into slice `split` of a 3-D map.
-__device__ __forceinline__ void store_chunk_f32(StoreRing& ring, const CUtensorMap* map, const float (&v)[32], int row0,
+template <int W>
+__device__ __forceinline__ void store_chunk_f32(StoreRing& ring, const CUtensorMap* map, const float (&v)[W / 2], int row0,
                                                 int col0, int split, int cw, int t) {
   const int lane = t % 32, rt = (t / 32) * 16 + lane / 4, q = lane % 4;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < W / 32; ++h) {
     uint8_t* buf = ring.bufs + (ring.issued % kStoreBufs) * kStoreBufBytes;
     if (t == 0) async_copy::bulk_wait_read<kStoreBufs - 1>();
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
@@ -390,32 +396,36 @@ __device__ __forceinline__ void store_chunk_f32(StoreRing& ring, const CUtensorM
   }
 }
 
-// The auxiliary input of one chunk (residual, or the saved pre-activation of the dGELU epilogue), in
-// the accumulator fragment's order: aux[i] = the bf16 pair at row (warp * 16 + lane / 4 + 8 (i % 2)),
-// columns 8 (i / 2) + 2 (lane % 4), +1 of the chunk; zero past M or N. Loaded a chunk ahead (the first
-// chunk of a unit before its MMAs): the loads' latency hides behind the MMAs and the previous chunk's work.
+// The auxiliary input of one W-column chunk (residual, or the saved pre-activation of the dGELU
+// epilogue), in the accumulator fragment's order: aux[i] = the bf16 pair at row (warp * 16 + lane / 4 +
+// 8 (i % 2)), columns 8 (i / 2) + 2 (lane % 4), +1 of the chunk; zero past M or N (aux[W / 4..] untouched).
+// Loaded a chunk ahead (the first chunk of a unit before its MMAs): the loads' latency hides behind the
+// MMAs and the previous chunk's work.
+template <int W = 64>
 __device__ __forceinline__ void load_aux(const Params& p, uint32_t (&aux)[16], int row0, int col0, int t) {
   const int lane = t % 32, r_top = row0 + (t / 32) * 16 + lane / 4, c_lane = col0 + 2 * (lane % 4);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < W / 4; ++i) {
     const int row = r_top + 8 * (i % 2), col = c_lane + 8 * (i / 2);
     aux[i] = row < p.M && col < p.N ? __ldg(reinterpret_cast<const unsigned int*>(p.aux + (int64_t)row * p.N + col)) : 0u;
   }
 }
 
-// The epilogue of one chunk in registers (the branches are per chunk, each body unrolled over its 32
-// values), then its TMA store(s). N % 8 == 0 here, so a column pair is either in range or past N.
-// `aux`: the chunk's auxiliary input (load_aux), read by the residual and dGELU epilogues; with
-// kAuxHere it is read here instead (where registers are short: the 256-wide cooperative tile).
-template <bool kAuxHere>
+// The epilogue of one W-column chunk in registers (the branches are per chunk, each body unrolled over
+// its W / 2 values), then its TMA store(s). N % 8 == 0 here, so a column pair is either in range or past
+// N. `aux`: the chunk's auxiliary input (load_aux), read by the residual and dGELU epilogues; with
+// kAuxHere it is read here instead (where registers are short: the 256-wide cooperative tile). W = 32:
+// the last chunk of a 96-wide tile, stored through the 32-column maps (map_out / map_pre are those).
+template <bool kAuxHere, int W = 64>
 __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMap* map_out, const CUtensorMap* map_pre,
-                                               StoreRing& ring, float (&v)[32], const uint32_t (&aux)[16], int row0,
+                                               StoreRing& ring, float (&v)[W / 2], const uint32_t (&aux)[16], int row0,
                                                int col0, int split, int cw, int t) {
+  constexpr int kV = W / 2;  // values per thread
   const int lane = t % 32, e = slice_out(p) ? kNone : p.epilogue;  // a split-K slice: the raw sums
   const int r_top = row0 + (t / 32) * 16 + lane / 4, c_lane = col0 + 2 * (lane % 4);
   if (e >= kBias && e <= kBiasResidual) {
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
+    for (int jj = 0; jj < W / 8; ++jj) {
       const int col = c_lane + 8 * jj;
       float2 b = make_float2(0.f, 0.f);
       if (col < p.N) {
@@ -426,18 +436,18 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
     }
   }
   if (e == kBiasGeluErf || e == kBiasGeluTanh) {
-    if (p.pre != nullptr) store_chunk(ring, map_pre, v, row0, col0, cw, t);
+    if (p.pre != nullptr) store_chunk<W>(ring, map_pre, v, row0, col0, cw, t);
     if (e == kBiasGeluErf) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) v[i] = gelu_erf<true>(v[i]);
+      for (int i = 0; i < kV; ++i) v[i] = gelu_erf<true>(v[i]);
     } else {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) v[i] = gelu_tanh(v[i]);
+      for (int i = 0; i < kV; ++i) v[i] = gelu_tanh(v[i]);
     }
   } else if (e >= kBiasResidual) {
-    float a[32];
+    float a[kV];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {  // i = 2 jj + (bottom row)
+    for (int i = 0; i < kV / 2; ++i) {  // i = 2 jj + (bottom row)
       float2 f;
       if constexpr (kAuxHere) {
         const int row = r_top + 8 * (i % 2), col = c_lane + 8 * (i / 2);
@@ -450,17 +460,17 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
     }
     if (e == kBiasResidual) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) v[i] += a[i];
+      for (int i = 0; i < kV; ++i) v[i] += a[i];
     } else if (e == kDGeluErf) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) v[i] *= dgelu_erf<true>(a[i]);
+      for (int i = 0; i < kV; ++i) v[i] *= dgelu_erf<true>(a[i]);
     } else {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) v[i] *= dgelu_tanh(a[i]);
+      for (int i = 0; i < kV; ++i) v[i] *= dgelu_tanh(a[i]);
     }
   }
-  if (p.out_f32 || slice_out(p)) store_chunk_f32(ring, map_out, v, row0, col0, slice_out(p) ? split : 0, cw, t);
-  else store_chunk(ring, map_out, v, row0, col0, cw, t);
+  if (p.out_f32 || slice_out(p)) store_chunk_f32<W>(ring, map_out, v, row0, col0, slice_out(p) ? split : 0, cw, t);
+  else store_chunk<W>(ring, map_out, v, row0, col0, cw, t);
 }
 
 // ----------------------------------------------------------------------------------- kernel
@@ -483,9 +493,15 @@ struct Config : Team<CONS> {
 template <int BN, bool A_MN, bool B_MN, bool PP, int CONS>
 __global__ void __launch_bounds__(Team<CONS>::kThreads, 1)
 gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-            const __grid_constant__ CUtensorMap map_out, const __grid_constant__ CUtensorMap map_pre, const Params p) {
+            const __grid_constant__ CUtensorMap map_out, const __grid_constant__ CUtensorMap map_pre,
+            const __grid_constant__ CUtensorMap map_out_tail, const __grid_constant__ CUtensorMap map_pre_tail,
+            const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!PP || CONS == 2, "ping-pong: two consumer warpgroups");
+  // 96-wide tiles (cuBLAS's shape for 2048 x 768: 128 tiles on 132 SMs): a 64-column chunk and a 32-column
+  // tail (map_out_tail / map_pre_tail: bf16 maps of 32-column boxes); B K-major only (its MN-major boxes
+  // are 64 columns wide), two consumers with the auxiliary input loaded ahead.
+  static_assert(BN % 64 == 0 || (BN == 96 && !B_MN && CONS == 2 && !PP), "tile widths: multiples of 64, or 96");
   using C = Config<BN, CONS>;
   constexpr int S = C::kStages, BM = C::BM, kConsumers = CONS;
   extern __shared__ uint8_t smem_raw[];
@@ -681,6 +697,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
           }
         }
       }
+      static_assert(BN % 64 == 0 || kAuxAhead, "the 32-column tail chunk is only in the aux-ahead loop below");
       if (!kAuxAhead && p.tma_store) {  // epilogue in registers, stores through the copy engine
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) {
@@ -702,27 +719,45 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         continue;
       }
       if (p.tma_store) {  // the same, with the auxiliary input loaded a chunk ahead
-        // chunks q = h * (BN / 64) + c: 64 rows (half h, or this warpgroup's rows) x 64 columns c
-        constexpr int kChunks = kHalves * (BN / 64);
+        // chunks q = h * kPerHalf + c: 64 rows (half h, or this warpgroup's rows) x 64 columns c, and with a
+        // 96-wide tile a last 32-column chunk c = BN / 64 of each half
+        constexpr int kFull = BN / 64, kPerHalf = kFull + (BN % 64 ? 1 : 0), kChunks = kHalves * kPerHalf;
 #pragma unroll 1
         for (int q = 0; q < kChunks; ++q) {
-          const int h = q / (BN / 64), c = q % (BN / 64);
+          const int h = q / kPerHalf, c = q % kPerHalf;
           const int row0 = tm * BM + (PP ? h : cw) * 64, col0 = tn * BN + 64 * c;
           uint32_t aux_now[16];
           if constexpr (kAuxAhead) {
 #pragma unroll
             for (int i = 0; i < 16; ++i) aux_now[i] = aux_next[i];
             if (with_aux && q + 1 < kChunks) {  // the next chunk's, while this one is finished
-              const int hn = (q + 1) / (BN / 64), cn = (q + 1) % (BN / 64);
-              load_aux(p, aux_next, tm * BM + (PP ? hn : cw) * 64, tn * BN + 64 * cn, t);
+              const int hn = (q + 1) / kPerHalf, cn = (q + 1) % kPerHalf;
+              if (kPerHalf > kFull && cn == kFull) load_aux<32>(p, aux_next, tm * BM + (PP ? hn : cw) * 64, tn * BN + 64 * cn, t);
+              else load_aux(p, aux_next, tm * BM + (PP ? hn : cw) * 64, tn * BN + 64 * cn, t);
             }
           }
           if (row0 >= p.M || col0 >= p.N) continue;  // the same in the whole warpgroup
+          if constexpr (kPerHalf > kFull) {
+            if (c == kFull) {  // the 32-column tail: acc[h][32 kFull ..], through the 32-column bf16 maps
+              float v[16];
+#pragma unroll
+              for (int hh = 0; hh < kHalves; ++hh) {
+                if (hh == h) {
+#pragma unroll
+                  for (int k = 0; k < 16; ++k) v[k] = acc[hh][32 * kFull + k];
+                }
+              }
+              const bool f32 = p.out_f32 || slice_out(p);  // fp32 maps already take 32-column boxes
+              epilogue_chunk<false, 32>(p, f32 ? &map_out : &map_out_tail, &map_pre_tail, ring, v, aux_now, row0, col0,
+                                        split, cw, t);
+              continue;
+            }
+          }
           float v[32];
 #pragma unroll
           for (int hh = 0; hh < kHalves; ++hh) {  // registers are named at compile time: select the chunk
 #pragma unroll
-            for (int cc = 0; cc < BN / 64; ++cc) {
+            for (int cc = 0; cc < kFull; ++cc) {
               if (hh == h && cc == c) {
 #pragma unroll
                 for (int k = 0; k < 32; ++k) v[k] = acc[hh][32 * cc + k];
@@ -798,16 +833,18 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// A 2-D bf16 tensor map over a row-major [rows, inner] matrix, boxes of [box_rows, 64] with
-// 128-byte swizzle; out-of-bounds elements read as zero.
-CUtensorMap make_map(const at::Tensor& t, int box_rows) {
+// A 2-D bf16 tensor map over a row-major [rows, inner] matrix, boxes of [box_rows, 64] with 128-byte
+// swizzle (or [box_rows, 32] with 64-byte swizzle: the 32-column tail chunks of 96-wide tiles);
+// out-of-bounds elements read as zero.
+CUtensorMap make_map(const at::Tensor& t, int box_rows, int box_cols = 64) {
   CUtensorMap map;
   const uint64_t dims[2] = {(uint64_t)t.size(1), (uint64_t)t.size(0)};
   const uint64_t strides[1] = {(uint64_t)t.stride(0) * 2};
-  const uint32_t box[2] = {64, (uint32_t)box_rows};
+  const uint32_t box[2] = {(uint32_t)box_cols, (uint32_t)box_rows};
   const uint32_t elem_strides[2] = {1, 1};
+  const CUtensorMapSwizzle swizzle = box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
   CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(), dims, strides, box, elem_strides,
-                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   BERTACCEL_CHECK(r == CUDA_SUCCESS, "bertaccel gemm: cuTensorMapEncodeTiled failed (%d) for a [%lld, %lld] operand with row stride %lld",
              (int)r, (long long)t.size(0), (long long)t.size(1), (long long)t.stride(0));
@@ -832,6 +869,7 @@ CUtensorMap make_map_f32(void* data, int64_t slices, int64_t rows, int64_t cols)
 
 struct Maps {
   CUtensorMap a, b, out, pre;  // out / pre: only read by the TMA-store epilogue (copies of a otherwise)
+  CUtensorMap out_tail, pre_tail;  // bf16 out / pre in 32-column boxes: 96-wide tiles' last chunks (else copies of a)
 };
 
 template <int BN, bool A_MN, bool B_MN, bool PP, int CONS>
@@ -843,7 +881,8 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
     configured = true;
   }
-  gemm_kernel<BN, A_MN, B_MN, PP, CONS><<<grid, C::kThreads, C::kSmemBytes, stream>>>(m.a, m.b, m.out, m.pre, p);
+  gemm_kernel<BN, A_MN, B_MN, PP, CONS><<<grid, C::kThreads, C::kSmemBytes, stream>>>(m.a, m.b, m.out, m.pre, m.out_tail,
+                                                                                     m.pre_tail, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -889,7 +928,7 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind, 
     const double us_per_mflop = bn == 64 ? 0.2933 : bn == 128 ? 0.1757 : 0.1699;
     t = waves * (mflop * us_per_mflop + tile_k * 0.0929);
   } else {
-    const double us_per_mflop = bn == 64 ? 0.3133 : bn == 128 ? 0.2058 : bn == 192 ? 0.1648 : 0.1537;
+    const double us_per_mflop = bn == 64 ? 0.3133 : bn == 96 ? 0.2500 : bn == 128 ? 0.2058 : bn == 192 ? 0.1648 : 0.1537;
     t = waves * (mflop * us_per_mflop + tile_k * 0.1251);
   }
   if (splits > 1 && kernel_sum) {
@@ -922,8 +961,9 @@ double estimate_streamk_us(int M, int N, int K, int sms, int bn) {
 // schedule: 0 = the model picks, 1 = cooperative, 2 = ping-pong, 3 = stream-K (cooperative), 4 = cooperative
 // with three consumer warpgroups (192-row tiles; widths 64, 128, 192); force_bn / force_splits 0 = the model
 // picks; split_sum: 0 = the model picks, 1 = through the workspace, 2 = in the kernel (not ping-pong).
-void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force_splits, int schedule, int split_sum,
-            int& bn, int& splits, bool& pingpong, bool& streamk, bool& rows192, bool& kernel_sum) {
+// b_kmajor: B is K-major (the forward's layout), which the 96-wide tiles need.
+void choose(int M, int N, int K, int sms, bool split_ok, bool b_kmajor, int force_bn, int force_splits, int schedule,
+            int split_sum, int& bn, int& splits, bool& pingpong, bool& streamk, bool& rows192, bool& kernel_sum) {
   const int kblocks = (K + BK - 1) / BK;
   double best = 1e30;
   bn = 128, splits = 1, pingpong = schedule == 2, streamk = schedule == 3, rows192 = schedule == 4, kernel_sum = false;
@@ -939,8 +979,9 @@ void choose(int M, int N, int K, int sms, bool split_ok, int force_bn, int force
     if (schedule == 1 && kind != Kind::kCooperative) continue;
     if (schedule == 2 && kind != Kind::kPingPong) continue;
     if (schedule == 4 && kind != Kind::kRows192) continue;
-    for (int cand : {256, 192, 128, 64}) {
+    for (int cand : {256, 192, 128, 96, 64}) {
       if (force_bn > 0 && cand != force_bn) continue;
+      if (cand == 96 && (kind != Kind::kCooperative || !b_kmajor)) continue;  // built for these only
       if (kind == Kind::kPingPong && cand > 128) continue;  // a warpgroup holds a whole 128 x BN tile: BN <= 128
       if (kind == Kind::kRows192 && cand > 192) continue;   // 160 registers per consumer thread
       for (int s : {1, 2, 3, 4, 6, 8}) {
@@ -1027,6 +1068,8 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   TORCH_CHECK(schedule != 3 || tile_n == 0 || tile_n >= 128, "bertaccel gemm: stream-K takes tile widths 128, 192 and 256");
   TORCH_CHECK(schedule != 4 || tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 192,
               "bertaccel gemm: 192-row tiles take widths 64, 128 and 192");
+  TORCH_CHECK(tile_n != 96 || ((schedule == 0 || schedule == 1) && !trans_b),
+              "bertaccel gemm: 96-wide tiles are built for the cooperative schedule with a K-major b (trans_b false)");
   // K splits summed through a workspace and a second kernel, or by the last split inside the kernel: the
   // model picks; BERTACCEL_GEMM_SPLIT=workspace|kernel (read at each call) forces one, for comparison runs
   const char* split_env = std::getenv("BERTACCEL_GEMM_SPLIT");
@@ -1035,8 +1078,8 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   TORCH_CHECK(split_sum >= 0, "bertaccel gemm: BERTACCEL_GEMM_SPLIT is '", split_env,
               "'; use 'workspace' or 'kernel' (or unset it: the cost model picks)");
   bool pingpong, streamk, rows192, kernel_sum;
-  choose((int)M, (int)N, (int)K, sms, split_ok, (int)tile_n, split_ok ? (int)splits_k : 1, (int)schedule, split_sum, bn,
-         splits, pingpong, streamk, rows192, kernel_sum);
+  choose((int)M, (int)N, (int)K, sms, split_ok, !trans_b, (int)tile_n, split_ok ? (int)splits_k : 1, (int)schedule,
+         split_sum, bn, splits, pingpong, streamk, rows192, kernel_sum);
   const int kblocks = (int)((K + BK - 1) / BK);
   const int BM = rows192 ? 192 : 128;
 
@@ -1083,6 +1126,9 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
              : out_fp32   ? make_map_f32(p.out, 1, M, N)
                           : make_map(out, 64);
   maps.pre = p.tma_store && p.pre != nullptr ? make_map(pre, 64) : maps.a;
+  const bool tail = bn % 64 != 0 && p.tma_store;  // 96-wide tiles: their last 32 columns through 32-column boxes
+  maps.out_tail = tail && !out_fp32 && !(splits > 1 && !p.fixup) ? make_map(out, 64, 32) : maps.a;
+  maps.pre_tail = tail && p.pre != nullptr ? make_map(pre, 64, 32) : maps.a;
   const int64_t units = streamk ? (int64_t)p.tiles_m * p.tiles_n * kblocks : (int64_t)p.tiles_m * p.tiles_n * splits;
   const int grid = units < sms ? (int)units : sms;
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -1104,6 +1150,10 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
     else launch_layout<64, true>(trans_a, trans_b, maps, p, grid, stream);
   } else {
     switch (bn) {
+      case 96:  // K-major B only (choose)
+        TORCH_CHECK(!trans_a && !trans_b, "bertaccel gemm: 96-wide tiles need K-major operands");
+        launch<96, false, false, false, 2>(maps, p, grid, stream);
+        break;
       case 256: launch_layout<256, false>(trans_a, trans_b, maps, p, grid, stream); break;
       case 192: launch_layout<192, false>(trans_a, trans_b, maps, p, grid, stream); break;
       case 128: launch_layout<128, false>(trans_a, trans_b, maps, p, grid, stream); break;
