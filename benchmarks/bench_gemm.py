@@ -140,7 +140,7 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                 # split_sums: "kernel" / "workspace" time each split configuration with its K splits summed
                 # that way (BERTACCEL_GEMM_SPLIT), labelled "... s2 kernel-sum"; "default" unlabelled
                 for schedule, tile in configs:
-                    for splits in (1, 2, 4) if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
+                    for splits in (1, 2, 3, 4) if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
                         for mode in split_sums if splits > 1 and schedule in (1, 4) else ("default",):
                             def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
                                 return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]

@@ -26,7 +26,8 @@ workspace terms with
 block overlaps; the counters' memset).
 
 Several sweeps (e.g. one per schedule, from different runs) are fitted together: each row's time is
-rescaled by the ratio of cuBLAS's time at its shape in the last sweep to that in its own sweep.
+rescaled by the ratio of cuBLAS's time at its shape in the last sweep that timed that shape to that in
+its own sweep.
 
 It is fitted by non-negative least squares on relative error. The script prints the coefficients to
 copy into `estimate_us`, the median prediction error, and how fast the model's picks run compared
@@ -95,7 +96,7 @@ def features(M: int, N: int, K: int, bn: int, s: int, kind: str = "", kernel_sum
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sweeps", nargs="+", help="bench_gemm --sweep JSONs (the last one sets the time scale)")
+    ap.add_argument("sweeps", nargs="+", help="bench_gemm --sweep JSONs (later ones set the time scale of the shapes they time)")
     args = ap.parse_args()
     from scipy.optimize import nnls
 
@@ -103,7 +104,9 @@ def main() -> None:
         return {(r["shape"], r["gemm"]): r["ms"] for r in data["rows"] if r["impl"] == "cublas"}
 
     files = [json.load(open(path)) for path in args.sweeps]
-    scale_to = cublas_ms(files[-1])
+    scale_to = {}  # cuBLAS's time per (shape, GEMM) in the last sweep that timed it
+    for data in files:
+        scale_to.update(cublas_ms(data))
     rows = []
     for data in files:
         own = cublas_ms(data)
