@@ -63,6 +63,13 @@ def _env_call(var: str, value: str, fn, *args):
         return fn(*args)
 
 
+def config_label(cfg) -> str:
+    """gemm_config's [tile rows, width, splits, schedule, in-kernel sum, tuned] as the sweep labels it."""
+    rows, width, splits, schedule, kernel_sum, _ = cfg
+    kind = {1: "", 2: "pp ", 3: "sk ", 4: "r192 "}[schedule]
+    return f"{kind}n{width} s{splits}" + (" kernel-sum" if kernel_sum and splits > 1 else "")
+
+
 def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
     """Median time of each of fns, timed in turn `rounds` times."""
     times = [[] for _ in fns]
@@ -75,7 +82,7 @@ def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
 def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2, 3),
         compare_stores: bool = False, rounds: int = 3, gelu_only: bool = False,
         fp32_tiles=(1, 2), gemms=("fwd", "dgrad", "wgrad"), epilogues: bool = True,
-        split_sums=("default",)) -> list[dict]:
+        split_sums=("default",), tune: bool = False) -> list[dict]:
     rows = []
 
     def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
@@ -115,6 +122,9 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                 if mode != "default":
                     fns.append(lambda a, b, f=gemm.gemm_case(name), mode=mode: _env_call("BERTACCEL_GEMM_SPLIT", mode, f, a, b))
                     labels.append(f"bertaccel {mode}-split")
+            if ours and tune:  # BERTACCEL_GEMM_TUNE=1: the first (eager, warm-up) call times the model's closest picks
+                fns.append(lambda a, b, f=gemm.gemm_case(name): _env_call("BERTACCEL_GEMM_TUNE", "1", f, a, b))
+                labels.append("bertaccel tuned")
             ms, *ms_ours = interleaved_ms(fns, args, device, rounds)
             row = {"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "cublas", "ms": round(ms, 4),
                    "TFLOP/s": round(flops / ms / 1e9, 1)}
@@ -122,8 +132,12 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             if not ours:
                 continue
             for impl, t in zip(labels, ms_ours):
+                env = {"BERTACCEL_GEMM_TUNE": "1"} if impl == "bertaccel tuned" else {}
+                with kernel_env(env):  # [tile rows, width, splits, schedule, in-kernel sum, tuned]
+                    cfg = torch.ops.bertaccel.gemm_config(args[0], args[1], 0, ta, tb, False, False)
                 add({"shape": row["shape"], "gemm": name, "impl": impl, "ms": round(t, 4),
-                     "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
+                     "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3),
+                     "config": config_label(cfg)})
             if sweep and fp32:  # the SIMT kernel's block tiles (1: 128x128, 2: 128x64) and K splits
                 for tile in fp32_tiles:
                     for splits in range(1, 9) if name.startswith("wgrad") or m <= 4096 else (1,):
@@ -189,12 +203,13 @@ def summary(rows: list[dict]) -> list[dict]:
         cub = next(r for r in sel if r["impl"] == "cublas")
         ours = next((r for r in sel if r["impl"] == "bertaccel"), None)
         staged = next((r for r in sel if r["impl"] == "bertaccel staged-store"), None)
-        picks = {r["impl"].split()[1]: r["of_cublas"] for r in sel if r["impl"].endswith("-split")}
+        picks = {r["impl"].split()[1]: r["of_cublas"] for r in sel if r["impl"].endswith("-split") or r["impl"] == "bertaccel tuned"}
         best = max((r for r in sel if r["impl"].startswith("bertaccel ") and r is not staged
-                    and not r["impl"].endswith("-split")), key=lambda r: r["TFLOP/s"],
+                    and not r["impl"].endswith("-split") and r["impl"] != "bertaccel tuned"), key=lambda r: r["TFLOP/s"],
                    default=None)
         out.append({"shape": shape, "gemm": g, "cublas TFLOP/s": cub["TFLOP/s"],
                     "ours TFLOP/s": ours["TFLOP/s"] if ours else None, "of_cublas": ours["of_cublas"] if ours else None,
+                    "pick": ours.get("config") if ours else None,
                     "staged-store of_cublas": staged["of_cublas"] if staged else None,
                     **{f"{mode} of_cublas": v for mode, v in picks.items()},
                     "best swept": best["impl"].split(" ", 1)[1] if best else None,
@@ -222,18 +237,20 @@ def main(argv=None) -> None:
     ap.add_argument("--split-sums", nargs="+", default=["default"], choices=["default", "workspace", "kernel"],
                     help="how K splits are summed (BERTACCEL_GEMM_SPLIT) in the times of ours: each mode named is "
                          "timed beside the others, for the model's pick and, with --sweep, every split configuration")
+    ap.add_argument("--tune", action="store_true",
+                    help="also time ours with BERTACCEL_GEMM_TUNE=1 (the first call times the cost model's closest picks)")
     ap.add_argument("--rounds", type=int, default=3, help="times each implementation is timed, in turn (median)")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
     rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules), args.compare_stores,
                args.rounds, args.gelu_only, tuple(args.fp32_tiles), tuple(args.gemms), not args.no_epilogues,
-               tuple(args.split_sums))
+               tuple(args.split_sums), args.tune)
     table = summary(rows)
     write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
     print_table([r for r in rows if not r["impl"].startswith("bertaccel ") or r["impl"] == "bertaccel staged-store"
-                 or r["impl"].endswith("-split")],
-                ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas"])
+                 or r["impl"].endswith("-split") or r["impl"] == "bertaccel tuned"],
+                ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas", "config"])
     if any(r["ours TFLOP/s"] for r in table):
         print()
         print_table(table, list(dict.fromkeys(c for r in table for c in r)))

@@ -60,11 +60,16 @@ VARIANTS = {
     "gemm-fused-graphs": ("sdpa", True, "gemm", False, True),
     # + the opt-in `ffn` family too: BERT's feed-forward block with GELU / dGELU in our GEMM's epilogues
     "ffn-gemm-fused-graphs": ("sdpa", True, "ffn", False, True),
+    # the same two with BERTACCEL_GEMM_TUNE=1: each GEMM problem's first (eager, warm-up) call times the cost
+    # model's closest tile configurations and keeps the fastest
+    "gemm-tuned-fused-graphs": ("sdpa", True, "gemm", False, True),
+    "ffn-gemm-tuned-fused-graphs": ("sdpa", True, "ffn", False, True),
     # the encoder on real tokens only (`model.unpadded`), our varlen attention / FlashAttention varlen
     "fused-unpadded-graphs": ("sdpa", True, True, False, True),
     "fused-unpadded-graphs-flash": ("sdpa", True, True, False, True),
 }
 UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash"}
+VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}}
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
 
@@ -100,9 +105,17 @@ def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
             "top_kernels": {k: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}
 
 
-def step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int,
-               device: str = "cuda", lengths: str = "full", profile: bool = False) -> list[float]:
-    """Step times in ms of one variant: CUDA events on a GPU, a wall clock on CPU (smoke runs only)."""
+def step_times(variant: str, *args, **kwargs) -> list[float]:
+    """Step times in ms of one variant: CUDA events on a GPU, a wall clock on CPU (smoke runs only); the
+    variant's kernel switches (VARIANT_ENV) set for its run only."""
+    from benchmarks.common import kernel_env
+
+    with kernel_env(VARIANT_ENV.get(variant)):
+        return _step_times(variant, *args, **kwargs)
+
+
+def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int,
+                device: str = "cuda", lengths: str = "full", profile: bool = False) -> list[float]:
     import os
 
     attn, bf16, fused, compiled, graphed = VARIANTS[variant]

@@ -523,3 +523,33 @@ def test_unknown_split_sum_mode_is_refused(monkeypatch):
     monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", "kernal")
     with pytest.raises(RuntimeError, match="BERTACCEL_GEMM_SPLIT"):
         GEMM(a, b, None, None, 0, False, False, False, False, 128, 2, 1)
+
+
+@hopper_test
+def test_tuning_keeps_a_timed_pick_and_never_times_during_capture(monkeypatch):
+    """BERTACCEL_GEMM_TUNE=1: the first eager call of a problem times the model's closest candidates and
+    keeps the fastest (gemm_config then reports it as tuned), the output is right either way; a call
+    captured into a CUDA graph for a problem never tuned does not time (no synchronisation inside a
+    capture) and its replay matches the eager result."""
+    monkeypatch.setenv("BERTACCEL_GEMM_TUNE", "1")
+    M, N, K = 1920, 776, 1544  # a problem no other test tunes
+    a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
+    ref = a.double() @ b.double().t()
+    assert torch.ops.bertaccel.gemm_config(a, b, 0, False, False, False, False)[5] == 0
+    ours = GEMM(a, b, None, None, 0, False, False, False, False)[0]
+    check_vs_cublas(ours, a @ b.t(), ref, "tuned")
+    cfg = torch.ops.bertaccel.gemm_config(a, b, 0, False, False, False, False)
+    assert cfg[5] == 1 and cfg[1] in (64, 96, 128, 192, 256) and cfg[3] in (1, 2, 4)
+    assert torch.equal(GEMM(a, b, None, None, 0, False, False, False, False)[0], ours)  # the kept pick, same bits
+
+    x, w = _operands(1000, 1032, 520, False, False, "cuda", torch.bfloat16)  # never tuned: captured first
+    static = {}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        static["y"] = GEMM(x, w, None, None, 0, False, False, False, False)[0]
+    g.replay()
+    torch.cuda.synchronize()
+    monkeypatch.delenv("BERTACCEL_GEMM_TUNE")
+    assert torch.equal(static["y"], GEMM(x, w, None, None, 0, False, False, False, False)[0])  # the model's pick
