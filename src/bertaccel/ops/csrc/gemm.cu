@@ -43,6 +43,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdio>
 #include <algorithm>
 #include <array>
 #include <map>
@@ -1026,9 +1027,14 @@ std::vector<Choice> candidates(int M, int N, int K, int sms, bool split_ok, bool
 // capture never time (they take a kept pick, or the model's). The model misses by 5-8% at some BERT shapes
 // (scripts/fit_gemm_model.py: median error 6.7%); tuned picks may differ between runs and ranks, so
 // outputs may differ in their last bits between runs (each run is still deterministic once tuned).
-bool tuning_enabled() {
+// BERTACCEL_GEMM_TUNE=verbose tunes too and prints each problem's candidates, estimates and times (stderr).
+int tuning_level() {
   const char* env = std::getenv("BERTACCEL_GEMM_TUNE");
-  return env != nullptr && std::strcmp(env, "1") == 0;
+  if (env == nullptr || !*env || std::strcmp(env, "0") == 0) return 0;
+  if (std::strcmp(env, "1") == 0) return 1;
+  TORCH_CHECK(std::strcmp(env, "verbose") == 0, "bertaccel gemm: BERTACCEL_GEMM_TUNE is '", env,
+              "'; use 1 (tune), verbose (tune and print the times) or 0");
+  return 2;
 }
 using TuneKey = std::array<int64_t, 13>;
 std::mutex& tune_mutex() {
@@ -1212,7 +1218,8 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   };  // run
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (!tuning_enabled() || ranked.size() == 1) {
+  const int tune = tuning_level();
+  if (tune == 0 || ranked.size() == 1) {
     run(ranked.front());
     return {out, pre};
   }
@@ -1239,6 +1246,13 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
     C10_CUDA_CHECK(cudaEventSynchronize(ev[1]));
     float ms = 0.f;
     C10_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+    if (tune == 2) {
+      std::fprintf(stderr, "bertaccel gemm tune %lldx%lldx%lld%s%s: %s n%d s%d%s estimate %.1f us, measured %.1f us\n",
+                   (long long)M, (long long)N, (long long)K, trans_a ? " A^T" : "", trans_b ? " B^T" : "",
+                   ranked[i].streamk ? "stream-K" : ranked[i].pingpong ? "ping-pong" : ranked[i].rows192 ? "192-row" : "cooperative",
+                   ranked[i].bn, ranked[i].splits, ranked[i].splits > 1 ? (ranked[i].kernel_sum ? " kernel-sum" : " workspace") : "",
+                   ranked[i].us, ms / 3 * 1e3);
+    }
     if (ms < best_ms) best_ms = ms, best = ranked[i];
   }
   for (auto& e : ev) C10_CUDA_CHECK(cudaEventDestroy(e));
