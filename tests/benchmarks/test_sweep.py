@@ -88,9 +88,10 @@ def test_ffn_bench_harness_runs_on_cpu(tmp_path):
     assert rows[0]["speedup_vs_hf"] == 1.0
 
 
-def test_gemm_bench_times_implementations_in_turn_and_restores_the_store_switch(monkeypatch, tmp_path):
+def test_gemm_bench_times_implementations_in_turn_and_restores_the_kernel_switches(monkeypatch, tmp_path):
     """bench_gemm: implementations timed in turn, `rounds` times, medians (so clock drift under load
-    affects them alike); the staged-store switch is set only inside its calls and put back after."""
+    affects them alike); the kernel switches (staged stores, split sums, tuning) are set only inside their
+    calls and put back after."""
     import os
 
     from benchmarks import bench_gemm
@@ -106,14 +107,19 @@ def test_gemm_bench_times_implementations_in_turn_and_restores_the_store_switch(
     assert bench_gemm.interleaved_ms([lambda: "a", lambda: "b"], (), "cpu", rounds=3) == [1.5, 5.0]
     assert order == ["a", "b"] * 3
 
-    for before in (None, "tma"):
-        if before is None:
-            monkeypatch.delenv("BERTACCEL_GEMM_STORE", raising=False)
-        else:
-            monkeypatch.setenv("BERTACCEL_GEMM_STORE", before)
-        seen = bench_gemm._staged_call(lambda: os.environ.get("BERTACCEL_GEMM_STORE"))
-        assert seen == "staged"
-        assert os.environ.get("BERTACCEL_GEMM_STORE") == before
+    for var, value in (("BERTACCEL_GEMM_STORE", "staged"), ("BERTACCEL_GEMM_SPLIT", "kernel"), ("BERTACCEL_GEMM_TUNE", "1")):
+        for before in (None, "other"):
+            if before is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, before)
+            seen = bench_gemm._env_call(var, value, lambda v=var: os.environ.get(v))
+            assert seen == value
+            assert os.environ.get(var) == before
+    # gemm_config's [tile rows, width, splits, schedule, in-kernel sum, tuned] labelled as the sweep labels rows
+    assert bench_gemm.config_label([128, 256, 1, 1, 0, 0]) == "n256 s1"
+    assert bench_gemm.config_label([192, 192, 2, 4, 1, 1]) == "r192 n192 s2 kernel-sum"
+    assert bench_gemm.config_label([128, 128, 3, 2, 0, 0]) == "pp n128 s3"
 
     monkeypatch.undo()
     out = tmp_path / "gelu.json"
