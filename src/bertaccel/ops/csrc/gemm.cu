@@ -1046,6 +1046,24 @@ __global__ void spin_kernel(long long cycles) {
   }
 }
 using TuneKey = std::array<int64_t, 13>;
+// A problem as the tuner keys it: the call's arguments that decide its candidates (gemm() and gemm_config()
+// must build the same key for one call).
+TuneKey tune_key(const at::Tensor& a, int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, int64_t epilogue,
+                 bool out_fp32, bool saves_pre, int64_t tile_n, int64_t splits, int64_t schedule, int split_sum) {
+  return {a.get_device(), M, N, K, trans_a, trans_b, epilogue, out_fp32, saves_pre, tile_n, splits, schedule, split_sum};
+}
+
+// How K splits are summed: 0 = the model picks, 1 = through a workspace and a second kernel, 2 = by the last
+// split inside the kernel. BERTACCEL_GEMM_SPLIT=workspace|kernel (read at each call) forces one, for
+// comparison runs; any other value is an error.
+int split_sum_mode() {
+  const char* env = std::getenv("BERTACCEL_GEMM_SPLIT");
+  if (env == nullptr || !*env) return 0;
+  if (std::strcmp(env, "workspace") == 0) return 1;
+  TORCH_CHECK(std::strcmp(env, "kernel") == 0, "bertaccel gemm: BERTACCEL_GEMM_SPLIT is '", env,
+              "'; use 'workspace' or 'kernel' (or unset it: the cost model picks)");
+  return 2;
+}
 std::mutex& tune_mutex() {
   static std::mutex m;
   return m;
@@ -1124,13 +1142,7 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
               "bertaccel gemm: 192-row tiles take widths 64, 128 and 192");
   TORCH_CHECK(tile_n != 96 || ((schedule == 0 || schedule == 1) && !trans_b),
               "bertaccel gemm: 96-wide tiles are built for the cooperative schedule with a K-major b (trans_b false)");
-  // K splits summed through a workspace and a second kernel, or by the last split inside the kernel: the
-  // model picks; BERTACCEL_GEMM_SPLIT=workspace|kernel (read at each call) forces one, for comparison runs
-  const char* split_env = std::getenv("BERTACCEL_GEMM_SPLIT");
-  const int split_sum = !split_env || !*split_env ? 0 : std::strcmp(split_env, "workspace") == 0 ? 1
-                        : std::strcmp(split_env, "kernel") == 0 ? 2 : -1;
-  TORCH_CHECK(split_sum >= 0, "bertaccel gemm: BERTACCEL_GEMM_SPLIT is '", split_env,
-              "'; use 'workspace' or 'kernel' (or unset it: the cost model picks)");
+  const int split_sum = split_sum_mode();
   const std::vector<Choice> ranked = candidates((int)M, (int)N, (int)K, sms, split_ok, !trans_b, (int)tile_n,
                                                 split_ok ? (int)splits_k : 1, (int)schedule, split_sum);
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -1232,8 +1244,8 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
     run(ranked.front());
     return {out, pre};
   }
-  const TuneKey key{a.get_device(), M, N, K, trans_a, trans_b, epilogue, out_fp32, gelu && save_pre,
-                    tile_n, split_ok ? splits_k : 1, schedule, split_sum};
+  const TuneKey key = tune_key(a, M, N, K, trans_a, trans_b, epilogue, out_fp32, gelu && save_pre, tile_n,
+                               split_ok ? splits_k : 1, schedule, split_sum);
   {
     const std::lock_guard<std::mutex> lock(tune_mutex());
     auto it = tuned().find(key);
@@ -1283,14 +1295,12 @@ std::vector<int64_t> gemm_config(const at::Tensor& a, const at::Tensor& b, int64
   const auto [M, N, K] = dims(a, b, trans_a, trans_b);
   const bool split_ok = epilogue == kNone || epilogue == kBias;
   const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
-  const char* split_env = std::getenv("BERTACCEL_GEMM_SPLIT");
-  const int split_sum = !split_env || !*split_env ? 0 : std::strcmp(split_env, "workspace") == 0 ? 1
-                        : std::strcmp(split_env, "kernel") == 0 ? 2 : 0;
+  const int split_sum = split_sum_mode();
   Choice c = candidates((int)M, (int)N, (int)K, sm_count(a.get_device()), split_ok, !trans_b, 0, 0, 0, split_sum).front();
   bool was_tuned = false;
   if (tuning_level() > 0) {  // as gemm() does: a kept pick only counts while tuning is on
-    const TuneKey key{a.get_device(), M, N, K, trans_a, trans_b, epilogue, out_fp32, gelu && save_pre, 0, split_ok ? 0 : 1, 0,
-                      split_sum};
+    const TuneKey key = tune_key(a, M, N, K, trans_a, trans_b, epilogue, out_fp32, gelu && save_pre, 0, split_ok ? 0 : 1, 0,
+                                 split_sum);
     const std::lock_guard<std::mutex> lock(tune_mutex());
     auto it = tuned().find(key);
     if (it != tuned().end()) c = it->second, was_tuned = true;
