@@ -64,10 +64,13 @@ def _env_call(var: str, value: str, fn, *args):
 
 
 def config_label(cfg) -> str:
-    """gemm_config's [tile rows, width, splits, schedule, in-kernel sum, tuned] as the sweep labels it."""
-    rows, width, splits, schedule, kernel_sum, _ = cfg
+    """gemm_config's [tile rows, width, splits, schedule, in-kernel sum, tuned, blocks per cluster] as the
+    sweep labels it ("c2": clusters of two blocks)."""
+    rows, width, splits, schedule, kernel_sum, _ = cfg[:6]
+    cluster = cfg[6] if len(cfg) > 6 else 1
     kind = {1: "", 2: "pp ", 3: "sk ", 4: "r192 "}[schedule]
-    return f"{kind}n{width} s{splits}" + (" kernel-sum" if kernel_sum and splits > 1 else "")
+    return (f"{kind}n{width} s{splits}" + (" kernel-sum" if kernel_sum and splits > 1 else "")
+            + (" c2" if cluster == 2 and schedule != 3 else ""))
 
 
 def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
@@ -82,7 +85,7 @@ def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
 def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2, 3),
         compare_stores: bool = False, rounds: int = 3, gelu_only: bool = False,
         fp32_tiles=(1, 2), gemms=("fwd", "dgrad", "wgrad"), epilogues: bool = True,
-        split_sums=("default",), tune: bool = False) -> list[dict]:
+        split_sums=("default",), tune: bool = False, clusters=(1,)) -> list[dict]:
     rows = []
 
     def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
@@ -122,6 +125,9 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                 if mode != "default":
                     fns.append(lambda a, b, f=gemm.gemm_case(name), mode=mode: _env_call("BERTACCEL_GEMM_SPLIT", mode, f, a, b))
                     labels.append(f"bertaccel {mode}-split")
+            if ours and 2 in clusters:  # the model's pick (tile, splits, schedule) in clusters of two blocks
+                fns.append(lambda a, b, f=gemm.gemm_case(name): _env_call("BERTACCEL_GEMM_CLUSTER", "2", f, a, b))
+                labels.append("bertaccel cluster-2")
             if ours and tune:  # BERTACCEL_GEMM_TUNE=1: the first (eager, warm-up) call times the model's closest picks
                 fns.append(lambda a, b, f=gemm.gemm_case(name): _env_call("BERTACCEL_GEMM_TUNE", "1", f, a, b))
                 labels.append("bertaccel tuned")
@@ -132,7 +138,8 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             if not ours:
                 continue
             for impl, t in zip(labels, ms_ours):
-                env = {"BERTACCEL_GEMM_TUNE": "1"} if impl == "bertaccel tuned" else {}
+                env = ({"BERTACCEL_GEMM_TUNE": "1"} if impl == "bertaccel tuned"
+                       else {"BERTACCEL_GEMM_CLUSTER": "2"} if impl == "bertaccel cluster-2" else {})
                 with kernel_env(env):  # [tile rows, width, splits, schedule, in-kernel sum, tuned]
                     cfg = torch.ops.bertaccel.gemm_config(args[0], args[1], 0, ta, tb, False, False)
                 add({"shape": row["shape"], "gemm": name, "impl": impl, "ms": round(t, 4),
@@ -156,15 +163,19 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                 for schedule, tile in configs:
                     for splits in (1, 2, 3, 4) if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
                         for mode in split_sums if splits > 1 and schedule in (1, 4) else ("default",):
-                            def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
-                                return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]
-                            if mode != "default":
-                                f = (lambda a, b, f=f, mode=mode: _env_call("BERTACCEL_GEMM_SPLIT", mode, f, a, b))
-                            t = time_ms(f, args, device)
-                            kind = {1: "", 2: "pp ", 3: "sk ", 4: "r192 "}[schedule]
-                            label = f"bertaccel {kind}n{tile} s{splits}" + ("" if mode == "default" else f" {mode}-sum")
-                            add({"shape": row["shape"], "gemm": name, "impl": label,
-                                 "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
+                            for cluster in clusters if schedule != 3 else (1,):
+                                def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
+                                    return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]
+                                if mode != "default":
+                                    f = (lambda a, b, f=f, mode=mode: _env_call("BERTACCEL_GEMM_SPLIT", mode, f, a, b))
+                                # clusters of two ("c2"), or single blocks, each forced (the model picks otherwise)
+                                f = (lambda a, b, f=f, c=cluster: _env_call("BERTACCEL_GEMM_CLUSTER", str(c), f, a, b))
+                                t = time_ms(f, args, device)
+                                kind = {1: "", 2: "pp ", 3: "sk ", 4: "r192 "}[schedule]
+                                label = (f"bertaccel {kind}n{tile} s{splits}" + ("" if mode == "default" else f" {mode}-sum")
+                                         + (" c2" if cluster == 2 else ""))
+                                add({"shape": row["shape"], "gemm": name, "impl": label,
+                                     "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
         if not epilogues:
             continue
         # the epilogue baselines: linear + bias + GELU
@@ -239,17 +250,20 @@ def main(argv=None) -> None:
                          "timed beside the others, for the model's pick and, with --sweep, every split configuration")
     ap.add_argument("--tune", action="store_true",
                     help="also time ours with BERTACCEL_GEMM_TUNE=1 (the first call times the cost model's closest picks)")
+    ap.add_argument("--clusters", nargs="+", type=int, default=[1], choices=[1, 2],
+                    help="2: also time the model's pick in clusters of two blocks (BERTACCEL_GEMM_CLUSTER=2) and, with "
+                         "--sweep, every configuration both ways (labels ending in c2)")
     ap.add_argument("--rounds", type=int, default=3, help="times each implementation is timed, in turn (median)")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
     rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules), args.compare_stores,
                args.rounds, args.gelu_only, tuple(args.fp32_tiles), tuple(args.gemms), not args.no_epilogues,
-               tuple(args.split_sums), args.tune)
+               tuple(args.split_sums), args.tune, tuple(args.clusters))
     table = summary(rows)
     write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
     print_table([r for r in rows if not r["impl"].startswith("bertaccel ") or r["impl"] == "bertaccel staged-store"
-                 or r["impl"].endswith("-split") or r["impl"] == "bertaccel tuned"],
+                 or r["impl"].endswith("-split") or r["impl"] in ("bertaccel tuned", "bertaccel cluster-2")],
                 ["shape", "gemm", "impl", "ms", "TFLOP/s", "of_cublas", "config"])
     if any(r["ours TFLOP/s"] for r in table):
         print()

@@ -107,7 +107,8 @@ def test_gemm_bench_times_implementations_in_turn_and_restores_the_kernel_switch
     assert bench_gemm.interleaved_ms([lambda: "a", lambda: "b"], (), "cpu", rounds=3) == [1.5, 5.0]
     assert order == ["a", "b"] * 3
 
-    for var, value in (("BERTACCEL_GEMM_STORE", "staged"), ("BERTACCEL_GEMM_SPLIT", "kernel"), ("BERTACCEL_GEMM_TUNE", "1")):
+    for var, value in (("BERTACCEL_GEMM_STORE", "staged"), ("BERTACCEL_GEMM_SPLIT", "kernel"), ("BERTACCEL_GEMM_TUNE", "1"),
+                       ("BERTACCEL_GEMM_CLUSTER", "2")):
         for before in (None, "other"):
             if before is None:
                 monkeypatch.delenv(var, raising=False)
@@ -116,10 +117,12 @@ def test_gemm_bench_times_implementations_in_turn_and_restores_the_kernel_switch
             seen = bench_gemm._env_call(var, value, lambda v=var: os.environ.get(v))
             assert seen == value
             assert os.environ.get(var) == before
-    # gemm_config's [tile rows, width, splits, schedule, in-kernel sum, tuned] labelled as the sweep labels rows
+    # gemm_config's [tile rows, width, splits, schedule, in-kernel sum, tuned, cluster] labelled as the sweep labels rows
     assert bench_gemm.config_label([128, 256, 1, 1, 0, 0]) == "n256 s1"
     assert bench_gemm.config_label([192, 192, 2, 4, 1, 1]) == "r192 n192 s2 kernel-sum"
     assert bench_gemm.config_label([128, 128, 3, 2, 0, 0]) == "pp n128 s3"
+    assert bench_gemm.config_label([128, 256, 1, 1, 0, 0, 2]) == "n256 s1 c2"  # blocks per cluster (7th value)
+    assert bench_gemm.config_label([128, 256, 1, 3, 0, 0, 2]) == "sk n256 s1"  # stream-K runs single blocks
 
     monkeypatch.undo()
     out = tmp_path / "gelu.json"

@@ -525,6 +525,85 @@ def test_unknown_split_sum_mode_is_refused(monkeypatch):
         GEMM(a, b, None, None, 0, False, False, False, False, 128, 2, 1)
 
 
+CLUSTER_CONFIGS = [(1, 64), (1, 96), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128), (4, 64), (4, 128), (4, 192)]
+
+
+@hopper_test
+@pytest.mark.parametrize("schedule,tile_n", CLUSTER_CONFIGS,
+                         ids=lambda v: {1: "cooperative", 2: "pingpong", 4: "rows192"}.get(v, str(v)) if v in (1, 2, 4) else str(v))
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_clusters_of_two_give_the_single_block_bits(layout, splits, schedule, tile_n, monkeypatch):
+    """BERTACCEL_GEMM_CLUSTER=2: blocks in clusters of two along M, each loading half of the shared B tile
+    and multicasting it to both. Same tiles, same K order: the output has the single-block kernel's bits
+    (bf16 and fp32 out, every layout, K splits through the workspace and, where built, in the kernel),
+    and is within 2x cuBLAS's error. M = 333 is 3 tile rows (128) or 2 (192): the last pair has a row of
+    tiles wholly past M; 16384 x 768 x 768 gives each cluster many units."""
+    trans_a, trans_b = LAYOUTS[layout]
+    if tile_n == 96 and trans_b:
+        pytest.skip("96-wide tiles take a K-major B only")
+    for M, N, K in [(333 if not trans_a else 336, 520, 2056), (16384, 768, 768)]:
+        a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16)
+        A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
+        bias = torch.randn(N, device="cuda")
+        ref = A.double() @ B.double().t() + bias.double()
+        for out_fp32 in (False, True):
+            for split_sum in ("workspace", "kernel") if splits > 1 and schedule != 2 else ("workspace",):
+                monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", split_sum)
+                monkeypatch.setenv("BERTACCEL_GEMM_CLUSTER", "1")
+                single = GEMM(a, b, bias, None, 1, trans_a, trans_b, out_fp32, False, tile_n, splits, schedule)[0]
+                monkeypatch.setenv("BERTACCEL_GEMM_CLUSTER", "2")
+                poison()
+                pair = GEMM(a, b, bias, None, 1, trans_a, trans_b, out_fp32, False, tile_n, splits, schedule)[0]
+                name = f"cluster {layout} {M}x{N}x{K} schedule {schedule} n{tile_n} s{splits} {split_sum} fp32={out_fp32}"
+                cub = torch.addmm(bias, A.float(), B.float().t()) if out_fp32 else torch.addmm(bias.bfloat16(), A, B.t())
+                check_vs_cublas(pair, cub, ref, name)
+                assert torch.equal(pair, single), f"{name}: differs from the single-block kernel"
+            if M > 1000:
+                break  # the BERT shape: bf16 out only
+
+
+@hopper_test
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+@pytest.mark.parametrize("schedule,tile_n", [(1, 256), (1, 96), (2, 128), (4, 192)], ids=str)
+def test_clusters_of_two_every_epilogue(epilogue, schedule, tile_n, monkeypatch):
+    """Every epilogue in clusters of two (TMA-store epilogues, the auxiliary input read ahead), at a
+    ragged shape and at 2048 x 2304 (192-row tiles: 11 tile rows, the 12th of the last pair past M)."""
+    monkeypatch.setenv("BERTACCEL_GEMM_CLUSTER", "2")
+    for M, N, K in [(2048, 2304, 768), (131, 1000, 136)]:
+        _check_epilogue(M, N, K, epilogue, f"cluster {epilogue} schedule {schedule} n{tile_n} {M}x{N}x{K}", tile_n, 1,
+                        schedule)
+
+
+@hopper_test
+def test_clusters_of_two_config_capture_and_bad_setting(monkeypatch):
+    """gemm_config reports the cluster size the call runs; a cluster launch (cudaLaunchKernelEx) captured
+    into a CUDA graph replays to the eager bits; stream-K has no cluster kernel (it runs single blocks);
+    a value other than 1 or 2 is an error naming the variable."""
+    a, b = _operands(2048, 768, 3072, False, False, "cuda", torch.bfloat16)
+    monkeypatch.setenv("BERTACCEL_GEMM_CLUSTER", "2")
+    assert torch.ops.bertaccel.gemm_config(a, b, 0, False, False, False, False)[6] == 2
+    eager = GEMM(a, b, None, None, 0, False, False, False, False)[0]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    static = {}
+    with torch.cuda.graph(g, stream=s):
+        static["y"] = GEMM(a, b, None, None, 0, False, False, False, False)[0]
+    for _ in range(2):
+        static["y"].fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static["y"], eager)
+    check_vs_cublas(GEMM(a, b, None, None, 0, False, False, False, False, 128, 1, 3)[0], a @ b.t(),
+                    a.double() @ b.double().t(), "stream-K with BERTACCEL_GEMM_CLUSTER=2")
+    monkeypatch.setenv("BERTACCEL_GEMM_CLUSTER", "1")
+    assert torch.ops.bertaccel.gemm_config(a, b, 0, False, False, False, False)[6] == 1
+    monkeypatch.setenv("BERTACCEL_GEMM_CLUSTER", "4")
+    with pytest.raises(RuntimeError, match="BERTACCEL_GEMM_CLUSTER"):
+        GEMM(a, b, None, None, 0, False, False, False, False)
+
+
 @hopper_test
 def test_tuning_keeps_a_timed_pick_and_never_times_during_capture(monkeypatch):
     """BERTACCEL_GEMM_TUNE=1: the first eager call of a problem times the model's closest candidates and

@@ -43,7 +43,8 @@ EPILOGUES = {"none": 0, "bias": 1, "bias_gelu": 2, "bias_gelu_tanh": 3, "bias_re
 lib.define("gemm(Tensor a, Tensor b, Tensor? bias, Tensor? aux, int epilogue, bool trans_a, bool trans_b, "
            "bool out_fp32, bool save_pre, int tile_n=0, int splits=0, int schedule=0) -> (Tensor, Tensor)")
 # the configuration a gemm call with these arguments runs (the cost model's pick, or a kept tuned pick with
-# BERTACCEL_GEMM_TUNE=1): [tile rows, tile width, K splits, schedule, in-kernel split sum, tuned]; CUDA only
+# BERTACCEL_GEMM_TUNE=1): [tile rows, tile width, K splits, schedule, in-kernel split sum, tuned, blocks per
+# cluster]; CUDA only
 lib.define("gemm_config(Tensor a, Tensor b, int epilogue, bool trans_a, bool trans_b, bool out_fp32, "
            "bool save_pre) -> int[]")
 lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
