@@ -49,6 +49,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "async_copy.cuh"
 #include "gelu_math.cuh"
@@ -895,7 +896,10 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = CLU, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3(std::min(grid, CLU * max_clusters)), cfg.blockDim = dim3(C::kThreads);
+    // BERTACCEL_GEMM_MAX_CLUSTERS=n (read at each call; for experiments) caps the clusters below what fits
+    int clusters = max_clusters;
+    if (const char* env = std::getenv("BERTACCEL_GEMM_MAX_CLUSTERS")) clusters = std::max(1, std::min(clusters, std::atoi(env)));
+    cfg.gridDim = dim3(std::min(grid, CLU * clusters)), cfg.blockDim = dim3(C::kThreads);
     cfg.dynamicSmemBytes = C::kSmemBytes, cfg.stream = stream;
     cfg.attrs = &attr, cfg.numAttrs = 1;
     C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, m.a, m.b, m.out, m.pre, m.out_tail, m.pre_tail, p));
