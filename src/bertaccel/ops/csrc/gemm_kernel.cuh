@@ -201,7 +201,12 @@ __device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap*
 }
 // Thread-block clusters: this CTA's rank, a barrier over every thread of the cluster (release / acquire:
 // what a CTA wrote to shared memory before it, e.g. mbarrier inits, is visible to the others after it),
-// and an arrival on the mbarrier at `bar`'s offset in CTA `cta` of the cluster.
+// and an arrival on the mbarrier at `bar`'s offset in CTA `cta` of the cluster. The arrival has the
+// default semantics (as CUTLASS's ClusterBarrier): written `.release.cluster` it compiled to MEMBAR.ALL.CTA,
+// MEMBAR.ALL.GPU, ERRBAR and CGAERRBAR before each arrive, and every cluster GEMM ran at about half speed
+// (16384 x 3072 x 3072: 711 us against 413 single; gemm_cluster_probe_release_cluster_0ca128a.txt). The
+// stage's readers are wgmmas already waited for: nothing of this thread needs ordering before the peer's
+// next TMA write.
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -213,7 +218,7 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n"
       ::"r"(smem_u32(bar)), "r"(cta) : "memory");
 }
 // 2-D tile copy shared -> global (the tensor map clips rows and columns past the matrix), as one
