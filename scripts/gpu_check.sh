@@ -316,6 +316,19 @@ if has ncu_gemm; then  # Nsight Compute on our GEMM and cuBLAS's at chosen cells
   echo "ncu gemm rc=$?"
   grep -E "^CALLS|^  [a-zA-Z_0-9:<>, ]+\(|Duration|gmma|lts__t_bytes|lts__throughput|sm__throughput|Registers Per|cluster_dim|Grid Size|L2 Hit|Memory Throughput" "$OUT/ncu_gemm.txt" | cut -c1-150 | head -${NCU_LINES:-160}
 fi
+if has ncu_gemm_stalls; then  # where our GEMM's warps wait, per SASS instruction (NCU_GEMM_SHAPES=, NCU_GEMM_GEMMS=; scripts/ncu_stalls.py)
+  timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --import-source no --section WarpStateStats --section SourceCounters \
+    --section SpeedOfLight -o "$OUT/gemm_stalls" -f python scripts/gemm_calls.py --shapes ${NCU_GEMM_SHAPES:-16384x3072x768} \
+    --gemms ${NCU_GEMM_GEMMS:-fwd} > "$OUT/ncu_gemm_stalls.log" 2>&1
+  echo "ncu gemm stalls rc=$?"
+  ncu -i "$OUT/gemm_stalls.ncu-rep" --page details --section WarpStateStats --section SpeedOfLight > "$OUT/gemm_warp_states.txt" 2>&1
+  grep -E "^  [a-zA-Z_0-9:<>, ]+\(|Duration|Stall|Warp Cycles|Issued Warp|Active Warps" "$OUT/gemm_warp_states.txt" | cut -c1-140 | head -40
+  ncu -i "$OUT/gemm_stalls.ncu-rep" --page source --csv --print-source sass -k regex:gemm_kernel > "$OUT/gemm_sass.csv" 2> "$OUT/gemm_sass.err"
+  rc=$?; if [ $rc -ne 0 ]; then  # older ncu: no kernel filter on import (our kernel is the report's first)
+    ncu -i "$OUT/gemm_stalls.ncu-rep" --page source --csv --print-source sass > "$OUT/gemm_sass.csv" 2>> "$OUT/gemm_sass.err"; rc=$?; fi
+  echo "sass csv rc=$rc ($(wc -l < "$OUT/gemm_sass.csv") lines)"; head -3 "$OUT/gemm_sass.err"
+  python scripts/ncu_stalls.py "$OUT/gemm_sass.csv" --top ${NCU_TOP:-40} 2>&1 | cut -c1-200
+fi
 if has ncu_rows; then  # hardware counters of the LayerNorm-family kernels (Nsight Compute; NCU_OPS=, NCU_SHAPES=)
   timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics \

@@ -545,7 +545,10 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   using C = Config<BN, CONS>;
   constexpr int S = C::kStages, BM = C::BM, kConsumers = CONS;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Aligned by an offset from smem_raw, not through an integer: the pointer stays one the compiler knows to be
+  // shared, so each smem_u32 below is plain arithmetic. (Rounded as a uintptr_t, every conversion in the loops
+  // re-read the shared window's base - S2UR SR_CgaCtaId / SR_SWINHI - at the top of each K-block and chunk.)
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint8_t* tiles_a = smem;
   uint8_t* tiles_b = smem + S * C::kABytes;
   // [kConsumers][64][kChunkStride] floats (staged stores), or [kConsumers][kStoreBufs] 64 x 64 bf16 chunks (TMA stores)
@@ -553,7 +556,9 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * C::kStageBytes + C::kStagingBytes);
   uint64_t* empty = full + S;
 
-  const int wg = threadIdx.x / 128;
+  // the warpgroup, broadcast from lane 0 so that the compiler knows it is warp-uniform (what is derived from it,
+  // e.g. this consumer's offset into the A stage, can then live in uniform registers)
+  const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&full[s], 1);
@@ -624,6 +629,10 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
     float acc[kHalves][BN / 2];
     int it = 0;
     StoreRing ring{smem + S * C::kStageBytes + cw * kStoreBufs * kStoreBufBytes, 0};
+    // stage 0's operand descriptors (this warpgroup's 64 rows of A in the cooperative schedules; both
+    // layouts hold 8 KB per 64 rows), offset per stage and K step in the loop
+    const uint64_t desc_a0 = smem_desc(tiles_a + (PP ? 0 : cw * 64 * BK * 2), 64 * BK * 2);
+    const uint64_t desc_b0 = smem_desc(tiles_b, 64 * BK * 2);
     Unit w, next;
     for (int local = 0; unit_at<kMayStreamK, CLU>(p, kblocks_total, local, w, sk); ++local) {
       const int split = w.split, tm = w.tile / p.tiles_n, tn = w.tile % p.tiles_n;
@@ -651,16 +660,17 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       for (int kb = kb0; kb < kb1; ++kb, ++it) {
         const int s = it % S;
         mbar_wait(&full[s], (it / S) & 1);
-        const uint8_t* a = tiles_a + s * C::kABytes + (PP ? 0 : cw * 64 * BK * 2);  // both layouts: 8 KB per 64 rows
-        const uint8_t* b = tiles_b + s * C::kBBytes;
+        // the stage's descriptors: the base ones plus the stage's offset (addresses sit in the low 14 bits,
+        // in 16-byte units; shared memory is under 256 KB, so the sum never carries out of the field)
+        const uint64_t da_s = desc_a0 + (uint64_t)((s * C::kABytes) >> 4), db_s = desc_b0 + (uint64_t)((s * C::kBBytes) >> 4);
         wgmma::fence();
 #pragma unroll
         for (int k = 0; k < BK / 16; ++k) {
           // K-major: the next 16 K-elements are 32 bytes along the swizzled row; MN-major: 16 K-rows down.
-          const uint64_t db = smem_desc(b + (B_MN ? k * 16 * 128 : k * 32), 64 * BK * 2);
+          const uint64_t db = db_s + (uint64_t)((B_MN ? k * 16 * 128 : k * 32) >> 4);
 #pragma unroll
           for (int h = 0; h < kHalves; ++h) {
-            const uint64_t da = smem_desc(a + h * 64 * BK * 2 + (A_MN ? k * 16 * 128 : k * 32), 64 * BK * 2);
+            const uint64_t da = da_s + (uint64_t)((h * 64 * BK * 2 + (A_MN ? k * 16 * 128 : k * 32)) >> 4);
             wgmma::mma<BN, A_MN ? 1 : 0, B_MN ? 1 : 0>(acc[h], da, db, (kb > kb0 || k > 0) ? 1 : 0);
           }
         }
@@ -760,11 +770,12 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         for (int h = 0; h < kHalves; ++h) {
           const int row0 = tm * BM + (PP ? h : cw) * 64;
           if (row0 >= p.M) continue;  // the same in the whole warpgroup
-#pragma unroll 1
-          for (int c = 0; c < BN / 64 && tn * BN + 64 * c < p.N; ++c) {
+#pragma unroll  // unrolled: each chunk names its accumulator registers at compile time (below)
+          for (int c = 0; c < BN / 64; ++c) {
+            if (tn * BN + 64 * c >= p.N) break;  // the same in the whole warpgroup
             float v[32];
 #pragma unroll
-            for (int cc = 0; cc < BN / 64; ++cc) {  // registers are named at compile time: select the chunk
+            for (int cc = 0; cc < BN / 64; ++cc) {  // c is known at compile time (unrolled): a copy, not a select
               if (cc == c) {
 #pragma unroll
                 for (int k = 0; k < 32; ++k) v[k] = acc[h][32 * cc + k];
@@ -779,7 +790,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         // chunks q = h * kPerHalf + c: 64 rows (half h, or this warpgroup's rows) x 64 columns c, and with a
         // 96-wide tile a last 32-column chunk c = BN / 64 of each half
         constexpr int kFull = BN / 64, kPerHalf = kFull + (BN % 64 ? 1 : 0), kChunks = kHalves * kPerHalf;
-#pragma unroll 1
+#pragma unroll  // unrolled: each chunk names its accumulator registers at compile time (below)
         for (int q = 0; q < kChunks; ++q) {
           const int h = q / kPerHalf, c = q % kPerHalf;
           const int row0 = tm * BM + (PP ? h : cw) * 64, col0 = tn * BN + 64 * c;
@@ -812,7 +823,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
           }
           float v[32];
 #pragma unroll
-          for (int hh = 0; hh < kHalves; ++hh) {  // registers are named at compile time: select the chunk
+          for (int hh = 0; hh < kHalves; ++hh) {  // h, c known at compile time (unrolled): a copy, not a select
 #pragma unroll
             for (int cc = 0; cc < kFull; ++cc) {
               if (hh == h && cc == c) {
