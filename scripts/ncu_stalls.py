@@ -38,8 +38,9 @@ def main() -> None:
     total = sum(number(r[total_col]) for r in rows)
     print(f"{total_col}: {total:.0f} samples over {len(rows)} instructions")
     by_op = collections.Counter()
-    for r in rows:
-        by_op[r[src_col].split()[0] if r[src_col].split() else "?"] += number(r[total_col])
+    for r in rows:  # the opcode, past a predicate (@P0, @!P1)
+        words = [w for w in r[src_col].split() if not w.startswith("@")]
+        by_op[words[0] if words else "?"] += number(r[total_col])
     print("BY OPCODE", ", ".join(f"{op} {100 * n / total:.1f}%" for op, n in by_op.most_common(15)))
     for r in sorted(rows, key=lambda r: -number(r[total_col]))[: args.top]:
         print(f"STALL {100 * number(r[total_col]) / total:5.1f}%  {r.get('Address', '?'):>6}  {r[src_col][:110]}")
