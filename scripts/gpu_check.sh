@@ -17,6 +17,8 @@
 # ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
+# The device tool returns at most 8 files from $OUT (no more than two folders down): with many stages, read
+# results.tgz (every JSON and log of the call) or delete what is not needed at the end of the command.
 set -uo pipefail
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package (src layout) without installing it
 OUT=${OUT:-bench_results}
