@@ -236,7 +236,8 @@ def main() -> int:
                 arch += build.ATTENTION_SM90A_FLAGS
             # a cubin (device code only) when its SASS is to be read; ptxas reports registers either way
             out = scratch / (f"{source}.cubin" if cubin else f"{source}.o")
-            cmd = [nvcc, "-cubin" if cubin else "-c", *arch, *build.CUDA_FLAGS, *includes,
+            defines = build.gemm_defines() if source in build.GEMM_SOURCES else []  # BERTACCEL_GEMM_DEFINES, as built
+            cmd = [nvcc, "-cubin" if cubin else "-c", *arch, *build.CUDA_FLAGS, *defines, *includes,
                    "-DTORCH_EXTENSION_NAME=check", str(build.CSRC / source), "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             print(f"== {source}: {'ok' if proc.returncode == 0 else 'FAILED'}")

@@ -7,7 +7,7 @@
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
 # (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep, e2e, e2e_eager_base, e2e_compile,
 # ln_bwd_sweep (scripts/ln_bwd_sweep.py; LN_BWD_SETTINGS=, LN_BWD_ARGS=), norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
-# ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
+# ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
 # grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), anatomy (where a graphed step's
@@ -192,6 +192,39 @@ fi
 if has ffn; then  # the feed-forward block: HF, compile, the default swap, our GEMM, the ffn family (FFN_ARGS=)
   timeout ${FFN_TIMEOUT:-300} python -u -m benchmarks.bench_ffn ${FFN_ARGS:-} --out "$OUT/ffn.json" > "$OUT/ffn.log" 2>&1
   echo "ffn rc=$?"; grep -vE "Warning|warn|^ +|^$|^KERNELS" "$OUT/ffn.log" | tail -20; grep "^KERNELS" "$OUT/ffn.log" | cut -c1-150 | head -${FFN_KERNEL_LINES:-70}
+fi
+if has gemm_variants; then  # kernel variants the GEMM sources select with #if, built side by side and timed in turn:
+  # GEMM_VARIANTS="name:MACRO=1,MACRO2 other:MACRO=0" (BERTACCEL_GEMM_DEFINES per variant), VARIANT_ROUNDS (2),
+  # VARIANT_GEMM_ARGS (bench_gemm, default --gelu-only), VARIANT_FFN_ARGS (bench_ffn, first round only; "skip"),
+  # VARIANT_TESTS_K (pytest -k over test_gemm.py + test_ffn.py per variant; "skip"). Results: variant_<name>_*.json.
+  s=$(date +%s); pids=()
+  for v in ${GEMM_VARIANTS:?GEMM_VARIANTS=name:DEFINES ...}; do
+    ( BERTACCEL_GEMM_DEFINES="$(echo "${v#*:}" | tr , ' ')" python -c "from bertaccel.ops import build; assert build.load(), build.unavailable_reason(); assert build.load_gemm(verbose=True), build.gemm_reason()" > "$OUT/gemm_build_${v%%:*}.log" 2>&1
+      echo "variant ${v%%:*} build rc=$?"; grep -cE "bytes spill stores" "$OUT/gemm_build_${v%%:*}.log" >/dev/null ) &
+    pids+=($!); sleep 2
+  done
+  wait "${pids[@]}"; echo "variant builds in $(( $(date +%s) - s ))s"
+  for v in ${GEMM_VARIANTS}; do grep -E "spill stores" "$OUT/gemm_build_${v%%:*}.log" | grep -v " 0 bytes spill" | sed "s/^/${v%%:*}: /" | head -4; done
+  for r in $(seq ${VARIANT_ROUNDS:-2}); do
+    for v in ${GEMM_VARIANTS}; do
+      n=${v%%:*}; export BERTACCEL_GEMM_DEFINES="$(echo "${v#*:}" | tr , ' ')"
+      timeout ${VARIANT_TIMEOUT:-120} python -u -m benchmarks.bench_gemm ${VARIANT_GEMM_ARGS:---gelu-only} --out "$OUT/variant_${n}_gemm_r$r.json" > "$OUT/variant_${n}_gemm_r$r.log" 2>&1
+      echo "variant $n round $r gemm rc=$?"
+      if [ "$r" = 1 ] && [ "${VARIANT_FFN_ARGS:-}" != skip ]; then
+        timeout ${VARIANT_TIMEOUT:-120} python -u -m benchmarks.bench_ffn ${VARIANT_FFN_ARGS:---impls fused ffn ffn-dgelu-epilogue} --out "$OUT/variant_${n}_ffn.json" > "$OUT/variant_${n}_ffn.log" 2>&1
+        echo "variant $n ffn rc=$?"
+      fi
+      unset BERTACCEL_GEMM_DEFINES
+    done
+  done
+  python scripts/gemm_variants_table.py "$OUT" ${GEMM_VARIANTS} || true
+  if [ "${VARIANT_TESTS_K:-}" != skip ]; then
+    for v in ${GEMM_VARIANTS}; do
+      n=${v%%:*}
+      BERTACCEL_GEMM_DEFINES="$(echo "${v#*:}" | tr , ' ')" timeout ${VARIANT_TESTS_TIMEOUT:-150} python -u -m pytest -m cuda tests/ops/test_gemm.py tests/ops/test_ffn.py -q -p no:cacheprovider -k "${VARIANT_TESTS_K:-epilogue or gelu or ffn or linear_gradients}" > "$OUT/variant_${n}_tests.log" 2>&1
+      echo "variant $n tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/variant_${n}_tests.log" | tail -4
+    done
+  fi
 fi
 if has gemm_kernels; then  # per-kernel times of chosen GEMM schedules (GEMM_KERNELS_ARGS="--shapes 2048x768x3072 --schedules 1 3")
   timeout ${GEMM_KERNELS_TIMEOUT:-240} python -u scripts/gemm_kernels.py ${GEMM_KERNELS_ARGS:-} > "$OUT/gemm_kernels.log" 2>&1

@@ -103,6 +103,21 @@ def test_linear_family_is_opt_in_and_falls_back_on_cpu():
     report.revert()
     assert type(model[0]) is nn.Linear
 
+def test_gemm_build_defines_are_parsed_and_refused_when_malformed(monkeypatch):
+    from bertaccel.ops import build
+
+    assert build.gemm_defines("") == []
+    assert build.gemm_defines("BERTACCEL_GEMM_HEAVY_EPILOGUE=2 BERTACCEL_X") == [
+        "-DBERTACCEL_GEMM_HEAVY_EPILOGUE=2", "-DBERTACCEL_X"]
+    for bad in ("NDEBUG", "BERTACCEL_X=1;rm", "-O0", "BERTACCEL_X=a b=c"):
+        with pytest.raises(ValueError, match="BERTACCEL_GEMM_DEFINES"):
+            build.gemm_defines(bad)
+    monkeypatch.setenv("BERTACCEL_GEMM_DEFINES", "BERTACCEL_A=1")
+    assert build.gemm_defines() == ["-DBERTACCEL_A=1"]
+    # each set of macros builds into its own folder
+    assert build.build_key(["gemm.h"], "9.0a", build.gemm_defines()) != build.build_key(["gemm.h"], "9.0a", [])
+
+
 
 # ---------------------------------------------------------------------------------- CUDA tests
 LAYOUTS = {"fwd": (False, False), "dgrad": (False, True), "wgrad": (True, True)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -204,10 +205,27 @@ def load_gemm(verbose: bool = False) -> bool:
         major, minor = torch.cuda.get_device_capability()
         reason = f"the GEMM kernels use Hopper (sm_90a) instructions; this GPU is sm_{major}{minor}"
 
+    defines = gemm_defines()  # a malformed setting is an error, not a silent fallback to cuBLAS
+
     def build() -> None:
-        _build_and_load_extension("bertaccel_gemm", GEMM_SOURCES, GEMM_SOURCES + GEMM_HEADERS, GEMM_ARCH, verbose)
+        _build_and_load_extension("bertaccel_gemm", GEMM_SOURCES, GEMM_SOURCES + GEMM_HEADERS, GEMM_ARCH, verbose,
+                                  defines)
 
     return _settle(_gemm_state, reason, build, "GEMM kernels", "Linear layers use cuBLAS.")
+
+
+def gemm_defines(value: str | None = None) -> list[str]:
+    """`BERTACCEL_GEMM_DEFINES="NAME NAME=1"`: preprocessor macros for the GEMM build (`-DNAME`), for comparing
+    kernel variants that the sources select with `#if` (each set of macros builds into its own cached folder).
+    """
+    value = os.environ.get("BERTACCEL_GEMM_DEFINES", "") if value is None else value
+    flags = []
+    for item in value.split():
+        if not re.fullmatch(r"BERTACCEL_[A-Z0-9_]+(=[A-Za-z0-9_]+)?", item):
+            raise ValueError(f"BERTACCEL_GEMM_DEFINES: {item!r} is not NAME or NAME=VALUE with NAME starting "
+                             "BERTACCEL_ (letters, digits, _); e.g. BERTACCEL_GEMM_DEFINES=BERTACCEL_GEMM_HEAVY_EPILOGUE=0")
+        flags.append(f"-D{item}")
+    return flags
 
 
 def gemm_loaded() -> bool | None:

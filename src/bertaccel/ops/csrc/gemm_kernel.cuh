@@ -447,6 +447,48 @@ __device__ __forceinline__ void load_aux(const Params& p, uint32_t (&aux)[16], i
 // N. `aux`: the chunk's auxiliary input (load_aux), read by the residual and dGELU epilogues; with
 // kAuxHere it is read here instead (where registers are short: the 256-wide cooperative tile). W = 32:
 // the last chunk of a 96-wide tile, stored through the 32-column maps (map_out / map_pre are those).
+// The GELU and dGELU epilogues' math on one chunk's values. The chunk loops that call epilogue_chunk are
+// unrolled (each chunk names its accumulator registers at compile time), so a body inlined there is copied
+// once per chunk: the erf / tanh forms on 32 values each, 4 chunks of a 256-wide tile, every form compiled
+// in, made the epilogue ~4x larger than the rolled loop's and the GELU epilogues slower (session 29).
+// BERTACCEL_GEMM_HEAVY_EPILOGUE picks how the math is compiled (build switch BERTACCEL_GEMM_DEFINES):
+//   0: inlined and unrolled per chunk (the largest code),
+//   1: out of line (__noinline__): one copy of each form; the values pass through local memory (L1),
+//   2: inlined, the loop over the values not unrolled: one small body per chunk, values in local memory.
+#ifndef BERTACCEL_GEMM_HEAVY_EPILOGUE
+#define BERTACCEL_GEMM_HEAVY_EPILOGUE 1
+#endif
+#if BERTACCEL_GEMM_HEAVY_EPILOGUE == 1
+#define BERTACCEL_HEAVY_FN __noinline__
+#define BERTACCEL_HEAVY_UNROLL _Pragma("unroll")
+#elif BERTACCEL_GEMM_HEAVY_EPILOGUE == 2
+#define BERTACCEL_HEAVY_FN __forceinline__
+#define BERTACCEL_HEAVY_UNROLL _Pragma("unroll 1")
+#else
+#define BERTACCEL_HEAVY_FN __forceinline__
+#define BERTACCEL_HEAVY_UNROLL _Pragma("unroll")
+#endif
+template <int N>
+__device__ BERTACCEL_HEAVY_FN void gelu_values(float (&v)[N], bool erf_form) {
+  if (erf_form) {
+    BERTACCEL_HEAVY_UNROLL
+    for (int i = 0; i < N; ++i) v[i] = gelu_erf<true>(v[i]);
+  } else {
+    BERTACCEL_HEAVY_UNROLL
+    for (int i = 0; i < N; ++i) v[i] = gelu_tanh(v[i]);
+  }
+}
+template <int N>
+__device__ BERTACCEL_HEAVY_FN void dgelu_values(float (&v)[N], const float (&a)[N], bool erf_form) {
+  if (erf_form) {
+    BERTACCEL_HEAVY_UNROLL
+    for (int i = 0; i < N; ++i) v[i] *= dgelu_erf<true>(a[i]);
+  } else {
+    BERTACCEL_HEAVY_UNROLL
+    for (int i = 0; i < N; ++i) v[i] *= dgelu_tanh(a[i]);
+  }
+}
+
 template <bool kAuxHere, int W = 64>
 __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMap* map_out, const CUtensorMap* map_pre,
                                                StoreRing& ring, float (&v)[W / 2], const uint32_t (&aux)[16], int row0,
@@ -468,13 +510,7 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
   }
   if (e == kBiasGeluErf || e == kBiasGeluTanh) {
     if (p.pre != nullptr) store_chunk<W>(ring, map_pre, v, row0, col0, cw, t);
-    if (e == kBiasGeluErf) {
-#pragma unroll
-      for (int i = 0; i < kV; ++i) v[i] = gelu_erf<true>(v[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kV; ++i) v[i] = gelu_tanh(v[i]);
-    }
+    gelu_values<kV>(v, e == kBiasGeluErf);
   } else if (e >= kBiasResidual) {
     float a[kV];
 #pragma unroll
@@ -492,12 +528,8 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
     if (e == kBiasResidual) {
 #pragma unroll
       for (int i = 0; i < kV; ++i) v[i] += a[i];
-    } else if (e == kDGeluErf) {
-#pragma unroll
-      for (int i = 0; i < kV; ++i) v[i] *= dgelu_erf<true>(a[i]);
     } else {
-#pragma unroll
-      for (int i = 0; i < kV; ++i) v[i] *= dgelu_tanh(a[i]);
+      dgelu_values<kV>(v, a, e == kDGeluErf);
     }
   }
   if (p.out_f32 || slice_out(p)) store_chunk_f32<W>(ring, map_out, v, row0, col0, slice_out(p) ? split : 0, cw, t);
