@@ -17,6 +17,8 @@ ap.add_argument("--gemms", nargs="+", default=["fwd"], choices=["fwd", "dgrad", 
 ap.add_argument("--impls", nargs="+", default=["ours", "cublas"], choices=["ours", "cublas"])
 ap.add_argument("--schedule", type=int, default=0, help="our schedule (0: the model picks)")
 ap.add_argument("--calls", type=int, default=1)
+ap.add_argument("--epilogue", default="none", choices=["none", "bias", "gelu", "gelu-pre"],
+                help="ours, fwd only: bias, bias + erf GELU, or that saving the pre-activation (cuBLAS: F.linear + F.gelu)")
 args = ap.parse_args()
 if "ours" in args.impls:
     assert build.load() and build.load_gemm(), build.gemm_reason()
@@ -27,6 +29,8 @@ for m, n, k in args.shapes:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.float32) if args.epilogue != "none" else None
+    epi = {"none": 0, "bias": 1, "gelu": 2, "gelu-pre": 2}[args.epilogue]
     operands = {"fwd": (x, w), "dgrad": (dy, w), "wgrad": (dy, x)}
     for g in args.gemms:
         a, b = operands[g]
@@ -34,14 +38,20 @@ for m, n, k in args.shapes:
         for impl in args.impls:
             if impl == "ours":
                 def call(a=a, b=b, ta=ta, tb=tb):
-                    return GEMM(a, b, None, None, 0, ta, tb, False, False, 0, 0, args.schedule)[0]
+                    e = epi if g == "fwd" else 0
+                    return GEMM(a, b, bias if e else None, None, e, ta, tb, False, args.epilogue == "gelu-pre" and e == 2,
+                                0, 0, args.schedule)[0]
+            elif g == "fwd" and args.epilogue != "none":
+                def call(a=a, b=b):
+                    y = torch.nn.functional.linear(a, b, bias.to(a.dtype))
+                    return torch.nn.functional.gelu(y) if args.epilogue.startswith("gelu") else y
             else:
                 def call(a=a, b=b, g=g):
                     return CUBLAS[g](a, b)
             for _ in range(3):
                 call()
             torch.cuda.synchronize()
-            print(f"CALLS {m}x{n}x{k} {g} {impl}", flush=True)
+            print(f"CALLS {m}x{n}x{k} {g} {impl} epilogue={args.epilogue if g == 'fwd' else 'none'}", flush=True)
             torch.cuda.cudart().cudaProfilerStart()
             for _ in range(args.calls):
                 call()

@@ -14,7 +14,7 @@
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows), gelu_sweep (bias+GELU forward
 # vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
-# ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_gemm_stalls (warp-stall samples per SASS instruction of the same calls, scripts/ncu_stalls.py; NCU_TOP), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
+# ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_gemm_stalls (warp-stall samples per SASS instruction of the same calls, scripts/ncu_stalls.py; NCU_TOP, NCU_GEMM_EPILOGUE=none|bias|gelu|gelu-pre), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 # The device tool returns at most 8 files from $OUT (no more than two folders down): with many stages, read
@@ -354,7 +354,7 @@ fi
 if has ncu_gemm_stalls; then  # where our GEMM's warps wait, per SASS instruction (NCU_GEMM_SHAPES=, NCU_GEMM_GEMMS=; scripts/ncu_stalls.py)
   timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --import-source no --section WarpStateStats --section SourceCounters \
     --section SpeedOfLight -o "$OUT/gemm_stalls" -f python scripts/gemm_calls.py --shapes ${NCU_GEMM_SHAPES:-16384x3072x768} \
-    --gemms ${NCU_GEMM_GEMMS:-fwd} > "$OUT/ncu_gemm_stalls.log" 2>&1
+    --gemms ${NCU_GEMM_GEMMS:-fwd} --epilogue ${NCU_GEMM_EPILOGUE:-none} > "$OUT/ncu_gemm_stalls.log" 2>&1
   echo "ncu gemm stalls rc=$?"
   ncu -i "$OUT/gemm_stalls.ncu-rep" --page details --section WarpStateStats --section SpeedOfLight > "$OUT/gemm_warp_states.txt" 2>&1
   grep -E "^  [a-zA-Z_0-9:<>, ]+\(|Duration|Stall|Warp Cycles|Issued Warp|Active Warps" "$OUT/gemm_warp_states.txt" | cut -c1-140 | head -40

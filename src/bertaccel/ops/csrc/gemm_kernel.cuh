@@ -269,8 +269,8 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo) {
 }
 
 // --------------------------------------------------------------------------------- epilogue
-// GELU forms: gelu_math.cuh, the erf through erf_fast (within 1.5e-7, no branches; erff's two polynomial
-// ranges diverge inside a warp): the products come from bf16 operands and the GELU outputs are stored bf16.
+// GELU forms: gelu_math.cuh, the erf form through normal_cdf_fast (erf within 1.5e-7, no branches; erff's two
+// polynomial ranges diverge inside a warp): the products come from bf16 operands and the outputs are stored bf16.
 
 // Eight consecutive values as fp32: one 16-byte load when `whole` (8 in range, 16-byte aligned), else
 // element by element with zeros past the first n.
@@ -442,53 +442,36 @@ __device__ __forceinline__ void load_aux(const Params& p, uint32_t (&aux)[16], i
   }
 }
 
+// The GELU and dGELU epilogues' math on one chunk's values, inlined and unrolled in every chunk of the unrolled
+// chunk loops. Measured against the alternatives (session 30, H100, 16384x3072x768 bias + GELU: 229 us inlined):
+// one out-of-line copy (__noinline__, values through local memory) 329 us, the value loop not unrolled 554 us;
+// the erf form's cost is its instructions per value (normal_cdf_fast), not the code's size.
+template <int N>
+__device__ __forceinline__ void gelu_values(float (&v)[N], bool erf_form) {
+  if (erf_form) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = gelu_erf<true>(v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = gelu_tanh(v[i]);
+  }
+}
+template <int N>
+__device__ __forceinline__ void dgelu_values(float (&v)[N], const float (&a)[N], bool erf_form) {
+  if (erf_form) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] *= dgelu_erf<true>(a[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] *= dgelu_tanh(a[i]);
+  }
+}
+
 // The epilogue of one W-column chunk in registers (the branches are per chunk, each body unrolled over
 // its W / 2 values), then its TMA store(s). N % 8 == 0 here, so a column pair is either in range or past
 // N. `aux`: the chunk's auxiliary input (load_aux), read by the residual and dGELU epilogues; with
 // kAuxHere it is read here instead (where registers are short: the 256-wide cooperative tile). W = 32:
 // the last chunk of a 96-wide tile, stored through the 32-column maps (map_out / map_pre are those).
-// The GELU and dGELU epilogues' math on one chunk's values. The chunk loops that call epilogue_chunk are
-// unrolled (each chunk names its accumulator registers at compile time), so a body inlined there is copied
-// once per chunk: the erf / tanh forms on 32 values each, 4 chunks of a 256-wide tile, every form compiled
-// in, made the epilogue ~4x larger than the rolled loop's and the GELU epilogues slower (session 29).
-// BERTACCEL_GEMM_HEAVY_EPILOGUE picks how the math is compiled (build switch BERTACCEL_GEMM_DEFINES):
-//   0: inlined and unrolled per chunk (the largest code),
-//   1: out of line (__noinline__): one copy of each form; the values pass through local memory (L1),
-//   2: inlined, the loop over the values not unrolled: one small body per chunk, values in local memory.
-#ifndef BERTACCEL_GEMM_HEAVY_EPILOGUE
-#define BERTACCEL_GEMM_HEAVY_EPILOGUE 1
-#endif
-#if BERTACCEL_GEMM_HEAVY_EPILOGUE == 1
-#define BERTACCEL_HEAVY_FN __noinline__
-#define BERTACCEL_HEAVY_UNROLL _Pragma("unroll")
-#elif BERTACCEL_GEMM_HEAVY_EPILOGUE == 2
-#define BERTACCEL_HEAVY_FN __forceinline__
-#define BERTACCEL_HEAVY_UNROLL _Pragma("unroll 1")
-#else
-#define BERTACCEL_HEAVY_FN __forceinline__
-#define BERTACCEL_HEAVY_UNROLL _Pragma("unroll")
-#endif
-template <int N>
-__device__ BERTACCEL_HEAVY_FN void gelu_values(float (&v)[N], bool erf_form) {
-  if (erf_form) {
-    BERTACCEL_HEAVY_UNROLL
-    for (int i = 0; i < N; ++i) v[i] = gelu_erf<true>(v[i]);
-  } else {
-    BERTACCEL_HEAVY_UNROLL
-    for (int i = 0; i < N; ++i) v[i] = gelu_tanh(v[i]);
-  }
-}
-template <int N>
-__device__ BERTACCEL_HEAVY_FN void dgelu_values(float (&v)[N], const float (&a)[N], bool erf_form) {
-  if (erf_form) {
-    BERTACCEL_HEAVY_UNROLL
-    for (int i = 0; i < N; ++i) v[i] *= dgelu_erf<true>(a[i]);
-  } else {
-    BERTACCEL_HEAVY_UNROLL
-    for (int i = 0; i < N; ++i) v[i] *= dgelu_tanh(a[i]);
-  }
-}
-
 template <bool kAuxHere, int W = 64>
 __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMap* map_out, const CUtensorMap* map_pre,
                                                StoreRing& ring, float (&v)[W / 2], const uint32_t (&aux)[16], int row0,
