@@ -46,7 +46,7 @@ def sweep(shapes, epilogues, rounds: int) -> list[dict]:
                 b = w_dgrad if dgrad else w_fwd
 
                 def f(a, b=b, e=e, dgrad=dgrad, save_pre=save_pre):
-                    return GEMM(a, b, bias if 1 <= e <= 3 else None, pre if e >= 3 else None, e, False, dgrad, False,
+                    return GEMM(a, b, bias if 1 <= e <= 4 else None, pre if e >= 4 else None, e, False, dgrad, False,
                                 save_pre, tile, 1, schedule)[0]
                 fns.append(f)
                 labels.append(name)

@@ -125,7 +125,38 @@ CUtensorMap make_map_f32(void* data, int64_t slices, int64_t rows, int64_t cols)
 // three, the refit's picks ran at 0.964 of the best swept configuration and these coefficients' at 0.965,
 // so these were kept.
 enum class Kind { kCooperative, kPingPong, kRows192 };
-double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind, bool kernel_sum) {
+
+// The epilogue's cost, per wave, in us per 1000 tile elements, fitted (medians over six feed-forward shapes of
+// (time with the epilogue - time without) / (waves x tile elements)) to scripts/gemm_epilogue_sweep.py's rows
+// (benchmarks/results/h100/gemm_epilogue_sweep_b3dfc75.json). The bias alone is 0.05-0.08: its loads wait in
+// the epilogue. The 256-wide cooperative tile and the 192-row tiles read the auxiliary input (dGELU's saved
+// pre-activation, the residual) inside the epilogue (no registers to load it a chunk ahead): 0.26-0.40.
+// Without this term the model picked the 128 x 256 tile for every epilogue: dGELU at 16384 x 3072 x 768 ran
+// 290 us where the 192-wide tile runs 199; bias + GELU 195 us where the 192-row tile runs 179.
+enum class EpiCost { kNone, kBias, kGelu, kGeluPre, kAux };
+EpiCost epilogue_cost(int64_t epilogue, bool save_pre) {
+  if (epilogue == kBias) return EpiCost::kBias;
+  if (epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh) return save_pre ? EpiCost::kGeluPre : EpiCost::kGelu;
+  if (epilogue >= kBiasResidual) return EpiCost::kAux;
+  return EpiCost::kNone;
+}
+double epilogue_us_per_ktile(Kind kind, int bn, EpiCost e) {
+  if (e == EpiCost::kNone) return 0.0;
+  struct Row { double bias, gelu, gelu_pre, aux; };
+  Row r;
+  if (kind == Kind::kPingPong) {
+    r = bn == 64 ? Row{0.030, 0.115, 0.150, 0.135} : Row{0.059, 0.177, 0.206, 0.164};
+  } else if (kind == Kind::kRows192) {
+    r = bn == 64 ? Row{0.056, 0.125, 0.148, 0.255} : bn == 128 ? Row{0.050, 0.125, 0.159, 0.278} : Row{0.051, 0.143, 0.166, 0.370};
+  } else {  // 64-wide: not swept, the 96-wide tile's; 96-wide dGELU (not built): the 128-wide's
+    r = bn <= 96 ? Row{0.083, 0.163, 0.202, 0.138} : bn == 128 ? Row{0.069, 0.155, 0.183, 0.138}
+      : bn == 192 ? Row{0.070, 0.166, 0.195, 0.165} : Row{0.065, 0.180, 0.219, 0.399};
+  }
+  return e == EpiCost::kBias ? r.bias : e == EpiCost::kGelu ? r.gelu : e == EpiCost::kGeluPre ? r.gelu_pre : r.aux;
+}
+
+double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind, bool kernel_sum,
+                   EpiCost epi = EpiCost::kNone) {
   const int BM = kind == Kind::kRows192 ? 192 : 128;
   const int kblocks = (K + BK - 1) / BK;
   const int tiles = ((M + BM - 1) / BM) * ((N + bn - 1) / bn);
@@ -145,6 +176,7 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind, 
     const double us_per_mflop = bn == 64 ? 0.3492 : bn == 96 ? 0.2551 : bn == 128 ? 0.2172 : bn == 192 ? 0.1718 : 0.1611;
     t = waves * (mflop * us_per_mflop + tile_k * 0.0962);
   }
+  t += waves * tile_k * epilogue_us_per_ktile(kind, bn, epi);
   if (splits > 1 && kernel_sum) {
     t += (double)(splits - 1) * M * N * 4 * 2 / 1e6 * 0.5075 + tile_k * (splits - 1) * 0.0787 + 0.1096;
   } else if (splits > 1) {
@@ -185,7 +217,7 @@ struct Choice {
 // model picks, 1 = through the workspace, 2 = in the kernel (not ping-pong). b_kmajor: B is K-major (the
 // forward's layout), which the 96-wide tiles need.
 std::vector<Choice> candidates(int M, int N, int K, int sms, bool split_ok, bool b_kmajor, int force_bn, int force_splits,
-                               int schedule, int split_sum, int cluster_mode) {
+                               int schedule, int split_sum, int cluster_mode, EpiCost epi) {
   const int kblocks = (K + BK - 1) / BK;
   std::vector<Choice> out;
   if (schedule == 3) {  // only when asked for: measured slower than the other schedules at every BERT shape (below)
@@ -215,7 +247,7 @@ std::vector<Choice> candidates(int M, int N, int K, int sms, bool split_ok, bool
           Choice c;
           c.bn = cand, c.splits = s, c.kernel_sum = ks;
           c.pingpong = kind == Kind::kPingPong, c.rows192 = kind == Kind::kRows192;
-          c.us = estimate_us(M, N, K, sms, cand, s, kind, ks);
+          c.us = estimate_us(M, N, K, sms, cand, s, kind, ks, epi);
           c.cluster = cluster_mode == 2 ? 2 : 1;
           out.push_back(c);
         }
@@ -368,7 +400,8 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
               "bertaccel gemm: 96-wide tiles are built for the cooperative schedule with a K-major b (trans_b false)");
   const int split_sum = split_sum_mode(), clusters = cluster_mode();
   const std::vector<Choice> ranked = candidates((int)M, (int)N, (int)K, sms, split_ok, !trans_b, (int)tile_n,
-                                                split_ok ? (int)splits_k : 1, (int)schedule, split_sum, clusters);
+                                                split_ok ? (int)splits_k : 1, (int)schedule, split_sum, clusters,
+                                                epilogue_cost(epilogue, gelu && save_pre));
   auto stream = at::cuda::getCurrentCUDAStream();
   // the epilogue reads the bias 16 bytes at a time: a misaligned view is copied (a Parameter never is)
   const at::Tensor bias_t = !needs_bias ? at::Tensor()
@@ -528,8 +561,8 @@ std::vector<int64_t> gemm_config(const at::Tensor& a, const at::Tensor& b, int64
   const bool split_ok = epilogue == kNone || epilogue == kBias;
   const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
   const int split_sum = split_sum_mode(), clusters = cluster_mode();
-  Choice c = candidates((int)M, (int)N, (int)K, sm_count(a.get_device()), split_ok, !trans_b, 0, 0, 0, split_sum, clusters)
-                 .front();
+  Choice c = candidates((int)M, (int)N, (int)K, sm_count(a.get_device()), split_ok, !trans_b, 0, 0, 0, split_sum, clusters,
+                        epilogue_cost(epilogue, gelu && save_pre)).front();
   bool was_tuned = false;
   if (tuning_level() > 0) {  // as gemm() does: a kept pick only counts while tuning is on
     const TuneKey key = tune_key(a, M, N, K, trans_a, trans_b, epilogue, out_fp32, gelu && save_pre, 0, split_ok ? 0 : 1, 0,

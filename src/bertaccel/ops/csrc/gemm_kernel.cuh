@@ -442,6 +442,29 @@ __device__ __forceinline__ void load_aux(const Params& p, uint32_t (&aux)[16], i
   }
 }
 
+// The tile's bias columns [col0, col0 + BN) into this warpgroup's shared slice, by cp.async (8 bytes a thread,
+// zero-filled past N: N % 8 == 0 on this path, so an 8-byte piece is wholly in or out), while the MMAs run; the
+// epilogue waits for them (bias_ready). Copies a thread left in flight (a unit that ended before its epilogue)
+// are waited for first: they write the same slice.
+template <int BN>
+__device__ __forceinline__ void load_bias_async(const Params& p, uint8_t* dst, int col0, int t) {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  const int esize = p.bias_f32 ? 4 : 2;
+  for (int off = 8 * t; off < BN * esize; off += 8 * 128) {
+    const int col = col0 + off / esize;
+    const bool in = col < p.N;
+    const char* src = static_cast<const char*>(p.bias) + (in ? (int64_t)col * esize : 0);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(dst + off)), "l"(src), "r"(in ? 8 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// every thread's copies landed and are visible to the warpgroup
+__device__ __forceinline__ void bias_ready(int cw) {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+}
+
 // The GELU and dGELU epilogues' math on one chunk's values, inlined and unrolled in every chunk of the unrolled
 // chunk loops. Measured against the alternatives (session 30, H100, 16384x3072x768 bias + GELU: 229 us inlined):
 // one out-of-line copy (__noinline__, values through local memory) 329 us, the value loop not unrolled 554 us;
@@ -475,7 +498,7 @@ __device__ __forceinline__ void dgelu_values(float (&v)[N], const float (&a)[N],
 template <bool kAuxHere, int W = 64>
 __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMap* map_out, const CUtensorMap* map_pre,
                                                StoreRing& ring, float (&v)[W / 2], const uint32_t (&aux)[16], int row0,
-                                               int col0, int split, int cw, int t) {
+                                               int col0, int split, int cw, int t, const uint8_t* bias_s) {
   constexpr int kV = W / 2;  // values per thread
   const int lane = t % 32, e = slice_out(p) ? kNone : p.epilogue;  // a split-K slice: the raw sums
   const int r_top = row0 + (t / 32) * 16 + lane / 4, c_lane = col0 + 2 * (lane % 4);
@@ -484,7 +507,11 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
     for (int jj = 0; jj < W / 8; ++jj) {
       const int col = c_lane + 8 * jj;
       float2 b = make_float2(0.f, 0.f);
-      if (col < p.N) {
+      if (bias_s != nullptr) {  // the chunk's bias in shared memory (zeros past N)
+        const int at = 2 * (lane % 4) + 8 * jj;
+        b = p.bias_f32 ? *reinterpret_cast<const float2*>(bias_s + 4 * at)
+                       : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias_s + 2 * at));
+      } else if (col < p.N) {
         b = p.bias_f32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.bias) + col)
                        : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.bias) + col));
       }
@@ -527,7 +554,17 @@ struct Config : Team<CONS> {
   static constexpr int kBBytes = BN * BK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = T::kSmemBudget / kStageBytes > 8 ? 8 : T::kSmemBudget / kStageBytes;
-  static constexpr int kSmemBytes = kStages * kStageBytes + T::kStagingBytes + 2 * kStages * 8 + 16 + 1024;  // + barriers, words, alignment
+  static constexpr int kBaseBytes = kStages * kStageBytes + T::kStagingBytes + 2 * kStages * 8 + 16 + 1024;  // + barriers, words, alignment
+  // The tile's bias slice per consumer warpgroup (fp32 or bf16), copied in (cp.async) while the MMAs run, where
+  // it fits next to the stages (every tile but the cooperative 128 x 256, 80 bytes short: it reads the bias in
+  // the epilogue).
+  static constexpr int kBiasBytes = T::kConsumers * BN * 4;
+#ifdef BERTACCEL_GEMM_BIAS_GLOBAL  // TEMPORARY (session 30 A/B): the bias read from global memory in the epilogue
+  static constexpr bool kBiasInSmem = false;
+#else
+  static constexpr bool kBiasInSmem = kBaseBytes + kBiasBytes <= kSmemLimit;
+#endif
+  static constexpr int kSmemBytes = kBaseBytes + (kBiasInSmem ? kBiasBytes : 0);
   static_assert(kSmemBytes <= kSmemLimit, "shared memory over the per-block limit");
 };
 
@@ -570,6 +607,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   float* staging = reinterpret_cast<float*>(smem + S * C::kStageBytes);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * C::kStageBytes + C::kStagingBytes);
   uint64_t* empty = full + S;
+  uint8_t* bias_region = reinterpret_cast<uint8_t*>(empty + S) + 16;  // after the barriers and the words (kBiasInSmem)
 
   // the warpgroup, broadcast from lane 0 so that the compiler knows it is warp-uniform (what is derived from it,
   // e.g. this consumer's offset into the A stage, can then live in uniform registers)
@@ -661,6 +699,10 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       // full barrier two phases behind, whose parity matches, and read a stage not yet loaded.
       if (PP && local > 0) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + cw) : "memory");
       int prev = -1;
+      const bool bias_smem = C::kBiasInSmem && p.tma_store && !slice_out(p) && p.epilogue >= kBias &&
+                             p.epilogue <= kBiasResidual;  // the same in the whole block
+      uint8_t* bias_s = bias_region + cw * BN * 4;
+      if (bias_smem) load_bias_async<BN>(p, bias_s, tn * BN, t);
       // The epilogue's auxiliary input (TMA-store epilogues) is loaded a chunk ahead, the first chunk's
       // before the MMAs, where the registers allow (ptxas, 168 per thread): the cooperative 192-wide tile
       // loads its first chunk's after the last MMAs are issued (before them: 8 bytes of spill), the
@@ -780,6 +822,9 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         }
       }
       static_assert(BN % 64 == 0 || kAuxAhead, "the 32-column tail chunk is only in the aux-ahead loop below");
+      if (bias_smem) bias_ready(cw);
+      // the chunk at tile column c: its bias in shared memory, or null (read from global memory)
+      auto bias_at = [&](int c) -> const uint8_t* { return bias_smem ? bias_s + c * (p.bias_f32 ? 4 : 2) : nullptr; };
       if (!kAuxAhead && p.tma_store) {  // epilogue in registers, stores through the copy engine
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) {
@@ -796,7 +841,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
                 for (int k = 0; k < 32; ++k) v[k] = acc[h][32 * cc + k];
               }
             }
-            epilogue_chunk<true>(p, &map_out, &map_pre, ring, v, aux_next, row0, tn * BN + 64 * c, split, cw, t);
+            epilogue_chunk<true>(p, &map_out, &map_pre, ring, v, aux_next, row0, tn * BN + 64 * c, split, cw, t, bias_at(64 * c));
           }
         }
         continue;
@@ -832,7 +877,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
               }
               const bool f32 = p.out_f32 || slice_out(p);  // fp32 maps already take 32-column boxes
               epilogue_chunk<false, 32>(p, f32 ? &map_out : &map_out_tail, &map_pre_tail, ring, v, aux_now, row0, col0,
-                                        split, cw, t);
+                                        split, cw, t, bias_at(64 * c));
               continue;
             }
           }
@@ -847,7 +892,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
               }
             }
           }
-          epilogue_chunk<false>(p, &map_out, &map_pre, ring, v, aux_now, row0, col0, split, cw, t);
+          epilogue_chunk<false>(p, &map_out, &map_pre, ring, v, aux_now, row0, col0, split, cw, t, bias_at(64 * c));
         }
         continue;
       }
@@ -883,6 +928,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
         }
       }
     }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // no bias copy in flight (a unit that ended before its epilogue)
     if (t == 0) async_copy::bulk_wait_all();  // the last TMA stores have read this block's shared memory
   }
   // neither block of a cluster exits while the other may still arrive on its barriers
