@@ -128,11 +128,11 @@ enum class Kind { kCooperative, kPingPong, kRows192 };
 
 // The epilogue's cost, per wave, in us per 1000 tile elements, fitted (medians over six feed-forward shapes of
 // (time with the epilogue - time without) / (waves x tile elements)) to scripts/gemm_epilogue_sweep.py's rows
-// (benchmarks/results/h100/gemm_epilogue_sweep_b3dfc75.json). The bias alone is 0.05-0.08: its loads wait in
-// the epilogue. The 256-wide cooperative tile and the 192-row tiles read the auxiliary input (dGELU's saved
-// pre-activation, the residual) inside the epilogue (no registers to load it a chunk ahead): 0.26-0.40.
-// Without this term the model picked the 128 x 256 tile for every epilogue: dGELU at 16384 x 3072 x 768 ran
-// 290 us where the 192-wide tile runs 199; bias + GELU 195 us where the 192-row tile runs 179.
+// (benchmarks/results/h100/gemm_epilogue_sweep_1624464.json, the bias already in shared memory where it fits).
+// The bias alone costs 0.03-0.06. The 256-wide cooperative tile and the 192-row tiles read the auxiliary input
+// (dGELU's saved pre-activation, the residual) inside the epilogue (no registers to load it a chunk ahead):
+// 0.22-0.42. Without this term the model picked the 128 x 256 tile for every epilogue: dGELU at 16384 x 3072 x
+// 768 ran 288 us where the 192-wide tile runs 199; bias + GELU 196 us where the 192-row tile runs 174.
 enum class EpiCost { kNone, kBias, kGelu, kGeluPre, kAux };
 EpiCost epilogue_cost(int64_t epilogue, bool save_pre) {
   if (epilogue == kBias) return EpiCost::kBias;
@@ -145,12 +145,12 @@ double epilogue_us_per_ktile(Kind kind, int bn, EpiCost e) {
   struct Row { double bias, gelu, gelu_pre, aux; };
   Row r;
   if (kind == Kind::kPingPong) {
-    r = bn == 64 ? Row{0.030, 0.115, 0.150, 0.135} : Row{0.059, 0.177, 0.206, 0.164};
+    r = bn == 64 ? Row{0.006, 0.111, 0.136, 0.132} : Row{0.030, 0.184, 0.197, 0.159};
   } else if (kind == Kind::kRows192) {
-    r = bn == 64 ? Row{0.056, 0.125, 0.148, 0.255} : bn == 128 ? Row{0.050, 0.125, 0.159, 0.278} : Row{0.051, 0.143, 0.166, 0.370};
+    r = bn == 64 ? Row{0.053, 0.122, 0.145, 0.219} : bn == 128 ? Row{0.037, 0.112, 0.138, 0.332} : Row{0.032, 0.125, 0.164, 0.414};
   } else {  // 64-wide: not swept, the 96-wide tile's; 96-wide dGELU (not built): the 128-wide's
-    r = bn <= 96 ? Row{0.083, 0.163, 0.202, 0.138} : bn == 128 ? Row{0.069, 0.155, 0.183, 0.138}
-      : bn == 192 ? Row{0.070, 0.166, 0.195, 0.165} : Row{0.065, 0.180, 0.219, 0.399};
+    r = bn <= 96 ? Row{0.058, 0.143, 0.179, 0.142} : bn == 128 ? Row{0.054, 0.145, 0.174, 0.142}
+      : bn == 192 ? Row{0.057, 0.175, 0.201, 0.155} : Row{0.060, 0.183, 0.225, 0.417};
   }
   return e == EpiCost::kBias ? r.bias : e == EpiCost::kGelu ? r.gelu : e == EpiCost::kGeluPre ? r.gelu_pre : r.aux;
 }
