@@ -110,6 +110,9 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             "fwd x W^T": (lambda x, w: F.linear(x, w), (x, w), (False, False)),
             "dgrad dy W": (lambda dy, w: dy @ w, (dy, w), (False, True)),
             "wgrad dy^T x": (lambda dy, x: dy.t() @ x, (dy, x), (True, True)),
+            # an fp32 weight's gradient as training makes it: cuBLAS's bf16 product cast to fp32 (autocast, then
+            # autograd's accumulation into the fp32 .grad), ours written in fp32 by the kernel (GemmLinear)
+            "wgrad-f32 dy^T x (fp32 out)": (lambda dy, x: (dy.t() @ x).float(), (dy, x), (True, True)),
         }
         for name, (fn, args, (ta, tb)) in ({} if gelu_only else cases).items():
             if name.split()[0] not in gemms:
@@ -141,7 +144,7 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                 env = ({"BERTACCEL_GEMM_TUNE": "1"} if impl == "bertaccel tuned"
                        else {"BERTACCEL_GEMM_CLUSTER": "2"} if impl == "bertaccel cluster-2" else {})
                 with kernel_env(env):  # [tile rows, width, splits, schedule, in-kernel sum, tuned]
-                    cfg = torch.ops.bertaccel.gemm_config(args[0], args[1], 0, ta, tb, False, False)
+                    cfg = torch.ops.bertaccel.gemm_config(args[0], args[1], 0, ta, tb, name.startswith("wgrad-f32"), False)
                 add({"shape": row["shape"], "gemm": name, "impl": impl, "ms": round(t, 4),
                      "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3),
                      "config": config_label(cfg)})
@@ -164,8 +167,9 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                     for splits in (1, 2, 3, 4) if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
                         for mode in split_sums if splits > 1 and schedule in (1, 4) else ("default",):
                             for cluster in clusters if schedule != 3 else (1,):
-                                def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule):
-                                    return GEMM(a, b, None, None, 0, ta, tb, False, False, tile, splits, schedule)[0]
+                                def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule,
+                                      f32=name.startswith("wgrad-f32")):
+                                    return GEMM(a, b, None, None, 0, ta, tb, f32, False, tile, splits, schedule)[0]
                                 if mode != "default":
                                     f = (lambda a, b, f=f, mode=mode: _env_call("BERTACCEL_GEMM_SPLIT", mode, f, a, b))
                                 # clusters of two ("c2"), or single blocks, each forced (the model picks otherwise)
@@ -242,7 +246,7 @@ def main(argv=None) -> None:
     ap.add_argument("--compare-stores", action="store_true",
                     help="also time ours with the threads' staged stores instead of TMA stores (BERTACCEL_GEMM_STORE=staged)")
     ap.add_argument("--gelu-only", action="store_true", help="only the linear + bias + GELU cases")
-    ap.add_argument("--gemms", nargs="+", default=["fwd", "dgrad", "wgrad"], choices=["fwd", "dgrad", "wgrad"],
+    ap.add_argument("--gemms", nargs="+", default=["fwd", "dgrad", "wgrad"], choices=["fwd", "dgrad", "wgrad", "wgrad-f32"],
                     help="which of each shape's three GEMMs to time")
     ap.add_argument("--no-epilogues", action="store_true", help="skip the linear + bias + GELU cases")
     ap.add_argument("--split-sums", nargs="+", default=["default"], choices=["default", "workspace", "kernel"],

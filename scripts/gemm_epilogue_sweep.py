@@ -5,7 +5,9 @@ block's shapes. The cost model's epilogue terms (csrc/gemm.cu, estimate_us) are 
     python scripts/gemm_epilogue_sweep.py --out bench_results/gemm_epilogue_sweep.json
 
 Epilogues: none / bias (forward layout), gelu (bias + erf GELU), gelu-pre (that, also writing the
-pre-activation), dgelu (the dgrad layout times gelu'(saved pre-activation), as the FFN's backward runs it).
+pre-activation), dgelu (the dgrad layout times gelu'(saved pre-activation), as the FFN's backward runs it),
+wgrad / wgrad-f32 (the weight gradient dy^T x with a bf16 or an fp32 output: GemmLinear writes fp32 weights'
+gradients in fp32).
 Each row: shape, epilogue, schedule (1 cooperative, 2 ping-pong, 4 cooperative 192-row), tile width, ms, and
 whether it is the cost model's pick for that call.
 """
@@ -20,12 +22,15 @@ import torch
 from benchmarks.bench_gemm import config_label, interleaved_ms, parse_shape
 from benchmarks.common import environment, write_json
 
-EPILOGUES = {"none": (0, False, False), "bias": (1, False, False), "gelu": (2, False, False),
-             "gelu-pre": (2, False, True), "dgelu": (5, True, False)}  # (epilogue id, dgrad layout, save pre)
+# name: (epilogue id, layout, fp32 output, save pre); layouts as benchmarks/bench_gemm.py's cases
+EPILOGUES = {"none": (0, "fwd", False, False), "bias": (1, "fwd", False, False), "gelu": (2, "fwd", False, False),
+             "gelu-pre": (2, "fwd", False, True), "dgelu": (5, "dgrad", False, False),
+             "wgrad": (0, "wgrad", False, False), "wgrad-f32": (0, "wgrad", True, False)}
+LAYOUTS = {"fwd": (False, False), "dgrad": (False, True), "wgrad": (True, True)}
 CONFIGS = [(1, 96), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128), (4, 64), (4, 128), (4, 192)]
 
 
-def sweep(shapes, epilogues, rounds: int) -> list[dict]:
+def sweep(shapes, epilogues, rounds: int, splits=(1,)) -> list[dict]:
     from bertaccel.ops import build
 
     assert build.load_gemm(), build.gemm_reason()
@@ -33,34 +38,39 @@ def sweep(shapes, epilogues, rounds: int) -> list[dict]:
     rows = []
     for m, n, k in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w_fwd = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-        w_dgrad = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * k**-0.5  # dgrad: dy[m, k] @ W[k, n]
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+        w_dgrad = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * k**-0.5  # dgrad: x[m, k] @ W[k, n]
         bias = torch.randn(n, device="cuda", dtype=torch.float32)
         pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        operands = {"fwd": (x, w), "dgrad": (x, w_dgrad), "wgrad": (dy, x)}  # wgrad: dy^T x, [n, k]
         for schedule, tile in CONFIGS:
-            fns, labels = [], []
-            for name in epilogues:
-                e, dgrad, save_pre = EPILOGUES[name]
-                if dgrad and tile == 96:
-                    continue  # 96-wide tiles take a K-major B only (the forward's layout)
-                b = w_dgrad if dgrad else w_fwd
+            for s in splits:
+                fns, labels = [], []
+                for name in epilogues:
+                    e, layout, f32, save_pre = EPILOGUES[name]
+                    ta, tb = LAYOUTS[layout]
+                    if (tb and tile == 96) or (s > 1 and e not in (0, 1)):
+                        continue  # 96-wide tiles take a K-major B only; K splits: no / bias epilogues only
 
-                def f(a, b=b, e=e, dgrad=dgrad, save_pre=save_pre):
-                    return GEMM(a, b, bias if 1 <= e <= 4 else None, pre if e >= 4 else None, e, False, dgrad, False,
-                                save_pre, tile, 1, schedule)[0]
-                fns.append(f)
-                labels.append(name)
-            if not fns:
-                continue
-            for name, ms in zip(labels, interleaved_ms(fns, (x,), "cuda", rounds)):
-                e, dgrad, save_pre = EPILOGUES[name]
-                b = w_dgrad if dgrad else w_fwd
-                pick = config_label(torch.ops.bertaccel.gemm_config(x, b, e, False, dgrad, False, save_pre))
-                label = config_label([128 if schedule != 4 else 192, tile, 1, schedule, 0, 0])
-                row = {"shape": f"{m}x{n}x{k}", "epilogue": name, "schedule": schedule, "tile": tile, "config": label,
-                       "ms": round(ms, 4), "TFLOP/s": round(2 * m * n * k / ms / 1e9, 1), "model_pick": pick == label}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                    def f(a, b, e=e, ta=ta, tb=tb, f32=f32, save_pre=save_pre):
+                        return GEMM(a, b, bias if 1 <= e <= 4 else None, pre if e >= 4 else None, e, ta, tb, f32,
+                                    save_pre, tile, s, schedule)[0]
+                    fns.append((f, operands[layout]))
+                    labels.append(name)
+                if not fns:
+                    continue
+                times = [interleaved_ms([f], args, "cuda", rounds)[0] for f, args in fns]
+                for name, ms, (f, args) in zip(labels, times, fns):
+                    e, layout, f32, save_pre = EPILOGUES[name]
+                    ta, tb = LAYOUTS[layout]
+                    pick = config_label(torch.ops.bertaccel.gemm_config(args[0], args[1], e, ta, tb, f32, save_pre))
+                    label = config_label([128 if schedule != 4 else 192, tile, s, schedule, 0, 0])
+                    row = {"shape": f"{m}x{n}x{k}", "epilogue": name, "schedule": schedule, "tile": tile, "splits": s,
+                           "config": label, "ms": round(ms, 4), "TFLOP/s": round(2 * m * n * k / ms / 1e9, 1),
+                           "model_pick": pick == label}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     return rows
 
 
@@ -71,9 +81,10 @@ def main(argv=None) -> None:
                              (16384, 1536, 384), (16384, 3072, 3072)])
     ap.add_argument("--epilogues", nargs="+", default=list(EPILOGUES), choices=list(EPILOGUES))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--splits", nargs="+", type=int, default=[1], help="K splits to time (none / bias epilogues)")
     ap.add_argument("--out", default="bench_results/gemm_epilogue_sweep.json")
     args = ap.parse_args(argv)
-    rows = sweep(args.shapes, args.epilogues, args.rounds)
+    rows = sweep(args.shapes, args.epilogues, args.rounds, args.splits)
     write_json(args.out, {"environment": environment(), "rows": rows})
     by = {}
     for r in rows:

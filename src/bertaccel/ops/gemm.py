@@ -237,6 +237,8 @@ def gemm_case(name: str):
         return lambda x, w: _GEMM(x, w, None, None, 0, False, False, False, False)[0]
     if name.startswith("dgrad"):
         return lambda dy, w: _GEMM(dy, w, None, None, 0, False, True, False, False)[0]
+    if name.startswith("wgrad-f32"):  # the weight gradient of an fp32 weight, as GemmLinear's backward writes it
+        return lambda dy, x: _GEMM(dy, x, None, None, 0, True, True, True, False)[0]
     if name.startswith("wgrad"):
         return lambda dy, x: _GEMM(dy, x, None, None, 0, True, True, False, False)[0]
     raise ValueError(f"unknown GEMM case {name!r}")
