@@ -97,12 +97,17 @@ def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
 
     cats: dict[str, float] = {}
     kernels: dict[str, float] = {}
+    gemms: dict[str, float] = {}  # every GEMM kernel, with its template arguments (tile, layouts, schedule)
     for name, us in kernel_times_us(work, steps).items():
         cats[categorize(name)] = cats.get(categorize(name), 0.0) + us / 1e3
         kernels[name[:90]] = kernels.get(name[:90], 0.0) + us / 1e3
+        if categorize(name) == "gemm":
+            short = name.split("(")[0][:160]
+            gemms[short] = gemms.get(short, 0.0) + us / 1e3
     return {"total_ms": round(sum(cats.values()), 3),
             "categories": {k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_kernels": {k: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}
+            "top_kernels": {k: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]},
+            "gemm_kernels": {k: round(v, 4) for k, v in sorted(gemms.items(), key=lambda kv: -kv[1])}}
 
 
 def step_times(variant: str, *args, **kwargs) -> list[float]:
