@@ -618,6 +618,12 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   }
   if constexpr (CLU == 2) cluster_sync();  // both blocks' barriers initialised before any multicast or remote arrival
   else __syncthreads();
+  // Programmatic dependent launch (launch(), BERTACCEL_PDL): this grid may start while the previous kernel on the
+  // stream finishes, so the set-up above overlaps its tail; nothing in global memory is read or written before
+  // the previous grid has completed and its writes are visible. Then the next kernel launched this way may start
+  // its own set-up on SMs this grid leaves (it waits likewise; the grid is persistent, all of it already resident).
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const uint32_t peer = CLU == 2 ? cluster_rank() ^ 1u : 0u;
   // a consumer warp's release of a stage: to this block's producer and, in a cluster, to the other's
   auto release_stage = [](uint64_t* bar, uint32_t other) {
@@ -941,8 +947,14 @@ struct Maps {
   CUtensorMap out_tail, pre_tail;  // bf16 out / pre in 32-column boxes: 96-wide tiles' last chunks (else copies of a)
 };
 
+// BERTACCEL_PDL=0 (read at each call) launches the GEMM without programmatic dependent launch.
+inline bool pdl_launch() {
+  const char* env = std::getenv("BERTACCEL_PDL");
+  return !(env != nullptr && env[0] == '0' && env[1] == '\0');
+}
+
 // Launches gemm_kernel on `grid` blocks (CLU = 2: in clusters of two, the grid capped at twice the clusters
-// that fit at once, as the kernel is persistent).
+// that fit at once, as the kernel is persistent), as a programmatic dependent launch unless BERTACCEL_PDL=0.
 template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1>
 void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   using C = Config<BN, CONS>;
@@ -962,22 +974,26 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
     TORCH_CHECK(clusters > 0, "bertaccel gemm: no cluster of ", CLU, " blocks of this GEMM kernel fits on the GPU");
     return clusters;
   }();
-  if constexpr (CLU == 1) {
-    kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(m.a, m.b, m.out, m.pre, m.out_tail, m.pre_tail, p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  } else {
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = CLU, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attrs[2]{};
+  int n = 0;
+  if (pdl_launch()) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  int blocks = grid;
+  if constexpr (CLU > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = CLU, attrs[n].val.clusterDim.y = 1, attrs[n++].val.clusterDim.z = 1;
     // BERTACCEL_GEMM_MAX_CLUSTERS=n (read at each call; for experiments) caps the clusters below what fits
     int clusters = max_clusters;
     if (const char* env = std::getenv("BERTACCEL_GEMM_MAX_CLUSTERS")) clusters = std::max(1, std::min(clusters, std::atoi(env)));
-    cfg.gridDim = dim3(std::min(grid, CLU * clusters)), cfg.blockDim = dim3(C::kThreads);
-    cfg.dynamicSmemBytes = C::kSmemBytes, cfg.stream = stream;
-    cfg.attrs = &attr, cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, m.a, m.b, m.out, m.pre, m.out_tail, m.pre_tail, p));
+    blocks = std::min(grid, CLU * clusters);
   }
+  cfg.gridDim = dim3(blocks), cfg.blockDim = dim3(C::kThreads);
+  cfg.dynamicSmemBytes = C::kSmemBytes, cfg.stream = stream;
+  cfg.attrs = attrs, cfg.numAttrs = n;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, m.a, m.b, m.out, m.pre, m.out_tail, m.pre_tail, p));
 }
 
 template <int BN, bool PP, int CONS = 2, int CLU = 1>
