@@ -709,8 +709,11 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       // The epilogue's auxiliary input (TMA-store epilogues) is loaded a chunk ahead, the first chunk's
       // before the MMAs, where the registers allow (ptxas, 168 per thread): the cooperative 192-wide tile
       // loads its first chunk's after the last MMAs are issued (before them: 8 bytes of spill), the
-      // 256-wide one each chunk's at the chunk (a chunk ahead: 20 bytes of spill), and so does every tile
-      // of three consumers (160 registers each: a chunk ahead spilled 24 bytes at width 128, 692 at 192).
+      // 256-wide one each chunk's at the chunk, and so does every tile of three consumers (160 registers each).
+      // Re-compiled at 4fa816c (scripts/compile_check.py, not yet timed): a chunk ahead no longer spills at
+      // 128 x 256 (it did 20 bytes before 7f86ad8's main-loop changes), spills 24 bytes at 192 x 128 and 1,116
+      // at 192 x 192. The 256-wide tile's dGELU epilogue costs ~3x the 192-wide's per tile element
+      // (gemm_epilogue_sweep_1624464.json): aux-ahead there is the next thing to time.
       constexpr bool kAuxAhead = CONS == 2 && (PP || BN <= 192), kAuxBeforeMmas = CONS == 2 && (PP || BN <= 128);
       const bool with_aux = p.tma_store && p.aux != nullptr && !slice_out(p);
       uint32_t aux_next[16];
