@@ -85,8 +85,11 @@ def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
 def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=(1, 2, 3),
         compare_stores: bool = False, rounds: int = 3, gelu_only: bool = False,
         fp32_tiles=(1, 2), gemms=("fwd", "dgrad", "wgrad"), epilogues: bool = True,
-        split_sums=("default",), tune: bool = False, clusters=(1,)) -> list[dict]:
+        split_sums=("default",), tune: bool = False, clusters=(1,), cold_l2: bool = False) -> list[dict]:
     rows = []
+    # cold_l2: each timed call of the standard cells follows a read of 256 MB (5x the H100's L2), so its operands
+    # come from DRAM as a training step's weights do; the read's own time (timed alone, same rounds) is subtracted
+    flush_buf = torch.empty(64 * 1024 * 1024, device=device) if cold_l2 else None
 
     def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
         rows.append(row)
@@ -134,9 +137,13 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             if ours and tune:  # BERTACCEL_GEMM_TUNE=1: the first (eager, warm-up) call times the model's closest picks
                 fns.append(lambda a, b, f=gemm.gemm_case(name): _env_call("BERTACCEL_GEMM_TUNE", "1", f, a, b))
                 labels.append("bertaccel tuned")
-            ms, *ms_ours = interleaved_ms(fns, args, device, rounds)
+            flush_ms = 0.0
+            if cold_l2:
+                flush_ms = interleaved_ms([lambda *a: flush_buf.sum()], args, device, rounds)[0]
+                fns = [lambda *a, f=f: (flush_buf.sum(), f(*a))[1] for f in fns]
+            ms, *ms_ours = (t - flush_ms for t in interleaved_ms(fns, args, device, rounds))
             row = {"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "cublas", "ms": round(ms, 4),
-                   "TFLOP/s": round(flops / ms / 1e9, 1)}
+                   "TFLOP/s": round(flops / ms / 1e9, 1), **({"l2": "cold"} if cold_l2 else {})}
             add(row)
             if not ours:
                 continue
@@ -147,7 +154,7 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                     cfg = torch.ops.bertaccel.gemm_config(args[0], args[1], 0, ta, tb, name.startswith("wgrad-f32"), False)
                 add({"shape": row["shape"], "gemm": name, "impl": impl, "ms": round(t, 4),
                      "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3),
-                     "config": config_label(cfg)})
+                     "config": config_label(cfg), **({"l2": "cold"} if cold_l2 else {})})
             if sweep and fp32:  # the SIMT kernel's block tiles (1: 128x128, 2: 128x64) and K splits
                 for tile in fp32_tiles:
                     for splits in range(1, 9) if name.startswith("wgrad") or m <= 4096 else (1,):
@@ -258,12 +265,16 @@ def main(argv=None) -> None:
                     help="2: also time the model's pick in clusters of two blocks (BERTACCEL_GEMM_CLUSTER=2) and, with "
                          "--sweep, every configuration both ways (labels ending in c2)")
     ap.add_argument("--rounds", type=int, default=3, help="times each implementation is timed, in turn (median)")
+    ap.add_argument("--cold-l2", action="store_true",
+                    help="time the standard cells with L2 flushed before each call (a 256 MB read, its time subtracted)")
     ap.add_argument("--out", default="bench_results/gemm.json")
     args = ap.parse_args(argv)
+    if args.cold_l2 and args.device != "cuda":
+        ap.error("--cold-l2 flushes a GPU's L2; it needs --device cuda")
     dtype = torch.float32 if args.fp32 or args.device == "cpu" else torch.bfloat16
     rows = run(args.shapes, args.device, dtype, args.sweep, tuple(args.schedules), args.compare_stores,
                args.rounds, args.gelu_only, tuple(args.fp32_tiles), tuple(args.gemms), not args.no_epilogues,
-               tuple(args.split_sums), args.tune, tuple(args.clusters))
+               tuple(args.split_sums), args.tune, tuple(args.clusters), args.cold_l2)
     table = summary(rows)
     write_json(args.out, {"environment": environment(), "dtype": str(dtype), "rows": rows, "summary": table})
     print_table([r for r in rows if not r["impl"].startswith("bertaccel ") or r["impl"] == "bertaccel staged-store"
