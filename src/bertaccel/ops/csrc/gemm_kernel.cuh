@@ -713,8 +713,13 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       // Re-compiled at 4fa816c (scripts/compile_check.py, not yet timed): a chunk ahead no longer spills at
       // 128 x 256 (it did 20 bytes before 7f86ad8's main-loop changes), spills 24 bytes at 192 x 128 and 1,116
       // at 192 x 192. The 256-wide tile's dGELU epilogue costs ~3x the 192-wide's per tile element
-      // (gemm_epilogue_sweep_1624464.json): aux-ahead there is the next thing to time.
+      // (gemm_epilogue_sweep_1624464.json): aux-ahead there is the next thing to time - built with
+      // BERTACCEL_GEMM_DEFINES=BERTACCEL_GEMM_AUX_AHEAD_256 (compiles with no spill; not yet run).
+#ifdef BERTACCEL_GEMM_AUX_AHEAD_256  // experiment (BERTACCEL_GEMM_DEFINES): the 128 x 256 tile loads it a chunk ahead too
+      constexpr bool kAuxAhead = CONS == 2, kAuxBeforeMmas = CONS == 2 && (PP || BN <= 128);
+#else
       constexpr bool kAuxAhead = CONS == 2 && (PP || BN <= 192), kAuxBeforeMmas = CONS == 2 && (PP || BN <= 128);
+#endif
       const bool with_aux = p.tma_store && p.aux != nullptr && !slice_out(p);
       uint32_t aux_next[16];
 #pragma unroll
