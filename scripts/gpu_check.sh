@@ -7,7 +7,7 @@
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
 # (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep, e2e, e2e_eager_base, e2e_compile,
 # ln_bwd_sweep (scripts/ln_bwd_sweep.py; LN_BWD_SETTINGS=, LN_BWD_ARGS=), norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
-# ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm_epilogue_sweep (each epilogue on every schedule / tile width), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
+# ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm_epilogue_sweep (each epilogue on every schedule / tile width), step_gemms (one BERT step's GEMM calls timed alone, warm / cold), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
 # grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), anatomy (where a graphed step's
@@ -229,6 +229,10 @@ fi
 if has gemm_epilogue_sweep; then  # every schedule / tile width with and without each epilogue (scripts/gemm_epilogue_sweep.py; EPI_SWEEP_ARGS=)
   timeout ${EPI_SWEEP_TIMEOUT:-300} python -u scripts/gemm_epilogue_sweep.py ${EPI_SWEEP_ARGS:-} --out "$OUT/gemm_epilogue_sweep.json" > "$OUT/gemm_epilogue_sweep.log" 2>&1
   echo "gemm epilogue sweep rc=$?"; grep -E "^EPI|Error" "$OUT/gemm_epilogue_sweep.log"
+fi
+if has step_gemms; then  # one BERT step's GEMM calls timed alone, warm and cold, beside cuBLAS (scripts/step_gemms.py; STEP_GEMMS_ARGS=)
+  timeout ${STEP_GEMMS_TIMEOUT:-240} python -u scripts/step_gemms.py ${STEP_GEMMS_ARGS:-} --out "$OUT/step_gemms.json" > "$OUT/step_gemms.log" 2>&1
+  echo "step gemms rc=$?"; grep -E "^STEP|GEMM calls|Error" "$OUT/step_gemms.log"
 fi
 if has gemm_kernels; then  # per-kernel times of chosen GEMM schedules (GEMM_KERNELS_ARGS="--shapes 2048x768x3072 --schedules 1 3")
   timeout ${GEMM_KERNELS_TIMEOUT:-240} python -u scripts/gemm_kernels.py ${GEMM_KERNELS_ARGS:-} > "$OUT/gemm_kernels.log" 2>&1

@@ -1,0 +1,148 @@
+"""Every call of our GEMM in one BERT training step, recorded and timed alone - warm (operands left in L2 by the
+previous call, as bench_gemm times) and cold (L2 flushed before each call) - and summed per step, beside cuBLAS
+on the same products: to compare with the step's own GEMM time (`python -m benchmarks.e2e --profile`, category
+gemm). Session 30 found our kernels 29% slower inside the graphed step than the bench predicts (cuBLAS's: 1%).
+
+    python scripts/step_gemms.py --model bert-base --shape 16x128 [--ffn] --out bench_results/step_gemms.json
+    python scripts/step_gemms.py --device cpu --model tiny --shape 2x16   # the recording only (reference GEMM)
+
+The step is the graphed one's body run eagerly: bf16 weight copies swapped in for the forward (so weight
+gradients come out bf16), bf16 autocast, backward. Calls with the same arguments (shapes, strides, dtypes,
+epilogue, layout, options) are timed once and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from transformers import BertConfig, BertForSequenceClassification
+
+from benchmarks.common import environment, write_json
+from benchmarks.e2e import MODELS
+
+EPILOGUE_NAMES = {0: "none", 1: "bias", 2: "gelu", 3: "gelu-tanh", 4: "bias+residual", 5: "dgelu", 6: "dgelu-tanh"}
+
+
+def _spec(t):
+    return None if t is None else (tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""))
+
+
+def record_step(model_name: str, batch: int, seq: int, ffn: bool, device: str) -> Counter:
+    """Counter of (a, b, bias, aux specs, epilogue, trans_a, trans_b, out_fp32, save_pre, rest) over one step's calls."""
+    from bertaccel.modules.weight_copies import Bf16WeightCopies
+    from bertaccel.ops import ffn as ffn_ops
+    from bertaccel.ops import gemm as gemm_ops
+    from bertaccel.ops.swap import DEFAULT, swap
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(num_labels=2, **MODELS[model_name])).to(device)
+    model.set_attn_implementation("sdpa")
+    report = swap(model, DEFAULT + ["linear"] + (["ffn"] if ffn else []))
+    assert report.replaced, "the swap replaced nothing"
+    model.train()
+    copies = Bf16WeightCopies(model)
+    ids = torch.randint(model.config.vocab_size // 2, model.config.vocab_size, (batch, seq), device=device)
+    labels = torch.randint(0, 2, (batch,), device=device)
+    calls: Counter = Counter()
+    originals = (gemm_ops._GEMM, ffn_ops._GEMM)
+
+    def recording(*args):
+        a, b, bias, aux, epilogue, ta, tb, out_fp32, save_pre, *rest = args
+        calls[(_spec(a), _spec(b), _spec(bias), _spec(aux), int(epilogue), bool(ta), bool(tb), bool(out_fp32),
+               bool(save_pre), tuple(int(r) for r in rest))] += 1
+        return originals[0](*args)
+
+    gemm_ops._GEMM = ffn_ops._GEMM = recording
+    eligible = gemm_ops.why_not
+    if device == "cpu":  # the op path on CPU (the reference GEMM), so the recording itself can be tested without a GPU
+        gemm_ops.why_not = lambda *args, **kwargs: None
+    try:
+        with copies.swapped_in(), torch.autocast(device, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(input_ids=ids).logits, labels)
+        loss.backward()
+    finally:
+        gemm_ops._GEMM, ffn_ops._GEMM = originals
+        gemm_ops.why_not = eligible
+    return calls
+
+
+def _tensor(spec, device):
+    if spec is None:
+        return None
+    shape, stride, dtype = spec
+    t = torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device=device)
+    return t.normal_() if t.is_floating_point() else t.zero_()
+
+
+def time_calls(calls: Counter, rounds: int) -> list[dict]:
+    from benchmarks.bench_gemm import config_label, interleaved_ms
+
+    GEMM = torch.ops.bertaccel.gemm.default
+    flush = torch.empty(64 * 1024 * 1024, device="cuda")  # 256 MB, 5x the H100's L2
+    flush_ms = interleaved_ms([lambda: flush.sum()], (), "cuda", rounds)[0]
+    rows = []
+    for key, count in calls.items():
+        a_spec, b_spec, bias_spec, aux_spec, epilogue, ta, tb, out_fp32, save_pre, rest = key
+        a, b, bias, aux = (_tensor(s, "cuda") for s in (a_spec, b_spec, bias_spec, aux_spec))
+        args = (a, b)
+
+        def ours(a, b):
+            return GEMM(a, b, bias, aux, epilogue, ta, tb, out_fp32, save_pre, *rest)[0]
+
+        def cublas(a, b):  # the same product (and bias) through cuBLAS; the GELU / dGELU parts not included
+            y = (a.t() if ta else a) @ (b if tb else b.t())
+            return y + bias.to(y.dtype) if bias is not None else y
+
+        def cold(f):
+            return lambda a, b: (flush.sum(), f(a, b))[1]
+
+        warm_ours, warm_cublas, cold_ours, cold_cublas = interleaved_ms(
+            [ours, cublas, cold(ours), cold(cublas)], args, "cuda", rounds)
+        M, K = (a.shape[1], a.shape[0]) if ta else a.shape
+        N = b.shape[1] if tb else b.shape[0]
+        cfg = torch.ops.bertaccel.gemm_config(a, b, epilogue, ta, tb, out_fp32, save_pre)
+        layout = {(False, False): "fwd", (False, True): "dgrad", (True, True): "wgrad"}.get((ta, tb), f"ta={ta} tb={tb}")
+        rows.append({"MxNxK": f"{M}x{N}x{K}", "layout": layout, "epilogue": EPILOGUE_NAMES.get(epilogue, epilogue),
+                     "out": "fp32" if out_fp32 else "bf16", "save_pre": save_pre, "count": count,
+                     "config": config_label(cfg), "warm_us": round(warm_ours * 1e3, 2),
+                     "cold_us": round((cold_ours - flush_ms) * 1e3, 2), "cublas_warm_us": round(warm_cublas * 1e3, 2),
+                     "cublas_cold_us": round((cold_cublas - flush_ms) * 1e3, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bert-base", choices=list(MODELS))
+    ap.add_argument("--shape", default="16x128", help="batch x seq")
+    ap.add_argument("--ffn", action="store_true", help="the ffn family too (GELU / dGELU in the GEMM epilogues)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="bench_results/step_gemms.json")
+    args = ap.parse_args(argv)
+    batch, seq = (int(v) for v in args.shape.split("x"))
+    calls = record_step(args.model, batch, seq, args.ffn, args.device)
+    print(f"{sum(calls.values())} GEMM calls per step, {len(calls)} distinct")
+    if args.device != "cuda":
+        for key, count in calls.items():
+            print(f"  x{count} a {key[0][0]} b {key[1][0]} epilogue {EPILOGUE_NAMES.get(key[4])} trans {key[5]}/{key[6]}"
+                  f" fp32 out {key[7]}")
+        return
+    from bertaccel.ops import build
+
+    assert build.load_gemm(), build.gemm_reason()
+    rows = time_calls(calls, args.rounds)
+    totals = {k: round(sum(r[k] * r["count"] for r in rows) / 1e3, 3)
+              for k in ("warm_us", "cold_us", "cublas_warm_us", "cublas_cold_us")}
+    write_json(args.out, {"environment": environment(), "model": args.model, "shape": args.shape, "ffn": args.ffn,
+                          "rows": rows, "per_step_ms": totals})
+    print("STEP GEMMs per step (ms): ours warm {warm_us} cold {cold_us}; cuBLAS warm {cublas_warm_us} cold "
+          "{cublas_cold_us}".format(**totals))
+
+
+if __name__ == "__main__":
+    main()
