@@ -113,7 +113,7 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             "fwd x W^T": (lambda x, w: F.linear(x, w), (x, w), (False, False)),
             "dgrad dy W": (lambda dy, w: dy @ w, (dy, w), (False, True)),
             "wgrad dy^T x": (lambda dy, x: dy.t() @ x, (dy, x), (True, True)),
-            # an fp32 weight's gradient as training makes it: cuBLAS's bf16 product cast to fp32 (autocast, then
+            # an fp32 weight's gradient where the model runs on its fp32 weights (no bf16 copies): cuBLAS's bf16 product cast to fp32 (autocast, then
             # autograd's accumulation into the fp32 .grad), ours written in fp32 by the kernel (GemmLinear)
             "wgrad-f32 dy^T x (fp32 out)": (lambda dy, x: (dy.t() @ x).float(), (dy, x), (True, True)),
         }
