@@ -73,6 +73,18 @@ def config_label(cfg) -> str:
             + (" c2" if cluster == 2 and schedule != 3 else ""))
 
 
+class ColdL2:
+    """Calls with their operands out of L2, as a training step's weights are: each call follows a read of 256 MB
+    (5x the H100's L2); `flush_ms` (the read alone, timed the same way) is what to subtract."""
+
+    def __init__(self, device: str, rounds: int) -> None:
+        self.buf = torch.empty(64 * 1024 * 1024, device=device)
+        self.flush_ms = interleaved_ms([lambda *a: self.buf.sum()], (), device, rounds)[0]
+
+    def __call__(self, fn):
+        return lambda *a: (self.buf.sum(), fn(*a))[1]
+
+
 def interleaved_ms(fns, args, device: str, rounds: int) -> list[float]:
     """Median time of each of fns, timed in turn `rounds` times."""
     times = [[] for _ in fns]
@@ -87,9 +99,7 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
         fp32_tiles=(1, 2), gemms=("fwd", "dgrad", "wgrad"), epilogues: bool = True,
         split_sums=("default",), tune: bool = False, clusters=(1,), cold_l2: bool = False) -> list[dict]:
     rows = []
-    # cold_l2: each timed call of the standard cells follows a read of 256 MB (5x the H100's L2), so its operands
-    # come from DRAM as a training step's weights do; the read's own time (timed alone, same rounds) is subtracted
-    flush_buf = torch.empty(64 * 1024 * 1024, device=device) if cold_l2 else None
+    cold = ColdL2(device, rounds) if cold_l2 else None  # the standard cells with operands from DRAM
 
     def add(row: dict) -> None:  # printed as it is measured, so a run cut short keeps what it timed
         rows.append(row)
@@ -137,11 +147,9 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
             if ours and tune:  # BERTACCEL_GEMM_TUNE=1: the first (eager, warm-up) call times the model's closest picks
                 fns.append(lambda a, b, f=gemm.gemm_case(name): _env_call("BERTACCEL_GEMM_TUNE", "1", f, a, b))
                 labels.append("bertaccel tuned")
-            flush_ms = 0.0
-            if cold_l2:
-                flush_ms = interleaved_ms([lambda *a: flush_buf.sum()], args, device, rounds)[0]
-                fns = [lambda *a, f=f: (flush_buf.sum(), f(*a))[1] for f in fns]
-            ms, *ms_ours = (t - flush_ms for t in interleaved_ms(fns, args, device, rounds))
+            if cold:
+                fns = [cold(f) for f in fns]
+            ms, *ms_ours = (t - (cold.flush_ms if cold else 0.0) for t in interleaved_ms(fns, args, device, rounds))
             row = {"shape": f"{m}x{n}x{k}", "gemm": name, "impl": "cublas", "ms": round(ms, 4),
                    "TFLOP/s": round(flops / ms / 1e9, 1), **({"l2": "cold"} if cold_l2 else {})}
             add(row)

@@ -197,17 +197,18 @@ if has gemm_variants; then  # kernel variants the GEMM sources select with #if, 
   # GEMM_VARIANTS="name:MACRO=1,MACRO2 other:MACRO=0" (BERTACCEL_GEMM_DEFINES per variant), VARIANT_ROUNDS (2),
   # VARIANT_GEMM_ARGS (bench_gemm, default --gelu-only), VARIANT_FFN_ARGS (bench_ffn, first round only; "skip"),
   # VARIANT_TESTS_K (pytest -k over test_gemm.py + test_ffn.py per variant; "skip"). Results: variant_<name>_*.json.
+  variant_defines() { echo "${1#*:}" | tr , ' '; }  # name:A=1,B -> "A=1 B"
   s=$(date +%s); pids=()
   for v in ${GEMM_VARIANTS:?GEMM_VARIANTS=name:DEFINES ...}; do
-    ( BERTACCEL_GEMM_DEFINES="$(echo "${v#*:}" | tr , ' ')" python -c "from bertaccel.ops import build; assert build.load(), build.unavailable_reason(); assert build.load_gemm(verbose=True), build.gemm_reason()" > "$OUT/gemm_build_${v%%:*}.log" 2>&1
-      echo "variant ${v%%:*} build rc=$?"; grep -cE "bytes spill stores" "$OUT/gemm_build_${v%%:*}.log" >/dev/null ) &
+    ( BERTACCEL_GEMM_DEFINES="$(variant_defines "$v")" python -c "from bertaccel.ops import build; assert build.load(), build.unavailable_reason(); assert build.load_gemm(verbose=True), build.gemm_reason()" > "$OUT/gemm_build_${v%%:*}.log" 2>&1
+      echo "variant ${v%%:*} build rc=$?" ) &
     pids+=($!); sleep 2
   done
   wait "${pids[@]}"; echo "variant builds in $(( $(date +%s) - s ))s"
   for v in ${GEMM_VARIANTS}; do grep -E "spill stores" "$OUT/gemm_build_${v%%:*}.log" | grep -v " 0 bytes spill" | sed "s/^/${v%%:*}: /" | head -4; done
   for r in $(seq ${VARIANT_ROUNDS:-2}); do
     for v in ${GEMM_VARIANTS}; do
-      n=${v%%:*}; export BERTACCEL_GEMM_DEFINES="$(echo "${v#*:}" | tr , ' ')"
+      n=${v%%:*}; export BERTACCEL_GEMM_DEFINES="$(variant_defines "$v")"
       timeout ${VARIANT_TIMEOUT:-120} python -u -m benchmarks.bench_gemm ${VARIANT_GEMM_ARGS:---gelu-only} --out "$OUT/variant_${n}_gemm_r$r.json" > "$OUT/variant_${n}_gemm_r$r.log" 2>&1
       echo "variant $n round $r gemm rc=$?"
       if [ "$r" = 1 ] && [ "${VARIANT_FFN_ARGS:-}" != skip ]; then
@@ -221,7 +222,7 @@ if has gemm_variants; then  # kernel variants the GEMM sources select with #if, 
   if [ "${VARIANT_TESTS_K:-}" != skip ]; then
     for v in ${GEMM_VARIANTS}; do
       n=${v%%:*}
-      BERTACCEL_GEMM_DEFINES="$(echo "${v#*:}" | tr , ' ')" timeout ${VARIANT_TESTS_TIMEOUT:-150} python -u -m pytest -m cuda tests/ops/test_gemm.py tests/ops/test_ffn.py -q -p no:cacheprovider -k "${VARIANT_TESTS_K:-epilogue or gelu or ffn or linear_gradients}" > "$OUT/variant_${n}_tests.log" 2>&1
+      BERTACCEL_GEMM_DEFINES="$(variant_defines "$v")" timeout ${VARIANT_TESTS_TIMEOUT:-150} python -u -m pytest -m cuda tests/ops/test_gemm.py tests/ops/test_ffn.py -q -p no:cacheprovider -k "${VARIANT_TESTS_K:-epilogue or gelu or ffn or linear_gradients}" > "$OUT/variant_${n}_tests.log" 2>&1
       echo "variant $n tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/variant_${n}_tests.log" | tail -4
     done
   fi

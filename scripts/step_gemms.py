@@ -79,11 +79,10 @@ def _tensor(spec, device):
 
 
 def time_calls(calls: Counter, rounds: int) -> list[dict]:
-    from benchmarks.bench_gemm import config_label, interleaved_ms
+    from benchmarks.bench_gemm import ColdL2, config_label, interleaved_ms
 
     GEMM = torch.ops.bertaccel.gemm.default
-    flush = torch.empty(64 * 1024 * 1024, device="cuda")  # 256 MB, 5x the H100's L2
-    flush_ms = interleaved_ms([lambda: flush.sum()], (), "cuda", rounds)[0]
+    cold = ColdL2("cuda", rounds)
     rows = []
     for key, count in calls.items():
         a_spec, b_spec, bias_spec, aux_spec, epilogue, ta, tb, out_fp32, save_pre, rest = key
@@ -100,9 +99,6 @@ def time_calls(calls: Counter, rounds: int) -> list[dict]:
             y = (a.t() if ta else a) @ (b if tb else b.t())
             return y + bias_c if bias is not None else y
 
-        def cold(f):
-            return lambda a, b: (flush.sum(), f(a, b))[1]
-
         warm_ours, warm_cublas, cold_ours, cold_cublas = interleaved_ms(
             [ours, cublas, cold(ours), cold(cublas)], args, "cuda", rounds)
         M, K = (a.shape[1], a.shape[0]) if ta else a.shape
@@ -112,8 +108,8 @@ def time_calls(calls: Counter, rounds: int) -> list[dict]:
         rows.append({"MxNxK": f"{M}x{N}x{K}", "layout": layout, "epilogue": EPILOGUE_NAMES.get(epilogue, epilogue),
                      "out": "fp32" if out_fp32 else "bf16", "save_pre": save_pre, "count": count,
                      "config": config_label(cfg), "warm_us": round(warm_ours * 1e3, 2),
-                     "cold_us": round((cold_ours - flush_ms) * 1e3, 2), "cublas_warm_us": round(warm_cublas * 1e3, 2),
-                     "cublas_cold_us": round((cold_cublas - flush_ms) * 1e3, 2)})
+                     "cold_us": round((cold_ours - cold.flush_ms) * 1e3, 2), "cublas_warm_us": round(warm_cublas * 1e3, 2),
+                     "cublas_cold_us": round((cold_cublas - cold.flush_ms) * 1e3, 2)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
