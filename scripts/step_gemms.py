@@ -86,37 +86,42 @@ def _tensor(spec, device):
 
 
 def time_calls(calls: Counter, rounds: int) -> list[dict]:
+    """Each distinct call alone: warm (the same call repeated), cold (after an L2 flush), rewarmed (after the flush
+    and a read of its operands: the data back in L2, the kernel's code and the TLB as cold as after the flush),
+    and alternating with the next distinct call of the step (both warm in L2: what a switch of kernels costs)."""
     from benchmarks.bench_gemm import ColdL2, config_label, interleaved_ms
 
-    GEMM = torch.ops.bertaccel.gemm.default
     cold = ColdL2("cuda", rounds)
+    prepared = {key: _call_fns(key, "cuda") for key in calls}
+    keys = list(calls)
     rows = []
-    for key, count in calls.items():
+    for i, key in enumerate(keys):
         a_spec, b_spec, bias_spec, aux_spec, epilogue, ta, tb, out_fp32, save_pre, rest = key
-        a, b, bias, aux = (_tensor(s, "cuda") for s in (a_spec, b_spec, bias_spec, aux_spec))
-        args = (a, b)
-        bias_c = bias.to(a.dtype) if bias is not None else None  # cuBLAS's, cast outside the timed calls
+        a, b, ours, cublas = prepared[key]
+        nxt = prepared[keys[(i + 1) % len(keys)]]
 
-        def ours(a, b):
-            return GEMM(a, b, bias, aux, epilogue, ta, tb, out_fp32, save_pre, *rest)[0]
+        def rewarm(fn):
+            return lambda: (cold.buf.sum(), a.sum(), b.sum(), fn())[-1]
 
-        def cublas(a, b):  # the same product (and bias, in cuBLAS's epilogue) through cuBLAS; GELU / dGELU not included
-            if bias is not None and not ta and not tb:
-                return F.linear(a, b, bias_c)
-            y = (a.t() if ta else a) @ (b if tb else b.t())
-            return y + bias_c if bias is not None else y
+        def flush_and_reads():
+            return cold.buf.sum(), a.sum(), b.sum()
 
-        warm_ours, warm_cublas, cold_ours, cold_cublas = interleaved_ms(
-            [ours, cublas, cold(ours), cold(cublas)], args, "cuda", rounds)
+        warm_ours, warm_cublas, cold_ours, cold_cublas, re_ours, re_cublas, re_alone, nxt_ours, alt_ours, nxt_cublas, \
+            alt_cublas = interleaved_ms(
+                [ours, cublas, cold(ours), cold(cublas), rewarm(ours), rewarm(cublas), flush_and_reads, nxt[2],
+                 lambda: (ours(), nxt[2]()), nxt[3], lambda: (cublas(), nxt[3]())], (), "cuda", rounds)
         M, K = (a.shape[1], a.shape[0]) if ta else a.shape
         N = b.shape[1] if tb else b.shape[0]
         cfg = torch.ops.bertaccel.gemm_config(a, b, epilogue, ta, tb, out_fp32, save_pre)
         layout = {(False, False): "fwd", (False, True): "dgrad", (True, True): "wgrad"}.get((ta, tb), f"ta={ta} tb={tb}")
+        us = lambda ms: round(ms * 1e3, 2)  # noqa: E731
         rows.append({"MxNxK": f"{M}x{N}x{K}", "layout": layout, "epilogue": EPILOGUE_NAMES.get(epilogue, epilogue),
-                     "out": "fp32" if out_fp32 else "bf16", "save_pre": save_pre, "count": count,
-                     "config": config_label(cfg), "warm_us": round(warm_ours * 1e3, 2),
-                     "cold_us": round((cold_ours - cold.flush_ms) * 1e3, 2), "cublas_warm_us": round(warm_cublas * 1e3, 2),
-                     "cublas_cold_us": round((cold_cublas - cold.flush_ms) * 1e3, 2)})
+                     "out": "fp32" if out_fp32 else "bf16", "save_pre": save_pre, "count": calls[key],
+                     "config": config_label(cfg), "warm_us": us(warm_ours), "cold_us": us(cold_ours - cold.flush_ms),
+                     "rewarmed_us": us(re_ours - re_alone), "switch_us": us(alt_ours - warm_ours - nxt_ours),
+                     "cublas_warm_us": us(warm_cublas), "cublas_cold_us": us(cold_cublas - cold.flush_ms),
+                     "cublas_rewarmed_us": us(re_cublas - re_alone),
+                     "cublas_switch_us": us(alt_cublas - warm_cublas - nxt_cublas)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -137,7 +142,7 @@ def _call_fns(key, device: str):
         y = (a.t() if ta else a) @ (b if tb else b.t())
         return y + bias_c if bias is not None else y
 
-    return a, ours, cublas
+    return a, b, ours, cublas
 
 
 def time_sequence(order: list, rounds: int) -> dict:
@@ -149,7 +154,7 @@ def time_sequence(order: list, rounds: int) -> dict:
     from benchmarks.bench_gemm import interleaved_ms
 
     prepared = [_call_fns(key, "cuda") for key in order]
-    firsts = [a for a, _, _ in prepared]
+    firsts = [p[0] for p in prepared]
 
     def seq(which: int, touch: bool):
         def run():
@@ -164,7 +169,7 @@ def time_sequence(order: list, rounds: int) -> dict:
             a.mul_(1)
 
     plain_ours, plain_cublas, t_ours, t_cublas, t_alone = interleaved_ms(
-        [seq(1, False), seq(2, False), seq(1, True), seq(2, True), touches], (), "cuda", rounds)
+        [seq(2, False), seq(3, False), seq(2, True), seq(3, True), touches], (), "cuda", rounds)
     return {"calls": len(order), "ours_ms": round(plain_ours, 3), "cublas_ms": round(plain_cublas, 3),
             "touched_ours_ms": round(t_ours - t_alone, 3), "touched_cublas_ms": round(t_cublas - t_alone, 3),
             "touches_alone_ms": round(t_alone, 3)}
@@ -193,12 +198,14 @@ def main(argv=None) -> None:
     assert build.load_gemm(), build.gemm_reason()
     rows = time_calls(calls, args.rounds)
     totals = {k: round(sum(r[k] * r["count"] for r in rows) / 1e3, 3)
-              for k in ("warm_us", "cold_us", "cublas_warm_us", "cublas_cold_us")}
+              for k in ("warm_us", "cold_us", "rewarmed_us", "switch_us", "cublas_warm_us", "cublas_cold_us",
+                        "cublas_rewarmed_us", "cublas_switch_us")}
     sequence = time_sequence(order, args.rounds)
     write_json(args.out, {"environment": environment(), "model": args.model, "shape": args.shape, "ffn": args.ffn,
                           "rows": rows, "per_step_ms": totals, "sequence": sequence})
-    print("STEP GEMMs per step (ms): ours warm {warm_us} cold {cold_us}; cuBLAS warm {cublas_warm_us} cold "
-          "{cublas_cold_us}".format(**totals))
+    print("STEP GEMMs per step (ms): ours warm {warm_us} cold {cold_us} rewarmed {rewarmed_us} (+switch {switch_us});"
+          " cuBLAS warm {cublas_warm_us} cold {cublas_cold_us} rewarmed {cublas_rewarmed_us} (+switch {cublas_switch_us})"
+          .format(**totals))
     print("STEP GEMMs in the step's order, own operands (ms per step): ours {ours_ms} cuBLAS {cublas_ms}; first operand "
           "rewritten before each: ours {touched_ours_ms} cuBLAS {touched_cublas_ms} (touches {touches_alone_ms})"
           .format(**sequence))
