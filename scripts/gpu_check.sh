@@ -14,7 +14,7 @@
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows), gelu_sweep (bias+GELU forward
 # vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
-# ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_gemm_stalls (warp-stall samples per SASS instruction of the same calls, scripts/ncu_stalls.py; NCU_TOP, NCU_GEMM_EPILOGUE=none|bias|gelu|gelu-pre), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
+# ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_gemm_stalls (warp-stall samples per SASS instruction of the same calls, scripts/ncu_stalls.py; NCU_TOP, NCU_GEMM_EPILOGUE=none|bias|gelu|gelu-pre), ncu_gemm_states (stall reasons per GEMM kernel, caches flushed and not; scripts/ncu_stall_reasons.py), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
 # kept while the machine stays warm). The environment (GPU, driver, versions, commit) goes first.
 # The device tool returns at most 8 files from $OUT (no more than two folders down): with many stages, read
@@ -372,6 +372,16 @@ if has ncu_gemm_stalls; then  # where our GEMM's warps wait, per SASS instructio
     ncu -i "$OUT/gemm_stalls.ncu-rep" --page source --csv --print-source sass > "$OUT/gemm_sass.csv" 2>> "$OUT/gemm_sass.err"; rc=$?; fi
   echo "sass csv rc=$rc ($(wc -l < "$OUT/gemm_sass.csv") lines)"; head -3 "$OUT/gemm_sass.err"
   python scripts/ncu_stalls.py "$OUT/gemm_sass.csv" --top ${NCU_TOP:-40} 2>&1 | cut -c1-200
+fi
+if has ncu_gemm_states; then  # stall reasons per kernel (cycles per issued instruction), caches flushed before each kernel and not (NCU_GEMM_SHAPES=, NCU_GEMM_GEMMS=)
+  for cache in all none; do
+    timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --cache-control $cache --section WarpStateStats \
+      --metrics gpu__time_duration.sum -o "$OUT/gemm_states_$cache" -f python scripts/gemm_calls.py \
+      --shapes ${NCU_GEMM_SHAPES:-2048x3072x768 2048x768x3072} --gemms ${NCU_GEMM_GEMMS:-fwd dgrad wgrad} > "$OUT/ncu_gemm_states_$cache.log" 2>&1
+    echo "ncu gemm states (cache-control $cache) rc=$?"
+    ncu -i "$OUT/gemm_states_$cache.ncu-rep" --page raw --csv > "$OUT/gemm_states_$cache.csv" 2>&1
+    python scripts/ncu_stall_reasons.py "$OUT/gemm_states_$cache.csv" --label "$cache" --top ${NCU_TOP:-6} 2>&1 | cut -c1-260
+  done
 fi
 if has ncu_rows; then  # hardware counters of the LayerNorm-family kernels (Nsight Compute; NCU_OPS=, NCU_SHAPES=)
   timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
