@@ -50,7 +50,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 
 #include "async_copy.cuh"
 #include "gelu_math.cuh"
@@ -962,18 +961,6 @@ inline bool pdl_launch() {
   return !(env != nullptr && env[0] == '0' && env[1] == '\0');
 }
 
-// Every GEMM kernel asks for the largest shared-memory carveout (the SM's L1 / shared split), whatever its own
-// size: left to the driver, each kernel gets the smallest split that fits it, and consecutive kernels of
-// different sizes make the SM drain and re-split between them. BERTACCEL_GEMM_CARVEOUT=driver (read at each
-// kernel's first launch; for measurements) leaves the choice to the driver.
-inline bool max_shared_carveout() {
-  const char* env = std::getenv("BERTACCEL_GEMM_CARVEOUT");
-  if (env == nullptr || !*env) return true;
-  TORCH_CHECK(std::strcmp(env, "driver") == 0 || std::strcmp(env, "max") == 0, "bertaccel gemm: BERTACCEL_GEMM_CARVEOUT is '",
-              env, "'; use max (the default: the largest shared-memory split) or driver");
-  return std::strcmp(env, "max") == 0;
-}
-
 // Launches gemm_kernel on `grid` blocks (CLU = 2: in clusters of two, the grid capped at twice the clusters
 // that fit at once, as the kernel is persistent), as a programmatic dependent launch unless BERTACCEL_PDL=0.
 template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1>
@@ -982,8 +969,6 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   auto* kernel = gemm_kernel<BN, A_MN, B_MN, PP, CONS, CLU>;
   static const int max_clusters = [kernel] {  // per instantiation: raise the dynamic shared-memory limit once
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-    if (max_shared_carveout())
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
     if (CLU == 1) return 0;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0));
     cudaLaunchConfig_t cfg{};
