@@ -372,6 +372,9 @@ if has ncu_gemm_stalls; then  # where our GEMM's warps wait, per SASS instructio
     ncu -i "$OUT/gemm_stalls.ncu-rep" --page source --csv --print-source sass > "$OUT/gemm_sass.csv" 2>> "$OUT/gemm_sass.err"; rc=$?; fi
   echo "sass csv rc=$rc ($(wc -l < "$OUT/gemm_sass.csv") lines)"; head -3 "$OUT/gemm_sass.err"
   python scripts/ncu_stalls.py "$OUT/gemm_sass.csv" --top ${NCU_TOP:-40} 2>&1 | cut -c1-200
+  # cuBLAS's kernel of the same call: its samples and the code it ran (FOOTPRINT), beside ours
+  ncu -i "$OUT/gemm_stalls.ncu-rep" --page source --csv --print-source sass -k regex:nvjet > "$OUT/cublas_sass.csv" 2>> "$OUT/gemm_sass.err" \
+    && python scripts/ncu_stalls.py "$OUT/cublas_sass.csv" --top 5 2>&1 | grep -E "samples over|FOOTPRINT" | sed 's/^/cuBLAS /'
 fi
 if has ncu_gemm_states; then  # stall reasons per kernel (cycles per issued instruction), caches flushed before each kernel and not (NCU_GEMM_SHAPES=, NCU_GEMM_GEMMS=)
   for cache in all none; do

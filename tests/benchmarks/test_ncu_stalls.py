@@ -35,3 +35,16 @@ def test_stall_summary_of_an_empty_export(tmp_path):
     csv.write_text('"Address","Source","Warp Stall Sampling (All Samples)"\n')
     out = subprocess.run([sys.executable, str(SCRIPT), str(csv)], capture_output=True, text=True, check=True).stdout
     assert "no rows" in out
+
+
+def test_footprint_counts_executed_lines_and_runs():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from ncu_stalls import footprint
+
+    rows = [{"Address": hex(a), "Instructions Executed": e}
+            for a, e in [(0x0, "1"), (0x10, "1"), (0x20, "0"), (0x80, "5"), (0x400, "1,024"), (0x410, "1")]]
+    f = footprint(rows, "Instructions Executed")
+    assert f["instructions"] == 5 and f["total_instructions"] == 6
+    assert f["lines"] == 3  # 0x0 and 0x10 in line 0, 0x80 in line 1, 0x400 and 0x410 in line 8
+    assert f["runs"] == 3  # 0x0-0x10, 0x80, 0x400-0x410
+    assert f["span_kb"] == round((0x410 + 16) / 1024, 1)
