@@ -166,6 +166,9 @@ __device__ __forceinline__ bool unit_at(const Params& p, int kblocks, int i, Uni
 // ------------------------------------------------------------------------------ PTX helpers
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
 }
@@ -610,6 +613,18 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   // e.g. this consumer's offset into the A stage, can then live in uniform registers)
   const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
   if (threadIdx.x == 0) {
+#ifndef BERTACCEL_GEMM_NO_TMAP_PREFETCH
+    // The tensor maps this call uses, fetched into the TMA unit's descriptor cache now (kernel parameters: they do
+    // not wait for the previous grid), not by the first load or store that needs each.
+    prefetch_tensormap(&map_a);
+    prefetch_tensormap(&map_b);
+    if (p.tma_store) prefetch_tensormap(&map_out);
+    if (p.tma_store && p.pre != nullptr) prefetch_tensormap(&map_pre);
+    if constexpr (BN == 96) {
+      if (p.tma_store) prefetch_tensormap(&map_out_tail);
+      if (p.tma_store && p.pre != nullptr) prefetch_tensormap(&map_pre_tail);
+    }
+#endif
     for (int s = 0; s < S; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], (PP ? 4 : kConsumers * 4) * CLU);  // lane 0 of each warp that consumes the stage, in each block
@@ -710,16 +725,11 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       // before the MMAs, where the registers allow (ptxas, 168 per thread): the cooperative 192-wide tile
       // loads its first chunk's after the last MMAs are issued (before them: 8 bytes of spill), the
       // 256-wide one each chunk's at the chunk, and so does every tile of three consumers (160 registers each).
-      // Re-compiled at 4fa816c (scripts/compile_check.py, not yet timed): a chunk ahead no longer spills at
-      // 128 x 256 (it did 20 bytes before 7f86ad8's main-loop changes), spills 24 bytes at 192 x 128 and 1,116
-      // at 192 x 192. The 256-wide tile's dGELU epilogue costs ~3x the 192-wide's per tile element
-      // (gemm_epilogue_sweep_1624464.json): aux-ahead there is the next thing to time - built with
-      // BERTACCEL_GEMM_DEFINES=BERTACCEL_GEMM_AUX_AHEAD_256 (compiles with no spill; not yet run).
-#ifdef BERTACCEL_GEMM_AUX_AHEAD_256  // experiment (BERTACCEL_GEMM_DEFINES): the 128 x 256 tile loads it a chunk ahead too
-      constexpr bool kAuxAhead = CONS == 2, kAuxBeforeMmas = CONS == 2 && (PP || BN <= 128);
-#else
+      // The 128 x 256 tile loading it a chunk ahead too (compiles without spill since 7f86ad8) was timed at
+      // a425860 (gemm_aux_ahead_256_a425860.json, H100, bench_gemm --gelu-only + bench_ffn, two rounds): neutral to
+      // worse (ffn fwd 16384x768x3072 0.350 -> 0.360 ms, fwd+bwd 1.041 -> 1.048; GEMM + GELU cells 0.98-1.04x),
+      // so it stays at the chunk.
       constexpr bool kAuxAhead = CONS == 2 && (PP || BN <= 192), kAuxBeforeMmas = CONS == 2 && (PP || BN <= 128);
-#endif
       const bool with_aux = p.tma_store && p.aux != nullptr && !slice_out(p);
       uint32_t aux_next[16];
 #pragma unroll
