@@ -166,9 +166,6 @@ __device__ __forceinline__ bool unit_at(const Params& p, int kblocks, int i, Uni
 // ------------------------------------------------------------------------------ PTX helpers
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
-__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
 }
@@ -586,8 +583,20 @@ __global__ void __launch_bounds__(Team<CONS>::kThreads, 1)
 gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
             const __grid_constant__ CUtensorMap map_out, const __grid_constant__ CUtensorMap map_pre,
             const __grid_constant__ CUtensorMap map_out_tail, const __grid_constant__ CUtensorMap map_pre_tail,
+#ifdef BERTACCEL_GEMM_PLAIN_ONLY
+            const Params p_in) {
+#else
             const Params p) {
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#ifdef BERTACCEL_GEMM_PLAIN_ONLY
+  // Experiment (BERTACCEL_GEMM_DEFINES; timing only, results wrong for any other call): the options fixed to a
+  // plain bf16 product stored by TMA, so the compiler drops every other path - how much of a launch's cost is the
+  // kernel's code size.
+  Params p = p_in;
+  p.epilogue = 0, p.out_f32 = false, p.tma_store = true, p.fixup = false, p.streamk = false, p.splits = 1;
+  p.aux = nullptr, p.pre = nullptr, p.bias = nullptr;
+#endif
   static_assert(!PP || CONS == 2, "ping-pong: two consumer warpgroups");
   // 96-wide tiles (cuBLAS's shape for 2048 x 768: 128 tiles on 132 SMs): a 64-column chunk and a 32-column
   // tail (map_out_tail / map_pre_tail: bf16 maps of 32-column boxes); B K-major only (its MN-major boxes
@@ -613,18 +622,6 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   // e.g. this consumer's offset into the A stage, can then live in uniform registers)
   const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
   if (threadIdx.x == 0) {
-#ifndef BERTACCEL_GEMM_NO_TMAP_PREFETCH
-    // The tensor maps this call uses, fetched into the TMA unit's descriptor cache now (kernel parameters: they do
-    // not wait for the previous grid), not by the first load or store that needs each.
-    prefetch_tensormap(&map_a);
-    prefetch_tensormap(&map_b);
-    if (p.tma_store) prefetch_tensormap(&map_out);
-    if (p.tma_store && p.pre != nullptr) prefetch_tensormap(&map_pre);
-    if constexpr (BN == 96) {
-      if (p.tma_store) prefetch_tensormap(&map_out_tail);
-      if (p.tma_store && p.pre != nullptr) prefetch_tensormap(&map_pre_tail);
-    }
-#endif
     for (int s = 0; s < S; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], (PP ? 4 : kConsumers * 4) * CLU);  // lane 0 of each warp that consumes the stage, in each block
