@@ -388,7 +388,11 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   if (M == 0 || N == 0) return {out, pre};
 
   const int sms = sm_count(a.get_device());
+#ifdef BERTACCEL_GEMM_PLAIN_ONLY  // the experiment build (gemm_kernel.cuh) has no split-K paths
+  const bool split_ok = false;
+#else
   const bool split_ok = epilogue == kNone || epilogue == kBias;
+#endif
   TORCH_CHECK(schedule >= 0 && schedule <= 4,
               "bertaccel gemm: schedule is 0 (the model picks), 1 (cooperative), 2 (ping-pong), 3 (stream-K) or 4 "
               "(cooperative, 192-row tiles)");
@@ -558,7 +562,11 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
 std::vector<int64_t> gemm_config(const at::Tensor& a, const at::Tensor& b, int64_t epilogue, bool trans_a, bool trans_b,
                                  bool out_fp32, bool save_pre) {
   const auto [M, N, K] = dims(a, b, trans_a, trans_b);
+#ifdef BERTACCEL_GEMM_PLAIN_ONLY  // the experiment build (gemm_kernel.cuh) has no split-K paths
+  const bool split_ok = false;
+#else
   const bool split_ok = epilogue == kNone || epilogue == kBias;
+#endif
   const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
   const int split_sum = split_sum_mode(), clusters = cluster_mode();
   Choice c = candidates((int)M, (int)N, (int)K, sm_count(a.get_device()), split_ok, !trans_b, 0, 0, 0, split_sum, clusters,
