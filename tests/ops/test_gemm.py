@@ -685,3 +685,52 @@ def test_programmatic_dependent_launch_chain_reads_the_previous_output(monkeypat
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref)
+
+
+PLAIN_CONFIGS = [(1, 64), (1, 96), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128), (4, 64), (4, 128), (4, 192)]
+
+
+@hopper_test
+@pytest.mark.parametrize("schedule,tile_n", PLAIN_CONFIGS,
+                         ids=lambda v: {1: "cooperative", 2: "pingpong", 4: "rows192"}.get(v, str(v)) if v in (1, 2, 4) else str(v))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_plain_kernels_give_the_general_kernels_bits(layout, schedule, tile_n, monkeypatch):
+    """A plain call (no epilogue, bf16 out, one K split) runs the PLAIN kernels (gemm_plain.cu: the options fixed at
+    compile time); BERTACCEL_GEMM_PLAIN=0 runs it on the general ones. Same tiles, same K order: the same bits,
+    within 2x cuBLAS's error, at ragged shapes (M, N, K off the tile; N ending inside a 96-wide tile's tail) and a
+    BERT shape, eager and replayed from a CUDA graph. Calls that are not plain (bias, fp32 out, K splits) are
+    unaffected by the switch."""
+    trans_a, trans_b = LAYOUTS[layout]
+    if tile_n == 96 and trans_b:
+        pytest.skip("96-wide tiles take a K-major B only")
+    for M, N, K in [(333 if not trans_a else 336, 520, 2056), (2048, 744, 776), (2048, 768, 3072)]:
+        a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16)
+        A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
+        ref = A.double() @ B.double().t()
+        monkeypatch.setenv("BERTACCEL_GEMM_PLAIN", "0")
+        general = GEMM(a, b, None, None, 0, trans_a, trans_b, False, False, tile_n, 1, schedule)[0]
+        monkeypatch.setenv("BERTACCEL_GEMM_PLAIN", "1")
+        poison()
+        plain = GEMM(a, b, None, None, 0, trans_a, trans_b, False, False, tile_n, 1, schedule)[0]
+        name = f"plain {layout} {M}x{N}x{K} schedule {schedule} n{tile_n}"
+        check_vs_cublas(plain, A @ B.t(), ref, name)
+        assert torch.equal(plain, general), f"{name}: differs from the general kernel"
+        monkeypatch.delenv("BERTACCEL_GEMM_PLAIN")
+        assert_replay_matches_eager(lambda x, w: (GEMM(x, w, None, None, 0, trans_a, trans_b, False, False, tile_n, 1,
+                                                       schedule)[0], []), a, b)
+
+
+@hopper_test
+def test_plain_switch_leaves_other_calls_alone_and_refuses_bad_values(monkeypatch):
+    a, b = _operands(1000, 768, 768, False, False, "cuda", torch.bfloat16)
+    bias = torch.randn(768, device="cuda")
+    outs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("BERTACCEL_GEMM_PLAIN", setting)
+        outs[setting] = [GEMM(a, b, bias, None, 1, False, False, False, False, 0, 0, 0)[0],  # bias epilogue
+                         GEMM(a, b, None, None, 0, False, False, True, False, 0, 0, 0)[0],  # fp32 out
+                         GEMM(a, b, None, None, 0, False, False, False, False, 128, 3, 1)[0]]  # K splits
+    assert all(torch.equal(x, y) for x, y in zip(outs["0"], outs["1"]))
+    monkeypatch.setenv("BERTACCEL_GEMM_PLAIN", "yes")
+    with pytest.raises(RuntimeError, match="BERTACCEL_GEMM_PLAIN"):
+        GEMM(a, b, None, None, 0, False, False, False, False, 0, 0, 0)

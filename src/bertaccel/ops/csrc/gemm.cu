@@ -309,6 +309,16 @@ int split_sum_mode() {
               "'; use 'workspace' or 'kernel' (or unset it: the cost model picks)");
   return 2;
 }
+// BERTACCEL_GEMM_PLAIN=0 (read at each call; for comparisons) runs plain calls on the general kernels too, not on
+// the PLAIN ones (gemm_kernel.cuh: the same arithmetic and stores, the code of one path only).
+bool plain_kernels() {
+  const char* env = std::getenv("BERTACCEL_GEMM_PLAIN");
+  if (env == nullptr || !*env || std::strcmp(env, "1") == 0) return true;
+  TORCH_CHECK(std::strcmp(env, "0") == 0, "bertaccel gemm: BERTACCEL_GEMM_PLAIN is '", env,
+              "'; use 0 (plain calls on the general kernels) or 1 (the default: the PLAIN kernels)");
+  return false;
+}
+
 // Thread-block clusters: 0 = the model picks, 1 = single blocks, 2 = clusters of two blocks sharing B
 // wherever the schedule has them (all but stream-K). BERTACCEL_GEMM_CLUSTER=1|2 (read at each call) forces
 // one, for comparison runs; any other value is an error.
@@ -388,11 +398,7 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
   if (M == 0 || N == 0) return {out, pre};
 
   const int sms = sm_count(a.get_device());
-#ifdef BERTACCEL_GEMM_PLAIN_ONLY  // the experiment build (gemm_kernel.cuh) has no split-K paths
-  const bool split_ok = false;
-#else
   const bool split_ok = epilogue == kNone || epilogue == kBias;
-#endif
   TORCH_CHECK(schedule >= 0 && schedule <= 4,
               "bertaccel gemm: schedule is 0 (the model picks), 1 (cooperative), 2 (ping-pong), 3 (stream-K) or 4 "
               "(cooperative, 192-row tiles)");
@@ -471,7 +477,9 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
       p.sk_partial = sk_ws.data_ptr<float>();
       p.sk_flags = streamk_flags(a, grid, stream);
     }
-    if (pair && (rows192 || pingpong)) {
+    if (is_plain(p, pair) && plain_kernels()) {
+      launch_plain(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
+    } else if (pair && (rows192 || pingpong)) {
       launch_pair_rows(pingpong, bn, trans_a, trans_b, maps, p, grid, stream);
     } else if (pair) {
       launch_pair_cooperative(bn, trans_a, trans_b, maps, p, grid, stream);
@@ -562,11 +570,7 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
 std::vector<int64_t> gemm_config(const at::Tensor& a, const at::Tensor& b, int64_t epilogue, bool trans_a, bool trans_b,
                                  bool out_fp32, bool save_pre) {
   const auto [M, N, K] = dims(a, b, trans_a, trans_b);
-#ifdef BERTACCEL_GEMM_PLAIN_ONLY  // the experiment build (gemm_kernel.cuh) has no split-K paths
-  const bool split_ok = false;
-#else
   const bool split_ok = epilogue == kNone || epilogue == kBias;
-#endif
   const bool gelu = epilogue == kBiasGeluErf || epilogue == kBiasGeluTanh;
   const int split_sum = split_sum_mode(), clusters = cluster_mode();
   Choice c = candidates((int)M, (int)N, (int)K, sm_count(a.get_device()), split_ok, !trans_b, 0, 0, 0, split_sum, clusters,

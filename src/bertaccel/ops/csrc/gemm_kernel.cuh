@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "async_copy.cuh"
 #include "gelu_math.cuh"
@@ -578,25 +579,25 @@ struct Config : Team<CONS> {
 // A + B (a 128 x 256 tile: a third fewer bytes). Each full barrier still expects the whole stage; a
 // stage is refilled only when the consumers of both blocks have released it (their lanes arrive on
 // both blocks' empty barriers), since either producer's half lands in both.
-template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1>
+template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1, bool PLAIN = false>
 __global__ void __launch_bounds__(Team<CONS>::kThreads, 1)
 gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
             const __grid_constant__ CUtensorMap map_out, const __grid_constant__ CUtensorMap map_pre,
             const __grid_constant__ CUtensorMap map_out_tail, const __grid_constant__ CUtensorMap map_pre_tail,
-#ifdef BERTACCEL_GEMM_PLAIN_ONLY
-            const Params p_in) {
-#else
-            const Params p) {
-#endif
+            const Params p_arg) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#ifdef BERTACCEL_GEMM_PLAIN_ONLY
-  // Experiment (BERTACCEL_GEMM_DEFINES; timing only, results wrong for any other call): the options fixed to a
-  // plain bf16 product stored by TMA, so the compiler drops every other path - how much of a launch's cost is the
-  // kernel's code size.
-  Params p = p_in;
-  p.epilogue = 0, p.out_f32 = false, p.tma_store = true, p.fixup = false, p.streamk = false, p.splits = 1;
-  p.aux = nullptr, p.pre = nullptr, p.bias = nullptr;
-#endif
+  // PLAIN: the call's options fixed at compile time to a bf16 product with no epilogue, stored by TMA, one K
+  // split (is_plain() on the host), so the compiler drops every other path: 424-792 SASS instructions per kernel
+  // against 6,528-23,952 for the general one. A launch fetches its code into cold instruction caches, and
+  // in a training step every GEMM follows other kernels: the general kernels' code cost 0.65 ms per BERT-base
+  // 16x128 step (H100, scripts/step_gemms.py: the step's GEMMs in the step's order 2.76 ms, plain 2.09, cuBLAS
+  // 2.03; session 31).
+  // (the general kernels read the parameter itself, as before: a copy there cost the 192 x 192 tile 108 bytes more spill)
+  std::conditional_t<PLAIN, Params, const Params&> p = p_arg;
+  if constexpr (PLAIN) {
+    p.epilogue = 0, p.out_f32 = false, p.tma_store = true, p.fixup = false, p.streamk = false, p.splits = 1;
+    p.aux = nullptr, p.pre = nullptr, p.bias = nullptr;
+  }
   static_assert(!PP || CONS == 2, "ping-pong: two consumer warpgroups");
   // 96-wide tiles (cuBLAS's shape for 2048 x 768: 128 tiles on 132 SMs): a 64-column chunk and a 32-column
   // tail (map_out_tail / map_pre_tail: bf16 maps of 32-column boxes); B K-major only (its MN-major boxes
@@ -970,10 +971,10 @@ inline bool pdl_launch() {
 
 // Launches gemm_kernel on `grid` blocks (CLU = 2: in clusters of two, the grid capped at twice the clusters
 // that fit at once, as the kernel is persistent), as a programmatic dependent launch unless BERTACCEL_PDL=0.
-template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1>
+template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1, bool PLAIN = false>
 void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   using C = Config<BN, CONS>;
-  auto* kernel = gemm_kernel<BN, A_MN, B_MN, PP, CONS, CLU>;
+  auto* kernel = gemm_kernel<BN, A_MN, B_MN, PP, CONS, CLU, PLAIN>;
   static const int max_clusters = [kernel] {  // per instantiation: raise the dynamic shared-memory limit once
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
     if (CLU == 1) return 0;
@@ -1011,11 +1012,11 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, m.a, m.b, m.out, m.pre, m.out_tail, m.pre_tail, p));
 }
 
-template <int BN, bool PP, int CONS = 2, int CLU = 1>
+template <int BN, bool PP, int CONS = 2, int CLU = 1, bool PLAIN = false>
 void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid, cudaStream_t stream) {
-  if (!a_mn && !b_mn) launch<BN, false, false, PP, CONS, CLU>(m, p, grid, stream);
-  else if (!a_mn && b_mn) launch<BN, false, true, PP, CONS, CLU>(m, p, grid, stream);
-  else if (a_mn && b_mn) launch<BN, true, true, PP, CONS, CLU>(m, p, grid, stream);
+  if (!a_mn && !b_mn) launch<BN, false, false, PP, CONS, CLU, PLAIN>(m, p, grid, stream);
+  else if (!a_mn && b_mn) launch<BN, false, true, PP, CONS, CLU, PLAIN>(m, p, grid, stream);
+  else if (a_mn && b_mn) launch<BN, true, true, PP, CONS, CLU, PLAIN>(m, p, grid, stream);
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
@@ -1026,5 +1027,14 @@ void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int gri
 void launch_pair_cooperative(int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid, cudaStream_t stream);
 void launch_pair_rows(bool pingpong, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                       cudaStream_t stream);
+
+// A call of the PLAIN kernels: no epilogue, bf16 output stored by TMA, one K split, single blocks, not stream-K.
+inline bool is_plain(const Params& p, bool pair) {
+  return !pair && !p.streamk && p.splits == 1 && p.epilogue == 0 && !p.out_f32 && p.tma_store && p.aux == nullptr &&
+         p.pre == nullptr && p.bias == nullptr;
+}
+// The PLAIN kernels (every single-block schedule and width), in their own translation unit gemm_plain.cu.
+void launch_plain(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
+                  cudaStream_t stream);
 
 }  // namespace bertaccel::gemm::kernel
