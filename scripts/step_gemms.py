@@ -10,8 +10,9 @@ The step is the graphed one's body run eagerly: bf16 weight copies swapped in fo
 gradients come out bf16), bf16 autocast, backward. Calls with the same arguments (shapes, strides, dtypes,
 epilogue, layout, options) are timed once and counted. Then the whole sequence, in the step's order with
 every call on its own operands, replayed as one graph (time_sequence): the step's GEMMs without the kernels
-between them. Session 31 (H100, BERT-base 16x128): alone warm ours 2.19 / cuBLAS 1.95 ms, cold 2.94 / 2.37; in the
-step (profiler, session 30) 2.84 / 1.96.
+between them. Session 31 (H100, BERT-base 16x128), ours / cuBLAS ms per step: alone warm 2.19 / 1.95, cold
+2.94 / 2.37, rewarmed 3.11 / 2.37, sequence 2.76 / 2.03 (in the step, profiler: 2.84 / 1.96) - the cost was the
+general kernels' code (instruction fetch), not the data; with the PLAIN kernels: 1.98 warm, 2.09 in sequence.
 """
 
 from __future__ import annotations
