@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +36,9 @@ def _spec(t):
     return None if t is None else (tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""))
 
 
-def record_step(model_name: str, batch: int, seq: int, ffn: bool, device: str, order: list | None = None) -> Counter:
-    """Counter of (a, b, bias, aux specs, epilogue, trans_a, trans_b, out_fp32, save_pre, rest) over one step's calls;
-    `order`, if given, receives every call's key in the order the step makes them."""
+def record_step(model_name: str, batch: int, seq: int, ffn: bool, device: str) -> list[tuple]:
+    """One step's calls in the order the step makes them, each as its key: (a, b, bias, aux specs, epilogue,
+    trans_a, trans_b, out_fp32, save_pre, rest). `Counter(...)` of it: the distinct calls and their counts."""
     from bertaccel.modules.weight_copies import Bf16WeightCopies
     from bertaccel.ops import ffn as ffn_ops
     from bertaccel.ops import gemm as gemm_ops
@@ -52,16 +53,13 @@ def record_step(model_name: str, batch: int, seq: int, ffn: bool, device: str, o
     copies = Bf16WeightCopies(model)
     ids = torch.randint(model.config.vocab_size // 2, model.config.vocab_size, (batch, seq), device=device)
     labels = torch.randint(0, 2, (batch,), device=device)
-    calls: Counter = Counter()
+    calls: list[tuple] = []
     originals = (gemm_ops._GEMM, ffn_ops._GEMM)
 
     def recording(*args):
         a, b, bias, aux, epilogue, ta, tb, out_fp32, save_pre, *rest = args
-        key = (_spec(a), _spec(b), _spec(bias), _spec(aux), int(epilogue), bool(ta), bool(tb), bool(out_fp32),
-               bool(save_pre), tuple(int(r) for r in rest))
-        calls[key] += 1
-        if order is not None:
-            order.append(key)
+        calls.append((_spec(a), _spec(b), _spec(bias), _spec(aux), int(epilogue), bool(ta), bool(tb), bool(out_fp32),
+                      bool(save_pre), tuple(int(r) for r in rest)))
         return originals[0](*args)
 
     gemm_ops._GEMM = ffn_ops._GEMM = recording
@@ -97,7 +95,7 @@ def time_calls(calls: Counter, rounds: int) -> list[dict]:
     keys = list(calls)
     rows = []
     for i, key in enumerate(keys):
-        a_spec, b_spec, bias_spec, aux_spec, epilogue, ta, tb, out_fp32, save_pre, rest = key
+        epilogue, ta, tb, out_fp32, save_pre = key[4:9]
         a, b, ours, cublas = prepared[key]
         nxt = prepared[keys[(i + 1) % len(keys)]]
 
@@ -109,8 +107,8 @@ def time_calls(calls: Counter, rounds: int) -> list[dict]:
 
         warm_ours, warm_cublas, cold_ours, cold_cublas, re_ours, re_cublas, re_alone, nxt_ours, alt_ours, nxt_cublas, \
             alt_cublas = interleaved_ms(
-                [ours, cublas, cold(ours), cold(cublas), rewarm(ours), rewarm(cublas), flush_and_reads, nxt[2],
-                 lambda: (ours(), nxt[2]()), nxt[3], lambda: (cublas(), nxt[3]())], (), "cuda", rounds)
+                [ours, cublas, cold(ours), cold(cublas), rewarm(ours), rewarm(cublas), flush_and_reads, nxt.ours,
+                 lambda: (ours(), nxt.ours()), nxt.cublas, lambda: (cublas(), nxt.cublas())], (), "cuda", rounds)
         M, K = (a.shape[1], a.shape[0]) if ta else a.shape
         N = b.shape[1] if tb else b.shape[0]
         cfg = torch.ops.bertaccel.gemm_config(a, b, epilogue, ta, tb, out_fp32, save_pre)
@@ -127,7 +125,15 @@ def time_calls(calls: Counter, rounds: int) -> list[dict]:
     return rows
 
 
-def _call_fns(key, device: str):
+class Call(NamedTuple):
+    """One recorded call on fresh operands: its first two operands, and the call through ours and through cuBLAS."""
+    a: torch.Tensor
+    b: torch.Tensor
+    ours: Callable[[], torch.Tensor]
+    cublas: Callable[[], torch.Tensor]
+
+
+def _call_fns(key, device: str) -> Call:
     """Fresh operands for one recorded call, and the call through ours and through cuBLAS (same product)."""
     a_spec, b_spec, bias_spec, aux_spec, epilogue, ta, tb, out_fp32, save_pre, rest = key
     a, b, bias, aux = (_tensor(s, device) for s in (a_spec, b_spec, bias_spec, aux_spec))
@@ -143,7 +149,7 @@ def _call_fns(key, device: str):
         y = (a.t() if ta else a) @ (b if tb else b.t())
         return y + bias_c if bias is not None else y
 
-    return a, b, ours, cublas
+    return Call(a, b, ours, cublas)
 
 
 def time_sequence(order: list, rounds: int) -> dict:
@@ -155,22 +161,19 @@ def time_sequence(order: list, rounds: int) -> dict:
     from benchmarks.bench_gemm import interleaved_ms
 
     prepared = [_call_fns(key, "cuda") for key in order]
-    firsts = [p[0] for p in prepared]
 
-    def seq(which: int, touch: bool):
+    def seq(impl: str | None, touch: bool):  # impl None: the touches alone
         def run():
-            for p in prepared:
+            for call in prepared:
                 if touch:
-                    p[0].mul_(1)
-                p[which]()
+                    call.a.mul_(1)
+                if impl is not None:
+                    getattr(call, impl)()
         return run
 
-    def touches():
-        for a in firsts:
-            a.mul_(1)
-
     plain_ours, plain_cublas, t_ours, t_cublas, t_alone = interleaved_ms(
-        [seq(2, False), seq(3, False), seq(2, True), seq(3, True), touches], (), "cuda", rounds)
+        [seq("ours", False), seq("cublas", False), seq("ours", True), seq("cublas", True), seq(None, True)], (),
+        "cuda", rounds)
     return {"calls": len(order), "ours_ms": round(plain_ours, 3), "cublas_ms": round(plain_cublas, 3),
             "touched_ours_ms": round(t_ours - t_alone, 3), "touched_cublas_ms": round(t_cublas - t_alone, 3),
             "touches_alone_ms": round(t_alone, 3)}
@@ -186,8 +189,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench_results/step_gemms.json")
     args = ap.parse_args(argv)
     batch, seq = (int(v) for v in args.shape.split("x"))
-    order: list = []
-    calls = record_step(args.model, batch, seq, args.ffn, args.device, order)
+    order = record_step(args.model, batch, seq, args.ffn, args.device)
+    calls = Counter(order)
     print(f"{sum(calls.values())} GEMM calls per step, {len(calls)} distinct")
     if args.device != "cuda":
         for key, count in calls.items():
