@@ -483,26 +483,8 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
       launch_pair_rows(pingpong, bn, trans_a, trans_b, maps, p, grid, stream);
     } else if (pair) {
       launch_pair_cooperative(bn, trans_a, trans_b, maps, p, grid, stream);
-    } else if (rows192) {
-      switch (bn) {
-        case 192: launch_layout<192, false, 3>(trans_a, trans_b, maps, p, grid, stream); break;
-        case 128: launch_layout<128, false, 3>(trans_a, trans_b, maps, p, grid, stream); break;
-        default: launch_layout<64, false, 3>(trans_a, trans_b, maps, p, grid, stream); break;
-      }
-    } else if (pingpong) {
-      if (bn == 128) launch_layout<128, true>(trans_a, trans_b, maps, p, grid, stream);
-      else launch_layout<64, true>(trans_a, trans_b, maps, p, grid, stream);
     } else {
-      switch (bn) {
-        case 96:  // K-major B only (choose)
-          TORCH_CHECK(!trans_a && !trans_b, "bertaccel gemm: 96-wide tiles need K-major operands");
-          launch<96, false, false, false, 2>(maps, p, grid, stream);
-          break;
-        case 256: launch_layout<256, false>(trans_a, trans_b, maps, p, grid, stream); break;
-        case 192: launch_layout<192, false>(trans_a, trans_b, maps, p, grid, stream); break;
-        case 128: launch_layout<128, false>(trans_a, trans_b, maps, p, grid, stream); break;
-        default: launch_layout<64, false>(trans_a, trans_b, maps, p, grid, stream); break;
-      }
+      launch_single<false>(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
     }
     if (splits > 1 && !p.fixup) {
       const int64_t count = M * N;

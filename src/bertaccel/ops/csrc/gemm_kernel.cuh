@@ -1020,6 +1020,35 @@ void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int gri
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
+// The single-block kernel of a schedule and tile width: rows192 (three consumers, widths 64, 128, 192), ping-pong
+// (64, 128) or cooperative (64, 96, 128, 192, 256). The general kernels are instantiated by gemm.cu's call
+// (PLAIN = false), the PLAIN ones by gemm_plain.cu's (launch_plain).
+template <bool PLAIN>
+void launch_single(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
+                   cudaStream_t stream) {
+  if (rows192) {
+    switch (bn) {
+      case 192: launch_layout<192, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+      case 128: launch_layout<128, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+      default: launch_layout<64, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+    }
+  } else if (pingpong) {
+    if (bn == 128) launch_layout<128, true, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream);
+    else launch_layout<64, true, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream);
+  } else {
+    switch (bn) {
+      case 96:  // K-major B only (candidates() offers it for those)
+        TORCH_CHECK(!a_mn && !b_mn, "bertaccel gemm: 96-wide tiles need K-major operands");
+        launch<96, false, false, false, 2, 1, PLAIN>(m, p, grid, stream);
+        break;
+      case 256: launch_layout<256, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+      case 192: launch_layout<192, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+      case 128: launch_layout<128, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+      default: launch_layout<64, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+    }
+  }
+}
+
 // The 2-block cluster kernels, instantiated in their own translation units (compiled in parallel with
 // gemm.cu): gemm_cluster_cooperative.cu (two consumers, widths 64, 96, 128, 192, 256) and
 // gemm_cluster_rows.cu (ping-pong 64 and 128; 192-row tiles 64, 128 and 192). `grid`: twice the pair
@@ -1033,7 +1062,7 @@ inline bool is_plain(const Params& p, bool pair) {
   return !pair && !p.streamk && p.splits == 1 && p.epilogue == 0 && !p.out_f32 && p.tma_store && p.aux == nullptr &&
          p.pre == nullptr && p.bias == nullptr;
 }
-// The PLAIN kernels (every single-block schedule and width), in their own translation unit gemm_plain.cu.
+// launch_single<true>, in its own translation unit gemm_plain.cu (compiled in parallel with gemm.cu).
 void launch_plain(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                   cudaStream_t stream);
 

@@ -6,27 +6,7 @@ namespace bertaccel::gemm::kernel {
 
 void launch_plain(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                   cudaStream_t stream) {
-  if (rows192) {
-    switch (bn) {
-      case 192: launch_layout<192, false, 3, 1, true>(a_mn, b_mn, m, p, grid, stream); break;
-      case 128: launch_layout<128, false, 3, 1, true>(a_mn, b_mn, m, p, grid, stream); break;
-      default: launch_layout<64, false, 3, 1, true>(a_mn, b_mn, m, p, grid, stream); break;
-    }
-  } else if (pingpong) {
-    if (bn == 128) launch_layout<128, true, 2, 1, true>(a_mn, b_mn, m, p, grid, stream);
-    else launch_layout<64, true, 2, 1, true>(a_mn, b_mn, m, p, grid, stream);
-  } else {
-    switch (bn) {
-      case 96:
-        TORCH_CHECK(!a_mn && !b_mn, "bertaccel gemm: 96-wide tiles need K-major operands");
-        launch<96, false, false, false, 2, 1, true>(m, p, grid, stream);
-        break;
-      case 256: launch_layout<256, false, 2, 1, true>(a_mn, b_mn, m, p, grid, stream); break;
-      case 192: launch_layout<192, false, 2, 1, true>(a_mn, b_mn, m, p, grid, stream); break;
-      case 128: launch_layout<128, false, 2, 1, true>(a_mn, b_mn, m, p, grid, stream); break;
-      default: launch_layout<64, false, 2, 1, true>(a_mn, b_mn, m, p, grid, stream); break;
-    }
-  }
+  launch_single<true>(pingpong, rows192, bn, a_mn, b_mn, m, p, grid, stream);
 }
 
 }  // namespace bertaccel::gemm::kernel
