@@ -121,6 +121,14 @@ def test_gemm_build_defines_are_parsed_and_refused_when_malformed(monkeypatch):
 
 # ---------------------------------------------------------------------------------- CUDA tests
 LAYOUTS = {"fwd": (False, False), "dgrad": (False, True), "wgrad": (True, True)}
+# every (schedule, tile width) the kernel is built for: 1 cooperative, 2 ping-pong, 4 192-row tiles
+SCHEDULE_WIDTHS = [(1, 64), (1, 96), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128), (4, 64), (4, 128), (4, 192)]
+
+
+def _config_id(v):
+    return {1: "cooperative", 2: "pingpong", 4: "rows192"}.get(v, str(v)) if v in (1, 2, 4) else str(v)
+
+
 SHAPES = [(1, 8, 8), (77, 776, 200), (128, 256, 64), (2049, 768, 768), (1000, 2304, 3072), (33, 40, 4104),
           (16384, 768, 3072)]
 
@@ -147,7 +155,7 @@ def test_gemm_layouts_and_shapes(layout, M, N, K):
 @hopper_test
 @pytest.mark.parametrize("schedule,tile_n", [(1, 64), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128), (4, 64), (4, 128),
                                              (4, 192)],
-                         ids=lambda v: {1: "cooperative", 2: "pingpong", 4: "rows192"}.get(v, str(v)) if v in (1, 2, 4) else str(v))
+                         ids=_config_id)
 @pytest.mark.parametrize("splits", [1, 2, 3, 8])
 def test_every_schedule_tile_width_and_k_split(schedule, tile_n, splits):
     M, N, K = 333, 520, 2056  # no dimension a multiple of a tile
@@ -540,12 +548,8 @@ def test_unknown_split_sum_mode_is_refused(monkeypatch):
         GEMM(a, b, None, None, 0, False, False, False, False, 128, 2, 1)
 
 
-CLUSTER_CONFIGS = [(1, 64), (1, 96), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128), (4, 64), (4, 128), (4, 192)]
-
-
 @hopper_test
-@pytest.mark.parametrize("schedule,tile_n", CLUSTER_CONFIGS,
-                         ids=lambda v: {1: "cooperative", 2: "pingpong", 4: "rows192"}.get(v, str(v)) if v in (1, 2, 4) else str(v))
+@pytest.mark.parametrize("schedule,tile_n", SCHEDULE_WIDTHS, ids=_config_id)
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_clusters_of_two_give_the_single_block_bits(layout, splits, schedule, tile_n, monkeypatch):
@@ -687,12 +691,8 @@ def test_programmatic_dependent_launch_chain_reads_the_previous_output(monkeypat
         assert torch.equal(out, ref)
 
 
-PLAIN_CONFIGS = [(1, 64), (1, 96), (1, 128), (1, 192), (1, 256), (2, 64), (2, 128), (4, 64), (4, 128), (4, 192)]
-
-
 @hopper_test
-@pytest.mark.parametrize("schedule,tile_n", PLAIN_CONFIGS,
-                         ids=lambda v: {1: "cooperative", 2: "pingpong", 4: "rows192"}.get(v, str(v)) if v in (1, 2, 4) else str(v))
+@pytest.mark.parametrize("schedule,tile_n", SCHEDULE_WIDTHS, ids=_config_id)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_plain_kernels_give_the_general_kernels_bits(layout, schedule, tile_n, monkeypatch):
     """A plain call (no epilogue, bf16 out, one K split) runs the PLAIN kernels (gemm_plain.cu: the options fixed at
