@@ -172,18 +172,16 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                         add({"shape": row["shape"], "gemm": name, "impl": f"bertaccel t{tile} s{splits}",
                              "ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1), "of_cublas": round(ms / t, 3)})
             elif sweep:  # every schedule, tile width and K split, for the tile heuristic
-                # 96-wide tiles: the cooperative schedules (128 and 192 rows); in clusters of two, K-major B only
+                # 96-wide tiles: cooperative, with a K-major B (the forward's layout) only
                 configs = [(schedule, tile) for schedule, tiles in ((1, (64, 96, 128, 192, 256)), (2, (64, 128)),
-                                                                    (3, (128, 192, 256)), (4, (64, 96, 128, 192)))
-                           if schedule in schedules for tile in tiles]
+                                                                    (3, (128, 192, 256)), (4, (64, 128, 192)))
+                           if schedule in schedules for tile in tiles if tile != 96 or not tb]
                 # split_sums: "kernel" / "workspace" time each split configuration with its K splits summed
                 # that way (BERTACCEL_GEMM_SPLIT), labelled "... s2 kernel-sum"; "default" unlabelled
                 for schedule, tile in configs:
                     for splits in (1, 2, 3, 4) if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
                         for mode in split_sums if splits > 1 and schedule in (1, 4) else ("default",):
-                            for cluster in (clusters if schedule != 3 else (1,)):
-                                if cluster == 2 and tile == 96 and (tb or schedule == 4):
-                                    continue  # no cluster kernel of these
+                            for cluster in clusters if schedule != 3 else (1,):
                                 def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule,
                                       f32=name.startswith("wgrad-f32")):
                                     return GEMM(a, b, None, None, 0, ta, tb, f32, False, tile, splits, schedule)[0]

@@ -170,10 +170,7 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind, 
     const double us_per_mflop = bn == 64 ? 0.2693 : 0.1919;
     t = waves * (mflop * us_per_mflop + tile_k * 0.0914) + tile_k * 0.0805;
   } else if (kind == Kind::kRows192) {
-    // 96 wide: not in the sweep the others were fitted to; placed between 64 and 128 as the cooperative
-    // widths are (0.2551 of the way from 128's to 64's), then checked against measurement (bench_gemm at
-    // the M = 2048 weight gradients, README)
-    const double us_per_mflop = bn == 64 ? 0.3007 : bn == 96 ? 0.2147 : bn == 128 ? 0.1800 : 0.1777;
+    const double us_per_mflop = bn == 64 ? 0.3007 : bn == 128 ? 0.1800 : 0.1777;
     t = waves * (mflop * us_per_mflop + tile_k * 0.0698);
   } else {
     const double us_per_mflop = bn == 64 ? 0.3492 : bn == 96 ? 0.2551 : bn == 128 ? 0.2172 : bn == 192 ? 0.1718 : 0.1611;
@@ -218,7 +215,7 @@ struct Choice {
 // cooperative, 2 = ping-pong, 3 = stream-K (cooperative), 4 = cooperative with three consumer warpgroups
 // (192-row tiles; widths 64, 128, 192); force_bn / force_splits 0 = the model picks; split_sum: 0 = the
 // model picks, 1 = through the workspace, 2 = in the kernel (not ping-pong). b_kmajor: B is K-major (the
-// forward's layout), which the 96-wide tiles in clusters of two need (the single-block ones take either).
+// forward's layout), which the 96-wide tiles need.
 std::vector<Choice> candidates(int M, int N, int K, int sms, bool split_ok, bool b_kmajor, int force_bn, int force_splits,
                                int schedule, int split_sum, int cluster_mode, EpiCost epi) {
   const int kblocks = (K + BK - 1) / BK;
@@ -238,8 +235,7 @@ std::vector<Choice> candidates(int M, int N, int K, int sms, bool split_ok, bool
     if (schedule == 4 && kind != Kind::kRows192) continue;
     for (int cand : {256, 192, 128, 96, 64}) {
       if (force_bn > 0 && cand != force_bn) continue;
-      if (cand == 96 && kind == Kind::kPingPong) continue;  // not built (ping-pong takes 64 and 128)
-      if (cand == 96 && cluster_mode == 2 && (kind != Kind::kCooperative || !b_kmajor)) continue;  // no cluster kernel
+      if (cand == 96 && (kind != Kind::kCooperative || !b_kmajor)) continue;  // built for these only
       if (kind == Kind::kPingPong && cand > 128) continue;  // a warpgroup holds a whole 128 x BN tile: BN <= 128
       if (kind == Kind::kRows192 && cand > 192) continue;   // 160 registers per consumer thread
       for (int s : {1, 2, 3, 4, 6, 8}) {
@@ -408,14 +404,11 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
               "(cooperative, 192-row tiles)");
   TORCH_CHECK(schedule != 2 || tile_n == 0 || tile_n <= 128, "bertaccel gemm: the ping-pong schedule takes tile widths 64 and 128");
   TORCH_CHECK(schedule != 3 || tile_n == 0 || tile_n >= 128, "bertaccel gemm: stream-K takes tile widths 128, 192 and 256");
-  TORCH_CHECK(schedule != 4 || tile_n == 0 || tile_n == 64 || tile_n == 96 || tile_n == 128 || tile_n == 192,
-              "bertaccel gemm: 192-row tiles take widths 64, 96, 128 and 192");
-  TORCH_CHECK(tile_n != 96 || schedule == 0 || schedule == 1 || schedule == 4,
-              "bertaccel gemm: 96-wide tiles are built for the cooperative schedules (schedule 1 or 4)");
+  TORCH_CHECK(schedule != 4 || tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 192,
+              "bertaccel gemm: 192-row tiles take widths 64, 128 and 192");
+  TORCH_CHECK(tile_n != 96 || ((schedule == 0 || schedule == 1) && !trans_b),
+              "bertaccel gemm: 96-wide tiles are built for the cooperative schedule with a K-major b (trans_b false)");
   const int split_sum = split_sum_mode(), clusters = cluster_mode();
-  TORCH_CHECK(tile_n != 96 || clusters != 2 || (schedule <= 1 && !trans_b),
-              "bertaccel gemm: 96-wide tiles in clusters of two (BERTACCEL_GEMM_CLUSTER=2) are built for the cooperative "
-              "schedule with a K-major b (trans_b false) only");
   const std::vector<Choice> ranked = candidates((int)M, (int)N, (int)K, sms, split_ok, !trans_b, (int)tile_n,
                                                 split_ok ? (int)splits_k : 1, (int)schedule, split_sum, clusters,
                                                 epilogue_cost(epilogue, gelu && save_pre));

@@ -548,14 +548,11 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
 }
 
 // ----------------------------------------------------------------------------------- kernel
-// B_MN: B is loaded in [64 K-rows, 64 columns] boxes, so a 96-wide tile's B stage holds two of them (128 columns,
-// the last 32 past the tile: its MMAs read the first 96; the copy engine counts and fills the whole boxes).
-template <int BN, int CONS, bool B_MN = false>
+template <int BN, int CONS>
 struct Config : Team<CONS> {
   using T = Team<CONS>;
-  static constexpr int kBChunks = (BN + 63) / 64;  // MN-major B boxes per stage
   static constexpr int kABytes = T::BM * BK * 2;
-  static constexpr int kBBytes = (B_MN ? kBChunks * 64 : BN) * BK * 2;
+  static constexpr int kBBytes = BN * BK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = T::kSmemBudget / kStageBytes > 8 ? 8 : T::kSmemBudget / kStageBytes;
   static constexpr int kBaseBytes = kStages * kStageBytes + T::kStagingBytes + 2 * kStages * 8 + 16 + 1024;  // + barriers, words, alignment
@@ -602,13 +599,12 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
     p.aux = nullptr, p.pre = nullptr, p.bias = nullptr;
   }
   static_assert(!PP || CONS == 2, "ping-pong: two consumer warpgroups");
-  // 96-wide tiles (cuBLAS's shape for 2048 x 768: 128 tiles of 128 x 96 on 132 SMs; and 192 x 96, 128 tiles for
-  // the M = 2048 weight gradients' 768 x 3072 and 3072 x 768 outputs): a 64-column chunk and a 32-column tail
-  // (map_out_tail / map_pre_tail: bf16 maps of 32-column boxes). An MN-major B comes in two 64-column boxes
-  // (Config::kBBytes); the MMAs' descriptor steps from the first to the second by its leading byte offset.
-  static_assert(BN % 64 == 0 || (BN == 96 && !PP), "tile widths: multiples of 64, or 96 (cooperative)");
+  // 96-wide tiles (cuBLAS's shape for 2048 x 768: 128 tiles on 132 SMs): a 64-column chunk and a 32-column
+  // tail (map_out_tail / map_pre_tail: bf16 maps of 32-column boxes); B K-major only (its MN-major boxes
+  // are 64 columns wide), two consumers with the auxiliary input loaded ahead.
+  static_assert(BN % 64 == 0 || (BN == 96 && !B_MN && CONS == 2 && !PP), "tile widths: multiples of 64, or 96");
   static_assert(CLU == 1 || CLU == 2, "clusters of one or two blocks");
-  using C = Config<BN, CONS, B_MN>;
+  using C = Config<BN, CONS>;
   constexpr int S = C::kStages, BM = C::BM, kConsumers = CONS;
   extern __shared__ uint8_t smem_raw[];
   // Aligned by an offset from smem_raw, not through an integer: the pointer stays one the compiler knows to be
@@ -679,7 +675,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
             const int half = (int)(peer ^ 1u);
             if constexpr (B_MN) {
 #pragma unroll
-              for (int c = 0; c < C::kBChunks; ++c)
+              for (int c = 0; c < BN / 64; ++c)
                 tma_load_multicast(b + c * 64 * BK * 2 + half * (BK / 2) * 128, &map_b, tn * BN + c * 64,
                                    kb * BK + half * (BK / 2), &full[s], 0x3);
             } else {
@@ -687,7 +683,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
             }
           } else if constexpr (B_MN) {
 #pragma unroll
-            for (int c = 0; c < C::kBChunks; ++c) tma_load(b + c * 64 * BK * 2, &map_b, tn * BN + c * 64, kb * BK, &full[s]);
+            for (int c = 0; c < BN / 64; ++c) tma_load(b + c * 64 * BK * 2, &map_b, tn * BN + c * 64, kb * BK, &full[s]);
           } else {
             tma_load(b, &map_b, kb * BK, tn * BN, &full[s]);
           }
@@ -844,6 +840,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
           }
         }
       }
+      static_assert(BN % 64 == 0 || kAuxAhead, "the 32-column tail chunk is only in the aux-ahead loop below");
       if (bias_smem) bias_ready(cw);
       // the chunk at tile column c: its bias in shared memory, or null (read from global memory)
       auto bias_at = [&](int c) -> const uint8_t* { return bias_smem ? bias_s + c * (p.bias_f32 ? 4 : 2) : nullptr; };
@@ -864,16 +861,6 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
               }
             }
             epilogue_chunk<true>(p, &map_out, &map_pre, ring, v, aux_next, row0, tn * BN + 64 * c, split, cw, t, bias_at(64 * c));
-          }
-          if constexpr (BN % 64 != 0) {  // a 96-wide tile's last 32 columns, through the 32-column bf16 maps
-            constexpr int c = BN / 64;
-            if (tn * BN + 64 * c >= p.N) continue;  // the same in the whole warpgroup
-            float v[16];
-#pragma unroll
-            for (int k = 0; k < 16; ++k) v[k] = acc[h][32 * c + k];
-            const bool f32 = p.out_f32 || slice_out(p);  // fp32 maps already take 32-column boxes
-            epilogue_chunk<true, 32>(p, f32 ? &map_out : &map_out_tail, &map_pre_tail, ring, v, aux_next, row0, tn * BN + 64 * c,
-                                     split, cw, t, bias_at(64 * c));
           }
         }
         continue;
@@ -986,7 +973,7 @@ inline bool pdl_launch() {
 // that fit at once, as the kernel is persistent), as a programmatic dependent launch unless BERTACCEL_PDL=0.
 template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1, bool PLAIN = false>
 void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
-  using C = Config<BN, CONS, B_MN>;
+  using C = Config<BN, CONS>;
   auto* kernel = gemm_kernel<BN, A_MN, B_MN, PP, CONS, CLU, PLAIN>;
   static const int max_clusters = [kernel] {  // per instantiation: raise the dynamic shared-memory limit once
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
@@ -1033,7 +1020,7 @@ void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int gri
   else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
 }
 
-// The single-block kernel of a schedule and tile width: rows192 (three consumers, widths 64, 96, 128, 192), ping-pong
+// The single-block kernel of a schedule and tile width: rows192 (three consumers, widths 64, 128, 192), ping-pong
 // (64, 128) or cooperative (64, 96, 128, 192, 256). The general kernels are instantiated by gemm.cu's call
 // (PLAIN = false), the PLAIN ones by gemm_plain.cu's (launch_plain).
 template <bool PLAIN>
@@ -1043,7 +1030,6 @@ void launch_single(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, co
     switch (bn) {
       case 192: launch_layout<192, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
       case 128: launch_layout<128, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
-      case 96: launch_layout<96, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
       default: launch_layout<64, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
     }
   } else if (pingpong) {
@@ -1051,7 +1037,10 @@ void launch_single(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, co
     else launch_layout<64, true, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream);
   } else {
     switch (bn) {
-      case 96: launch_layout<96, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+      case 96:  // K-major B only (candidates() offers it for those)
+        TORCH_CHECK(!a_mn && !b_mn, "bertaccel gemm: 96-wide tiles need K-major operands");
+        launch<96, false, false, false, 2, 1, PLAIN>(m, p, grid, stream);
+        break;
       case 256: launch_layout<256, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
       case 192: launch_layout<192, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
       case 128: launch_layout<128, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
