@@ -84,6 +84,7 @@ def batch_mask(batch: int, seq: int, lengths: str, device: str) -> torch.Tensor:
 
 
 PROFILES: dict[tuple, dict] = {}
+PROFILE_TOP = 12  # kernels kept per profiled variant (--profile-top)
 
 
 def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
@@ -218,7 +219,7 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
             one_step()
             times.append((time.perf_counter() - t0) * 1e3)
     if profile and cuda:
-        PROFILES[(model_name, f"{batch}x{seq}", workload, variant)] = kernel_breakdown(one_step)
+        PROFILES[(model_name, f"{batch}x{seq}", workload, variant)] = kernel_breakdown(one_step, top=PROFILE_TOP)
     model = opt = None  # (not del: the step closures above refer to them) - frees the GPU memory below
     gc.collect()
     if cuda:
@@ -240,8 +241,12 @@ def main() -> None:
                     help="uniform: row lengths uniform in [0.2, 1] x seq (ByteTransformer's setting)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke runs of the harness only")
     ap.add_argument("--profile", action="store_true", help="also list each variant's GPU time by kernel category")
+    ap.add_argument("--profile-top", type=int, default=12,
+                    help="how many of each profiled variant's kernels (by GPU time) the JSON and the table keep")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
+    global PROFILE_TOP
+    PROFILE_TOP = args.profile_top
     rows = []
     for model_name in args.models:
         cfg = BertConfig(num_labels=2, **MODELS[model_name])
