@@ -178,8 +178,10 @@ def run(shapes, device: str, dtype: torch.dtype, sweep: bool = False, schedules=
                            if schedule in schedules for tile in tiles if tile != 96 or not tb]
                 # split_sums: "kernel" / "workspace" time each split configuration with its K splits summed
                 # that way (BERTACCEL_GEMM_SPLIT), labelled "... s2 kernel-sum"; "default" unlabelled
+                # K splits: weight gradients at many tokens up to 8 (the model's range), the others up to 4
+                split_range = (1, 2, 3, 4, 6, 8) if name.startswith("wgrad") and m > 4096 else (1, 2, 3, 4)
                 for schedule, tile in configs:
-                    for splits in (1, 2, 3, 4) if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
+                    for splits in split_range if (name.startswith("wgrad") or m <= 4096) and schedule != 3 else (1,):
                         for mode in split_sums if splits > 1 and schedule in (1, 4) else ("default",):
                             for cluster in clusters if schedule != 3 else (1,):
                                 def f(a, b, tile=tile, splits=splits, ta=ta, tb=tb, schedule=schedule,
