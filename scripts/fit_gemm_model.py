@@ -112,6 +112,8 @@ def main() -> None:
         own = cublas_ms(data)
         for r in data["rows"]:
             parts = r["impl"].split()  # "bertaccel n128 s2" (cooperative), "bertaccel pp n128 s1", "bertaccel r192 n64 s1"
+            if parts[-1] == "c2":
+                continue  # clusters of two (bench_gemm --clusters 2): not modelled, the model picks single blocks
             kernel_sum = parts[-1] == "kernel-sum"  # "bertaccel n128 s2 kernel-sum": K splits summed in the kernel
             if parts[-1].endswith("-sum"):
                 parts = parts[:-1]
