@@ -84,7 +84,6 @@ def batch_mask(batch: int, seq: int, lengths: str, device: str) -> torch.Tensor:
 
 
 PROFILES: dict[tuple, dict] = {}
-PROFILE_TOP = 12  # kernels kept per profiled variant (--profile-top)
 
 
 def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
@@ -121,7 +120,8 @@ def step_times(variant: str, *args, **kwargs) -> list[float]:
 
 
 def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int,
-                device: str = "cuda", lengths: str = "full", profile: bool = False) -> list[float]:
+                device: str = "cuda", lengths: str = "full", profile: int = 0) -> list[float]:
+    """profile > 0: also record this variant's kernel breakdown (PROFILES), keeping its `profile` top kernels."""
     import os
 
     attn, bf16, fused, compiled, graphed = VARIANTS[variant]
@@ -219,7 +219,7 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
             one_step()
             times.append((time.perf_counter() - t0) * 1e3)
     if profile and cuda:
-        PROFILES[(model_name, f"{batch}x{seq}", workload, variant)] = kernel_breakdown(one_step, top=PROFILE_TOP)
+        PROFILES[(model_name, f"{batch}x{seq}", workload, variant)] = kernel_breakdown(one_step, top=profile)
     model = opt = None  # (not del: the step closures above refer to them) - frees the GPU memory below
     gc.collect()
     if cuda:
@@ -245,8 +245,6 @@ def main() -> None:
                     help="how many of each profiled variant's kernels (by GPU time) the JSON and the table keep")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
-    global PROFILE_TOP
-    PROFILE_TOP = args.profile_top
     rows = []
     for model_name in args.models:
         cfg = BertConfig(num_labels=2, **MODELS[model_name])
@@ -257,7 +255,7 @@ def main() -> None:
                 for variant in args.variants:
                     try:
                         t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps, args.device,
-                                       args.lengths, args.profile)
+                                       args.lengths, args.profile_top if args.profile else 0)
                         cell[variant] = statistics.median(t)
                     except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
                         print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
