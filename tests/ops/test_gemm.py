@@ -696,7 +696,7 @@ def test_programmatic_dependent_launch_chain_reads_the_previous_output(monkeypat
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_plain_kernels_give_the_general_kernels_bits(layout, schedule, tile_n, monkeypatch):
     """A plain call (no epilogue, bf16 out, one K split) runs the PLAIN kernels (gemm_plain.cu: the options fixed at
-    compile time); BERTACCEL_GEMM_PLAIN=0 runs it on the general ones. Same tiles, same K order: the same bits,
+    compile time); BERTACCEL_GEMM_SPECIALISED=0 runs it on the general ones. Same tiles, same K order: the same bits,
     within 2x cuBLAS's error, at ragged shapes (M, N, K off the tile; N ending inside a 96-wide tile's tail) and a
     BERT shape, eager and replayed from a CUDA graph. Calls that are not plain (bias, fp32 out, K splits) are
     unaffected by the switch."""
@@ -707,30 +707,91 @@ def test_plain_kernels_give_the_general_kernels_bits(layout, schedule, tile_n, m
         a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16)
         A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
         ref = A.double() @ B.double().t()
-        monkeypatch.setenv("BERTACCEL_GEMM_PLAIN", "0")
+        monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "0")
         general = GEMM(a, b, None, None, 0, trans_a, trans_b, False, False, tile_n, 1, schedule)[0]
-        monkeypatch.setenv("BERTACCEL_GEMM_PLAIN", "1")
+        monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "1")
         poison()
         plain = GEMM(a, b, None, None, 0, trans_a, trans_b, False, False, tile_n, 1, schedule)[0]
         name = f"plain {layout} {M}x{N}x{K} schedule {schedule} n{tile_n}"
         check_vs_cublas(plain, A @ B.t(), ref, name)
         assert torch.equal(plain, general), f"{name}: differs from the general kernel"
-        monkeypatch.delenv("BERTACCEL_GEMM_PLAIN")
+        monkeypatch.delenv("BERTACCEL_GEMM_SPECIALISED")
         assert_replay_matches_eager(lambda x, w: (GEMM(x, w, None, None, 0, trans_a, trans_b, False, False, tile_n, 1,
                                                        schedule)[0], []), a, b)
 
 
+def _gemm_kernel_names(fn) -> list[str]:
+    """The names of the GEMM kernels `fn()` launches (torch.profiler): which instantiation ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "gemm_kernel" in e.name]
+
+
+EPILOGUE_SPECS = {  # epilogue, bias dtype, save_pre: calls the epilogue specialisations (gemm_bias.cu, gemm_gelu.cu) take
+    "bias_fp32": (1, torch.float32, False), "bias_bf16": (1, torch.bfloat16, False),
+    "gelu": (2, torch.float32, False), "gelu_pre": (2, torch.float32, True)}
+
+
 @hopper_test
-def test_plain_switch_leaves_other_calls_alone_and_refuses_bad_values(monkeypatch):
+@pytest.mark.parametrize("schedule,tile_n", SCHEDULE_WIDTHS, ids=_config_id)
+@pytest.mark.parametrize("call", list(EPILOGUE_SPECS))
+def test_epilogue_specialisations_give_the_general_kernels_bits(call, schedule, tile_n, monkeypatch):
+    """A forward call (K-major operands, one K split, bf16 out) with a bias or bias + GELU (erf) epilogue runs a
+    specialised kernel (the epilogue fixed at compile time; the profiler sees another kernel than with
+    BERTACCEL_GEMM_SPECIALISED=0) that gives the general kernel's bits - output and saved pre-activation - within
+    2x cuBLAS's error, at ragged shapes and a BERT shape, eager and replayed from a CUDA graph."""
+    epilogue, bias_dtype, save_pre = EPILOGUE_SPECS[call]
+    for M, N, K in [(333, 520, 2056), (2048, 744, 776), (2048, 3072, 768)]:
+        a, b = _operands(M, N, K, False, False, "cuda", torch.bfloat16)
+        bias = torch.randn(N, device="cuda").to(bias_dtype)
+
+        def run():
+            return GEMM(a, b, bias, None, epilogue, False, False, False, save_pre, tile_n, 1, schedule)
+
+        monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "0")
+        general = run()
+        general_names = _gemm_kernel_names(run)
+        monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "1")
+        poison()
+        ours = run()
+        names = _gemm_kernel_names(run)
+        name = f"{call} {M}x{N}x{K} schedule {schedule} n{tile_n}"
+        assert len(names) == 1 and len(general_names) == 1 and names != general_names, f"{name}: {names} {general_names}"
+        ref, ref_pre = apply_epilogue(a.double() @ b.double().t(), bias, None, epilogue, save_pre, torch.float64)
+        cublas, _ = apply_epilogue((a @ b.t()).float(), bias, None, epilogue, False, torch.float32)
+        check_vs_cublas(ours[0], cublas.to(torch.bfloat16), ref, name)
+        assert torch.equal(ours[0], general[0]), f"{name}: output differs from the general kernel"
+        assert torch.equal(ours[1], general[1]), f"{name}: pre-activation differs from the general kernel"
+        if save_pre:
+            check_vs_cublas(ours[1], ((a @ b.t()).float() + bias.float()).bfloat16(), ref_pre, name + " pre")
+        monkeypatch.delenv("BERTACCEL_GEMM_SPECIALISED")
+        assert_replay_matches_eager(lambda x, w: (GEMM(x, w, bias, None, epilogue, False, False, False, save_pre, tile_n,
+                                                       1, schedule)[0], []), a, b)
+
+
+@hopper_test
+def test_specialised_switch_leaves_other_calls_alone_and_refuses_bad_values(monkeypatch):
+    """Calls no specialisation takes (fp32 out, K splits, a transposed operand with a bias, the tanh GELU) run the
+    same kernel with the switch on or off; plain and bias calls run another one."""
     a, b = _operands(1000, 768, 768, False, False, "cuda", torch.bfloat16)
     bias = torch.randn(768, device="cuda")
-    outs = {}
+    calls = {"bias": lambda: GEMM(a, b, bias, None, 1, False, False, False, False, 0, 0, 0),
+             "plain": lambda: GEMM(a, b, None, None, 0, False, False, False, False, 0, 0, 0),
+             "fp32 out": lambda: GEMM(a, b, None, None, 0, False, False, True, False, 0, 0, 0),
+             "K splits": lambda: GEMM(a, b, None, None, 0, False, False, False, False, 128, 3, 1),
+             "bias, B^T": lambda: GEMM(a, b.t().contiguous(), bias, None, 1, False, True, False, False, 0, 0, 0),
+             "tanh GELU": lambda: GEMM(a, b, bias, None, 3, False, False, False, True, 0, 0, 0)}
+    outs, names = {}, {}
     for setting in ("0", "1"):
-        monkeypatch.setenv("BERTACCEL_GEMM_PLAIN", setting)
-        outs[setting] = [GEMM(a, b, bias, None, 1, False, False, False, False, 0, 0, 0)[0],  # bias epilogue
-                         GEMM(a, b, None, None, 0, False, False, True, False, 0, 0, 0)[0],  # fp32 out
-                         GEMM(a, b, None, None, 0, False, False, False, False, 128, 3, 1)[0]]  # K splits
-    assert all(torch.equal(x, y) for x, y in zip(outs["0"], outs["1"]))
-    monkeypatch.setenv("BERTACCEL_GEMM_PLAIN", "yes")
-    with pytest.raises(RuntimeError, match="BERTACCEL_GEMM_PLAIN"):
+        monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", setting)
+        outs[setting] = {k: f() for k, f in calls.items()}
+        names[setting] = {k: _gemm_kernel_names(f) for k, f in calls.items()}
+    for k in calls:
+        assert all(torch.equal(x, y) for x, y in zip(outs["0"][k], outs["1"][k])), k
+        assert (names["0"][k] != names["1"][k]) == (k in ("bias", "plain")), (k, names["0"][k], names["1"][k])
+    monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "yes")
+    with pytest.raises(RuntimeError, match="BERTACCEL_GEMM_SPECIALISED"):
         GEMM(a, b, None, None, 0, False, False, False, False, 0, 0, 0)

@@ -309,13 +309,13 @@ int split_sum_mode() {
               "'; use 'workspace' or 'kernel' (or unset it: the cost model picks)");
   return 2;
 }
-// BERTACCEL_GEMM_PLAIN=0 (read at each call; for comparisons) runs plain calls on the general kernels too, not on
-// the PLAIN ones (gemm_kernel.cuh: the same arithmetic and stores, the code of one path only).
-bool plain_kernels() {
-  const char* env = std::getenv("BERTACCEL_GEMM_PLAIN");
+// BERTACCEL_GEMM_SPECIALISED=0 (read at each call; for comparisons) runs every call on the general kernels, none on
+// the specialised ones (gemm_kernel.cuh, spec_of: the same arithmetic and stores, the code of one path only).
+bool specialised_kernels() {
+  const char* env = std::getenv("BERTACCEL_GEMM_SPECIALISED");
   if (env == nullptr || !*env || std::strcmp(env, "1") == 0) return true;
-  TORCH_CHECK(std::strcmp(env, "0") == 0, "bertaccel gemm: BERTACCEL_GEMM_PLAIN is '", env,
-              "'; use 0 (plain calls on the general kernels) or 1 (the default: the PLAIN kernels)");
+  TORCH_CHECK(std::strcmp(env, "0") == 0, "bertaccel gemm: BERTACCEL_GEMM_SPECIALISED is '", env,
+              "'; use 0 (every call on the general kernels) or 1 (the default: specialised kernels where one fits)");
   return false;
 }
 
@@ -477,14 +477,19 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
       p.sk_partial = sk_ws.data_ptr<float>();
       p.sk_flags = streamk_flags(a, grid, stream);
     }
-    if (is_plain(p, pair) && plain_kernels()) {
+    const int spec = specialised_kernels() ? spec_of(p, pair, trans_a, trans_b) : kSpecGeneral;
+    if (spec == kSpecPlain) {
       launch_plain(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
+    } else if (spec == kSpecBias) {
+      launch_bias(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
+    } else if (spec == kSpecBiasGelu) {
+      launch_bias_gelu(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
     } else if (pair && (rows192 || pingpong)) {
       launch_pair_rows(pingpong, bn, trans_a, trans_b, maps, p, grid, stream);
     } else if (pair) {
       launch_pair_cooperative(bn, trans_a, trans_b, maps, p, grid, stream);
     } else {
-      launch_single<false>(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
+      launch_single<kSpecGeneral>(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
     }
     if (splits > 1 && !p.fixup) {
       const int64_t count = M * N;

@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "async_copy.cuh"
@@ -116,6 +117,29 @@ struct Params {
 };
 // A split-K slice of the workspace (raw fp32 sums, summed by split_reduce_kernel) rather than the output.
 __device__ __forceinline__ bool slice_out(const Params& p) { return p.splits > 1 && !p.fixup; }
+
+// Kernel specialisations: the general kernel reads every option from Params at run time and holds the code of
+// all of them (6,528-23,952 SASS instructions); a specialisation has some options fixed at compile time
+// (apply_spec) and holds one path (PLAIN: 424-792). A launch fetches its kernel's code into cold instruction
+// caches, and in a training step every GEMM follows other kernels: with the general kernels the step's GEMMs
+// ran 0.65 ms slower per BERT-base 16x128 step than their own warm times (H100, scripts/step_gemms.py, session
+// 31); the PLAIN kernels removed that for plain calls. kSpecBias and kSpecBiasGelu do the same for the forward's
+// bias and bias + GELU (erf) epilogues (GELU's saved pre-activation stays a run-time option).
+enum Spec : int {
+  kSpecGeneral = 0,
+  kSpecPlain = 1,     // no epilogue
+  kSpecBias = 2,      // + bias (fp32 or bf16)
+  kSpecBiasGelu = 3,  // GELU(. + bias), erf form, the pre-activation written or not
+};
+// The options a specialisation fixes: bf16 out through TMA stores, one K split, no stream-K, and its epilogue.
+template <int SPEC>
+__host__ __device__ __forceinline__ void apply_spec(Params& p) {
+  static_assert(SPEC == kSpecPlain || SPEC == kSpecBias || SPEC == kSpecBiasGelu, "a specialisation");
+  p.out_f32 = false, p.tma_store = true, p.fixup = false, p.streamk = false, p.splits = 1, p.aux = nullptr;
+  if constexpr (SPEC == kSpecPlain) p.epilogue = kNone, p.bias = nullptr, p.bias_f32 = false, p.pre = nullptr;
+  if constexpr (SPEC == kSpecBias) p.epilogue = kBias, p.pre = nullptr;
+  if constexpr (SPEC == kSpecBiasGelu) p.epilogue = kBiasGeluErf;
+}
 
 // The i-th unit of this block: a tile and its K-blocks [kb0, kb1). Units are (tile, K-split) pairs
 // dealt round-robin to the blocks, or (stream-K) the pieces of this block's share of the iterations.
@@ -579,25 +603,18 @@ struct Config : Team<CONS> {
 // A + B (a 128 x 256 tile: a third fewer bytes). Each full barrier still expects the whole stage; a
 // stage is refilled only when the consumers of both blocks have released it (their lanes arrive on
 // both blocks' empty barriers), since either producer's half lands in both.
-template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1, bool PLAIN = false>
+template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1, int SPEC = kSpecGeneral>
 __global__ void __launch_bounds__(Team<CONS>::kThreads, 1)
 gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
             const __grid_constant__ CUtensorMap map_out, const __grid_constant__ CUtensorMap map_pre,
             const __grid_constant__ CUtensorMap map_out_tail, const __grid_constant__ CUtensorMap map_pre_tail,
             const Params p_arg) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // PLAIN: the call's options fixed at compile time to a bf16 product with no epilogue, stored by TMA, one K
-  // split (is_plain() on the host), so the compiler drops every other path: 424-792 SASS instructions per kernel
-  // against 6,528-23,952 for the general one. A launch fetches its code into cold instruction caches, and
-  // in a training step every GEMM follows other kernels: the general kernels' code cost 0.65 ms per BERT-base
-  // 16x128 step (H100, scripts/step_gemms.py: the step's GEMMs in the step's order 2.76 ms, plain 2.09, cuBLAS
-  // 2.03; session 31).
+  // SPEC (apply_spec): a specialised kernel has the call's options fixed at compile time, so the compiler drops
+  // every other path (the PLAIN kernels: 424-792 SASS instructions against 6,528-23,952 for the general one).
   // (the general kernels read the parameter itself, as before: a copy there cost the 192 x 192 tile 108 bytes more spill)
-  std::conditional_t<PLAIN, Params, const Params&> p = p_arg;
-  if constexpr (PLAIN) {
-    p.epilogue = 0, p.out_f32 = false, p.tma_store = true, p.fixup = false, p.streamk = false, p.splits = 1;
-    p.aux = nullptr, p.pre = nullptr, p.bias = nullptr;
-  }
+  std::conditional_t<SPEC != kSpecGeneral, Params, const Params&> p = p_arg;
+  if constexpr (SPEC != kSpecGeneral) apply_spec<SPEC>(p);
   static_assert(!PP || CONS == 2, "ping-pong: two consumer warpgroups");
   // 96-wide tiles (cuBLAS's shape for 2048 x 768: 128 tiles on 132 SMs): a 64-column chunk and a 32-column
   // tail (map_out_tail / map_pre_tail: bf16 maps of 32-column boxes); B K-major only (its MN-major boxes
@@ -971,10 +988,10 @@ inline bool pdl_launch() {
 
 // Launches gemm_kernel on `grid` blocks (CLU = 2: in clusters of two, the grid capped at twice the clusters
 // that fit at once, as the kernel is persistent), as a programmatic dependent launch unless BERTACCEL_PDL=0.
-template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1, bool PLAIN = false>
+template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1, int SPEC = kSpecGeneral>
 void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   using C = Config<BN, CONS>;
-  auto* kernel = gemm_kernel<BN, A_MN, B_MN, PP, CONS, CLU, PLAIN>;
+  auto* kernel = gemm_kernel<BN, A_MN, B_MN, PP, CONS, CLU, SPEC>;
   static const int max_clusters = [kernel] {  // per instantiation: raise the dynamic shared-memory limit once
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
     if (CLU == 1) return 0;
@@ -1012,39 +1029,45 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, m.a, m.b, m.out, m.pre, m.out_tail, m.pre_tail, p));
 }
 
-template <int BN, bool PP, int CONS = 2, int CLU = 1, bool PLAIN = false>
+// The epilogue specialisations are built for the forward's layout only (both operands K-major: x and nn.Linear's W).
+template <int BN, bool PP, int CONS = 2, int CLU = 1, int SPEC = kSpecGeneral>
 void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid, cudaStream_t stream) {
-  if (!a_mn && !b_mn) launch<BN, false, false, PP, CONS, CLU, PLAIN>(m, p, grid, stream);
-  else if (!a_mn && b_mn) launch<BN, false, true, PP, CONS, CLU, PLAIN>(m, p, grid, stream);
-  else if (a_mn && b_mn) launch<BN, true, true, PP, CONS, CLU, PLAIN>(m, p, grid, stream);
-  else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
+  constexpr bool kAllLayouts = SPEC == kSpecGeneral || SPEC == kSpecPlain;
+  if (!a_mn && !b_mn) launch<BN, false, false, PP, CONS, CLU, SPEC>(m, p, grid, stream);
+  else if constexpr (kAllLayouts) {
+    if (!a_mn && b_mn) launch<BN, false, true, PP, CONS, CLU, SPEC>(m, p, grid, stream);
+    else if (a_mn && b_mn) launch<BN, true, true, PP, CONS, CLU, SPEC>(m, p, grid, stream);
+    else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
+  } else {
+    TORCH_CHECK(false, "bertaccel gemm: the epilogue specialisations are built for K-major operands only");
+  }
 }
 
 // The single-block kernel of a schedule and tile width: rows192 (three consumers, widths 64, 128, 192), ping-pong
 // (64, 128) or cooperative (64, 96, 128, 192, 256). The general kernels are instantiated by gemm.cu's call
-// (PLAIN = false), the PLAIN ones by gemm_plain.cu's (launch_plain).
-template <bool PLAIN>
+// (SPEC = kSpecGeneral), the specialised ones by launch_plain / launch_bias / launch_bias_gelu (one translation unit each).
+template <int SPEC>
 void launch_single(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                    cudaStream_t stream) {
   if (rows192) {
     switch (bn) {
-      case 192: launch_layout<192, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
-      case 128: launch_layout<128, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
-      default: launch_layout<64, false, 3, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+      case 192: launch_layout<192, false, 3, 1, SPEC>(a_mn, b_mn, m, p, grid, stream); break;
+      case 128: launch_layout<128, false, 3, 1, SPEC>(a_mn, b_mn, m, p, grid, stream); break;
+      default: launch_layout<64, false, 3, 1, SPEC>(a_mn, b_mn, m, p, grid, stream); break;
     }
   } else if (pingpong) {
-    if (bn == 128) launch_layout<128, true, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream);
-    else launch_layout<64, true, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream);
+    if (bn == 128) launch_layout<128, true, 2, 1, SPEC>(a_mn, b_mn, m, p, grid, stream);
+    else launch_layout<64, true, 2, 1, SPEC>(a_mn, b_mn, m, p, grid, stream);
   } else {
     switch (bn) {
       case 96:  // K-major B only (candidates() offers it for those)
         TORCH_CHECK(!a_mn && !b_mn, "bertaccel gemm: 96-wide tiles need K-major operands");
-        launch<96, false, false, false, 2, 1, PLAIN>(m, p, grid, stream);
+        launch<96, false, false, false, 2, 1, SPEC>(m, p, grid, stream);
         break;
-      case 256: launch_layout<256, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
-      case 192: launch_layout<192, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
-      case 128: launch_layout<128, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
-      default: launch_layout<64, false, 2, 1, PLAIN>(a_mn, b_mn, m, p, grid, stream); break;
+      case 256: launch_layout<256, false, 2, 1, SPEC>(a_mn, b_mn, m, p, grid, stream); break;
+      case 192: launch_layout<192, false, 2, 1, SPEC>(a_mn, b_mn, m, p, grid, stream); break;
+      case 128: launch_layout<128, false, 2, 1, SPEC>(a_mn, b_mn, m, p, grid, stream); break;
+      default: launch_layout<64, false, 2, 1, SPEC>(a_mn, b_mn, m, p, grid, stream); break;
     }
   }
 }
@@ -1057,13 +1080,33 @@ void launch_pair_cooperative(int bn, bool a_mn, bool b_mn, const Maps& m, const 
 void launch_pair_rows(bool pingpong, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                       cudaStream_t stream);
 
-// A call of the PLAIN kernels: no epilogue, bf16 output stored by TMA, one K split, single blocks, not stream-K.
-inline bool is_plain(const Params& p, bool pair) {
-  return !pair && !p.streamk && p.splits == 1 && p.epilogue == 0 && !p.out_f32 && p.tma_store && p.aux == nullptr &&
-         p.pre == nullptr && p.bias == nullptr;
+// The specialised kernel that computes exactly what the general one would for these parameters, or kSpecGeneral:
+// the first SPEC whose apply_spec leaves them unchanged (byte for byte: p is copied as bytes, so padding compares
+// equal, and apply_spec writes named fields only), so the host's choice and the kernel's forced fields cannot
+// drift apart. Single blocks only (the cluster kernels are not specialised); the epilogue specialisations only for
+// K-major operands (launch_layout).
+template <int SPEC>
+bool spec_fits(const Params& p) {
+  Params q;
+  std::memcpy(&q, &p, sizeof(Params));
+  apply_spec<SPEC>(q);
+  return std::memcmp(&q, &p, sizeof(Params)) == 0;
 }
-// launch_single<true>, in its own translation unit gemm_plain.cu (compiled in parallel with gemm.cu).
+inline int spec_of(const Params& p, bool pair, bool a_mn, bool b_mn) {
+  if (pair) return kSpecGeneral;
+  if (spec_fits<kSpecPlain>(p)) return kSpecPlain;
+  if (a_mn || b_mn) return kSpecGeneral;
+  if (spec_fits<kSpecBias>(p)) return kSpecBias;
+  if (spec_fits<kSpecBiasGelu>(p)) return kSpecBiasGelu;
+  return kSpecGeneral;
+}
+// launch_single<SPEC> of each specialisation, in its own translation unit (gemm_plain.cu, gemm_bias.cu,
+// gemm_gelu.cu: compiled in parallel with gemm.cu).
 void launch_plain(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                   cudaStream_t stream);
+void launch_bias(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
+                 cudaStream_t stream);
+void launch_bias_gelu(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
+                      cudaStream_t stream);
 
 }  // namespace bertaccel::gemm::kernel

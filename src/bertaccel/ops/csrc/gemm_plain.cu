@@ -1,4 +1,4 @@
-// The PLAIN GEMM kernels (gemm_kernel.cuh, PLAIN = true: no epilogue, a bf16 output stored by TMA, one K split)
+// The PLAIN GEMM kernels (gemm_kernel.cuh, SPEC = kSpecPlain: no epilogue, a bf16 output stored by TMA, one K split)
 // for every single-block schedule and tile width: their own translation unit, compiled in parallel with gemm.cu.
 #include "gemm_kernel.cuh"
 
@@ -6,7 +6,7 @@ namespace bertaccel::gemm::kernel {
 
 void launch_plain(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                   cudaStream_t stream) {
-  launch_single<true>(pingpong, rows192, bn, a_mn, b_mn, m, p, grid, stream);
+  launch_single<kSpecPlain>(pingpong, rows192, bn, a_mn, b_mn, m, p, grid, stream);
 }
 
 }  // namespace bertaccel::gemm::kernel

@@ -1,0 +1,13 @@
+// The bias + GELU (erf) epilogue GEMM kernels (gemm_kernel.cuh, SPEC = kSpecBiasGelu: a bf16 output stored by TMA,
+// the pre-activation written or not, one K split; K-major operands, the forward's layout) for every single-block
+// schedule and tile width: their own translation unit, compiled in parallel with gemm.cu.
+#include "gemm_kernel.cuh"
+
+namespace bertaccel::gemm::kernel {
+
+void launch_bias_gelu(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p,
+                      int grid, cudaStream_t stream) {
+  launch_single<kSpecBiasGelu>(pingpong, rows192, bn, a_mn, b_mn, m, p, grid, stream);
+}
+
+}  // namespace bertaccel::gemm::kernel
