@@ -97,8 +97,9 @@ def features(M: int, N: int, K: int, bn: int, s: int, kind: str = "", kernel_sum
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweeps", nargs="+", help="bench_gemm --sweep JSONs (later ones set the time scale of the shapes they time)")
+    ap.add_argument("--coefficients", help="evaluate these (comma-separated, in the printed order: e.g. estimate_us's "
+                    "current ones) on the sweeps instead of fitting")
     args = ap.parse_args()
-    from scipy.optimize import nnls
 
     def cublas_ms(data):
         return {(r["shape"], r["gemm"]): r["ms"] for r in data["rows"] if r["impl"] == "cublas"}
@@ -132,7 +133,13 @@ def main() -> None:
             rows.append((M, N, K, bn, s, kind, kernel_sum, r["ms"] * 1e3 * scale_to[key] / own[key], key))
     X = np.array([features(*r[:7]) for r in rows])
     y = np.array([r[7] for r in rows])
-    coef, _ = nnls(X / y[:, None], np.ones(len(y)))
+    if args.coefficients:
+        coef = np.array([float(c) for c in args.coefficients.split(",")])
+        assert len(coef) == N_FEATURES, f"{N_FEATURES} coefficients, got {len(coef)}"
+    else:
+        from scipy.optimize import nnls
+
+        coef, _ = nnls(X / y[:, None], np.ones(len(y)))
     pred = X @ coef
     names = ([f"us/MFLOP n{w}" for w in WIDTHS] + [f"us/MFLOP pp n{w}" for w in PP_WIDTHS]
              + [f"us/MFLOP r192 n{w}" for w in R192_WIDTHS]

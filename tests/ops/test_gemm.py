@@ -773,15 +773,51 @@ def test_epilogue_specialisations_give_the_general_kernels_bits(call, schedule, 
 
 
 @hopper_test
+@pytest.mark.parametrize("schedule,tile_n", SCHEDULE_WIDTHS, ids=_config_id)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_split_k_specialisation_gives_the_general_kernels_bits(layout, schedule, tile_n, monkeypatch):
+    """K-split calls without an epilogue (the weight gradients at many tokens) run the kSpecSplitK kernel (another
+    kernel than with BERTACCEL_GEMM_SPECIALISED=0), summed through the workspace and in the kernel (not ping-pong),
+    bf16 and fp32 out: the general kernel's bits, within 2x cuBLAS's error, eager and replayed."""
+    trans_a, trans_b = LAYOUTS[layout]
+    if tile_n == 96 and trans_b:
+        pytest.skip("96-wide tiles take a K-major B only")
+    M, N, K = (768, 520, 4104) if layout != "wgrad" else (768, 776, 4104)
+    a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16)
+    A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
+    ref = A.double() @ B.double().t()
+    for split_sum in ("workspace", "kernel") if schedule != 2 else ("workspace",):
+        monkeypatch.setenv("BERTACCEL_GEMM_SPLIT", split_sum)
+        for out_fp32 in (False, True):
+            def run():
+                return GEMM(a, b, None, None, 0, trans_a, trans_b, out_fp32, False, tile_n, 3, schedule)[0]
+
+            monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "0")
+            general, general_names = run(), _gemm_kernel_names(run)
+            monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "1")
+            poison()
+            ours, names = run(), _gemm_kernel_names(run)
+            name = f"split-K {layout} {split_sum} fp32 {out_fp32} schedule {schedule} n{tile_n}"
+            assert len(names) == 1 and names != general_names, f"{name}: {names} {general_names}"
+            cublas = A.float() @ B.float().t() if out_fp32 else (A @ B.t()).float()
+            check_vs_cublas(ours.float(), cublas, ref, name)
+            assert torch.equal(ours, general), f"{name}: differs from the general kernel"
+        monkeypatch.delenv("BERTACCEL_GEMM_SPECIALISED")
+        assert_replay_matches_eager(lambda x, w: (GEMM(x, w, None, None, 0, trans_a, trans_b, False, False, tile_n, 3,
+                                                       schedule)[0], []), a, b)
+
+
+@hopper_test
 def test_specialised_switch_leaves_other_calls_alone_and_refuses_bad_values(monkeypatch):
-    """Calls no specialisation takes (fp32 out, K splits, a transposed operand with a bias, the tanh GELU) run the
-    same kernel with the switch on or off; plain and bias calls run another one."""
+    """Calls no specialisation takes (fp32 out with one split, a transposed operand with a bias, the tanh GELU, a bias
+    with K splits) run the same kernel with the switch on or off; plain, bias and K-split calls run another one."""
     a, b = _operands(1000, 768, 768, False, False, "cuda", torch.bfloat16)
     bias = torch.randn(768, device="cuda")
     calls = {"bias": lambda: GEMM(a, b, bias, None, 1, False, False, False, False, 0, 0, 0),
              "plain": lambda: GEMM(a, b, None, None, 0, False, False, False, False, 0, 0, 0),
              "fp32 out": lambda: GEMM(a, b, None, None, 0, False, False, True, False, 0, 0, 0),
              "K splits": lambda: GEMM(a, b, None, None, 0, False, False, False, False, 128, 3, 1),
+             "bias, K splits": lambda: GEMM(a, b, bias, None, 1, False, False, False, False, 128, 3, 1),
              "bias, B^T": lambda: GEMM(a, b.t().contiguous(), bias, None, 1, False, True, False, False, 0, 0, 0),
              "tanh GELU": lambda: GEMM(a, b, bias, None, 3, False, False, False, True, 0, 0, 0)}
     outs, names = {}, {}
@@ -791,7 +827,7 @@ def test_specialised_switch_leaves_other_calls_alone_and_refuses_bad_values(monk
         names[setting] = {k: _gemm_kernel_names(f) for k, f in calls.items()}
     for k in calls:
         assert all(torch.equal(x, y) for x, y in zip(outs["0"][k], outs["1"][k])), k
-        assert (names["0"][k] != names["1"][k]) == (k in ("bias", "plain")), (k, names["0"][k], names["1"][k])
+        assert (names["0"][k] != names["1"][k]) == (k in ("bias", "plain", "K splits")), (k, names["0"][k], names["1"][k])
     monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "yes")
     with pytest.raises(RuntimeError, match="BERTACCEL_GEMM_SPECIALISED"):
         GEMM(a, b, None, None, 0, False, False, False, False, 0, 0, 0)

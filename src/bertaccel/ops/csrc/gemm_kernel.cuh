@@ -124,19 +124,24 @@ __device__ __forceinline__ bool slice_out(const Params& p) { return p.splits > 1
 // caches, and in a training step every GEMM follows other kernels: with the general kernels the step's GEMMs
 // ran 0.65 ms slower per BERT-base 16x128 step than their own warm times (H100, scripts/step_gemms.py, session
 // 31); the PLAIN kernels removed that for plain calls. kSpecBias and kSpecBiasGelu do the same for the forward's
-// bias and bias + GELU (erf) epilogues (GELU's saved pre-activation stays a run-time option).
+// bias and bias + GELU (erf) epilogues (GELU's saved pre-activation stays a run-time option), kSpecSplitK for
+// K splits without an epilogue (the weight gradients at many tokens; how the splits are summed and the output
+// dtype stay run-time options).
 enum Spec : int {
   kSpecGeneral = 0,
   kSpecPlain = 1,     // no epilogue
   kSpecBias = 2,      // + bias (fp32 or bf16)
   kSpecBiasGelu = 3,  // GELU(. + bias), erf form, the pre-activation written or not
+  kSpecSplitK = 4,    // K splits, no epilogue: fp32 workspace slices or summed in the kernel, bf16 or fp32 out
 };
-// The options a specialisation fixes: bf16 out through TMA stores, one K split, no stream-K, and its epilogue.
+// The options a specialisation fixes: stores through TMA, no stream-K, no auxiliary input, and its epilogue;
+// all but kSpecSplitK a bf16 output and one K split.
 template <int SPEC>
 __host__ __device__ __forceinline__ void apply_spec(Params& p) {
-  static_assert(SPEC == kSpecPlain || SPEC == kSpecBias || SPEC == kSpecBiasGelu, "a specialisation");
-  p.out_f32 = false, p.tma_store = true, p.fixup = false, p.streamk = false, p.splits = 1, p.aux = nullptr;
-  if constexpr (SPEC == kSpecPlain) p.epilogue = kNone, p.bias = nullptr, p.bias_f32 = false, p.pre = nullptr;
+  static_assert(SPEC >= kSpecPlain && SPEC <= kSpecSplitK, "a specialisation");
+  p.tma_store = true, p.streamk = false, p.aux = nullptr;
+  if constexpr (SPEC != kSpecSplitK) p.out_f32 = false, p.fixup = false, p.splits = 1;
+  if constexpr (SPEC == kSpecPlain || SPEC == kSpecSplitK) p.epilogue = kNone, p.bias = nullptr, p.bias_f32 = false, p.pre = nullptr;
   if constexpr (SPEC == kSpecBias) p.epilogue = kBias, p.pre = nullptr;
   if constexpr (SPEC == kSpecBiasGelu) p.epilogue = kBiasGeluErf;
 }
@@ -1029,10 +1034,10 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, m.a, m.b, m.out, m.pre, m.out_tail, m.pre_tail, p));
 }
 
-// The epilogue specialisations are built for the forward's layout only (both operands K-major: x and nn.Linear's W).
+// The bias and GELU specialisations are built for the forward's layout only (both operands K-major: x and nn.Linear's W).
 template <int BN, bool PP, int CONS = 2, int CLU = 1, int SPEC = kSpecGeneral>
 void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid, cudaStream_t stream) {
-  constexpr bool kAllLayouts = SPEC == kSpecGeneral || SPEC == kSpecPlain;
+  constexpr bool kAllLayouts = SPEC == kSpecGeneral || SPEC == kSpecPlain || SPEC == kSpecSplitK;
   if (!a_mn && !b_mn) launch<BN, false, false, PP, CONS, CLU, SPEC>(m, p, grid, stream);
   else if constexpr (kAllLayouts) {
     if (!a_mn && b_mn) launch<BN, false, true, PP, CONS, CLU, SPEC>(m, p, grid, stream);
@@ -1045,7 +1050,7 @@ void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int gri
 
 // The single-block kernel of a schedule and tile width: rows192 (three consumers, widths 64, 128, 192), ping-pong
 // (64, 128) or cooperative (64, 96, 128, 192, 256). The general kernels are instantiated by gemm.cu's call
-// (SPEC = kSpecGeneral), the specialised ones by launch_plain / launch_bias / launch_bias_gelu (one translation unit each).
+// (SPEC = kSpecGeneral), the specialised ones by launch_plain / _bias / _bias_gelu / _splitk (a translation unit each).
 template <int SPEC>
 void launch_single(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                    cudaStream_t stream) {
@@ -1095,18 +1100,21 @@ bool spec_fits(const Params& p) {
 inline int spec_of(const Params& p, bool pair, bool a_mn, bool b_mn) {
   if (pair) return kSpecGeneral;
   if (spec_fits<kSpecPlain>(p)) return kSpecPlain;
+  if (p.splits > 1 && spec_fits<kSpecSplitK>(p)) return kSpecSplitK;
   if (a_mn || b_mn) return kSpecGeneral;
   if (spec_fits<kSpecBias>(p)) return kSpecBias;
   if (spec_fits<kSpecBiasGelu>(p)) return kSpecBiasGelu;
   return kSpecGeneral;
 }
 // launch_single<SPEC> of each specialisation, in its own translation unit (gemm_plain.cu, gemm_bias.cu,
-// gemm_gelu.cu: compiled in parallel with gemm.cu).
+// gemm_gelu.cu, gemm_splitk.cu: compiled in parallel with gemm.cu).
 void launch_plain(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                   cudaStream_t stream);
 void launch_bias(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                  cudaStream_t stream);
 void launch_bias_gelu(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                       cudaStream_t stream);
+void launch_splitk(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
+                   cudaStream_t stream);
 
 }  // namespace bertaccel::gemm::kernel
