@@ -624,6 +624,27 @@ def test_clusters_of_two_config_capture_and_bad_setting(monkeypatch):
 
 
 @hopper_test
+def test_tuning_follows_cudnn_benchmark_unless_the_variable_says(monkeypatch):
+    """BERTACCEL_GEMM_TUNE unset: the GEMM tunes when torch.backends.cudnn.benchmark is on (Lightning's
+    Trainer(benchmark=True)) and keeps the model's pick when it is off; BERTACCEL_GEMM_TUNE=0 keeps the model's pick
+    with benchmark on."""
+    monkeypatch.delenv("BERTACCEL_GEMM_TUNE", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    a, b = _operands(1856, 648, 1160, False, False, "cuda", torch.bfloat16)  # problems no other test tunes
+    GEMM(a, b, None, None, 0, False, False, False, False)
+    assert torch.ops.bertaccel.gemm_config(a, b, 0, False, False, False, False)[5] == 0
+    monkeypatch.setenv("BERTACCEL_GEMM_TUNE", "0")
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    GEMM(a, b, None, None, 0, False, False, False, False)
+    assert torch.ops.bertaccel.gemm_config(a, b, 0, False, False, False, False)[5] == 0
+    monkeypatch.delenv("BERTACCEL_GEMM_TUNE")
+    assert torch.ops.bertaccel.gemm_config(a, b, 0, False, False, False, False)[5] == 0  # not tuned yet
+    ours = GEMM(a, b, None, None, 0, False, False, False, False)[0]
+    assert torch.ops.bertaccel.gemm_config(a, b, 0, False, False, False, False)[5] == 1
+    check_vs_cublas(ours, a @ b.t(), a.double() @ b.double().t(), "tuned through cudnn.benchmark")
+
+
+@hopper_test
 def test_tuning_keeps_a_timed_pick_and_never_times_during_capture(monkeypatch):
     """BERTACCEL_GEMM_TUNE=1: the first eager call of a problem times the model's closest candidates and
     keeps the fastest (gemm_config then reports it as tuned), the output is right either way; a call

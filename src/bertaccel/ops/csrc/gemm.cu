@@ -269,7 +269,9 @@ std::vector<Choice> candidates(int M, int N, int K, int sms, bool split_ok, bool
   return out;
 }
 
-// BERTACCEL_GEMM_TUNE=1 (read at each call; off by default, like cudnn.benchmark): the first call of each
+// BERTACCEL_GEMM_TUNE=1 (read at each call; unset, it follows torch.backends.cudnn.benchmark - off by default,
+// on with Lightning's Trainer(benchmark=True) - since it is the same choice: time the candidates once per problem
+// and keep the fastest, at the price of picks that may differ between runs; =0 keeps the model's picks): the first call of each
 // problem (shapes, layouts, epilogue, output dtype, forced options) on a device times the model's
 // candidates within 15% of its best estimate (at most 6; one warm-up and three timed runs each, queued
 // behind a spin kernel so the CUDA events time the GPU, one host synchronisation each) and keeps the
@@ -280,7 +282,8 @@ std::vector<Choice> candidates(int M, int N, int K, int sms, bool split_ok, bool
 // BERTACCEL_GEMM_TUNE=verbose tunes too and prints each problem's candidates, estimates and times (stderr).
 int tuning_level() {
   const char* env = std::getenv("BERTACCEL_GEMM_TUNE");
-  if (env == nullptr || !*env || std::strcmp(env, "0") == 0) return 0;
+  if (env == nullptr || !*env) return at::globalContext().benchmarkCuDNN() ? 1 : 0;  // unset: as cuDNN's algorithms
+  if (std::strcmp(env, "0") == 0) return 0;
   if (std::strcmp(env, "1") == 0) return 1;
   TORCH_CHECK(std::strcmp(env, "verbose") == 0, "bertaccel gemm: BERTACCEL_GEMM_TUNE is '", env,
               "'; use 1 (tune), verbose (tune and print the times) or 0");
