@@ -243,6 +243,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also list each variant's GPU time by kernel category")
     ap.add_argument("--profile-top", type=int, default=12,
                     help="how many of each profiled variant's kernels (by GPU time) the JSON and the table keep")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant of a cell this many times, the variants interleaved (each round builds and "
+                         "captures anew); a cell's time is the median of its rounds' medians, each round's kept in the JSON")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
     rows = []
@@ -251,23 +254,26 @@ def main() -> None:
         for shape in args.shapes:
             batch, seq = map(int, shape.split("x"))
             for workload in args.workloads:
-                cell = {}
-                for variant in args.variants:
-                    try:
-                        t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps, args.device,
-                                       args.lengths, args.profile_top if args.profile else 0)
-                        cell[variant] = statistics.median(t)
-                    except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
-                        print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
-                        cell[variant] = float("nan")
+                per_round: dict[str, list[float]] = {v: [] for v in args.variants}
+                for r in range(args.rounds):
+                    for variant in args.variants:
+                        try:
+                            t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps, args.device,
+                                           args.lengths, args.profile_top if args.profile and r == 0 else 0)
+                            per_round[variant].append(statistics.median(t))
+                        except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
+                            print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
+                            per_round[variant].append(float("nan"))
+                cell = {v: statistics.median(ts) for v, ts in per_round.items()}
                 flops = bert_step_flops(cfg, batch, seq, training=workload == "train")
                 base = cell.get(BASELINE)
                 for variant, ms in cell.items():
+                    extra = {"ms_rounds": [round(x, 3) for x in per_round[variant]]} if args.rounds > 1 else {}
                     rows.append({
                         "model": model_name, "shape": shape, "lengths": args.lengths, "workload": workload, "variant": variant,
                         "ms": round(ms, 3), "samples/s": round(batch / ms * 1e3, 1) if ms == ms else "",
                         "speedup_vs_sdpa": round(base / ms, 2) if base and ms == ms else "",
-                        "TFLOP/s": round(flops / ms / 1e9, 1) if ms == ms else "",
+                        "TFLOP/s": round(flops / ms / 1e9, 1) if ms == ms else "", **extra,
                     })
                 print_table([r for r in rows if r["model"] == model_name and r["shape"] == shape and r["workload"] == workload],
                             COLUMNS)

@@ -42,6 +42,25 @@ def test_e2e_harness_writes_its_table(tmp_path, monkeypatch):
     assert all(r["ms"] > 0 for r in rows)
 
 
+def test_e2e_rounds_interleave_the_variants_and_keep_each_rounds_time(tmp_path, monkeypatch):
+    """--rounds 3: each variant timed three times, in the order a, b, a, b, a, b; the cell is the median."""
+    calls = []
+
+    def fake_step_times(variant, *args):
+        calls.append(variant)
+        return [float(len(calls))]  # this call's position: rounds' medians 1, 3, 5 (a) and 2, 4, 6 (b)
+
+    monkeypatch.setattr(e2e, "step_times", fake_step_times)
+    out = tmp_path / "e2e.json"
+    monkeypatch.setattr(sys, "argv", ["e2e", "--device", "cpu", "--models", "tiny", "--shapes", "2x16", "--workloads",
+                                      "train", "--variants", "hf-sdpa-bf16", "fused", "--rounds", "3", "--out", str(out)])
+    e2e.main()
+    assert calls == ["hf-sdpa-bf16", "fused"] * 3
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["hf-sdpa-bf16"]["ms_rounds"] == [1.0, 3.0, 5.0] and rows["hf-sdpa-bf16"]["ms"] == 3.0
+    assert rows["fused"]["ms_rounds"] == [2.0, 4.0, 6.0] and rows["fused"]["ms"] == 4.0
+
+
 def test_preset_comparison_runs_every_kind_of_preset_on_cpu(tmp_path):
     """benchmarks/presets.py end to end on CPU (tiny model, the shipped sample text): a plain, the
     recommended (graphs fall back to eager steps on CPU) and the full preset (NorMuon, QK-norm) each
