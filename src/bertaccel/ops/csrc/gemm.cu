@@ -112,7 +112,7 @@ CUtensorMap make_map_f32(void* data, int64_t slices, int64_t rows, int64_t cols)
 //   192-row:     waves x (MFLOP per unit x us-per-MFLOP of the width + 0.070 us per 1000 tile elements)
 //   ping-pong:   waves x (MFLOP per unit x us-per-MFLOP of the width + 0.091 us per 1000 tile elements)
 //                + 0.081 us per 1000 tile elements once (the last epilogue; the others overlap MMAs)
-//   splits summed through the workspace: + 0.251 us per MB of fp32 workspace written and read back + 2.67 us
+//   splits summed through the workspace: + 0.35 us per MB of fp32 workspace written and read back + 2.67 us
 //   splits summed in the kernel: + 0.508 us per MB of partials the other splits write and the last reads
 //                + 0.079 us per 1000 tile elements per extra split (the last split's additions) + 3.32 us.
 // The two constants (a split's fixed costs: the second kernel, the counters' memset node) were 1.53 and 0.11 us
@@ -120,7 +120,13 @@ CUtensorMap make_map_f32(void* data, int64_t slices, int64_t rows, int64_t cols)
 // then split K three ways (6.5 / 9.8 us) where one split runs 4.0 (gemm_sweep_m16_e4adc59.json). They are
 // the refit's with that sweep included (scripts/fit_gemm_model.py, the three 7f86ad8 sweeps + it: 2.665 and
 // 3.323); the other coefficients kept, which leaves every other pick on those sweeps unchanged (0.961 of the
-// best swept speed either way; --coefficients evaluates a set) and picks one split at M = 16.
+// best swept speed either way; --coefficients evaluates a set) and picks one split at M = 16. With the split-K
+// specialisation (kSpecSplitK) the in-kernel sum became the faster one at the M = 16384 weight gradients: on two
+// fresh full sweeps + the M = 16 and a weight-gradient sweep of those kernels (gemm_sweep_specialised_*_48bccfe,
+// gemm_sweep_wgrad_specialised_cc9b97a) the workspace's per-MB cost 0.2514 -> 0.35 (the refit said 0.313) moves
+// four weight-gradient picks to it (16384 x {768x3072, 3072x768}: 1.087 / 1.046 -> 1.144 / 1.115 of cuBLAS), no
+// other pick, and the picks' share of the best swept speed 0.969 -> 0.973 (on the 7f86ad8 sweeps 0.963 -> 0.966).
+// A full refit predicts better (median error 0.099 against 0.142) but picks worse (0.940): kept as above.
 // The in-kernel sum wins where the workspace pass is long next to the GEMM (2048 x 3072 x 768 forward in
 // 4 splits: 1.9x faster than through the workspace, gemm_split_sum_f28dacb.json) and loses where many
 // splits of large tiles leave the last block adding alone (16384 x 3072 x 3072 weight gradient in 4
@@ -186,7 +192,7 @@ double estimate_us(int M, int N, int K, int sms, int bn, int splits, Kind kind, 
   if (splits > 1 && kernel_sum) {
     t += (double)(splits - 1) * M * N * 4 * 2 / 1e6 * 0.5075 + tile_k * (splits - 1) * 0.0787 + 3.323;
   } else if (splits > 1) {
-    t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.2514 + 2.665;
+    t += ((double)splits * M * N * 4 * 2 + (double)M * N * 2) / 1e6 * 0.35 + 2.665;
   }
   return t;
 }
