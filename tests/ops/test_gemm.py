@@ -829,38 +829,6 @@ def test_split_k_specialisation_gives_the_general_kernels_bits(layout, schedule,
 
 
 @hopper_test
-@pytest.mark.parametrize("schedule,tile_n", SCHEDULE_WIDTHS, ids=_config_id)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_clusters_of_two_plain_kernels_give_the_general_kernels_bits(layout, schedule, tile_n, monkeypatch):
-    """BERTACCEL_GEMM_CLUSTER=2 on a plain call runs the PLAIN cluster kernel (gemm_cluster_plain.cu: another kernel
-    than with BERTACCEL_GEMM_SPECIALISED=0) with the general cluster kernel's bits, within 2x cuBLAS's error, at a
-    ragged shape (a last pair with a row of tiles past M) and a BERT weight-gradient shape, eager and replayed."""
-    trans_a, trans_b = LAYOUTS[layout]
-    if tile_n == 96 and trans_b:
-        pytest.skip("96-wide tiles take a K-major B only")
-    monkeypatch.setenv("BERTACCEL_GEMM_CLUSTER", "2")
-    for M, N, K in [(333 if not trans_a else 336, 520, 2056), (768, 3072, 2048)]:
-        a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16)
-        A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
-
-        def run():
-            return GEMM(a, b, None, None, 0, trans_a, trans_b, False, False, tile_n, 1, schedule)[0]
-
-        monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "0")
-        general, general_names = run(), _gemm_kernel_names(run)
-        monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "1")
-        poison()
-        ours, names = run(), _gemm_kernel_names(run)
-        name = f"cluster plain {layout} {M}x{N}x{K} schedule {schedule} n{tile_n}"
-        assert len(names) == 1 and names != general_names, f"{name}: {names} {general_names}"
-        check_vs_cublas(ours, A @ B.t(), A.double() @ B.double().t(), name)
-        assert torch.equal(ours, general), f"{name}: differs from the general cluster kernel"
-    monkeypatch.delenv("BERTACCEL_GEMM_SPECIALISED")
-    assert_replay_matches_eager(lambda x, w: (GEMM(x, w, None, None, 0, trans_a, trans_b, False, False, tile_n, 1,
-                                                   schedule)[0], []), a, b)
-
-
-@hopper_test
 def test_specialised_switch_leaves_other_calls_alone_and_refuses_bad_values(monkeypatch):
     """Calls no specialisation takes (fp32 out with one split, a transposed operand with a bias, the tanh GELU, a bias
     with K splits) run the same kernel with the switch on or off; plain, bias and K-split calls run another one."""

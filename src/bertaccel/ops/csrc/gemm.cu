@@ -493,9 +493,7 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
       p.sk_flags = streamk_flags(a, grid, stream);
     }
     const int spec = specialised_kernels() ? spec_of(p, pair, trans_a, trans_b) : kSpecGeneral;
-    if (spec == kSpecPlain && pair) {
-      launch_pair_plain(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
-    } else if (spec == kSpecPlain) {
+    if (spec == kSpecPlain) {
       launch_plain(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
     } else if (spec == kSpecBias) {
       launch_bias(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);

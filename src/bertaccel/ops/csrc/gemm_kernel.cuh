@@ -1088,8 +1088,8 @@ void launch_pair_rows(bool pingpong, int bn, bool a_mn, bool b_mn, const Maps& m
 // The specialised kernel that computes exactly what the general one would for these parameters, or kSpecGeneral:
 // the first SPEC whose apply_spec leaves them unchanged (byte for byte: p is copied as bytes, so padding compares
 // equal, and apply_spec writes named fields only), so the host's choice and the kernel's forced fields cannot
-// drift apart. Clusters of two have PLAIN kernels only (gemm_cluster_plain.cu); the bias and GELU specialisations
-// are built for K-major operands only (launch_layout).
+// drift apart. Single blocks only (the cluster kernels are not specialised); the epilogue specialisations only for
+// K-major operands (launch_layout).
 template <int SPEC>
 bool spec_fits(const Params& p) {
   Params q;
@@ -1098,8 +1098,8 @@ bool spec_fits(const Params& p) {
   return std::memcmp(&q, &p, sizeof(Params)) == 0;
 }
 inline int spec_of(const Params& p, bool pair, bool a_mn, bool b_mn) {
-  if (spec_fits<kSpecPlain>(p)) return kSpecPlain;
   if (pair) return kSpecGeneral;
+  if (spec_fits<kSpecPlain>(p)) return kSpecPlain;
   if (p.splits > 1 && spec_fits<kSpecSplitK>(p)) return kSpecSplitK;
   if (a_mn || b_mn) return kSpecGeneral;
   if (spec_fits<kSpecBias>(p)) return kSpecBias;
@@ -1116,8 +1116,5 @@ void launch_bias_gelu(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn,
                       cudaStream_t stream);
 void launch_splitk(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                    cudaStream_t stream);
-// The PLAIN kernels in clusters of two (gemm_cluster_plain.cu).
-void launch_pair_plain(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
-                       cudaStream_t stream);
 
 }  // namespace bertaccel::gemm::kernel
