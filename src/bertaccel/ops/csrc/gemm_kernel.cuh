@@ -136,6 +136,9 @@ enum Spec : int {
 };
 // The options a specialisation fixes: stores through TMA, no stream-K, no auxiliary input, and its epilogue;
 // all but kSpecSplitK a bf16 output and one K split.
+// The specialisations built for every operand layout: all but the bias and GELU ones (the forward's epilogues),
+// which are built for K-major operands only (launch_layout and spec_of read this).
+constexpr bool spec_every_layout(int spec) { return spec != kSpecBias && spec != kSpecBiasGelu; }
 template <int SPEC>
 __host__ __device__ __forceinline__ void apply_spec(Params& p) {
   static_assert(SPEC >= kSpecPlain && SPEC <= kSpecSplitK, "a specialisation");
@@ -1034,12 +1037,12 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, m.a, m.b, m.out, m.pre, m.out_tail, m.pre_tail, p));
 }
 
-// The bias and GELU specialisations are built for the forward's layout only (both operands K-major: x and nn.Linear's W).
+// A kernel for each layout the specialisation is built for (spec_every_layout): both operands K-major (the forward:
+// x and nn.Linear's W), B MN-major (input gradients) or both MN-major (weight gradients).
 template <int BN, bool PP, int CONS = 2, int CLU = 1, int SPEC = kSpecGeneral>
 void launch_layout(bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid, cudaStream_t stream) {
-  constexpr bool kAllLayouts = SPEC == kSpecGeneral || SPEC == kSpecPlain || SPEC == kSpecSplitK;
   if (!a_mn && !b_mn) launch<BN, false, false, PP, CONS, CLU, SPEC>(m, p, grid, stream);
-  else if constexpr (kAllLayouts) {
+  else if constexpr (spec_every_layout(SPEC)) {
     if (!a_mn && b_mn) launch<BN, false, true, PP, CONS, CLU, SPEC>(m, p, grid, stream);
     else if (a_mn && b_mn) launch<BN, true, true, PP, CONS, CLU, SPEC>(m, p, grid, stream);
     else TORCH_CHECK(false, "bertaccel gemm: an MN-major A with a K-major B is not built (transpose b too)");
@@ -1088,10 +1091,11 @@ void launch_pair_rows(bool pingpong, int bn, bool a_mn, bool b_mn, const Maps& m
 // The specialised kernel that computes exactly what the general one would for these parameters, or kSpecGeneral:
 // the first SPEC whose apply_spec leaves them unchanged (byte for byte: p is copied as bytes, so padding compares
 // equal, and apply_spec writes named fields only), so the host's choice and the kernel's forced fields cannot
-// drift apart. Single blocks only (the cluster kernels are not specialised); the epilogue specialisations only for
-// K-major operands (launch_layout).
+// drift apart. Single blocks only (the cluster kernels are not specialised); each specialisation only for the layouts
+// it is built for (spec_every_layout).
 template <int SPEC>
-bool spec_fits(const Params& p) {
+bool spec_fits(const Params& p, bool a_mn, bool b_mn) {
+  if (!spec_every_layout(SPEC) && (a_mn || b_mn)) return false;
   Params q;
   std::memcpy(&q, &p, sizeof(Params));
   apply_spec<SPEC>(q);
@@ -1099,11 +1103,12 @@ bool spec_fits(const Params& p) {
 }
 inline int spec_of(const Params& p, bool pair, bool a_mn, bool b_mn) {
   if (pair) return kSpecGeneral;
-  if (spec_fits<kSpecPlain>(p)) return kSpecPlain;
-  if (p.splits > 1 && spec_fits<kSpecSplitK>(p)) return kSpecSplitK;
-  if (a_mn || b_mn) return kSpecGeneral;
-  if (spec_fits<kSpecBias>(p)) return kSpecBias;
-  if (spec_fits<kSpecBiasGelu>(p)) return kSpecBiasGelu;
+  if (spec_fits<kSpecPlain>(p, a_mn, b_mn)) return kSpecPlain;
+  // kSpecSplitK leaves the split count a run-time option: it takes only calls that split (one split and no
+  // epilogue is kSpecPlain's, or, with an fp32 output, the general kernel's)
+  if (p.splits > 1 && spec_fits<kSpecSplitK>(p, a_mn, b_mn)) return kSpecSplitK;
+  if (spec_fits<kSpecBias>(p, a_mn, b_mn)) return kSpecBias;
+  if (spec_fits<kSpecBiasGelu>(p, a_mn, b_mn)) return kSpecBiasGelu;
   return kSpecGeneral;
 }
 // launch_single<SPEC> of each specialisation, in its own translation unit (gemm_plain.cu, gemm_bias.cu,
