@@ -134,11 +134,11 @@ enum Spec : int {
   kSpecBiasGelu = 3,  // GELU(. + bias), erf form, the pre-activation written or not
   kSpecSplitK = 4,    // K splits, no epilogue: fp32 workspace slices or summed in the kernel, bf16 or fp32 out
 };
+// The specialisations built for every operand layout: all but the bias and GELU ones (the forward's epilogues),
+// which are built for K-major operands only (launch_layout and spec_fits read this).
+constexpr bool spec_every_layout(int spec) { return spec != kSpecBias && spec != kSpecBiasGelu; }
 // The options a specialisation fixes: stores through TMA, no stream-K, no auxiliary input, and its epilogue;
 // all but kSpecSplitK a bf16 output and one K split.
-// The specialisations built for every operand layout: all but the bias and GELU ones (the forward's epilogues),
-// which are built for K-major operands only (launch_layout and spec_of read this).
-constexpr bool spec_every_layout(int spec) { return spec != kSpecBias && spec != kSpecBiasGelu; }
 template <int SPEC>
 __host__ __device__ __forceinline__ void apply_spec(Params& p) {
   static_assert(SPEC >= kSpecPlain && SPEC <= kSpecSplitK, "a specialisation");
