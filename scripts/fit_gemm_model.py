@@ -165,10 +165,9 @@ def optimize_picks(coef: np.ndarray, X: np.ndarray, y: np.ndarray, groups: list[
     return coef
 
 
-def report(rows, scale_to, coef: np.ndarray, label: str) -> float:
-    """Print each (shape, GEMM)'s pick against the best swept configuration; return the picks' mean share."""
-    X = np.array([features(*r[:7]) for r in rows])
-    pred = X @ coef
+def report(rows, scale_to, pred: np.ndarray, label: str) -> None:
+    """Print each (shape, GEMM)'s pick (the least predicted time `pred` per row) against the best swept configuration,
+    then the picks' mean share of the best."""
     groups: dict = defaultdict(list)
     for r, p in zip(rows, pred):
         groups[r[8]].append((p, r[7], (f"{r[5]} " if r[5] else "") + f"n{r[3]} s{r[4]}" + (" ks" if r[6] else "")))
@@ -180,7 +179,6 @@ def report(rows, scale_to, coef: np.ndarray, label: str) -> float:
         print(f"{key[0]:16s} {key[1]:14s} pick {pick[2]:12s} {scale_to[key] / pick[1] * 1e3:.3f} of cuBLAS "
               f"(best swept {min(g, key=lambda v: v[1])[2]}: {scale_to[key] / best * 1e3:.3f})")
     print(f"{label}model picks: {np.mean(share):.3f} of the best configuration's speed on average, worst {np.min(share):.3f}")
-    return float(np.mean(share))
 
 
 def main() -> None:
@@ -213,10 +211,10 @@ def main() -> None:
         print(f"{name:40s} {c:.4f}")
     print("coefficients: " + ",".join(f"{c:.4f}" for c in coef))
     print(f"{len(rows)} configurations; median |error| {np.median(np.abs(pred / y - 1)):.3f}")
-    report(rows, scale_to, coef, "")
+    report(rows, scale_to, pred, "")
     if args.holdout:
         held, held_scale = load_rows(args.holdout)
-        report(held, held_scale, coef, "held-out sweeps: ")
+        report(held, held_scale, np.array([features(*r[:7]) for r in held]) @ coef, "held-out sweeps: ")
 
 
 if __name__ == "__main__":
