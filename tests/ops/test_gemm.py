@@ -719,8 +719,7 @@ def test_plain_kernels_give_the_general_kernels_bits(layout, schedule, tile_n, m
     """A plain call (no epilogue, bf16 out, one K split) runs the PLAIN kernels (gemm_plain.cu: the options fixed at
     compile time); BERTACCEL_GEMM_SPECIALISED=0 runs it on the general ones. Same tiles, same K order: the same bits,
     within 2x cuBLAS's error, at ragged shapes (M, N, K off the tile; N ending inside a 96-wide tile's tail) and a
-    BERT shape, eager and replayed from a CUDA graph. Calls that are not plain (bias, fp32 out, K splits) are
-    unaffected by the switch."""
+    BERT shape, eager and replayed from a CUDA graph."""
     trans_a, trans_b = LAYOUTS[layout]
     if tile_n == 96 and trans_b:
         pytest.skip("96-wide tiles take a K-major B only")
@@ -751,6 +750,17 @@ def _gemm_kernel_names(fn) -> list[str]:
     return [e.name for e in prof.events() if "gemm_kernel" in e.name]
 
 
+def _general_then_specialised(run, monkeypatch):
+    """`run()` on the general kernels (BERTACCEL_GEMM_SPECIALISED=0), then, over poisoned free memory, with the
+    specialised ones: (general output, its kernel names, specialised output, its kernel names)."""
+    monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "0")
+    general, general_names = run(), _gemm_kernel_names(run)
+    monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "1")
+    poison()
+    ours, names = run(), _gemm_kernel_names(run)
+    return general, general_names, ours, names
+
+
 EPILOGUE_SPECS = {  # epilogue, bias dtype, save_pre: calls the epilogue specialisations (gemm_bias.cu, gemm_gelu.cu) take
     "bias_fp32": (1, torch.float32, False), "bias_bf16": (1, torch.bfloat16, False),
     "gelu": (2, torch.float32, False), "gelu_pre": (2, torch.float32, True)}
@@ -772,13 +782,7 @@ def test_epilogue_specialisations_give_the_general_kernels_bits(call, schedule, 
         def run():
             return GEMM(a, b, bias, None, epilogue, False, False, False, save_pre, tile_n, 1, schedule)
 
-        monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "0")
-        general = run()
-        general_names = _gemm_kernel_names(run)
-        monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "1")
-        poison()
-        ours = run()
-        names = _gemm_kernel_names(run)
+        general, general_names, ours, names = _general_then_specialised(run, monkeypatch)
         name = f"{call} {M}x{N}x{K} schedule {schedule} n{tile_n}"
         assert len(names) == 1 and len(general_names) == 1 and names != general_names, f"{name}: {names} {general_names}"
         ref, ref_pre = apply_epilogue(a.double() @ b.double().t(), bias, None, epilogue, save_pre, torch.float64)
@@ -813,11 +817,7 @@ def test_split_k_specialisation_gives_the_general_kernels_bits(layout, schedule,
             def run():
                 return GEMM(a, b, None, None, 0, trans_a, trans_b, out_fp32, False, tile_n, 3, schedule)[0]
 
-            monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "0")
-            general, general_names = run(), _gemm_kernel_names(run)
-            monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "1")
-            poison()
-            ours, names = run(), _gemm_kernel_names(run)
+            general, general_names, ours, names = _general_then_specialised(run, monkeypatch)
             name = f"split-K {layout} {split_sum} fp32 {out_fp32} schedule {schedule} n{tile_n}"
             assert len(names) == 1 and names != general_names, f"{name}: {names} {general_names}"
             cublas = A.float() @ B.float().t() if out_fp32 else (A @ B.t()).float()
