@@ -151,19 +151,29 @@ def graph_time_ms(fn, inputs: list, calls: int = 20, replays: int = 10) -> float
 
 
 def measure_op(op: str, shape: str, impls: dict, make_args, grad_args: tuple[int, ...],
-               fwd_bytes: int, bwd_bytes: int, ceiling_gbs: float) -> list[dict]:
+               fwd_bytes: int, bwd_bytes: int, ceiling_gbs: float, train_fwd_bytes: int | None = None) -> list[dict]:
     """Forward and backward of every implementation of one op on the same inputs.
 
     GPU time per call comes from CUDA-graph replays (kernels only); `eager_fwd_us` is one eager
     call timed with events, launch and Python overhead included. Effective bandwidth = the bytes
     the op must move at least once / GPU time. `make_args()` returns fresh random inputs;
-    `grad_args` are the indices that need gradients."""
+    `grad_args` are the indices that need gradients. The forward is timed without grad (what
+    inference runs); with `train_fwd_bytes` it is timed again with grad on (`train_fwd_*`: what a
+    training step runs, which also writes what the backward needs, counted in those bytes)."""
     sets = [make_args() for _ in range(rotations(fwd_bytes))]
     rows = []
     for name, fn in impls.items():
         with torch.no_grad():
             eager_ms = cuda_time_ms(fn, sets)
             fwd_ms = graph_time_ms(fn, sets)
+        train = {}
+        if train_fwd_bytes is not None:
+            train_sets = [[a.detach().requires_grad_(True) if torch.is_tensor(a) and i in grad_args else a
+                           for i, a in enumerate(args)] for args in sets]
+            train_ms = graph_time_ms(fn, train_sets)
+            train_gbs = train_fwd_bytes / train_ms / 1e6
+            train = {"train_fwd_us": round(train_ms * 1e3, 1), "train_fwd_GB/s": round(train_gbs),
+                     "train_fwd_%copy": round(100 * train_gbs / ceiling_gbs)}
         graphs = []
         for args in sets[: max(2, len(sets) // 2)]:
             args = [a.detach().requires_grad_(True) if torch.is_tensor(a) and i in grad_args else a
@@ -182,7 +192,7 @@ def measure_op(op: str, shape: str, impls: dict, make_args, grad_args: tuple[int
             "op": op, "shape": shape, "impl": name, "eager_fwd_us": round(eager_ms * 1e3, 1),
             "fwd_us": round(fwd_ms * 1e3, 1), "fwd_GB/s": round(fwd_gbs), "fwd_%copy": round(100 * fwd_gbs / ceiling_gbs),
             "bwd_us": round(bwd_ms * 1e3, 1), "bwd_GB/s": round(bwd_gbs), "bwd_%copy": round(100 * bwd_gbs / ceiling_gbs),
-            "bwd_timing": how,
+            "bwd_timing": how, **train,
         })
         del graphs
     return rows

@@ -6,9 +6,10 @@
 // Each forward runs the op's `*_fwd` form (the outputs the backward needs: the pre-norm sum, row
 // statistics, the dropout seed/offset) below the autograd layer; calls that record no backward (grad
 // mode off, or no input that requires grad) and draw no dropout run the public op's own CUDA kernel
-// instead, which writes only its output (evaluation and prediction). It normalises the fp32 sum
-// where the saving form normalises the stored bf16 sum, so the two can differ by one bf16 rounding;
-// calls with dropout keep the saving form, whose masks the training path's tests pin down. Under torch.compile these Functions are traced like any aten op's
+// instead, which writes only its output (evaluation and prediction; with dropout too: the same masks
+// from the same generator state, but no saved sum). It normalises the fp32 sum where the saving form
+// normalises the stored bf16 sum, so the two can differ by one bf16 rounding (tests/ops/
+// test_layer_norm.py checks both against each other). Under torch.compile these Functions are traced like any aten op's
 // autograd: the forward graph holds `*_fwd`, the backward graph `*_bwd`.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -79,7 +80,7 @@ struct LayerNormFn : public Function<LayerNormFn> {
 
 Tensor layer_norm_autograd(const Tensor& x, const OptTensor& bias, const OptTensor& residual, const Tensor& weight,
                            const Tensor& ln_bias, double p, double eps) {
-  if (p == 0.0 && !needs_grad({&x, opt(bias), opt(residual), &weight, &ln_bias})) {
+  if (!needs_grad({&x, opt(bias), opt(residual), &weight, &ln_bias})) {
     static auto fwd = op<Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, double,
                                 double)>("bertaccel::layer_norm");
     at::AutoDispatchBelowADInplaceOrView guard;

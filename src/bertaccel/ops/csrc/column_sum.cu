@@ -31,7 +31,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kLanes * kRowLanes) column_sum_kernel(const T* __restrict__ x, float* __restrict__ out,
                                                                         int64_t rows, int cols, int rows_per_chunk) {
   __shared__ float red[kRowLanes][kLanes * VEC + 1];
-  allow_dependent_launch();  // the column sums of the partial rows may launch now (they wait for this grid)
+  begin_dependent_kernel();  // (the column sums of the partial rows may launch now: they wait for this grid)
   const int cv = blockIdx.x * kLanes + threadIdx.x;
   const bool live = cv * VEC < cols;
   float acc[VEC];
@@ -90,8 +90,8 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   const int rpc = (int)std::max<int64_t>(kUnroll * kRowLanes, (rows + want - 1) / want);
   const int chunks = (int)((rows + rpc - 1) / rpc);
   at::Tensor part = chunks > 1 ? at::empty({chunks, cols}, x.options().dtype(at::kFloat)) : out;
-  column_sum_kernel<T, VEC><<<dim3(col_blocks, chunks), dim3(kLanes, kRowLanes), 0, stream>>>(
-      (const T*)x.data_ptr(), part.data_ptr<float>(), rows, (int)cols, rpc);
+  launch_dependent(column_sum_kernel<T, VEC>, dim3(col_blocks, chunks), dim3(kLanes, kRowLanes), 0, stream,
+                   (const T*)x.data_ptr(), part.data_ptr<float>(), rows, (int)cols, rpc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (chunks > 1) launch_column_sums({{&part, &out}}, chunks, (int)cols, stream);
 }

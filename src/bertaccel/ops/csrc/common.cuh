@@ -253,12 +253,43 @@ inline bool pdl_enabled() {
   static const bool on = env_switch("BERTACCEL_PDL", 1) != 0;
   return on;
 }
+
+// kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch on Hopper and later
+// (unless BERTACCEL_PDL=0): the grid may be scheduled as soon as every block of the kernel before it on
+// the stream has allowed it (`allow_dependent_launch`) or exited, instead of after that kernel has
+// completed, so its launch and block start-up overlap the previous kernel's tail. Every kernel launched
+// this way calls `wait_for_prerequisite_grids()` before it reads or writes global memory: the wait
+// returns once the previous grid has completed and its writes are visible, as a plain launch would.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (pdl_enabled() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// The first statement of every kernel started by `launch_dependent`: wait for the previous grid (its
+// writes visible), then allow the next launch_dependent kernel to be scheduled (it waits likewise).
+__device__ __forceinline__ void begin_dependent_kernel() {
+  wait_for_prerequisite_grids();
+  allow_dependent_launch();
+}
 constexpr int kColSumRows = 32;
 constexpr int kColSumBatch = 12;  // loads in flight per thread: one round for up to 384 partial rows
 
 static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(ColumnSums m, int parts, int cols) {
   __shared__ float red[kColSumRows][33];
-  wait_for_prerequisite_grids();  // the partial rows are the previous kernel's output
+  begin_dependent_kernel();  // the partial rows are the previous kernel's output
   const float* __restrict__ part = m.part[blockIdx.y];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float s = 0.f;
@@ -295,18 +326,8 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3((unsigned)((cols + 31) / 32), (unsigned)n);
-  config.blockDim = dim3(32, kColSumRows);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  if (pdl_enabled() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, column_sums_kernel, m, parts, cols));
+  launch_dependent(column_sums_kernel, dim3((unsigned)((cols + 31) / 32), (unsigned)n), dim3(32, kColSumRows), 0, stream,
+                   m, parts, cols);
 }
 
 // ------------------------------------------------------------------------- host-side launch helpers

@@ -30,6 +30,7 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
     float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int H, int tpr, float eps, float p,
     at::PhiloxCudaState philox, int64_t* __restrict__ rng_out, int64_t n_word, int64_t n_pos, int64_t n_type) {
   __shared__ float red[kThreads / 32];
+  begin_dependent_kernel();
   const int nvec = H / VEC;
   const int local_row = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
@@ -161,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
 #define BA_EMB_FWD(V, I)                                                                                        \
-  embedding_ln_fwd_kernel<T, V, I><<<grid, kThreads, 0, stream>>>(                                              \
+  launch_dependent(embedding_ln_fwd_kernel<T, V, I>, grid, dim3(kThreads), 0, stream,                          \
       ids.data_ptr<int64_t>(), pos_ids.data_ptr<int64_t>(), type_ids.data_ptr<int64_t>(), word.data_ptr<float>(), \
       pos.data_ptr<float>(), type.data_ptr<float>(), gamma.data_ptr<float>(), beta.data_ptr<float>(),           \
       (T*)y.data_ptr(), save ? (T*)z.data_ptr() : nullptr, save ? mean.data_ptr<float>() : nullptr,             \

@@ -79,6 +79,7 @@ template <typename T, int VEC, typename Index, int UNROLL, bool FAST>
 __global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                                                     T* __restrict__ y, Index nvec, Index cpr,
                                                                     bool tanh_form) {
+  begin_dependent_kernel();
   const Index base = (Index)blockIdx.x * (kFwdThreads * UNROLL) + threadIdx.x;
   // x as loaded (packs), every row load issued before any is converted: converting x as it arrived
   // let ptxas keep 2 loads in flight (SASS, the 32-bit-index bf16 kernel every BERT shape runs).
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __rest
                                                                  const T* __restrict__ bias, T* __restrict__ dx,
                                                                  float* __restrict__ dbias_part, int64_t rows, int cols,
                                                                  int rows_per_chunk, bool tanh_form) {
-  allow_dependent_launch();  // the column sums may launch now (they wait for this grid)
+  begin_dependent_kernel();  // (the column sums may launch now: they wait for this grid)
   const int cv = blockIdx.x * kThreads + threadIdx.x;
   if (cv * VEC >= cols) return;
   float b[VEC], acc[VEC];
@@ -210,8 +211,8 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
     // 32-bit indices (cheaper i % cpr) when every element offset i * VEC fits, not just the vector count
     const bool narrow = rows * cols < (int64_t{1} << 31);
 #define BA_GELU_FWD_K(V, U, I, FAST)                                                                           \
-  bias_gelu_fwd_kernel<T, V, I, U, FAST><<<grid, kFwdThreads, 0, stream>>>(                                    \
-      (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (I)nvec, (I)cpr, tanh_form)
+  launch_dependent(bias_gelu_fwd_kernel<T, V, I, U, FAST>, grid, dim3(kFwdThreads), 0, stream,                 \
+                   (const T*)x.data_ptr(), bp, (T*)y.data_ptr(), (I)nvec, (I)cpr, tanh_form)
 #define BA_GELU_FWD_U(V, U)                                                                                    \
   do {                                                                                                         \
     const dim3 grid((unsigned)((nvec + kFwdThreads * U - 1) / (kFwdThreads * U)));                             \
@@ -268,11 +269,11 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
 #define BA_GELU_BWD(V)                                                                                     \
   do {                                                                                                     \
     if (fast)                                                                                              \
-      bias_gelu_bwd_kernel<T, V, kBf16><<<grid, kThreads, 0, stream>>>(                                    \
-          (const T*)dy.data_ptr(), (const T*)x.data_ptr(), bp, (T*)dx.data_ptr(), pp, rows, (int)cols, rpc, tanh_form); \
+      launch_dependent(bias_gelu_bwd_kernel<T, V, kBf16>, grid, dim3(kThreads), 0, stream, (const T*)dy.data_ptr(), \
+                       (const T*)x.data_ptr(), bp, (T*)dx.data_ptr(), pp, rows, (int)cols, rpc, tanh_form);   \
     else                                                                                                   \
-      bias_gelu_bwd_kernel<T, V, false><<<grid, kThreads, 0, stream>>>(                                    \
-          (const T*)dy.data_ptr(), (const T*)x.data_ptr(), bp, (T*)dx.data_ptr(), pp, rows, (int)cols, rpc, tanh_form); \
+      launch_dependent(bias_gelu_bwd_kernel<T, V, false>, grid, dim3(kThreads), 0, stream, (const T*)dy.data_ptr(), \
+                       (const T*)x.data_ptr(), bp, (T*)dx.data_ptr(), pp, rows, (int)cols, rpc, tanh_form);   \
   } while (0)
     if (vec == 8) { if constexpr (sizeof(T) == 2) BA_GELU_BWD(8); }
     else if (vec == 4) BA_GELU_BWD(4);

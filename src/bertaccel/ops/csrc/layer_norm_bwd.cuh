@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
   constexpr bool kCentre = MODE != kRms;
   static_assert(ITEMS * VEC <= 32, "the dropout keep bits of a thread's columns fit one 32-bit word");
   __shared__ float red[kBwdThreads / 32];
-  allow_dependent_launch();  // the column sums may launch now (they wait for this grid)
+  begin_dependent_kernel();  // (the column sums may launch now: they wait for this grid)
   const int nvec = H / VEC;
   const int rpb = kBwdThreads / tpr;
   const int local_row = threadIdx.x / tpr;
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
   static_assert(ITEMS * VEC <= 32, "the dropout keep bits of a thread's columns fit one 32-bit word");
   extern __shared__ __align__(16) unsigned char bwd_ring_smem[];
-  allow_dependent_launch();  // the column sums may launch now (they wait for this grid)
+  begin_dependent_kernel();  // (the column sums may launch now: they wait for this grid)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned char* ring = bwd_ring_smem + warp * S * kStage;
   const int nvec = H / VEC;
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
   static_assert(VEC % 4 == 0, "accumulators are kept as float4s");
   static_assert(ITEMS * VEC <= 32, "the dropout keep bits of a thread's columns fit one 32-bit word");
   extern __shared__ float4 bwd_acc_smem[];  // [accumulator][k][q][thread]
-  allow_dependent_launch();  // the column sums may launch now (they wait for this grid)
+  begin_dependent_kernel();  // (the column sums may launch now: they wait for this grid)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nvec = H / VEC;
   const int rpw = 32 / tpr;  // rows per warp at a time
@@ -572,10 +572,10 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     at::Tensor pg = at::empty({blocks, H}, opts), pb, ph;
     if (dbeta.defined()) pb = at::empty({blocks, H}, opts);
     if (dbias.defined()) ph = at::empty({blocks, H}, opts);
-    kernel<<<blocks, kBwdThreads, smem, stream>>>(
-        (const T*)dy.data_ptr(), (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(),
-        (T*)dz.data_ptr(), dhp, pg.data_ptr<float>(), pb.defined() ? pb.data_ptr<float>() : nullptr,
-        ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp);
+    launch_dependent(kernel, dim3(blocks), dim3(kBwdThreads), smem, stream, (const T*)dy.data_ptr(),
+                     (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(), (T*)dz.data_ptr(),
+                     dhp, pg.data_ptr<float>(), pb.defined() ? pb.data_ptr<float>() : nullptr,
+                     ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

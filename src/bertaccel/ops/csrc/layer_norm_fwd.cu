@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int H, int tpr, float eps,
     float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
   __shared__ float red[ROWS * (kThreads / 32)];
+  begin_dependent_kernel();
   const int nvec = H / VEC;
   const int rpb = kThreads / tpr;  // row slots per block
   const int local_row = threadIdx.x / tpr;
@@ -225,6 +226,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   constexpr int S = ring_stages<ITEMS, RES>();
   constexpr int kStage = ITEMS * kRingItemBytes * (RES ? 2 : 1);  // one warp's row (and residual row)
   extern __shared__ __align__(16) unsigned char ring_smem[];
+  begin_dependent_kernel();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned char* ring = ring_smem + warp * S * kStage + lane * 16;
   const int nvec = H / VEC;
@@ -358,9 +360,9 @@ void launch_ring(const at::Tensor& x, const T* bp, const T* rp, const at::Tensor
   static int blocks_per_sm[64] = {};  // this instantiation's, per device
   const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, blocks_per_sm);
   const int64_t blocks = std::min<int64_t>((rows + kRingWarps - 1) / kRingWarps, fit);
-  kernel<<<(unsigned)blocks, kThreads, smem, stream>>>((const T*)x.data_ptr(), bp, rp, (const W*)gamma.data_ptr(),
-                                                      betap, (T*)y.data_ptr(), zp, mp, rsp, rows, H, (float)eps,
-                                                      (float)p, philox, rngp);
+  launch_dependent(kernel, dim3((unsigned)blocks), dim3(kThreads), smem, stream, (const T*)x.data_ptr(), bp, rp,
+                   (const W*)gamma.data_ptr(), betap, (T*)y.data_ptr(), zp, mp, rsp, rows, H, (float)eps, (float)p, philox,
+                   rngp);
 }
 
 // Rows per thread group: 1, or the override BERTACCEL_LN_ROWS=2 (for tuning on other GPUs with
@@ -437,9 +439,9 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
     return;
   }
 #define BA_LN_FWD_R(V, I, R)                                                                                     \
-  ln_fwd_kernel<T, W, V, I, R, RMS><<<(unsigned)((rows + rpb * R - 1) / (rpb * R)), kThreads, 0, stream>>>(      \
-      (const T*)x.data_ptr(), bp, rp, (const W*)gamma.data_ptr(), betap, (T*)y.data_ptr(), zp, mp, rsp, rows,   \
-      (int)H, tpr, (float)eps, (float)p, philox, rngp)
+  launch_dependent(ln_fwd_kernel<T, W, V, I, R, RMS>, dim3((unsigned)((rows + rpb * R - 1) / (rpb * R))),        \
+                   dim3(kThreads), 0, stream, (const T*)x.data_ptr(), bp, rp, (const W*)gamma.data_ptr(), betap, \
+                   (T*)y.data_ptr(), zp, mp, rsp, rows, (int)H, tpr, (float)eps, (float)p, philox, rngp)
 #define BA_LN_FWD(V, I)                                                                                          \
   do {                                                                                                           \
     if constexpr (V == max_vec) {                                                                                \

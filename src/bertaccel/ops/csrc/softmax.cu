@@ -79,6 +79,7 @@ template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                MaskView mask, int64_t rows, int S, int tpr, float scale) {
   __shared__ float red[kThreads / 32];
+  begin_dependent_kernel();
   const int nvec = S / VEC;
   const int local_row = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
@@ -142,6 +143,7 @@ __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* 
   constexpr int ST = ring_stages_for(ring_stage_bytes<ITEMS>());
   constexpr int kStage = ITEMS * kRingItemBytes;  // one warp's row
   extern __shared__ __align__(16) unsigned char ring_smem[];
+  begin_dependent_kernel();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned char* ring = ring_smem + warp * ST * kStage + lane * 16;
   const int nvec = S / VEC;
@@ -205,6 +207,7 @@ template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ y,
                                                                T* __restrict__ dx, int64_t rows, int S, int tpr, float scale) {
   __shared__ float red[kThreads / 32];
+  begin_dependent_kernel();
   const int nvec = S / VEC;
   const int local_row = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
@@ -319,8 +322,8 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
       static int per_sm[64] = {};                                                                        \
       const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, per_sm);     \
       const int64_t blocks = std::min<int64_t>((rows + kRingWarps - 1) / kRingWarps, fit);               \
-      kernel<<<(unsigned)blocks, kThreads, smem, stream>>>((const T*)x.data_ptr(), (T*)y.data_ptr(), mv,  \
-                                                           rows, (int)S, (float)scale);                  \
+      launch_dependent(kernel, dim3((unsigned)blocks), dim3(kThreads), smem, stream, (const T*)x.data_ptr(), \
+                       (T*)y.data_ptr(), mv, rows, (int)S, (float)scale);                                \
     }                                                                                                    \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), l.vec, l.items, BA_SOFTMAX_RING);
@@ -328,8 +331,8 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
       return;
     }
 #define BA_SOFTMAX_FWD(V, I)                                                                             \
-  softmax_fwd_kernel<T, V, I><<<l.grid, kThreads, 0, stream>>>((const T*)x.data_ptr(), (T*)y.data_ptr(), mv, \
-                                                               rows, (int)S, l.tpr, (float)scale)
+  launch_dependent(softmax_fwd_kernel<T, V, I>, l.grid, dim3(kThreads), 0, stream, (const T*)x.data_ptr(),      \
+                   (T*)y.data_ptr(), mv, rows, (int)S, l.tpr, (float)scale)
     BA_DISPATCH_VEC_ITEMS(sizeof(T), l.vec, l.items, BA_SOFTMAX_FWD);
 #undef BA_SOFTMAX_FWD
   };
@@ -353,8 +356,8 @@ at::Tensor softmax_bwd(const at::Tensor& dy_in, const at::Tensor& y, double scal
     using T = decltype(type_tag);
     RowLaunch l = plan<T>(S, rows, {&y, &dy, &dx});
 #define BA_SOFTMAX_BWD(V, I)                                                                              \
-  softmax_bwd_kernel<T, V, I><<<l.grid, kThreads, 0, stream>>>((const T*)dy.data_ptr(), (const T*)y.data_ptr(), \
-                                                               (T*)dx.data_ptr(), rows, (int)S, l.tpr, (float)scale)
+  launch_dependent(softmax_bwd_kernel<T, V, I>, l.grid, dim3(kThreads), 0, stream, (const T*)dy.data_ptr(),      \
+                   (const T*)y.data_ptr(), (T*)dx.data_ptr(), rows, (int)S, l.tpr, (float)scale)
     BA_DISPATCH_VEC_ITEMS(sizeof(T), l.vec, l.items, BA_SOFTMAX_BWD);
 #undef BA_SOFTMAX_BWD
   };
