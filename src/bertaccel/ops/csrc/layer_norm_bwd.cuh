@@ -136,9 +136,11 @@ struct RowClaims {
   int static_rounds;  // rounds dealt in order before the claims start (>= 1)
 };
 
-inline bool bwd_dynamic_enabled() {  // BERTACCEL_LN_BWD_DYNAMIC=0: every group dealt in order
-  static const bool on = env_switch("BERTACCEL_LN_BWD_DYNAMIC", 1) != 0;
-  return on;
+// The rounds left to claims: the last k rounds of the grid (k = BERTACCEL_LN_BWD_DYNAMIC, default 1;
+// 0: every group dealt in order).
+inline int bwd_claimed_rounds() {
+  static const int k = std::max(0, env_switch("BERTACCEL_LN_BWD_DYNAMIC", 1));
+  return k;
 }
 
 // The claim counters of the current stream on `like`'s device: zeroed once when first asked for,
@@ -691,13 +693,15 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       return;
     }
   }
-  // A quarter of the row groups (at least the last round) go to whichever block is free (RowClaims).
+  // The groups of the grid's last k rounds (the last, partial one included) go to whichever block is
+  // free (RowClaims); the rounds before are dealt in order.
   auto claim_plan = [&](int blocks) {
     // Which block sums which rows changes the fp32 rounding of the weight gradients from run to run:
     // torch.use_deterministic_algorithms(True) deals every group in order (bitwise reproducible).
-    if (!bwd_dynamic_enabled() || groups <= blocks || at::globalContext().deterministicAlgorithms())
+    const int64_t rounds = (groups + blocks - 1) / blocks;
+    if (bwd_claimed_rounds() == 0 || rounds < 2 || at::globalContext().deterministicAlgorithms())
       return RowClaims{nullptr, 0};
-    return RowClaims{row_claim_counters(z), (int)std::max<int64_t>(1, (3 * groups / 4) / blocks)};
+    return RowClaims{row_claim_counters(z), (int)std::max<int64_t>(1, rounds - bwd_claimed_rounds())};
   };
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
