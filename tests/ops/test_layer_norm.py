@@ -325,11 +325,9 @@ def test_backward_under_cuda_graph_replay():
 @cuda_test
 @pytest.mark.parametrize("rows,H", [(16384, 768), (1023, 384), (7, 1024), (40, 1024)])
 def test_weight_grads_are_deterministic(rows, H):
-    """Under torch.use_deterministic_algorithms the backward deals its row groups to blocks in a fixed
-    order (no claims: RowClaims in csrc/layer_norm_bwd.cuh) and sums the blocks' partial rows in block
-    order: two backward calls on the same inputs give the same bits, and they match float64 (grids of
-    one block, a few blocks, and hundreds). Without the flag (row groups claimed by whichever block is
-    free) the gradients agree with those to fp32 rounding."""
+    """The weight gradients' column sums run inside the backward kernel (the last blocks to finish sum
+    the partial rows in block order): two backward calls on the same inputs give the same bits, and
+    they match float64 (grids of one block, a few blocks each summing several slices, and hundreds)."""
     x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     r = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -338,19 +336,10 @@ def test_weight_grads_are_deterministic(rows, H):
     for fused in (False, True):
         y = bias_dropout_add_layer_norm(x, bias, r, w, b, 0.0, 1e-12) if fused else layer_norm(x, w, b, 1e-12)
         leaves_ = (x, w, b, bias) if fused else (x, w, b)
-        was = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        try:
-            first = torch.autograd.grad(y, leaves_, dy, retain_graph=True)
-            second = torch.autograd.grad(y, leaves_, dy, retain_graph=True)
-        finally:
-            torch.use_deterministic_algorithms(was)
+        first = torch.autograd.grad(y, leaves_, dy, retain_graph=True)
+        second = torch.autograd.grad(y, leaves_, dy)
         for g1, g2 in zip(first, second):
             assert torch.equal(g1, g2)
-        claimed = torch.autograd.grad(y, leaves_, dy)
-        assert torch.equal(claimed[0], first[0])  # dx: per row, whichever block ran it
-        for g1, g3 in zip(first[1:], claimed[1:]):
-            torch.testing.assert_close(g3, g1, rtol=1e-5, atol=1e-5 * rows**0.5)
         h = (x.double() + bias.double() + r.double()) if fused else x.double()
         dw_ref = (F.layer_norm(h, (H,), None, None, 1e-12) * dy.double()).sum(0)  # sum of x-hat * dy
         torch.testing.assert_close(first[1].double(), dw_ref, atol=1e-2 * rows**0.5, rtol=1e-2)

@@ -16,14 +16,10 @@
 // registers (one block of 256 threads per SM); the packs keep the plain LayerNorm form near 128.
 // The fused form at 768-1024 wide (bf16) runs the row ring below instead (ln_bwd_ring_kernel).
 #pragma once
-#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <map>
-#include <mutex>
 
 #include "common.cuh"
 
@@ -120,55 +116,12 @@ __device__ __forceinline__ void bwd_second_pass(const Pack<T, VEC>& dv, const Pa
   }
 }
 
-// Which block runs which row group. A persistent grid that deals the groups out in a fixed order
-// (block b: groups b, b + grid, b + 2 grid, ...) ends when its slowest block does, and blocks are
-// not equally fast: they share the memory system unevenly. With `counters` set, only the first
-// `static_rounds` rounds are dealt that way; every later group goes to whichever block asks next
-// (an atomic counter; a block asks one group ahead, so the answer is back before it is needed). The
-// last block to finish sets the counter back to 0 for the next launch on the stream (counters[1]
-// counts finished blocks and wraps to 0 by itself), so the pair stays zero between launches:
-// `row_claim_counters` keeps one pair per (device, stream). Only ln_bwd_kernel reads it. The price:
-// a block's partial row sums whichever rows it ran, so the weight gradients' fp32 rounding varies
-// between runs (as PyTorch's atomics-based kernels' do); under torch.use_deterministic_algorithms
-// every group is dealt in order.
-struct RowClaims {
-  int* counters;      // [next dynamic group, finished blocks], or nullptr: every group dealt in order
-  int static_rounds;  // rounds dealt in order before the claims start (>= 1)
-};
-
-// The rounds left to claims: the last k rounds of the grid (k = BERTACCEL_LN_BWD_DYNAMIC, default 1;
-// 0: every group dealt in order).
-inline int bwd_claimed_rounds() {
-  static const int k = std::max(0, env_switch("BERTACCEL_LN_BWD_DYNAMIC", 1));
-  return k;
-}
-
-// The claim counters of the current stream on `like`'s device: zeroed once when first asked for,
-// kept for the life of the process (a captured CUDA graph keeps using its capture stream's pair).
-// One pair per stream, because two backward kernels running at once on two streams would share it.
-inline int* row_claim_counters(const at::Tensor& like) {
-  static std::mutex mu;
-  static auto* pairs = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();  // never freed: no teardown-order issue
-  const auto key = std::make_pair((int)like.get_device(), at::cuda::getCurrentCUDAStream().stream());
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = pairs->find(key);
-  if (it == pairs->end()) it = pairs->emplace(key, at::zeros({2}, like.options().dtype(at::kInt))).first;
-  return it->second.data_ptr<int>();
-}
-
-// LayerNorm and RMSNorm: two blocks per SM (<= 128 registers) up to 24 values per thread (the 384- and
-// 768-wide bf16 rows; the row claims below took the 768-wide LayerNorm from 128 to 153 registers
-// without the bound, one block per SM); wider rows and the forms with a third accumulator (fused,
-// embeddings: 175-184 registers, 220 bytes of spill at 128) keep what ptxas picks.
-template <int MODE, int VEC, int ITEMS>
-constexpr int bwd_min_blocks() { return (MODE == kPlain || MODE == kRms) && ITEMS * VEC <= 24 ? 2 : 1; }
-
 template <typename T, typename W, int VEC, int ITEMS, int MODE>
-__global__ void __launch_bounds__(kBwdThreads, bwd_min_blocks<MODE, VEC, ITEMS>()) ln_bwd_kernel(
+__global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
-    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng, RowClaims claims) {
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
   constexpr bool kBeta = MODE != kRms;
   constexpr bool kDh = MODE == kFused;
   constexpr bool kCentre = MODE != kRms;
@@ -193,14 +146,7 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_min_blocks<MODE, VEC, ITEMS>(
     }
 
   const int64_t row_groups = (rows + rpb - 1) / rpb;
-  const bool dynamic = claims.counters != nullptr;  // see RowClaims
-  const int64_t dealt = (int64_t)claims.static_rounds * gridDim.x;
-  const int64_t static_end = dynamic && dealt < row_groups ? dealt : row_groups;
-  __shared__ int claimed;
-  int pending = 0;  // thread 0: the claim for the group after this one, in flight
-  for (int64_t grp = blockIdx.x; grp < row_groups;) {
-    const bool next_claimed = dynamic && grp + gridDim.x >= static_end;  // (block-uniform)
-    if (next_claimed && threadIdx.x == 0) pending = atomicAdd(claims.counters, 1);
+  for (int64_t grp = blockIdx.x; grp < row_groups; grp += gridDim.x) {
     const int64_t row = grp * rpb + local_row;
     const bool active = row < rows;
     Pack<T, VEC> zp[ITEMS], dp[ITEMS];
@@ -255,19 +201,6 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_min_blocks<MODE, VEC, ITEMS>(
                               row * H + (int64_t)c * VEC, acc_h[kDh ? k : 0]);
       }
     }
-    if (next_claimed) {
-      __syncthreads();  // every thread has read the previous claim
-      if (threadIdx.x == 0) claimed = pending;
-      __syncthreads();
-      grp = static_end + claimed;
-    } else {
-      grp += gridDim.x;
-    }
-  }
-  if (dynamic && threadIdx.x == 0) {  // the last block out sets the claims back to 0 (its final claim is done)
-    __threadfence();
-    if (atomicInc(reinterpret_cast<unsigned*>(claims.counters + 1), gridDim.x - 1) == gridDim.x - 1)
-      atomicExch(claims.counters, 0);
   }
   // The column partials of the block's row slots -> one partial row per block (rpb x H <= 256 x 32 floats).
   __shared__ __align__(16) float park[kBwdThreads * kMaxElemsPerThread];
@@ -308,7 +241,7 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
-    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng, RowClaims /*unused: groups dealt in order*/) {
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
   constexpr bool kBeta = MODE != kRms;
   constexpr bool kDh = MODE == kFused;
   constexpr bool kCentre = MODE != kRms;
@@ -477,7 +410,7 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
-    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng, RowClaims /*unused: groups dealt in order*/) {
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
   constexpr bool kBeta = MODE != kRms;
   constexpr bool kDh = MODE == kFused;
   constexpr bool kCentre = MODE != kRms;
@@ -635,14 +568,14 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int64_t* rngp = p > 0 ? rng.data_ptr<int64_t>() : nullptr;
   // Every backward kernel takes the same arguments and writes one fp32 partial row per block for each
   // weight gradient: `run` allocates those, launches `kernel` on `blocks` blocks and adds the rows up.
-  auto run = [&](auto kernel, int smem, int blocks, RowClaims claims = RowClaims{nullptr, 0}) {
+  auto run = [&](auto kernel, int smem, int blocks) {
     at::Tensor pg = at::empty({blocks, H}, opts), pb, ph;
     if (dbeta.defined()) pb = at::empty({blocks, H}, opts);
     if (dbias.defined()) ph = at::empty({blocks, H}, opts);
     launch_dependent(kernel, dim3(blocks), dim3(kBwdThreads), smem, stream, (const T*)dy.data_ptr(),
                      (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(), (T*)dz.data_ptr(),
                      dhp, pg.data_ptr<float>(), pb.defined() ? pb.data_ptr<float>() : nullptr,
-                     ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp, claims);
+                     ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -693,16 +626,6 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       return;
     }
   }
-  // The groups of the grid's last k rounds (the last, partial one included) go to whichever block is
-  // free (RowClaims); the rounds before are dealt in order.
-  auto claim_plan = [&](int blocks) {
-    // Which block sums which rows changes the fp32 rounding of the weight gradients from run to run:
-    // torch.use_deterministic_algorithms(True) deals every group in order (bitwise reproducible).
-    const int64_t rounds = (groups + blocks - 1) / blocks;
-    if (bwd_claimed_rounds() == 0 || rounds < 2 || at::globalContext().deterministicAlgorithms())
-      return RowClaims{nullptr, 0};
-    return RowClaims{row_claim_counters(z), (int)std::max<int64_t>(1, rounds - bwd_claimed_rounds())};
-  };
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
     static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */     \
@@ -711,8 +634,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
                                                                    kBwdThreads, 0));                      \
       return n;                                                                                           \
     }();                                                                                                  \
-    const int blocks = (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1));              \
-    run(ln_bwd_kernel<T, W, V, I, MODE>, 0, blocks, claim_plan(blocks));                                  \
+    run(ln_bwd_kernel<T, W, V, I, MODE>, 0, (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1))); \
   } while (0)
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
 #undef BA_LN_BWD
