@@ -161,6 +161,11 @@ def measure_op(op: str, shape: str, impls: dict, make_args, grad_args: tuple[int
     inference runs); with `train_fwd_bytes` it is timed again with grad on (`train_fwd_*`: what a
     training step runs, which also writes what the backward needs, counted in those bytes)."""
     sets = [make_args() for _ in range(rotations(fwd_bytes))]
+
+    def with_grad(args):  # the `grad_args` inputs as fresh leaves that require grad
+        return [a.detach().requires_grad_(True) if torch.is_tensor(a) and i in grad_args else a
+                for i, a in enumerate(args)]
+
     rows = []
     for name, fn in impls.items():
         with torch.no_grad():
@@ -168,16 +173,13 @@ def measure_op(op: str, shape: str, impls: dict, make_args, grad_args: tuple[int
             fwd_ms = graph_time_ms(fn, sets)
         train = {}
         if train_fwd_bytes is not None:
-            train_sets = [[a.detach().requires_grad_(True) if torch.is_tensor(a) and i in grad_args else a
-                           for i, a in enumerate(args)] for args in sets]
-            train_ms = graph_time_ms(fn, train_sets)
+            train_ms = graph_time_ms(fn, [with_grad(args) for args in sets])
             train_gbs = train_fwd_bytes / train_ms / 1e6
             train = {"train_fwd_us": round(train_ms * 1e3, 1), "train_fwd_GB/s": round(train_gbs),
                      "train_fwd_%copy": round(100 * train_gbs / ceiling_gbs)}
         graphs = []
         for args in sets[: max(2, len(sets) // 2)]:
-            args = [a.detach().requires_grad_(True) if torch.is_tensor(a) and i in grad_args else a
-                    for i, a in enumerate(args)]
+            args = with_grad(args)
             y = fn(*args)
             graphs.append((y, [args[i] for i in grad_args], torch.randn_like(y)))
         # allow_unused: an implementation may read only some of the inputs (bf16 or fp32 weight copies)

@@ -232,13 +232,13 @@ struct ColumnSums {
   float* out[3];
 };
 
-// Programmatic dependent launch (Hopper): the column sums are launched while the backward that
-// writes their partial rows still runs, so the second launch's latency hides behind the first
-// kernel's tail instead of following it. The backward kernels allow it at their start
-// (`allow_dependent_launch`); `column_sums_kernel` waits for them, completed and their writes
-// visible, before its first read (`wait_for_prerequisite_grids`). Correctness never rests on where
-// the allowing is: the wait is for the whole prerequisite grid. BERTACCEL_PDL=0 launches the column
-// sums plainly (for comparing both in one run).
+// Programmatic dependent launch (Hopper): a kernel is launched while the one before it on the stream
+// still runs (e.g. the column sums while the backward that writes their partial rows drains), so its
+// launch latency hides behind that kernel's tail instead of following it. Every row kernel allows the
+// next at its start and waits for the previous grid, completed and its writes visible, before its
+// first global access (`begin_dependent_kernel`, below, with `launch_dependent`). Correctness never
+// rests on where the allowing is: the wait is for the whole prerequisite grid. BERTACCEL_PDL=0
+// launches them plainly (for comparing both in one run).
 __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -258,7 +258,7 @@ inline bool pdl_enabled() {
 // (unless BERTACCEL_PDL=0): the grid may be scheduled as soon as every block of the kernel before it on
 // the stream has allowed it (`allow_dependent_launch`) or exited, instead of after that kernel has
 // completed, so its launch and block start-up overlap the previous kernel's tail. Every kernel launched
-// this way calls `wait_for_prerequisite_grids()` before it reads or writes global memory: the wait
+// this way starts with `begin_dependent_kernel()`, before it reads or writes global memory: its wait
 // returns once the previous grid has completed and its writes are visible, as a plain launch would.
 template <typename... Params, typename... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
