@@ -153,12 +153,13 @@ def _err(a, ref, real):
 def _forward_kernel(name, monkeypatch):
     """`hopper`: the default kernels where the GPU is a Hopper (warpgroup MMAs); `wg1` / `wg2`: that
     forward with 64 / 128 queries per CTA; `n128`: with 128 keys per block (head dims 32, 64); `bulk`: the default forward, and the Hopper backward adding
-    dQ to an fp32 buffer (its path past 8 key blocks) at every length; `mma`: the mma.sync forward and
-    backward, the default elsewhere (BERTACCEL_ATTENTION_FWD / _BWD)."""
+    dQ to an fp32 buffer (its path past 2 key blocks) at every length, the last CTA to add to a query
+    block casting its rows; `castpass`: the same with a separate pass casting the buffer; `mma`: the
+    mma.sync forward and backward, the default elsewhere (BERTACCEL_ATTENTION_FWD / _BWD)."""
     if name != "mma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup-MMA forward needs a Hopper GPU (sm_90)")
-    if name == "bulk":
-        monkeypatch.setenv("BERTACCEL_ATTENTION_BWD", "bulk")
+    if name in ("bulk", "castpass"):
+        monkeypatch.setenv("BERTACCEL_ATTENTION_BWD", "bulk" if name == "bulk" else "bulk-castpass")
     elif name != "hopper":
         monkeypatch.setenv("BERTACCEL_ATTENTION_FWD", name)
     if name == "mma":  # the mma.sync backward too (the Hopper one takes head dims 32 and 64)
@@ -166,7 +167,7 @@ def _forward_kernel(name, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "castpass", "mma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("lengths", [[77, 1, 0, 128, 33], [513, 64, 65, 3], [200, 129, 257]])
@@ -302,6 +303,45 @@ def test_cuda_graph_replays_draw_new_masks_and_match_eager():
     graph_drop.replay()
     assert not torch.equal(first, static_drop[0])  # each replay draws a new mask
     assert all(torch.isfinite(t).all() for t in static_drop)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bwd", ["bulk", "bulk-castpass"])
+def test_dq_buffer_backward_replays_with_new_inputs(bwd, monkeypatch):
+    """The Hopper backward through the fp32 dQ buffer, captured once and replayed on new inputs: the
+    per-query-block counters that pick the CTA casting dq start from zero on every call (a stale count
+    would leave the first replay's dq in place), packed sequences of 1 to 5 key blocks, an empty one."""
+    _kernel_or_skip()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup-MMA backward needs a Hopper GPU (sm_90)")
+    monkeypatch.setenv("BERTACCEL_ATTENTION_BWD", bwd)
+    lengths, heads, d = [300, 5, 0, 130, 64], 2, 64
+    cu, T = _cu(lengths, fillers=3)
+    cu = cu.cuda()
+    q, k, v = (torch.randn(T, heads, d, device="cuda").bfloat16().requires_grad_() for _ in range(3))
+    dout = torch.randn(T, heads, d, device="cuda").bfloat16()
+
+    def step():
+        return torch.autograd.grad(varlen_attention(q, k, v, cu, max(lengths)), (q, k, v), dout)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for _ in range(3):
+        with torch.no_grad():
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t, dtype=torch.float32))
+        graph.replay()
+        eager = step()
+        for name, a, b in zip("qkv", static, eager):
+            # the same kernels; the fp32 sums' order differs between calls (one bf16 rounding step apart)
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=f"d{name}")
+            assert not a[int(cu[-1]):].any(), f"d{name} of the fillers"
 
 
 @pytest.mark.cuda

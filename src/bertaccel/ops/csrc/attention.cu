@@ -166,6 +166,8 @@ struct Params {
   void* dv;
   float* dq_accum;  // [T, heads, d] fp32
   void* dq;         // the Hopper backward in clusters: written directly
+  int* dq_done;     // the Hopper backward without clusters: [heads, dq_slots] key blocks added per query block
+  int dq_slots;     // (null: a separate kernel casts dq_accum)
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
@@ -402,6 +404,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
 // ------------------------------------------------------------------------------ backward
 // D = rowsum(dO * O) per (row, head), fp32: D / 8 threads per (row, head), 16 bytes of each per thread;
 // and, when zero_dq, clears the fp32 dQ sums (D values per (row, head): all of them, whatever their layout)
+// and the Hopper backward's per-query-block counters (dq_done; the grid covers them)
 template <typename T, int D>
 __global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
   constexpr int TPR = D / 8;  // threads per (row, head); divides 32
@@ -429,6 +432,7 @@ __global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
 #pragma unroll
   for (int s = TPR / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
   if (valid && part == 0) p.dsum[(int64_t)h * p.total + row] = row < p.cu[p.batch] ? acc : 0.f;
+  if (p.dq_done != nullptr && gid < (int64_t)p.heads * p.dq_slots) p.dq_done[gid] = 0;
 }
 
 template <typename T, int D, bool DROPOUT>
@@ -757,6 +761,14 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src,
   async_copy::bulk_commit();
 }
 
+// Global-memory counters the CTAs of a backward meet at: add one (release: this thread's earlier writes,
+// and the bulk reductions it waited for, are visible to whoever acquires the count), return the count before
+__device__ __forceinline__ int count_arrival(int* counter) {
+  int old;
+  asm volatile("fence.proxy.async.global;\natom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
 // rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled.
 // Thread x copies chunk x % (D / 8) of rows x / (D / 8) + i * NT / (D / 8): a fixed chunk, so its
 // shared-memory offset (the swizzle phase repeats every 8 rows) and its global column are set once.
@@ -1033,7 +1045,8 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   uint64_t* bars = reinterpret_cast<uint64_t*>(sDsum + 2 * B);  // CLUSTER: staged, consumed
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
-    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr, p.dq_accum ? nullptr : static_cast<T*>(p.dq));
+    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr,
+                    p.dq_accum && !p.dq_done ? nullptr : static_cast<T*>(p.dq));
     return;
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
@@ -1103,6 +1116,33 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
   float* dq_accum = direct ? nullptr : p.dq_accum + ((int64_t)h * p.total + start) * D;
   float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
+  // Without clusters, with p.dq_done: no separate cast pass. Each CTA counts its additions to a query
+  // block's rows (once the bulk reduction is complete: a block after it was issued, so the count's
+  // round trip is behind a block of work too), and the CTA whose count completes the block (every key
+  // block of the sequence has added) reads the sums back from L2 and writes dq. Counter of query block m:
+  // done[m] (slot start / 64 + b + m of the head's: distinct for every (sequence, block) of a packed batch).
+  const bool cast_here = !direct && p.dq_done != nullptr;
+  int* done = cast_here ? p.dq_done + (int64_t)h * p.dq_slots + start / B + b : nullptr;
+  __shared__ int cast_block[2];  // thread 0 -> the CTA: query blocks whose dq this CTA writes (-1: none)
+  auto cast_dq = [&](int m) {    // dq rows of query block m = scale * their sums, from dq_accum's layout
+    constexpr int CH = D / 8;    // 32-byte chunks of a row's sums
+    const int m0 = m * B, n = min(B, len - m0) * CH;
+    T* dq = static_cast<T*>(p.dq) + (int64_t)h * D;
+    const float* acc = dq_accum + (int64_t)m0 * D;
+#pragma unroll 2
+    for (int i = threadIdx.x; i < n; i += NT) {
+      const int row = i / CH, c = i % CH, tok = start + m0 + row;
+      const float4* src = reinterpret_cast<const float4*>(acc + row * D + ((c ^ dq_chunk_phase(tok, D)) << 3));
+      const float4 x = __ldcg(src), y = __ldcg(src + 1);  // L2: other SMs' additions
+      uint4 out;
+      out.x = pack2<T>(x.x * p.scale, x.y * p.scale);
+      out.y = pack2<T>(x.z * p.scale, x.w * p.scale);
+      out.z = pack2<T>(y.x * p.scale, y.y * p.scale);
+      out.w = pack2<T>(y.z * p.scale, y.w * p.scale);
+      *reinterpret_cast<uint4*>(dq + (int64_t)tok * p.heads * D + c * 8) = out;
+    }
+  };
+  int arrived = 0;  // thread 0: the count before its last addition (to query block qblock(m - 2) at block m)
   // CLUSTER: rows [rank * 64 / nact, ...) of query block m, summed over the active CTAs' staged partials
   auto sum_dq = [&](int m) {
     mbarrier_wait_cluster(&bars[0], m & 1);  // every active CTA's block m partial is staged
@@ -1161,11 +1201,22 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
         mbarrier_wait_cluster(&bars[1], (m - 1) & 1);  // every CTA has read this CTA's block m - 1 partial
       }
     }
-    if (!direct && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
+    if (!direct && threadIdx.x == 0) {
+      if (cast_here) {
+        cast_block[0] = m > 1 && arrived == mblocks - 1 ? qblock(m - 2) : -1;
+        if (m > 0) {
+          async_copy::bulk_wait_all();  // block m - 1's addition is complete (and no longer reads sdQ)
+          arrived = count_arrival(done + qblock(m - 1));  // read at block m + 1
+        }
+      } else {
+        async_copy::bulk_wait_read<0>();
+      }
+    }
     wgmma::wait<0>();
     reg_fence(s);
     reg_fence(dp);
     __syncthreads();  // thread 0 is past its wait: the P and dS tiles are free
+    const int cast_m = cast_here ? cast_block[0] : -1;
     // P (dropped, for dV), dS = P (dP - D); rows g and g + 8 of the warp's 16 queries
     const int wrow = warp * 16;
     const float lse0 = sLse[stage * B + wrow + g] * kLog2e, lse1 = sLse[stage * B + wrow + g + 8] * kLog2e;
@@ -1217,6 +1268,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     for (int ks = 0; ks < 4; ++ks)
       wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
     wgmma::commit();
+    if (cast_m >= 0) cast_dq(cast_m);  // behind the MMAs
     wgmma::wait<0>();
     reg_fence(dq);
     reg_fence(dv);
@@ -1253,7 +1305,15 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     sum_dq(mblocks - 1);
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
-  if (!direct && threadIdx.x == 0) async_copy::bulk_wait_all();
+  if (!direct && threadIdx.x == 0) {
+    if (cast_here) {  // the last two blocks' counts: block mblocks - 2's (pending) and the last one's
+      cast_block[0] = mblocks > 1 && arrived == mblocks - 1 ? qblock(mblocks - 2) : -1;
+      async_copy::bulk_wait_all();
+      cast_block[1] = count_arrival(done + qblock(mblocks - 1)) == mblocks - 1 ? qblock(mblocks - 1) : -1;
+    } else {
+      async_copy::bulk_wait_all();
+    }
+  }
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
@@ -1268,6 +1328,12 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
         *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
       }
     }
+  }
+  if (cast_here) {
+    __syncthreads();  // thread 0 has the last counts
+    const int c0 = cast_block[0], c1 = cast_block[1];
+    if (c0 >= 0) cast_dq(c0);
+    if (c1 >= 0) cast_dq(c1);
   }
 #endif
 }
@@ -1370,13 +1436,19 @@ int hopper_forward_warpgroups() {
 
 // Which backward runs at head dims 32 and 64: hopper::attn_bwd_kernel on a Hopper (kClusters: with dQ
 // summed on chip where varlen_attention_bwd allows it), unless BERTACCEL_ATTENTION_BWD=mma (the mma.sync
-// kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer).
+// kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer). Through the buffer, the
+// CTA that adds a query block's last partial casts its rows to dq, unless BERTACCEL_ATTENTION_BWD=castpass
+// (a separate pass casts the whole buffer: kClusters otherwise) or =bulk-castpass (kBuffer otherwise).
 enum class HopperBackward { kNone, kClusters, kBuffer };
 HopperBackward hopper_backward() {
   if (!on_hopper()) return HopperBackward::kNone;
   const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD");
   if (choice == "mma") return HopperBackward::kNone;
-  return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
+  return choice == "bulk" || choice == "bulk-castpass" ? HopperBackward::kBuffer : HopperBackward::kClusters;
+}
+bool hopper_cast_pass() {
+  const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD");
+  return choice == "castpass" || choice == "bulk-castpass";
 }
 #endif
 
@@ -1501,8 +1573,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
   const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
   const bool direct = cluster > 0;
-  at::Tensor dq_accum;
+#if defined(BERTACCEL_ATTENTION_SM90A)
+  const bool cast_in_kernel = hopper && !direct && !hopper_cast_pass();
+#else
+  const bool cast_in_kernel = false;
+#endif
+  at::Tensor dq_accum, dq_done;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  // one counter per (head, query block): slot start / 64 + b + m for block m of sequence b (see the kernel)
+  const int64_t dq_slots = (q.size(0) + kBlockM - 1) / kBlockM + (cu_seqlens.size(0) - 1) + 1;
+  if (cast_in_kernel) dq_done = at::empty({q.size(1) * dq_slots}, q.options().dtype(at::kInt));
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
   P.o = out.data_ptr();
@@ -1512,6 +1592,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   P.dk = dk.data_ptr();
   P.dv = dv.data_ptr();
   P.dq_accum = direct ? nullptr : dq_accum.data_ptr<float>();
+  P.dq_done = cast_in_kernel ? dq_done.data_ptr<int>() : nullptr;
+  P.dq_slots = (int)dq_slots;
   P.dq = dq.data_ptr();
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
@@ -1526,7 +1608,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     constexpr bool DR = decltype(drop)::value;
     bool launched = false;
     DqLayout layout = DqLayout::kTokensMajor;
-    attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, !direct);
+    const int64_t dsum_threads = std::max<int64_t>(rows * (D / 8), cast_in_kernel ? dq_done.numel() : 0);
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((dsum_threads + 255) / 256), 256, 0, stream>>>(P, !direct);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
@@ -1565,7 +1648,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
       kernel<<<grid, kThreads, smem, stream>>>(P);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (direct) return;
+    if (direct || cast_in_kernel) return;
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 8 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale, layout, P.heads, (int)D);
