@@ -762,12 +762,15 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src,
 }
 
 // Global-memory counters the CTAs of a backward meet at: add one (release: this thread's earlier writes,
-// and the bulk reductions it waited for, are visible to whoever acquires the count), return the count before
+// and the bulk reductions it waited for, are visible to whoever acquires the count), return the count
+// before. No acquire here (the thread would wait for the count at once): the thread that needs to see the
+// others' writes calls acquire_fence() after reading the count.
 __device__ __forceinline__ int count_arrival(int* counter) {
   int old;
-  asm volatile("fence.proxy.async.global;\natom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  asm volatile("fence.proxy.async.global;\natom.release.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
   return old;
 }
+__device__ __forceinline__ void acquire_fence() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
 // rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled.
 // Thread x copies chunk x % (D / 8) of rows x / (D / 8) + i * NT / (D / 8): a fixed chunk, so its
@@ -1117,12 +1120,13 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   float* dq_accum = direct ? nullptr : p.dq_accum + ((int64_t)h * p.total + start) * D;
   float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
   // Without clusters, with p.dq_done: no separate cast pass. Each CTA counts its additions to a query
-  // block's rows (once the bulk reduction is complete: a block after it was issued, so the count's
-  // round trip is behind a block of work too), and the CTA whose count completes the block (every key
-  // block of the sequence has added) reads the sums back from L2 and writes dq. Counter of query block m:
-  // done[m] (slot start / 64 + b + m of the head's: distinct for every (sequence, block) of a packed batch).
+  // block's rows once the bulk reduction is complete (waited for and counted by thread 0 behind the next
+  // block's dQ / dV / dK MMAs, where the warps wait anyway; the count is read a block later), and the CTA
+  // whose count completes the block (every key block of the sequence has added) reads the sums back from
+  // L2 and writes dq. Counter of query block m: done[m] (slot start / 64 + b + m of the head's: distinct
+  // for every (sequence, block) of a packed batch).
   const bool cast_here = !direct && p.dq_done != nullptr;
-  int* done = cast_here ? p.dq_done + (int64_t)h * p.dq_slots + start / B + b : nullptr;
+  auto done = [&](int m) { return p.dq_done + (int64_t)h * p.dq_slots + start / B + b + m; };  // (from the kernel's parameters: no register held)
   __shared__ int cast_block[2];  // thread 0 -> the CTA: query blocks whose dq this CTA writes (-1: none)
   auto cast_dq = [&](int m) {    // dq rows of query block m = scale * their sums, from dq_accum's layout
     constexpr int CH = D / 8;    // 32-byte chunks of a row's sums
@@ -1202,14 +1206,11 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
       }
     }
     if (!direct && threadIdx.x == 0) {
+      async_copy::bulk_wait_read<0>();
       if (cast_here) {
-        cast_block[0] = m > 1 && arrived == mblocks - 1 ? qblock(m - 2) : -1;
-        if (m > 0) {
-          async_copy::bulk_wait_all();  // block m - 1's addition is complete (and no longer reads sdQ)
-          arrived = count_arrival(done + qblock(m - 1));  // read at block m + 1
-        }
-      } else {
-        async_copy::bulk_wait_read<0>();
+        const bool last = m > 1 && arrived == mblocks - 1;  // of block m - 2's count, taken at block m - 1
+        if (last) acquire_fence();                           // the other CTAs' additions, before our reads
+        cast_block[0] = last ? qblock(m - 2) : -1;
       }
     }
     wgmma::wait<0>();
@@ -1268,7 +1269,12 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     for (int ks = 0; ks < 4; ++ks)
       wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
     wgmma::commit();
-    if (cast_m >= 0) cast_dq(cast_m);  // behind the MMAs
+    // behind the MMAs: block m - 1's addition complete (issued a block ago) and counted; a cast
+    if (cast_here && m > 0 && threadIdx.x == 0) {
+      async_copy::bulk_wait_all();
+      arrived = count_arrival(done(qblock(m - 1)));  // read at block m + 1
+    }
+    if (cast_m >= 0) cast_dq(cast_m);
     wgmma::wait<0>();
     reg_fence(dq);
     reg_fence(dv);
@@ -1307,9 +1313,12 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   }
   if (!direct && threadIdx.x == 0) {
     if (cast_here) {  // the last two blocks' counts: block mblocks - 2's (pending) and the last one's
-      cast_block[0] = mblocks > 1 && arrived == mblocks - 1 ? qblock(mblocks - 2) : -1;
       async_copy::bulk_wait_all();
-      cast_block[1] = count_arrival(done + qblock(mblocks - 1)) == mblocks - 1 ? qblock(mblocks - 1) : -1;
+      const bool last_but_one = mblocks > 1 && arrived == mblocks - 1;
+      const bool last = count_arrival(done(qblock(mblocks - 1))) == mblocks - 1;
+      if (last_but_one || last) acquire_fence();
+      cast_block[0] = last_but_one ? qblock(mblocks - 2) : -1;
+      cast_block[1] = last ? qblock(mblocks - 1) : -1;
     } else {
       async_copy::bulk_wait_all();
     }
