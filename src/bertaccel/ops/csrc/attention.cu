@@ -168,6 +168,7 @@ struct Params {
   void* dq;         // the Hopper backward in clusters: written directly
   int* dq_done;     // the Hopper backward without clusters: [heads, dq_slots] key blocks added per query block
   int dq_slots;     // (null: a separate kernel casts dq_accum)
+  int dq_probe;
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
@@ -761,13 +762,16 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src,
   async_copy::bulk_commit();
 }
 
-// Global-memory counters the CTAs of a backward meet at: add one (release: this thread's earlier writes,
-// and the bulk reductions it waited for, are visible to whoever acquires the count), return the count
-// before. No acquire here (the thread would wait for the count at once): the thread that needs to see the
-// others' writes calls acquire_fence() after reading the count.
-__device__ __forceinline__ int count_arrival(int* counter) {
-  int old;
-  asm volatile("fence.proxy.async.global;\natom.release.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+// Global-memory counters the CTAs of a backward meet at: add one, return the count before. Relaxed: the
+// writes it announces are bulk reductions this thread has waited for (complete: performed in L2, where
+// the counter lives); the thread that needs to see the others' writes calls acquire_fence() after reading
+// the count (and reads through L2).
+__device__ __forceinline__ int count_arrival(int* counter, int probe) {
+  int old = 0;
+  if (probe & 4)
+    asm volatile("fence.proxy.async.global;\natom.release.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  else
+    asm volatile("fence.proxy.async.global;\natom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
   return old;
 }
 __device__ __forceinline__ void acquire_fence() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
@@ -1127,7 +1131,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   // for every (sequence, block) of a packed batch).
   const bool cast_here = !direct && p.dq_done != nullptr;
   auto done = [&](int m) { return p.dq_done + (int64_t)h * p.dq_slots + start / B + b + m; };  // (from the kernel's parameters: no register held)
-  __shared__ int cast_block[2];  // thread 0 -> the CTA: query blocks whose dq this CTA writes (-1: none)
+  __shared__ int cast_block[3];  // thread 0 -> the CTA: query blocks whose dq this CTA writes (-1: none)
   auto cast_dq = [&](int m) {    // dq rows of query block m = scale * their sums, from dq_accum's layout
     constexpr int CH = D / 8;    // 32-byte chunks of a row's sums
     const int m0 = m * B, n = min(B, len - m0) * CH;
@@ -1146,7 +1150,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
       *reinterpret_cast<uint4*>(dq + (int64_t)tok * p.heads * D + c * 8) = out;
     }
   };
-  int arrived = 0;  // thread 0: the count before its last addition (to query block qblock(m - 2) at block m)
+  int arrived = 0;  // thread 0: the count before its addition to query block qblock(m - 3), read at block m
   // CLUSTER: rows [rank * 64 / nact, ...) of query block m, summed over the active CTAs' staged partials
   auto sum_dq = [&](int m) {
     mbarrier_wait_cluster(&bars[0], m & 1);  // every active CTA's block m partial is staged
@@ -1208,9 +1212,9 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     if (!direct && threadIdx.x == 0) {
       async_copy::bulk_wait_read<0>();
       if (cast_here) {
-        const bool last = m > 1 && arrived == mblocks - 1;  // of block m - 2's count, taken at block m - 1
+        const bool last = m > 2 && arrived == mblocks - 1;  // of block m - 3's count, taken at block m - 1
         if (last) acquire_fence();                           // the other CTAs' additions, before our reads
-        cast_block[0] = last ? qblock(m - 2) : -1;
+        cast_block[0] = last ? qblock(m - 3) : -1;
       }
     }
     wgmma::wait<0>();
@@ -1269,10 +1273,10 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     for (int ks = 0; ks < 4; ++ks)
       wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
     wgmma::commit();
-    // behind the MMAs: block m - 1's addition complete (issued a block ago) and counted; a cast
-    if (cast_here && m > 0 && threadIdx.x == 0) {
-      async_copy::bulk_wait_all();
-      arrived = count_arrival(done(qblock(m - 1)));  // read at block m + 1
+    // behind the MMAs: block m - 2's addition complete (issued two blocks ago) and counted; a cast
+    if (cast_here && m > 1 && threadIdx.x == 0) {
+      if (!(p.dq_probe & 2)) async_copy::bulk_wait<1>();
+      if (!(p.dq_probe & 1)) arrived = count_arrival(done(qblock(m - 2)), p.dq_probe);  // read at block m + 1
     }
     if (cast_m >= 0) cast_dq(cast_m);
     wgmma::wait<0>();
@@ -1312,13 +1316,16 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
   if (!direct && threadIdx.x == 0) {
-    if (cast_here) {  // the last two blocks' counts: block mblocks - 2's (pending) and the last one's
+    if (cast_here) {  // the last three blocks' counts: block mblocks - 3's (taken) and the last two
+      const int M = mblocks;
+      const bool c0 = M > 2 && arrived == M - 1;
       async_copy::bulk_wait_all();
-      const bool last_but_one = mblocks > 1 && arrived == mblocks - 1;
-      const bool last = count_arrival(done(qblock(mblocks - 1))) == mblocks - 1;
-      if (last_but_one || last) acquire_fence();
-      cast_block[0] = last_but_one ? qblock(mblocks - 2) : -1;
-      cast_block[1] = last ? qblock(mblocks - 1) : -1;
+      const bool c1 = M > 1 && count_arrival(done(qblock(M - 2)), p.dq_probe) == M - 1;
+      const bool c2 = count_arrival(done(qblock(M - 1)), p.dq_probe) == M - 1;
+      if (c0 || c1 || c2) acquire_fence();
+      cast_block[0] = c0 ? qblock(M - 3) : -1;
+      cast_block[1] = c1 ? qblock(M - 2) : -1;
+      cast_block[2] = c2 ? qblock(M - 1) : -1;
     } else {
       async_copy::bulk_wait_all();
     }
@@ -1340,9 +1347,9 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   }
   if (cast_here) {
     __syncthreads();  // thread 0 has the last counts
-    const int c0 = cast_block[0], c1 = cast_block[1];
-    if (c0 >= 0) cast_dq(c0);
-    if (c1 >= 0) cast_dq(c1);
+#pragma unroll 1
+    for (int i = 0; i < 3; ++i)
+      if (cast_block[i] >= 0) cast_dq(cast_block[i]);
   }
 #endif
 }
@@ -1603,6 +1610,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   P.dq_accum = direct ? nullptr : dq_accum.data_ptr<float>();
   P.dq_done = cast_in_kernel ? dq_done.data_ptr<int>() : nullptr;
   P.dq_slots = (int)dq_slots;
+  P.dq_probe = std::atoi(switch_value("BERTACCEL_ATTENTION_DQ_PROBE").c_str());
   P.dq = dq.data_ptr();
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
