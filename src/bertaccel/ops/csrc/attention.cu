@@ -1023,9 +1023,10 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
 // through shared memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q)
 // are read MN-major from the same tiles the first two MMAs read K-major. The next block's Q, dO, lse and D
 // are copied (cp.async) behind the current block's first MMAs.
+constexpr int kMaxQueryBlocks = 1024;  // 64-query blocks of a sequence (max_seqlen < 65536)
 template <int D>
-constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 mbarriers, alignment
-  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 1024;
+constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 mbarriers, the cast list, alignment
+  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 4 * kMaxQueryBlocks + 1024;
 }
 
 // CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one)
@@ -1131,7 +1132,9 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   // for every (sequence, block) of a packed batch).
   const bool cast_here = !direct && p.dq_done != nullptr;
   auto done = [&](int m) { return p.dq_done + (int64_t)h * p.dq_slots + start / B + b + m; };  // (from the kernel's parameters: no register held)
-  __shared__ int cast_block[3];  // thread 0 -> the CTA: query blocks whose dq this CTA writes (-1: none)
+  int* cast_list = reinterpret_cast<int*>(bars + 2);  // [kMaxQueryBlocks]: the query blocks whose dq this CTA writes
+  __shared__ int cast_count;                           // (thread 0 -> the CTA, at the end)
+  int listed = 0;                                      // thread 0: entries in cast_list
   auto cast_dq = [&](int m) {    // dq rows of query block m = scale * their sums, from dq_accum's layout
     constexpr int CH = D / 8;    // 32-byte chunks of a row's sums
     const int m0 = m * B, n = min(B, len - m0) * CH;
@@ -1151,6 +1154,9 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     }
   };
   int arrived = 0;  // thread 0: the count before its addition to query block qblock(m - 3), read at block m
+  auto list_if_last = [&](int count, int m) {
+    if (count == mblocks - 1 && listed < kMaxQueryBlocks) cast_list[listed++] = qblock(m);
+  };
   // CLUSTER: rows [rank * 64 / nact, ...) of query block m, summed over the active CTAs' staged partials
   auto sum_dq = [&](int m) {
     mbarrier_wait_cluster(&bars[0], m & 1);  // every active CTA's block m partial is staged
@@ -1209,19 +1215,11 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
         mbarrier_wait_cluster(&bars[1], (m - 1) & 1);  // every CTA has read this CTA's block m - 1 partial
       }
     }
-    if (!direct && threadIdx.x == 0) {
-      async_copy::bulk_wait_read<0>();
-      if (cast_here) {
-        const bool last = m > 2 && arrived == mblocks - 1;  // of block m - 3's count, taken at block m - 1
-        if (last) acquire_fence();                           // the other CTAs' additions, before our reads
-        cast_block[0] = last ? qblock(m - 3) : -1;
-      }
-    }
+    if (!direct && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
     wgmma::wait<0>();
     reg_fence(s);
     reg_fence(dp);
     __syncthreads();  // thread 0 is past its wait: the P and dS tiles are free
-    const int cast_m = cast_here ? cast_block[0] : -1;
     // P (dropped, for dV), dS = P (dP - D); rows g and g + 8 of the warp's 16 queries
     const int wrow = warp * 16;
     const float lse0 = sLse[stage * B + wrow + g] * kLog2e, lse1 = sLse[stage * B + wrow + g + 8] * kLog2e;
@@ -1273,12 +1271,13 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     for (int ks = 0; ks < 4; ++ks)
       wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
     wgmma::commit();
-    // behind the MMAs: block m - 2's addition complete (issued two blocks ago) and counted; a cast
+    // behind the MMAs: block m - 2's addition complete (issued two blocks ago) and counted, the count
+    // read a block later (block m - 3's now)
     if (cast_here && m > 1 && threadIdx.x == 0) {
+      if (m > 2) list_if_last(arrived, m - 3);
       if (!(p.dq_probe & 2)) async_copy::bulk_wait<1>();
-      if (!(p.dq_probe & 1)) arrived = count_arrival(done(qblock(m - 2)), p.dq_probe);  // read at block m + 1
+      if (!(p.dq_probe & 1)) arrived = count_arrival(done(qblock(m - 2)), p.dq_probe);
     }
-    if (cast_m >= 0) cast_dq(cast_m);
     wgmma::wait<0>();
     reg_fence(dq);
     reg_fence(dv);
@@ -1318,14 +1317,12 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   if (!direct && threadIdx.x == 0) {
     if (cast_here) {  // the last three blocks' counts: block mblocks - 3's (taken) and the last two
       const int M = mblocks;
-      const bool c0 = M > 2 && arrived == M - 1;
+      if (M > 2) list_if_last(arrived, M - 3);
       async_copy::bulk_wait_all();
-      const bool c1 = M > 1 && count_arrival(done(qblock(M - 2)), p.dq_probe) == M - 1;
-      const bool c2 = count_arrival(done(qblock(M - 1)), p.dq_probe) == M - 1;
-      if (c0 || c1 || c2) acquire_fence();
-      cast_block[0] = c0 ? qblock(M - 3) : -1;
-      cast_block[1] = c1 ? qblock(M - 2) : -1;
-      cast_block[2] = c2 ? qblock(M - 1) : -1;
+      if (M > 1) list_if_last(count_arrival(done(qblock(M - 2)), p.dq_probe), M - 2);
+      list_if_last(count_arrival(done(qblock(M - 1)), p.dq_probe), M - 1);
+      if (listed > 0) acquire_fence();  // the other CTAs' additions, before the reads below
+      cast_count = listed;
     } else {
       async_copy::bulk_wait_all();
     }
@@ -1348,8 +1345,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   if (cast_here) {
     __syncthreads();  // thread 0 has the last counts
 #pragma unroll 1
-    for (int i = 0; i < 3; ++i)
-      if (cast_block[i] >= 0) cast_dq(cast_block[i]);
+    for (int i = 0; i < cast_count; ++i) cast_dq(cast_list[i]);
   }
 #endif
 }
