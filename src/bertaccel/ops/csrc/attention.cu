@@ -166,9 +166,6 @@ struct Params {
   void* dv;
   float* dq_accum;  // [T, heads, d] fp32
   void* dq;         // the Hopper backward in clusters: written directly
-  int* dq_done;     // the Hopper backward without clusters: [heads, dq_slots] key blocks added per query block
-  int dq_slots;     // (null: a separate kernel casts dq_accum)
-  int dq_probe;
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
@@ -405,7 +402,6 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
 // ------------------------------------------------------------------------------ backward
 // D = rowsum(dO * O) per (row, head), fp32: D / 8 threads per (row, head), 16 bytes of each per thread;
 // and, when zero_dq, clears the fp32 dQ sums (D values per (row, head): all of them, whatever their layout)
-// and the Hopper backward's per-query-block counters (dq_done; the grid covers them)
 template <typename T, int D>
 __global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
   constexpr int TPR = D / 8;  // threads per (row, head); divides 32
@@ -433,7 +429,6 @@ __global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
 #pragma unroll
   for (int s = TPR / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
   if (valid && part == 0) p.dsum[(int64_t)h * p.total + row] = row < p.cu[p.batch] ? acc : 0.f;
-  if (p.dq_done != nullptr && gid < (int64_t)p.heads * p.dq_slots) p.dq_done[gid] = 0;
 }
 
 template <typename T, int D, bool DROPOUT>
@@ -762,20 +757,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src,
   async_copy::bulk_commit();
 }
 
-// Global-memory counters the CTAs of a backward meet at: add one, return the count before. Relaxed: the
-// writes it announces are bulk reductions this thread has waited for (complete: performed in L2, where
-// the counter lives); the thread that needs to see the others' writes calls acquire_fence() after reading
-// the count (and reads through L2).
-__device__ __forceinline__ int count_arrival(int* counter, int probe) {
-  int old = 0;
-  if (probe & 4)
-    asm volatile("fence.proxy.async.global;\natom.release.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-  else
-    asm volatile("fence.proxy.async.global;\natom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-  return old;
-}
-__device__ __forceinline__ void acquire_fence() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-
 // rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled.
 // Thread x copies chunk x % (D / 8) of rows x / (D / 8) + i * NT / (D / 8): a fixed chunk, so its
 // shared-memory offset (the swizzle phase repeats every 8 rows) and its global column are set once.
@@ -1023,10 +1004,9 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
 // through shared memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q)
 // are read MN-major from the same tiles the first two MMAs read K-major. The next block's Q, dO, lse and D
 // are copied (cp.async) behind the current block's first MMAs.
-constexpr int kMaxQueryBlocks = 1024;  // 64-query blocks of a sequence (max_seqlen < 65536)
 template <int D>
-constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 mbarriers, the cast list, alignment
-  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 4 * kMaxQueryBlocks + 1024;
+constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 mbarriers, alignment
+  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 1024;
 }
 
 // CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one)
@@ -1053,8 +1033,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   uint64_t* bars = reinterpret_cast<uint64_t*>(sDsum + 2 * B);  // CLUSTER: staged, consumed
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
-    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr,
-                    p.dq_accum && !p.dq_done ? nullptr : static_cast<T*>(p.dq));
+    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr, p.dq_accum ? nullptr : static_cast<T*>(p.dq));
     return;
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
@@ -1124,39 +1103,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
   float* dq_accum = direct ? nullptr : p.dq_accum + ((int64_t)h * p.total + start) * D;
   float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
-  // Without clusters, with p.dq_done: no separate cast pass. Each CTA counts its additions to a query
-  // block's rows once the bulk reduction is complete (waited for and counted by thread 0 behind the next
-  // block's dQ / dV / dK MMAs, where the warps wait anyway; the count is read a block later), and the CTA
-  // whose count completes the block (every key block of the sequence has added) reads the sums back from
-  // L2 and writes dq. Counter of query block m: done[m] (slot start / 64 + b + m of the head's: distinct
-  // for every (sequence, block) of a packed batch).
-  const bool cast_here = !direct && p.dq_done != nullptr;
-  auto done = [&](int m) { return p.dq_done + (int64_t)h * p.dq_slots + start / B + b + m; };  // (from the kernel's parameters: no register held)
-  int* cast_list = reinterpret_cast<int*>(bars + 2);  // [kMaxQueryBlocks]: the query blocks whose dq this CTA writes
-  __shared__ int cast_count;                           // (thread 0 -> the CTA, at the end)
-  int listed = 0;                                      // thread 0: entries in cast_list
-  auto cast_dq = [&](int m) {    // dq rows of query block m = scale * their sums, from dq_accum's layout
-    constexpr int CH = D / 8;    // 32-byte chunks of a row's sums
-    const int m0 = m * B, n = min(B, len - m0) * CH;
-    T* dq = static_cast<T*>(p.dq) + (int64_t)h * D;
-    const float* acc = dq_accum + (int64_t)m0 * D;
-#pragma unroll 2
-    for (int i = threadIdx.x; i < n; i += NT) {
-      const int row = i / CH, c = i % CH, tok = start + m0 + row;
-      const float4* src = reinterpret_cast<const float4*>(acc + row * D + ((c ^ dq_chunk_phase(tok, D)) << 3));
-      const float4 x = __ldcg(src), y = __ldcg(src + 1);  // L2: other SMs' additions
-      uint4 out;
-      out.x = pack2<T>(x.x * p.scale, x.y * p.scale);
-      out.y = pack2<T>(x.z * p.scale, x.w * p.scale);
-      out.z = pack2<T>(y.x * p.scale, y.y * p.scale);
-      out.w = pack2<T>(y.z * p.scale, y.w * p.scale);
-      *reinterpret_cast<uint4*>(dq + (int64_t)tok * p.heads * D + c * 8) = out;
-    }
-  };
-  int arrived = 0;  // thread 0: the count before its addition to query block qblock(m - 3), read at block m
-  auto list_if_last = [&](int count, int m) {
-    if (count == mblocks - 1 && listed < kMaxQueryBlocks) cast_list[listed++] = qblock(m);
-  };
   // CLUSTER: rows [rank * 64 / nact, ...) of query block m, summed over the active CTAs' staged partials
   auto sum_dq = [&](int m) {
     mbarrier_wait_cluster(&bars[0], m & 1);  // every active CTA's block m partial is staged
@@ -1271,13 +1217,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     for (int ks = 0; ks < 4; ++ks)
       wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
     wgmma::commit();
-    // behind the MMAs: block m - 2's addition complete (issued two blocks ago) and counted, the count
-    // read a block later (block m - 3's now)
-    if (cast_here && m > 1 && threadIdx.x == 0) {
-      if (m > 2) list_if_last(arrived, m - 3);
-      if (!(p.dq_probe & 2)) async_copy::bulk_wait<1>();
-      if (!(p.dq_probe & 1)) arrived = count_arrival(done(qblock(m - 2)), p.dq_probe);
-    }
     wgmma::wait<0>();
     reg_fence(dq);
     reg_fence(dv);
@@ -1314,19 +1253,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     sum_dq(mblocks - 1);
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
-  if (!direct && threadIdx.x == 0) {
-    if (cast_here) {  // the last three blocks' counts: block mblocks - 3's (taken) and the last two
-      const int M = mblocks;
-      if (M > 2) list_if_last(arrived, M - 3);
-      async_copy::bulk_wait_all();
-      if (M > 1) list_if_last(count_arrival(done(qblock(M - 2)), p.dq_probe), M - 2);
-      list_if_last(count_arrival(done(qblock(M - 1)), p.dq_probe), M - 1);
-      if (listed > 0) acquire_fence();  // the other CTAs' additions, before the reads below
-      cast_count = listed;
-    } else {
-      async_copy::bulk_wait_all();
-    }
-  }
+  if (!direct && threadIdx.x == 0) async_copy::bulk_wait_all();
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
@@ -1341,11 +1268,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
         *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
       }
     }
-  }
-  if (cast_here) {
-    __syncthreads();  // thread 0 has the last counts
-#pragma unroll 1
-    for (int i = 0; i < cast_count; ++i) cast_dq(cast_list[i]);
   }
 #endif
 }
@@ -1448,19 +1370,13 @@ int hopper_forward_warpgroups() {
 
 // Which backward runs at head dims 32 and 64: hopper::attn_bwd_kernel on a Hopper (kClusters: with dQ
 // summed on chip where varlen_attention_bwd allows it), unless BERTACCEL_ATTENTION_BWD=mma (the mma.sync
-// kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer). Through the buffer, the
-// CTA that adds a query block's last partial casts its rows to dq, unless BERTACCEL_ATTENTION_BWD=castpass
-// (a separate pass casts the whole buffer: kClusters otherwise) or =bulk-castpass (kBuffer otherwise).
+// kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer).
 enum class HopperBackward { kNone, kClusters, kBuffer };
 HopperBackward hopper_backward() {
   if (!on_hopper()) return HopperBackward::kNone;
   const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD");
   if (choice == "mma") return HopperBackward::kNone;
-  return choice == "bulk" || choice == "bulk-castpass" ? HopperBackward::kBuffer : HopperBackward::kClusters;
-}
-bool hopper_cast_pass() {
-  const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD");
-  return choice == "castpass" || choice == "bulk-castpass";
+  return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
 }
 #endif
 
@@ -1585,16 +1501,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
   const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
   const bool direct = cluster > 0;
-#if defined(BERTACCEL_ATTENTION_SM90A)
-  const bool cast_in_kernel = hopper && !direct && !hopper_cast_pass();
-#else
-  const bool cast_in_kernel = false;
-#endif
-  at::Tensor dq_accum, dq_done;
+  at::Tensor dq_accum;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  // one counter per (head, query block): slot start / 64 + b + m for block m of sequence b (see the kernel)
-  const int64_t dq_slots = (q.size(0) + kBlockM - 1) / kBlockM + (cu_seqlens.size(0) - 1) + 1;
-  if (cast_in_kernel) dq_done = at::empty({q.size(1) * dq_slots}, q.options().dtype(at::kInt));
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
   P.o = out.data_ptr();
@@ -1604,9 +1512,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   P.dk = dk.data_ptr();
   P.dv = dv.data_ptr();
   P.dq_accum = direct ? nullptr : dq_accum.data_ptr<float>();
-  P.dq_done = cast_in_kernel ? dq_done.data_ptr<int>() : nullptr;
-  P.dq_slots = (int)dq_slots;
-  P.dq_probe = std::atoi(switch_value("BERTACCEL_ATTENTION_DQ_PROBE").c_str());
   P.dq = dq.data_ptr();
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
@@ -1621,8 +1526,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     constexpr bool DR = decltype(drop)::value;
     bool launched = false;
     DqLayout layout = DqLayout::kTokensMajor;
-    const int64_t dsum_threads = std::max<int64_t>(rows * (D / 8), cast_in_kernel ? dq_done.numel() : 0);
-    attn_bwd_dsum_kernel<T, D><<<(unsigned)((dsum_threads + 255) / 256), 256, 0, stream>>>(P, !direct);
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, !direct);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
@@ -1661,7 +1565,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
       kernel<<<grid, kThreads, smem, stream>>>(P);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (direct || cast_in_kernel) return;
+    if (direct) return;
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 8 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale, layout, P.heads, (int)D);
