@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 #include "check.h"
+#include "pdl.cuh"
 #include "philox.cuh"
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -232,58 +233,6 @@ struct ColumnSums {
   float* out[3];
 };
 
-// Programmatic dependent launch (Hopper): a kernel is launched while the one before it on the stream
-// still runs (e.g. the column sums while the backward that writes their partial rows drains), so its
-// launch latency hides behind that kernel's tail instead of following it. Every row kernel allows the
-// next at its start and waits for the previous grid, completed and its writes visible, before its
-// first global access (`begin_dependent_kernel`, below, with `launch_dependent`). Correctness never
-// rests on where the allowing is: the wait is for the whole prerequisite grid. BERTACCEL_PDL=0
-// launches them plainly (for comparing both in one run).
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisite_grids() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-inline bool pdl_enabled() {
-  static const bool on = env_switch("BERTACCEL_PDL", 1) != 0;
-  return on;
-}
-
-// kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch on Hopper and later
-// (unless BERTACCEL_PDL=0): the grid may be scheduled as soon as every block of the kernel before it on
-// the stream has allowed it (`allow_dependent_launch`) or exited, instead of after that kernel has
-// completed, so its launch and block start-up overlap the previous kernel's tail. Every kernel launched
-// this way starts with `begin_dependent_kernel()`, before it reads or writes global memory: its wait
-// returns once the previous grid has completed and its writes are visible, as a plain launch would.
-template <typename... Params, typename... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                      Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  if (pdl_enabled() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-
-// The first statement of every kernel started by `launch_dependent`: wait for the previous grid (its
-// writes visible), then allow the next launch_dependent kernel to be scheduled (it waits likewise).
-__device__ __forceinline__ void begin_dependent_kernel() {
-  wait_for_prerequisite_grids();
-  allow_dependent_launch();
-}
 constexpr int kColSumRows = 32;
 constexpr int kColSumBatch = 12;  // loads in flight per thread: one round for up to 384 partial rows
 
