@@ -39,6 +39,8 @@ VARIANTS = {"fwd mma, bwd mma": {"BERTACCEL_ATTENTION_FWD": "mma", "BERTACCEL_AT
             "bwd bulk": {"BERTACCEL_ATTENTION_BWD": "bulk"}}
 
 
+VARIANTS_ON = True
+
 BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
             "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
@@ -123,7 +125,7 @@ def run_cell(cell: str) -> list[dict]:
     if build.load_attention():
         ours = lambda: attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)  # noqa: E731
         varlen["bertaccel-varlen (packed)"] = (ours, {})
-        if torch.cuda.get_device_capability() == (9, 0):  # the same op with other kernels, same run
+        if torch.cuda.get_device_capability() == (9, 0) and VARIANTS_ON:  # the same op with other kernels, same run
             for label, env in VARIANTS.items():
                 varlen[f"bertaccel-varlen (packed, {label})"] = (ours, env)
     else:
@@ -149,7 +151,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", nargs="+", default=CELLS)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-variants", action="store_true", help="time our op with its default kernels only")
     args = ap.parse_args()
+    global VARIANTS_ON
+    VARIANTS_ON = not args.no_variants
     # One untimed pass over the first cell: at 9a2dc35 the first cell's padded fwd+bwd rows (every SDPA
     # backend and ours) came out 3-4x the same rows of an earlier run while the later cells matched it;
     # the `timing` column says whether each row came from graph replays or eager events.
