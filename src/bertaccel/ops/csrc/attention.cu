@@ -42,7 +42,6 @@
 #include <utility>
 
 #include "check.h"
-#include "pdl.cuh"
 #include "philox.cuh"
 #if defined(BERTACCEL_ATTENTION_SM90A)
 #include "async_copy.cuh"
@@ -247,7 +246,6 @@ constexpr int fwd_min_blocks() { return D == 64 ? 4 : 0; }  // 0: no minimum (as
 
 template <typename T, int D, bool DROPOUT>
 __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel(const Params p) {
-  begin_dependent_kernel();  // (every kernel here starts so: launch_dependent)
   constexpr int LD = D + 8;  // +16 bytes per row: ldmatrix rows fall in distinct banks
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
@@ -406,7 +404,6 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
 // and, when zero_dq, clears the fp32 dQ sums (D values per (row, head): all of them, whatever their layout)
 template <typename T, int D>
 __global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
-  begin_dependent_kernel();
   constexpr int TPR = D / 8;  // threads per (row, head); divides 32
   const int64_t gid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t w = gid / TPR;
@@ -436,7 +433,6 @@ __global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
 
 template <typename T, int D, bool DROPOUT>
 __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
-  begin_dependent_kernel();
   constexpr int LD = D + 8;
   constexpr int LP = kBlockN + 8;  // pitch of the P and dS tiles
   extern __shared__ __align__(16) unsigned char smem[];
@@ -653,7 +649,6 @@ enum class DqLayout : int { kTokensMajor = 0, kHeadsMajorPermuted = 1 };
 template <typename T>
 __global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale,
                                    DqLayout layout, int heads, int d) {
-  begin_dependent_kernel();
   const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (i < n) {
     int64_t j = i;
@@ -813,7 +808,6 @@ __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) {
 template <typename T, int D, bool DROPOUT, int NWG, int BN>
 __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) attn_fwd_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  begin_dependent_kernel();
   constexpr int BM = 64 * NWG, NT = NWG * 128;
   constexpr bool F16 = std::is_same_v<T, __half>;
   using S = Swz<D>;
@@ -1022,7 +1016,6 @@ constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : (DROPOUT ?
 template <typename T, int D, bool DROPOUT, int CLUSTER>
 __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  begin_dependent_kernel();
   constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
   constexpr int TILE = B * D * 2;
   constexpr bool F16 = std::is_same_v<T, __half>;
@@ -1445,7 +1438,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
                         (unsigned)P.batch + 1);
         auto kernel = hopper::attn_fwd_kernel<T, D, DR, NWG, BN>;
         set_smem(kernel, smem);
-        launch_dependent(kernel, grid, dim3(NWG * 128), smem, stream, P);
+        kernel<<<grid, NWG * 128, smem, stream>>>(P);
       };
       constexpr std::integral_constant<int, hopper::kFwdBlockN> bn{};
       if (nwg == 2) launch(std::integral_constant<int, 2>{}, bn);
@@ -1465,7 +1458,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
     constexpr size_t smem = (size_t)(kBlockM + 4 * kBlockN) * (D + 8) * sizeof(T);
     auto kernel = attn_fwd_kernel<T, D, DR>;
     set_smem(kernel, smem);
-    launch_dependent(kernel, grid, dim3(kThreads), smem, stream, P);
+    kernel<<<grid, kThreads, smem, stream>>>(P);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse, rng};
@@ -1533,7 +1526,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     constexpr bool DR = decltype(drop)::value;
     bool launched = false;
     DqLayout layout = DqLayout::kTokensMajor;
-    launch_dependent(attn_bwd_dsum_kernel<T, D>, dim3((unsigned)((rows * (D / 8) + 255) / 256)), dim3(256), 0, stream, P, !direct);
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, !direct);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
@@ -1547,17 +1540,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
           config.blockDim = dim3(128);
           config.dynamicSmemBytes = smem;
           config.stream = stream;
-          cudaLaunchAttribute attr[2] = {};
-          attr[0].id = cudaLaunchAttributeClusterDimension;
-          attr[0].val.clusterDim.x = grid.x;  // every key block
-          attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-          config.attrs = attr;
-          config.numAttrs = dependent_launch_attribute(attr[1]) ? 2 : 1;
+          cudaLaunchAttribute attr;
+          attr.id = cudaLaunchAttributeClusterDimension;
+          attr.val.clusterDim.x = grid.x;  // every key block
+          attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+          config.attrs = &attr;
+          config.numAttrs = 1;
           C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P));
         } else {
           auto kernel = hopper::attn_bwd_kernel<T, D, DR, 0>;
           set_smem(kernel, smem);
-          launch_dependent(kernel, grid, dim3(128), smem, stream, P);
+          kernel<<<grid, 128, smem, stream>>>(P);
         }
         launched = true;
         layout = DqLayout::kHeadsMajorPermuted;
@@ -1569,12 +1562,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
                               (size_t)2 * kBlockM * (kBlockN + 8) * sizeof(T) + 4 * kBlockM * sizeof(float);
       auto kernel = attn_bwd_kernel<T, D, DR>;
       set_smem(kernel, smem);
-      launch_dependent(kernel, grid, dim3(kThreads), smem, stream, P);
+      kernel<<<grid, kThreads, smem, stream>>>(P);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (direct) return;
     const int64_t n = dq.numel();
-    launch_dependent(attn_bwd_dq_kernel<T>, dim3((unsigned)((n / 8 + 255) / 256)), dim3(256), 0, stream, P.dq_accum, (T*)dq.data_ptr(), n,
+    attn_bwd_dq_kernel<T><<<(unsigned)((n / 8 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale, layout, P.heads, (int)D);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
