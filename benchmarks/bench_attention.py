@@ -39,8 +39,6 @@ VARIANTS = {"fwd mma, bwd mma": {"BERTACCEL_ATTENTION_FWD": "mma", "BERTACCEL_AT
             "bwd bulk": {"BERTACCEL_ATTENTION_BWD": "bulk"}}
 
 
-VARIANTS_ON = True
-
 BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
             "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
@@ -68,7 +66,8 @@ def time_ms(fn) -> tuple[float, str]:
     return cuda_time_ms(fn, [()], warmup=5, repeats=20), "events"
 
 
-def run_cell(cell: str) -> list[dict]:
+def run_cell(cell: str, variants: bool = True) -> list[dict]:
+    """Every implementation's rows for one cell; `variants`: also our op with the VARIANTS kernels."""
     shape, kind = cell.split(":")
     batch, seq, heads, d = (int(x) for x in shape.split("x"))
     g = torch.Generator().manual_seed(0)
@@ -125,7 +124,7 @@ def run_cell(cell: str) -> list[dict]:
     if build.load_attention():
         ours = lambda: attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)  # noqa: E731
         varlen["bertaccel-varlen (packed)"] = (ours, {})
-        if torch.cuda.get_device_capability() == (9, 0) and VARIANTS_ON:  # the same op with other kernels, same run
+        if torch.cuda.get_device_capability() == (9, 0) and variants:  # the same op with other kernels, same run
             for label, env in VARIANTS.items():
                 varlen[f"bertaccel-varlen (packed, {label})"] = (ours, env)
     else:
@@ -153,15 +152,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-variants", action="store_true", help="time our op with its default kernels only")
     args = ap.parse_args()
-    global VARIANTS_ON
-    VARIANTS_ON = not args.no_variants
     # One untimed pass over the first cell: at 9a2dc35 the first cell's padded fwd+bwd rows (every SDPA
     # backend and ours) came out 3-4x the same rows of an earlier run while the later cells matched it;
     # the `timing` column says whether each row came from graph replays or eager events.
-    run_cell(args.cells[0])
+    run_cell(args.cells[0], not args.no_variants)
     rows = []
     for cell in args.cells:
-        rows += run_cell(cell)
+        rows += run_cell(cell, not args.no_variants)
     print_table(rows, ["cell", "impl", "real_fraction", "fwd_ms", "fwd TFLOP/s", "ms", "TFLOP/s", "x_best_sdpa", "timing"])
     if args.out:
         write_json(args.out, {"environment": environment(), "rows": rows})
