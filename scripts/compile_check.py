@@ -22,6 +22,9 @@ row kernel meant to issue all of a row's loads before using any should show that
 `--compare-ptx BEFORE AFTER` says per kernel whether its PTX is
 identical, the same instructions in another order (the same count of every opcode), or different
 (the opcodes whose counts moved).
+`--compare-loops BEFORE.sass AFTER.sass [--filter NAME]` (two --sass listings of one source) gives per
+kernel its main loop's instruction count (the largest range a branch jumps back over) before -> after,
+and the opcodes that moved: e.g. a per-element test the compiler if-converted into every iteration.
 
 The sm_90a sources (the GEMM; attention when --arch is sm_90, as a Hopper builds it) also report
 ptxas's warpgroup-MMA advisories with the kernels they name: C7514 (every wgmma of the kernel
@@ -127,6 +130,63 @@ def sass_functions(text: str) -> dict[str, list[str]]:
     return functions
 
 
+def sass_listings(text: str) -> dict[str, list[str]]:
+    """nvdisasm -c output: function name -> its raw lines (labels and addresses kept)."""
+    functions, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*\.text\.(\S+):", line)
+        if m:
+            current = functions.setdefault(m.group(1), [])
+        elif current is not None:
+            current.append(line)
+    return functions
+
+
+def main_loop(lines: list[str]) -> list[str]:
+    """The instructions of a function's largest loop: from a label to the last branch back to it (the
+    kernels' main loops; unrolled inner loops leave no branch). Empty when there is no backward branch."""
+    instructions, label_at, pending = [], {}, []
+    for line in lines:
+        m = re.match(r"\s*\.?(L_x_\d+|\$L\w+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s*(.*?);", line)
+        if m:
+            for name in pending:
+                label_at[name] = len(instructions)
+            pending = []
+            instructions.append(m.group(2).strip())
+    best = (0, -1)
+    for i, ins in enumerate(instructions):
+        m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+|\$L\w+)", ins)
+        if m and m.group(1) in label_at and label_at[m.group(1)] <= i and i - label_at[m.group(1)] > best[1] - best[0]:
+            best = (label_at[m.group(1)], i)
+    return instructions[best[0]:best[1] + 1]
+
+
+def compare_loops(before: Path, after: Path, name_filter: str) -> int:
+    """Per kernel of two SASS listings (--sass) whose name contains name_filter: its main loop's
+    instruction count before -> after, and the opcodes whose counts moved (or the ten most frequent).
+    A static count: an instruction behind a branch the loop usually skips counts as one that runs."""
+    def by_name(text: str) -> dict[str, tuple[str, list[str]]]:  # keyed without the translation unit's hash
+        return {re.sub(r"_GLOBAL__N__[0-9a-f]{8}_\d+_[A-Za-z0-9_]+?_cu_[0-9a-f]{8}_?\d*", "_GLOBAL__N_", n): (n, lines)
+                for n, lines in sass_listings(text).items()}
+
+    a, b = by_name(before.read_text()), by_name(after.read_text())
+    for key in sorted(set(a) & set(b)):
+        name = a[key][0]
+        if name_filter not in name or "kernel" not in name:
+            continue
+        la, lb = main_loop(a[key][1]), main_loop(b[key][1])
+        ca = Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in la)
+        cb = Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in lb)
+        moved = {op: f"{ca[op]}->{cb[op]}" for op in sorted(set(ca) | set(cb), key=lambda o: -(ca[o] + cb[o])) if ca[op] != cb[op]}
+        print(f"  main loop {len(la):5d} -> {len(lb):5d}  {demangle(name).replace('void bertaccel::', '')[:100]}")
+        print(f"      {dict(list(moved.items())[:12]) or dict(cb.most_common(10))}")
+    return 0
+
+
 def loads_in_flight(instructions: list[str]) -> int:
     """The most 16-byte global loads (LDG.E.128) pending at once, in program order: a load is pending
     from its issue until an instruction reads one of its four destination registers, or writes one."""
@@ -207,10 +267,14 @@ def main() -> int:
     ap.add_argument("--sass", type=Path, help="also write each source's SASS (nvdisasm) into this folder (implies a cubin)")
     ap.add_argument("--compare-ptx", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
                     help="compare two --ptx folders kernel by kernel (no compiling)")
+    ap.add_argument("--compare-loops", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                    help="compare two --sass listings of one source: each kernel's main-loop instructions (no compiling)")
     args = ap.parse_args()
     cubin = args.loads_in_flight or args.sass is not None
     if args.compare_ptx:
         return compare_ptx(*args.compare_ptx)
+    if args.compare_loops:
+        return compare_loops(*args.compare_loops, args.filter)
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         print("no nvcc on PATH", file=sys.stderr)

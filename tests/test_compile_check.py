@@ -78,3 +78,30 @@ def test_sass_functions_reads_nvdisasm_listings():
 """
     functions = cc.sass_functions(text)
     assert functions == {"_Z1kv": ["LDC R1, c[0x0][0x28]", "LDG.E.128 R4, desc[UR4][R2.64]"], "_Z1jv": ["EXIT"]}
+
+
+def test_main_loop_is_the_largest_backward_branch_range_and_compare_loops_prints_it(tmp_path, capsys):
+    def listing(body_ops: list[str]) -> str:
+        lines = ["\t.text._ZN9bertaccel6kernelEv:", "        /*0000*/                   MOV R1, c[0x0][0x28] ;"]
+        addr = 0x10
+        lines.append(".L_x_1:")
+        for op in body_ops:
+            lines.append(f"        /*{addr:04x}*/                   {op} ;")
+            addr += 0x10
+        lines.append(f"        /*{addr:04x}*/              @P0 BRA `(.L_x_1) ;")
+        lines += [".L_x_2:", f"        /*{addr + 0x10:04x}*/                   FADD R2, R2, R3 ;",
+                  f"        /*{addr + 0x20:04x}*/              @P1 BRA `(.L_x_2) ;",  # a smaller loop
+                  f"        /*{addr + 0x30:04x}*/                   EXIT ;"]
+        return "\n".join(lines) + "\n"
+
+    before = ["ISETP.GE.AND P2, PT, R4, UR5, PT", "FSEL R5, R5, -INF, !P2", "MUFU.EX2 R6, R5", "FADD R7, R7, R6"]
+    after = ["MUFU.EX2 R6, R5", "FADD R7, R7, R6"]
+    fns = cc.sass_listings(listing(before))
+    loop = cc.main_loop(fns["_ZN9bertaccel6kernelEv"])
+    assert [i.split()[0] for i in loop] == ["ISETP.GE.AND", "FSEL", "MUFU.EX2", "FADD", "@P0"]
+    assert cc.main_loop(["        /*0000*/ EXIT ;"]) == []
+    (tmp_path / "a.sass").write_text(listing(before))
+    (tmp_path / "b.sass").write_text(listing(after))
+    assert cc.compare_loops(tmp_path / "a.sass", tmp_path / "b.sass", "") == 0
+    out = capsys.readouterr().out
+    assert "main loop     5 ->     3" in out and "'ISETP': '1->0'" in out and "'FSEL': '1->0'" in out
