@@ -4,6 +4,8 @@
 # kernels are timed on the same GPU in one call (METHOD: compare versions in one run). Each version builds
 # its own extensions (the build cache is keyed by the sources' hash). @TAG@ in COMMAND becomes A1, B1,
 # A2, ... (e.g. an output file name); every run's output is prefixed with "== <tag> (<src>)".
+# pytest puts the project's `pythonpath` (pyproject: src, .) ahead of PYTHONPATH: to test tree B, run
+# pytest with `-o pythonpath="OTHER_SRC ."` instead.
 #
 #   git archive pending/some-branch src | tar -x -C .carry/ab_b     # B: another commit's src/
 #   bash scripts/ab_runs.sh .carry/ab_b/src 2 -- python -m benchmarks.bench_attention --no-variants --out $OUT/att_@TAG@.json
