@@ -1,5 +1,6 @@
 """Run the varlen attention forward (or forward + backward) on one cell a few times: a target for
-Nsight Compute (`ncu --kernel-name regex:attn_ ... python scripts/attention_calls.py --cell 32x512x12x64`).
+Nsight Compute (`ncu --kernel-name regex:attn_ ... python scripts/attention_calls.py --cell 32x512x12x64`;
+`--impl cudnn` runs SDPA's cuDNN backend on the same batch instead, for `--kernel-name regex:bprop`).
 With `--kernels`: each kernel's GPU time per call (torch.profiler, after warm-up), ours beside cuDNN's
 SDPA on the same full batch, one `KERNELS` line per (implementation, kernel) - which launches a
 forward + backward is made of (e.g. the backward's main kernel against its dsum and dq-cast passes).
@@ -24,6 +25,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="print each kernel's time per call (implies --backward)")
+    ap.add_argument("--impl", choices=["ours", "cudnn"], default="ours",
+                    help="whose attention the plain calls run (cudnn: SDPA's cuDNN backend on the same batch, "
+                         "e.g. for `ncu --kernel-name regex:bprop`)")
     args = ap.parse_args()
     assert build.load_attention(), build.attention_reason()
     for cell in args.cell:
@@ -39,19 +43,21 @@ def main() -> None:
             if backward:
                 torch.autograd.grad(out, (q, k, v), do)
 
-        if not args.kernels:
-            for _ in range(args.calls):
-                ours()
-            torch.cuda.synchronize()
-            print(f"{args.calls} calls on {cell}")
-            continue
-        qp, kp, vp = (t.detach().view(batch, seq, heads, d).transpose(1, 2).requires_grad_() for t in (q, k, v))
+        qp, kp, vp = (t.detach().view(batch, seq, heads, d).transpose(1, 2).requires_grad_(backward) for t in (q, k, v))
         dop = do.view(batch, seq, heads, d).transpose(1, 2)
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 out = F.scaled_dot_product_attention(qp, kp, vp)
-            torch.autograd.grad(out, (qp, kp, vp), dop)
+            if backward:
+                torch.autograd.grad(out, (qp, kp, vp), dop)
+
+        if not args.kernels:
+            for _ in range(args.calls):
+                (ours if args.impl == "ours" else cudnn)()
+            torch.cuda.synchronize()
+            print(f"{args.calls} calls on {cell} ({args.impl})")
+            continue
 
         for name, fn in (("ours", ours), ("sdpa-cudnn", cudnn)):
             for _ in range(3):

@@ -340,14 +340,14 @@ print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, no filler writ
 PY
 fi
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz *.json *.log sweep 2>/dev/null)
-if has ncu_attn; then  # Nsight Compute on the attention kernels (NCU_ATTN_CELL=32x512x12x64; NCU_ATTN_FWD="wg2 mma"; NCU_ATTN_KERNEL=attn_bwd_kernel for the backward)
+if has ncu_attn; then  # Nsight Compute on the attention kernels (NCU_ATTN_CELL=32x512x12x64; NCU_ATTN_FWD="wg2 mma"; NCU_ATTN_KERNEL=attn_bwd_kernel for the backward; NCU_ATTN_IMPL=cudnn NCU_ATTN_KERNEL=bprop for cuDNN's)
   kernel=${NCU_ATTN_KERNEL:-attn_fwd}
   back=(); [[ $kernel == *bwd* ]] && back=(--backward)
   for fwd in ${NCU_ATTN_FWD:-wg2}; do
     BERTACCEL_ATTENTION_FWD=$fwd timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name regex:$kernel --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section LaunchStats \
       --section MemoryWorkloadAnalysis --section InstructionStats \
-      python scripts/attention_calls.py --cell ${NCU_ATTN_CELL:-32x512x12x64} "${back[@]}" > "$OUT/ncu_attn_${kernel}_$fwd.txt" 2>&1
+      python scripts/attention_calls.py --cell ${NCU_ATTN_CELL:-32x512x12x64} --impl ${NCU_ATTN_IMPL:-ours} "${back[@]}" > "$OUT/ncu_attn_${kernel}_$fwd.txt" 2>&1
     echo "ncu attention $kernel $fwd rc=$?"
     grep -E "attn_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A|Stall|No Eligible|Theoretical Occ|Block Limit|Shared Memory|Bank|Executed Instructions  " "$OUT/ncu_attn_${kernel}_$fwd.txt" | cut -c1-120 | head -${NCU_LINES:-50}
   done
