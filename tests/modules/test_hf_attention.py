@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from bertaccel.modules.hf_attention import attention_forward, packing_order
 from bertaccel.ops import eligibility
 from tests.conftest import TINY_BERT
+from tests.ops.conftest import capture_graph
 
 
 def random_mask(B: int, S: int, seed: int = 0, left: bool = False) -> torch.Tensor:
@@ -161,14 +162,7 @@ def test_padded_batches_replay_in_a_cuda_graph():
         out = attention_forward(None, *static, static_mask, scaling=D**-0.5)[0]
         return out, torch.autograd.grad(out.float().sum(), static)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, grads = step()
+    graph, (out, grads) = capture_graph(step)
     q2, k2, v2, mask2 = _bf16_case(B, S, H, D, seed=5)
     for t, new in zip(static, (q2, k2, v2)):
         t.detach().copy_(new)

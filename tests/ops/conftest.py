@@ -58,17 +58,24 @@ def check_vs_cublas(ours, cublas, ref, name):
     assert e_ours <= 2 * e_cublas + 1e-4, f"{name}: error {e_ours:.2e} vs cuBLAS {e_cublas:.2e}"
 
 
-def assert_replay_matches_eager(step, static_x, *static):
-    """Capture `step(static_x, *static)` (-> (output, gradients)) in a CUDA graph after a warm-up on a
-    side stream, give static_x new values, replay, and compare with an eager step on the same inputs."""
+def capture_graph(step, *args):
+    """`step(*args)` captured in a CUDA graph after one warm-up call on a side stream (the kernels'
+    one-time setup outside the capture): (graph, the captured call's outputs)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        step(static_x, *static)  # warm-up: the kernels' one-time setup outside the capture
+        step(*args)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step(static_x, *static)
+        out = step(*args)
+    return graph, out
+
+
+def assert_replay_matches_eager(step, static_x, *static):
+    """Capture `step(static_x, *static)` (-> (output, gradients)) in a CUDA graph after a warm-up on a
+    side stream, give static_x new values, replay, and compare with an eager step on the same inputs."""
+    graph, out = capture_graph(step, static_x, *static)
     with torch.no_grad():
         static_x.copy_(torch.randn_like(static_x))
     graph.replay()

@@ -323,14 +323,9 @@ def test_backward_replays_with_new_inputs(bwd, monkeypatch):
     def step():
         return torch.autograd.grad(varlen_attention(q, k, v, cu, max(lengths)), (q, k, v), dout)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    from tests.ops.conftest import capture_graph
+
+    graph, static = capture_graph(step)
     for _ in range(3):
         with torch.no_grad():
             for t in (q, k, v):
