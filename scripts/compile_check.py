@@ -116,18 +116,7 @@ def opcode_counts(lines: list[str]) -> Counter:
     return counts
 
 
-def sass_functions(text: str) -> dict[str, list[str]]:
-    """nvdisasm -c output: function name -> its instructions (predicate kept, no addresses)."""
-    functions, current = {}, None
-    for line in text.splitlines():
-        m = re.match(r"\s*\.text\.(\S+):", line)
-        if m:
-            current = functions.setdefault(m.group(1), [])
-            continue
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s*(.*?);", line)
-        if m and current is not None:
-            current.append(m.group(1).strip())
-    return functions
+SASS_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]+)\*/\s*(.*?);")  # /*address*/ instruction ;
 
 
 def sass_listings(text: str) -> dict[str, list[str]]:
@@ -142,6 +131,12 @@ def sass_listings(text: str) -> dict[str, list[str]]:
     return functions
 
 
+def sass_functions(text: str) -> dict[str, list[str]]:
+    """nvdisasm -c output: function name -> its instructions (predicate kept, no addresses)."""
+    return {name: [m.group(2).strip() for line in lines if (m := SASS_INSTRUCTION.match(line))]
+            for name, lines in sass_listings(text).items()}
+
+
 def main_loop(lines: list[str]) -> list[str]:
     """The instructions of a function's largest loop: from a label to the last branch back to it (the
     kernels' main loops; unrolled inner loops leave no branch). Empty when there is no backward branch."""
@@ -151,7 +146,7 @@ def main_loop(lines: list[str]) -> list[str]:
         if m:
             pending.append(m.group(1))
             continue
-        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s*(.*?);", line)
+        m = SASS_INSTRUCTION.match(line)
         if m:
             for name in pending:
                 label_at[name] = len(instructions)
@@ -163,6 +158,11 @@ def main_loop(lines: list[str]) -> list[str]:
         if m and m.group(1) in label_at and label_at[m.group(1)] <= i and i - label_at[m.group(1)] > best[1] - best[0]:
             best = (label_at[m.group(1)], i)
     return instructions[best[0]:best[1] + 1]
+
+
+def base_opcodes(instructions: list[str]) -> Counter:
+    """SASS opcodes without predicate and modifiers (ISETP.GE.AND -> ISETP), counted."""
+    return Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in instructions)
 
 
 def compare_loops(before: Path, after: Path, name_filter: str) -> int:
@@ -179,8 +179,7 @@ def compare_loops(before: Path, after: Path, name_filter: str) -> int:
         if name_filter not in name or "kernel" not in name:
             continue
         la, lb = main_loop(a[key][1]), main_loop(b[key][1])
-        ca = Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in la)
-        cb = Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in lb)
+        ca, cb = base_opcodes(la), base_opcodes(lb)
         moved = {op: f"{ca[op]}->{cb[op]}" for op in sorted(set(ca) | set(cb), key=lambda o: -(ca[o] + cb[o])) if ca[op] != cb[op]}
         print(f"  main loop {len(la):5d} -> {len(lb):5d}  {demangle(name).replace('void bertaccel::', '')[:100]}")
         print(f"      {dict(list(moved.items())[:12]) or dict(cb.most_common(10))}")
