@@ -1173,6 +1173,11 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     const float lse0 = sLse[stage * B + wrow + g] * kLog2e, lse1 = sLse[stage * B + wrow + g + 8] * kLog2e;
     const float ds0 = sDsum[stage * B + wrow + g], ds1 = sDsum[stage * B + wrow + g + 8];
     const int64_t row_token = (int64_t)start + m0 + wrow + g;
+    // Two copies of the elementwise part, picked per CTA: without the key test where every key of the
+    // CTA is in the sequence (all but a sequence's last key block). One copy with the test in it compiled
+    // to a predicate per element (ISETP, the zero result, lse * log2e again under the predicate).
+    auto p_and_ds = [&](auto masked_keys) {
+    constexpr bool kMasked = decltype(masked_keys)::value;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t bits = 0xFFu;
@@ -1184,7 +1189,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + j * 8 + 2 * t + (e & 1);
           const float lse = e < 2 ? lse0 : lse1, dsum = e < 2 ? ds0 : ds1;
-          const float pr = (keys_full || key < len) ? fast_exp2(fmaf(s[4 * j + e], scale_log2, -lse)) : 0.f;
+          const float pr = (!kMasked || key < len) ? fast_exp2(fmaf(s[4 * j + e], scale_log2, -lse)) : 0.f;
           float pd = pr, dpe = dp[4 * j + e];
           if constexpr (DROPOUT) {
             const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
@@ -1205,6 +1210,9 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
       dsa[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
       dsa[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
     }
+    };
+    if (keys_full) p_and_ds(std::false_type{});
+    else p_and_ds(std::true_type{});
     async_copy::fence_proxy_async();  // P and dS, visible to the tensor cores
     __syncthreads();
     wgmma::fence();
