@@ -781,6 +781,7 @@ constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + NWG *
 // per SM instead of 4; it spilled 48-144 bytes at the 128-register cap) and measured faster only on full
 // 512-token sequences at D = 32 (see hopper_forward_warpgroups).
 constexpr int kFwdBlockN = 64;
+constexpr float kRescaleSlack = 8.f;  // log2 units: the forward's exponentials stay below 256 (see attn_fwd_kernel)
 
 template <int D, int NWG, int BN>
 constexpr int fwd_min_blocks() { return D <= 64 ? (BN > 64 ? 3 : 4) / NWG : 1; }  // 128 registers at D <= 64 (168 with 128 keys)
@@ -892,7 +893,12 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
         for (int e = 0; e < 4; ++e)
           if (key0 + j * 8 + 2 * t + (e & 1) >= len) s[4 * j + e] = -INFINITY;
     }
+    // The reference max of each row moves only when a block's max exceeds it by more than kRescaleSlack
+    // (log2 units; FlashAttention-4's conditional rescaling): the exponentials below the reference stay
+    // under 2^kRescaleSlack, the row sum and lse use the same reference, and O is rescaled only in the
+    // blocks where a row of the warp moved it (after the first block, rarely).
     float corr[2];
+    bool moved = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = s[2 * r];
@@ -900,9 +906,12 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
       for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mx_log2 = fmaxf(row_max[r], mx * scale_log2);  // key 0 of block 0 is real: finite
-      corr[r] = fast_exp2(row_max[r] - mx_log2);  // 0 on the first block (-inf - finite)
-      row_max[r] = mx_log2;
+      const float cand = mx * scale_log2;                 // key 0 of each block is real: finite
+      const bool move = cand > row_max[r] + kRescaleSlack;  // always on the first block (-inf)
+      corr[r] = move ? fast_exp2(row_max[r] - cand) : 1.f;  // 0 on the first block (-inf - finite)
+      if (move) row_max[r] = cand;
+      moved |= move;
+      const float mx_log2 = row_max[r];
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < NS; ++j) {
@@ -922,12 +931,14 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
     cp_async_wait_all();  // K_{n+1} and V_n (copied during block n - 1, or before the loop)
     async_copy::fence_proxy_async();
     __syncthreads();  // every warpgroup is past S_n and P_{n-1} V_{n-1}: K_n's and V_{n-1}'s stages are free
+    if (__any_sync(0xffffffffu, moved)) {  // (the warp's O rows; corr is 1 for the rows that did not move)
 #pragma unroll
-    for (int i = 0; i < NO; ++i) {
-      o[4 * i] *= corr[0];
-      o[4 * i + 1] *= corr[0];
-      o[4 * i + 2] *= corr[1];
-      o[4 * i + 3] *= corr[1];
+      for (int i = 0; i < NO; ++i) {
+        o[4 * i] *= corr[0];
+        o[4 * i + 1] *= corr[0];
+        o[4 * i + 2] *= corr[1];
+        o[4 * i + 3] *= corr[1];
+      }
     }
     // P (dropped) as A fragments
 #pragma unroll
