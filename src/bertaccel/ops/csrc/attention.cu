@@ -681,6 +681,14 @@ __global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict_
 #if defined(BERTACCEL_ATTENTION_SM90A)
 namespace hopper {
 
+// The dynamic shared memory's first 1024-byte boundary (the 128-byte swizzle's atoms repeat every 1024
+// bytes), reached by pointer arithmetic on the shared-memory pointer itself: through an integer cast the
+// compiler loses the address space and every access to the tiles became a generic 64-bit one (ST / LD
+// instead of STS / LDS, 64-bit address arithmetic).
+__device__ __forceinline__ uint8_t* align_shared_1024(unsigned char* smem) {
+  return reinterpret_cast<uint8_t*>(smem) + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
+}
+
 // The shared-memory image of a [rows x D] tile: column blocks of kRowBytes-wide rows, 16-byte chunks
 // XOR-swizzled within each 8-row atom (128-byte rows: chunk ^ row % 8; 64-byte rows: chunk ^ (row / 2) % 4),
 // as TMA's SWIZZLE_128B / SWIZZLE_64B would write it.
@@ -813,7 +821,7 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
   constexpr bool F16 = std::is_same_v<T, __half>;
   using S = Swz<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint8_t* sQ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sQ = align_shared_1024(smem_raw);
   uint8_t* sK = sQ + BM * D * 2;      // [2][BN x D]: K_n in stage n % 2
   uint8_t* sV = sK + 2 * BN * D * 2;  // [2][BN x D]: V_n in stage n % 2
   volatile float* anchor = reinterpret_cast<float*>(sV + 2 * BN * D * 2);  // [NT], written, never read
@@ -1035,7 +1043,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   using S = Swz<D>;
   using SP = Swz<64>;  // P and dS: [64 queries x 64 keys], 128-byte rows
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint8_t* sK = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sK = align_shared_1024(smem_raw);
   uint8_t* sV = sK + TILE;
   uint8_t* sQ = sV + TILE;         // [2]
   uint8_t* sdO = sQ + 2 * TILE;    // [2]
