@@ -704,25 +704,35 @@ struct Swz {
     const int phase = kRowBytes == 128 ? (r & 7) : ((r >> 1) & 3);
     return blk * R * kRowBytes + r * kRowBytes + ((cc ^ phase) << 4);
   }
-  // wgmma descriptor: start, leading offset (MN-major: the next column block), stride offset (8 rows)
-  __device__ static __forceinline__ uint64_t desc(const void* p, uint32_t lbo) {
-    uint64_t d = (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4);
-    d |= (uint64_t)((lbo & 0x3FFFF) >> 4) << 16;
-    d |= (uint64_t)((kAtom & 0x3FFFF) >> 4) << 32;
-    d |= (kRowBytes == 128 ? 1ull : 2ull) << 62;  // 128-byte / 64-byte swizzle
-    return d;
+  // the high word of a tile's wgmma descriptor: stride byte offset (one 8-row atom) >> 4, swizzle mode
+  // (bits 62-63: 1 = 128-byte, 2 = 64-byte); the same for every tile of this layout
+  static constexpr uint32_t kDescHi = (uint32_t)(kAtom >> 4) | ((kRowBytes == 128 ? 1u : 2u) << 30);
+};
+
+// The wgmma descriptors of one [R rows x D] tile (Swz<D>). The low word (start address >> 4, leading byte
+// offset >> 4 at bit 16 - MN-major: the next column block) is built once, where the tile's base is set, so
+// that the descriptor of a k-slice is one 32-bit add of a constant: built from the slice's address at every
+// use (mask, shift, or), each descriptor cost five uniform instructions and the backward's loop about 200
+// of its ~650 per query block. Shared addresses stay below 2^18, so the 14-bit start field never carries.
+template <int D, int R>
+struct TileDesc {
+  using S = Swz<D>;
+  uint32_t lo;
+  __device__ __forceinline__ explicit TileDesc(const void* tile)
+      : lo((smem_u32(tile) >> 4) | ((uint32_t)(R * S::kRowBytes) >> 4 << 16)) {}
+  __device__ __forceinline__ TileDesc(uint32_t lo_) : lo(lo_) {}
+  // the same layout `bytes` further on (bytes % 16 == 0; e.g. a tile's other pipeline stage)
+  __device__ __forceinline__ TileDesc plus(uint32_t bytes) const { return TileDesc(lo + (bytes >> 4)); }
+  __device__ __forceinline__ uint64_t at(int bytes) const {
+    return ((uint64_t)S::kDescHi << 32) | (uint64_t)(lo + ((uint32_t)bytes >> 4));
   }
-  // A K-major operand ([R rows x D], K = D): the descriptor of k-slice ks (16 elements, 32 bytes)
-  template <int R>
-  __device__ static __forceinline__ uint64_t k_major(const uint8_t* tile, int ks) {
+  // A K-major operand ([R rows x D], K = D): k-slice ks (16 elements, 32 bytes)
+  __device__ __forceinline__ uint64_t k_major(int ks) const {
     const int byte = ks * 32;
-    return desc(tile + byte / kRowBytes * R * kRowBytes + byte % kRowBytes, R * kRowBytes);
+    return at(byte / S::kRowBytes * R * S::kRowBytes + byte % S::kRowBytes);
   }
-  // An MN-major operand ([R rows = K x D = N]): the descriptor of K rows 16 ks .. 16 ks + 15
-  template <int R>
-  __device__ static __forceinline__ uint64_t mn_major(const uint8_t* tile, int ks) {
-    return desc(tile + ks * 16 * kRowBytes, R * kRowBytes);
-  }
+  // An MN-major operand ([R rows = K x D = N]): K rows 16 ks .. 16 ks + 15
+  __device__ __forceinline__ uint64_t mn_major(int ks) const { return at(ks * 16 * S::kRowBytes); }
 };
 
 // Thread-block clusters: mbarriers other CTAs arrive at, and reads of another CTA's shared memory
@@ -878,12 +888,12 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
   const int wrow = wg * 64 + warp * 16;  // this warp's 16 query rows of the CTA's BM
   const int64_t row_token = (int64_t)start + m0 + wrow + g;  // the dropout counter's row
   // this warpgroup's 64 rows of Q: 64-row offsets keep the swizzle phase (a multiple of 8 rows)
-  const uint8_t* q_wg = sQ + wg * 64 * S::kRowBytes;
+  const TileDesc<D, BM> q_wg(sQ + wg * 64 * S::kRowBytes);
+  const TileDesc<D, BN> k_desc(sK), v_desc(sV);  // stage 0; stage 1 is BN * D * 2 bytes on
   auto issue_s = [&](int n) {  // S_n = Q K_n^T, this warpgroup's 64 rows x BN keys
+    const TileDesc<D, BN> kn = k_desc.plus((n & 1) * BN * D * 2);
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      wgmma::mma_ss<F16, BN, 0, 0>(s, S::template k_major<BM>(q_wg, ks),
-                                   S::template k_major<BN>(sK + (n & 1) * BN * D * 2, ks), ks > 0 ? 1 : 0);
+    for (int ks = 0; ks < KS; ++ks) wgmma::mma_ss<F16, BN, 0, 0>(s, q_wg.k_major(ks), kn.k_major(ks), ks > 0 ? 1 : 0);
     wgmma::commit();
   };
 
@@ -982,9 +992,9 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
     wgmma::fence();
     if constexpr (NEXT) issue_s(n + 1);
     // O += P_n V_n: V [BN keys x D] is the MN-major B operand (K = keys, N = D)
-    const uint8_t* cV = sV + (n & 1) * BN * D * 2;
+    const TileDesc<D, BN> vn = v_desc.plus((n & 1) * BN * D * 2);
 #pragma unroll
-    for (int kk = 0; kk < PS; ++kk) wgmma::mma_rs<F16, D, 1>(o, pa[kk], S::template mn_major<BN>(cV, kk), 1);
+    for (int kk = 0; kk < PS; ++kk) wgmma::mma_rs<F16, D, 1>(o, pa[kk], vn.mn_major(kk), 1);
     wgmma::commit();
     // the next copies, behind the MMAs just issued: K_{n+2} into K_n's stage, V_{n+1} into V_{n-1}'s
     if (n + 2 < nblocks) load_k(n + 2);
@@ -1162,16 +1172,15 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   };
 
   // S_m and dP_m, both operands in shared memory
+  const TileDesc<D, B> k_desc(sK), v_desc(sV), q_desc(sQ), do_desc(sdO);  // Q, dO: stage 0 (stage 1: TILE on)
+  const TileDesc<64, B> p_desc(sP), ds_desc(sdS);
   auto issue_s_dp = [&](int m) {
-    const uint8_t* cQ = sQ + (m & 1) * TILE;
-    const uint8_t* cdO = sdO + (m & 1) * TILE;
+    const TileDesc<D, B> cq = q_desc.plus((m & 1) * TILE), cdo = do_desc.plus((m & 1) * TILE);
     wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      wgmma::mma_ss<F16, 64, 0, 0>(s, S::template k_major<B>(cQ, ks), S::template k_major<B>(sK, ks), ks > 0 ? 1 : 0);
+    for (int ks = 0; ks < KS; ++ks) wgmma::mma_ss<F16, 64, 0, 0>(s, cq.k_major(ks), k_desc.k_major(ks), ks > 0 ? 1 : 0);
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      wgmma::mma_ss<F16, 64, 0, 0>(dp, S::template k_major<B>(cdO, ks), S::template k_major<B>(sV, ks), ks > 0 ? 1 : 0);
+    for (int ks = 0; ks < KS; ++ks) wgmma::mma_ss<F16, 64, 0, 0>(dp, cdo.k_major(ks), v_desc.k_major(ks), ks > 0 ? 1 : 0);
     wgmma::commit();
   };
   cp_async_wait_all();
@@ -1180,8 +1189,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
 
   for (int m = 0; m < mblocks; ++m) {
     const int stage = m & 1;
-    const uint8_t* cQ = sQ + stage * TILE;
-    const uint8_t* cdO = sdO + stage * TILE;
     const int m0 = qblock(m) * B;
     issue_s_dp(m);  // block m is in: copied before the loop or before block m - 1's dQ staging
     // behind the MMAs: block m + 1's copies (into block m - 1's stage, whose MMAs are done), and the
@@ -1249,14 +1256,14 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     wgmma::fence();
     // dQ (unscaled) = dS K: K [64 keys x D] as the MN-major B (K = keys)
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<F16, D, 1>(dq, dsa[kk], S::template mn_major<B>(sK, kk), kk > 0 ? 1 : 0);
+    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<F16, D, 1>(dq, dsa[kk], k_desc.mn_major(kk), kk > 0 ? 1 : 0);
     // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T (MN-major: [query][key] rows), B = dO / Q (MN-major)
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss<F16, D, 1, 1>(dv, SP::template mn_major<B>(sP, ks), S::template mn_major<B>(cdO, ks), 1);
+    const TileDesc<D, B> cq = q_desc.plus(stage * TILE), cdo = do_desc.plus(stage * TILE);
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss<F16, D, 1, 1>(dk, SP::template mn_major<B>(sdS, ks), S::template mn_major<B>(cQ, ks), 1);
+    for (int ks = 0; ks < 4; ++ks) wgmma::mma_ss<F16, D, 1, 1>(dv, p_desc.mn_major(ks), cdo.mn_major(ks), 1);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma::mma_ss<F16, D, 1, 1>(dk, ds_desc.mn_major(ks), cq.mn_major(ks), 1);
     wgmma::commit();
     wgmma::wait<0>();
     reg_fence(dq);
