@@ -532,7 +532,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
     uint32_t dsa[kBlockN / 16][4];  // dS as A fragments (rows = queries, k = keys), for dQ
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t bits = 0xFFu;
+      [[maybe_unused]] uint32_t bits = 0xFFu;
       if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + kk * 16 + 2 * t, h);
 #pragma unroll
       for (int side = 0; side < 2; ++side) {
@@ -1137,7 +1137,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   constexpr int KS = D / 16;  // k-slices over the head dim
   constexpr int NO = D / 8;
   float s[32], dp[32], dq[D / 2], dk[D / 2], dv[D / 2];
-  uint32_t dsa[4][4];
+  uint32_t dsa[4][4], pa[4][4];  // dS (dQ's A fragments) and P, packed
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = dq[i] = 0.f;
 #pragma unroll
@@ -1201,12 +1201,11 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
         mbarrier_wait_cluster(&bars[1], (m - 1) & 1);  // every CTA has read this CTA's block m - 1 partial
       }
     }
-    if (!direct && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
     wgmma::wait<0>();
     reg_fence(s);
     reg_fence(dp);
-    __syncthreads();  // thread 0 is past its wait: the P and dS tiles are free
-    // P (dropped, for dV), dS = P (dP - D); rows g and g + 8 of the warp's 16 queries
+    // P (dropped, for dV), dS = P (dP - D); rows g and g + 8 of the warp's 16 queries; computed in registers
+    // (packed: pa for P, dsa for dS, also dQ's A fragments) before the wait for the P and dS tiles below
     const int wrow = warp * 16;
     const float lse0 = sLse[stage * B + wrow + g] * kLog2e, lse1 = sLse[stage * B + wrow + g + 8] * kLog2e;
     const float ds0 = sDsum[stage * B + wrow + g], ds1 = sDsum[stage * B + wrow + g + 8];
@@ -1218,7 +1217,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     constexpr bool kMasked = decltype(masked_keys)::value;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      uint32_t bits = 0xFFu;
+      [[maybe_unused]] uint32_t bits = 0xFFu;
       if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + kk * 16 + 2 * t, h);
 #pragma unroll
       for (int side = 0; side < 2; ++side) {
@@ -1237,20 +1236,30 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
           s[4 * j + e] = pd;
           dp[4 * j + e] = pr * (dpe - dsum);
         }
-        // to shared memory, [query][key] swizzled: key chunk j of rows g, g + 8
-        *reinterpret_cast<uint32_t*>(sP + SP::offset<B>(wrow + g, j) + 4 * t) = pack2<T>(s[4 * j], s[4 * j + 1]);
-        *reinterpret_cast<uint32_t*>(sP + SP::offset<B>(wrow + g + 8, j) + 4 * t) = pack2<T>(s[4 * j + 2], s[4 * j + 3]);
-        *reinterpret_cast<uint32_t*>(sdS + SP::offset<B>(wrow + g, j) + 4 * t) = pack2<T>(dp[4 * j], dp[4 * j + 1]);
-        *reinterpret_cast<uint32_t*>(sdS + SP::offset<B>(wrow + g + 8, j) + 4 * t) = pack2<T>(dp[4 * j + 2], dp[4 * j + 3]);
       }
-      dsa[kk][0] = pack2<T>(dp[8 * kk], dp[8 * kk + 1]);
-      dsa[kk][1] = pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
-      dsa[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
-      dsa[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // [kk][i]: key chunk 2 kk + i / 2, row g + 8 (i % 2)
+        pa[kk][i] = pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+        dsa[kk][i] = pack2<T>(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1]);
+      }
     }
     };
     if (keys_full) p_and_ds(std::false_type{});
     else p_and_ds(std::true_type{});
+    // The P and dS tiles hold block m - 1's dQ (fp32) until the bulk reduction has read it: thread 0 waits,
+    // the barrier tells the others (waiting here rather than before the exponentials leaves the copy engine
+    // the elementwise part's time too)
+    if (!direct && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
+    __syncthreads();
+    // to shared memory, [query][key] swizzled: key chunk j of rows g, g + 8
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int off = SP::offset<B>(wrow + g + 8 * r, j) + 4 * t;
+        *reinterpret_cast<uint32_t*>(sP + off) = pa[j / 2][2 * (j % 2) + r];
+        *reinterpret_cast<uint32_t*>(sdS + off) = dsa[j / 2][2 * (j % 2) + r];
+      }
     async_copy::fence_proxy_async();  // P and dS, visible to the tensor cores
     __syncthreads();
     wgmma::fence();
@@ -1258,7 +1267,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<F16, D, 1>(dq, dsa[kk], k_desc.mn_major(kk), kk > 0 ? 1 : 0);
     // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T (MN-major: [query][key] rows), B = dO / Q (MN-major)
-#pragma unroll
     const TileDesc<D, B> cq = q_desc.plus(stage * TILE), cdo = do_desc.plus(stage * TILE);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_ss<F16, D, 1, 1>(dv, p_desc.mn_major(ks), cdo.mn_major(ks), 1);
