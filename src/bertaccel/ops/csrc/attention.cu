@@ -767,9 +767,12 @@ __device__ __forceinline__ float4 ld_shared_cluster_f4(uint32_t local, int rank)
   return v;
 }
 
-// dst[0], dst[1] += a, b (one 8-byte vector reduction in L2; dst 8-byte aligned)
-__device__ __forceinline__ void red_add_v2(float* dst, float a, float b) {
-  asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+// dst[0 .. bytes) += src (fp32), by the copy engine (a bulk async reduction; 16-byte aligned, bytes % 16 == 0)
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+  async_copy::bulk_commit();
 }
 
 // rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled.
@@ -1243,8 +1246,11 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     };
     if (keys_full) p_and_ds(std::false_type{});
     else p_and_ds(std::true_type{});
-    // (no barrier before these stores: every warp's reads of the P / dS tiles, block m - 1's MMAs and, with
-    // clusters, the summing of the dQ partials staged there, ended before the barriers behind them)
+    // The P and dS tiles hold block m - 1's dQ (fp32) until the bulk reduction has read it: thread 0 waits,
+    // the barrier tells the others (waiting here rather than before the exponentials leaves the copy engine
+    // the elementwise part's time too)
+    if (!direct && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
+    __syncthreads();
     // to shared memory, [query][key] swizzled: key chunk j of rows g, g + 8
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -1279,42 +1285,31 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
       cp_async_wait_all();  // block m + 1 (this thread's copies)
       async_copy::fence_proxy_async();
     }
-    __syncthreads();  // block m + 1 is in; every warp is done with block m's MMAs (which read the P / dS tiles)
+    __syncthreads();  // every warp is done with block m's MMAs, which read the P / dS tiles dQ is staged in
+    // rows in dq_accum's layout (dq_chunk): the 8 rows of a store land in different banks
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wrow + g + 8 * r;
+      float* dst = sdQ + row * D + 2 * t;
+      const int phase = dq_chunk_phase(start + m0 + row, D);
+#pragma unroll
+      for (int i = 0; i < NO; ++i)
+        *reinterpret_cast<float2*>(dst + ((i ^ phase) << 3)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+    }
     if constexpr (CLUSTER > 0) {
-      // rows in dq_accum's layout (dq_chunk): the 8 rows of a store land in different banks
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = wrow + g + 8 * r;
-        float* dst = sdQ + row * D + 2 * t;
-        const int phase = dq_chunk_phase(start + m0 + row, D);
-#pragma unroll
-        for (int i = 0; i < NO; ++i)
-          *reinterpret_cast<float2*>(dst + ((i ^ phase) << 3)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-      }
       __syncthreads();  // the partial is staged
       if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[0], threadIdx.x);  // at each active CTA
     } else {
-      // dQ's rows added to the buffer straight from the accumulators: vector reductions of two values
-      // (red.global.add.v2.f32; the four threads of a quad cover one 32-byte chunk), rows past the sequence
-      // skipped. Staged in shared memory and added by one bulk reduction instead, the staging, its barriers
-      // and the wait for the copy engine to have read the tile cost ~60 of the kernel's ~227 us at
-      // 32x512x12x64 (probes in session 36: no reduction 187 us, no staging either 169).
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = m0 + wrow + g + 8 * r;
-        if (row < len) {
-          float* dst = dq_accum + (int64_t)row * D + 2 * t;
-          const int phase = dq_chunk_phase(start + row, D);
-#pragma unroll
-          for (int i = 0; i < NO; ++i) red_add_v2(dst + ((i ^ phase) << 3), dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-        }
-      }
+      async_copy::fence_proxy_async();
+      __syncthreads();  // dQ is staged, and block m + 1 is in
+      if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
     }
   }
   if constexpr (CLUSTER > 0) {
     sum_dq(mblocks - 1);
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
+  if (!direct && threadIdx.x == 0) async_copy::bulk_wait_all();
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
