@@ -1047,54 +1047,40 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
 // through shared memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q)
 // are read MN-major from the same tiles the first two MMAs read K-major. The next block's Q, dO, lse and D
 // are copied (cp.async) behind the current block's first MMAs.
-//
-// NWG = 2: two warpgroups per CTA, 64 keys each (128 keys per CTA), sharing the Q / dO tiles (copied once
-// for both) and summing their dQ partials in shared memory before one bulk reduction per query block: half
-// the L2 reads of Q / dO and half the L2 reductions of NWG = 1 (cuDNN's backward moves half the L2 sectors
-// of the one-warpgroup kernel: 9.4 M reduction and 8.6 M read sectors against 18.9 M and 16.9 M at
-// 32x512x12x64, session 36), and the dQ staging gets its own buffer (no wait for the copy engine before the
-// P / dS stores). Probes of the one-warpgroup kernel: without the reduction 187 us instead of 227, without
-// its staging too 169.
-template <int D, int NWG = 1>
-constexpr size_t bwd_smem() {  // NWG x (K, V), 2 x (Q, dO), NWG x (P, dS), [NWG = 2: dQ fp32], 2 x (lse, dsum), 2 mbarriers, alignment
-  return (size_t)(2 * NWG + 4) * 64 * D * 2 + NWG * 2 * 64 * 64 * 2 + (NWG > 1 ? 64 * D * 4 : 0) + 4 * 64 * 4 + 16 + 1024;
+template <int D>
+constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 mbarriers, alignment
+  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 1024;
 }
 
 // CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one)
-template <int D, bool DROPOUT, int NWG = 1>
-constexpr int bwd_min_blocks() {
-  return NWG > 1 ? 1 : (D <= 32 ? (DROPOUT ? 3 : 4) : (DROPOUT ? 2 : 3));  // NWG = 2 at d 32 and 128 registers spilled 108 bytes
-}
+template <int D, bool DROPOUT>
+constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : (DROPOUT ? 2 : 3); }
 
-template <typename T, int D, bool DROPOUT, int CLUSTER, int NWG = 1>
-__global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())) attn_bwd_kernel(const Params p) {
+template <typename T, int D, bool DROPOUT, int CLUSTER>
+__global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int B = 64, NT = 128 * NWG;  // keys per warpgroup = queries per block
-  static_assert(NWG == 1 || (NWG == 2 && CLUSTER == 0), "two warpgroups only without clusters");
+  constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
   constexpr int TILE = B * D * 2;
   constexpr bool F16 = std::is_same_v<T, __half>;
   using S = Swz<D>;
   using SP = Swz<64>;  // P and dS: [64 queries x 64 keys], 128-byte rows
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint8_t* sK = align_shared_1024(smem_raw);  // [NWG]: warpgroup w's keys at sK + w * TILE
-  uint8_t* sV = sK + NWG * TILE;   // [NWG]
-  uint8_t* sQ = sV + NWG * TILE;   // [2]
+  uint8_t* sK = align_shared_1024(smem_raw);
+  uint8_t* sV = sK + TILE;
+  uint8_t* sQ = sV + TILE;         // [2]
   uint8_t* sdO = sQ + 2 * TILE;    // [2]
-  uint8_t* sPdS = sdO + 2 * TILE;  // [NWG] x (P 8 KB, dS 8 KB)
-  float* sLse = reinterpret_cast<float*>(sPdS + NWG * 2 * B * 64 * 2);  // [2][64]
-  float* sDsum = sLse + 2 * B;                                          // [2][64]
+  uint8_t* sP = sdO + 2 * TILE;    // 8 KB
+  uint8_t* sdS = sP + B * 64 * 2;  // 8 KB
+  float* sLse = reinterpret_cast<float*>(sdS + B * 64 * 2);  // [2][64]
+  float* sDsum = sLse + 2 * B;                                // [2][64]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sDsum + 2 * B);  // CLUSTER: staged, consumed
-  const int wg = NWG > 1 ? (int)threadIdx.x / 128 : 0;
-  uint8_t* sP = sPdS + wg * 2 * B * 64 * 2;  // this warpgroup's P and dS
-  uint8_t* sdS = sP + B * 64 * 2;
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
     zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr, p.dq_accum ? nullptr : static_cast<T*>(p.dq));
     return;
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
-  const int n0 = blockIdx.x * B * NWG;  // the CTA's first key
-  const int nw = n0 + wg * B;           // this warpgroup's (past the sequence: it takes part with P = dS = 0)
+  const int n0 = blockIdx.x * B;
   // CLUSTER > 0 (gridDim.x <= CLUSTER): every key block of one (sequence, head) in one thread-block
   // cluster, summing dQ through each other's shared memory: per query block, each CTA stages its 64 x D
   // partial (fp32), and the `nact` CTAs with keys split the block's rows, each adding the nact partials of
@@ -1114,13 +1100,13 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
   }
   if (n0 >= len) return;
   const Dropout drop = read_dropout(p, true);
-  const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;  // warp of the warpgroup
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
   const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
   const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
   const T* dout = static_cast<const T*>(p.dout) + (int64_t)h * p.do_head;
   const float scale_log2 = p.scale * kLog2e;
-  const bool keys_full = nw + B <= len;  // no key of this warpgroup past the sequence
+  const bool keys_full = n0 + B <= len;  // no key of this CTA past the sequence
   auto load_q_block = [&](int m, int stage) {
     const int m0 = m * B;
     load_tile_any<T, D, B, NT>(sQ + stage * TILE, q, p.q_row, start + m0, len - m0);
@@ -1130,14 +1116,12 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
     // Rows past the sequence read 0: their Q and dO rows are zero, so S = 0, P = 1 and dP = 0, and P, dS
     // reach nothing (dV's and dK's terms are P^T dO = 0 and dS^T Q with dS = P (dP - D) = 0; their dQ
     // rows are not added).
-    static_assert(NT >= 2 * B, "one lse or D value per thread of the first warpgroup");
-    if (NWG == 1 || threadIdx.x < 2 * B) {
-      const int r = threadIdx.x % B;
-      const bool ok = m0 + r < len;
-      const int64_t i = (int64_t)h * p.total + start + m0 + (ok ? r : 0);
-      cp_async4(threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r], (threadIdx.x < B ? p.lse : p.dsum) + i,
-                ok ? 4 : 0);
-    }
+    static_assert(NT == 2 * B, "one lse or D value per thread");
+    const int r = threadIdx.x % B;
+    const bool ok = m0 + r < len;
+    const int64_t i = (int64_t)h * p.total + start + m0 + (ok ? r : 0);
+    cp_async4(threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r], (threadIdx.x < B ? p.lse : p.dsum) + i,
+              ok ? 4 : 0);
   };
   const int mblocks = (len + B - 1) / B;
   // The query block of step i. Without clusters CTA n starts at block n % mblocks: the CTAs of a sequence,
@@ -1145,8 +1129,8 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
   // d 32 0.253 against 0.258 ms in order, d 64 0.403 against 0.401, packed cells 0-1% faster).
   const int first = CLUSTER == 0 ? (int)blockIdx.x % mblocks : 0;
   auto qblock = [&](int i) { return first + i < mblocks ? first + i : first + i - mblocks; };
-  load_tile<T, D, B * NWG, NT>(sK, k, p.k_row, start + n0, len - n0);  // NWG tiles of 64 rows, one after the other
-  load_tile<T, D, B * NWG, NT>(sV, v, p.v_row, start + n0, len - n0);
+  load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
+  load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
   load_q_block(qblock(0), 0);
   cp_async_commit();
 
@@ -1161,8 +1145,7 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
   // dQ partial sums: [heads, T, d] fp32 (this layout: a block's 64 rows are one contiguous run), added
   // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
   float* dq_accum = direct ? nullptr : p.dq_accum + ((int64_t)h * p.total + start) * D;
-  // [64][D] fp32, row-major: the P and dS tiles, or (NWG = 2) its own buffer after the mbarriers
-  float* sdQ = NWG > 1 ? reinterpret_cast<float*>(bars + 2) : reinterpret_cast<float*>(sP);
+  float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
   // CLUSTER: rows [rank * 64 / nact, ...) of query block m, summed over the active CTAs' staged partials
   auto sum_dq = [&](int m) {
     mbarrier_wait_cluster(&bars[0], m & 1);  // every active CTA's block m partial is staged
@@ -1189,7 +1172,7 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
   };
 
   // S_m and dP_m, both operands in shared memory
-  const TileDesc<D, B> k_desc(sK + wg * TILE), v_desc(sV + wg * TILE), q_desc(sQ), do_desc(sdO);  // Q, dO: stage 0 (stage 1: TILE on)
+  const TileDesc<D, B> k_desc(sK), v_desc(sV), q_desc(sQ), do_desc(sdO);  // Q, dO: stage 0 (stage 1: TILE on)
   const TileDesc<64, B> p_desc(sP), ds_desc(sdS);
   auto issue_s_dp = [&](int m) {
     const TileDesc<D, B> cq = q_desc.plus((m & 1) * TILE), cdo = do_desc.plus((m & 1) * TILE);
@@ -1235,13 +1218,13 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       [[maybe_unused]] uint32_t bits = 0xFFu;
-      if constexpr (DROPOUT) bits = keep_bits(drop, row_token, nw + kk * 16 + 2 * t, h);
+      if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + kk * 16 + 2 * t, h);
 #pragma unroll
       for (int side = 0; side < 2; ++side) {
         const int j = 2 * kk + side;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = nw + j * 8 + 2 * t + (e & 1);
+          const int key = n0 + j * 8 + 2 * t + (e & 1);
           const float lse = e < 2 ? lse0 : lse1, dsum = e < 2 ? ds0 : ds1;
           const float pr = (!kMasked || key < len) ? fast_exp2(fmaf(s[4 * j + e], scale_log2, -lse)) : 0.f;
           float pd = pr, dpe = dp[4 * j + e];
@@ -1266,10 +1249,8 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
     // The P and dS tiles hold block m - 1's dQ (fp32) until the bulk reduction has read it: thread 0 waits,
     // the barrier tells the others (waiting here rather than before the exponentials leaves the copy engine
     // the elementwise part's time too)
-    if constexpr (NWG == 1) {
-      if (!direct && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
-      __syncthreads();
-    }
+    if (!direct && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
+    __syncthreads();
     // to shared memory, [query][key] swizzled: key chunk j of rows g, g + 8
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -1280,8 +1261,7 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
         *reinterpret_cast<uint32_t*>(sdS + off) = dsa[j / 2][2 * (j % 2) + r];
       }
     async_copy::fence_proxy_async();  // P and dS, visible to the tensor cores
-    if constexpr (NWG == 1) __syncthreads();
-    else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's tiles
+    __syncthreads();
     wgmma::fence();
     // dQ (unscaled) = dS K: K [64 keys x D] as the MN-major B (K = keys)
 #pragma unroll
@@ -1305,39 +1285,16 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
       cp_async_wait_all();  // block m + 1 (this thread's copies)
       async_copy::fence_proxy_async();
     }
-    // NWG = 2: sdQ is free once the bulk reduction of block m - 1 has read it
-    if (NWG > 1 && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
     __syncthreads();  // every warp is done with block m's MMAs, which read the P / dS tiles dQ is staged in
-    // rows in dq_accum's layout (dq_chunk): the 8 rows of a store land in different banks. NWG = 2: each
-    // warpgroup stages the half of its partial's chunks that the other one adds its own to (the same
-    // positions of the same fragment layout), then adds its own to the other half.
-    auto stage_dq = [&](bool first_pass) {
+    // rows in dq_accum's layout (dq_chunk): the 8 rows of a store land in different banks
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = wrow + g + 8 * r;
-        float* dst = sdQ + row * D + 2 * t;
-        const int phase = dq_chunk_phase(start + m0 + row, D);
+    for (int r = 0; r < 2; ++r) {
+      const int row = wrow + g + 8 * r;
+      float* dst = sdQ + row * D + 2 * t;
+      const int phase = dq_chunk_phase(start + m0 + row, D);
 #pragma unroll
-        for (int i = 0; i < NO; ++i) {
-          float2* a = reinterpret_cast<float2*>(dst + ((i ^ phase) << 3));
-          const float2 x = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-          if (NWG == 1) {
-            *a = x;
-          } else if (((i < NO / 2) == (wg == 1)) == first_pass) {
-            if (first_pass) {
-              *a = x;
-            } else {
-              const float2 o = *a;
-              *a = make_float2(o.x + x.x, o.y + x.y);
-            }
-          }
-        }
-      }
-    };
-    stage_dq(true);
-    if constexpr (NWG > 1) {
-      __syncthreads();  // both halves staged
-      stage_dq(false);
+      for (int i = 0; i < NO; ++i)
+        *reinterpret_cast<float2*>(dst + ((i ^ phase) << 3)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
     }
     if constexpr (CLUSTER > 0) {
       __syncthreads();  // the partial is staged
@@ -1353,12 +1310,12 @@ __global__ void __launch_bounds__(128 * NWG, (bwd_min_blocks<D, DROPOUT, NWG>())
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
   if (!direct && threadIdx.x == 0) async_copy::bulk_wait_all();
-  // dK (scaled) and dV: rows = this warpgroup's keys (warp's 16), [T, heads, d] contiguous
+  // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int key = nw + warp * 16 + g + 8 * r;
+    const int key = n0 + warp * 16 + g + 8 * r;
     if (key < len) {
       const int64_t off = (int64_t)(start + key) * p.heads * D;
 #pragma unroll
@@ -1471,9 +1428,6 @@ int hopper_forward_warpgroups() {
 // summed on chip where varlen_attention_bwd allows it), unless BERTACCEL_ATTENTION_BWD=mma (the mma.sync
 // kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer).
 enum class HopperBackward { kNone, kClusters, kBuffer };
-// Warpgroups per CTA of the Hopper backward through the dQ buffer (hopper::attn_bwd_kernel's NWG):
-// BERTACCEL_ATTENTION_BWD_WG=1 or 2 (default 2: 128 keys per CTA, see the kernel).
-int hopper_backward_warpgroups() { return switch_value("BERTACCEL_ATTENTION_BWD_WG") == "1" ? 1 : 2; }
 HopperBackward hopper_backward() {
   if (!on_hopper()) return HopperBackward::kNone;
   const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD");
@@ -1649,12 +1603,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
           config.attrs = &attr;
           config.numAttrs = 1;
           C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P));
-        } else if (hopper_backward_warpgroups() == 2) {
-          auto kernel = hopper::attn_bwd_kernel<T, D, DR, 0, 2>;
-          constexpr size_t smem2 = hopper::bwd_smem<D, 2>();
-          set_smem(kernel, smem2);
-          const dim3 grid2((unsigned)((key_blocks + 1) / 2), grid.y, grid.z);
-          kernel<<<grid2, 256, smem2, stream>>>(P);
         } else {
           auto kernel = hopper::attn_bwd_kernel<T, D, DR, 0>;
           set_smem(kernel, smem);
