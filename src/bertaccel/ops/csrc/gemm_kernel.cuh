@@ -55,6 +55,7 @@
 
 #include "async_copy.cuh"
 #include "gelu_math.cuh"
+#include "pdl.cuh"
 #include "wgmma.cuh"
 
 namespace bertaccel::gemm::kernel {
@@ -660,8 +661,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
   // stream finishes, so the set-up above overlaps its tail; nothing in global memory is read or written before
   // the previous grid has completed and its writes are visible. Then the next kernel launched this way may start
   // its own set-up on SMs this grid leaves (it waits likewise; the grid is persistent, all of it already resident).
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  begin_dependent_kernel();
   const uint32_t peer = CLU == 2 ? cluster_rank() ^ 1u : 0u;
   // a consumer warp's release of a stage: to this block's producer and, in a cluster, to the other's
   auto release_stage = [](uint64_t* bar, uint32_t other) {
@@ -988,12 +988,6 @@ struct Maps {
   CUtensorMap out_tail, pre_tail;  // bf16 out / pre in 32-column boxes: 96-wide tiles' last chunks (else copies of a)
 };
 
-// BERTACCEL_PDL=0 (read at each call) launches the GEMM without programmatic dependent launch.
-inline bool pdl_launch() {
-  const char* env = std::getenv("BERTACCEL_PDL");
-  return !(env != nullptr && env[0] == '0' && env[1] == '\0');
-}
-
 // Launches gemm_kernel on `grid` blocks (CLU = 2: in clusters of two, the grid capped at twice the clusters
 // that fit at once, as the kernel is persistent), as a programmatic dependent launch unless BERTACCEL_PDL=0.
 template <int BN, bool A_MN, bool B_MN, bool PP, int CONS, int CLU = 1, int SPEC = kSpecGeneral>
@@ -1018,10 +1012,7 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attrs[2]{};
   int n = 0;
-  if (pdl_launch()) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
+  if (dependent_launch_attribute(attrs[n], /*read_switch_now=*/true)) ++n;  // BERTACCEL_PDL=0 (read at each call): plain
   int blocks = grid;
   if constexpr (CLU > 1) {
     attrs[n].id = cudaLaunchAttributeClusterDimension;

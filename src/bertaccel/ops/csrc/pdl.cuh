@@ -4,8 +4,9 @@
 // allows the next at its start and waits for the previous grid, completed and its writes visible, before
 // its first global access (`begin_dependent_kernel`, with `launch_dependent`). Correctness never rests on
 // where the allowing is: the wait is for the whole prerequisite grid. BERTACCEL_PDL=0 launches them
-// plainly (read once per process). Used by the row ops (common.cuh); the GEMM (gemm_kernel.cuh) reads the
-// switch per call and adds its cluster attribute beside it. The attention kernels launch plainly: with
+// plainly (read once per process; the GEMM reads it at every launch, for tests that compare both launches
+// in one process). Used by the row ops (common.cuh) and the GEMM (gemm_kernel.cuh, beside its cluster
+// attribute). The attention kernels launch plainly: with
 // every kernel of the forward and backward launched this way (d3dda9f) the 32x512x12x64 forward +
 // backward measured 0.3974 / 0.3981 ms against 0.3919 / 0.3921 without (H100, two alternated pairs,
 // benchmarks/results/h100/attention_pdl_*_d3dda9f.json); other cells within +-1%.
@@ -34,17 +35,22 @@ __device__ __forceinline__ void begin_dependent_kernel() {
   allow_dependent_launch();
 }
 
+// BERTACCEL_PDL as it is set now
+inline bool pdl_switch_now() {
+  const char* e = std::getenv("BERTACCEL_PDL");
+  return !(e != nullptr && e[0] == '0' && e[1] == '\0');
+}
+// BERTACCEL_PDL as it was at the first call
 inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("BERTACCEL_PDL");
-    return !(e != nullptr && e[0] == '0' && e[1] == '\0');
-  }();
+  static const bool on = pdl_switch_now();
   return on;
 }
 
 // Sets `a` to the programmatic-serialization attribute where it applies (switch on, sm_90+): true if set.
-inline bool dependent_launch_attribute(cudaLaunchAttribute& a) {
-  if (!pdl_enabled() || at::cuda::getCurrentDeviceProperties()->major < 9) return false;
+// read_switch_now: the switch as it is set now, not at the first call.
+inline bool dependent_launch_attribute(cudaLaunchAttribute& a, bool read_switch_now = false) {
+  if (!(read_switch_now ? pdl_switch_now() : pdl_enabled()) || at::cuda::getCurrentDeviceProperties()->major < 9)
+    return false;
   a = cudaLaunchAttribute{};
   a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   a.val.programmaticStreamSerializationAllowed = 1;
