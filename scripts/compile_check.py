@@ -139,7 +139,10 @@ def sass_functions(text: str) -> dict[str, list[str]]:
 
 def main_loop(lines: list[str]) -> list[str]:
     """The instructions of a function's largest loop: from a label to the last branch back to it (the
-    kernels' main loops; unrolled inner loops leave no branch). Empty when there is no backward branch."""
+    kernels' main loops; unrolled inner loops leave no branch). Empty when there is no backward branch.
+    The out-of-line retry blocks of an mbarrier wait (try_wait, a branch back to itself, a branch back to
+    where the wait was) are not loops: ptxas places them after the function's body, so the branch that
+    resumes would otherwise make the span from the wait to the function's end look like the largest loop."""
     instructions, label_at, pending = [], {}, []
     for line in lines:
         m = re.match(r"\s*\.?(L_x_\d+|\$L\w+):", line)
@@ -155,7 +158,11 @@ def main_loop(lines: list[str]) -> list[str]:
     best = (0, -1)
     for i, ins in enumerate(instructions):
         m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+|\$L\w+)", ins)
-        if m and m.group(1) in label_at and label_at[m.group(1)] <= i and i - label_at[m.group(1)] > best[1] - best[0]:
+        if not m or m.group(1) not in label_at or label_at[m.group(1)] > i:
+            continue
+        if any("SYNCS.PHASECHK" in x for x in instructions[max(0, i - 2):i]):  # an mbarrier wait's retry block
+            continue
+        if i - label_at[m.group(1)] > best[1] - best[0]:
             best = (label_at[m.group(1)], i)
     return instructions[best[0]:best[1] + 1]
 

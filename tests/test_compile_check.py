@@ -100,6 +100,25 @@ def test_main_loop_is_the_largest_backward_branch_range_and_compare_loops_prints
     loop = cc.main_loop(fns["_ZN9bertaccel6kernelEv"])
     assert [i.split()[0] for i in loop] == ["ISETP.GE.AND", "FSEL", "MUFU.EX2", "FADD", "@P0"]
     assert cc.main_loop(["        /*0000*/ EXIT ;"]) == []
+    # an mbarrier wait's out-of-line retry block (after the body, resuming inside the loop) is not the loop
+    waits = "\n".join([
+        "\t.text._ZN9bertaccel4waitEv:",
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_7:",
+        "        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;",
+        "        /*0020*/              @!P0 BRA `(.L_x_9) ;",
+        ".L_x_8:",
+        "        /*0030*/                   FADD R2, R2, R3 ;",
+        "        /*0040*/                   FMUL R2, R2, R3 ;",
+        "        /*0050*/              @P1 BRA `(.L_x_7) ;",
+        "        /*0060*/                   EXIT ;",
+        ".L_x_9:",
+        "        /*0070*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;",
+        "        /*0080*/              @!P0 BRA `(.L_x_9) ;",
+        "        /*0090*/                   BRA `(.L_x_8) ;",
+    ]) + "\n"
+    loop = cc.main_loop(cc.sass_listings(waits)["_ZN9bertaccel4waitEv"])
+    assert [i.split()[0] for i in loop] == ["SYNCS.PHASECHK.TRANS64.TRYWAIT", "@!P0", "FADD", "FMUL", "@P1"]
     (tmp_path / "a.sass").write_text(listing(before))
     (tmp_path / "b.sass").write_text(listing(after))
     assert cc.compare_loops(tmp_path / "a.sass", tmp_path / "b.sass", "") == 0
