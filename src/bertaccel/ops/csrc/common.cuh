@@ -10,6 +10,7 @@
 #include "check.h"
 #include "pdl.cuh"
 #include "philox.cuh"
+#include "switches.h"
 #include <cuda_bf16.h>
 #include <cstdint>
 #include <initializer_list>
@@ -101,23 +102,6 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {  // th
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>  // wait until at most N of this thread's groups are pending
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// A kernel switch (README "Kernel switches", for comparing variants in one run): the integer in the
-// environment variable `name`, or `fallback` when it is unset or not an integer. Each caller keeps the
-// value in a function-local static, so it is read once per process.
-inline int env_switch(const char* name, int fallback) {
-  const char* e = std::getenv(name);
-  if (e == nullptr || *e == '\0') return fallback;
-  char* end = nullptr;
-  const long v = std::strtol(e, &end, 10);
-  return *end == '\0' ? (int)v : fallback;
-}
-
-// A string-valued kernel switch: whether the environment variable `name` is exactly `value`.
-inline bool env_is(const char* name, const char* value) {
-  const char* e = std::getenv(name);
-  return e != nullptr && std::string(e) == value;
-}
 
 // The row rings (persistent kernels streaming rows into shared memory with cp.async: the LayerNorm
 // family's forward in layer_norm_fwd.cu, their backward in layer_norm_bwd.cuh, the softmax forward in

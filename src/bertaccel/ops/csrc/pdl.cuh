@@ -13,8 +13,9 @@
 #pragma once
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
-#include <cstdlib>
 #include <utility>
+
+#include "switches.h"
 
 namespace bertaccel {
 
@@ -35,11 +36,8 @@ __device__ __forceinline__ void begin_dependent_kernel() {
   allow_dependent_launch();
 }
 
-// BERTACCEL_PDL as it is set now
-inline bool pdl_switch_now() {
-  const char* e = std::getenv("BERTACCEL_PDL");
-  return !(e != nullptr && e[0] == '0' && e[1] == '\0');
-}
+// BERTACCEL_PDL as it is set now (on unless 0)
+inline bool pdl_switch_now() { return env_switch("BERTACCEL_PDL", 1) != 0; }
 // BERTACCEL_PDL as it was at the first call
 inline bool pdl_enabled() {
   static const bool on = pdl_switch_now();
