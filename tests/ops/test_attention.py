@@ -14,6 +14,7 @@ import torch
 
 from bertaccel.ops import attention
 from bertaccel.ops.attention import dropout_keep, philox4x32_10, varlen_attention
+from tests.ops.conftest import capture_graph
 
 
 def _cu(lengths, fillers=0):
@@ -322,8 +323,6 @@ def test_backward_replays_with_new_inputs(bwd, monkeypatch):
 
     def step():
         return torch.autograd.grad(varlen_attention(q, k, v, cu, max(lengths)), (q, k, v), dout)
-
-    from tests.ops.conftest import capture_graph
 
     graph, static = capture_graph(step)
     for _ in range(3):
