@@ -56,12 +56,12 @@ HEADERS = ["check.h", "common.cuh", "erf_fast.cuh", "pdl.cuh", "philox.cuh", "la
 # the GEMM extension: sm_90a only (wgmma, setmaxnreg); TORCH_CUDA_ARCH_LIST "9.0a" gives its -gencode
 GEMM_SOURCES = ["gemm.cu", "gemm_plain.cu", "gemm_bias.cu", "gemm_gelu.cu", "gemm_splitk.cu", "gemm_cluster_cooperative.cu", "gemm_cluster_rows.cu", "gemm_fp32.cu"]
 GEMM_HEADERS = ["async_copy.cuh", "check.h", "erf_fast.cuh", "gelu_math.cuh", "gemm.h", "gemm_kernel.cuh", "pdl.cuh",
-                "switches.h", "wgmma.cuh"]
+                "switches.h", "tensor_map.h", "wgmma.cuh"]
 GEMM_ARCH = "9.0a"
 # the fused attention extension (mma.sync, sm_80+; its sources: bertaccel.ops.attention.CUDA_SOURCES),
 # built for the GPU's own arch and loaded by `load_attention()` when attention first needs it; a
 # failure there leaves the other ops running
-ATTENTION_HEADERS = ["async_copy.cuh", "check.h", "philox.cuh", "wgmma.cuh"]
+ATTENTION_HEADERS = ["async_copy.cuh", "check.h", "philox.cuh", "tensor_map.h", "wgmma.cuh"]
 # on a Hopper GPU it is built for sm_90a, with its warpgroup-MMA forward and backward
 ATTENTION_SM90A_FLAGS = ["-DBERTACCEL_ATTENTION_SM90A"]
 

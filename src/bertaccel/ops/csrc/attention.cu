@@ -31,6 +31,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <torch/library.h>
@@ -45,6 +46,7 @@
 #include "philox.cuh"
 #if defined(BERTACCEL_ATTENTION_SM90A)
 #include "async_copy.cuh"
+#include "tensor_map.h"
 #include "wgmma.cuh"
 #endif
 
@@ -775,6 +777,24 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src,
   async_copy::bulk_commit();
 }
 
+// TMA (the forward's K / V tiles): mbarriers the copy engine completes, and a 3-D tile copy ([d, heads,
+// tokens] box) into the swizzled image (SWIZZLE_128B / 64B: Swz<D>'s layout)
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // rows x D tile of [T, heads, d] at (token row0) into the swizzled image; rows >= valid zero-filled.
 // Thread x copies chunk x % (D / 8) of rows x / (D / 8) + i * NT / (D / 8): a fixed chunk, so its
 // shared-memory offset (the swizzle phase repeats every 8 rows) and its global column are set once.
@@ -805,7 +825,7 @@ __device__ __forceinline__ void load_tile_any(uint8_t* s, const T* g, int64_t ro
 }
 
 template <int D, int NWG, int BN>
-constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + NWG * 128 * 4 + 1024; }  // Q, 2 x (K, V), anchor, alignment
+constexpr size_t fwd_smem() { return (size_t)(64 * NWG + 4 * BN) * D * 2 + NWG * 128 * 4 + 32 + 1024; }  // Q, 2 x (K, V), anchor, 4 mbarriers, alignment
 
 // Keys per block by default. 128 (BERTACCEL_ATTENTION_FWD=n128, D <= 64) needs 156-168 registers (3 CTAs
 // per SM instead of 4; it spilled 48-144 bytes at the 128-register cap) and measured faster only on full
@@ -837,7 +857,8 @@ __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) {
 // Loads run a block ahead: K_{n+2} and V_{n+1} are copied, issued behind those MMAs, while block n+1's
 // softmax runs.
 template <typename T, int D, bool DROPOUT, int NWG, int BN>
-__global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) attn_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
+    attn_fwd_kernel(const Params p, const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BM = 64 * NWG, NT = NWG * 128;
   constexpr bool F16 = std::is_same_v<T, __half>;
@@ -847,6 +868,12 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
   uint8_t* sK = sQ + BM * D * 2;      // [2][BN x D]: K_n in stage n % 2
   uint8_t* sV = sK + 2 * BN * D * 2;  // [2][BN x D]: V_n in stage n % 2
   volatile float* anchor = reinterpret_cast<float*>(sV + 2 * BN * D * 2);  // [NT], written, never read
+  // TMA (D <= 64): K and V tiles copied by thread 0, one instruction each, completing full[stage] (K) and
+  // full[2 + stage] (V); with cp.async every thread computed four 64-bit row addresses per tile (~25
+  // instructions per tile per thread). Rows past the tensor read zero; rows of the next sequence are read:
+  // their keys are masked to -inf in the last block, so their V rows are weighted by P = 0.
+  constexpr bool kTma = D <= 64;
+  uint64_t* full = reinterpret_cast<uint64_t*>(const_cast<float*>(anchor) + NT);
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
     zero_fillers<T>(p, D, static_cast<T*>(p.out), nullptr, p.lse);
@@ -862,8 +889,36 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
   const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
   const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
   const int nblocks = (len + BN - 1) / BN;
-  auto load_k = [&](int n) { load_tile_any<T, D, BN, NT>(sK + (n & 1) * BN * D * 2, k, p.k_row, start + n * BN, len - n * BN); };
-  auto load_v = [&](int n) { load_tile_any<T, D, BN, NT>(sV + (n & 1) * BN * D * 2, v, p.v_row, start + n * BN, len - n * BN); };
+  auto load_k = [&](int n) {
+    if constexpr (kTma) {
+      if (threadIdx.x == 0) {
+        mbar_expect_tx(&full[n & 1], BN * D * 2);
+        tma_load_3d(sK + (n & 1) * BN * D * 2, &tm_k, 0, h, start + n * BN, &full[n & 1]);
+      }
+    } else {
+      load_tile_any<T, D, BN, NT>(sK + (n & 1) * BN * D * 2, k, p.k_row, start + n * BN, len - n * BN);
+    }
+  };
+  auto load_v = [&](int n) {
+    if constexpr (kTma) {
+      if (threadIdx.x == 0) {
+        mbar_expect_tx(&full[2 + (n & 1)], BN * D * 2);
+        tma_load_3d(sV + (n & 1) * BN * D * 2, &tm_v, 0, h, start + n * BN, &full[2 + (n & 1)]);
+      }
+    } else {
+      load_tile_any<T, D, BN, NT>(sV + (n & 1) * BN * D * 2, v, p.v_row, start + n * BN, len - n * BN);
+    }
+  };
+  // the k-th copy into a stage completes its mbarrier's phase k: block n's tiles, phase n / 2
+  auto wait_k = [&](int n) { if constexpr (kTma) mbar_wait(&full[n & 1], (n >> 1) & 1); };
+  auto wait_v = [&](int n) { if constexpr (kTma) mbar_wait(&full[2 + (n & 1)], (n >> 1) & 1); };
+  if constexpr (kTma) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mbarrier_init(&full[i], 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // the inits, seen by the copy engine
+    }
+  }
 
   load_tile<T, D, BM, NT>(sQ, q, p.q_row, start + m0, len - m0);
   load_k(0);
@@ -899,7 +954,8 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
 
   cp_async_wait_all();
   async_copy::fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' (async proxy) reads
-  __syncthreads();      // and every thread's
+  __syncthreads();      // and every thread's (and, with TMA, the mbarriers' inits)
+  wait_k(0);
   wgmma::fence();
   issue_s(0);
   wgmma::wait<0>();
@@ -958,9 +1014,13 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>())) att
     wgmma::wait<0>();  // O += P_{n-1} V_{n-1} is done: O and the P registers are free
     reg_fence(o);
     reg_fence(pa);
-    cp_async_wait_all();  // K_{n+1} and V_n (copied during block n - 1, or before the loop)
-    async_copy::fence_proxy_async();
+    if constexpr (!kTma) {
+      cp_async_wait_all();  // K_{n+1} and V_n (copied during block n - 1, or before the loop)
+      async_copy::fence_proxy_async();
+    }
     __syncthreads();  // every warpgroup is past S_n and P_{n-1} V_{n-1}: K_n's and V_{n-1}'s stages are free
+    if constexpr (NEXT) wait_k(n + 1);  // (with cp.async: no-ops, the copies are in)
+    wait_v(n);
     if (__any_sync(0xffffffffu, moved)) {  // (the warp's O rows; corr is 1 for the rows that did not move)
 #pragma unroll
       for (int i = 0; i < NO; ++i) {
@@ -1377,6 +1437,31 @@ Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return P;
 }
 
+#if defined(BERTACCEL_ATTENTION_SM90A)
+// A TMA map over q / k / v ([T, heads, d], any token and head strides, multiples of 16 bytes: check_qkv)
+// in [d, 1 head, box_rows tokens] boxes, swizzled as Swz<d> lays a tile out (d 64: 128-byte rows, d 32:
+// 64-byte); tokens past T read zero.
+CUtensorMap qkv_tile_map(const at::Tensor& t, int box_rows) {
+  CUtensorMap map;
+  const int64_t d = t.size(2);
+  const uint64_t dims[3] = {(uint64_t)d, (uint64_t)t.size(1), (uint64_t)t.size(0)};
+  const uint64_t strides[2] = {(uint64_t)t.stride(1) * 2, (uint64_t)t.stride(0) * 2};
+  const uint32_t box[3] = {(uint32_t)d, 1, (uint32_t)box_rows};
+  const uint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, t.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+      t.data_ptr(), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      d == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  BERTACCEL_CHECK(r == CUDA_SUCCESS,
+                  "bertaccel varlen_attention: cuTensorMapEncodeTiled failed (%d) for a [%lld, %lld, %lld] tensor with "
+                  "strides (%lld, %lld)",
+                  (int)r, (long long)t.size(0), (long long)t.size(1), (long long)d, (long long)t.stride(0),
+                  (long long)t.stride(1));
+  return map;
+}
+#endif
+
 // Opt a kernel in to more than 48 KB of dynamic shared memory, once per (kernel, device): the call
 // is not allowed while a stream is being captured into a CUDA graph (cudaErrorStreamCaptureImplicit),
 // and the first call always comes from an eager run (the warm-up before any capture).
@@ -1494,7 +1579,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
                         (unsigned)P.batch + 1);
         auto kernel = hopper::attn_fwd_kernel<T, D, DR, NWG, BN>;
         set_smem(kernel, smem);
-        kernel<<<grid, NWG * 128, smem, stream>>>(P);
+        CUtensorMap tm_k{}, tm_v{};  // read by the kernel at head dims <= 64 only
+        if constexpr (D <= 64) {
+          bind_primary_context(q.get_device());
+          tm_k = qkv_tile_map(k, BN);
+          tm_v = qkv_tile_map(v, BN);
+        }
+        kernel<<<grid, NWG * 128, smem, stream>>>(P, tm_k, tm_v);
       };
       constexpr std::integral_constant<int, hopper::kFwdBlockN> bn{};
       if (nwg == 2) launch(std::integral_constant<int, 2>{}, bn);

@@ -22,6 +22,7 @@
 #include "async_copy.cuh"
 #include "check.h"
 #include "gemm.h"
+#include "tensor_map.h"
 #include "gemm_kernel.cuh"
 
 namespace bertaccel::gemm {
@@ -58,18 +59,6 @@ __global__ void split_reduce_kernel(const float* __restrict__ ws, int splits, in
 }
 
 // ------------------------------------------------------------------------------------ host
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status));
-    TORCH_CHECK(status == cudaDriverEntryPointSuccess && ptr != nullptr,
-                "bertaccel gemm: the CUDA driver has no cuTensorMapEncodeTiled (a driver for CUDA 12 or newer is needed)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
-
 // A 2-D bf16 tensor map over a row-major [rows, inner] matrix, boxes of [box_rows, 64] with 128-byte
 // swizzle (or [box_rows, 32] with 64-byte swizzle: the 32-column tail chunks of 96-wide tiles);
 // out-of-bounds elements read as zero.
@@ -80,7 +69,7 @@ CUtensorMap make_map(const at::Tensor& t, int box_rows, int box_cols = 64) {
   const uint32_t box[2] = {(uint32_t)box_cols, (uint32_t)box_rows};
   const uint32_t elem_strides[2] = {1, 1};
   const CUtensorMapSwizzle swizzle = box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
-  CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(), dims, strides, box, elem_strides,
+  CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(), dims, strides, box, elem_strides,
                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   BERTACCEL_CHECK(r == CUDA_SUCCESS, "bertaccel gemm: cuTensorMapEncodeTiled failed (%d) for a [%lld, %lld] operand with row stride %lld",
@@ -96,7 +85,7 @@ CUtensorMap make_map_f32(void* data, int64_t slices, int64_t rows, int64_t cols)
   const uint64_t strides[2] = {(uint64_t)cols * 4, (uint64_t)(rows * cols * 4)};
   const uint32_t box[3] = {32, 64, 1};
   const uint32_t elem_strides[3] = {1, 1, 1};
-  CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, data, dims, strides, box, elem_strides,
+  CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, data, dims, strides, box, elem_strides,
                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   BERTACCEL_CHECK(r == CUDA_SUCCESS, "bertaccel gemm: cuTensorMapEncodeTiled failed (%d) for an fp32 [%lld, %lld, %lld] output",
@@ -367,18 +356,6 @@ int* streamk_flags(const at::Tensor& like, int blocks, cudaStream_t stream) {
     buf = at::zeros({std::max<int64_t>(blocks, 1024)}, like.options().dtype(at::kInt));
   }
   return buf.data_ptr<int>();
-}
-
-// cuTensorMapEncodeTiled needs a current context (else CUDA_ERROR_INVALID_CONTEXT, 201). A thread whose
-// first CUDA work is this op has none: autograd's device thread when a backward starts with a GEMM (the
-// ffn family's does), as CUDAGuard skips cudaSetDevice when the device already matches. cudaSetDevice
-// makes the device's primary context current (CUDA 12+); once per thread and device.
-void bind_primary_context(int device) {
-  thread_local int bound = -1;
-  if (bound != device) {
-    C10_CUDA_CHECK(cudaSetDevice(device));
-    bound = device;
-  }
 }
 
 // out = epilogue(op(a) op(b)^T). a: [M, K] (trans_a: stored [K, M]); b: [N, K] (trans_b: stored [K, N]).
