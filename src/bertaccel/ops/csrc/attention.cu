@@ -1108,8 +1108,8 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
 // are read MN-major from the same tiles the first two MMAs read K-major. The next block's Q, dO, lse and D
 // are copied (cp.async) behind the current block's first MMAs.
 template <int D>
-constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 2 mbarriers, alignment
-  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 16 + 1024;
+constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 4 mbarriers, alignment
+  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 32 + 1024;
 }
 
 // CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one)
@@ -1117,7 +1117,8 @@ template <int D, bool DROPOUT>
 constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : (DROPOUT ? 2 : 3); }
 
 template <typename T, int D, bool DROPOUT, int CLUSTER>
-__global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_kernel(const Params p) {
+__global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
+    attn_bwd_kernel(const Params p, const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int B = 64, NT = 128;  // keys per CTA = queries per block
   constexpr int TILE = B * D * 2;
@@ -1134,6 +1135,10 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   float* sLse = reinterpret_cast<float*>(sdS + B * 64 * 2);  // [2][64]
   float* sDsum = sLse + 2 * B;                                // [2][64]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sDsum + 2 * B);  // CLUSTER: staged, consumed
+  // Q and dO of a query block by TMA: thread 0 issues both copies into the stage, completing full[stage]
+  // (every thread waits on it, parity m / 2, before the block's first MMAs). Rows past the sequence hold
+  // the next sequence's rows (rows past the tensor: zero): their lse is set to +inf, so P = 0 and dS = 0.
+  uint64_t* full = bars + 2;
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
     zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr, p.dq_accum ? nullptr : static_cast<T*>(p.dq));
@@ -1169,19 +1174,20 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   const bool keys_full = n0 + B <= len;  // no key of this CTA past the sequence
   auto load_q_block = [&](int m, int stage) {
     const int m0 = m * B;
-    load_tile_any<T, D, B, NT>(sQ + stage * TILE, q, p.q_row, start + m0, len - m0);
-    load_tile_any<T, D, B, NT>(sdO + stage * TILE, dout, p.do_row, start + m0, len - m0);
+    if (threadIdx.x == 0) {
+      mbar_expect_tx(&full[stage], 2 * TILE);
+      tma_load_3d(sQ + stage * TILE, &tm_q, 0, h, start + m0, &full[stage]);
+      tma_load_3d(sdO + stage * TILE, &tm_do, 0, h, start + m0, &full[stage]);
+    }
     // lse (threads 0-63) and D (64-127) of the block's rows, copied as Q and dO are (a plain load here
     // held warps 0 and 1, and so the warpgroup's next MMAs, for a global-memory round trip per block).
-    // Rows past the sequence read 0: their Q and dO rows are zero, so S = 0, P = 1 and dP = 0, and P, dS
-    // reach nothing (dV's and dK's terms are P^T dO = 0 and dS^T Q with dS = P (dP - D) = 0; their dQ
-    // rows are not added).
+    // Rows past the sequence: lse +inf (P = 0, so dV's and dK's terms P^T dO and dS^T Q, dS = P (dP - D),
+    // are zero; their dQ rows are not added), D 0.
     static_assert(NT == 2 * B, "one lse or D value per thread");
     const int r = threadIdx.x % B;
-    const bool ok = m0 + r < len;
-    const int64_t i = (int64_t)h * p.total + start + m0 + (ok ? r : 0);
-    cp_async4(threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r], (threadIdx.x < B ? p.lse : p.dsum) + i,
-              ok ? 4 : 0);
+    float* dst = threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r];
+    if (m0 + r < len) cp_async4(dst, (threadIdx.x < B ? p.lse : p.dsum) + (int64_t)h * p.total + start + m0 + r, 4);
+    else *dst = threadIdx.x < B ? INFINITY : 0.f;
   };
   const int mblocks = (len + B - 1) / B;
   // The query block of step i. Without clusters CTA n starts at block n % mblocks: the CTAs of a sequence,
@@ -1189,6 +1195,11 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   // d 32 0.253 against 0.258 ms in order, d 64 0.403 against 0.401, packed cells 0-1% faster).
   const int first = CLUSTER == 0 ? (int)blockIdx.x % mblocks : 0;
   auto qblock = [&](int i) { return first + i < mblocks ? first + i : first + i - mblocks; };
+  if (threadIdx.x == 0) {
+    mbarrier_init(&full[0], 1);
+    mbarrier_init(&full[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // the inits, seen by the copy engine
+  }
   load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
   load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
   load_q_block(qblock(0), 0);
@@ -1250,7 +1261,8 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
   for (int m = 0; m < mblocks; ++m) {
     const int stage = m & 1;
     const int m0 = qblock(m) * B;
-    issue_s_dp(m);  // block m is in: copied before the loop or before block m - 1's dQ staging
+    mbar_wait(&full[stage], (m >> 1) & 1);  // block m's Q and dO (the stage's (m / 2)-th copy)
+    issue_s_dp(m);  // block m is in: copied before the loop or at the top of block m - 1
     // behind the MMAs: block m + 1's copies (into block m - 1's stage, whose MMAs are done), and the
     // wait for block m - 1's dQ to leave the P and dS tiles
     if (m + 1 < mblocks) load_q_block(qblock(m + 1), stage ^ 1);
@@ -1341,10 +1353,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>())) attn_bwd_
     // Block m + 1's S and dP follow dQ's staging (issued before it, their accumulators would be live through
     // it: offline ptxas spilled 544-556 bytes at d 64 and serialized the wgmmas), at the top of the loop
     // with no barrier between: the one here also has block m + 1 in.
-    if (m + 1 < mblocks) {
-      cp_async_wait_all();  // block m + 1 (this thread's copies)
-      async_copy::fence_proxy_async();
-    }
+    if (m + 1 < mblocks) cp_async_wait_all();  // block m + 1's lse and D (this thread's copies; Q, dO: by TMA)
     __syncthreads();  // every warp is done with block m's MMAs, which read the P / dS tiles dQ is staged in
     // rows in dq_accum's layout (dq_chunk): the 8 rows of a store land in different banks
 #pragma unroll
@@ -1679,6 +1688,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     if constexpr (D <= 64) {
       if (hopper) {
         constexpr size_t smem = hopper::bwd_smem<D>();
+        bind_primary_context(q.get_device());
+        const CUtensorMap tm_q = qkv_tile_map(q, 64), tm_do = qkv_tile_map(dout, 64);
         if (cluster > 0) {
           auto kernel = hopper::attn_bwd_kernel<T, D, DR, 2>;
           set_smem(kernel, smem);
@@ -1693,11 +1704,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
           attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
           config.attrs = &attr;
           config.numAttrs = 1;
-          C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P));
+          C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P, tm_q, tm_do));
         } else {
           auto kernel = hopper::attn_bwd_kernel<T, D, DR, 0>;
           set_smem(kernel, smem);
-          kernel<<<grid, 128, smem, stream>>>(P);
+          kernel<<<grid, 128, smem, stream>>>(P, tm_q, tm_do);
         }
         launched = true;
         layout = DqLayout::kHeadsMajorPermuted;
