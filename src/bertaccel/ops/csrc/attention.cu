@@ -1318,10 +1318,10 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     };
     if (keys_full) p_and_ds(std::false_type{});
     else p_and_ds(std::true_type{});
-    // The P and dS tiles hold block m - 1's dQ (fp32) until the bulk reduction has read it: thread 0 waits,
-    // the barrier tells the others (waiting here rather than before the exponentials leaves the copy engine
+    // The P and dS tiles hold block m - 1's dQ (fp32) until the bulk reductions have read it: each warp's lane
+    // 0 waits for its own rows' reduction, the barrier tells the others (waiting here rather than before the exponentials leaves the copy engine
     // the elementwise part's time too)
-    if (!direct && threadIdx.x == 0) async_copy::bulk_wait_read<0>();
+    if (!direct && lane == 0) async_copy::bulk_wait_read<0>();  // this warp's rows of block m - 1's dQ
     __syncthreads();
     // to shared memory, [query][key] swizzled: key chunk j of rows g, g + 8
 #pragma unroll
@@ -1369,16 +1369,20 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
       __syncthreads();  // the partial is staged
       if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[0], threadIdx.x);  // at each active CTA
     } else {
+      // each warp adds its own 16 rows (contiguous in sdQ and in the buffer) once they are staged: no barrier
+      // for the whole CTA here (block m + 1 is in since the one above)
       async_copy::fence_proxy_async();
-      __syncthreads();  // dQ is staged, and block m + 1 is in
-      if (threadIdx.x == 0) bulk_reduce_add_f32(dq_accum + (int64_t)m0 * D, sdQ, (uint32_t)min(B, len - m0) * D * 4);
+      __syncwarp();
+      const int rows = min(16, len - m0 - wrow);
+      if (lane == 0 && rows > 0)
+        bulk_reduce_add_f32(dq_accum + (int64_t)(m0 + wrow) * D, sdQ + wrow * D, (uint32_t)rows * D * 4);
     }
   }
   if constexpr (CLUSTER > 0) {
     sum_dq(mblocks - 1);
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
-  if (!direct && threadIdx.x == 0) async_copy::bulk_wait_all();
+  if (!direct && lane == 0) async_copy::bulk_wait_all();
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
