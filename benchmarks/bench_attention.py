@@ -155,7 +155,9 @@ def main() -> None:
     # One untimed pass over the first cell: at 9a2dc35 the first cell's padded fwd+bwd rows (every SDPA
     # backend and ours) came out 3-4x the same rows of an earlier run while the later cells matched it;
     # the `timing` column says whether each row came from graph replays or eager events.
+    print(f"untimed warm-up pass over {args.cells[0]} (a capture failing here is the reason for the pass)")
     run_cell(args.cells[0], not args.no_variants)
+    print("timed passes")
     rows = []
     for cell in args.cells:
         rows += run_cell(cell, not args.no_variants)
