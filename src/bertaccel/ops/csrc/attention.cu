@@ -679,7 +679,8 @@ __global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict_
 // O += P V by wgmma with P from registers (the accumulator layout of S is, per warp, the mma.sync
 // layout, so P packs into A fragments in place) and V in shared memory as an MN-major operand.
 // Tiles are stored as the tensor cores read them: rows of 128 bytes (64 elements; D = 128 as two
-// column blocks) or 64 bytes (D = 32) with the matching swizzle, loaded by cp.async, double-buffered.
+// column blocks) or 64 bytes (D = 32) with the matching swizzle, double-buffered: K and V by TMA at
+// D <= 64 (one cp.async.bulk.tensor per tile, an mbarrier per stage), by cp.async at D = 128; Q by cp.async.
 #if defined(BERTACCEL_ATTENTION_SM90A)
 namespace hopper {
 
@@ -1105,8 +1106,8 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
 // one bulk asynchronous reduction (cp.reduce.async.bulk) instead of per-element atomics - or, with at
 // most 2 key blocks, summed with the other CTA's through distributed shared memory (CLUSTER); P and dS
 // through shared memory (swizzled, MN-major) for dV += P^T dO and dK += dS^T Q, whose B operands (dO, Q)
-// are read MN-major from the same tiles the first two MMAs read K-major. The next block's Q, dO, lse and D
-// are copied (cp.async) behind the current block's first MMAs.
+// are read MN-major from the same tiles the first two MMAs read K-major. The next block's Q and dO (TMA)
+// and lse and D (cp.async) are copied behind the current block's first MMAs.
 template <int D>
 constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 4 mbarriers, alignment
   return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 32 + 1024;

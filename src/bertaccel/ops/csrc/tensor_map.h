@@ -1,5 +1,5 @@
 // The driver's cuTensorMapEncodeTiled, found once through the runtime (no link against libcuda), for the
-// kernels that copy tiles with TMA (the GEMM, the attention forward's K / V).
+// kernels that copy tiles with TMA (the GEMM; the attention forward's K / V and backward's Q / dO).
 #pragma once
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
