@@ -5,7 +5,8 @@ With `--kernels`: each kernel's GPU time per call (torch.profiler, after warm-up
 SDPA on the same full batch, one `KERNELS` line per (implementation, kernel) - which launches a
 forward + backward is made of (e.g. the backward's main kernel against its dsum and dq-cast passes).
 
-BERTACCEL_ATTENTION_FWD / _BWD pick the kernels as in the op (mma / wg1 / wg2; mma / bulk)."""
+BERTACCEL_ATTENTION_FWD / _BWD pick the kernels as in the op (mma / wg1 / wg2; mma / bulk). `--dropout P`: both
+implementations with attention dropout (training, as a fine-tune runs them)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="print each kernel's time per call (implies --backward)")
+    ap.add_argument("--dropout", type=float, default=0.0, help="attention dropout probability (both implementations)")
     ap.add_argument("--impl", choices=["ours", "cudnn"], default="ours",
                     help="whose attention the plain calls run (cudnn: SDPA's cuDNN backend on the same batch, "
                          "e.g. for `ncu --kernel-name regex:bprop`)")
@@ -39,7 +41,7 @@ def main() -> None:
         do = torch.randn_like(q)
 
         def ours():
-            out = attention.varlen_attention(q, k, v, cu, seq, 0.0, d ** -0.5)
+            out = attention.varlen_attention(q, k, v, cu, seq, args.dropout, d ** -0.5)
             if backward:
                 torch.autograd.grad(out, (q, k, v), do)
 
@@ -48,7 +50,7 @@ def main() -> None:
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                out = F.scaled_dot_product_attention(qp, kp, vp)
+                out = F.scaled_dot_product_attention(qp, kp, vp, dropout_p=args.dropout)
             if backward:
                 torch.autograd.grad(out, (qp, kp, vp), dop)
 
