@@ -738,10 +738,10 @@ struct TileDesc {
   __device__ __forceinline__ uint64_t mn_major(int ks) const { return at(ks * 16 * S::kRowBytes); }
 };
 
-// Thread-block clusters: mbarriers other CTAs arrive at, and reads of another CTA's shared memory
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
+// Thread-block clusters: mbarriers other CTAs arrive at (initialised by async_copy::mbar_init), and reads of
+// another CTA's shared memory
+using async_copy::fence_mbar_init;
+using async_copy::mbar_init;
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
@@ -778,17 +778,11 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src,
   async_copy::bulk_commit();
 }
 
-// TMA (the forward's K / V tiles): mbarriers the copy engine completes, and a 3-D tile copy ([d, heads,
-// tokens] box) into the swizzled image (SWIZZLE_128B / 64B: Swz<D>'s layout)
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-}
+// TMA (the forward's K / V tiles, the backward's Q / dO): the mbarriers the copy engine completes
+// (async_copy.cuh, as the GEMM's), and a 3-D tile copy ([d, heads, tokens] box) into the swizzled image
+// (SWIZZLE_128B / 64B: Swz<D>'s layout)
+using async_copy::mbar_expect_tx;
+using async_copy::mbar_wait;
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
@@ -916,8 +910,8 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
   if constexpr (kTma) {
     if (threadIdx.x == 0) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) mbarrier_init(&full[i], 1);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // the inits, seen by the copy engine
+      for (int i = 0; i < 4; ++i) mbar_init(&full[i], 1);
+      fence_mbar_init();  // the inits, seen by the copy engine
     }
   }
 
@@ -1158,9 +1152,9 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   const int nact = CLUSTER ? (len + B - 1) / B : 1;
   if constexpr (CLUSTER > 0) {
     if (threadIdx.x == 0 && n0 < len) {
-      mbarrier_init(&bars[0], nact);
-      mbarrier_init(&bars[1], nact);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      mbar_init(&bars[0], nact);
+      mbar_init(&bars[1], nact);
+      fence_mbar_init();
     }
     cluster_sync();  // every CTA's barriers are initialised before any remote arrival
   }
@@ -1197,9 +1191,9 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   const int first = CLUSTER == 0 ? (int)blockIdx.x % mblocks : 0;
   auto qblock = [&](int i) { return first + i < mblocks ? first + i : first + i - mblocks; };
   if (threadIdx.x == 0) {
-    mbarrier_init(&full[0], 1);
-    mbarrier_init(&full[1], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // the inits, seen by the copy engine
+    mbar_init(&full[0], 1);
+    mbar_init(&full[1], 1);
+    fence_mbar_init();  // the inits, seen by the copy engine
   }
   load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
   load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
