@@ -1508,12 +1508,19 @@ bool on_hopper() {
 // 4) won only on full 512-token sequences at d 32 (a190df3: 0.0653 vs 0.0692 ms) and lost on packed
 // ragged lengths (IMDB-like 0.0196 vs 0.0187, uniform 0.0384 vs 0.0379: a partial last block wastes up
 // to 127 keys) and at d 64 (f8f5eff: 0.0925 vs 0.0916).
-int hopper_forward_warpgroups() {
+//
+// `full_128`: every sequence of the call is max_seqlen long, a multiple of 128 (the host sees it without
+// reading cu_seqlens: the token count is batch x max_seqlen, and no sequence is longer than max_seqlen),
+// no dropout, head dim <= 64. Then no block is partial and 128 keys per block are the default (PENDING
+// measurement: session 36, before TMA, 32x512 d 64 0.0772 vs 0.0789 ms, d 32 0.0606 vs 0.0637); "n64"
+// keeps 64 keys there.
+int hopper_forward_warpgroups(bool full_128) {
   if (!on_hopper()) return 0;
   const std::string choice = switch_value("BERTACCEL_ATTENTION_FWD");
   if (choice == "mma") return 0;
   if (choice == "wg2") return 2;
   if (choice == "n128") return -1;
+  if (choice.empty() && full_128) return -1;
   return 1;
 }
 
@@ -1574,7 +1581,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
                   (unsigned)P.batch + 1);
   auto stream = at::cuda::getCurrentCUDAStream();
 #if defined(BERTACCEL_ATTENTION_SM90A)
-  if (const int nwg = hopper_forward_warpgroups()) {
+  const bool full_128 = !dropout && d <= 64 && max_seqlen % 128 == 0 && q.size(0) == (int64_t)P.batch * max_seqlen;
+  if (const int nwg = hopper_forward_warpgroups(full_128)) {
     dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
       using T = decltype(type_tag);
       constexpr int D = decltype(dim)::value;
