@@ -1511,9 +1511,10 @@ bool on_hopper() {
 //
 // `full_128`: every sequence of the call is max_seqlen long, a multiple of 128 (the host sees it without
 // reading cu_seqlens: the token count is batch x max_seqlen, and no sequence is longer than max_seqlen),
-// no dropout, head dim <= 64. Then no block is partial and 128 keys per block are the default (PENDING
-// measurement: session 36, before TMA, 32x512 d 64 0.0772 vs 0.0789 ms, d 32 0.0606 vs 0.0637); "n64"
-// keeps 64 keys there.
+// no dropout, head dim <= 64. Then no block is partial and 128 keys per block are the default; "n64"
+// keeps 64 keys there. H100, TMA tiles, forward kernel alone (attention_calls --kernels, two rounds,
+// session 38): 32x512x12x64 74.1 / 74.2 -> 73.2 / 73.5 us, x32 61.1 / 61.0 -> 58.4 / 58.5, 128x128x12x64
+// 44.2 / 43.7 -> 41.9 / 42.6.
 int hopper_forward_warpgroups(bool full_128) {
   if (!on_hopper()) return 0;
   const std::string choice = switch_value("BERTACCEL_ATTENTION_FWD");
