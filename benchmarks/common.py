@@ -8,6 +8,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -186,9 +187,14 @@ def measure_op(op: str, shape: str, impls: dict, make_args, grad_args: tuple[int
         bwd = lambda y, leaves, dy: torch.autograd.grad(y, leaves, dy, retain_graph=True, allow_unused=True)  # noqa: E731
         try:
             bwd_ms, how = graph_time_ms(bwd, graphs), "graph"
-        except Exception:  # noqa: BLE001 - a backward that cannot be captured is timed eagerly
-            torch.cuda.synchronize()
-            bwd_ms, how = cuda_time_ms(bwd, graphs), "eager"
+        except Exception as e:  # noqa: BLE001 - a backward that cannot be captured is timed eagerly
+            # the failed capture left the CUDA RNG generator "capturing": without this, the next eager
+            # dropout (the next implementation's forward) raises "Offset increment outside graph capture"
+            from bertaccel.modules.graphs import recover_from_failed_capture
+            recover_from_failed_capture()
+            how = f"eager (capture failed: {type(e).__name__}: {str(e).splitlines()[0][:120]})"
+            print(f"{op} {shape} {name}: backward timed eagerly, {how}", file=sys.stderr)
+            bwd_ms = cuda_time_ms(bwd, graphs)
         fwd_gbs, bwd_gbs = fwd_bytes / fwd_ms / 1e6, bwd_bytes / bwd_ms / 1e6
         rows.append({
             "op": op, "shape": shape, "impl": name, "eager_fwd_us": round(eager_ms * 1e3, 1),

@@ -44,6 +44,19 @@ log = logging.getLogger(__name__)
 StepFn = Callable[..., dict[str, torch.Tensor]]
 
 
+def recover_from_failed_capture(stream: torch.cuda.Stream | None = None) -> None:
+    """Call after a CUDA-graph capture raised. The failed capture skipped PyTorch's end-of-capture
+    bookkeeping: the CUDA RNG generator still counts itself as capturing, and the next random op
+    outside a graph (dropout in the eager step that follows) raises "Offset increment outside graph
+    capture". An empty capture (on `stream`, or a new side stream) runs that bookkeeping (the
+    generator's capture epilogue)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream or torch.cuda.Stream()):
+            pass
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -156,17 +169,6 @@ class StepGraphs:
             self.stream = torch.cuda.Stream()
         return self.stream
 
-    def _recover_from_failed_capture(self) -> None:
-        """A capture that raised skipped PyTorch's end-of-capture bookkeeping: the CUDA RNG generator
-        still counts itself as capturing, and the next random op outside a graph (dropout in the eager
-        step that follows) raises "Offset increment outside graph capture". An empty capture on the
-        same stream runs that bookkeeping (the generator's capture epilogue)."""
-        torch.cuda.synchronize()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
-            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=self._stream()):
-                pass
-
     def _capture(self, key: Hashable, fn: StepFn, inputs: dict[str, torch.Tensor], retry: bool = False) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         static = {k: v.detach().clone() for k, v in inputs.items()}
@@ -180,7 +182,7 @@ class StepGraphs:
                 outputs = fn(**static)
                 t_recorded = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - any capture failure means: this step cannot be graphed
-            self._recover_from_failed_capture()
+            recover_from_failed_capture(self._stream())
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             if retry:  # a new shape captured without its eager step: give it one, capture it next time
                 self._retry.add(key)
