@@ -172,8 +172,9 @@ def test_cuda_graph_capture_and_replay():
 def test_calls_without_a_backward_equal_the_training_forward(p):
     """A call that records no backward (no_grad, or no input requiring grad) gives the values of a
     training call's forward: without dropout it runs the output-only kernel, equal up to one bf16
-    rounding (it normalises the fp32 sum, the saving form the stored bf16 sum); with dropout it keeps
-    the saving form, so the masks are the same bits when both start from the same generator state."""
+    rounding (it normalises the fp32 sum, the saving form the stored bf16 sum); with dropout it
+    normalises the bf16-rounded sum too, so the outputs are the same bits when both start from the same
+    generator state."""
     H = 768
     x = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
     r = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)

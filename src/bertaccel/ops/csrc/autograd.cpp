@@ -80,9 +80,9 @@ struct LayerNormFn : public Function<LayerNormFn> {
 
 Tensor layer_norm_autograd(const Tensor& x, const OptTensor& bias, const OptTensor& residual, const Tensor& weight,
                            const Tensor& ln_bias, double p, double eps) {
-  // With dropout a no-grad call keeps the saving form (as the embeddings do): it normalises the
-  // bf16-rounded sum the training forward saves, so both give the same bits from the same generator state.
-  if (p == 0.0 && !needs_grad({&x, opt(bias), opt(residual), &weight, &ln_bias})) {
+  // (with dropout the output-only kernel normalises the bf16-rounded sum, as the saving form does: the same
+  // bits from the same generator state, without writing what a backward would read)
+  if (!needs_grad({&x, opt(bias), opt(residual), &weight, &ln_bias})) {
     static auto fwd = op<Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, double,
                                 double)>("bertaccel::layer_norm");
     at::AutoDispatchBelowADInplaceOrView guard;

@@ -135,11 +135,12 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[r][k][j] += rr[j];
       }
-      if (z != nullptr) {
-        // The backward sees z in T: normalise exactly what is saved, so both passes agree.
+      if (z != nullptr || p > 0.f) {
+        // The backward sees z in T: normalise exactly what is saved, so both passes agree; with dropout the
+        // output-only form (no z) rounds the same way, so a no-grad call gives the training forward's bits.
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[r][k][j] = to_f(from_f<T>(v[r][k][j]));
-        store_f<T, VEC>(z + off, v[r][k]);
+        if (z != nullptr) store_f<T, VEC>(z + off, v[r][k]);
       }
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum[r] += v[r][k][j];
@@ -304,10 +305,10 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] += rr[j];
       }
-      if (z != nullptr) {  // normalise exactly what is saved, so both passes agree
+      if (z != nullptr || p > 0.f) {  // normalise exactly what is saved (with dropout also without z: see above)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] = to_f(from_f<T>(v[k][j]));
-        store_f<T, VEC>(z + off, v[k]);
+        if (z != nullptr) store_f<T, VEC>(z + off, v[k]);
       }
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum += v[k][j];
