@@ -167,7 +167,6 @@ struct Params {
   void* dk;
   void* dv;
   float* dq_accum;  // [T, heads, d] fp32
-  int* dq_flags;    // Hopper backward, [heads, T]: set at a 16-row group's first token once its first dQ partial is stored
   void* dq;         // the Hopper backward in clusters: written directly
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
@@ -403,13 +402,10 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
 }
 
 // ------------------------------------------------------------------------------ backward
-// D = rowsum(dO * O) per (row, head), fp32: D / 8 threads per (row, head), 16 bytes of each per thread.
-// The fp32 dQ sums: kClearAll clears them (D values per (row, head): all of them, whatever their layout);
-// kFirstStores (the Hopper backward, whose first partial of each row group is a plain store) clears only the
-// flags and the rows past the last sequence ([heads, T, d] layout), which no partial reaches.
-enum class DqClear { kNone, kClearAll, kFirstStores };
+// D = rowsum(dO * O) per (row, head), fp32: D / 8 threads per (row, head), 16 bytes of each per thread;
+// and, when zero_dq, clears the fp32 dQ sums (D values per (row, head): all of them, whatever their layout)
 template <typename T, int D>
-__global__ void attn_bwd_dsum_kernel(const Params p, DqClear clear) {
+__global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
   constexpr int TPR = D / 8;  // threads per (row, head); divides 32
   const int64_t gid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t w = gid / TPR;
@@ -427,15 +423,9 @@ __global__ void attn_bwd_dsum_kernel(const Params p, DqClear clear) {
       const float2 x = unpack2<T>(av[i]), y = unpack2<T>(bv[i]);
       acc += x.x * y.x + x.y * y.y;
     }
-    if (clear == DqClear::kClearAll) {
+    if (zero_dq) {
       float4* z = reinterpret_cast<float4*>(p.dq_accum + w * D + part * 8);
       z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    } else if (clear == DqClear::kFirstStores) {
-      if (part == 0) p.dq_flags[(int64_t)h * p.total + row] = 0;
-      if (row >= p.cu[p.batch]) {
-        float4* z = reinterpret_cast<float4*>(p.dq_accum + ((int64_t)h * p.total + row) * D + part * 8);
-        z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
     }
   }
 #pragma unroll
@@ -786,26 +776,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src,
                "r"(smem_u32(src)), "r"(bytes)
                : "memory");
   async_copy::bulk_commit();
-}
-// A row group's first dQ partial, stored (the buffer is not cleared); the others are added once its flag is set
-__device__ __forceinline__ void bulk_store_f32(float* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes)
-               : "memory");
-  async_copy::bulk_commit();
-}
-// The flag of a row group whose first partial has landed (the caller waited for its bulk copy: wait_group 0)
-__device__ __forceinline__ void release_dq_flag(int* flag) {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the copy engine's store, before the flag
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(1) : "memory");
-}
-__device__ __forceinline__ void acquire_dq_flag(const int* flag) {
-  int set = 0;
-  while (true) {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(set) : "l"(flag) : "memory");
-    if (set) break;
-    __nanosleep(100);
-  }
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the flag, before the copy engine's add
 }
 
 // TMA (the forward's K / V tiles, the backward's Q / dO): the mbarriers the copy engine completes
@@ -1241,12 +1211,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   // dQ partial sums: [heads, T, d] fp32 (this layout: a block's 64 rows are one contiguous run), added
   // by the copy engine from shared memory (the P and dS tiles' 16 KB, free once the MMAs are done)
   float* dq_accum = direct ? nullptr : p.dq_accum + ((int64_t)h * p.total + start) * D;
-  // With dq_flags the buffer is not cleared: each 16-row group's first partial is stored, not added - by
-  // the CTA whose first query block it is (CTA n starts at block n, the only one at its step 0), which
-  // sets the group's flag once the store has landed (at its step 1, before it waits for anything); the
-  // other CTAs add theirs after the flag. No cycle: every flag is set before its CTA's first wait.
-  const bool first_stores = !direct && p.dq_flags != nullptr;
-  int* dq_flags = first_stores ? p.dq_flags + (int64_t)h * p.total + start : nullptr;
   float* sdQ = reinterpret_cast<float*>(sP);  // [64][D] fp32, row-major
   // CLUSTER: rows [rank * 64 / nact, ...) of query block m, summed over the active CTAs' staged partials
   auto sum_dq = [&](int m) {
@@ -1352,15 +1316,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     // The P and dS tiles hold block m - 1's dQ (fp32) until the bulk reductions have read it: each warp's lane
     // 0 waits for its own rows' reduction, the barrier tells the others (waiting here rather than before the exponentials leaves the copy engine
     // the elementwise part's time too)
-    if (!direct && lane == 0) {
-      if (first_stores && m == 1) {  // block 0's partial (stored, not added) has landed: its flag
-        async_copy::bulk_wait_all();
-        const int r0 = qblock(0) * B + wrow;
-        if (r0 < len) release_dq_flag(dq_flags + r0);
-      } else {
-        async_copy::bulk_wait_read<0>();  // this warp's rows of block m - 1's dQ
-      }
-    }
+    if (!direct && lane == 0) async_copy::bulk_wait_read<0>();  // this warp's rows of block m - 1's dQ
     __syncthreads();
     // to shared memory, [query][key] swizzled: key chunk j of rows g, g + 8
 #pragma unroll
@@ -1413,15 +1369,8 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
       async_copy::fence_proxy_async();
       __syncwarp();
       const int rows = min(16, len - m0 - wrow);
-      if (lane == 0 && rows > 0) {
-        float* dst = dq_accum + (int64_t)(m0 + wrow) * D;
-        if (first_stores && m == 0) {
-          bulk_store_f32(dst, sdQ + wrow * D, (uint32_t)rows * D * 4);
-        } else {
-          if (first_stores) acquire_dq_flag(dq_flags + m0 + wrow);
-          bulk_reduce_add_f32(dst, sdQ + wrow * D, (uint32_t)rows * D * 4);
-        }
-      }
+      if (lane == 0 && rows > 0)
+        bulk_reduce_add_f32(dq_accum + (int64_t)(m0 + wrow) * D, sdQ + wrow * D, (uint32_t)rows * D * 4);
     }
   }
   if constexpr (CLUSTER > 0) {
@@ -1584,11 +1533,8 @@ HopperBackward hopper_backward() {
   if (!on_hopper()) return HopperBackward::kNone;
   const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD");
   if (choice == "mma") return HopperBackward::kNone;
-  return choice == "bulk" || choice == "cleared" ? HopperBackward::kBuffer : HopperBackward::kClusters;
+  return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
 }
-// The Hopper backward's fp32 dQ buffer: first partials stored behind flags (default), or the whole buffer
-// cleared by the D pass and every partial added (BERTACCEL_ATTENTION_BWD=cleared)
-bool dq_first_stores() { return switch_value("BERTACCEL_ATTENTION_BWD") != "cleared"; }
 #endif
 
 // fn(T{}, integral_constant<int, D>, bool_constant<DROPOUT>) for the runtime dtype, head dim and dropout
@@ -1719,14 +1665,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
   const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
   const bool direct = cluster > 0;
-  at::Tensor dq_accum, dq_flags;
+  at::Tensor dq_accum;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-#if defined(BERTACCEL_ATTENTION_SM90A)
-  const bool first_stores = hopper && !direct && dq_first_stores();
-#else
-  const bool first_stores = false;
-#endif
-  if (first_stores) dq_flags = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kInt));
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
   P.o = out.data_ptr();
@@ -1736,7 +1676,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   P.dk = dk.data_ptr();
   P.dv = dv.data_ptr();
   P.dq_accum = direct ? nullptr : dq_accum.data_ptr<float>();
-  P.dq_flags = first_stores ? dq_flags.data_ptr<int>() : nullptr;
   P.dq = dq.data_ptr();
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
@@ -1751,8 +1690,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     constexpr bool DR = decltype(drop)::value;
     bool launched = false;
     DqLayout layout = DqLayout::kTokensMajor;
-    const DqClear clear = direct ? DqClear::kNone : first_stores ? DqClear::kFirstStores : DqClear::kClearAll;
-    attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, clear);
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, !direct);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
