@@ -1,4 +1,4 @@
-// Asynchronous-proxy helpers of the sm_90a kernels (the GEMM, the Hopper attention): the fence that
+// Asynchronous-proxy helpers of the sm_90a kernels (the GEMM, the Hopper attention): shared-window addresses, the fence that
 // makes a thread's generic shared-memory writes visible to async-proxy readers (wgmma, TMA and bulk
 // copies), the bulk-copy groups a thread commits and waits for, and the mbarriers TMA copies complete.
 #pragma once
@@ -6,17 +6,20 @@
 
 namespace bertaccel::async_copy {
 
+// a shared-memory pointer as the 32-bit shared-window address PTX takes
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
 // an mbarrier expecting `count` arrivals per phase, and the fence after a thread's inits that makes them
 // visible to the copy engine (TMA completes the mbarriers) and to the cluster's other CTAs
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n"
-               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(count) : "memory");
+               ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
 __device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 // this thread's arrival at `bar`, announcing `bytes` more of transactions (a TMA copy) for the phase
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
+               ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 // until the phase of `bar` with this parity has completed
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
@@ -24,7 +27,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   do {
     asm volatile(
         "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(parity) : "memory");
+        : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
   } while (!done);
 }
 

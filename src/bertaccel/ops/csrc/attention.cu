@@ -44,8 +44,8 @@
 
 #include "check.h"
 #include "philox.cuh"
+#include "async_copy.cuh"  // smem_u32 for every build; the rest for the sm_90a kernels
 #if defined(BERTACCEL_ATTENTION_SM90A)
-#include "async_copy.cuh"
 #include "tensor_map.h"
 #include "wgmma.cuh"
 #endif
@@ -60,9 +60,7 @@ constexpr int kBlockN = 64;  // keys per forward step / per backward CTA
 constexpr float kLog2e = 1.4426950408889634f;
 
 // ------------------------------------------------------------------------------ PTX helpers
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using async_copy::smem_u32;
 
 // 16 bytes global -> shared; bytes past `src_bytes` (0 or 16) are zero-filled
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {

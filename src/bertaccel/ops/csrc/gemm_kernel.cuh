@@ -198,12 +198,11 @@ __device__ __forceinline__ bool unit_at(const Params& p, int kblocks, int i, Uni
 }
 
 // ------------------------------------------------------------------------------ PTX helpers
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
 using async_copy::fence_mbar_init;
 using async_copy::mbar_expect_tx;
 using async_copy::mbar_init;
 using async_copy::mbar_wait;
+using async_copy::smem_u32;
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
