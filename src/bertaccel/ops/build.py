@@ -61,7 +61,7 @@ GEMM_ARCH = "9.0a"
 # the fused attention extension (mma.sync, sm_80+; its sources: bertaccel.ops.attention.CUDA_SOURCES),
 # built for the GPU's own arch and loaded by `load_attention()` when attention first needs it; a
 # failure there leaves the other ops running
-ATTENTION_HEADERS = ["async_copy.cuh", "check.h", "philox.cuh", "tensor_map.h", "wgmma.cuh"]
+ATTENTION_HEADERS = ["async_copy.cuh", "check.h", "philox.cuh", "switches.h", "tensor_map.h", "wgmma.cuh"]
 # on a Hopper GPU it is built for sm_90a, with its warpgroup-MMA forward and backward
 ATTENTION_SM90A_FLAGS = ["-DBERTACCEL_ATTENTION_SM90A"]
 

@@ -44,6 +44,7 @@
 
 #include "check.h"
 #include "philox.cuh"
+#include "switches.h"
 #include "async_copy.cuh"  // smem_u32 for every build; the rest for the sm_90a kernels
 #if defined(BERTACCEL_ATTENTION_SM90A)
 #include "tensor_map.h"
@@ -1482,12 +1483,6 @@ void set_smem(Kernel kernel, size_t bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
-// A kernel switch: the environment variable's value ("" when unset), read per call so that benchmarks
-// compare kernels in one process.
-std::string switch_value(const char* name) {
-  const char* env = std::getenv(name);
-  return env != nullptr ? env : "";
-}
 
 #if defined(BERTACCEL_ATTENTION_SM90A)
 // The warpgroup-MMA kernels run on a Hopper GPU (sm_90) unless an environment switch (read per call,
@@ -1515,7 +1510,7 @@ bool on_hopper() {
 // 44.2 / 43.7 -> 41.9 / 42.6.
 int hopper_forward_warpgroups(bool full_128) {
   if (!on_hopper()) return 0;
-  const std::string choice = switch_value("BERTACCEL_ATTENTION_FWD");
+  const std::string choice = env_value("BERTACCEL_ATTENTION_FWD");
   if (choice == "mma") return 0;
   if (choice == "wg2") return 2;
   if (choice == "n128") return -1;
@@ -1529,7 +1524,7 @@ int hopper_forward_warpgroups(bool full_128) {
 enum class HopperBackward { kNone, kClusters, kBuffer };
 HopperBackward hopper_backward() {
   if (!on_hopper()) return HopperBackward::kNone;
-  const std::string choice = switch_value("BERTACCEL_ATTENTION_BWD");
+  const std::string choice = env_value("BERTACCEL_ATTENTION_BWD");
   if (choice == "mma") return HopperBackward::kNone;
   return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
 }

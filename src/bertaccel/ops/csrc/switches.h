@@ -1,5 +1,5 @@
 // Kernel switches (README "Kernel switches", for comparing variants in one run): environment variables
-// read by the host code. Used by common.cuh's row ops and by pdl.cuh (which the GEMM includes too).
+// read by the host code. Used by common.cuh's row ops, by pdl.cuh (which the GEMM includes too) and by the attention.
 #pragma once
 #include <cstdlib>
 #include <string>
@@ -16,10 +16,14 @@ inline int env_switch(const char* name, int fallback) {
   return *end == '\0' ? (int)v : fallback;
 }
 
-// A string-valued kernel switch: whether the environment variable `name` is exactly `value`.
-inline bool env_is(const char* name, const char* value) {
+// A string-valued kernel switch: the environment variable's value, "" when unset. Read per call where
+// benchmarks and tests compare kernels in one process (the attention's BERTACCEL_ATTENTION_FWD / _BWD).
+inline std::string env_value(const char* name) {
   const char* e = std::getenv(name);
-  return e != nullptr && std::string(e) == value;
+  return e != nullptr ? e : "";
 }
+
+// Whether the environment variable `name` is exactly `value`.
+inline bool env_is(const char* name, const char* value) { return env_value(name) == value; }
 
 }  // namespace bertaccel
