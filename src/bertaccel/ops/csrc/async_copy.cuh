@@ -1,4 +1,4 @@
-// Asynchronous-proxy helpers of the sm_90a kernels (the GEMM, the Hopper attention): shared-window addresses, the fence that
+// Asynchronous-proxy helpers of the sm_90a kernels (the GEMM, the Hopper attention; smem_u32 also the attention's sm_80 cp.async): shared-window addresses, the fence that
 // makes a thread's generic shared-memory writes visible to async-proxy readers (wgmma, TMA and bulk
 // copies), the bulk-copy groups a thread commits and waits for, and the mbarriers TMA copies complete.
 #pragma once

@@ -36,7 +36,6 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <set>
@@ -1482,7 +1481,6 @@ void set_smem(Kernel kernel, size_t bytes) {
   if (done.insert({reinterpret_cast<const void*>(kernel), device}).second)
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
-
 
 #if defined(BERTACCEL_ATTENTION_SM90A)
 // The warpgroup-MMA kernels run on a Hopper GPU (sm_90) unless an environment switch (read per call,
