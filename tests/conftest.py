@@ -42,11 +42,19 @@ def pytest_runtest_logreport(report):
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
+# The compiled CUDA extensions stay where the caller's environment keeps them (keyed by a hash of their
+# sources, so sharing is safe): with only BERTACCEL_CACHE per test, every pytest process compiled them
+# again inside its first GPU test (1.5-3 minutes; a GPU run's time limit once cut such a build off).
+EXTENSIONS = os.environ.get("BERTACCEL_EXTENSIONS") or str(
+    Path(os.environ.get("BERTACCEL_CACHE") or Path.home() / ".cache" / "bertaccel") / "extensions")
+
+
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
-    """Each test runs in its own folder with its own tokenized-data cache."""
+    """Each test runs in its own folder with its own tokenized-data cache (the extensions folder is shared)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("BERTACCEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("BERTACCEL_EXTENSIONS", EXTENSIONS)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 

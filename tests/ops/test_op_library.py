@@ -3,6 +3,8 @@ the kernels against float64 references on the GPU (see conftest.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,3 +207,19 @@ def test_calls_without_a_backward_equal_the_training_forward(p):
     torch.manual_seed(6)
     e_infer = torch.ops.bertaccel.embedding_layer_norm(ids, pos, torch.zeros_like(ids), *tables, w, b, p, 1e-12, True, 0)
     same(e_train.detach(), e_infer)
+
+
+def test_extensions_folder_follows_its_variable_then_the_cache(monkeypatch, tmp_path):
+    """BERTACCEL_EXTENSIONS names the compiled extensions' folder; without it they live under
+    $BERTACCEL_CACHE/extensions. The suite's per-test data caches keep the caller's extensions folder
+    (tests/conftest.py), so a GPU test run compiles the extensions once, not in each pytest process."""
+    from bertaccel.ops import build
+    from tests.conftest import EXTENSIONS
+
+    assert build.cache_root() == Path(EXTENSIONS)  # set by the autouse fixture, not this test's own cache
+    assert not str(build.cache_root()).startswith(str(tmp_path))
+    monkeypatch.setenv("BERTACCEL_EXTENSIONS", str(tmp_path / "ext"))
+    assert build.cache_root() == tmp_path / "ext"
+    monkeypatch.delenv("BERTACCEL_EXTENSIONS")
+    monkeypatch.setenv("BERTACCEL_CACHE", str(tmp_path / "c"))
+    assert build.cache_root() == tmp_path / "c" / "extensions"

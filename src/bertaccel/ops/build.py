@@ -82,6 +82,13 @@ _attention_state: dict[str, object] = {"loaded": None, "reason": ""}
 
 
 def cache_root() -> Path:
+    """Where the compiled extensions live: $BERTACCEL_EXTENSIONS, else $BERTACCEL_CACHE/extensions (default
+    ~/.cache/bertaccel/extensions). Each build has its own folder named by a hash of its sources, flags,
+    versions and arch, so one folder can serve every checkout and process (the test suite points its
+    per-test data caches elsewhere but keeps one extensions folder, so a `pytest -m cuda` run builds once)."""
+    explicit = os.environ.get("BERTACCEL_EXTENSIONS")
+    if explicit:
+        return Path(explicit)
     return Path(os.environ.get("BERTACCEL_CACHE", Path.home() / ".cache" / "bertaccel")) / "extensions"
 
 
