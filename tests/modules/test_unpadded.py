@@ -212,6 +212,45 @@ def test_unpadded_runs_the_fused_qkv_projection(monkeypatch):
     report.revert()
 
 
+@pytest.mark.cuda
+def test_fused_qkv_projection_hands_our_kernel_one_packed_qkv(monkeypatch):
+    """On a GPU under bf16 autocast, the swap's Q/K/V projection output goes to our kernel as one packed
+    [T, 3, heads, d] (`varlen_attention_packed`: its gradient is written in place, no cat of three), and the
+    unpadded logits and gradients equal those of the same path with three separate parts (the packed
+    entry point turned off) - within the fp32 dQ sums' order."""
+    from bertaccel.modules import unpadded
+    from bertaccel.ops import attention, build
+    from bertaccel.ops.swap import swap
+
+    assert build.load_attention(), build.attention_reason()
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**CFG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                     attn_implementation="sdpa")).cuda().train()
+    report = swap(model, ["qkv"])
+    ids, mask, types = (t.cuda() for t in batch([13, 1, 7, 10]))
+    calls = []
+    packed = attention.varlen_attention_packed
+    monkeypatch.setattr(attention, "varlen_attention_packed", lambda *a: calls.append(a[0].shape) or packed(*a))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = classifier_logits(model, ids, mask, types)
+        logits.float().square().sum().backward()
+        return logits.float(), [p.grad.clone() for p in model.parameters()]
+
+    got, got_grads = run()
+    assert len(calls) == 2 and all(s[1:] == (3, 4, 16) for s in calls)  # one packed call per layer
+    monkeypatch.setattr(unpadded, "varlen_attention_qkv",
+                        lambda qkv, layout, p, scale: unpadded.varlen_attention(*qkv.unbind(1), layout, p, scale))
+    ref, ref_grads = run()
+    assert len(calls) == 2
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+    for (name, _), a, b in zip(model.named_parameters(), got_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=name)
+    report.revert()
+
+
 @pytest.mark.parametrize("ffn", [False, True], ids=["hf_ffn", "fused_ffn"])
 def test_unpadded_path_keeps_the_profiler_regions(ffn):
     """Under the profiler the unpadded model shows the padded model's region labels (with the ffn
