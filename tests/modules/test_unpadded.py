@@ -212,6 +212,73 @@ def test_unpadded_runs_the_fused_qkv_projection(monkeypatch):
     report.revert()
 
 
+def test_packed_qkv_path_equals_the_padded_model_on_cpu(monkeypatch):
+    """The packed form's wiring, on the CPU reference op: the swap's one projection output viewed as
+    [T, 3, heads, d] (query, key, value in that order) through `varlen_attention_packed` and its autograd
+    gives the padded model's logits and every gradient."""
+    from bertaccel.modules import unpadded
+    from bertaccel.ops import attention
+    from bertaccel.ops.swap import swap
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**CFG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                     attn_implementation="sdpa")).train()
+    ids, mask, types = batch([13, 1, 7, 10])
+    ref = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    ref_grads = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    report = swap(model, ["qkv"])
+    calls = []
+    monkeypatch.setattr(unpadded, "varlen_attention_qkv", lambda qkv, layout, p, scale: calls.append(qkv.shape) or
+                        attention.varlen_attention_packed(qkv, layout.cu_seqlens, layout.max_seqlen, p, scale))
+    got = classifier_logits(model, ids, mask, types)
+    got_grads = torch.autograd.grad(got.square().sum(), list(model.parameters()))
+    assert len(calls) == 2 and all(s[1:] == (3, 4, 16) for s in calls)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), got_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    report.revert()
+
+
+@pytest.mark.cuda
+def test_fused_qkv_projection_hands_our_kernel_one_packed_qkv(monkeypatch):
+    """On a GPU under bf16 autocast, the swap's Q/K/V projection output goes to our kernel as one packed
+    [T, 3, heads, d] (`varlen_attention_packed`: its gradient is written in place, no cat of three), and the
+    unpadded logits and gradients equal those of the same path with three separate parts (the packed
+    entry point turned off) - within the fp32 dQ sums' order."""
+    from bertaccel.modules import unpadded
+    from bertaccel.ops import attention, build
+    from bertaccel.ops.swap import swap
+
+    assert build.load_attention(), build.attention_reason()
+    torch.manual_seed(0)
+    config = BertConfig(**{**CFG, "hidden_size": 128}, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        attn_implementation="sdpa")  # head dim 32 (CFG's 16 is not one the kernel takes)
+    model = BertForSequenceClassification(config).cuda().train()
+    report = swap(model, ["qkv"])
+    ids, mask, types = (t.cuda() for t in batch([13, 1, 7, 10]))
+    calls = []
+    packed = attention.varlen_attention_packed
+    monkeypatch.setattr(attention, "varlen_attention_packed", lambda *a: calls.append(a[0].shape) or packed(*a))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = classifier_logits(model, ids, mask, types)
+        logits.float().square().sum().backward()
+        return logits.float(), [p.grad.clone() for p in model.parameters()]
+
+    got, got_grads = run()
+    assert len(calls) == 2 and all(s[1:] == (3, 4, 32) for s in calls)  # one packed call per layer
+    monkeypatch.setattr(unpadded, "varlen_attention_qkv",
+                        lambda qkv, layout, p, scale: unpadded.varlen_attention(*qkv.unbind(1), layout, p, scale))
+    ref, ref_grads = run()
+    assert len(calls) == 2
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+    for (name, _), a, b in zip(model.named_parameters(), got_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=name)
+    report.revert()
+
+
 @pytest.mark.parametrize("ffn", [False, True], ids=["hf_ffn", "fused_ffn"])
 def test_unpadded_path_keeps_the_profiler_regions(ffn):
     """Under the profiler the unpadded model shows the padded model's region labels (with the ffn

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bertaccel.ops import attention
-from bertaccel.ops.attention import dropout_keep, philox4x32_10, varlen_attention
+from bertaccel.ops.attention import dropout_keep, philox4x32_10, varlen_attention, varlen_attention_packed
 from tests.ops.conftest import capture_graph
 
 
@@ -111,6 +111,29 @@ def test_opcheck_on_cpu():
     torch.library.opcheck(torch.ops.bertaccel.varlen_attention_bwd.default,
                           (torch.randn(T, 2, 16), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), cu, 6, 0.0,
                            0.25, rng))
+
+
+def test_packed_qkv_equals_its_parts_and_opchecks_on_cpu():
+    """The packed pair (qkv [T, 3, heads, d] in, its gradient as one tensor out) is the separate op on
+    the three parts: the same output, and the gradient the three gradients stacked."""
+    cu, T = _cu([3, 6, 1], fillers=2)
+    qkv = torch.randn(T, 3, 2, 16, requires_grad=True)
+    parts = [t.detach().clone().requires_grad_() for t in qkv.unbind(1)]
+    dout = torch.randn(T, 2, 16)
+    torch.manual_seed(3)
+    out = varlen_attention_packed(qkv, cu, 6, 0.3, 0.25)
+    torch.manual_seed(3)  # the same dropout seed
+    out2 = varlen_attention(*parts, cu, 6, 0.3, 0.25)
+    assert torch.equal(out, out2)
+    (grad,) = torch.autograd.grad(out, qkv, dout)
+    assert torch.equal(grad, torch.stack(torch.autograd.grad(out2, parts, dout), 1))
+    assert not grad[int(cu[-1]):].any()
+    torch.library.opcheck(torch.ops.bertaccel.varlen_attention_packed_fwd.default, (qkv, cu, 6, 0.0, 0.25))
+    o, lse, rng = torch.ops.bertaccel.varlen_attention_packed_fwd(qkv, cu, 6, 0.0, 0.25)
+    torch.library.opcheck(torch.ops.bertaccel.varlen_attention_packed_bwd.default,
+                          (dout, qkv.detach(), o.detach(), lse.detach(), cu, 6, 0.0, 0.25, rng))
+    with pytest.raises(ValueError, match=r"\[tokens, 3, heads, head_dim\]"):
+        varlen_attention_packed(qkv[:, :2], cu, 6)
 
 
 def test_kernel_unavailable_says_why():
@@ -271,6 +294,42 @@ def test_strided_views_of_one_qkv_output():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fwd", ["hopper", "bulk", "mma"])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("lengths", [[50, 90], [300, 5, 0, 130, 64]])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_packed_qkv_gradient_is_the_parts_gradients_written_in_place(fwd, head_dim, lengths, p, monkeypatch):
+    """varlen_attention_packed on qkv [T, 3, heads, d]: the output of the separate op on the three parts,
+    and its one [T, 3, heads, d] gradient theirs (dq, dk, dv written with token stride 3 x heads x d by
+    every backward: the Hopper one direct from its clusters (<= 2 key blocks) or through the fp32 buffer,
+    the mma.sync one); fillers zero."""
+    _kernel_or_skip()
+    _forward_kernel(fwd, monkeypatch)
+    heads = 3
+    cu, T = _cu(lengths, fillers=3)
+    cu = cu.cuda()
+    qkv = torch.randn(T, 3, heads, head_dim, device="cuda").bfloat16().requires_grad_()
+    parts = [t.detach().clone().requires_grad_() for t in qkv.unbind(1)]
+    dout = torch.randn(T, heads, head_dim, device="cuda").bfloat16()
+    assert attention.kernel_unavailable(*qkv.unbind(1)) is None
+    torch.cuda.manual_seed(7)
+    out = varlen_attention_packed(qkv, cu, max(lengths), p)
+    torch.cuda.manual_seed(7)  # the same dropout seed and offset
+    out2 = varlen_attention(*parts, cu, max(lengths), p)
+    assert torch.equal(out, out2)
+    (grad,) = torch.autograd.grad(out, qkv, dout)
+    grads2 = torch.autograd.grad(out2, parts, dout)
+    assert grad.shape == qkv.shape and grad.is_contiguous()
+    for i, name in enumerate("qkv"):
+        # dk, dv: one CTA's sums, the same bits; dq: fp32 partial sums added in an order that may differ
+        if name == "q":
+            torch.testing.assert_close(grad[:, i], grads2[i], atol=2e-2, rtol=2e-2, msg=f"d{name}")
+        else:
+            assert torch.equal(grad[:, i], grads2[i]), f"d{name}"
+        assert not grad[int(cu[-1]):, i].any(), f"d{name} of the fillers"
+
+
+@pytest.mark.cuda
 def test_cuda_graph_replays_draw_new_masks_and_match_eager():
     _kernel_or_skip()
     lengths, heads, d = [100, 28], 2, 32
@@ -347,6 +406,13 @@ def test_compile_fullgraph_and_opcheck_on_cuda():
     out = fn(q, k, v)
     assert torch.equal(out, varlen_attention(q, k, v, cu, 40))
     torch.library.opcheck(torch.ops.bertaccel.varlen_attention_fwd.default, (q, k, v, cu, 40, 0.0, 0.125))
+    qkv = torch.stack([q, k, v], 1).detach().requires_grad_()
+    packed = torch.compile(lambda t: varlen_attention_packed(t, cu, 40), fullgraph=True)
+    assert torch.equal(packed(qkv), varlen_attention(q, k, v, cu, 40))
+    torch.library.opcheck(torch.ops.bertaccel.varlen_attention_packed_fwd.default, (qkv, cu, 40, 0.0, 0.125))
+    o, lse, rng = torch.ops.bertaccel.varlen_attention_packed_fwd(qkv, cu, 40, 0.0, 0.125)
+    torch.library.opcheck(torch.ops.bertaccel.varlen_attention_packed_bwd.default,
+                          (torch.randn_like(o), qkv.detach(), o, lse, cu, 40, 0.0, 0.125, rng))
 
 
 def test_attention_build_targets_sm90a_on_hopper_only(monkeypatch):

@@ -170,6 +170,21 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: Unpadded, dropout_
     return layout.pack(out.transpose(1, 2))
 
 
+def varlen_attention_qkv(qkv: Tensor, layout: Unpadded, dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
+    """`varlen_attention` of one packed qkv [T, 3, heads, head_dim] (a fused QKV projection's output,
+    viewed). On our kernel the gradient comes back as one tensor of that shape, written in place by the
+    kernels (`bertaccel.ops.attention.varlen_attention_packed`): no cat of three gradients in the backward.
+    Other backends take the three parts as `varlen_attention` does; so does ours with
+    BERTACCEL_ATTENTION_PACKED=0 (the two forms timed against each other)."""
+    from bertaccel.ops import attention
+
+    packed = os.environ.get("BERTACCEL_ATTENTION_PACKED", "1") != "0"
+    if packed and qkv.is_cuda and varlen_backend() == "bertaccel" and attention.kernel_unavailable(*qkv.unbind(1)) is None:
+        scale = scale if scale is not None else qkv.shape[-1] ** -0.5
+        return attention.varlen_attention_packed(qkv, layout.cu_seqlens, layout.max_seqlen, dropout_p, scale)
+    return varlen_attention(*qkv.unbind(1), layout, dropout_p, scale)
+
+
 def _region(label: str):
     """The profiler's region of the padded model (`embeddings`, `layer{i}.attention`, `head`), whose
     module hooks this path does not pass through; nothing when no profiler runs."""
@@ -179,14 +194,18 @@ def _region(label: str):
 
 
 def _self_attention(sa: nn.Module, h: Tensor, layout: Unpadded) -> Tensor:
-    from bertaccel.ops.qkv import SelfAttentionReplacement
+    from bertaccel.ops.qkv import SelfAttentionReplacement, can_fuse, qkv_projection
 
     heads, d = sa.num_attention_heads, sa.attention_head_size
-    if isinstance(sa, SelfAttentionReplacement):  # the kernel swap's: Q, K, V in one GEMM, views of its output
+    p = sa.dropout.p if sa.training else 0.0
+    if isinstance(sa, SelfAttentionReplacement):  # the kernel swap's: Q, K, V in one GEMM
+        if can_fuse(sa.query, sa.key, sa.value) is None and sa.query.out_features == sa.key.out_features == \
+                sa.value.out_features == heads * d:
+            qkv = qkv_projection(sa.query, sa.key, sa.value, h).view(h.shape[0], 3, heads, d)
+            return varlen_attention_qkv(qkv, layout, p, sa.scaling).reshape(h.shape[0], heads * d)
         q, k, v = (t.transpose(0, 1) for t in sa.heads(h))  # [heads, T, d] -> [T, heads, d]
     else:
         q, k, v = (proj(h).view(-1, heads, d) for proj in (sa.query, sa.key, sa.value))
-    p = sa.dropout.p if sa.training else 0.0
     return varlen_attention(q, k, v, layout, p, sa.scaling).reshape(h.shape[0], heads * d)
 
 

@@ -14,6 +14,12 @@ Ops: `varlen_attention_fwd -> (out, lse [heads, T] fp32, rng (seed, offset) int6
 `varlen_attention_bwd -> (dq, dk, dv)`; autograd connects them (`torch.library.register_autograd`),
 so the op works under `torch.compile(fullgraph=True)` and inside CUDA graphs (the dropout seed and
 offset come from PyTorch's graph-safe Philox state and are handed to the backward in `rng`).
+
+The packed pair `varlen_attention_packed_fwd / _bwd` takes one qkv [T, 3, heads, d] (a fused QKV
+projection's output, viewed) and returns its gradient as one tensor of that shape: the kernels write dq,
+dk and dv into its three parts (token stride 3 x heads x d), where separate q, k, v split from the
+projection cost autograd a cat of the three gradients (3 x T x hidden elements read and written per
+layer). Same kernels, same results (`varlen_attention_packed`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ lib.define(
 lib.define(
     "varlen_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens,"
     " int max_seqlen, float dropout_p, float scale, Tensor rng) -> (Tensor, Tensor, Tensor)"
+)
+lib.define(
+    "varlen_attention_packed_fwd(Tensor qkv, Tensor cu_seqlens, int max_seqlen, float dropout_p, float scale)"
+    " -> (Tensor, Tensor, Tensor)",
+    tags=SEEDED,
+)
+lib.define(
+    "varlen_attention_packed_bwd(Tensor grad_out, Tensor qkv, Tensor out, Tensor lse, Tensor cu_seqlens,"
+    " int max_seqlen, float dropout_p, float scale, Tensor rng) -> Tensor"
 )
 
 # ------------------------------------------------------------------------------ the dropout draw
@@ -143,6 +158,50 @@ def _backward(ctx, grad_out, grad_lse, grad_rng):
 torch.library.register_autograd(f"{NS}::varlen_attention_fwd", _backward, setup_context=_setup)
 
 
+# ------------------------------------------------------------------------------ packed qkv [T, 3, heads, d]
+def _parts(qkv):
+    return qkv.select(1, 0), qkv.select(1, 1), qkv.select(1, 2)
+
+
+@torch.library.impl(lib, "varlen_attention_packed_fwd", "CPU")
+def _packed_fwd_cpu(qkv, cu_seqlens, max_seqlen, dropout_p, scale):
+    return _fwd_cpu(*_parts(qkv), cu_seqlens, max_seqlen, dropout_p, scale)
+
+
+@torch.library.impl(lib, "varlen_attention_packed_bwd", "CPU")
+def _packed_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng):
+    return torch.stack(_bwd_cpu(grad_out, *_parts(qkv), out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng), 1)
+
+
+@torch.library.register_fake(f"{NS}::varlen_attention_packed_fwd")
+def _packed_fwd_fake(qkv, cu_seqlens, max_seqlen, dropout_p, scale):
+    t, _, heads, d = qkv.shape
+    return (qkv.new_empty(t, heads, d), qkv.new_empty(heads, t, dtype=torch.float32),
+            qkv.new_empty(2, dtype=torch.int64))
+
+
+@torch.library.register_fake(f"{NS}::varlen_attention_packed_bwd")
+def _packed_bwd_fake(grad_out, qkv, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng):
+    return qkv.new_empty(qkv.shape)
+
+
+def _packed_setup(ctx, inputs, output):
+    qkv, cu_seqlens, max_seqlen, dropout_p, scale = inputs
+    out, lse, rng = output
+    ctx.save_for_backward(qkv, out, lse, cu_seqlens, rng)
+    ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
+
+
+def _packed_backward(ctx, grad_out, grad_lse, grad_rng):
+    qkv, out, lse, cu_seqlens, rng = ctx.saved_tensors
+    dqkv = torch.ops.bertaccel.varlen_attention_packed_bwd(
+        grad_out.contiguous(), qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p, ctx.scale, rng)
+    return dqkv, None, None, None, None
+
+
+torch.library.register_autograd(f"{NS}::varlen_attention_packed_fwd", _packed_backward, setup_context=_packed_setup)
+
+
 # ------------------------------------------------------------------------------ public function
 def kernel_unavailable(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     """Why the CUDA kernel cannot take these packed q, k, v (None: it can). Builds the extension on
@@ -177,3 +236,16 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     check_dropout(dropout_p)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     return torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), scale)[0]
+
+
+def varlen_attention_packed(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
+                            scale: float | None = None) -> Tensor:
+    """`varlen_attention` of the three parts of one qkv [T, 3, heads, d] (e.g. a fused QKV projection's
+    [T, 3 * hidden] output viewed so), whose gradient comes back as one [T, 3, heads, d] tensor written by
+    the kernels in place of the cat autograd would make of three separate ones. The caller checks
+    `kernel_unavailable(*qkv.unbind(1))` on CUDA; on CPU this runs the reference."""
+    check_dropout(dropout_p)
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"varlen_attention_packed: qkv must be [tokens, 3, heads, head_dim], got {tuple(qkv.shape)}")
+    scale = float(scale) if scale is not None else qkv.shape[-1] ** -0.5
+    return torch.ops.bertaccel.varlen_attention_packed_fwd(qkv, cu_seqlens, int(max_seqlen), float(dropout_p), scale)[0]

@@ -170,6 +170,7 @@ struct Params {
   float* dsum;      // [heads, T] rowsum(dO * O)
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
   int64_t o_row, o_head, do_row, do_head;               // out / o and dout strides
+  int64_t grad_row;  // token stride of dq, dk, dv (elements; heads * d, or 3 * heads * d in one packed d(qkv))
   const int* cu;
   int batch, heads, total;
   float scale;  // softmax scale
@@ -207,16 +208,18 @@ __device__ __forceinline__ Dropout forward_dropout(const Params& p) {
   return drop;
 }
 
-// Zero rows [cu[batch], total) of [T, heads, d] tensors (row stride heads * d): the fillers.
+// Zero rows [cu[batch], total) of [T, heads, d] tensors (token stride `row`, heads contiguous): the fillers.
 template <typename T>
-__device__ void zero_fillers(const Params& p, int D, T* a, T* b, float* lse, T* c = nullptr) {
-  const int64_t start = (int64_t)p.cu[p.batch] * p.heads * D, end = (int64_t)p.total * p.heads * D;
+__device__ void zero_fillers(const Params& p, int D, int64_t row, T* a, T* b, float* lse, T* c = nullptr) {
+  const int64_t hd = (int64_t)p.heads * D;
+  const int64_t start = (int64_t)p.cu[p.batch] * hd, end = (int64_t)p.total * hd;
   const int64_t step = (int64_t)gridDim.x * gridDim.y * blockDim.x;
   const int64_t first = ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = start + first; i < end; i += step) {
-    if (a) a[i] = T{};  // value-initialised: +0
-    if (b) b[i] = T{};
-    if (c) c[i] = T{};
+    const int64_t at = i / hd * row + i % hd;
+    if (a) a[at] = T{};  // value-initialised: +0
+    if (b) b[at] = T{};
+    if (c) c[at] = T{};
   }
   if (lse) {
     for (int64_t i = (int64_t)p.cu[p.batch] + first; i < p.total; i += step)
@@ -253,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
   T* sV = sK + 2 * kBlockN * LD;      // [2][kBlockN][LD]
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
-    zero_fillers<T>(p, D, static_cast<T*>(p.out), nullptr, p.lse);
+    zero_fillers<T>(p, D, p.o_row, static_cast<T*>(p.out), nullptr, p.lse);
     return;
   }
   const Dropout drop = forward_dropout<DROPOUT>(p);
@@ -446,7 +449,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
   float* sDsum = sLse + 2 * kBlockM;                            // [2][kBlockM]
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
-    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr);
+    zero_fillers<T>(p, D, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr);
     return;
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
@@ -617,14 +620,14 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
       }
     }
   }
-  // write dK (scaled) and dV for this warp's 16 keys; the gradients are [T, heads, d] contiguous
+  // write dK (scaled) and dV for this warp's 16 keys; the gradients are [T, heads, d], token stride grad_row
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + warp * 16 + g + 8 * r;
     if (key < len) {
-      const int64_t off = (int64_t)(start + key) * p.heads * D;
+      const int64_t off = (int64_t)(start + key) * p.grad_row;
 #pragma unroll
       for (int i = 0; i < DT; ++i) {
         *reinterpret_cast<uint32_t*>(dkp + off + i * 8 + 2 * t) =
@@ -644,16 +647,17 @@ __host__ __device__ __forceinline__ int dq_chunk_phase(int row, int d) { return 
 // The layouts of dq_accum: the mma.sync backward's [T, heads, d], the Hopper backward's (dq_chunk_phase)
 enum class DqLayout : int { kTokensMajor = 0, kHeadsMajorPermuted = 1 };
 
-// dq = scale * dq_accum, cast; 8 elements (one 32-byte chunk of dq_accum) per thread. dq is [T, heads, d];
-// dq_accum in `layout`
+// dq = scale * dq_accum, cast; 8 elements (one 32-byte chunk of dq_accum) per thread. dq is [T, heads, d]
+// with token stride dq_row (heads contiguous); dq_accum in `layout`
 template <typename T>
 __global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale,
-                                   DqLayout layout, int heads, int d) {
+                                   DqLayout layout, int heads, int d, int64_t dq_row) {
   const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (i < n) {
     int64_t j = i;
+    const int64_t row = (int64_t)heads * d, tok = i / row;
     if (layout != DqLayout::kTokensMajor) {
-      const int64_t row = (int64_t)heads * d, tokens = n / row, tok = i / row;
+      const int64_t tokens = n / row;
       const int h = (int)(i % row / d);
       int c = (int)(i % d);
       if (layout == DqLayout::kHeadsMajorPermuted) c = ((c >> 3) ^ dq_chunk_phase((int)tok, d)) << 3;
@@ -665,7 +669,7 @@ __global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict_
     out.y = pack2<T>(a.z * scale, a.w * scale);
     out.z = pack2<T>(b.x * scale, b.y * scale);
     out.w = pack2<T>(b.z * scale, b.w * scale);
-    *reinterpret_cast<uint4*>(dq + i) = out;
+    *reinterpret_cast<uint4*>(dq + tok * dq_row + i % row) = out;
   }
 }
 
@@ -869,7 +873,7 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
   uint64_t* full = reinterpret_cast<uint64_t*>(const_cast<float*>(anchor) + NT);
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
-    zero_fillers<T>(p, D, static_cast<T*>(p.out), nullptr, p.lse);
+    zero_fillers<T>(p, D, p.o_row, static_cast<T*>(p.out), nullptr, p.lse);
     return;
   }
   const Dropout drop = forward_dropout<DROPOUT>(p);
@@ -1134,7 +1138,8 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   uint64_t* full = bars + 2;
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
-    zero_fillers<T>(p, D, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr, p.dq_accum ? nullptr : static_cast<T*>(p.dq));
+    zero_fillers<T>(p, D, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr,
+                    p.dq_accum ? nullptr : static_cast<T*>(p.dq));
     return;
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
@@ -1229,7 +1234,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
       uint2 out;
       out.x = pack2<T>(acc.x * p.scale, acc.y * p.scale);
       out.y = pack2<T>(acc.z * p.scale, acc.w * p.scale);
-      *reinterpret_cast<uint2*>(dq + (int64_t)(start + m0 + row) * p.heads * D + c) = out;
+      *reinterpret_cast<uint2*>(dq + (int64_t)(start + m0 + row) * p.grad_row + c) = out;
     }
     __syncthreads();  // this CTA's reads are done
     if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[1], threadIdx.x);  // at each active CTA
@@ -1376,14 +1381,14 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
   if (!direct && lane == 0) async_copy::bulk_wait_all();
-  // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d] contiguous
+  // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d], token stride grad_row
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + warp * 16 + g + 8 * r;
     if (key < len) {
-      const int64_t off = (int64_t)(start + key) * p.heads * D;
+      const int64_t off = (int64_t)(start + key) * p.grad_row;
 #pragma unroll
       for (int i = 0; i < NO; ++i) {
         *reinterpret_cast<uint32_t*>(dkp + off + i * 8 + 2 * t) = pack2<T>(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
@@ -1619,10 +1624,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
   return {out, lse, rng};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen, double dropout_p, double scale,
-    const at::Tensor& rng) {
+// The backward into dq, dk, dv: [T, heads, d] each, heads contiguous, one token stride shared by the three
+// (heads * d for separate tensors; 3 * heads * d for the parts of one packed d(qkv), which then needs no cat).
+void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                        double dropout_p, double scale, const at::Tensor& rng, const at::Tensor& dq,
+                        const at::Tensor& dk, const at::Tensor& dv) {
   check_common(q, cu_seqlens, max_seqlen, dropout_p);
   check_qkv(q, "q", q);
   check_qkv(k, "k", q);
@@ -1634,12 +1641,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
                   "bertaccel varlen_attention: lse must be the forward's float32 [heads, tokens]");
   BERTACCEL_CHECK(rng.is_cuda() && rng.scalar_type() == at::kLong && rng.numel() == 2,
                   "bertaccel varlen_attention: rng must be the forward's int64 (seed, offset)");
+  for (const at::Tensor* g : {&dq, &dk, &dv}) {
+    check_qkv(*g, "a gradient", q);
+    BERTACCEL_CHECK(g->stride(1) == q.size(2) && g->stride(0) == dq.stride(0),
+                    "bertaccel varlen_attention: the gradients' heads must be contiguous, one token stride for all three");
+  }
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t d = q.size(2);
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(q.sizes(), q.options());
-  at::Tensor dv = at::empty(q.sizes(), q.options());
-  if (q.numel() == 0) return {dq, dk, dv};
+  if (q.numel() == 0) return;
 #if defined(BERTACCEL_ATTENTION_SM90A)
   const HopperBackward choice = d <= 64 ? hopper_backward() : HopperBackward::kNone;
   const bool hopper = choice != HopperBackward::kNone, clusters = choice == HopperBackward::kClusters;
@@ -1668,6 +1677,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
   P.dv = dv.data_ptr();
   P.dq_accum = direct ? nullptr : dq_accum.data_ptr<float>();
   P.dq = dq.data_ptr();
+  P.grad_row = dq.stride(0);
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
   P.rng = rng.data_ptr<int64_t>();
@@ -1725,10 +1735,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     if (direct) return;
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 8 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
-                                                                             (float)scale, layout, P.heads, (int)D);
+                                                                             (float)scale, layout, P.heads, (int)D,
+                                                                             P.grad_row);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen, double dropout_p, double scale,
+    const at::Tensor& rng) {
+  BERTACCEL_CHECK(q.is_cuda() && q.dim() == 3, "bertaccel varlen_attention: q must be a CUDA tensor [tokens, heads, head_dim]");
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(q.sizes(), q.options());
+  at::Tensor dv = at::empty(q.sizes(), q.options());
+  attention_bwd_into(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng, dq, dk, dv);
   return {dq, dk, dv};
+}
+
+// The packed form: qkv [T, 3, heads, d] (one projection's output, viewed), its gradient written as one
+// [T, 3, heads, d] tensor - the three parts' token stride 3 * heads * d - so autograd has no split to undo.
+void check_packed(const at::Tensor& qkv) {
+  BERTACCEL_CHECK(qkv.is_cuda() && qkv.dim() == 4 && qkv.size(1) == 3,
+                  "bertaccel varlen_attention_packed: qkv must be a CUDA tensor [tokens, 3, heads, head_dim], got %s",
+                  shape_str(qkv.sizes()).c_str());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_packed_fwd(const at::Tensor& qkv,
+                                                                           const at::Tensor& cu_seqlens,
+                                                                           int64_t max_seqlen, double dropout_p,
+                                                                           double scale) {
+  check_packed(qkv);
+  return varlen_attention_fwd(qkv.select(1, 0), qkv.select(1, 1), qkv.select(1, 2), cu_seqlens, max_seqlen, dropout_p,
+                              scale);
+}
+
+at::Tensor varlen_attention_packed_bwd(const at::Tensor& dout, const at::Tensor& qkv, const at::Tensor& out,
+                                      const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                      double dropout_p, double scale, const at::Tensor& rng) {
+  check_packed(qkv);
+  at::Tensor dqkv = at::empty({qkv.size(0), 3, qkv.size(2), qkv.size(3)}, qkv.options());
+  attention_bwd_into(dout, qkv.select(1, 0), qkv.select(1, 1), qkv.select(1, 2), out, lse, cu_seqlens, max_seqlen,
+                     dropout_p, scale, rng, dqkv.select(1, 0), dqkv.select(1, 1), dqkv.select(1, 2));
+  return dqkv;
 }
 
 }  // namespace
@@ -1737,4 +1786,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
 TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
   m.impl("varlen_attention_fwd", &bertaccel::varlen_attention_fwd);
   m.impl("varlen_attention_bwd", &bertaccel::varlen_attention_bwd);
+  m.impl("varlen_attention_packed_fwd", &bertaccel::varlen_attention_packed_fwd);
+  m.impl("varlen_attention_packed_bwd", &bertaccel::varlen_attention_packed_bwd);
 }
