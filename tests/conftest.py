@@ -12,6 +12,8 @@ import pytest
 import torch
 import yaml
 
+from bertaccel.ops.build import cache_root
+
 SAMPLE = Path(__file__).resolve().parents[1] / "src" / "bertaccel" / "data" / "samples" / "sentiment"
 TINY_BERT = {
     "hidden_size": 32,
@@ -45,8 +47,7 @@ def pytest_runtest_logreport(report):
 # The compiled CUDA extensions stay where the caller's environment keeps them (keyed by a hash of their
 # sources, so sharing is safe): with only BERTACCEL_CACHE per test, every pytest process compiled them
 # again inside its first GPU test (1.5-3 minutes; a GPU run's time limit once cut such a build off).
-EXTENSIONS = os.environ.get("BERTACCEL_EXTENSIONS") or str(
-    Path(os.environ.get("BERTACCEL_CACHE") or Path.home() / ".cache" / "bertaccel") / "extensions")
+EXTENSIONS = str(cache_root())  # read before any test points BERTACCEL_CACHE elsewhere
 
 
 @pytest.fixture(autouse=True)

@@ -185,6 +185,26 @@ def test_unpadded_runs_through_swapped_modules(with_ffn):
     report.revert()
 
 
+def _sdpa_model_and_padded_reference():
+    """A train-mode SDPA classifier without dropout, a batch, and the padded model's logits and gradients."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**CFG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                     attn_implementation="sdpa")).train()
+    inputs = batch([13, 1, 7, 10])
+    ids, mask, types = inputs
+    ref = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    return model, inputs, ref, torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+
+
+def _assert_unpadded_equals(model, inputs, ref, ref_grads):
+    """The unpadded logits and every parameter's gradient equal the padded reference's (fp32)."""
+    got = classifier_logits(model, *inputs)
+    got_grads = torch.autograd.grad(got.square().sum(), list(model.parameters()))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), got_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_unpadded_runs_the_fused_qkv_projection(monkeypatch):
     """With the swap's Q/K/V module (SDPA models) the packed rows go through its one projection GEMM
     (`qkv_projection`, cuBLAS + our bias-gradient sums on a GPU), and the logits and every gradient
@@ -192,23 +212,14 @@ def test_unpadded_runs_the_fused_qkv_projection(monkeypatch):
     import bertaccel.ops.qkv as qkv
     from bertaccel.ops.swap import swap
 
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(**CFG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                                     attn_implementation="sdpa")).train()
-    ids, mask, types = batch([13, 1, 7, 10])
-    ref = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-    ref_grads = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    model, inputs, ref, ref_grads = _sdpa_model_and_padded_reference()
     report = swap(model, ["qkv"])
     assert report.counts() == {"qkv": 2}
     calls = []
     original = qkv.qkv_projection
     monkeypatch.setattr(qkv, "qkv_projection", lambda *a: calls.append(1) or original(*a))
-    got = classifier_logits(model, ids, mask, types)
-    got_grads = torch.autograd.grad(got.square().sum(), list(model.parameters()))
+    _assert_unpadded_equals(model, inputs, ref, ref_grads)
     assert len(calls) == 2  # one projection per layer
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    for (name, _), a, b in zip(model.named_parameters(), got_grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     report.revert()
 
 
@@ -220,22 +231,13 @@ def test_packed_qkv_path_equals_the_padded_model_on_cpu(monkeypatch):
     from bertaccel.ops import attention
     from bertaccel.ops.swap import swap
 
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(**CFG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                                     attn_implementation="sdpa")).train()
-    ids, mask, types = batch([13, 1, 7, 10])
-    ref = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-    ref_grads = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    model, inputs, ref, ref_grads = _sdpa_model_and_padded_reference()
     report = swap(model, ["qkv"])
     calls = []
     monkeypatch.setattr(unpadded, "varlen_attention_qkv", lambda qkv, layout, p, scale: calls.append(qkv.shape) or
                         attention.varlen_attention_packed(qkv, layout.cu_seqlens, layout.max_seqlen, p, scale))
-    got = classifier_logits(model, ids, mask, types)
-    got_grads = torch.autograd.grad(got.square().sum(), list(model.parameters()))
+    _assert_unpadded_equals(model, inputs, ref, ref_grads)
     assert len(calls) == 2 and all(s[1:] == (3, 4, 16) for s in calls)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    for (name, _), a, b in zip(model.named_parameters(), got_grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     report.revert()
 
 
