@@ -194,14 +194,13 @@ def _region(label: str):
 
 
 def _self_attention(sa: nn.Module, h: Tensor, layout: Unpadded) -> Tensor:
-    from bertaccel.ops.qkv import SelfAttentionReplacement, can_fuse, qkv_projection
+    from bertaccel.ops.qkv import SelfAttentionReplacement
 
     heads, d = sa.num_attention_heads, sa.attention_head_size
     p = sa.dropout.p if sa.training else 0.0
     if isinstance(sa, SelfAttentionReplacement):  # the kernel swap's: Q, K, V in one GEMM
-        if can_fuse(sa.query, sa.key, sa.value) is None and sa.query.out_features == sa.key.out_features == \
-                sa.value.out_features == heads * d:
-            qkv = qkv_projection(sa.query, sa.key, sa.value, h).view(h.shape[0], 3, heads, d)
+        qkv = sa.packed_qkv(h)  # [T, 3, heads, d]
+        if qkv is not None:
             return varlen_attention_qkv(qkv, layout, p, sa.scaling).reshape(h.shape[0], heads * d)
         q, k, v = (t.transpose(0, 1) for t in sa.heads(h))  # [heads, T, d] -> [T, heads, d]
     else:

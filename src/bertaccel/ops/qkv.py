@@ -97,6 +97,16 @@ class SelfAttentionReplacement(nn.Module):
         # the original's forward, not its __call__: the hooks it shares with this module fire once
         return type(self._original).forward(self._original, hidden_states, attention_mask, *args, **kwargs)
 
+    def packed_qkv(self, hidden_states: Tensor) -> Tensor | None:
+        """The one projection's output as [..., T, 3, heads, head_size] (query, key, value), or None where the
+        three cannot run as one GEMM (`can_fuse`) or differ in size (the unpadded encoder's packed attention)."""
+        heads, d = self.num_attention_heads, self.attention_head_size
+        if can_fuse(self.query, self.key, self.value) is not None or not (
+                self.query.out_features == self.key.out_features == self.value.out_features == heads * d):
+            return None
+        qkv = qkv_projection(self.query, self.key, self.value, hidden_states)
+        return qkv.view(*hidden_states.shape[:-1], 3, heads, d)
+
     def heads(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Query, key, value as [..., heads, T, head_size]: one GEMM when `can_fuse`, else HF's three."""
         if can_fuse(self.query, self.key, self.value) is None:
