@@ -1111,7 +1111,7 @@ constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 4 m
 
 // CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one)
 template <int D, bool DROPOUT>
-constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : (DROPOUT ? 2 : 3); }
+constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : 3; }
 
 template <typename T, int D, bool DROPOUT, int CLUSTER>
 __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
