@@ -1109,9 +1109,13 @@ constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 4 m
   return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 32 + 1024;
 }
 
-// CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one)
+// CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one).
+// With dropout at head dim 64 also 3 (168 registers, 28 / 40 bytes spilled, clusters 0 / 2): 253-256 us
+// against 266-270 on 2 CTAs (218 registers) at 32x512x12x64 on the H100; at head dim 32, 4 CTAs with
+// dropout (128 registers, 104 bytes spilled) measured level with 3 (benchmarks/results/h100/
+// attention_bwd_dropout_3ctas_4769539.txt, attention_bwd_dropout_d32_4ctas_6b6297f.txt).
 template <int D, bool DROPOUT>
-constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : (DROPOUT ? 2 : 3); }
+constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : 3; }
 
 template <typename T, int D, bool DROPOUT, int CLUSTER>
 __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
