@@ -146,9 +146,13 @@ def _setup(ctx, inputs, output):
     out, lse, rng = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng)
     ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
+    # lse's gradient is never used: without this autograd fills a [heads, T] fp32 zero tensor per call
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_lse, grad_rng):
+    if grad_out is None:  # the output took no part in what is differentiated
+        return None, None, None, None, None, None, None
     q, k, v, out, lse, cu_seqlens, rng = ctx.saved_tensors
     dq, dk, dv = torch.ops.bertaccel.varlen_attention_bwd(
         grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p, ctx.scale, rng)
@@ -190,9 +194,12 @@ def _packed_setup(ctx, inputs, output):
     out, lse, rng = output
     ctx.save_for_backward(qkv, out, lse, cu_seqlens, rng)
     ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
+    ctx.set_materialize_grads(False)  # (as _setup)
 
 
 def _packed_backward(ctx, grad_out, grad_lse, grad_rng):
+    if grad_out is None:
+        return None, None, None, None, None
     qkv, out, lse, cu_seqlens, rng = ctx.saved_tensors
     dqkv = torch.ops.bertaccel.varlen_attention_packed_bwd(
         grad_out.contiguous(), qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p, ctx.scale, rng)

@@ -197,11 +197,12 @@ __device__ __forceinline__ Dropout read_dropout(const Params& p, bool from_rng) 
 }
 
 // The forward's dropout state, drawn from PyTorch's generator; the grid's first thread also writes its
-// (seed, offset) to p.rng, from which the backward regenerates the mask.
+// (seed, offset) to p.rng, from which the backward regenerates the mask ((0, 0) without dropout: the host
+// allocates rng without a fill kernel).
 template <bool DROPOUT>
 __device__ __forceinline__ Dropout forward_dropout(const Params& p) {
   const Dropout drop = read_dropout(p, false);
-  if (DROPOUT && p.rng != nullptr && blockIdx.x == 0 && blockIdx.z == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+  if (p.rng != nullptr && blockIdx.x == 0 && blockIdx.z == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
     p.rng[0] = (int64_t)drop.seed;
     p.rng[1] = (int64_t)drop.offset;
   }
@@ -1564,8 +1565,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  at::Tensor rng = at::zeros({2}, q.options().dtype(at::kLong));
-  if (q.numel() == 0) return {out, lse, rng};
+  // (seed, offset): written by the kernel's first thread (a 2 us fill kernel per call before)
+  if (q.numel() == 0) return {out, lse, at::zeros({2}, q.options().dtype(at::kLong))};
+  at::Tensor rng = at::empty({2}, q.options().dtype(at::kLong));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
   P.out = out.data_ptr();
   P.o_row = out.stride(0), P.o_head = out.stride(1);
