@@ -12,6 +12,8 @@ in [0.2, 1] x seq, ByteTransformer's setting). FLOPs count real tokens only: for
 * heads * d, backward 2.5x that. Times: GPU time per forward + backward from CUDA-graph replays.
 `sdpa-flash` cannot take a mask: it runs only on `full` cells. `fwd_ms`: the forward alone (no grad).
 The first four cells are issue 11's targets (16k tokens, seq 128 / 512, head dim 64 / 32).
+`--dropout P`: every implementation with attention dropout P (as training runs BERT: 0.1), each drawing its
+own mask (the FLOP count is unchanged).
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def time_ms(fn) -> tuple[float, str]:
     return cuda_time_ms(fn, [()], warmup=5, repeats=20), "events"
 
 
-def run_cell(cell: str, variants: bool = True) -> list[dict]:
-    """Every implementation's rows for one cell; `variants`: also our op with the VARIANTS kernels."""
+def run_cell(cell: str, variants: bool = True, dropout: float = 0.0) -> list[dict]:
+    """Every implementation's rows for one cell; `variants`: also our op with the VARIANTS kernels;
+    `dropout`: attention dropout probability for every implementation."""
     shape, kind = cell.split(":")
     batch, seq, heads, d = (int(x) for x in shape.split("x"))
     g = torch.Generator().manual_seed(0)
@@ -100,7 +103,7 @@ def run_cell(cell: str, variants: bool = True) -> list[dict]:
 
         def sdpa(backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=key_padding)
+                return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=key_padding, dropout_p=dropout)
 
         def sdpa_fwd(sdpa=sdpa):
             with torch.no_grad():
@@ -111,7 +114,7 @@ def run_cell(cell: str, variants: bool = True) -> list[dict]:
         padding = None if kind == "full" else mask
 
         def padded():
-            return attention_forward(None, qp, kp, vp, padding, scaling=d ** -0.5)[0]
+            return attention_forward(None, qp, kp, vp, padding, dropout=dropout, scaling=d ** -0.5)[0]
 
         def padded_fwd():
             with torch.no_grad():
@@ -122,9 +125,9 @@ def run_cell(cell: str, variants: bool = True) -> list[dict]:
     q, k, v = (torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16)
     cu, scale = layout.cu_seqlens, d ** -0.5
-    varlen = {"flash-varlen (packed)": (lambda: _FlashVarlen.apply(q, k, v, cu, layout.max_seqlen, 0.0, scale), {})}
+    varlen = {"flash-varlen (packed)": (lambda: _FlashVarlen.apply(q, k, v, cu, layout.max_seqlen, dropout, scale), {})}
     if build.load_attention():
-        ours = lambda: attention.varlen_attention(q, k, v, cu, layout.max_seqlen, 0.0, scale)  # noqa: E731
+        ours = lambda: attention.varlen_attention(q, k, v, cu, layout.max_seqlen, dropout, scale)  # noqa: E731
         varlen["bertaccel-varlen (packed)"] = (ours, {})
         if torch.cuda.get_device_capability() == (9, 0) and variants:  # the same op with other kernels, same run
             for label, env in VARIANTS.items():
@@ -153,19 +156,20 @@ def main() -> None:
     ap.add_argument("--cells", nargs="+", default=CELLS)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-variants", action="store_true", help="time our op with its default kernels only")
+    ap.add_argument("--dropout", type=float, default=0.0, help="attention dropout probability (training: 0.1)")
     args = ap.parse_args()
     # One untimed pass over the first cell: at 9a2dc35 the first cell's padded fwd+bwd rows (every SDPA
     # backend and ours) came out 3-4x the same rows of an earlier run while the later cells matched it;
     # the `timing` column says whether each row came from graph replays or eager events.
     print(f"untimed warm-up pass over {args.cells[0]} (a capture failing here is the reason for the pass)")
-    run_cell(args.cells[0], not args.no_variants)
-    print("timed passes")
+    run_cell(args.cells[0], not args.no_variants, args.dropout)
+    print("timed passes" + (f", attention dropout {args.dropout}" if args.dropout else ""))
     rows = []
     for cell in args.cells:
-        rows += run_cell(cell, not args.no_variants)
+        rows += [dict(r, dropout=args.dropout) for r in run_cell(cell, not args.no_variants, args.dropout)]
     print_table(rows, ["cell", "impl", "real_fraction", "fwd_ms", "fwd TFLOP/s", "ms", "TFLOP/s", "x_best_sdpa", "timing"])
     if args.out:
-        write_json(args.out, {"environment": environment(), "rows": rows})
+        write_json(args.out, {"environment": environment(), "dropout": args.dropout, "rows": rows})
 
 
 if __name__ == "__main__":
