@@ -397,6 +397,20 @@ def test_backward_replays_with_new_inputs(bwd, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_a_batch_of_fillers_only_gives_zeros_and_a_zero_state(p):
+    """No sequence (cu_seqlens [0]) but filler rows: zero output and gradients, and the dropout state (seed,
+    offset) zeros - no kernel block writes it then, so the host allocates it zeroed (elsewhere unfilled)."""
+    _kernel_or_skip()
+    cu = torch.zeros(1, dtype=torch.int32, device="cuda")
+    q, k, v, dout = (torch.randn(5, 2, 64, device="cuda").bfloat16() for _ in range(4))
+    out, lse, rng = torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu, 0, p, 0.125)
+    assert not out.any() and not rng.any()
+    grads = torch.ops.bertaccel.varlen_attention_bwd(dout, q, k, v, out, lse, cu, 0, p, 0.125, rng)
+    assert not any(g.any() for g in grads)
+
+
+@pytest.mark.cuda
 def test_compile_fullgraph_and_opcheck_on_cuda():
     _kernel_or_skip()
     cu, T = _cu([40, 9], fillers=2)
