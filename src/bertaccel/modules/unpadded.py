@@ -180,7 +180,6 @@ def varlen_attention_qkv(qkv: Tensor, layout: Unpadded, dropout_p: float = 0.0, 
 
     packed = os.environ.get("BERTACCEL_ATTENTION_PACKED", "1") != "0"
     if packed and qkv.is_cuda and varlen_backend() == "bertaccel" and attention.kernel_unavailable(*qkv.unbind(1)) is None:
-        scale = scale if scale is not None else qkv.shape[-1] ** -0.5
         return attention.varlen_attention_packed(qkv, layout.cu_seqlens, layout.max_seqlen, dropout_p, scale)
     return varlen_attention(*qkv.unbind(1), layout, dropout_p, scale)
 

@@ -1565,11 +1565,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  // (seed, offset): written by the grid's first block, sequence 0 (a 2 us fill kernel per call before); zeros
-  // when no kernel or no sequence block runs (a batch of fillers only)
-  if (q.numel() == 0) return {out, lse, at::zeros({2}, q.options().dtype(at::kLong))};
-  at::Tensor rng = cu_seqlens.size(0) > 1 ? at::empty({2}, q.options().dtype(at::kLong))
-                                          : at::zeros({2}, q.options().dtype(at::kLong));
+  // (seed, offset): written by the grid's first block, sequence 0 (no fill kernel); zeros where no such block
+  // runs (no tokens, or a batch of fillers only)
+  const bool written = q.numel() > 0 && cu_seqlens.size(0) > 1;
+  at::Tensor rng = written ? at::empty({2}, q.options().dtype(at::kLong)) : at::zeros({2}, q.options().dtype(at::kLong));
+  if (q.numel() == 0) return {out, lse, rng};
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
   P.out = out.data_ptr();
   P.o_row = out.stride(0), P.o_head = out.stride(1);
