@@ -13,7 +13,10 @@ in [0.2, 1] x seq, ByteTransformer's setting). FLOPs count real tokens only: for
 `sdpa-flash` cannot take a mask: it runs only on `full` cells. `fwd_ms`: the forward alone (no grad).
 The first four cells are issue 11's targets (16k tokens, seq 128 / 512, head dim 64 / 32).
 `--dropout P`: every implementation with attention dropout P (as training runs BERT: 0.1), each drawing its
-own mask (the FLOP count is unchanged).
+own mask (the FLOP count is unchanged). With dropout every row is timed as the sum of its kernels' GPU times
+per call (torch.profiler; `timing` says "kernels"), not from graph replays: SDPA's cuDNN backend with dropout
+fails to capture (torch 2.11 on the H100), and a failed capture leaves PyTorch's CUDA generator in capture
+mode, so that every later draw in the process raises ("Offset increment outside graph capture").
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import cuda_time_ms, environment, graph_time_ms, kernel_env, print_table, write_json
+from benchmarks.common import cuda_time_ms, environment, graph_time_ms, kernel_env, kernel_times_us, print_table, write_json
 from bertaccel.modules.hf_attention import attention_forward
 from bertaccel.modules.unpadded import Unpadded, _FlashVarlen
 from bertaccel.ops import attention, build
@@ -58,10 +61,17 @@ def lengths_for(kind: str, batch: int, seq: int, g: torch.Generator) -> torch.Te
     raise ValueError(kind)
 
 
-def time_ms(fn) -> tuple[float, str]:
+def time_ms(fn, kernels: bool = False, calls: int = 10) -> tuple[float, str]:
     """GPU time per call and how it was taken: from CUDA-graph replays ("graph"; a small attention
     call is otherwise host-bound), or CUDA events around eager calls ("events", launch overhead
-    included) if the call cannot be captured - said on stdout, with the reason."""
+    included) if the call cannot be captured - said on stdout, with the reason. `kernels`: the sum of
+    the GPU times of every kernel (and memset / copy) a call launches, from torch.profiler after three
+    warm-up calls ("kernels": no launch gaps, as in a graph; no capture attempted)."""
+    if kernels:
+        for _ in range(3):
+            fn()
+        per = kernel_times_us(lambda: [fn() for _ in range(calls)], calls)
+        return sum(per.values()) / 1000, "kernels"
     try:
         return graph_time_ms(fn, [()]), "graph"
     except RuntimeError as e:
@@ -89,7 +99,7 @@ def run_cell(cell: str, variants: bool = True, dropout: float = 0.0) -> list[dic
 
     def add(name, fwd, step):
         try:
-            (ms, how), (fwd_ms, fwd_how) = time_ms(step), time_ms(fwd)
+            (ms, how), (fwd_ms, fwd_how) = time_ms(step, dropout > 0), time_ms(fwd, dropout > 0)
         except RuntimeError as e:
             print(f"{cell} {name}: {str(e).splitlines()[0][:120]}")
             return
