@@ -1669,7 +1669,8 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   // buffer, 6f6343a); past that, each CTA adds its dQ partial to an fp32 buffer (cleared by the dsum
   // kernel, cast by attn_bwd_dq_kernel). Clusters measured slower there (benchmarks/bench_attention.py,
   // 32x512x12x64): all 8 key blocks writing dq directly 0.506 ms (a78e2b0), pairs adding their sums to
-  // the buffer (half the L2 reductions) 0.539 ms (6f6343a), against 0.416-0.424 without clusters.
+  // the buffer (half the L2 reductions) 0.539 ms (6f6343a), against 0.416-0.424 without clusters; pairs again
+  // with every remote read in flight (tried/attention-bwd-dq-pairs): main kernel 281 against 212 us.
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
   const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
   const bool direct = cluster > 0;
