@@ -60,6 +60,10 @@ VARIANTS = {
     "gemm-fused-graphs": ("sdpa", True, "gemm", False, True),
     # + the opt-in `ffn` family too: BERT's feed-forward block with GELU / dGELU in our GEMM's epilogues
     "ffn-gemm-fused-graphs": ("sdpa", True, "ffn", False, True),
+    # `attn_implementation: bertaccel` (our attention kernel on the padded batch, its real tokens packed per call):
+    # with the default swap, and with everything swapped (every nn.Linear and the feed-forward block on our GEMM)
+    "attn-fused-graphs": ("bertaccel", True, True, False, True),
+    "attn-ffn-gemm-fused-graphs": ("bertaccel", True, "ffn", False, True),
     # the same two with BERTACCEL_GEMM_TUNE=1: each GEMM problem's first (eager, warm-up) call times the cost
     # model's closest tile configurations and keeps the fastest
     "gemm-tuned-fused-graphs": ("sdpa", True, "gemm", False, True),
@@ -132,6 +136,10 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
     torch.manual_seed(0)
     cfg = BertConfig(num_labels=2, **MODELS[model_name])
     model = BertForSequenceClassification(cfg).to(device)
+    if attn == "bertaccel":
+        from bertaccel.modules.hf_attention import register
+
+        register()
     model.set_attn_implementation(attn)
     if fused:
         ops = {"gemm": DEFAULT + ["linear"], "ffn": DEFAULT + ["linear", "ffn"]}.get(
