@@ -171,3 +171,32 @@ def test_padded_batches_replay_in_a_cuda_graph():
     want = attention_forward(None, *(t.detach().requires_grad_() for t in (q2, k2, v2)), mask2, scaling=D**-0.5)[0]
     torch.testing.assert_close(out, want)
     assert not torch.equal(mask2, mask)
+
+
+def test_the_packing_is_computed_once_per_mask_and_again_after_a_write():
+    from bertaccel.modules import hf_attention
+
+    mask = random_mask(4, 9)
+    first = hf_attention.packing_of(mask)
+    assert hf_attention.packing_of(mask) is first  # the next layer of the same forward
+    assert hf_attention.packing_of(mask.clone()) is not first  # another forward's mask
+    mask2 = random_mask(4, 9, seed=3)
+    packing = hf_attention.packing_of(mask2)
+    mask2.copy_(random_mask(4, 9, seed=4))  # a static mask refilled in place
+    again = hf_attention.packing_of(mask2)
+    assert again is not packing
+    for a, b in zip(again, packing_order(mask2)):
+        assert torch.equal(a, b)
+
+
+def test_row_permutation_gradient_is_the_inverse_gather():
+    from bertaccel.modules.hf_attention import RowPermutation
+
+    order = torch.randperm(13, generator=torch.Generator().manual_seed(0))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(13)
+    x = torch.randn(13, 3, 2, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda t: RowPermutation.apply(t, order, inverse), (x,))
+    g = torch.randn(13, 3, 2, dtype=torch.float64)
+    assert torch.equal(torch.autograd.grad(RowPermutation.apply(x, order, inverse), x, g)[0],
+                       torch.autograd.grad(x[order], x, g)[0])

@@ -11,6 +11,10 @@ cu_seqlens[b + 1] (cu_seqlens: the cumulative sum of the row lengths, on the dev
 rows after cu_seqlens[-1] are fillers that the kernel writes as zeros; the inverse permutation puts
 the outputs back. Nothing depends on the number of real tokens on the host; the shapes are the
 padded batch's. A batch without a mask (attention_mask None) is read in place as B sequences of S.
+The packing is computed once per mask (every layer of a forward gets the same mask tensor; a sort and
+five small kernels per layer otherwise), and the permutations' gradients are the inverse gathers (the
+indexing backward autograd would run zero-fills a tensor and scatter-adds into it after sorting the
+indices).
 
 Padding query positions come out as zeros (SDPA gives them an average over the real keys); nothing
 reads them - the pooler takes [CLS], the losses skip padding - and the real positions match SDPA.
@@ -20,6 +24,8 @@ does not take, causal or cross attention, `output_attentions` (then eager, which
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +74,40 @@ def packing_order(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return order, inverse, cu_seqlens
 
 
+# The last mask's packing: (weak reference to the mask, its version counter, (order, inverse, cu_seqlens))
+_last_packing: tuple | None = None
+
+
+def packing_of(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`packing_order(attention_mask)`, computed once for the layers of a forward: reused while the same
+    mask tensor comes back unchanged (its version counter moves on any in-place write, e.g. a CUDA graph's
+    static mask being refilled). Under torch.compile computed every call (the compiler merges the repeats)."""
+    global _last_packing
+    if torch.compiler.is_compiling():
+        return packing_order(attention_mask)
+    last = _last_packing
+    if last is not None and last[0]() is attention_mask and last[1] == attention_mask._version:
+        return last[2]
+    packing = packing_order(attention_mask)
+    _last_packing = (weakref.ref(attention_mask), attention_mask._version, packing)
+    return packing
+
+
+class RowPermutation(torch.autograd.Function):
+    """x's rows in `order`, a permutation whose inverse is `inverse`: the gradient is the incoming gradient's
+    rows in `inverse` order - a gather, where indexing's backward would scatter-add into a zeroed tensor."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                       **kwargs) -> tuple[Tensor, Tensor | None]:
@@ -97,9 +137,10 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
         cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
         out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
         return out.view(B, S, H, D), None
-    order, inverse, cu_seqlens = packing_order(attention_mask)
-    out = varlen_attention(q[order], k[order], v[order], cu_seqlens, S, dropout, scaling)
-    return out[inverse].view(B, S, H, D), None
+    order, inverse, cu_seqlens = packing_of(attention_mask)
+    q, k, v = (RowPermutation.apply(t, order, inverse) for t in (q, k, v))
+    out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
+    return RowPermutation.apply(out, inverse, order).view(B, S, H, D), None
 
 
 def register() -> None:
