@@ -173,19 +173,22 @@ def test_padded_batches_replay_in_a_cuda_graph():
     assert not torch.equal(mask2, mask)
 
 
-def test_the_packing_is_computed_once_per_mask_and_again_after_a_write():
-    from bertaccel.modules import hf_attention
+def test_the_packing_is_computed_once_per_forward_mask_and_never_kept_on_a_given_mask():
+    """A mask `padding_mask` made (one model forward's) carries its packing for the next layers; a mask given
+    directly is packed on every call - it may be refilled in place (a CUDA graph's static mask, whose
+    packing must then be computed inside the capture: test_padded_batches_replay_in_a_cuda_graph)."""
+    from bertaccel.modules.hf_attention import packing_of, padding_mask
 
-    mask = random_mask(4, 9)
-    first = hf_attention.packing_of(mask)
-    assert hf_attention.packing_of(mask) is first  # the next layer of the same forward
-    assert hf_attention.packing_of(mask.clone()) is not first  # another forward's mask
-    mask2 = random_mask(4, 9, seed=3)
-    packing = hf_attention.packing_of(mask2)
-    mask2.copy_(random_mask(4, 9, seed=4))  # a static mask refilled in place
-    again = hf_attention.packing_of(mask2)
-    assert again is not packing
-    for a, b in zip(again, packing_order(mask2)):
+    raw = random_mask(4, 9)
+    forward_mask = padding_mask(4, 9, 9, attention_mask=raw.long())
+    first = packing_of(forward_mask)
+    assert packing_of(forward_mask) is first  # the next layer of the same forward
+    assert padding_mask(4, 9, 9, attention_mask=raw.long()) is not forward_mask  # the next forward's mask is new
+    assert packing_of(raw) is not packing_of(raw)
+    static = raw.clone()
+    packing_of(static)
+    static.copy_(random_mask(4, 9, seed=4))  # refilled in place
+    for a, b in zip(packing_of(static), packing_order(static)):
         assert torch.equal(a, b)
 
 

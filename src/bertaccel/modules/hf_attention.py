@@ -11,10 +11,13 @@ cu_seqlens[b + 1] (cu_seqlens: the cumulative sum of the row lengths, on the dev
 rows after cu_seqlens[-1] are fillers that the kernel writes as zeros; the inverse permutation puts
 the outputs back. Nothing depends on the number of real tokens on the host; the shapes are the
 padded batch's. A batch without a mask (attention_mask None) is read in place as B sequences of S.
-The packing is computed once per mask (every layer of a forward gets the same mask tensor; a sort and
-five small kernels per layer otherwise), and the permutations' gradients are the inverse gathers (the
-indexing backward autograd would run zero-fills a tensor and scatter-adds into it after sorting the
-indices).
+The packing is computed once per forward: `padding_mask` (called once per model forward, inside a
+captured one too) returns a new mask tensor that every layer gets, and the first layer stores the packing
+on it (a sort and five small kernels per layer otherwise). A mask handed to `attention_forward` directly
+gets no such slot and is packed on every call: the same tensor may be refilled between calls, e.g. a CUDA
+graph's static input, whose packing must be computed inside the capture. The permutations' gradients are
+the inverse gathers (the indexing backward autograd would run zero-fills a tensor and scatter-adds into it
+after sorting the indices).
 
 Padding query positions come out as zeros (SDPA gives them an average over the real keys); nothing
 reads them - the pooler takes [CLS], the losses skip padding - and the real positions match SDPA.
@@ -24,8 +27,6 @@ does not take, causal or cross attention, `output_attentions` (then eager, which
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,10 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     `.all()` is a host sync, which a CUDA graph cannot capture)."""
     if attention_mask is None:
         return None
-    return attention_mask[:, -kv_length:].bool()
+    mask = attention_mask[:, -kv_length:].bool()  # a new tensor on every call (a view at least)
+    if not torch.compiler.is_compiling():
+        mask._bertaccel_packing = None  # this forward's: its layers share one packing (packing_of)
+    return mask
 
 
 def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions):
@@ -74,23 +78,15 @@ def packing_order(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return order, inverse, cu_seqlens
 
 
-# The last mask's packing: (weak reference to the mask, its version counter, (order, inverse, cu_seqlens))
-_last_packing: tuple | None = None
-
-
 def packing_of(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`packing_order(attention_mask)`, computed once for the layers of a forward: reused while the same
-    mask tensor comes back unchanged (its version counter moves on any in-place write, e.g. a CUDA graph's
-    static mask being refilled). Under torch.compile computed every call (the compiler merges the repeats)."""
-    global _last_packing
-    if torch.compiler.is_compiling():
+    """`packing_order(attention_mask)`, once per forward: stored on a mask `padding_mask` made (one
+    forward's, shared by its layers); any other mask is packed on every call. Under torch.compile computed
+    every call (the compiler merges the repeats)."""
+    if torch.compiler.is_compiling() or not hasattr(attention_mask, "_bertaccel_packing"):
         return packing_order(attention_mask)
-    last = _last_packing
-    if last is not None and last[0]() is attention_mask and last[1] == attention_mask._version:
-        return last[2]
-    packing = packing_order(attention_mask)
-    _last_packing = (weakref.ref(attention_mask), attention_mask._version, packing)
-    return packing
+    if attention_mask._bertaccel_packing is None:
+        attention_mask._bertaccel_packing = packing_order(attention_mask)
+    return attention_mask._bertaccel_packing
 
 
 class RowPermutation(torch.autograd.Function):
