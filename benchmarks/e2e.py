@@ -71,8 +71,11 @@ VARIANTS = {
     # the encoder on real tokens only (`model.unpadded`), our varlen attention / FlashAttention varlen
     "fused-unpadded-graphs": ("sdpa", True, True, False, True),
     "fused-unpadded-graphs-flash": ("sdpa", True, True, False, True),
+    # everything swapped on real tokens: the unpadded encoder with every nn.Linear and the feed-forward block on our GEMM
+    "ffn-gemm-fused-unpadded-graphs": ("sdpa", True, "ffn", False, True),
 }
-UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash"}
+UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash",
+            "ffn-gemm-fused-unpadded-graphs": "bertaccel"}
 VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}}
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
