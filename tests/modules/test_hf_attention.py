@@ -110,6 +110,25 @@ def test_bert_classifier_with_bertaccel_attention_equals_sdpa(packed_on_cpu):
     torch.testing.assert_close(logits["bertaccel"], logits["sdpa"], rtol=1e-4, atol=1e-5)
 
 
+def test_a_model_forward_packs_its_mask_once(packed_on_cpu, monkeypatch):
+    """Through transformers' BERT (3 layers, and again with the kernel swap's fused QKV attention), one
+    forward sorts its mask once: every layer gets the mask `padding_mask` made, which carries the packing."""
+    from bertaccel.modules import BertClassifier, hf_attention
+    from bertaccel.ops.swap import swap
+
+    calls = []
+    monkeypatch.setattr(hf_attention, "packing_order", lambda m: calls.append(1) or packing_order(m))
+    model = BertClassifier(config=dict(TINY_BERT, num_hidden_layers=3), vocab_size=100, num_labels=2,
+                           attn_implementation="bertaccel").model
+    ids, mask = torch.randint(5, 100, (3, 11)), random_mask(3, 11, seed=2).long()
+    for swapped in (False, True):
+        if swapped:
+            swap(model, ["qkv"])
+        calls.clear()
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+        assert len(calls) == 1, f"swapped={swapped}: {len(calls)} sorts"
+
+
 def _bf16_case(B, S, H, D, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     qkv = torch.randn(B, S, 3, H, D, device="cuda", generator=g).to(torch.bfloat16)
