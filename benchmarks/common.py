@@ -134,9 +134,18 @@ def graph_time_ms(fn, inputs: list, calls: int = 20, replays: int = 10) -> float
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(*inputs[i % len(inputs)])
+    try:
+        with torch.cuda.graph(g):
+            for i in range(calls):
+                fn(*inputs[i % len(inputs)])
+    except Exception:
+        # a failed capture leaves PyTorch's CUDA generator counting itself as capturing: every later random op
+        # of the process would raise ("Offset increment outside graph capture") - run its end-of-capture
+        # bookkeeping before the caller falls back (e.g. SDPA's cuDNN backend with dropout does not capture)
+        from bertaccel.modules.graphs import recover_from_failed_capture
+
+        recover_from_failed_capture()
+        raise
     g.replay()
     torch.cuda.synchronize()
     times = []
