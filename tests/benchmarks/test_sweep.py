@@ -33,12 +33,12 @@ def test_sweep_writes_table_json_and_plot(tmp_path, monkeypatch):
 def test_e2e_harness_writes_its_table(tmp_path, monkeypatch):
     out = tmp_path / "e2e.json"
     monkeypatch.setattr(sys, "argv", ["e2e", "--device", "cpu", "--models", "tiny", "--shapes", "2x16",
-                                      "--variants", "hf-eager-fp32", "fused", "--warmup", "1", "--steps", "2",
-                                      "--out", str(out)])
+                                      "--variants", "hf-eager-fp32", "fused", "attn-fused-graphs", "--warmup", "1",
+                                      "--steps", "2", "--out", str(out)])
     e2e.main()
     rows = json.loads(out.read_text())["rows"]
     assert {(r["workload"], r["variant"]) for r in rows} == {
-        (w, v) for w in ("train", "infer") for v in ("hf-eager-fp32", "fused")}
+        (w, v) for w in ("train", "infer") for v in ("hf-eager-fp32", "fused", "attn-fused-graphs")}
     assert all(r["ms"] > 0 for r in rows)
 
 
