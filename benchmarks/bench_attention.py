@@ -15,8 +15,9 @@ The first four cells are issue 11's targets (16k tokens, seq 128 / 512, head dim
 `--dropout P`: every implementation with attention dropout P (as training runs BERT: 0.1), each drawing its
 own mask (the FLOP count is unchanged). With dropout every row is timed as the sum of its kernels' GPU times
 per call (torch.profiler; `timing` says "kernels"), not from graph replays: SDPA's cuDNN backend with dropout
-fails to capture (torch 2.11 on the H100), and a failed capture leaves PyTorch's CUDA generator in capture
-mode, so that every later draw in the process raises ("Offset increment outside graph capture").
+fails to capture (torch 2.11 on the H100), so its rows would fall back to eager events (launch gaps included)
+while the others came from graphs; timed one way, every row is comparable. (graph_time_ms recovers PyTorch's
+CUDA generator after a failed capture; before it did, the first such failure broke every later draw.)
 """
 
 from __future__ import annotations
