@@ -224,6 +224,47 @@ def test_forward_and_gradients_within_twice_sdpa_error(dtype, head_dim, lengths,
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fwd", ["hopper", "bulk", "mma"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_many_fillers_are_zero_in_every_output(fwd, packed, monkeypatch):
+    """More filler rows than the fillers' grid slice has warps (each warp zeroes rows in a strided loop; the
+    packed call's gradient rows have a token stride of 3 x heads x d), on NaN-poisoned memory: the output,
+    its lse-dependent gradients and every gradient are zero on the fillers, the real rows right."""
+    _kernel_or_skip()
+    _forward_kernel(fwd, monkeypatch)
+    from tests.ops.conftest import poison
+
+    heads, d, lengths = 12, 64, [100, 28, 61]
+    cu, T = _cu(lengths, fillers=700)
+    real = int(cu[-1])
+    cu = cu.cuda()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    qkv, dout = (torch.randn(T, n, heads, d, device="cuda", generator=g).to(torch.bfloat16) for n in (3, 1))
+    dout = dout[:, 0]
+    scale = d ** -0.5
+    leaves = [t.double().requires_grad_() for t in qkv.unbind(1)]
+    ref = _reference(*leaves, cu.cpu(), scale)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    sq = [t.clone().requires_grad_() for t in qkv.unbind(1)]
+    sdpa = _sdpa(*sq, cu, scale)
+    sdpa_grads = torch.autograd.grad(sdpa, sq, dout)
+    poison()
+    if packed:
+        x = qkv.clone().requires_grad_()
+        out = varlen_attention_packed(x, cu, max(lengths), 0.0, scale)
+        grads = torch.autograd.grad(out, x, dout)[0].unbind(1)
+    else:
+        xs = [t.clone().requires_grad_() for t in qkv.unbind(1)]
+        out = varlen_attention(*xs, cu, max(lengths), 0.0, scale)
+        grads = torch.autograd.grad(out, xs, dout)
+    assert torch.isfinite(out).all() and not out[real:].any(), "output of the fillers"
+    assert _err(out, ref, real) <= 2 * _err(sdpa, ref, real) + 1e-3
+    for name, a, b, r in zip("qkv", grads, sdpa_grads, ref_grads):
+        assert torch.isfinite(a).all() and not a[real:].any(), f"d{name} of the fillers"
+        assert _err(a, r, real) <= 2 * _err(b, r, real) + 1e-3, f"d{name}: {_err(a, r, real)} vs {_err(b, r, real)}"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "mma"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("longest", [130, 128])  # 3 key blocks; 2 (the Hopper backward's cluster path)

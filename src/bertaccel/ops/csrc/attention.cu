@@ -210,21 +210,42 @@ __device__ __forceinline__ Dropout forward_dropout(const Params& p) {
 }
 
 // Zero rows [cu[batch], total) of [T, heads, d] tensors (token stride `row`, heads contiguous): the fillers.
+// Run by the grid's last z slice (gridDim.x * gridDim.y blocks): one warp per row, 16-byte stores where the
+// tensors allow them. (The first version spread elements over threads with a 64-bit division and modulo per
+// 2-byte store: on BERT-base 16x128 with 40% fillers it took 2x the forward's own time.)
 template <typename T>
 __device__ void zero_fillers(const Params& p, int D, int64_t row, T* a, T* b, float* lse, T* c = nullptr) {
-  const int64_t hd = (int64_t)p.heads * D;
-  const int64_t start = (int64_t)p.cu[p.batch] * hd, end = (int64_t)p.total * hd;
-  const int64_t step = (int64_t)gridDim.x * gridDim.y * blockDim.x;
-  const int64_t first = ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = start + first; i < end; i += step) {
-    const int64_t at = i / hd * row + i % hd;
-    if (a) a[at] = T{};  // value-initialised: +0
-    if (b) b[at] = T{};
-    if (c) c[at] = T{};
+  const int first_row = p.cu[p.batch];
+  if (first_row >= p.total) return;
+  const int hd = p.heads * D;
+  const int thread = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  const int threads = gridDim.x * gridDim.y * blockDim.x;  // a multiple of 32
+  const int lane = threadIdx.x & 31, warp = thread >> 5, warps = threads >> 5;
+  constexpr int V = 16 / sizeof(T);
+  auto aligned = [](const T* x) { return x == nullptr || reinterpret_cast<uintptr_t>(x) % 16 == 0; };
+  if (hd % V == 0 && row % V == 0 && aligned(a) && aligned(b) && aligned(c)) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int r = first_row + warp; r < p.total; r += warps) {
+      const int64_t base = (int64_t)r * row;
+      for (int e = lane * V; e < hd; e += 32 * V) {
+        if (a) *reinterpret_cast<uint4*>(a + base + e) = zero;
+        if (b) *reinterpret_cast<uint4*>(b + base + e) = zero;
+        if (c) *reinterpret_cast<uint4*>(c + base + e) = zero;
+      }
+    }
+  } else {
+    for (int r = first_row + warp; r < p.total; r += warps) {
+      const int64_t base = (int64_t)r * row;
+      for (int e = lane; e < hd; e += 32) {
+        if (a) a[base + e] = T{};  // value-initialised: +0
+        if (b) b[base + e] = T{};
+        if (c) c[base + e] = T{};
+      }
+    }
   }
   if (lse) {
-    for (int64_t i = (int64_t)p.cu[p.batch] + first; i < p.total; i += step)
-      for (int h = 0; h < p.heads; ++h) lse[(int64_t)h * p.total + i] = 0.f;
+    for (int h = 0; h < p.heads; ++h)
+      for (int i = first_row + thread; i < p.total; i += threads) lse[(int64_t)h * p.total + i] = 0.f;
   }
 }
 
