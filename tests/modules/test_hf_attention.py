@@ -129,6 +129,60 @@ def test_a_model_forward_packs_its_mask_once(packed_on_cpu, monkeypatch):
         assert len(calls) == 1, f"swapped={swapped}: {len(calls)} sorts"
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_fused_qkv_projection_goes_through_the_packed_call_with_the_same_gradients(packed_on_cpu, monkeypatch,
+                                                                                   masked):
+    """With the kernel swap's fused QKV projection, each layer makes one packed call on the projection's
+    output (one gather, one gradient tensor); logits and every parameter's gradient equal the unswapped
+    model's (three separate q / k / v calls)."""
+    import bertaccel.ops.attention as attention
+    import bertaccel.ops.qkv as qkv
+    from bertaccel.modules import BertClassifier
+    from bertaccel.ops.swap import swap
+
+    monkeypatch.setattr(qkv, "why_not", lambda *a, **k: None)  # the fused projection on CPU too
+    calls = {"packed": 0, "separate": 0}
+    packed, separate = attention.varlen_attention_packed, attention.varlen_attention
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(attention, "varlen_attention_packed", count("packed", packed))
+    monkeypatch.setattr(attention, "varlen_attention", count("separate", separate))
+    torch.manual_seed(0)
+    config = dict(TINY_BERT, num_hidden_layers=2)
+    models = [BertClassifier(config=config, vocab_size=100, num_labels=3, attn_implementation="bertaccel").model
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    swap(models[1], ["qkv"])
+    ids = torch.randint(5, 100, (4, 9))
+    mask = random_mask(4, 9, seed=5).long() if masked else None
+    results = []
+    for model in models:
+        model.train(False)
+        calls.update(packed=0, separate=0)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits.square().sum().backward()
+        grads = {n.replace("query.", "").replace("key.", "").replace("value.", ""): p.grad
+                 for n, p in model.named_parameters() if p.grad is not None and "attention.self" not in n}
+        results.append((logits, grads, dict(calls)))
+    assert results[0][2] == {"packed": 0, "separate": 2}
+    assert results[1][2] == {"packed": 2, "separate": 0}, "the fused projection's output was not passed packed"
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    assert results[0][1].keys() == results[1][1].keys()
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    # the projections' own gradients: the fused weight's rows are the three separate ones'
+    for layer0, layer1 in zip(models[0].bert.encoder.layer, models[1].bert.encoder.layer):
+        a0, a1 = layer0.attention.self, layer1.attention.self
+        for part in ("query", "key", "value"):
+            torch.testing.assert_close(getattr(a1, part).weight.grad, getattr(a0, part).weight.grad,
+                                       rtol=1e-4, atol=1e-6)
+
+
 def _bf16_case(B, S, H, D, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     qkv = torch.randn(B, S, 3, H, D, device="cuda", generator=g).to(torch.bfloat16)
@@ -166,6 +220,50 @@ def test_kernel_error_at_most_twice_sdpa_bf16_error(D, S, monkeypatch):
         err = ((a.double() - r) * k_).abs().max().item()
         err_sdpa = ((b.double() - r) * k_).abs().max().item()
         assert err <= 2 * err_sdpa + 1e-6, (name, err, err_sdpa)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("masked", [True, False])
+def test_views_of_one_qkv_tensor_take_the_packed_call_within_twice_sdpa_error(masked, monkeypatch):
+    """q, k, v as views of one [B, S, 3, H, D] projection output that autograd differentiates (the fused QKV
+    swap's case): the packed kernel call, its one gradient within twice SDPA's error of a float64 reference."""
+    import bertaccel.ops.attention as attention
+
+    B, S, H, D = 5, 160, 4, 64
+    g = torch.Generator(device="cuda").manual_seed(11)
+    qkv = torch.randn(B, S, 3 * H * D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    mask = random_mask(B, S, seed=11).cuda() if masked else None
+    real = mask[:, :, None, None] if masked else torch.ones(B, S, 1, 1, device="cuda", dtype=torch.bool)
+    grad = torch.randn(B, S, H, D, device="cuda", generator=g).to(torch.bfloat16) * real
+    calls = []
+    packed = attention.varlen_attention_packed
+    monkeypatch.setattr(attention, "varlen_attention_packed", lambda *a, **k: calls.append(1) or packed(*a, **k))
+
+    def views(t):
+        return tuple(t.view(B, S, 3, H, D)[:, :, i].transpose(1, 2) for i in range(3))
+
+    def sdpa(t):
+        q, k, v = views(t)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None, None, :],
+                                              scale=D**-0.5).transpose(1, 2)
+
+    ours = attention_forward(None, *views(qkv), mask, scaling=D**-0.5)[0]
+    assert calls == [1], "the views of one tensor did not take the packed call"
+    (g_ours,) = torch.autograd.grad(ours, qkv, grad)
+    base = sdpa(qkv)
+    (g_sdpa,) = torch.autograd.grad(base, qkv, grad)
+    q64 = qkv.detach().double().requires_grad_()
+    ref = sdpa(q64)
+    (g_ref,) = torch.autograd.grad(ref, q64, grad.double())
+    err = lambda a, r: ((a.double() - r) * real).abs().max().item()  # noqa: E731 - padding rows: ours zero
+    assert err(ours, ref) <= 2 * err(base, ref) + 1e-6
+    # dq of padding query rows: ours zero, SDPA's not; dk, dv of padding keys: zero in both
+    gq = lambda t: t.view(B, S, 3, H, D)  # noqa: E731
+    for i, name in enumerate("qkv"):
+        keep = real if name == "q" else torch.ones_like(real)
+        e = ((gq(g_ours)[:, :, i].double() - gq(g_ref)[:, :, i]) * keep).abs().max().item()
+        e_sdpa = ((gq(g_sdpa)[:, :, i].double() - gq(g_ref)[:, :, i]) * keep).abs().max().item()
+        assert e <= 2 * e_sdpa + 1e-6, (name, e, e_sdpa)
 
 
 @pytest.mark.cuda

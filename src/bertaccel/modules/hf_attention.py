@@ -108,7 +108,7 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
                       dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                       **kwargs) -> tuple[Tensor, Tensor | None]:
     """transformers' attention-function signature: q, k, v [B, H, S, D] -> ([B, S, H, D], weights)."""
-    from bertaccel.ops.attention import kernel_unavailable, varlen_attention
+    from bertaccel.ops.attention import kernel_unavailable, varlen_attention, varlen_attention_packed
 
     output_attentions = bool(kwargs.pop("output_attentions", False) or
                              getattr(getattr(module, "config", None), "output_attentions", False))
@@ -129,14 +129,46 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
     if reason is not None:
         note_fallback("attention", reason)
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions)
+    qkv = fused_qkv_of(query, key, value)
     if attention_mask is None:
         cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
-        out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
+        if qkv is not None:
+            out = varlen_attention_packed(qkv, cu_seqlens, S, dropout, scaling)
+        else:
+            out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
         return out.view(B, S, H, D), None
     order, inverse, cu_seqlens = packing_of(attention_mask)
-    q, k, v = (RowPermutation.apply(t, order, inverse) for t in (q, k, v))
-    out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
+    if qkv is not None:  # one gather of the [T, 3, H, D] rows (and one in the backward) instead of three
+        out = varlen_attention_packed(RowPermutation.apply(qkv, order, inverse), cu_seqlens, S, dropout, scaling)
+    else:
+        q, k, v = (RowPermutation.apply(t, order, inverse) for t in (q, k, v))
+        out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
     return RowPermutation.apply(out, inverse, order).view(B, S, H, D), None
+
+
+def fused_qkv_of(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
+    """When query, key and value [B, H, S, D] are the three parts of one fused projection's output
+    [B, S, 3 * H * D] or [B * S, 3 * H * D] (the kernel swap's `FusedQKVSelfAttention`: `split_heads` views of it), that output
+    as [B * S, 3, H, D] - the tensor autograd differentiates, so its gradient arrives as one tensor
+    written by the kernels (no cat of three) - else None. Eager only: under torch.compile the views'
+    `_base` is not traced."""
+    base = query._base
+    if base is None or key._base is not base or value._base is not base or torch.compiler.is_compiling():
+        return None
+    if any(t.requires_grad != base.requires_grad or (t.requires_grad and t.is_leaf) for t in (query, key, value)):
+        return None  # gradients asked of the views themselves (made leaves): keep them separate
+    B, H, S, D = query.shape
+    size = query.element_size()
+    if (base.shape[-1] != 3 * H * D or base.numel() != B * S * 3 * H * D or not base.is_contiguous()
+            or base.dtype != query.dtype):
+        return None
+    first = base.data_ptr()
+    if (query.data_ptr(), key.data_ptr(), value.data_ptr()) != (first, first + H * D * size, first + 2 * H * D * size):
+        return None
+    expected = (S * 3 * H * D, D, 3 * H * D, 1)  # [B, H, S, D] strides of views into [B, S, 3, H, D]
+    if any(t.stride() != expected for t in (query, key, value)):
+        return None
+    return base.view(B * S, 3, H, D)
 
 
 def register() -> None:
