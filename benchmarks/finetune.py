@@ -59,6 +59,8 @@ CLI_PRESETS = {
     "cli-unpadded": ["configs/presets/unpadded.yaml"],
     "cli-fused-unpadded": ["configs/presets/fused.yaml", "configs/presets/unpadded.yaml"],
     "cli-fused-unpadded-graphs": ["configs/presets/graphs.yaml", "configs/presets/fused.yaml", "configs/presets/unpadded.yaml"],
+    "cli-recommended": ["configs/presets/recommended.yaml"],
+    "cli-recommended-unpadded": ["configs/presets/recommended.yaml", "configs/presets/unpadded.yaml"],
 }
 
 

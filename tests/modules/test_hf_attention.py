@@ -91,6 +91,38 @@ def test_fallbacks_say_why_and_match_sdpa(monkeypatch):
     torch.testing.assert_close(out, ref)
 
 
+def test_a_gpu_other_than_hopper_gets_sdpa_and_is_told_why(monkeypatch):
+    """Off a Hopper (our kernel's warpgroup-MMA forms need sm_90; its mma.sync ones are not measured faster than
+    SDPA anywhere) the interface says why and runs SDPA, unless BERTACCEL_HF_ATTENTION_ANY_GPU=1."""
+    from types import SimpleNamespace
+
+    from bertaccel.modules import hf_attention
+
+    capability = {"value": (8, 6)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
+    monkeypatch.delenv("BERTACCEL_HF_ATTENTION_ANY_GPU", raising=False)
+    gpu_query = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    for cap, env, want in (((8, 6), None, False), ((9, 0), None, True), ((10, 0), None, False), ((8, 0), "1", True)):
+        monkeypatch.setattr(hf_attention, "_HOPPER", {})
+        capability["value"] = cap
+        if env:
+            monkeypatch.setenv("BERTACCEL_HF_ATTENTION_ANY_GPU", env)
+        assert hf_attention.hopper(gpu_query.device) is want, (cap, env)
+        assert (hf_attention.not_hopper_reason(gpu_query) is None) is want
+    assert hf_attention.not_hopper_reason(torch.zeros(1)) is None  # CPU: the kernel checks say why
+    # the reason reaches attention_forward's fallback, which runs SDPA
+    monkeypatch.setattr(eligibility, "_warned", set())
+    monkeypatch.setattr(hf_attention, "_HOPPER", {0: False})
+    monkeypatch.setattr(hf_attention, "not_hopper_reason", lambda q: "not a Hopper GPU: (stand-in)")
+    B, H, S, D = 2, 2, 6, 8
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    mask = random_mask(B, S)
+    with pytest.warns(UserWarning, match="not a Hopper GPU"):
+        out, _ = attention_forward(None, q, k, v, mask, scaling=D**-0.5)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+
+
 def test_bert_classifier_with_bertaccel_attention_equals_sdpa(packed_on_cpu):
     """The whole model, the transformers way (`attn_implementation: bertaccel`), same weights."""
     from bertaccel.modules import BertClassifier

@@ -22,11 +22,18 @@ after sorting the indices).
 Padding query positions come out as zeros (SDPA gives them an average over the real keys); nothing
 reads them - the pooler takes [CLS], the losses skip padding - and the real positions match SDPA.
 
-Falls back to PyTorch's SDPA, said once per reason: not on a GPU, a dtype or head dim the kernel
-does not take, causal or cross attention, `output_attentions` (then eager, which returns weights).
+Falls back to PyTorch's SDPA, said once per reason: not on a GPU, a GPU other than a Hopper (sm_90: the
+warpgroup-MMA kernels; elsewhere only the mma.sync kernels run, not measured on such a GPU, and on an H100
+slower than cuDNN's SDPA on full batches), a dtype or head dim the kernel does not take, causal or
+cross attention, `output_attentions` (then eager, which returns weights). The Hopper rule makes the option
+safe to name in a preset: our kernel runs where it was measured faster than SDPA (an H100); elsewhere
+`BERTACCEL_HF_ATTENTION_ANY_GPU=1` runs its mma.sync kernels anyway (on an H100 they beat cuDNN on padded
+batches with much padding and lost to it on full ones: README, "Attention").
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +42,27 @@ from torch import Tensor
 from bertaccel.ops.eligibility import note_fallback
 
 NAME = "bertaccel"
+
+
+_HOPPER: dict[int, bool] = {}
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.0), where our attention kernels run as
+    warpgroup MMAs, or BERTACCEL_HF_ATTENTION_ANY_GPU=1 asks for them on any GPU; cached per device index."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HOPPER:
+        _HOPPER[index] = (torch.cuda.get_device_capability(index) == (9, 0)
+                          or os.environ.get("BERTACCEL_HF_ATTENTION_ANY_GPU", "") == "1")
+    return _HOPPER[index]
+
+
+def not_hopper_reason(query) -> str | None:
+    """Why a CUDA query goes to SDPA on this GPU (None on a Hopper, or off the GPU: the kernel checks say why)."""
+    if not query.is_cuda or hopper(query.device):
+        return None
+    return ("not a Hopper GPU: SDPA serves padded batches (our kernel was measured faster only on an H100; "
+            "BERTACCEL_HF_ATTENTION_ANY_GPU=1 runs it here)")
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -122,6 +150,8 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
         reason = "causal attention (BERT as a decoder)"
     elif key.shape[2] != S:
         reason = "cross attention (keys of another length)"
+    else:
+        reason = not_hopper_reason(query)
     if reason is None:
         # [B, H, S, D] -> [B*S, H, D]: views of the projection's [B, S, H*D] output (no copy)
         q, k, v = (t.transpose(1, 2).reshape(B * S, H, D) for t in (query, key, value))
