@@ -12,7 +12,9 @@
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
 # grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), anatomy (where a graphed step's
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
-# attention and the unpadded model), ddp_rows (2 GPUs: DDP fit, test, predict rows), gelu_sweep (bias+GELU forward
+# attention and the unpadded model), hf_attention (cuda tests of attn_implementation bertaccel and graphed steps through it vs SDPA
+# and the unpadded encoder: HF_ATTN_CELLS="model:shape:lengths ..."), recommended (the MiniLM IMDB fine-tune as users compose
+# the presets, max_length 512 and 256: recommended, recommended + unpadded, graphs + fused with SDPA, plain), ddp_rows (2 GPUs: DDP fit, test, predict rows), gelu_sweep (bias+GELU forward
 # vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
 # ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_gemm_stalls (warp-stall samples per SASS instruction of the same calls, scripts/ncu_stalls.py; NCU_TOP, NCU_GEMM_EPILOGUE=none|bias|gelu|gelu-pre), ncu_gemm_states (stall reasons per GEMM kernel, caches flushed and not; scripts/ncu_stall_reasons.py), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
@@ -51,6 +53,27 @@ if has attn_tests; then  # the fused varlen attention: build, its cuda tests and
   grep -c "C7514" "$OUT/attn_build.log" | sed 's/^/wgmma-serialized kernels (ptxas C7514, want 0): /'
   timeout ${ATTN_TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops/test_attention.py tests/modules/test_unpadded.py -q -p no:cacheprovider ${ATTN_TESTS_K:+-k "$ATTN_TESTS_K"} > "$OUT/attn_tests.log" 2>&1
   echo "attention tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/attn_tests.log" | head -40
+fi
+if has hf_attention; then  # attn_implementation bertaccel: its cuda tests, then graphed train steps vs SDPA and the unpadded encoder
+  python -c "from bertaccel.ops import build; assert build.load_attention(), build.attention_reason()" > "$OUT/hf_attn_build.log" 2>&1
+  echo "attention build rc=$?"
+  timeout 200 python -u -m pytest -m cuda tests/modules/test_hf_attention.py -q -p no:cacheprovider > "$OUT/hf_attn_tests.log" 2>&1
+  echo "hf attention tests rc=$?"; grep -E "^FAILED|^E  |passed|failed" "$OUT/hf_attn_tests.log" | head -10
+  for cell in ${HF_ATTN_CELLS:-bert-base:16x128:uniform minilm:32x256:uniform bert-base:32x512:full}; do
+    IFS=: read -r model shape lengths <<< "$cell"
+    timeout 200 python -m benchmarks.e2e --models "$model" --shapes "$shape" --lengths "$lengths" --workloads train --rounds 2 \
+      --variants fused-graphs attn-fused-graphs fused-unpadded-graphs --warmup 10 --steps 30 \
+      --out "$OUT/e2e_hf_attn_${model}_${shape}_${lengths}.json" > "$OUT/e2e_hf_attn_${model}_${shape}_${lengths}.log" 2>&1
+    echo "e2e $cell rc=$?"; grep -hE "^(bert|minilm)" "$OUT/e2e_hf_attn_${model}_${shape}_${lengths}.log" | sort -u
+  done
+fi
+if has recommended; then  # the presets as users compose them (needs .carry/imdb and .carry/minilm)
+  for len in 512 256; do
+    timeout 300 python -m benchmarks.finetune --data .carry/imdb --model .carry/minilm --runs /tmp/ft_runs_$len --max-length $len \
+      --out "$OUT/finetune_recommended_$len.json" --variants cli-recommended cli-fused-graphs cli-recommended-unpadded plain \
+      > "$OUT/finetune_recommended_$len.log" 2>&1
+    echo "finetune $len rc=$?"; tail -6 "$OUT/finetune_recommended_$len.log"
+  done
 fi
 if has data_tests; then  # cuda tests of the data pipeline (prefetch to the GPU, masks on the GPU) + host masking cost
   python -u -m pytest -m cuda tests/data tests/callbacks -q -p no:cacheprovider > "$OUT/data_tests.log" 2>&1
