@@ -168,6 +168,8 @@ struct Params {
   void* dq;         // the Hopper backward in clusters: written directly
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
+  int* dq_tickets;  // the Hopper backward with BERTACCEL_ATTENTION_BWD=ticket: arrivals per (head, sequence,
+                    // query block, warp), zeroed; the last CTA to add a warp's rows casts them to dq
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
   int64_t o_row, o_head, do_row, do_head;               // out / o and dout strides
   int64_t grad_row;  // token stride of dq, dk, dv (elements; heads * d, or 3 * heads * d in one packed d(qkv))
@@ -1165,7 +1167,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
     zero_fillers<T>(p, D, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr,
-                    p.dq_accum ? nullptr : static_cast<T*>(p.dq));
+                    p.dq_accum && !p.dq_tickets ? nullptr : static_cast<T*>(p.dq));
     return;
   }
   const int start = p.cu[b], len = p.cu[b + 1] - start;
@@ -1178,7 +1180,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   // in) and `consumed` (one per active CTA: it has read this CTA's partial).
   constexpr bool direct = CLUSTER > 0;
   const int rank = blockIdx.x;
-  const int nact = CLUSTER ? (len + B - 1) / B : 1;
+  const int nact = CLUSTER > 0 ? (len + B - 1) / B : 1;
   if constexpr (CLUSTER > 0) {
     if (threadIdx.x == 0 && n0 < len) {
       mbar_init(&bars[0], nact);
@@ -1217,7 +1219,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   // The query block of step i. Without clusters CTA n starts at block n % mblocks: the CTAs of a sequence,
   // running side by side, then add to different dQ rows at a time, not all to the same 64 (b348d32: 32x512
   // d 32 0.253 against 0.258 ms in order, d 64 0.403 against 0.401, packed cells 0-1% faster).
-  const int first = CLUSTER == 0 ? (int)blockIdx.x % mblocks : 0;
+  const int first = CLUSTER <= 0 ? (int)blockIdx.x % mblocks : 0;
   auto qblock = [&](int i) { return first + i < mblocks ? first + i : first + i - mblocks; };
   if (threadIdx.x == 0) {
     mbar_init(&full[0], 1);
@@ -1266,6 +1268,42 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[1], threadIdx.x);  // at each active CTA
   };
 
+  // CLUSTER < 0 (BERTACCEL_ATTENTION_BWD=ticket): this warp's 16 rows of query block mb are in the buffer
+  // (lane 0 waited for its bulk reduction to complete); it counts itself in, and the CTA that adds them last
+  // (every active CTA adds to every query block: `mblocks` arrivals) casts them to dq - no cast kernel after
+  // the backward. Lane 0's fence and acq_rel atomic order the completed async-proxy additions before the
+  // count; the last warp's lanes read the buffer from L2 (ld.global.cg) after its acquire and a warp barrier.
+  auto ticket_dq = [&](int mb) {
+    const int r0 = mb * B + warp * 16;
+    const int rows = min(16, len - r0);
+    if (rows <= 0) return;  // the same for every CTA: nobody adds or casts these rows
+    int last = 0;
+    if (lane == 0) {
+      async_copy::fence_proxy_async_global();
+      int* counter = p.dq_tickets + (((int64_t)h * p.batch + b) * gridDim.x + mb) * 4 + warp;
+      int old;
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+      last = old == mblocks - 1;
+    }
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __syncwarp();
+    __threadfence();
+    T* dqp = static_cast<T*>(p.dq) + (int64_t)h * D;
+    constexpr int C8 = D / 8;  // 32-byte chunks of a row's fp32 partial sums
+    for (int idx = lane; idx < rows * C8; idx += 32) {
+      const int r = idx / C8, c = idx % C8, tok = start + r0 + r;
+      const float4* src = reinterpret_cast<const float4*>(dq_accum + (int64_t)(r0 + r) * D +
+                                                          ((c ^ dq_chunk_phase(tok, D)) << 3));
+      const float4 x = __ldcg(src), y = __ldcg(src + 1);
+      uint4 out;
+      out.x = pack2<T>(x.x * p.scale, x.y * p.scale);
+      out.y = pack2<T>(x.z * p.scale, x.w * p.scale);
+      out.z = pack2<T>(y.x * p.scale, y.y * p.scale);
+      out.w = pack2<T>(y.z * p.scale, y.w * p.scale);
+      *reinterpret_cast<uint4*>(dqp + (int64_t)tok * p.grad_row + c * 8) = out;
+    }
+  };
+
   // S_m and dP_m, both operands in shared memory
   const TileDesc<D, B> k_desc(sK), v_desc(sV), q_desc(sQ), do_desc(sdO);  // Q, dO: stage 0 (stage 1: TILE on)
   const TileDesc<64, B> p_desc(sP), ds_desc(sdS);
@@ -1295,6 +1333,12 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
       if (m > 0) {
         sum_dq(m - 1);  // behind the MMAs: block m - 1's dQ rows of this CTA, from every active CTA
         mbarrier_wait_cluster(&bars[1], (m - 1) & 1);  // every CTA has read this CTA's block m - 1 partial
+      }
+    }
+    if constexpr (CLUSTER < 0) {
+      if (m > 1) {  // behind the MMAs: block m - 2's reduction (not the newest one, m - 1's) is complete
+        if (lane == 0) async_copy::bulk_wait<1>();
+        ticket_dq(qblock(m - 2));
       }
     }
     wgmma::wait<0>();
@@ -1407,6 +1451,10 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
   if (!direct && lane == 0) async_copy::bulk_wait_all();
+  if constexpr (CLUSTER < 0) {
+    if (mblocks > 1) ticket_dq(qblock(mblocks - 2));
+    ticket_dq(qblock(mblocks - 1));
+  }
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d], token stride grad_row
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
@@ -1550,11 +1598,14 @@ int hopper_forward_warpgroups(bool full_128) {
 // Which backward runs at head dims 32 and 64: hopper::attn_bwd_kernel on a Hopper (kClusters: with dQ
 // summed on chip where varlen_attention_bwd allows it), unless BERTACCEL_ATTENTION_BWD=mma (the mma.sync
 // kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer).
-enum class HopperBackward { kNone, kClusters, kBuffer };
+// =ticket: past 2 key blocks, dQ through the buffer with each block's rows cast by the CTA that adds them last
+// (attn_bwd_kernel's CLUSTER = -1; no cast kernel): kTickets.
+enum class HopperBackward { kNone, kClusters, kBuffer, kTickets };
 HopperBackward hopper_backward() {
   if (!on_hopper()) return HopperBackward::kNone;
   const std::string choice = env_value("BERTACCEL_ATTENTION_BWD");
   if (choice == "mma") return HopperBackward::kNone;
+  if (choice == "ticket") return HopperBackward::kTickets;
   return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
 }
 #endif
@@ -1680,9 +1731,11 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   if (q.numel() == 0) return;
 #if defined(BERTACCEL_ATTENTION_SM90A)
   const HopperBackward choice = d <= 64 ? hopper_backward() : HopperBackward::kNone;
-  const bool hopper = choice != HopperBackward::kNone, clusters = choice == HopperBackward::kClusters;
+  const bool hopper = choice != HopperBackward::kNone;
+  const bool clusters = choice == HopperBackward::kClusters || choice == HopperBackward::kTickets;
+  const bool tickets = choice == HopperBackward::kTickets;
 #else
-  const bool hopper = false, clusters = false;
+  const bool hopper = false, clusters = false, tickets = false;
 #endif
   const int64_t key_blocks = std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1);
   // The Hopper backward: with at most 2 key blocks (max_seqlen <= 128) both CTAs of a (sequence, head) run as
@@ -1693,10 +1746,14 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   // the buffer (half the L2 reductions) 0.539 ms (6f6343a), against 0.416-0.424 without clusters; pairs again
   // with every remote read in flight (tried/attention-bwd-dq-pairs): main kernel 281 against 212 us.
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
-  const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
+  const int cluster = clusters && key_blocks <= 2 ? 2 : (tickets ? -1 : 0);
   const bool direct = cluster > 0;
-  at::Tensor dq_accum;
+  at::Tensor dq_accum, dq_tickets;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  if (cluster < 0) {
+    const int64_t batch = cu_seqlens.size(0) - 1;
+    dq_tickets = at::zeros({q.size(1) * std::max<int64_t>(batch, 1) * key_blocks * 4}, q.options().dtype(at::kInt));
+  }
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
   P.o = out.data_ptr();
@@ -1710,6 +1767,7 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   P.grad_row = dq.stride(0);
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
+  P.dq_tickets = cluster < 0 ? dq_tickets.data_ptr<int>() : nullptr;
   P.rng = rng.data_ptr<int64_t>();
   const bool dropout = dropout_p > 0;
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -1744,6 +1802,10 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
           config.attrs = &attr;
           config.numAttrs = 1;
           C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P, tm_q, tm_do));
+        } else if (cluster < 0) {
+          auto kernel = hopper::attn_bwd_kernel<T, D, DR, -1>;
+          set_smem(kernel, smem);
+          kernel<<<grid, 128, smem, stream>>>(P, tm_q, tm_do);
         } else {
           auto kernel = hopper::attn_bwd_kernel<T, D, DR, 0>;
           set_smem(kernel, smem);
@@ -1762,7 +1824,7 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
       kernel<<<grid, kThreads, smem, stream>>>(P);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (direct) return;
+    if (direct || (launched && cluster < 0)) return;  // dq written by the backward itself
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 8 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale, layout, P.heads, (int)D,
