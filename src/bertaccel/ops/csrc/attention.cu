@@ -1336,8 +1336,12 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
       }
     }
     if constexpr (CLUSTER < 0) {
-      if (m > 1) {  // behind the MMAs: block m - 2's reduction (not the newest one, m - 1's) is complete
-        if (lane == 0) async_copy::bulk_wait<1>();
+      if (m > 1) {  // behind the MMAs: block m - 2's reduction is complete (m - 1's, the newest, may not be)
+        if (lane == 0) {
+          // a warp with no rows in block m - 1 (the sequence's last, partial block) issued no group for it
+          if (len - qblock(m - 1) * B - warp * 16 > 0) async_copy::bulk_wait<1>();
+          else async_copy::bulk_wait<0>();
+        }
         ticket_dq(qblock(m - 2));
       }
     }
