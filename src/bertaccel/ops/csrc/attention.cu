@@ -671,6 +671,17 @@ __host__ __device__ __forceinline__ int dq_chunk_phase(int row, int d) { return 
 // The layouts of dq_accum: the mma.sync backward's [T, heads, d], the Hopper backward's (dq_chunk_phase)
 enum class DqLayout : int { kTokensMajor = 0, kHeadsMajorPermuted = 1 };
 
+// scale * (a, b), cast to T: one 16-byte chunk of dq from 8 fp32 partial sums
+template <typename T>
+__device__ __forceinline__ uint4 scaled8(const float4 a, const float4 b, float scale) {
+  uint4 out;
+  out.x = pack2<T>(a.x * scale, a.y * scale);
+  out.y = pack2<T>(a.z * scale, a.w * scale);
+  out.z = pack2<T>(b.x * scale, b.y * scale);
+  out.w = pack2<T>(b.z * scale, b.w * scale);
+  return out;
+}
+
 // dq = scale * dq_accum, cast; 8 elements (one 32-byte chunk of dq_accum) per thread. dq is [T, heads, d]
 // with token stride dq_row (heads contiguous); dq_accum in `layout`
 template <typename T>
@@ -688,12 +699,7 @@ __global__ void attn_bwd_dq_kernel(const float* __restrict__ acc, T* __restrict_
       j = ((int64_t)h * tokens + tok) * d + c;
     }
     const float4 a = *reinterpret_cast<const float4*>(acc + j), b = *reinterpret_cast<const float4*>(acc + j + 4);
-    uint4 out;
-    out.x = pack2<T>(a.x * scale, a.y * scale);
-    out.y = pack2<T>(a.z * scale, a.w * scale);
-    out.z = pack2<T>(b.x * scale, b.y * scale);
-    out.w = pack2<T>(b.z * scale, b.w * scale);
-    *reinterpret_cast<uint4*>(dq + tok * dq_row + i % row) = out;
+    *reinterpret_cast<uint4*>(dq + tok * dq_row + i % row) = scaled8<T>(a, b, scale);
   }
 }
 
@@ -1294,13 +1300,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
       const int r = idx / C8, c = idx % C8, tok = start + r0 + r;
       const float4* src = reinterpret_cast<const float4*>(dq_accum + (int64_t)(r0 + r) * D +
                                                           ((c ^ dq_chunk_phase(tok, D)) << 3));
-      const float4 x = __ldcg(src), y = __ldcg(src + 1);
-      uint4 out;
-      out.x = pack2<T>(x.x * p.scale, x.y * p.scale);
-      out.y = pack2<T>(x.z * p.scale, x.w * p.scale);
-      out.z = pack2<T>(y.x * p.scale, y.y * p.scale);
-      out.w = pack2<T>(y.z * p.scale, y.w * p.scale);
-      *reinterpret_cast<uint4*>(dqp + (int64_t)tok * p.grad_row + c * 8) = out;
+      *reinterpret_cast<uint4*>(dqp + (int64_t)tok * p.grad_row + c * 8) = scaled8<T>(__ldcg(src), __ldcg(src + 1), p.scale);
     }
   };
 
@@ -1340,7 +1340,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
         if (lane == 0) {
           // a warp with no rows in block m - 1 (the sequence's last, partial block) issued no group for it
           if (len - qblock(m - 1) * B - warp * 16 > 0) async_copy::bulk_wait<1>();
-          else async_copy::bulk_wait<0>();
+          else async_copy::bulk_wait_all();
         }
         ticket_dq(qblock(m - 2));
       }
