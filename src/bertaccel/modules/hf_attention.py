@@ -159,21 +159,19 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
     if reason is not None:
         note_fallback("attention", reason)
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions)
-    qkv = fused_qkv_of(query, key, value)
-    if attention_mask is None:
+    if attention_mask is None:  # B sequences of S, read in place
         cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
-        if qkv is not None:
-            out = varlen_attention_packed(qkv, cu_seqlens, S, dropout, scaling)
-        else:
-            out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
-        return out.view(B, S, H, D), None
-    order, inverse, cu_seqlens = packing_of(attention_mask)
-    if qkv is not None:  # one gather of the [T, 3, H, D] rows (and one in the backward) instead of three
-        out = varlen_attention_packed(RowPermutation.apply(qkv, order, inverse), cu_seqlens, S, dropout, scaling)
+        pack = unpack = lambda t: t  # noqa: E731
     else:
-        q, k, v = (RowPermutation.apply(t, order, inverse) for t in (q, k, v))
-        out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling)
-    return RowPermutation.apply(out, inverse, order).view(B, S, H, D), None
+        order, inverse, cu_seqlens = packing_of(attention_mask)
+        pack = lambda t: RowPermutation.apply(t, order, inverse)  # noqa: E731
+        unpack = lambda t: RowPermutation.apply(t, inverse, order)  # noqa: E731
+    qkv = fused_qkv_of(query, key, value)
+    if qkv is not None:  # one gather of the [T, 3, H, D] rows (and one in the backward) instead of three
+        out = varlen_attention_packed(pack(qkv), cu_seqlens, S, dropout, scaling)
+    else:
+        out = varlen_attention(pack(q), pack(k), pack(v), cu_seqlens, S, dropout, scaling)
+    return unpack(out).view(B, S, H, D), None
 
 
 def fused_qkv_of(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
