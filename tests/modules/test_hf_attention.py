@@ -1,5 +1,6 @@
 """`attn_implementation: bertaccel`: our attention kernel behind transformers' AttentionInterface, on
-padded batches (packing order from the mask, no host sync), against SDPA."""
+padded batches (read in place as slots of the padded length, the lengths on the device: no host sync),
+against SDPA."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bertaccel.modules.hf_attention import attention_forward, packing_order
+from bertaccel.modules.hf_attention import attention_forward, padded_layout
 from bertaccel.ops import eligibility
 from tests.conftest import TINY_BERT
 from tests.ops.conftest import capture_graph
@@ -32,23 +33,31 @@ def packed_on_cpu(monkeypatch):
     monkeypatch.setattr(attention, "kernel_unavailable", lambda q, k, v: None)
 
 
-def test_packing_order_puts_each_rows_tokens_first_in_order():
-    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 1, 0]], dtype=torch.bool)
-    order, inverse, cu = packing_order(mask)
-    assert order[:7].tolist() == [0, 1, 5, 6, 7, 8, 10]  # real positions, row by row
-    assert sorted(order[7:].tolist()) == [2, 3, 4, 9, 11]
-    assert cu.tolist() == [0, 2, 5, 7] and cu.dtype == torch.int32
-    assert torch.equal(order[inverse], torch.arange(12))
+def test_padded_layout_is_slots_of_the_padded_length_with_each_rows_token_count():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 1], [1, 0, 1, 0]], dtype=torch.bool)
+    cu, seqused = padded_layout(mask)
+    assert cu.tolist() == [0, 4, 8, 12, 16, 20] and cu.dtype == torch.int32
+    # right-padded rows (an empty one too): their token count; left padding and holes: -1 (no such layout)
+    assert seqused.tolist() == [2, 4, 0, -1, -1] and seqused.dtype == torch.int32
 
 
-@pytest.mark.parametrize("left", [False, True])
-def test_packed_path_equals_sdpa_on_real_positions(packed_on_cpu, left):
+def test_a_mask_that_is_not_right_padded_is_refused_with_the_reason(packed_on_cpu):
+    """Left padding or holes have no in-place layout: the kernels stop (on the GPU a device-side assert with
+    the same words), the CPU reference raises - never a silently wrong attention."""
+    B, H, S, D = 3, 2, 6, 8
+    q, k, v = (torch.randn(B, S, H * D, dtype=torch.float64).view(B, S, H, D).transpose(1, 2) for _ in range(3))
+    for mask in (random_mask(B, S, left=True), torch.tensor([[1, 0, 1, 1, 0, 0]] * B, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="not right-padded.*padding_side='right'.*sdpa"):
+            attention_forward(None, q, k, v, mask, scaling=D**-0.5)
+
+
+def test_padded_path_equals_sdpa_on_real_positions(packed_on_cpu):
     B, H, S, D = 5, 3, 11, 16
     g = torch.Generator().manual_seed(1)
     # q, k, v as BERT makes them: views of [B, S, H*D] projections
     q, k, v = (torch.randn(B, S, H * D, generator=g, dtype=torch.float64).view(B, S, H, D).transpose(1, 2)
                .requires_grad_() for _ in range(3))
-    mask = random_mask(B, S, left=left)
+    mask = random_mask(B, S)
     out, weights = attention_forward(None, q, k, v, mask, dropout=0.0, scaling=D**-0.5)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]).transpose(1, 2)
     assert weights is None and out.shape == (B, S, H, D)
@@ -142,14 +151,14 @@ def test_bert_classifier_with_bertaccel_attention_equals_sdpa(packed_on_cpu):
     torch.testing.assert_close(logits["bertaccel"], logits["sdpa"], rtol=1e-4, atol=1e-5)
 
 
-def test_a_model_forward_packs_its_mask_once(packed_on_cpu, monkeypatch):
+def test_a_model_forward_reads_its_mask_once(packed_on_cpu, monkeypatch):
     """Through transformers' BERT (3 layers, and again with the kernel swap's fused QKV attention), one
-    forward sorts its mask once: every layer gets the mask `padding_mask` made, which carries the packing."""
+    forward computes its mask's layout once: every layer gets the mask `padding_mask` made, which carries it."""
     from bertaccel.modules import BertClassifier, hf_attention
     from bertaccel.ops.swap import swap
 
     calls = []
-    monkeypatch.setattr(hf_attention, "packing_order", lambda m: calls.append(1) or packing_order(m))
+    monkeypatch.setattr(hf_attention, "padded_layout", lambda m: calls.append(1) or padded_layout(m))
     model = BertClassifier(config=dict(TINY_BERT, num_hidden_layers=3), vocab_size=100, num_labels=2,
                            attn_implementation="bertaccel").model
     ids, mask = torch.randint(5, 100, (3, 11)), random_mask(3, 11, seed=2).long()
@@ -158,14 +167,14 @@ def test_a_model_forward_packs_its_mask_once(packed_on_cpu, monkeypatch):
             swap(model, ["qkv"])
         calls.clear()
         model(input_ids=ids, attention_mask=mask).logits.sum().backward()
-        assert len(calls) == 1, f"swapped={swapped}: {len(calls)} sorts"
+        assert len(calls) == 1, f"swapped={swapped}: {len(calls)} layouts"
 
 
 @pytest.mark.parametrize("masked", [True, False])
 def test_fused_qkv_projection_goes_through_the_packed_call_with_the_same_gradients(packed_on_cpu, monkeypatch,
                                                                                    masked):
     """With the kernel swap's fused QKV projection, each layer makes one packed call on the projection's
-    output (one gather, one gradient tensor); logits and every parameter's gradient equal the unswapped
+    output (one gradient tensor); logits and every parameter's gradient equal the unswapped
     model's (three separate q / k / v calls)."""
     import bertaccel.ops.attention as attention
     import bertaccel.ops.qkv as qkv
@@ -300,8 +309,8 @@ def test_views_of_one_qkv_tensor_take_the_packed_call_within_twice_sdpa_error(ma
 
 @pytest.mark.cuda
 def test_padded_batches_replay_in_a_cuda_graph():
-    """Packing order and cu_seqlens live on the GPU: a captured forward + backward replays correctly
-    for a new mask with other lengths."""
+    """cu_seqlens and the lengths live on the GPU: a captured forward + backward replays correctly for a
+    new mask with other lengths, and its padding rows' outputs and gradients are zeros."""
     B, S, H, D = 4, 96, 4, 64
     q, k, v, mask = _bf16_case(B, S, H, D, seed=0)
     static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -320,35 +329,23 @@ def test_padded_batches_replay_in_a_cuda_graph():
     want = attention_forward(None, *(t.detach().requires_grad_() for t in (q2, k2, v2)), mask2, scaling=D**-0.5)[0]
     torch.testing.assert_close(out, want)
     assert not torch.equal(mask2, mask)
+    assert not out[~mask2].any() and not any(g.transpose(1, 2)[~mask2].any() for g in grads)
 
 
-def test_the_packing_is_computed_once_per_forward_mask_and_never_kept_on_a_given_mask():
-    """A mask `padding_mask` made (one model forward's) carries its packing for the next layers; a mask given
-    directly is packed on every call - it may be refilled in place (a CUDA graph's static mask, whose
-    packing must then be computed inside the capture: test_padded_batches_replay_in_a_cuda_graph)."""
-    from bertaccel.modules.hf_attention import packing_of, padding_mask
+def test_the_layout_is_computed_once_per_forward_mask_and_never_kept_on_a_given_mask():
+    """A mask `padding_mask` made (one model forward's) carries its layout for the next layers; a mask given
+    directly is read on every call - it may be refilled in place (a CUDA graph's static mask, whose layout
+    must then be computed inside the capture: test_padded_batches_replay_in_a_cuda_graph)."""
+    from bertaccel.modules.hf_attention import padded_layout_of, padding_mask
 
     raw = random_mask(4, 9)
     forward_mask = padding_mask(4, 9, 9, attention_mask=raw.long())
-    first = packing_of(forward_mask)
-    assert packing_of(forward_mask) is first  # the next layer of the same forward
+    first = padded_layout_of(forward_mask)
+    assert padded_layout_of(forward_mask) is first  # the next layer of the same forward
     assert padding_mask(4, 9, 9, attention_mask=raw.long()) is not forward_mask  # the next forward's mask is new
-    assert packing_of(raw) is not packing_of(raw)
+    assert padded_layout_of(raw) is not padded_layout_of(raw)
     static = raw.clone()
-    packing_of(static)
+    padded_layout_of(static)
     static.copy_(random_mask(4, 9, seed=4))  # refilled in place
-    for a, b in zip(packing_of(static), packing_order(static)):
+    for a, b in zip(padded_layout_of(static), padded_layout(static)):
         assert torch.equal(a, b)
-
-
-def test_row_permutation_gradient_is_the_inverse_gather():
-    from bertaccel.modules.hf_attention import RowPermutation
-
-    order = torch.randperm(13, generator=torch.Generator().manual_seed(0))
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(13)
-    x = torch.randn(13, 3, 2, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: RowPermutation.apply(t, order, inverse), (x,))
-    g = torch.randn(13, 3, 2, dtype=torch.float64)
-    assert torch.equal(torch.autograd.grad(RowPermutation.apply(x, order, inverse), x, g)[0],
-                       torch.autograd.grad(x[order], x, g)[0])

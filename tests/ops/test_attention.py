@@ -22,23 +22,33 @@ def _cu(lengths, fillers=0):
     return cu, int(cu[-1]) + fillers
 
 
-def _reference(q, k, v, cu, scale, p=0.0, rng=None):
+def _reference(q, k, v, cu, scale, p=0.0, rng=None, seqused=None):
     """float64 attention per sequence and head (dropout mask from `dropout_keep` for the seed and
-    offset in `rng`); fillers zero. Differentiable."""
-    outs = []
+    offset in `rng`); fillers (past cu[-1], and with `seqused` a slot's rows past it) zero. Differentiable."""
+    pieces = []
     cu = cu.tolist()
+    used = seqused.tolist() if seqused is not None else [cu[b + 1] - cu[b] for b in range(len(cu) - 1)]
+    zeros = lambda n: q.new_zeros(n, *q.shape[1:]).double()  # noqa: E731
     for b in range(len(cu) - 1):
-        s, e = cu[b], cu[b + 1]
-        if e == s:
-            continue
-        qs, ks, vs = (t[s:e].double() for t in (q, k, v))
-        probs = torch.softmax(torch.einsum("qhd,khd->hqk", qs, ks) * scale, -1)
-        if p > 0:
-            keep = torch.stack([dropout_keep(s, e - s, h, p, int(rng[0]), int(rng[1])) for h in range(q.shape[1])])
-            probs = probs * keep.to(probs.device) / (1 - p)
-        outs.append(torch.einsum("hqk,khd->qhd", probs, vs))
-    real = torch.cat(outs) if outs else q.new_zeros(0, *q.shape[1:]).double()
-    return torch.cat([real, real.new_zeros(q.shape[0] - real.shape[0], *q.shape[1:])])
+        s, e = cu[b], cu[b] + min(used[b], cu[b + 1] - cu[b])
+        if e > s:
+            qs, ks, vs = (t[s:e].double() for t in (q, k, v))
+            probs = torch.softmax(torch.einsum("qhd,khd->hqk", qs, ks) * scale, -1)
+            if p > 0:
+                keep = torch.stack([dropout_keep(s, e - s, h, p, int(rng[0]), int(rng[1])) for h in range(q.shape[1])])
+                probs = probs * keep.to(probs.device) / (1 - p)
+            pieces.append(torch.einsum("hqk,khd->qhd", probs, vs))
+        pieces.append(zeros(cu[b + 1] - e))
+    pieces.append(zeros(q.shape[0] - cu[-1]))
+    return torch.cat(pieces)
+
+
+def _slots(lengths, S):
+    """A right-padded [len(lengths), S] batch as slots: (cu_seqlens b * S, seqused, the real rows' mask)."""
+    cu = torch.arange(0, (len(lengths) + 1) * S, S, dtype=torch.int32)
+    used = torch.tensor(lengths, dtype=torch.int32)
+    real = (torch.arange(S)[None, :] < used[:, None]).reshape(-1)
+    return cu, used, real
 
 
 # ------------------------------------------------------------------------------ CPU
@@ -136,6 +146,39 @@ def test_packed_qkv_equals_its_parts_and_opchecks_on_cpu():
         varlen_attention_packed(qkv[:, :2], cu, 6)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_seqused_reads_the_first_rows_of_each_slot_on_cpu(p):
+    """With seqused the op reads a right-padded batch in place: its real rows' outputs and gradients are the
+    float64 reference's per sequence (the dropout mask drawn by token row, as the kernels draw it), every other
+    row of a slot is zero; opcheck with seqused; a negative seqused (the interface's mark of a mask that is not
+    right-padded) is refused with the reason."""
+    lengths, S = [5, 0, 8, 1], 8
+    cu, used, real = _slots(lengths, S)
+    T = cu[-1].item()
+    q, k, v = (torch.randn(T, 2, 16, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    dout = torch.randn(T, 2, 16)
+    torch.manual_seed(5)
+    out, lse, rng = torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu, S, p, 0.25, used)
+    ref = _reference(q, k, v, cu, 0.25, p, rng, seqused=used)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    assert not out[~real].any() and not lse[:, ~real].any()
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r.double(), atol=1e-5, rtol=1e-4)
+        assert not g[~real].any()
+    args = (q.detach(), k.detach(), v.detach(), cu, S, 0.0, 0.25, used)
+    torch.library.opcheck(torch.ops.bertaccel.varlen_attention_fwd.default, args)
+    o, lse, rng = torch.ops.bertaccel.varlen_attention_fwd(*args)
+    torch.library.opcheck(torch.ops.bertaccel.varlen_attention_bwd.default,
+                          (dout, *args[:3], o, lse, cu, S, 0.0, 0.25, rng, used))
+    qkv = torch.stack(args[:3], 1)
+    torch.library.opcheck(torch.ops.bertaccel.varlen_attention_packed_fwd.default, (qkv, cu, S, 0.0, 0.25, used))
+    torch.testing.assert_close(varlen_attention_packed(qkv, cu, S, 0.0, 0.25, used), o)
+    with pytest.raises(ValueError, match="not right-padded"):
+        varlen_attention(*args[:3], cu, S, 0.0, 0.25, torch.tensor([5, -1, 8, 1], dtype=torch.int32))
+
+
 def test_kernel_unavailable_says_why():
     q = torch.randn(4, 2, 32)
     assert attention.kernel_unavailable(q, q, q) == "not a CUDA tensor"
@@ -177,12 +220,11 @@ def _err(a, ref, real):
 def _forward_kernel(name, monkeypatch):
     """`hopper`: the default kernels where the GPU is a Hopper (warpgroup MMAs); `wg1` / `wg2`: that
     forward with 64 / 128 queries per CTA; `n128`: with 128 keys per block (head dims 32, 64); `bulk`: the default forward, and the Hopper backward adding
-    dQ to an fp32 buffer (its path past 2 key blocks) at every length; `ticket`: past 2 key blocks, that buffer's
-    rows cast to dq by the CTA that adds them last (no cast kernel); `mma`: the mma.sync forward and
+    dQ to an fp32 buffer (its path past 2 key blocks) at every length; `mma`: the mma.sync forward and
     backward, the default elsewhere (BERTACCEL_ATTENTION_FWD / _BWD)."""
     if name != "mma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup-MMA forward needs a Hopper GPU (sm_90)")
-    if name in ("bulk", "ticket"):
+    if name == "bulk":
         monkeypatch.setenv("BERTACCEL_ATTENTION_BWD", name)
     elif name != "hopper":
         monkeypatch.setenv("BERTACCEL_ATTENTION_FWD", name)
@@ -191,7 +233,7 @@ def _forward_kernel(name, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "ticket", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "mma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("lengths", [[77, 1, 0, 128, 33], [513, 64, 65, 3], [200, 129, 257]])
@@ -225,7 +267,7 @@ def test_forward_and_gradients_within_twice_sdpa_error(dtype, head_dim, lengths,
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "bulk", "ticket", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "bulk", "mma"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_many_fillers_are_zero_in_every_output(fwd, packed, monkeypatch):
     """More filler rows than the fillers' grid slice has warps (each warp zeroes rows in a strided loop; the
@@ -266,7 +308,55 @@ def test_many_fillers_are_zero_in_every_output(fwd, packed, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "ticket", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "mma"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("S", [128, 200])  # 2 key blocks (the Hopper backward's clusters); 4, the last partial
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_seqused_slots_on_the_gpu(fwd, head_dim, S, p, monkeypatch):
+    """A right-padded batch read in place (slots of S rows, seqused the lengths: empty, 1, partial blocks, full)
+    on NaN-poisoned memory: without dropout the output and every gradient within twice SDPA's error of float64
+    on the real rows; with dropout the reference's mask for the kernel's seed (drawn by token row); the slots'
+    other rows zero in the output, lse and every gradient, the padding rows' inputs (random) unread."""
+    _kernel_or_skip()
+    _forward_kernel(fwd, monkeypatch)
+    from tests.ops.conftest import poison
+
+    lengths = [S, 0, 1, 65, S - 3, 64]
+    cu, used, real = _slots(lengths, S)
+    T, heads = int(cu[-1]), 3
+    g = torch.Generator(device="cuda").manual_seed(head_dim + S)
+    q, k, v, dout = (torch.randn(T, heads, head_dim, device="cuda", generator=g).bfloat16() for _ in range(4))
+    scale = head_dim ** -0.5
+    poison()
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(3)
+    out, lse, rng = torch.ops.bertaccel.varlen_attention_fwd(*xs, cu.cuda(), S, p, scale, used.cuda())
+    grads = torch.autograd.grad(out, xs, dout)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = _reference(*leaves, cu, scale, p, rng.cpu(), seqused=used)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    mask = real.cuda()
+    assert not out[~mask].any() and not lse[:, ~mask].any(), "output / lse of the slots' padding rows"
+    for name, a in zip("qkv", grads):
+        assert torch.isfinite(a).all() and not a[~mask].any(), f"d{name} of the slots' padding rows"
+    if p > 0:
+        assert _err(out[mask], ref[real], int(real.sum())) < 0.05
+        for name, a, r in zip("qkv", grads, ref_grads):
+            assert _err(a[mask], r[real], int(real.sum())) < 0.05 * max(1.0, r.abs().max().item()), name
+        return
+    # SDPA on the same sequences, packed (its error is the bar)
+    packed_cu, _ = _cu(lengths)
+    sq = [t[mask].clone().requires_grad_() for t in (q, k, v)]
+    sdpa = _sdpa(*sq, packed_cu.cuda(), scale)
+    sdpa_grads = torch.autograd.grad(sdpa, sq, dout[mask])
+    n = int(real.sum())
+    assert _err(out[mask], ref[real], n) <= 2 * _err(sdpa, ref[real], n) + 1e-3
+    for name, a, b, r in zip("qkv", grads, sdpa_grads, ref_grads):
+        assert _err(a[mask], r[real], n) <= 2 * _err(b, r[real], n) + 1e-3, name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "mma"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("longest", [130, 128])  # 3 key blocks; 2 (the Hopper backward's cluster path)
 def test_dropout_is_the_reference_mask_for_the_kernels_seed(head_dim, fwd, longest, monkeypatch):
@@ -336,7 +426,7 @@ def test_strided_views_of_one_qkv_output():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "bulk", "ticket", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "bulk", "mma"])
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("lengths", [[50, 90], [300, 5, 0, 130, 64]])
 @pytest.mark.parametrize("p", [0.0, 0.1])
@@ -407,12 +497,11 @@ def test_cuda_graph_replays_draw_new_masks_and_match_eager():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("bwd", ["", "bulk", "ticket"])
+@pytest.mark.parametrize("bwd", ["", "bulk"])
 def test_backward_replays_with_new_inputs(bwd, monkeypatch):
     """The backward captured once and replayed on new inputs equals eager calls on them: the fp32 dQ
     buffer is cleared on every call (a stale sum would carry the first replay's dq along), packed
-    sequences of 1 to 5 key blocks, an empty one; on a Hopper also with the buffer at every length, and with
-    the last-adder casts (`ticket`: their arrival counters start from zero in every replay)."""
+    sequences of 1 to 5 key blocks, an empty one; on a Hopper also with the buffer at every length."""
     _kernel_or_skip()
     if bwd and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup-MMA backward needs a Hopper GPU (sm_90)")

@@ -5,19 +5,21 @@ Registered the transformers way (`AttentionInterface` / `AttentionMaskInterface`
 with q, k, v of shape [batch, heads, seq, head_dim] and the mask `padding_mask` made.
 
 How a padded batch meets a varlen kernel, without a host sync (so the step stays capturable in a
-CUDA graph): a stable sort of the flattened 2-D padding mask puts every sequence's real tokens first,
-in order; the packed q, k, v are gathered in that order, sequence b at rows cu_seqlens[b] ..
-cu_seqlens[b + 1] (cu_seqlens: the cumulative sum of the row lengths, on the device); the padding
-rows after cu_seqlens[-1] are fillers that the kernel writes as zeros; the inverse permutation puts
-the outputs back. Nothing depends on the number of real tokens on the host; the shapes are the
-padded batch's. A batch without a mask (attention_mask None) is read in place as B sequences of S.
-The packing is computed once per forward: `padding_mask` (called once per model forward, inside a
-captured one too) returns a new mask tensor that every layer gets, and the first layer stores the packing
-on it (a sort and five small kernels per layer otherwise). A mask handed to `attention_forward` directly
-gets no such slot and is packed on every call: the same tensor may be refilled between calls, e.g. a CUDA
-graph's static input, whose packing must be computed inside the capture. The permutations' gradients are
-the inverse gathers (the indexing backward autograd would run zero-fills a tensor and scatter-adds into it
-after sorting the indices).
+CUDA graph) and without moving a token: q, k, v [B, H, S, D] are views of the projection's [B, S, H * D]
+output, read in place as B slots of S rows (cu_seqlens b * S) of which sequence b uses the first
+seqused[b] = (its mask row's token count) - the right-padded layout BERT tokenizers produce. The rest of
+each slot are fillers the kernels write as zeros (and skip: a padded key or query block costs nothing).
+Nothing depends on the number of real tokens on the host; the shapes are the padded batch's. A mask row
+whose tokens are not one run from position 0 (left padding, holes) has no such layout: its seqused is
+marked -1 and the kernel stops with that reason (the CPU reference raises it). Until session 43 the
+interface gathered the real tokens into a packed order (a sort of the mask) and scattered the outputs
+back - q, k, v, the output and both their gradients through HBM once more per layer; reading in place
+saved (numbers in README, "Attention through the interface"). A batch without a mask (attention_mask
+None) is B full sequences of S. The layout is computed once per forward: `padding_mask` (called once per
+model forward, inside a captured one too) returns a new mask tensor that every layer gets, and the first
+layer stores the layout on it. A mask handed to `attention_forward` directly gets no such slot and is
+read on every call: the same tensor may be refilled between calls, e.g. a CUDA graph's static input,
+whose layout must be computed inside the capture.
 
 Padding query positions come out as zeros (SDPA gives them an average over the real keys); nothing
 reads them - the pooler takes [CLS], the losses skip padding - and the real positions match SDPA.
@@ -74,7 +76,7 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         return None
     mask = attention_mask[:, -kv_length:].bool()  # a new tensor on every call (a view at least)
     if not torch.compiler.is_compiling():
-        mask._bertaccel_packing = None  # this forward's: its layers share one packing (packing_of)
+        mask._bertaccel_layout = None  # this forward's: its layers share one layout (padded_layout_of)
     return mask
 
 
@@ -93,43 +95,28 @@ def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_ca
     return out.transpose(1, 2), None
 
 
-def packing_order(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """For a [B, S] padding mask: (order, inverse, cu_seqlens). `order` lists the flattened positions
-    real tokens first (row by row, in order), then the padding; `inverse` undoes it; cu_seqlens
-    (int32, B + 1) are the packed sequences' bounds. No host sync."""
-    flat = attention_mask.reshape(-1)
-    order = torch.argsort((~flat).to(torch.uint8), stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
+def padded_layout(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """For a [B, S] padding mask: (cu_seqlens, seqused), int32 on the mask's device - B slots of S rows
+    (cu_seqlens b * S) of which sequence b uses the first seqused[b]: its row's token count, or -1 where
+    the row is not right-padded (the kernels stop with that reason). No host sync."""
+    B, S = attention_mask.shape
     lengths = attention_mask.sum(1, dtype=torch.int32)
-    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    return order, inverse, cu_seqlens
+    positions = torch.arange(S, device=attention_mask.device)
+    right_padded = (attention_mask == (positions[None, :] < lengths[:, None])).all(1)
+    seqused = torch.where(right_padded, lengths, torch.full_like(lengths, -1))
+    cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=attention_mask.device)
+    return cu_seqlens, seqused
 
 
-def packing_of(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`packing_order(attention_mask)`, once per forward: stored on a mask `padding_mask` made (one
-    forward's, shared by its layers); any other mask is packed on every call. Under torch.compile computed
+def padded_layout_of(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """`padded_layout(attention_mask)`, once per forward: stored on a mask `padding_mask` made (one
+    forward's, shared by its layers); any other mask is read on every call. Under torch.compile computed
     every call (the compiler merges the repeats)."""
-    if torch.compiler.is_compiling() or not hasattr(attention_mask, "_bertaccel_packing"):
-        return packing_order(attention_mask)
-    if attention_mask._bertaccel_packing is None:
-        attention_mask._bertaccel_packing = packing_order(attention_mask)
-    return attention_mask._bertaccel_packing
-
-
-class RowPermutation(torch.autograd.Function):
-    """x's rows in `order`, a permutation whose inverse is `inverse`: the gradient is the incoming gradient's
-    rows in `inverse` order - a gather, where indexing's backward would scatter-add into a zeroed tensor."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, order)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+    if torch.compiler.is_compiling() or not hasattr(attention_mask, "_bertaccel_layout"):
+        return padded_layout(attention_mask)
+    if attention_mask._bertaccel_layout is None:
+        attention_mask._bertaccel_layout = padded_layout(attention_mask)
+    return attention_mask._bertaccel_layout
 
 
 def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -159,19 +146,17 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
     if reason is not None:
         note_fallback("attention", reason)
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions)
-    if attention_mask is None:  # B sequences of S, read in place
+    if attention_mask is None:  # B sequences of S
         cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
-        pack = unpack = lambda t: t  # noqa: E731
+        seqused = None
     else:
-        order, inverse, cu_seqlens = packing_of(attention_mask)
-        pack = lambda t: RowPermutation.apply(t, order, inverse)  # noqa: E731
-        unpack = lambda t: RowPermutation.apply(t, inverse, order)  # noqa: E731
+        cu_seqlens, seqused = padded_layout_of(attention_mask)
     qkv = fused_qkv_of(query, key, value)
-    if qkv is not None:  # one gather of the [T, 3, H, D] rows (and one in the backward) instead of three
-        out = varlen_attention_packed(pack(qkv), cu_seqlens, S, dropout, scaling)
+    if qkv is not None:  # one [T, 3, H, D] gradient written by the kernels, no cat of three
+        out = varlen_attention_packed(qkv, cu_seqlens, S, dropout, scaling, seqused)
     else:
-        out = varlen_attention(pack(q), pack(k), pack(v), cu_seqlens, S, dropout, scaling)
-    return unpack(out).view(B, S, H, D), None
+        out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling, seqused)
+    return out.view(B, S, H, D), None
 
 
 def fused_qkv_of(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:

@@ -2,7 +2,10 @@
 
 `varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)` takes packed rows [T, heads, d]
 (the real tokens of a batch, sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1]; rows past
-cu_seqlens[-1] are fillers whose output and gradients are zero) and returns [T, heads, d]. On a GPU
+cu_seqlens[-1] are fillers whose output and gradients are zero) and returns [T, heads, d]. With
+`seqused` (FlashAttention-3's name) sequence b is the first seqused[b] rows of its slot and the rest of
+the slot are fillers too: a right-padded [batch, seq] batch is read in place (cu_seqlens b * seq, seqused
+the lengths), with no gather of its real tokens. On a GPU
 (sm_80+, bf16 / fp16, head dim 32 / 64 / 128) it runs our FlashAttention-2-style kernels
 (csrc/attention.cu, the `bertaccel_attention` extension): nothing of size seq x seq is written, the
 forward saves the log-sum-exp and the backward recomputes. Elsewhere the CPU kernels below run: the
@@ -35,21 +38,21 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 lib.define(
     "varlen_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, float dropout_p,"
-    " float scale) -> (Tensor, Tensor, Tensor)",
+    " float scale, Tensor? seqused=None) -> (Tensor, Tensor, Tensor)",
     tags=SEEDED,
 )
 lib.define(
     "varlen_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens,"
-    " int max_seqlen, float dropout_p, float scale, Tensor rng) -> (Tensor, Tensor, Tensor)"
+    " int max_seqlen, float dropout_p, float scale, Tensor rng, Tensor? seqused=None) -> (Tensor, Tensor, Tensor)"
 )
 lib.define(
-    "varlen_attention_packed_fwd(Tensor qkv, Tensor cu_seqlens, int max_seqlen, float dropout_p, float scale)"
-    " -> (Tensor, Tensor, Tensor)",
+    "varlen_attention_packed_fwd(Tensor qkv, Tensor cu_seqlens, int max_seqlen, float dropout_p, float scale,"
+    " Tensor? seqused=None) -> (Tensor, Tensor, Tensor)",
     tags=SEEDED,
 )
 lib.define(
     "varlen_attention_packed_bwd(Tensor grad_out, Tensor qkv, Tensor out, Tensor lse, Tensor cu_seqlens,"
-    " int max_seqlen, float dropout_p, float scale, Tensor rng) -> Tensor"
+    " int max_seqlen, float dropout_p, float scale, Tensor rng, Tensor? seqused=None) -> Tensor"
 )
 
 # ------------------------------------------------------------------------------ the dropout draw
@@ -73,9 +76,20 @@ def dropout_keep(start: int, length: int, head: int, p: float, seed: int, offset
 
 
 # ------------------------------------------------------------------------------ CPU reference
-def _sequences(cu_seqlens: Tensor):
+def _sequences(cu_seqlens: Tensor, seqused: Tensor | None = None):
+    """(start, length) of each sequence: its slot cu_seqlens[b] .. cu_seqlens[b + 1], or the first seqused[b]
+    rows of it."""
     cu = cu_seqlens.tolist()
-    return [(cu[b], cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+    if seqused is None:
+        return [(cu[b], cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+    used = seqused.tolist()
+    if len(used) != len(cu) - 1:
+        raise ValueError(f"varlen_attention: seqused has {len(used)} entries for {len(cu) - 1} sequences")
+    if any(u < 0 for u in used):
+        raise ValueError("varlen_attention: a padding mask row is not right-padded (its tokens are not one run from "
+                         "position 0; seqused < 0); pad on the right (tokenizer padding_side='right') or use "
+                         "attn_implementation='sdpa'")
+    return [(cu[b], min(used[b], cu[b + 1] - cu[b])) for b in range(len(cu) - 1)]
 
 
 def _reference_probs(q, k, start, length, h, scale, p, seed, offset):
@@ -94,13 +108,13 @@ def _cpu_rng(p: float) -> Tensor:
 
 
 @torch.library.impl(lib, "varlen_attention_fwd", "CPU")
-def _fwd_cpu(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+def _fwd_cpu(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, seqused=None):
     check_dropout(dropout_p)
     rng = _cpu_rng(dropout_p)
     seed, offset = int(rng[0]), int(rng[1])
     out = torch.zeros(q.shape, dtype=q.dtype)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
-    for start, length in _sequences(cu_seqlens):
+    for start, length in _sequences(cu_seqlens, seqused):
         if length == 0:
             continue
         for h in range(q.shape[1]):
@@ -111,10 +125,10 @@ def _fwd_cpu(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
 
 
 @torch.library.impl(lib, "varlen_attention_bwd", "CPU")
-def _bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng):
+def _bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng, seqused=None):
     seed, offset = int(rng[0]), int(rng[1])
     dq, dk, dv = (torch.zeros(q.shape, dtype=torch.float32) for _ in range(3))
-    for start, length in _sequences(cu_seqlens):
+    for start, length in _sequences(cu_seqlens, seqused):
         if length == 0:
             continue
         rows = slice(start, start + length)
@@ -131,20 +145,20 @@ def _bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, sca
 
 
 @torch.library.register_fake(f"{NS}::varlen_attention_fwd")
-def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, seqused=None):
     return (q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32),
             q.new_empty(2, dtype=torch.int64))
 
 
 @torch.library.register_fake(f"{NS}::varlen_attention_bwd")
-def _bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng):
+def _bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng, seqused=None):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, dropout_p, scale = inputs
+    q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, seqused = inputs
     out, lse, rng = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng, seqused)
     ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
     # lse's gradient is never used: without this autograd fills a [heads, T] fp32 zero tensor per call
     ctx.set_materialize_grads(False)
@@ -152,11 +166,11 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse, grad_rng):
     if grad_out is None:  # the output took no part in what is differentiated
-        return None, None, None, None, None, None, None
-    q, k, v, out, lse, cu_seqlens, rng = ctx.saved_tensors
+        return None, None, None, None, None, None, None, None
+    q, k, v, out, lse, cu_seqlens, rng, seqused = ctx.saved_tensors
     dq, dk, dv = torch.ops.bertaccel.varlen_attention_bwd(
-        grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p, ctx.scale, rng)
-    return dq, dk, dv, None, None, None, None
+        grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p, ctx.scale, rng, seqused)
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd(f"{NS}::varlen_attention_fwd", _backward, setup_context=_setup)
@@ -168,42 +182,43 @@ def _parts(qkv):
 
 
 @torch.library.impl(lib, "varlen_attention_packed_fwd", "CPU")
-def _packed_fwd_cpu(qkv, cu_seqlens, max_seqlen, dropout_p, scale):
-    return _fwd_cpu(*_parts(qkv), cu_seqlens, max_seqlen, dropout_p, scale)
+def _packed_fwd_cpu(qkv, cu_seqlens, max_seqlen, dropout_p, scale, seqused=None):
+    return _fwd_cpu(*_parts(qkv), cu_seqlens, max_seqlen, dropout_p, scale, seqused)
 
 
 @torch.library.impl(lib, "varlen_attention_packed_bwd", "CPU")
-def _packed_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng):
-    return torch.stack(_bwd_cpu(grad_out, *_parts(qkv), out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng), 1)
+def _packed_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng, seqused=None):
+    return torch.stack(_bwd_cpu(grad_out, *_parts(qkv), out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng,
+                                seqused), 1)
 
 
 @torch.library.register_fake(f"{NS}::varlen_attention_packed_fwd")
-def _packed_fwd_fake(qkv, cu_seqlens, max_seqlen, dropout_p, scale):
+def _packed_fwd_fake(qkv, cu_seqlens, max_seqlen, dropout_p, scale, seqused=None):
     t, _, heads, d = qkv.shape
     return (qkv.new_empty(t, heads, d), qkv.new_empty(heads, t, dtype=torch.float32),
             qkv.new_empty(2, dtype=torch.int64))
 
 
 @torch.library.register_fake(f"{NS}::varlen_attention_packed_bwd")
-def _packed_bwd_fake(grad_out, qkv, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng):
+def _packed_bwd_fake(grad_out, qkv, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng, seqused=None):
     return qkv.new_empty(qkv.shape)
 
 
 def _packed_setup(ctx, inputs, output):
-    qkv, cu_seqlens, max_seqlen, dropout_p, scale = inputs
+    qkv, cu_seqlens, max_seqlen, dropout_p, scale, seqused = inputs
     out, lse, rng = output
-    ctx.save_for_backward(qkv, out, lse, cu_seqlens, rng)
+    ctx.save_for_backward(qkv, out, lse, cu_seqlens, rng, seqused)
     ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
     ctx.set_materialize_grads(False)  # (as _setup)
 
 
 def _packed_backward(ctx, grad_out, grad_lse, grad_rng):
     if grad_out is None:
-        return None, None, None, None, None
-    qkv, out, lse, cu_seqlens, rng = ctx.saved_tensors
+        return None, None, None, None, None, None
+    qkv, out, lse, cu_seqlens, rng, seqused = ctx.saved_tensors
     dqkv = torch.ops.bertaccel.varlen_attention_packed_bwd(
-        grad_out.contiguous(), qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p, ctx.scale, rng)
-    return dqkv, None, None, None, None
+        grad_out.contiguous(), qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p, ctx.scale, rng, seqused)
+    return dqkv, None, None, None, None, None
 
 
 torch.library.register_autograd(f"{NS}::varlen_attention_packed_fwd", _packed_backward, setup_context=_packed_setup)
@@ -236,17 +251,21 @@ def kernel_unavailable(q: Tensor, k: Tensor, v: Tensor) -> str | None:
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                     dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
+                     dropout_p: float = 0.0, scale: float | None = None, seqused: Tensor | None = None) -> Tensor:
     """Attention within each sequence of packed [T, heads, d] rows (sequence b: rows cu_seqlens[b] ..
-    cu_seqlens[b + 1]; `max_seqlen` at least the longest, a host int). The caller checks
-    `kernel_unavailable` on CUDA; on CPU this runs the reference."""
+    cu_seqlens[b + 1]; `max_seqlen` at least the longest, a host int). With `seqused` (int32 [batch], on
+    the device) sequence b is the first seqused[b] rows of that slot and the rest of the slot are fillers
+    (zero output and gradients): a padded [batch, seq] layout read in place, with cu_seqlens b * seq and
+    `max_seqlen` at least the longest slot. The caller checks `kernel_unavailable` on CUDA; on CPU this
+    runs the reference."""
     check_dropout(dropout_p)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-    return torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), scale)[0]
+    return torch.ops.bertaccel.varlen_attention_fwd(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), scale,
+                                                    seqused)[0]
 
 
 def varlen_attention_packed(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
-                            scale: float | None = None) -> Tensor:
+                            scale: float | None = None, seqused: Tensor | None = None) -> Tensor:
     """`varlen_attention` of the three parts of one qkv [T, 3, heads, d] (e.g. a fused QKV projection's
     [T, 3 * hidden] output viewed so), whose gradient comes back as one [T, 3, heads, d] tensor written by
     the kernels in place of the cat autograd would make of three separate ones. The caller checks
@@ -255,4 +274,5 @@ def varlen_attention_packed(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dr
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"varlen_attention_packed: qkv must be [tokens, 3, heads, head_dim], got {tuple(qkv.shape)}")
     scale = float(scale) if scale is not None else qkv.shape[-1] ** -0.5
-    return torch.ops.bertaccel.varlen_attention_packed_fwd(qkv, cu_seqlens, int(max_seqlen), float(dropout_p), scale)[0]
+    return torch.ops.bertaccel.varlen_attention_packed_fwd(qkv, cu_seqlens, int(max_seqlen), float(dropout_p), scale,
+                                                           seqused)[0]

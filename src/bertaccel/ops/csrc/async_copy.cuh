@@ -41,6 +41,5 @@ __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_g
 // until every bulk group of this thread is complete
 __device__ __forceinline__ void bulk_wait_all() { bulk_wait<0>(); }
 // orders this thread's async-proxy accesses of global memory (completed bulk copies) with its later generic ones
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 
 }  // namespace bertaccel::async_copy

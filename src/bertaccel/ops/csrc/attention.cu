@@ -3,10 +3,12 @@
 //
 // Inputs are packed rows: q, k, v are [T, heads, d] (any token and head strides, the last dim
 // contiguous: views of one fused QKV projection output work), sequence b owns rows
-// cu_seqlens[b] .. cu_seqlens[b + 1]. Nothing of size seq x seq is written: the forward keeps a
-// running max and sum per query row (online softmax, fp32) and saves the log-sum-exp; the backward
-// recomputes P from it. Rows past cu_seqlens[batch] (the fillers of a token count rounded up to a
-// bucket) belong to no sequence: their output, lse and gradients are written as zeros.
+// cu_seqlens[b] .. cu_seqlens[b + 1] - or, given seqused, the first seqused[b] of those rows (a padded
+// [batch, seq] layout read in place: cu_seqlens b * seq, seqused the lengths). Nothing of size seq x seq
+// is written: the forward keeps a running max and sum per query row (online softmax, fp32) and saves the
+// log-sum-exp; the backward recomputes P from it. Rows of no sequence - past cu_seqlens[batch] (the fillers
+// of a token count rounded up to a bucket), and a slot's rows past seqused - are fillers: their output,
+// lse and gradients are written as zeros.
 //
 // Forward: one CTA of 4 warps per (64 queries, head, sequence); each warp owns 16 query rows and
 // walks the sequence's keys 64 at a time: S = Q K^T (Q fragments held in registers, K from shared
@@ -37,6 +39,7 @@
 #include <torch/library.h>
 
 #include <mutex>
+#include <optional>
 #include <string>
 #include <set>
 #include <utility>
@@ -168,18 +171,59 @@ struct Params {
   void* dq;         // the Hopper backward in clusters: written directly
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
-  int* dq_tickets;  // the Hopper backward with BERTACCEL_ATTENTION_BWD=ticket: arrivals per (head, sequence,
-                    // query block, warp), zeroed; the last CTA to add a warp's rows casts them to dq
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
   int64_t o_row, o_head, do_row, do_head;               // out / o and dout strides
   int64_t grad_row;  // token stride of dq, dk, dv (elements; heads * d, or 3 * heads * d in one packed d(qkv))
   const int* cu;
+  const int* used;  // seqused: sequence b is the first used[b] rows of slot cu[b] .. cu[b + 1] (null: all of them)
   int batch, heads, total;
   float scale;  // softmax scale
   float p;
   at::PhiloxCudaState philox;
   int64_t* rng;  // forward: (seed, offset) written; backward: read
 };
+
+// Sequence b's rows: from `start`, `len` of them; its slot (rows start .. start + slot) ends in fillers when
+// seqused is given (a negative seqused: attn_check_seqused_kernel has stopped the forward).
+struct SeqRows {
+  int start, len, slot;
+};
+__device__ __forceinline__ SeqRows sequence_rows(const Params& p, int b) {
+  const int start = p.cu[b], slot = p.cu[b + 1] - start;
+  return {start, p.used ? max(0, min(p.used[b], slot)) : slot, slot};
+}
+
+// A negative seqused[b] is the interface's mark of a padding mask row that is not right-padded
+// (hf_attention.py): no layout of the kernels holds that batch, so the forward stops with the reason, in
+// a kernel of its own before the attention's (an assert - a function call - inside the attention kernels
+// changed their register allocation: up to 224 registers instead of 169, spills where there were none).
+__global__ void attn_check_seqused_kernel(const int* used, int batch) {
+  for (int i = threadIdx.x; i < batch; i += blockDim.x)
+    if (used[i] < 0)
+      __assert_fail("bertaccel attention: a padding mask row is not right-padded (its tokens are not one run from "
+                    "position 0); pad on the right (tokenizer padding_side='right') or use attn_implementation='sdpa'",
+                    __FILE__, __LINE__, __func__);
+}
+
+// The fillers of sequence b's slot that fall in this CTA's rows [lo, hi) of the slot (those past `len`), head
+// h: zeroed in up to three [T, heads, D] tensors (token stride `row`, heads contiguous, 16-byte aligned rows:
+// check_qkv) and in lse. Every thread of the CTA calls it; no-op without seqused (the slot is the sequence).
+template <typename T, int D>
+__device__ __forceinline__ void zero_slot_fillers(const SeqRows& s, int lo, int hi, int h, int64_t row, T* a, T* b,
+                                                  T* c, float* lse, int total) {
+  const int r0 = max(lo, s.len), r1 = min(hi, s.slot);
+  if (r0 >= r1) return;
+  constexpr int C = D * (int)sizeof(T) / 16;  // 16-byte chunks per head row
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int i = threadIdx.x; i < (r1 - r0) * C; i += blockDim.x) {
+    const int64_t off = (int64_t)(s.start + r0 + i / C) * row + (int64_t)h * D + (i % C) * (16 / (int)sizeof(T));
+    if (a) *reinterpret_cast<uint4*>(a + off) = zero;
+    if (b) *reinterpret_cast<uint4*>(b + off) = zero;
+    if (c) *reinterpret_cast<uint4*>(c + off) = zero;
+  }
+  if (lse)
+    for (int r = r0 + (int)threadIdx.x; r < r1; r += blockDim.x) lse[(int64_t)h * total + s.start + r] = 0.f;
+}
 
 __device__ __forceinline__ Dropout read_dropout(const Params& p, bool from_rng) {
   Dropout d{0, 0, 0, 1.f};
@@ -284,8 +328,10 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
     return;
   }
   const Dropout drop = forward_dropout<DROPOUT>(p);
-  const int start = p.cu[b], len = p.cu[b + 1] - start;
+  const SeqRows seq = sequence_rows(p, b);
+  const int start = seq.start, len = seq.len;
   const int m0 = blockIdx.x * kBlockM;
+  zero_slot_fillers<T, D>(seq, m0, m0 + kBlockM, h, p.o_row, static_cast<T*>(p.out), nullptr, nullptr, p.lse, p.total);
   if (m0 >= len) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const T* q = static_cast<const T*>(p.q) + (int64_t)h * p.q_head;
@@ -476,8 +522,11 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const Params p) {
     zero_fillers<T>(p, D, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr);
     return;
   }
-  const int start = p.cu[b], len = p.cu[b + 1] - start;
+  const SeqRows seq = sequence_rows(p, b);
+  const int start = seq.start, len = seq.len;
   const int n0 = blockIdx.x * kBlockN;
+  zero_slot_fillers<T, D>(seq, n0, n0 + kBlockN, h, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr,
+                          nullptr, p.total);
   if (n0 >= len) return;
   const Dropout drop = read_dropout(p, true);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -907,8 +956,10 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
     return;
   }
   const Dropout drop = forward_dropout<DROPOUT>(p);
-  const int start = p.cu[b], len = p.cu[b + 1] - start;
+  const SeqRows seq = sequence_rows(p, b);
+  const int start = seq.start, len = seq.len;
   const int m0 = blockIdx.x * BM;
+  zero_slot_fillers<T, D>(seq, m0, m0 + BM, h, p.o_row, static_cast<T*>(p.out), nullptr, nullptr, p.lse, p.total);
   if (m0 >= len) return;
   const int wg = threadIdx.x / 128, wt = threadIdx.x % 128, warp = wt / 32, lane = threadIdx.x % 32, g = lane / 4,
             t = lane % 4;
@@ -1173,11 +1224,15 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   const int b = blockIdx.z, h = blockIdx.y;
   if (b == p.batch) {
     zero_fillers<T>(p, D, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr,
-                    p.dq_accum && !p.dq_tickets ? nullptr : static_cast<T*>(p.dq));
+                    p.dq_accum ? nullptr : static_cast<T*>(p.dq));
     return;
   }
-  const int start = p.cu[b], len = p.cu[b + 1] - start;
+  const SeqRows seq = sequence_rows(p, b);
+  const int start = seq.start, len = seq.len;
   const int n0 = blockIdx.x * B;
+  // (dq too where the clusters write it: elsewhere its fp32 sums are cleared for every row and cast)
+  zero_slot_fillers<T, D>(seq, n0, n0 + B, h, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv),
+                          p.dq_accum ? nullptr : static_cast<T*>(p.dq), nullptr, p.total);
   // CLUSTER > 0 (gridDim.x <= CLUSTER): every key block of one (sequence, head) in one thread-block
   // cluster, summing dQ through each other's shared memory: per query block, each CTA stages its 64 x D
   // partial (fp32), and the `nact` CTAs with keys split the block's rows, each adding the nact partials of
@@ -1225,7 +1280,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   // The query block of step i. Without clusters CTA n starts at block n % mblocks: the CTAs of a sequence,
   // running side by side, then add to different dQ rows at a time, not all to the same 64 (b348d32: 32x512
   // d 32 0.253 against 0.258 ms in order, d 64 0.403 against 0.401, packed cells 0-1% faster).
-  const int first = CLUSTER <= 0 ? (int)blockIdx.x % mblocks : 0;
+  const int first = CLUSTER == 0 ? (int)blockIdx.x % mblocks : 0;
   auto qblock = [&](int i) { return first + i < mblocks ? first + i : first + i - mblocks; };
   if (threadIdx.x == 0) {
     mbar_init(&full[0], 1);
@@ -1274,36 +1329,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     if (threadIdx.x < nact) mbarrier_arrive_cluster(&bars[1], threadIdx.x);  // at each active CTA
   };
 
-  // CLUSTER < 0 (BERTACCEL_ATTENTION_BWD=ticket): this warp's 16 rows of query block mb are in the buffer
-  // (lane 0 waited for its bulk reduction to complete); it counts itself in, and the CTA that adds them last
-  // (every active CTA adds to every query block: `mblocks` arrivals) casts them to dq - no cast kernel after
-  // the backward. Lane 0's fence and acq_rel atomic order the completed async-proxy additions before the
-  // count; the last warp's lanes read the buffer from L2 (ld.global.cg) after its acquire and a warp barrier.
-  auto ticket_dq = [&](int mb) {
-    const int r0 = mb * B + warp * 16;
-    const int rows = min(16, len - r0);
-    if (rows <= 0) return;  // the same for every CTA: nobody adds or casts these rows
-    int last = 0;
-    if (lane == 0) {
-      async_copy::fence_proxy_async_global();
-      int* counter = p.dq_tickets + (((int64_t)h * p.batch + b) * gridDim.x + mb) * 4 + warp;
-      int old;
-      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-      last = old == mblocks - 1;
-    }
-    if (!__shfl_sync(0xffffffffu, last, 0)) return;
-    __syncwarp();
-    __threadfence();
-    T* dqp = static_cast<T*>(p.dq) + (int64_t)h * D;
-    constexpr int C8 = D / 8;  // 32-byte chunks of a row's fp32 partial sums
-    for (int idx = lane; idx < rows * C8; idx += 32) {
-      const int r = idx / C8, c = idx % C8, tok = start + r0 + r;
-      const float4* src = reinterpret_cast<const float4*>(dq_accum + (int64_t)(r0 + r) * D +
-                                                          ((c ^ dq_chunk_phase(tok, D)) << 3));
-      *reinterpret_cast<uint4*>(dqp + (int64_t)tok * p.grad_row + c * 8) = scaled8<T>(__ldcg(src), __ldcg(src + 1), p.scale);
-    }
-  };
-
   // S_m and dP_m, both operands in shared memory
   const TileDesc<D, B> k_desc(sK), v_desc(sV), q_desc(sQ), do_desc(sdO);  // Q, dO: stage 0 (stage 1: TILE on)
   const TileDesc<64, B> p_desc(sP), ds_desc(sdS);
@@ -1333,16 +1358,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
       if (m > 0) {
         sum_dq(m - 1);  // behind the MMAs: block m - 1's dQ rows of this CTA, from every active CTA
         mbarrier_wait_cluster(&bars[1], (m - 1) & 1);  // every CTA has read this CTA's block m - 1 partial
-      }
-    }
-    if constexpr (CLUSTER < 0) {
-      if (m > 1) {  // behind the MMAs: block m - 2's reduction is complete (m - 1's, the newest, may not be)
-        if (lane == 0) {
-          // a warp with no rows in block m - 1 (the sequence's last, partial block) issued no group for it
-          if (len - qblock(m - 1) * B - warp * 16 > 0) async_copy::bulk_wait<1>();
-          else async_copy::bulk_wait_all();
-        }
-        ticket_dq(qblock(m - 2));
       }
     }
     wgmma::wait<0>();
@@ -1455,10 +1470,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
   if (!direct && lane == 0) async_copy::bulk_wait_all();
-  if constexpr (CLUSTER < 0) {
-    if (mblocks > 1) ticket_dq(qblock(mblocks - 2));
-    ticket_dq(qblock(mblocks - 1));
-  }
   // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d], token stride grad_row
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
@@ -1494,7 +1505,8 @@ void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
                   name);
 }
 
-void check_common(const at::Tensor& q, const at::Tensor& cu, int64_t max_seqlen, double p) {
+void check_common(const at::Tensor& q, const at::Tensor& cu, int64_t max_seqlen, double p,
+                  const std::optional<at::Tensor>& seqused) {
   BERTACCEL_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                   "bertaccel varlen_attention: q must be bfloat16 or float16, got %s", c10::toString(q.scalar_type()));
   const int64_t d = q.size(2);
@@ -1506,10 +1518,18 @@ void check_common(const at::Tensor& q, const at::Tensor& cu, int64_t max_seqlen,
                       cu.device() == q.device(),
                   "bertaccel varlen_attention: cu_seqlens must be a contiguous int32 [batch + 1] tensor on q's device");
   BERTACCEL_CHECK(p >= 0 && p < 1, "bertaccel varlen_attention: dropout probability must be in [0, 1), got %g", p);
+  if (seqused) {
+    const at::Tensor& u = *seqused;
+    BERTACCEL_CHECK(u.is_cuda() && u.scalar_type() == at::kInt && u.dim() == 1 && u.size(0) == cu.size(0) - 1 &&
+                        u.is_contiguous() && u.device() == q.device(),
+                    "bertaccel varlen_attention: seqused must be a contiguous int32 [batch] tensor on q's device "
+                    "(cu_seqlens has %lld entries, seqused %s)",
+                    (long long)cu.size(0), shape_str(u.sizes()).c_str());
+  }
 }
 
 Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu, double scale,
-                   double p) {
+                   double p, const std::optional<at::Tensor>& seqused) {
   Params P{};
   P.q = q.data_ptr();
   P.k = k.data_ptr();
@@ -1518,6 +1538,7 @@ Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   P.k_row = k.stride(0), P.k_head = k.stride(1);
   P.v_row = v.stride(0), P.v_head = v.stride(1);
   P.cu = cu.data_ptr<int>();
+  P.used = seqused ? seqused->data_ptr<int>() : nullptr;
   P.batch = (int)cu.size(0) - 1;
   P.heads = (int)q.size(1);
   P.total = (int)q.size(0);
@@ -1602,14 +1623,11 @@ int hopper_forward_warpgroups(bool full_128) {
 // Which backward runs at head dims 32 and 64: hopper::attn_bwd_kernel on a Hopper (kClusters: with dQ
 // summed on chip where varlen_attention_bwd allows it), unless BERTACCEL_ATTENTION_BWD=mma (the mma.sync
 // kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer).
-// =ticket: past 2 key blocks, dQ through the buffer with each block's rows cast by the CTA that adds them last
-// (attn_bwd_kernel's CLUSTER = -1; no cast kernel): kTickets.
-enum class HopperBackward { kNone, kClusters, kBuffer, kTickets };
+enum class HopperBackward { kNone, kClusters, kBuffer };
 HopperBackward hopper_backward() {
   if (!on_hopper()) return HopperBackward::kNone;
   const std::string choice = env_value("BERTACCEL_ATTENTION_BWD");
   if (choice == "mma") return HopperBackward::kNone;
-  if (choice == "ticket") return HopperBackward::kTickets;
   return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
 }
 #endif
@@ -1633,8 +1651,9 @@ void dispatch(at::ScalarType dtype, int64_t d, bool dropout, Fn&& fn) {
 // (out [T, heads, d], lse [heads, T] fp32 natural log, rng (seed, offset) int64)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                                     const at::Tensor& v, const at::Tensor& cu_seqlens,
-                                                                    int64_t max_seqlen, double dropout_p, double scale) {
-  check_common(q, cu_seqlens, max_seqlen, dropout_p);
+                                                                    int64_t max_seqlen, double dropout_p, double scale,
+                                                                    const std::optional<at::Tensor>& seqused) {
+  check_common(q, cu_seqlens, max_seqlen, dropout_p, seqused);
   check_qkv(q, "q", q);
   check_qkv(k, "k", q);
   check_qkv(v, "v", q);
@@ -1646,7 +1665,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
   const bool written = q.numel() > 0 && cu_seqlens.size(0) > 1;
   at::Tensor rng = written ? at::empty({2}, q.options().dtype(at::kLong)) : at::zeros({2}, q.options().dtype(at::kLong));
   if (q.numel() == 0) return {out, lse, rng};
-  Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
+  Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p, seqused);
   P.out = out.data_ptr();
   P.o_row = out.stride(0), P.o_head = out.stride(1);
   P.lse = lse.data_ptr<float>();
@@ -1661,8 +1680,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
   const dim3 grid((unsigned)std::max<int64_t>((max_seqlen + kBlockM - 1) / kBlockM, 1), (unsigned)P.heads,
                   (unsigned)P.batch + 1);
   auto stream = at::cuda::getCurrentCUDAStream();
+  if (seqused && P.batch > 0) {
+    attn_check_seqused_kernel<<<1, 256, 0, stream>>>(P.used, P.batch);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 #if defined(BERTACCEL_ATTENTION_SM90A)
-  const bool full_128 = !dropout && d <= 64 && max_seqlen % 128 == 0 && q.size(0) == (int64_t)P.batch * max_seqlen;
+  const bool full_128 = !dropout && d <= 64 && max_seqlen % 128 == 0 && q.size(0) == (int64_t)P.batch * max_seqlen &&
+                        !seqused;  // with seqused the lengths are on the device only
   if (const int nwg = hopper_forward_warpgroups(full_128)) {
     dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
       using T = decltype(type_tag);
@@ -1713,8 +1737,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
 void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen,
                         double dropout_p, double scale, const at::Tensor& rng, const at::Tensor& dq,
-                        const at::Tensor& dk, const at::Tensor& dv) {
-  check_common(q, cu_seqlens, max_seqlen, dropout_p);
+                        const at::Tensor& dk, const at::Tensor& dv, const std::optional<at::Tensor>& seqused) {
+  check_common(q, cu_seqlens, max_seqlen, dropout_p, seqused);
   check_qkv(q, "q", q);
   check_qkv(k, "k", q);
   check_qkv(v, "v", q);
@@ -1736,10 +1760,9 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
 #if defined(BERTACCEL_ATTENTION_SM90A)
   const HopperBackward choice = d <= 64 ? hopper_backward() : HopperBackward::kNone;
   const bool hopper = choice != HopperBackward::kNone;
-  const bool clusters = choice == HopperBackward::kClusters || choice == HopperBackward::kTickets;
-  const bool tickets = choice == HopperBackward::kTickets;
+  const bool clusters = choice == HopperBackward::kClusters;
 #else
-  const bool hopper = false, clusters = false, tickets = false;
+  const bool hopper = false, clusters = false;
 #endif
   const int64_t key_blocks = std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1);
   // The Hopper backward: with at most 2 key blocks (max_seqlen <= 128) both CTAs of a (sequence, head) run as
@@ -1750,16 +1773,12 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   // the buffer (half the L2 reductions) 0.539 ms (6f6343a), against 0.416-0.424 without clusters; pairs again
   // with every remote read in flight (tried/attention-bwd-dq-pairs): main kernel 281 against 212 us.
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
-  const int cluster = clusters && key_blocks <= 2 ? 2 : (tickets ? -1 : 0);
+  const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
   const bool direct = cluster > 0;
-  at::Tensor dq_accum, dq_tickets;
+  at::Tensor dq_accum;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  if (cluster < 0) {
-    const int64_t batch = cu_seqlens.size(0) - 1;
-    dq_tickets = at::zeros({q.size(1) * std::max<int64_t>(batch, 1) * key_blocks * 4}, q.options().dtype(at::kInt));
-  }
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p);
+  Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p, seqused);
   P.o = out.data_ptr();
   P.o_row = out.stride(0), P.o_head = out.stride(1);
   P.dout = dout.data_ptr();
@@ -1771,7 +1790,6 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   P.grad_row = dq.stride(0);
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
-  P.dq_tickets = cluster < 0 ? dq_tickets.data_ptr<int>() : nullptr;
   P.rng = rng.data_ptr<int64_t>();
   const bool dropout = dropout_p > 0;
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -1806,10 +1824,6 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
           config.attrs = &attr;
           config.numAttrs = 1;
           C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P, tm_q, tm_do));
-        } else if (cluster < 0) {
-          auto kernel = hopper::attn_bwd_kernel<T, D, DR, -1>;
-          set_smem(kernel, smem);
-          kernel<<<grid, 128, smem, stream>>>(P, tm_q, tm_do);
         } else {
           auto kernel = hopper::attn_bwd_kernel<T, D, DR, 0>;
           set_smem(kernel, smem);
@@ -1828,7 +1842,7 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
       kernel<<<grid, kThreads, smem, stream>>>(P);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (direct || (launched && cluster < 0)) return;  // dq written by the backward itself
+    if (direct) return;  // dq written by the backward itself
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 8 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale, layout, P.heads, (int)D,
@@ -1840,12 +1854,12 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen, double dropout_p, double scale,
-    const at::Tensor& rng) {
+    const at::Tensor& rng, const std::optional<at::Tensor>& seqused) {
   BERTACCEL_CHECK(q.is_cuda() && q.dim() == 3, "bertaccel varlen_attention: q must be a CUDA tensor [tokens, heads, head_dim]");
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(q.sizes(), q.options());
   at::Tensor dv = at::empty(q.sizes(), q.options());
-  attention_bwd_into(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng, dq, dk, dv);
+  attention_bwd_into(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, scale, rng, dq, dk, dv, seqused);
   return {dq, dk, dv};
 }
 
@@ -1860,19 +1874,21 @@ void check_packed(const at::Tensor& qkv) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_packed_fwd(const at::Tensor& qkv,
                                                                            const at::Tensor& cu_seqlens,
                                                                            int64_t max_seqlen, double dropout_p,
-                                                                           double scale) {
+                                                                           double scale,
+                                                                           const std::optional<at::Tensor>& seqused) {
   check_packed(qkv);
   return varlen_attention_fwd(qkv.select(1, 0), qkv.select(1, 1), qkv.select(1, 2), cu_seqlens, max_seqlen, dropout_p,
-                              scale);
+                              scale, seqused);
 }
 
 at::Tensor varlen_attention_packed_bwd(const at::Tensor& dout, const at::Tensor& qkv, const at::Tensor& out,
                                       const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                                      double dropout_p, double scale, const at::Tensor& rng) {
+                                      double dropout_p, double scale, const at::Tensor& rng,
+                                      const std::optional<at::Tensor>& seqused) {
   check_packed(qkv);
   at::Tensor dqkv = at::empty({qkv.size(0), 3, qkv.size(2), qkv.size(3)}, qkv.options());
   attention_bwd_into(dout, qkv.select(1, 0), qkv.select(1, 1), qkv.select(1, 2), out, lse, cu_seqlens, max_seqlen,
-                     dropout_p, scale, rng, dqkv.select(1, 0), dqkv.select(1, 1), dqkv.select(1, 2));
+                     dropout_p, scale, rng, dqkv.select(1, 0), dqkv.select(1, 1), dqkv.select(1, 2), seqused);
   return dqkv;
 }
 
