@@ -349,3 +349,25 @@ def test_the_layout_is_computed_once_per_forward_mask_and_never_kept_on_a_given_
     static.copy_(random_mask(4, 9, seed=4))  # refilled in place
     for a, b in zip(padded_layout_of(static), padded_layout(static)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_a_left_padded_mask_stops_the_gpu_kernel_with_the_reason():
+    """On the GPU the check is a device-side assert (no host sync): it ends the process's CUDA context, so it
+    runs in a child process, whose error output must name the problem and the fix."""
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    code = (
+        "import torch\n"
+        "from bertaccel.modules.hf_attention import attention_forward\n"
+        "q, k, v = (torch.randn(2, 2, 16, 64, device='cuda').bfloat16() for _ in range(3))\n"
+        "mask = torch.ones(2, 16, dtype=torch.bool, device='cuda'); mask[1, :5] = False\n"
+        "out = attention_forward(None, q, k, v, mask, scaling=0.125)[0]\n"
+        "torch.cuda.synchronize()\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0, "a left-padded mask ran"
+    assert "not right-padded" in run.stderr and "padding_side='right'" in run.stderr, run.stderr[-2000:]
