@@ -121,7 +121,7 @@ def run_cell(cell: str, variants: bool = True, dropout: float = 0.0) -> list[dic
                 sdpa()
 
         add(name, sdpa_fwd, lambda sdpa=sdpa: torch.autograd.grad(sdpa(), (qs, ks, vs), dp))
-    if build.load_attention():  # attn_implementation: bertaccel (packing order from the mask, every call)
+    if build.load_attention():  # attn_implementation: bertaccel (the mask's in-place layout, every call)
         padding = None if kind == "full" else mask
 
         def padded():

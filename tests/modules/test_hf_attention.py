@@ -368,6 +368,13 @@ def test_a_left_padded_mask_stops_the_gpu_kernel_with_the_reason():
         "out = attention_forward(None, q, k, v, mask, scaling=0.125)[0]\n"
         "torch.cuda.synchronize()\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    import os
+    from pathlib import Path
+
+    import bertaccel
+
+    src = str(Path(bertaccel.__file__).resolve().parents[1])  # the package without installing it (src layout)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode != 0, "a left-padded mask ran"
     assert "not right-padded" in run.stderr and "padding_side='right'" in run.stderr, run.stderr[-2000:]
