@@ -60,7 +60,7 @@ VARIANTS = {
     "gemm-fused-graphs": ("sdpa", True, "gemm", False, True),
     # + the opt-in `ffn` family too: BERT's feed-forward block with GELU / dGELU in our GEMM's epilogues
     "ffn-gemm-fused-graphs": ("sdpa", True, "ffn", False, True),
-    # `attn_implementation: bertaccel` (our attention kernel on the padded batch, its real tokens packed per call):
+    # `attn_implementation: bertaccel` (our attention kernel reading the padded batch in place, padded blocks skipped):
     # with the default swap, and with everything swapped (every nn.Linear and the feed-forward block on our GEMM)
     "attn-fused-graphs": ("bertaccel", True, True, False, True),
     "attn-ffn-gemm-fused-graphs": ("bertaccel", True, "ffn", False, True),

@@ -13,8 +13,9 @@ Nothing depends on the number of real tokens on the host; the shapes are the pad
 whose tokens are not one run from position 0 (left padding, holes) has no such layout: its seqused is
 marked -1 and the kernel stops with that reason (the CPU reference raises it). Until session 43 the
 interface gathered the real tokens into a packed order (a sort of the mask) and scattered the outputs
-back - q, k, v, the output and both their gradients through HBM once more per layer; reading in place
-saved (numbers in README, "Attention through the interface"). A batch without a mask (attention_mask
+back - q, k, v, the output and both their gradients through HBM once more per layer. Reading in place,
+graphed BERT train steps on one H100 (session 43, lengths uniform in [0.2, 1] x seq): BERT-base 32x512
+23.03 against 24.65 ms, MiniLM 32x256 3.23 against 3.56, BERT-base 16x128 5.26 against 5.57. A batch without a mask (attention_mask
 None) is B full sequences of S. The layout is computed once per forward: `padding_mask` (called once per
 model forward, inside a captured one too) returns a new mask tensor that every layer gets, and the first
 layer stores the layout on it. A mask handed to `attention_forward` directly gets no such slot and is
