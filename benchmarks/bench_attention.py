@@ -2,7 +2,7 @@
 the varlen kernels on the packed real tokens (what `model.unpadded` runs): ours (bertaccel,
 csrc/attention.cu; on a Hopper its warpgroup-MMA kernels, and again with the mma.sync ones,
 VARIANTS below) and PyTorch's FlashAttention-2 varlen; and ours on the padded batch as
-`attn_implementation: bertaccel` runs it (packing order from the mask, gathers in and out).
+`attn_implementation: bertaccel` runs it (read in place: slots of seq rows, the lengths as seqused).
 
     python -m benchmarks.bench_attention --out bench_results/attention.json
 
