@@ -100,6 +100,29 @@ def test_fallbacks_say_why_and_match_sdpa(monkeypatch):
     torch.testing.assert_close(out, ref)
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_a_4d_mask_goes_to_sdpa_as_it_is_and_says_why(packed_on_cpu, monkeypatch, kind):
+    """A caller's own 4-D mask (transformers passes it on unchanged) is not a padding mask the kernel can
+    read: SDPA takes it as given, said once; with output_attentions eager attention gets it additive."""
+    monkeypatch.setattr(eligibility, "_warned", set())
+    B, H, S, D = 2, 2, 6, 8
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    allowed = torch.rand(B, 1, S, S, generator=torch.Generator().manual_seed(0)) > 0.3
+    allowed |= torch.eye(S, dtype=torch.bool)  # every query keeps a key
+    mask = allowed if kind == "bool" else torch.zeros(B, 1, S, S).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with pytest.warns(UserWarning, match="4-D attention mask"):
+        out, _ = attention_forward(None, q, k, v, mask, scaling=D**-0.5)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=D**-0.5).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+
+    class Module(torch.nn.Module):  # eager_attention_forward reads module.training
+        pass
+
+    out, weights = attention_forward(Module().eval(), q, k, v, mask, scaling=D**-0.5, output_attentions=True)
+    torch.testing.assert_close(out, ref)
+    assert (weights.masked_select(~allowed.expand(B, H, S, S)) == 0).all()
+
+
 def test_a_gpu_other_than_hopper_gets_sdpa_and_is_told_why(monkeypatch):
     """Off a Hopper (our kernel's warpgroup-MMA forms need sm_90; its mma.sync ones are not measured faster than
     SDPA anywhere) the interface says why and runs SDPA, unless BERTACCEL_HF_ATTENTION_ANY_GPU=1."""

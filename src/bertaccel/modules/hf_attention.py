@@ -28,7 +28,7 @@ reads them - the pooler takes [CLS], the losses skip padding - and the real posi
 Falls back to PyTorch's SDPA, said once per reason: not on a GPU, a GPU other than a Hopper (sm_90: the
 warpgroup-MMA kernels; elsewhere only the mma.sync kernels run, not measured on such a GPU, and on an H100
 slower than cuDNN's SDPA on full batches), a dtype or head dim the kernel does not take, causal or
-cross attention, `output_attentions` (then eager, which returns weights). The Hopper rule makes the option
+cross attention, a 4-D mask (as transformers passes a caller's own), `output_attentions` (then eager, which returns weights). The Hopper rule makes the option
 safe to name in a preset: our kernel runs where it was measured faster than SDPA (an H100); elsewhere
 `BERTACCEL_HF_ATTENTION_ANY_GPU=1` runs its mma.sync kernels anyway (on an H100 they beat cuDNN on padded
 batches with much padding and lost to it on full ones: README, "Attention").
@@ -81,16 +81,24 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     return mask
 
 
+def _broadcast_mask(attention_mask: Tensor | None) -> Tensor | None:
+    """The mask as SDPA takes it: a 2-D padding mask as bool [B, 1, 1, S]; a 4-D mask (bool, or additive
+    floats - what transformers passes on unchanged when the caller gives one) as it is."""
+    if attention_mask is None or attention_mask.dim() == 4:
+        return attention_mask
+    return attention_mask.bool()[:, None, None, :]
+
+
 def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions):
+    mask = _broadcast_mask(attention_mask)
     if output_attentions:
         from transformers.models.bert.modeling_bert import eager_attention_forward
 
-        additive = None
-        if attention_mask is not None:
-            additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
-            additive = additive.masked_fill(~attention_mask, torch.finfo(query.dtype).min)[:, None, None, :]
+        additive = mask
+        if mask is not None and mask.dtype == torch.bool:
+            additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+            additive = additive.masked_fill(~mask, torch.finfo(query.dtype).min)
         return eager_attention_forward(module, query, key, value, additive, dropout=dropout, scaling=scaling)
-    mask = attention_mask[:, None, None, :] if attention_mask is not None else None
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
                                          is_causal=bool(is_causal) and mask is None and query.shape[2] > 1)
     return out.transpose(1, 2), None
@@ -138,6 +146,8 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
         reason = "causal attention (BERT as a decoder)"
     elif key.shape[2] != S:
         reason = "cross attention (keys of another length)"
+    elif attention_mask is not None and attention_mask.dim() != 2:
+        reason = f"a {attention_mask.dim()}-D attention mask (the kernel takes 2-D padding masks)"
     else:
         reason = not_hopper_reason(query)
     if reason is None:
