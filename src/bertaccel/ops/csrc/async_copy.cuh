@@ -40,8 +40,6 @@ template <int N>  // until at most N of this thread's bulk groups are not comple
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
 // until every bulk group of this thread is complete
 __device__ __forceinline__ void bulk_wait_all() { bulk_wait<0>(); }
-// orders this thread's generic-proxy accesses of global memory with its async-proxy ones (bulk copies, reductions)
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 // orders this thread's async-proxy accesses of global memory (completed bulk copies) with its later generic ones
 
 }  // namespace bertaccel::async_copy

@@ -171,8 +171,6 @@ struct Params {
   void* dq;         // the Hopper backward in clusters: written directly
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
-  int* prep_flags;  // BERTACCEL_ATTENTION_BWD=prep: [batch, heads, key blocks], zeroed; 1 once a CTA has prepared
-                    // its query block (dq_accum rows cleared, dsum written) - no dsum kernel before the backward
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides, elements
   int64_t o_row, o_head, do_row, do_head;               // out / o and dout strides
   int64_t grad_row;  // token stride of dq, dk, dv (elements; heads * d, or 3 * heads * d in one packed d(qkv))
@@ -212,13 +210,9 @@ __global__ void attn_check_seqused_kernel(const int* used, int batch) {
 // check_qkv) and in lse. Every thread of the CTA calls it; no-op without seqused (the slot is the sequence).
 template <typename T, int D>
 __device__ __forceinline__ void zero_slot_fillers(const SeqRows& s, int lo, int hi, int h, int64_t row, T* a, T* b,
-                                                  T* c, float* lse, int total, float* dq_accum = nullptr) {
+                                                  T* c, float* lse, int total) {
   const int r0 = max(lo, s.len), r1 = min(hi, s.slot);
   if (r0 >= r1) return;
-  if (dq_accum) {  // [heads, T, D] fp32: the slot's rows of head h are one run
-    float4* z = reinterpret_cast<float4*>(dq_accum + ((int64_t)h * total + s.start + r0) * D);
-    for (int i = threadIdx.x; i < (r1 - r0) * D / 4; i += blockDim.x) z[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
   constexpr int C = D * (int)sizeof(T) / 16;  // 16-byte chunks per head row
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   for (int i = threadIdx.x; i < (r1 - r0) * C; i += blockDim.x) {
@@ -1231,16 +1225,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   if (b == p.batch) {
     zero_fillers<T>(p, D, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr,
                     p.dq_accum ? nullptr : static_cast<T*>(p.dq));
-    if (p.prep_flags) {  // no dsum kernel cleared the fp32 sums: the fillers' rows, every head ([heads, T, D])
-      const int first_row = p.cu[p.batch];
-      const int64_t n = (int64_t)(p.total - first_row) * D / 4;
-      const int thread = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-      const int threads = gridDim.x * gridDim.y * blockDim.x;
-      for (int hh = 0; hh < p.heads; ++hh) {
-        float4* z = reinterpret_cast<float4*>(p.dq_accum + ((int64_t)hh * p.total + first_row) * D);
-        for (int64_t i = thread; i < n; i += threads) z[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
     return;
   }
   const SeqRows seq = sequence_rows(p, b);
@@ -1248,8 +1232,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   const int n0 = blockIdx.x * B;
   // (dq too where the clusters write it: elsewhere its fp32 sums are cleared for every row and cast)
   zero_slot_fillers<T, D>(seq, n0, n0 + B, h, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv),
-                          p.dq_accum ? nullptr : static_cast<T*>(p.dq), nullptr, p.total,
-                          p.prep_flags ? p.dq_accum : nullptr);
+                          p.dq_accum ? nullptr : static_cast<T*>(p.dq), nullptr, p.total);
   // CLUSTER > 0 (gridDim.x <= CLUSTER): every key block of one (sequence, head) in one thread-block
   // cluster, summing dQ through each other's shared memory: per query block, each CTA stages its 64 x D
   // partial (fp32), and the `nact` CTAs with keys split the block's rows, each adding the nact partials of
@@ -1276,59 +1259,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   const T* dout = static_cast<const T*>(p.dout) + (int64_t)h * p.do_head;
   const float scale_log2 = p.scale * kLog2e;
   const bool keys_full = n0 + B <= len;  // no key of this CTA past the sequence
-  // BERTACCEL_ATTENTION_BWD=prep (p.prep_flags; without clusters): CTA n prepares query block n (a sequence has
-  // as many query blocks as CTAs with keys) - clears the block's fp32 dQ rows and writes its D = rowsum(dO * O)
-  // - and publishes that (release); it starts once every CTA of its (sequence, head) has (acquire). No dsum
-  // kernel reads O and dO and writes the whole buffer's zeros to HBM before the backward: the cleared rows are
-  // in L2 when the additions come. The wait is on CTAs of the same (sequence, head), adjacent in launch order.
-  if constexpr (CLUSTER == 0) {
-    if (p.prep_flags != nullptr) {
-      const int m0 = n0, rows = min(B, len - m0), nblocks = (len + B - 1) / B;
-      float4* z = reinterpret_cast<float4*>(p.dq_accum + ((int64_t)h * p.total + start + m0) * D);
-      for (int i = threadIdx.x; i < rows * D / 4; i += NT) z[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-      {
-        const int r = threadIdx.x >> 1, half = threadIdx.x & 1;  // two threads per row, D / 2 columns each
-        float acc = 0.f;
-        if (r < rows) {
-          const int64_t tok = start + m0 + r;
-          const uint4* o = reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + tok * p.o_row +
-                                                          (int64_t)h * p.o_head + half * (D / 2));
-          const uint4* d = reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + tok * p.do_row +
-                                                          (int64_t)h * p.do_head + half * (D / 2));
-#pragma unroll
-          for (int c = 0; c < D / 16; ++c) {
-            const uint4 a = o[c], e = d[c];
-            const uint32_t av[4] = {a.x, a.y, a.z, a.w}, ev[4] = {e.x, e.y, e.z, e.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float2 x = unpack2<T>(av[i]), y = unpack2<T>(ev[i]);
-              acc += x.x * y.x + x.y * y.y;
-            }
-          }
-        }
-        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-        if (r < rows && half == 0) p.dsum[(int64_t)h * p.total + start + m0 + r] = acc;
-      }
-      async_copy::fence_proxy_async_global();  // the cleared rows, before other CTAs' bulk additions
-      __syncthreads();
-      int* flags = p.prep_flags + ((int64_t)b * p.heads + h) * gridDim.x;
-      if (threadIdx.x == 0) {
-        __threadfence();
-        asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flags + blockIdx.x), "r"(1) : "memory");
-      }
-      if (warp == 0) {
-        for (int i = lane; i < nblocks; i += 32) {
-          int ready = 0;
-          do {
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(ready) : "l"(flags + i) : "memory");
-          } while (!ready);
-        }
-        __syncwarp();
-      }
-      __syncthreads();
-      async_copy::fence_proxy_async_global();
-    }
-  }
   auto load_q_block = [&](int m, int stage) {
     const int m0 = m * B;
     if (threadIdx.x == 0) {
@@ -1693,14 +1623,11 @@ int hopper_forward_warpgroups(bool full_128) {
 // Which backward runs at head dims 32 and 64: hopper::attn_bwd_kernel on a Hopper (kClusters: with dQ
 // summed on chip where varlen_attention_bwd allows it), unless BERTACCEL_ATTENTION_BWD=mma (the mma.sync
 // kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer).
-// =prep: past 2 key blocks, each CTA clears its query block's dQ rows and computes its D itself (no dsum kernel;
-// attn_bwd_kernel's prologue): kPrep.
-enum class HopperBackward { kNone, kClusters, kBuffer, kPrep };
+enum class HopperBackward { kNone, kClusters, kBuffer };
 HopperBackward hopper_backward() {
   if (!on_hopper()) return HopperBackward::kNone;
   const std::string choice = env_value("BERTACCEL_ATTENTION_BWD");
   if (choice == "mma") return HopperBackward::kNone;
-  if (choice == "prep") return HopperBackward::kPrep;
   return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
 }
 #endif
@@ -1833,10 +1760,9 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
 #if defined(BERTACCEL_ATTENTION_SM90A)
   const HopperBackward choice = d <= 64 ? hopper_backward() : HopperBackward::kNone;
   const bool hopper = choice != HopperBackward::kNone;
-  const bool clusters = choice == HopperBackward::kClusters || choice == HopperBackward::kPrep;
-  const bool prep_choice = choice == HopperBackward::kPrep;
+  const bool clusters = choice == HopperBackward::kClusters;
 #else
-  const bool hopper = false, clusters = false, prep_choice = false;
+  const bool hopper = false, clusters = false;
 #endif
   const int64_t key_blocks = std::max<int64_t>((max_seqlen + kBlockN - 1) / kBlockN, 1);
   // The Hopper backward: with at most 2 key blocks (max_seqlen <= 128) both CTAs of a (sequence, head) run as
@@ -1849,13 +1775,8 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
   const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
   const bool direct = cluster > 0;
-  const bool prep = prep_choice && !direct;
-  at::Tensor dq_accum, prep_flags;
+  at::Tensor dq_accum;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  if (prep) {
-    prep_flags = at::zeros({std::max<int64_t>(cu_seqlens.size(0) - 1, 1) * q.size(1) * key_blocks},
-                           q.options().dtype(at::kInt));
-  }
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p, seqused);
   P.o = out.data_ptr();
@@ -1869,7 +1790,6 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   P.grad_row = dq.stride(0);
   P.lse = lse.data_ptr<float>();
   P.dsum = dsum.data_ptr<float>();
-  P.prep_flags = prep ? prep_flags.data_ptr<int>() : nullptr;
   P.rng = rng.data_ptr<int64_t>();
   const bool dropout = dropout_p > 0;
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -1881,10 +1801,8 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
     constexpr bool DR = decltype(drop)::value;
     bool launched = false;
     DqLayout layout = DqLayout::kTokensMajor;
-    if (!prep) {  // (prep: the backward's CTAs clear the sums and compute D themselves)
-      attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, !direct);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, !direct);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
       if (hopper) {
