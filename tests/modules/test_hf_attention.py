@@ -401,3 +401,23 @@ def test_a_left_padded_mask_stops_the_gpu_kernel_with_the_reason():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode != 0, "a left-padded mask ran"
     assert "not right-padded" in run.stderr and "padding_side='right'" in run.stderr, run.stderr[-2000:]
+
+
+def test_the_in_place_path_compiles_fullgraph_with_a_mask(packed_on_cpu):
+    """Under torch.compile(fullgraph=True) the layout (the mask's counts, the right-padding mark) and the op with
+    seqused trace into one graph: no host sync, no graph break; output and gradients as eager."""
+    B, H, S, D = 3, 2, 9, 8
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, S, H * D, generator=g).view(B, S, H, D).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    mask = random_mask(B, S, seed=4)
+
+    def f(q, k, v, mask):
+        return attention_forward(None, q, k, v, mask, scaling=D**-0.5)[0]
+
+    compiled = torch.compile(f, fullgraph=True)
+    eager, comp = f(q, k, v, mask), compiled(q, k, v, mask)
+    torch.testing.assert_close(comp, eager)
+    grad = torch.randn(eager.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(comp, (q, k, v), grad), torch.autograd.grad(eager, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
