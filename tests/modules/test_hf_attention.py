@@ -174,6 +174,39 @@ def test_bert_classifier_with_bertaccel_attention_equals_sdpa(packed_on_cpu):
     torch.testing.assert_close(logits["bertaccel"], logits["sdpa"], rtol=1e-4, atol=1e-5)
 
 
+def test_bert_masked_lm_with_bertaccel_attention_equals_sdpa(packed_on_cpu, monkeypatch):
+    """`recommended.yaml` names the interface for masked-LMs too: the MLM head's logits and the loss's
+    gradients equal SDPA's on a padded batch (padding rows' outputs are zeros in ours, averages in SDPA's;
+    the loss reads real positions only)."""
+    import bertaccel.ops.attention as attention
+    from bertaccel.modules import BertMLM
+
+    calls = []
+    op = attention.varlen_attention
+    monkeypatch.setattr(attention, "varlen_attention", lambda *a, **k: calls.append(1) or op(*a, **k))
+    torch.manual_seed(0)
+    config = dict(TINY_BERT, num_hidden_layers=2)
+    models = {impl: BertMLM(config=config, vocab_size=100, attn_implementation=impl) for impl in ("sdpa", "bertaccel")}
+    models["bertaccel"].model.load_state_dict(models["sdpa"].model.state_dict())
+    ids = torch.randint(5, 100, (3, 11))
+    mask = random_mask(3, 11, seed=6).long()
+    labels = torch.where(mask.bool() & (torch.rand(3, 11, generator=torch.Generator().manual_seed(1)) < 0.4), ids, -100)
+    results = {}
+    for impl, m in models.items():
+        m.train(False)
+        out = m.model(input_ids=ids, attention_mask=mask, labels=labels)
+        grads = torch.autograd.grad(out.loss, [p for p in m.model.parameters() if p.requires_grad], allow_unused=True)
+        results[impl] = (out.logits[mask.bool()], out.loss, grads)
+    assert len(calls) == 2, "the masked-LM did not run our op in each layer"
+    torch.testing.assert_close(results["bertaccel"][0], results["sdpa"][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results["bertaccel"][1], results["sdpa"][1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results["bertaccel"][2], results["sdpa"][2]):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
 def test_a_model_forward_reads_its_mask_once(packed_on_cpu, monkeypatch):
     """Through transformers' BERT (3 layers, and again with the kernel swap's fused QKV attention), one
     forward computes its mask's layout once: every layer gets the mask `padding_mask` made, which carries it."""
