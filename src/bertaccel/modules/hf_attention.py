@@ -109,12 +109,12 @@ def padded_layout(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     (cu_seqlens b * S) of which sequence b uses the first seqused[b]: its row's token count, or -1 where
     the row is not right-padded (the kernels stop with that reason). No host sync."""
     B, S = attention_mask.shape
-    lengths = attention_mask.sum(1, dtype=torch.int32)
-    positions = torch.arange(S, device=attention_mask.device)
-    right_padded = (attention_mask == (positions[None, :] < lengths[:, None])).all(1)
-    seqused = torch.where(right_padded, lengths, torch.full_like(lengths, -1))
-    cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=attention_mask.device)
-    return cu_seqlens, seqused
+    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
+    lengths = mask.sum(1, dtype=torch.int32)
+    right_padded = (mask[:, 1:] <= mask[:, :-1]).all(1)  # ones then zeros: never a token after a padding position
+    seqused = torch.where(right_padded, lengths, -1)
+    cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=mask.device)
+    return cu_seqlens, seqused  # five small kernels per forward (the layout is shared by its layers)
 
 
 def padded_layout_of(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
