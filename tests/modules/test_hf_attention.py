@@ -174,10 +174,12 @@ def test_bert_classifier_with_bertaccel_attention_equals_sdpa(packed_on_cpu):
     torch.testing.assert_close(logits["bertaccel"], logits["sdpa"], rtol=1e-4, atol=1e-5)
 
 
-def test_bert_masked_lm_with_bertaccel_attention_equals_sdpa(packed_on_cpu, monkeypatch):
-    """`recommended.yaml` names the interface for masked-LMs too: the MLM head's logits and the loss's
-    gradients equal SDPA's on a padded batch (padding rows' outputs are zeros in ours, averages in SDPA's;
-    the loss reads real positions only)."""
+@pytest.mark.parametrize("qk_norm", [None, "rmsnorm"])
+def test_bert_masked_lm_with_bertaccel_attention_equals_sdpa(packed_on_cpu, monkeypatch, qk_norm):
+    """`recommended.yaml` names the interface for masked-LMs too (and `full.yaml`'s QK-norm, whose normed q and k
+    are separate tensors, not views of one projection): the MLM head's logits and the loss's gradients equal
+    SDPA's on a padded batch (padding rows' outputs are zeros in ours, averages in SDPA's; the loss reads real
+    positions only)."""
     import bertaccel.ops.attention as attention
     from bertaccel.modules import BertMLM
 
@@ -186,7 +188,8 @@ def test_bert_masked_lm_with_bertaccel_attention_equals_sdpa(packed_on_cpu, monk
     monkeypatch.setattr(attention, "varlen_attention", lambda *a, **k: calls.append(1) or op(*a, **k))
     torch.manual_seed(0)
     config = dict(TINY_BERT, num_hidden_layers=2)
-    models = {impl: BertMLM(config=config, vocab_size=100, attn_implementation=impl) for impl in ("sdpa", "bertaccel")}
+    models = {impl: BertMLM(config=config, vocab_size=100, attn_implementation=impl, qk_norm=qk_norm)
+              for impl in ("sdpa", "bertaccel")}
     models["bertaccel"].model.load_state_dict(models["sdpa"].model.state_dict())
     ids = torch.randint(5, 100, (3, 11))
     mask = random_mask(3, 11, seed=6).long()
