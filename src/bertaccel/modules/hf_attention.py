@@ -15,10 +15,10 @@ marked -1 and the kernel stops with that reason (the CPU reference raises it). U
 interface gathered the real tokens into a packed order (a sort of the mask) and scattered the outputs
 back - q, k, v, the output and both their gradients through HBM once more per layer. Reading in place,
 graphed BERT train steps on one H100 (session 43, lengths uniform in [0.2, 1] x seq): BERT-base 32x512
-23.03 against 24.65 ms, MiniLM 32x256 3.23 against 3.56, BERT-base 16x128 5.26 against 5.57. A batch without a mask (attention_mask
-None) is B full sequences of S. The layout is computed once per forward: `padding_mask` (called once per
-model forward, inside a captured one too) returns a new mask tensor that every layer gets, and the first
-layer stores the layout on it. A mask handed to `attention_forward` directly gets no such slot and is
+23.03 against 24.65 ms, MiniLM 32x256 3.23 against 3.56, BERT-base 16x128 5.26 against 5.57. A batch
+without a mask (attention_mask None) is B full sequences of S. The layout is computed once per forward:
+`padding_mask` (called once per model forward, inside a captured one too) returns a new mask tensor that
+every layer gets, and the first layer stores the layout on it. A mask handed to `attention_forward` directly gets no such slot and is
 read on every call: the same tensor may be refilled between calls, e.g. a CUDA graph's static input,
 whose layout must be computed inside the capture.
 
@@ -28,10 +28,11 @@ reads them - the pooler takes [CLS], the losses skip padding - and the real posi
 Falls back to PyTorch's SDPA, said once per reason: not on a GPU, a GPU other than a Hopper (sm_90: the
 warpgroup-MMA kernels; elsewhere only the mma.sync kernels run, not measured on such a GPU, and on an H100
 slower than cuDNN's SDPA on full batches), a dtype or head dim the kernel does not take, causal or
-cross attention, a 4-D mask (as transformers passes a caller's own), `output_attentions` (then eager, which returns weights). The Hopper rule makes the option
-safe to name in a preset: our kernel runs where it was measured faster than SDPA (an H100); elsewhere
-`BERTACCEL_HF_ATTENTION_ANY_GPU=1` runs its mma.sync kernels anyway (on an H100 they beat cuDNN on padded
-batches with much padding and lost to it on full ones: README, "Attention").
+cross attention, a 4-D mask (as transformers passes a caller's own), `output_attentions` (then eager,
+which returns weights). The Hopper rule makes the option safe to name in a preset: our kernel runs where
+it was measured faster than SDPA (an H100); elsewhere `BERTACCEL_HF_ATTENTION_ANY_GPU=1` runs its mma.sync
+kernels anyway (on an H100 they beat cuDNN on padded batches with much padding and lost to it on full
+ones: README, "Attention").
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_ca
     return out.transpose(1, 2), None
 
 
+def slot_bounds(batch: int, seq: int, device: torch.device) -> Tensor:
+    """cu_seqlens of `batch` slots of `seq` rows: b * seq, int32 [batch + 1]."""
+    return torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
+
+
 def padded_layout(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     """For a [B, S] padding mask: (cu_seqlens, seqused), int32 on the mask's device - B slots of S rows
     (cu_seqlens b * S) of which sequence b uses the first seqused[b]: its row's token count, or -1 where
@@ -113,8 +119,7 @@ def padded_layout(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     lengths = mask.sum(1, dtype=torch.int32)
     right_padded = (mask[:, 1:] <= mask[:, :-1]).all(1)  # ones then zeros: never a token after a padding position
     seqused = torch.where(right_padded, lengths, -1)
-    cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=mask.device)
-    return cu_seqlens, seqused  # five small kernels per forward (the layout is shared by its layers)
+    return slot_bounds(B, S, mask.device), seqused  # five small kernels per forward (shared by its layers)
 
 
 def padded_layout_of(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -158,8 +163,7 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
         note_fallback("attention", reason)
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, output_attentions)
     if attention_mask is None:  # B sequences of S
-        cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
-        seqused = None
+        cu_seqlens, seqused = slot_bounds(B, S, q.device), None
     else:
         cu_seqlens, seqused = padded_layout_of(attention_mask)
     qkv = fused_qkv_of(query, key, value)

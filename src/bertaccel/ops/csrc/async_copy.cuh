@@ -36,10 +36,7 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>  // until at most N of this thread's bulk groups still read shared memory
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
-template <int N>  // until at most N of this thread's bulk groups are not complete (writes performed)
-__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
 // until every bulk group of this thread is complete
-__device__ __forceinline__ void bulk_wait_all() { bulk_wait<0>(); }
-// orders this thread's async-proxy accesses of global memory (completed bulk copies) with its later generic ones
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 }  // namespace bertaccel::async_copy

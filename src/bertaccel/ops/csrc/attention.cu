@@ -1759,8 +1759,7 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   if (q.numel() == 0) return;
 #if defined(BERTACCEL_ATTENTION_SM90A)
   const HopperBackward choice = d <= 64 ? hopper_backward() : HopperBackward::kNone;
-  const bool hopper = choice != HopperBackward::kNone;
-  const bool clusters = choice == HopperBackward::kClusters;
+  const bool hopper = choice != HopperBackward::kNone, clusters = choice == HopperBackward::kClusters;
 #else
   const bool hopper = false, clusters = false;
 #endif
