@@ -37,6 +37,11 @@ PRESETS: dict[str, tuple[list[str], list[str]]] = {
     "recommended-muon": (["configs/presets/recommended.yaml"], ["--model.init_args.optimizer", "muon"]),
     "recommended-normuon": (["configs/presets/recommended.yaml"], ["--model.init_args.optimizer", "normuon"]),
     "full": (["configs/presets/full.yaml"], ["--model.init_args.lm_head_fp8", "true"]),
+    # full with the other attention implementation: which of ours / SDPA the preset should name
+    "full-bertaccel": (["configs/presets/full.yaml"], ["--model.init_args.lm_head_fp8", "true",
+                                                        "--model.init_args.attn_implementation", "bertaccel"]),
+    "full-sdpa": (["configs/presets/full.yaml"], ["--model.init_args.lm_head_fp8", "true",
+                                                   "--model.init_args.attn_implementation", "sdpa"]),
     # one change at a time against recommended: the FP8 LM head alone; NorMuon at a quarter of the Muon lr
     "recommended-fp8-head": (["configs/presets/recommended.yaml"], ["--model.init_args.lm_head_fp8", "true"]),
     "recommended-normuon-lr0.005": (["configs/presets/recommended.yaml"],
