@@ -1151,7 +1151,7 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
     for (int kk = 0; kk < PS; ++kk) {
       if constexpr (DROPOUT) {
         const uint32_t bits = keep_bits(drop, row_token, key0 + kk * 16 + 2 * t, h);
-        if (p.keep != nullptr && m0 + wrow < len && key0 + kk / 4 * 64 < len)  // byte kk % 4 of a 64-key block's word
+        if (p.keep != nullptr && m0 + wrow < len)  // byte kk % 4 of the block's word, for the backward
           reinterpret_cast<uint8_t*>(p.keep + keep_word(p, h, b, start, m0 + wrow, (key0 + kk * 16) / 64, lane))[kk % 4] =
               (uint8_t)bits;
 #pragma unroll
