@@ -13,13 +13,10 @@ reference, in fp32, per sequence, with the *same* dropout mask as the GPU kernel
 (seed, offset) - `dropout_keep` implements the kernel's Philox draw - so a test can check the GPU's
 masked output element by element.
 
-Ops: `varlen_attention_fwd -> (out, lse [heads, T] fp32, rng int64)` and
+Ops: `varlen_attention_fwd -> (out, lse [heads, T] fp32, rng (seed, offset) int64)` and
 `varlen_attention_bwd -> (dq, dk, dv)`; autograd connects them (`torch.library.register_autograd`),
 so the op works under `torch.compile(fullgraph=True)` and inside CUDA graphs (the dropout seed and
-offset come from PyTorch's graph-safe Philox state and are handed to the backward in `rng`). `rng` is
-the forward's dropout state: (seed, offset), and on a GPU with dropout the keep bits the forward drew
-after them (`rng_entries`; 13 MB at BERT-base 32x512), which the Hopper backward reads instead of running
-Philox again. A `rng` of (seed, offset) alone also works: the backward then draws the same bits itself.
+offset come from PyTorch's graph-safe Philox state and are handed to the backward in `rng`).
 
 The packed pair `varlen_attention_packed_fwd / _bwd` takes one qkv [T, 3, heads, d] (a fused QKV
 projection's output, viewed) and returns its gradient as one tensor of that shape: the kernels write dq,
@@ -104,33 +101,6 @@ def _reference_probs(q, k, start, length, h, scale, p, seed, offset):
     return torch.softmax(scores, dim=-1), factors, torch.logsumexp(scores, dim=-1)
 
 
-def stored_keep(rng: Tensor, start: int, length: int, b: int, head: int, tokens: int, batch: int,
-                max_seqlen: int) -> Tensor:
-    """The keep mask [length, length] of sequence b (rows from packed row `start`) and head `head`, read from
-    the keep bits a GPU forward left in `rng` after (seed, offset) - csrc/attention.cu's keep_word layout:
-    one 32-bit word per (head, 16-row query group, 64-key block, lane 4 (q % 8) + (k % 8) // 2), the group
-    starting at row r at x = start + 16 b + r; byte (k % 64) // 16, bit 4 (q % 16 >= 8) + 2 (k % 16 >= 8)
-    + k % 2. Equal to `dropout_keep` for the forward's (seed, offset) (tested)."""
-    words = rng[2:].contiguous().view(torch.int32).long() & MASK32
-    blocks = max(-(-max_seqlen // 64), 1)
-    q = torch.arange(length, dtype=torch.int64, device=rng.device)[:, None]
-    k = torch.arange(length, dtype=torch.int64, device=rng.device)[None, :]
-    r16, kk = q % 16, k % 16
-    x = start + 16 * b + q - r16
-    index = (head * (tokens + 16 * batch) + x) * 2 * blocks + (k // 64) * 32 + 4 * (r16 % 8) + (kk % 8) // 2
-    bit = 8 * ((k % 64) // 16) + 4 * (r16 >= 8).long() + 2 * (kk >= 8).long() + kk % 2
-    return ((words[index] >> bit) & 1).bool()
-
-
-def rng_entries(tokens: int, heads: int, batch: int, max_seqlen: int, dropout_p: float, device) -> int:
-    """The forward's `rng` length: 2 (seed, offset), plus on a GPU with dropout its keep bits - one 32-bit
-    word per (head, 16 query rows, 64 keys, lane), laid out by csrc/attention.cu's keep_word: heads x
-    (T + 16 x batch) x 2 x ceil(max_seqlen / 64) words, two per int64 entry."""
-    if torch.device(device).type != "cuda" or dropout_p <= 0 or tokens * heads == 0 or batch == 0:
-        return 2
-    return 2 + heads * (tokens + 16 * batch) * max(-(-max_seqlen // 64), 1)
-
-
 def _cpu_rng(p: float) -> Tensor:
     if p == 0:
         return torch.zeros(2, dtype=torch.int64)
@@ -176,9 +146,8 @@ def _bwd_cpu(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, sca
 
 @torch.library.register_fake(f"{NS}::varlen_attention_fwd")
 def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, seqused=None):
-    entries = rng_entries(q.shape[0], q.shape[1], cu_seqlens.shape[0] - 1, max_seqlen, dropout_p, q.device)
     return (q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32),
-            q.new_empty(entries, dtype=torch.int64))
+            q.new_empty(2, dtype=torch.int64))
 
 
 @torch.library.register_fake(f"{NS}::varlen_attention_bwd")
@@ -226,9 +195,8 @@ def _packed_bwd_cpu(grad_out, qkv, out, lse, cu_seqlens, max_seqlen, dropout_p, 
 @torch.library.register_fake(f"{NS}::varlen_attention_packed_fwd")
 def _packed_fwd_fake(qkv, cu_seqlens, max_seqlen, dropout_p, scale, seqused=None):
     t, _, heads, d = qkv.shape
-    entries = rng_entries(t, heads, cu_seqlens.shape[0] - 1, max_seqlen, dropout_p, qkv.device)
     return (qkv.new_empty(t, heads, d), qkv.new_empty(heads, t, dtype=torch.float32),
-            qkv.new_empty(entries, dtype=torch.int64))
+            qkv.new_empty(2, dtype=torch.int64))
 
 
 @torch.library.register_fake(f"{NS}::varlen_attention_packed_bwd")

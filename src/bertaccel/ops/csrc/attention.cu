@@ -181,23 +181,7 @@ struct Params {
   float p;
   at::PhiloxCudaState philox;
   int64_t* rng;  // forward: (seed, offset) written; backward: read
-  // The keep bits the forward drew, stored for the backward (null: the backward draws them again); see
-  // keep_word. keep_blocks: 64-key blocks per query row group (max_seqlen / 64, rounded up).
-  uint32_t* keep;
-  int keep_blocks;
 };
-
-// Where the forward leaves its dropout keep bits for the backward, so that the backward reads 4 bytes per
-// thread and 64 x 64 block instead of running Philox again (at BERT-base 32x512 the draws were ~50 us of a
-// 262 us backward). One 32-bit word per (head, 16-row query group, 64-key block, lane): byte kk holds
-// keep_bits() of the block's kk-th 16 keys for the lane's rows g, g + 8 - the fragment both the forward's
-// and the backward's warps hold (16 query rows per warp, 64-key blocks, the m16n8 accumulator layout). A
-// group starting at row r of sequence b sits at x = cu[b] + 16 b + r: groups are 16 rows apart and
-// sequences' ranges of x disjoint, so 2 * keep_blocks words per x suffice - heads x (T + 16 batch) x 2 x
-// keep_blocks words in all (13 MB at 32x512x12). Only groups with a row in the sequence are stored or read.
-__device__ __forceinline__ int64_t keep_word(const Params& p, int h, int b, int start, int row16, int kb, int lane) {
-  return ((int64_t)h * (p.total + 16 * p.batch) + start + 16 * b + row16) * 2 * p.keep_blocks + kb * 32 + lane;
-}
 
 // Sequence b's rows: from `start`, `len` of them; its slot (rows start .. start + slot) ends in fillers when
 // seqused is given (a negative seqused: attn_check_seqused_kernel has stopped the forward).
@@ -269,25 +253,6 @@ __device__ __forceinline__ Dropout forward_dropout(const Params& p) {
     p.rng[1] = (int64_t)drop.offset;
   }
   return drop;
-}
-
-// A forward state of (seed, offset) only (a caller's own rng): the backward first draws the keep bits into
-// keep_word's layout here - one warp per (row group, 64-key block), grid (groups of the longest sequence,
-// heads, batch) - so that the Hopper backward has one dropout path, the stored one (with a second path, the
-// draws, its registers spilled).
-__global__ void attn_draw_keep_kernel(const Params p) {
-  const int b = blockIdx.z, h = blockIdx.y, lane = threadIdx.x % 32;
-  const SeqRows seq = sequence_rows(p, b);
-  const int row16 = blockIdx.x * 16;
-  if (row16 >= seq.len) return;
-  const Dropout drop = read_dropout(p, true);
-  const int64_t row_token = (int64_t)seq.start + row16 + lane / 4;
-  for (int kb = threadIdx.x / 32; kb * 64 < seq.len; kb += blockDim.x / 32) {
-    uint32_t word = 0;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) word |= keep_bits(drop, row_token, kb * 64 + kk * 16 + 2 * (lane % 4), h) << (8 * kk);
-    p.keep[keep_word(p, h, b, seq.start, row16, kb, lane)] = word;
-  }
 }
 
 // Zero rows [cu[batch], total) of [T, heads, d] tensors (token stride `row`, heads contiguous): the fillers.
@@ -461,13 +426,10 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
       acc[i][3] *= corr[1];
     }
     // O += P V, P by 16-key slices straight from the accumulators
-    static_assert(kBlockN == 64, "one stored keep word per 64-key block");
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       if constexpr (DROPOUT) {
         const uint32_t bits = keep_bits(drop, row_token, key0 + kk * 16 + 2 * t, h);
-        if (p.keep != nullptr && m0 + warp * 16 < len)  // byte kk of the block's word, for the backward
-          reinterpret_cast<uint8_t*>(p.keep + keep_word(p, h, b, start, m0 + warp * 16, key0 / 64, lane))[kk] = (uint8_t)bits;
 #pragma unroll
         for (int side = 0; side < 2; ++side)
 #pragma unroll
@@ -1151,9 +1113,6 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
     for (int kk = 0; kk < PS; ++kk) {
       if constexpr (DROPOUT) {
         const uint32_t bits = keep_bits(drop, row_token, key0 + kk * 16 + 2 * t, h);
-        if (p.keep != nullptr && m0 + wrow < len)  // byte kk % 4 of the block's word, for the backward
-          reinterpret_cast<uint8_t*>(p.keep + keep_word(p, h, b, start, m0 + wrow, (key0 + kk * 16) / 64, lane))[kk % 4] =
-              (uint8_t)bits;
 #pragma unroll
         for (int side = 0; side < 2; ++side)
 #pragma unroll
@@ -1227,8 +1186,8 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
 // are read MN-major from the same tiles the first two MMAs read K-major. The next block's Q and dO (TMA)
 // and lse and D (cp.async) are copied behind the current block's first MMAs.
 template <int D>
-constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum, keep words), 4 mbarriers, alignment
-  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 2 * 128 * 4 + 32 + 1024;
+constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 4 mbarriers, alignment
+  return (size_t)6 * 64 * D * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 32 + 1024;
 }
 
 // CTAs per SM the registers must allow (the cluster code's few extra registers would otherwise cost one).
@@ -1257,8 +1216,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   uint8_t* sdS = sP + B * 64 * 2;  // 8 KB
   float* sLse = reinterpret_cast<float*>(sdS + B * 64 * 2);  // [2][64]
   float* sDsum = sLse + 2 * B;                                // [2][64]
-  uint32_t* sKeep = reinterpret_cast<uint32_t*>(sDsum + 2 * B);  // [2][128]: the stored keep words, thread order
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sKeep + 2 * NT);  // CLUSTER: staged, consumed
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sDsum + 2 * B);  // CLUSTER: staged, consumed
   // Q and dO of a query block by TMA: thread 0 issues both copies into the stage, completing full[stage]
   // (every thread waits on it, parity m / 2, before the block's first MMAs). Rows past the sequence hold
   // the next sequence's rows (rows past the tensor: zero): their lse is set to +inf, so P = 0 and dS = 0.
@@ -1301,7 +1259,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   const T* dout = static_cast<const T*>(p.dout) + (int64_t)h * p.do_head;
   const float scale_log2 = p.scale * kLog2e;
   const bool keys_full = n0 + B <= len;  // no key of this CTA past the sequence
-
   auto load_q_block = [&](int m, int stage) {
     const int m0 = m * B;
     if (threadIdx.x == 0) {
@@ -1318,11 +1275,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     float* dst = threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r];
     if (m0 + r < len) cp_async4(dst, (threadIdx.x < B ? p.lse : p.dsum) + (int64_t)h * p.total + start + m0 + r, 4);
     else *dst = threadIdx.x < B ? INFINITY : 0.f;
-    // and with dropout each thread's keep word (keep_word: its warp's 16 rows, the CTA's 64 keys), stored by
-    // the forward (or attn_draw_keep_kernel); rows past the sequence have none (P = 0 there)
-    if constexpr (DROPOUT)
-      if (m0 + warp * 16 < len)
-        cp_async4(&sKeep[stage * NT + threadIdx.x], p.keep + keep_word(p, h, b, start, m0 + warp * 16, blockIdx.x, lane), 4);
   };
   const int mblocks = (len + B - 1) / B;
   // The query block of step i. Without clusters CTA n starts at block n % mblocks: the CTAs of a sequence,
@@ -1416,6 +1368,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     const int wrow = warp * 16;
     const float lse0 = sLse[stage * B + wrow + g] * kLog2e, lse1 = sLse[stage * B + wrow + g + 8] * kLog2e;
     const float ds0 = sDsum[stage * B + wrow + g], ds1 = sDsum[stage * B + wrow + g + 8];
+    const int64_t row_token = (int64_t)start + m0 + wrow + g;
     // Two copies of the elementwise part, picked per CTA: without the key test where every key of the
     // CTA is in the sequence (all but a sequence's last key block). One copy with the test in it compiled
     // to a predicate per element (ISETP, the zero result, lse * log2e again under the predicate).
@@ -1424,7 +1377,7 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       [[maybe_unused]] uint32_t bits = 0xFFu;
-      if constexpr (DROPOUT) bits = (sKeep[stage * NT + threadIdx.x] >> (8 * kk)) & 0xFFu;  // byte kk: keys kk * 16 ..
+      if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + kk * 16 + 2 * t, h);
 #pragma unroll
       for (int side = 0; side < 2; ++side) {
         const int j = 2 * kk + side;
@@ -1695,14 +1648,7 @@ void dispatch(at::ScalarType dtype, int64_t d, bool dropout, Fn&& fn) {
   else by_dim(__half{});
 }
 
-// The stored keep bits' size (keep_word): 64-key blocks per row group, and 32-bit words in all (even).
-int keep_blocks(int64_t max_seqlen) { return (int)std::max<int64_t>((max_seqlen + 63) / 64, 1); }
-int64_t stored_keep_words(const at::Tensor& q, const at::Tensor& cu, int64_t max_seqlen) {
-  return q.size(1) * (q.size(0) + 16 * (cu.size(0) - 1)) * 2 * keep_blocks(max_seqlen);
-}
-
-// (out [T, heads, d], lse [heads, T] fp32 natural log, rng int64: (seed, offset), then with dropout the keep
-// bits drawn, which the Hopper backward reads instead of drawing them again)
+// (out [T, heads, d], lse [heads, T] fp32 natural log, rng (seed, offset) int64)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                                     const at::Tensor& v, const at::Tensor& cu_seqlens,
                                                                     int64_t max_seqlen, double dropout_p, double scale,
@@ -1716,22 +1662,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd(const at::Te
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   // (seed, offset): written by the grid's first block, sequence 0 (no fill kernel); zeros where no such block
   // runs (no tokens, or a batch of fillers only)
-  // With dropout the keep bits follow (keep_word's layout; entries no group owns are left unwritten)
   const bool written = q.numel() > 0 && cu_seqlens.size(0) > 1;
-  const bool dropout = dropout_p > 0;
-  const int64_t keep_words = written && dropout ? stored_keep_words(q, cu_seqlens, max_seqlen) : 0;
-  at::Tensor rng = written ? at::empty({2 + keep_words / 2}, q.options().dtype(at::kLong))
-                           : at::zeros({2}, q.options().dtype(at::kLong));
+  at::Tensor rng = written ? at::empty({2}, q.options().dtype(at::kLong)) : at::zeros({2}, q.options().dtype(at::kLong));
   if (q.numel() == 0) return {out, lse, rng};
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p, seqused);
   P.out = out.data_ptr();
   P.o_row = out.stride(0), P.o_head = out.stride(1);
   P.lse = lse.data_ptr<float>();
   P.rng = rng.data_ptr<int64_t>();
-  if (keep_words > 0) {
-    P.keep = reinterpret_cast<uint32_t*>(P.rng + 2);
-    P.keep_blocks = keep_blocks(max_seqlen);
-  }
+  const bool dropout = dropout_p > 0;
   if (dropout) {
     auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());
     std::lock_guard<std::mutex> lock(gen->mutex_);
@@ -1808,9 +1747,8 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   BERTACCEL_CHECK(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 &&
                       lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
                   "bertaccel varlen_attention: lse must be the forward's float32 [heads, tokens]");
-  BERTACCEL_CHECK(rng.is_cuda() && rng.scalar_type() == at::kLong && rng.dim() == 1 && rng.numel() >= 2 &&
-                      rng.is_contiguous(),
-                  "bertaccel varlen_attention: rng must be the forward's int64 (seed, offset[, keep bits])");
+  BERTACCEL_CHECK(rng.is_cuda() && rng.scalar_type() == at::kLong && rng.numel() == 2,
+                  "bertaccel varlen_attention: rng must be the forward's int64 (seed, offset)");
   for (const at::Tensor* g : {&dq, &dk, &dv}) {
     check_qkv(*g, "a gradient", q);
     BERTACCEL_CHECK(g->stride(1) == q.size(2) && g->stride(0) == dq.stride(0),
@@ -1854,24 +1792,6 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   P.rng = rng.data_ptr<int64_t>();
   const bool dropout = dropout_p > 0;
   auto stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor drawn_keep;  // the keep bits, drawn here where the forward's state holds (seed, offset) only
-  const int64_t words = dropout && P.batch > 0 ? stored_keep_words(q, cu_seqlens, max_seqlen) : 0;
-  BERTACCEL_CHECK(rng.numel() == 2 || rng.numel() == 2 + words / 2,
-                  "bertaccel varlen_attention: rng holds %lld entries; the forward of these shapes gives 2 (seed, "
-                  "offset) + %lld (its keep bits): pass the rng of the same call's forward",
-                  (long long)rng.numel(), (long long)(words / 2));
-  if (dropout && hopper && P.batch > 0) {
-    P.keep_blocks = keep_blocks(max_seqlen);
-    if (rng.numel() > 2) {
-      P.keep = reinterpret_cast<uint32_t*>(P.rng + 2);
-    } else {
-      drawn_keep = at::empty({words}, q.options().dtype(at::kInt));
-      P.keep = reinterpret_cast<uint32_t*>(drawn_keep.data_ptr<int>());
-      const dim3 groups((unsigned)((std::max<int64_t>(max_seqlen, 1) + 15) / 16), (unsigned)P.heads, (unsigned)P.batch);
-      attn_draw_keep_kernel<<<groups, 128, 0, stream>>>(P);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  }
   const int64_t rows = q.size(0) * q.size(1);  // (token, head) pairs
   const dim3 grid((unsigned)key_blocks, (unsigned)P.heads, (unsigned)P.batch + 1);
   dispatch(q.scalar_type(), d, dropout, [&](auto type_tag, auto dim, auto drop) {
