@@ -340,7 +340,8 @@ fi
 if has ddp_rows; then  # nvidia-h200-x2: DDP fit (+ test after fit), then predict from its last checkpoint: every row once
   DR=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm
       --model.init_args.pretrained .carry/minilm --data.init_args.val_size 500 --data.init_args.max_length 128
-      --data.init_args.test_subset 1001 --trainer.devices 2 --trainer.strategy ddp --progress_bar.refresh_rate 50)
+      --data.init_args.test_subset 1001 --trainer.devices 2 --trainer.strategy ddp --progress_bar.refresh_rate 50
+      ${DDP_ROWS_ARGS:-})  # e.g. DDP_ROWS_ARGS="-c configs/presets/recommended.yaml"
   timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit "${DR[@]}" --trainer.limit_train_batches 40 --trainer.limit_val_batches 5 \
     --trainer.logger.init_args.name ddp_rows > "$OUT/ddp_fit.log" 2>&1
   echo "ddp fit+test rc=$?"; grep -E "test/acc|test/loss|Error|worker" "$OUT/ddp_fit.log" | cut -c1-200 | head -6
