@@ -230,17 +230,23 @@ def test_a_model_forward_reads_its_mask_once(packed_on_cpu, monkeypatch):
 
 
 @pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("dense_op", [False, True], ids=["F.linear", "dense-op"])
 def test_fused_qkv_projection_goes_through_the_packed_call_with_the_same_gradients(packed_on_cpu, monkeypatch,
-                                                                                   masked):
+                                                                                   masked, dense_op):
     """With the kernel swap's fused QKV projection, each layer makes one packed call on the projection's
     output (one gradient tensor); logits and every parameter's gradient equal the unswapped
-    model's (three separate q / k / v calls)."""
+    model's (three separate q / k / v calls). `dense_op`: the projection through `bias_grad.dense`'s op, as
+    on a GPU (its output once was a view outside the autograd graph: no packed call, a cat of the three
+    gradients)."""
     import bertaccel.ops.attention as attention
+    import bertaccel.ops.bias_grad as bias_grad
     import bertaccel.ops.qkv as qkv
     from bertaccel.modules import BertClassifier
     from bertaccel.ops.swap import swap
 
     monkeypatch.setattr(qkv, "why_not", lambda *a, **k: None)  # the fused projection on CPU too
+    if dense_op:
+        monkeypatch.setattr(bias_grad, "why_not", lambda *a, **k: None)
     calls = {"packed": 0, "separate": 0}
     packed, separate = attention.varlen_attention_packed, attention.varlen_attention
 
