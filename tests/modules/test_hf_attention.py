@@ -267,10 +267,16 @@ def test_fused_qkv_projection_goes_through_the_packed_call_with_the_same_gradien
     ids = torch.randint(5, 100, (4, 9))
     mask = random_mask(4, 9, seed=5).long() if masked else None
     results = []
+    import bertaccel.modules.hf_attention as hf_attention
+
+    monkeypatch.setattr(hf_attention, "_SEPARATE_PARTS_SAID", set())
     for model in models:
         model.train(False)
         calls.update(packed=0, separate=0)
-        logits = model(input_ids=ids, attention_mask=mask).logits
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        assert not [w for w in said if "not views of its one output" in str(w.message)]
         logits.square().sum().backward()
         grads = {n.replace("query.", "").replace("key.", "").replace("value.", ""): p.grad
                  for n, p in model.named_parameters() if p.grad is not None and "attention.self" not in n}
@@ -287,6 +293,31 @@ def test_fused_qkv_projection_goes_through_the_packed_call_with_the_same_gradien
         for part in ("query", "key", "value"):
             torch.testing.assert_close(getattr(a1, part).weight.grad, getattr(a0, part).weight.grad,
                                        rtol=1e-4, atol=1e-6)
+
+
+def test_a_fused_projection_whose_parts_arrive_separately_is_said_once(packed_on_cpu, monkeypatch):
+    """Where the fused QKV projection's q, k, v are not views of its one output (as with session 44's `dense` bug),
+    the attention still runs (three tensors) and says once why it is slower; the result equals the packed run's."""
+    import bertaccel.modules.hf_attention as hf_attention
+    import bertaccel.ops.qkv as qkv
+    from bertaccel.modules import BertClassifier
+    from bertaccel.ops.swap import swap
+
+    monkeypatch.setattr(qkv, "why_not", lambda *a, **k: None)
+    monkeypatch.setattr(hf_attention, "_SEPARATE_PARTS_SAID", set())
+    torch.manual_seed(0)
+    model = BertClassifier(config=dict(TINY_BERT, num_hidden_layers=2), vocab_size=100, num_labels=3,
+                           attn_implementation="bertaccel").model
+    swap(model, ["qkv"])
+    model.train(False)
+    ids, mask = torch.randint(5, 100, (3, 7)), random_mask(3, 7, seed=2).long()
+    packed = model(input_ids=ids, attention_mask=mask).logits
+    split = qkv.split_heads
+    monkeypatch.setattr(qkv, "split_heads", lambda *a: tuple(t.clone() for t in split(*a)))
+    with pytest.warns(UserWarning, match="not views of its one output") as said:
+        separate = model(input_ids=ids, attention_mask=mask).logits
+    assert sum("not views of its one output" in str(w.message) for w in said) == 1, "said once, not per layer"
+    torch.testing.assert_close(separate, packed)
 
 
 def _bf16_case(B, S, H, D, seed):

@@ -38,6 +38,7 @@ ones: README, "Attention").
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -167,11 +168,28 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
     else:
         cu_seqlens, seqused = padded_layout_of(attention_mask)
     qkv = fused_qkv_of(query, key, value)
+    if qkv is None and getattr(module, "projects_qkv_as_one", False):
+        note_separate_parts()
     if qkv is not None:  # one [T, 3, H, D] gradient written by the kernels, no cat of three
         out = varlen_attention_packed(qkv, cu_seqlens, S, dropout, scaling, seqused)
     else:
         out = varlen_attention(q, k, v, cu_seqlens, S, dropout, scaling, seqused)
     return out.view(B, S, H, D), None
+
+
+_SEPARATE_PARTS_SAID: set[str] = set()
+
+
+def note_separate_parts() -> None:
+    """Say once that a fused QKV projection's q, k, v reached the kernel as separate tensors (session 44's
+    `dense` bug: a projection output outside the autograd graph), where autograd then joins their three
+    gradients with a cat - correct, but a full pass over [T, 3 x hidden] per layer that went unnoticed."""
+    if torch.compiler.is_compiling() or "said" in _SEPARATE_PARTS_SAID:
+        return
+    _SEPARATE_PARTS_SAID.add("said")
+    warnings.warn("bertaccel attention: the fused QKV projection's query, key and value are not views of its one "
+                  "output here, so they go to the kernel as three tensors and autograd joins their gradients with "
+                  "a cat (slower, same result)", stacklevel=3)
 
 
 def fused_qkv_of(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:

@@ -122,6 +122,10 @@ class FusedQKVSelfAttention(SelfAttentionReplacement):
     one GEMM, then HF's attention function on the split heads. Runs the original module where the
     fused path does not apply (a KV cache, a tensor the kernels' eligibility rules turn away: CPU)."""
 
+    # its q, k, v are views of one projection output: `attn_implementation: bertaccel` hands that tensor to the
+    # kernel whole (one gradient written, no cat) and says so once where it cannot
+    projects_qkv_as_one = True
+
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args, **kwargs):
         reason = "a KV cache is in use" if kv_cache(args, kwargs) is not None else why_not(
             hidden_states, hidden=1, dtype=compute_dtype(hidden_states))
