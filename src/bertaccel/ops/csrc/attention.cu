@@ -1568,11 +1568,7 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int NO = D / 8;
   float s[64], dp[32], dq[D / 2], dk[D / 2], dv[D / 2];  // dP: one 64-key half at a time (registers)
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = dq[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) s[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) dp[i] = 0.f;  // (defined before the first wgmma writes them: no injected waits)
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;  // (s, dp, dq: written by each chain's first wgmma)
   float* dq_accum = p.dq_accum + ((int64_t)h * p.total + start) * D;
   const TileDesc<D, B> k_desc(sK), v_desc(sV), q_desc(sQ), do_desc(sdO);
   // this warpgroup's 64 query rows of Q / dO (64-row offsets keep the swizzle phase) and of dS (both key blocks)
@@ -1591,15 +1587,19 @@ __global__ void __launch_bounds__(256, 1)
     const uint32_t st = stage * TILE;
     // S = Q K^T (this warpgroup's 64 queries x 128 keys), then dP = dO V^T for keys 0-63: two groups, so that
     // P's exponentials run while dP's MMAs do. dP's second half (keys 64-127) follows in the same registers
-    // (both halves at once: 250 registers and 260 bytes spilled, offline)
+    // (both halves at once: 250 registers and 260 bytes spilled, offline). Each chain's first k-slice is
+    // mma_ss_first (D written only): with "+f" accumulators ptxas, near its register limit, copied the previous
+    // block's values into them between the fence and the wgmma and injected a warpgroup wait / arrive there.
     wgmma::fence();
+    wgmma::mma_ss_first<F16, 128, 0, 0>(s, q_wg.plus(st).k_major(0), k_desc.k_major(0));
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) wgmma::mma_ss<F16, 128, 0, 0>(s, q_wg.plus(st).k_major(ks), k_desc.k_major(ks), ks > 0 ? 1 : 0);
+    for (int ks = 1; ks < KS; ++ks) wgmma::mma_ss<F16, 128, 0, 0>(s, q_wg.plus(st).k_major(ks), k_desc.k_major(ks), 1);
     wgmma::commit();
     auto issue_dp = [&](int half) {
       const TileDesc<D, B> v_half = v_desc.plus(half * 64 * Swz<D>::kRowBytes);  // key rows 64 half ..
+      wgmma::mma_ss_first<F16, 64, 0, 0>(dp, do_wg.plus(st).k_major(0), v_half.k_major(0));
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) wgmma::mma_ss<F16, 64, 0, 0>(dp, do_wg.plus(st).k_major(ks), v_half.k_major(ks), ks > 0 ? 1 : 0);
+      for (int ks = 1; ks < KS; ++ks) wgmma::mma_ss<F16, 64, 0, 0>(dp, do_wg.plus(st).k_major(ks), v_half.k_major(ks), 1);
       wgmma::commit();
     };
     issue_dp(0);
@@ -1666,8 +1666,9 @@ __global__ void __launch_bounds__(256, 1)
     __syncthreads();  // both warpgroups' P and dS are in
     wgmma::fence();
     // dQ (unscaled) = dS K: this warpgroup's 64 queries, K = all 128 keys (K as the MN-major B)
+    wgmma::mma_ss_first<F16, D, 0, 1>(dq, ds_rows.k_major(0), k_desc.mn_major(0));
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) wgmma::mma_ss<F16, D, 0, 1>(dq, ds_rows.k_major(kk), k_desc.mn_major(kk), kk > 0 ? 1 : 0);
+    for (int kk = 1; kk < 8; ++kk) wgmma::mma_ss<F16, D, 0, 1>(dq, ds_rows.k_major(kk), k_desc.mn_major(kk), 1);
     // dV += P^T dO, dK += dS^T Q: this warpgroup's 64 keys, K = all 128 queries
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) wgmma::mma_ss<F16, D, 1, 1>(dv, p_keys.mn_major(ks), do_desc.plus(st).mn_major(ks), 1);
