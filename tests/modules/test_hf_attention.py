@@ -267,9 +267,8 @@ def test_fused_qkv_projection_goes_through_the_packed_call_with_the_same_gradien
     ids = torch.randint(5, 100, (4, 9))
     mask = random_mask(4, 9, seed=5).long() if masked else None
     results = []
-    import bertaccel.modules.hf_attention as hf_attention
 
-    monkeypatch.setattr(hf_attention, "_SEPARATE_PARTS_SAID", set())
+    monkeypatch.setattr(eligibility, "_warned", set())
     for model in models:
         model.train(False)
         calls.update(packed=0, separate=0)
@@ -298,13 +297,12 @@ def test_fused_qkv_projection_goes_through_the_packed_call_with_the_same_gradien
 def test_a_fused_projection_whose_parts_arrive_separately_is_said_once(packed_on_cpu, monkeypatch):
     """Where the fused QKV projection's q, k, v are not views of its one output (as with session 44's `dense` bug),
     the attention still runs (three tensors) and says once why it is slower; the result equals the packed run's."""
-    import bertaccel.modules.hf_attention as hf_attention
     import bertaccel.ops.qkv as qkv
     from bertaccel.modules import BertClassifier
     from bertaccel.ops.swap import swap
 
     monkeypatch.setattr(qkv, "why_not", lambda *a, **k: None)
-    monkeypatch.setattr(hf_attention, "_SEPARATE_PARTS_SAID", set())
+    monkeypatch.setattr(eligibility, "_warned", set())
     torch.manual_seed(0)
     model = BertClassifier(config=dict(TINY_BERT, num_hidden_layers=2), vocab_size=100, num_labels=3,
                            attn_implementation="bertaccel").model

@@ -38,13 +38,12 @@ ones: README, "Attention").
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bertaccel.ops.eligibility import note_fallback
+from bertaccel.ops.eligibility import note_fallback, note_once
 
 NAME = "bertaccel"
 
@@ -177,19 +176,14 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
     return out.view(B, S, H, D), None
 
 
-_SEPARATE_PARTS_SAID: set[str] = set()
-
-
 def note_separate_parts() -> None:
     """Say once that a fused QKV projection's q, k, v reached the kernel as separate tensors (session 44's
     `dense` bug: a projection output outside the autograd graph), where autograd then joins their three
     gradients with a cat - correct, but a full pass over [T, 3 x hidden] per layer that went unnoticed."""
-    if torch.compiler.is_compiling() or "said" in _SEPARATE_PARTS_SAID:
-        return
-    _SEPARATE_PARTS_SAID.add("said")
-    warnings.warn("bertaccel attention: the fused QKV projection's query, key and value are not views of its one "
-                  "output here, so they go to the kernel as three tensors and autograd joins their gradients with "
-                  "a cat (slower, same result)", stacklevel=3)
+    note_once("attention: separate q, k, v parts",
+              "bertaccel attention: the fused QKV projection's query, key and value are not views of its one "
+              "output here, so they go to the kernel as three tensors and autograd joins their gradients with "
+              "a cat (slower, same result)", stacklevel=3)
 
 
 def fused_qkv_of(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:

@@ -61,13 +61,19 @@ def why_not(x: torch.Tensor, hidden: int | None = None, dtype: torch.dtype | Non
     return None
 
 
-def note_fallback(op: str, reason: str) -> None:
-    """Warn once per (op, reason) that PyTorch runs instead; CPU inputs are expected and stay quiet."""
-    key = f"{op}: {reason}"
-    if key in _warned or torch.compiler.is_compiling() or reason.startswith("input is not on a CUDA"):
+def note_once(key: str, message: str, stacklevel: int = 2) -> None:
+    """Warn `message` the first time `key` is noted in this process (never while compiling)."""
+    if key in _warned or torch.compiler.is_compiling():
         return
     _warned.add(key)
-    warnings.warn(f"bertaccel {op} uses PyTorch: {reason}.", stacklevel=3)
+    warnings.warn(message, stacklevel=stacklevel + 1)
+
+
+def note_fallback(op: str, reason: str) -> None:
+    """Warn once per (op, reason) that PyTorch runs instead; CPU inputs are expected and stay quiet."""
+    if reason.startswith("input is not on a CUDA"):
+        return
+    note_once(f"{op}: {reason}", f"bertaccel {op} uses PyTorch: {reason}.", stacklevel=3)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
