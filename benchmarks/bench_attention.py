@@ -38,15 +38,13 @@ CELLS = ["128x128x12x64:full", "128x128x12x32:full", "32x512x12x64:full", "32x51
 # Our op with other kernels, timed beside the default on a Hopper (BERTACCEL_ATTENTION_FWD / _BWD, read
 # per call, set around the forward and the backward alike): the mma.sync kernels, the warpgroup-MMA
 # forward with 128 queries per CTA, with 128 or 64 keys per block (the default takes 128 on batches of
-# full sequences), the Hopper backward without clusters (one dQ buffer add per CTA) and in 128 x 128 steps
-# (`wide`, head dim 64; others run the default)
+# full sequences), and the Hopper backward without clusters (one dQ buffer add per CTA)
 VARIANTS = {"fwd mma, bwd mma": {"BERTACCEL_ATTENTION_FWD": "mma", "BERTACCEL_ATTENTION_BWD": "mma"},
             "bwd mma": {"BERTACCEL_ATTENTION_BWD": "mma"},
             "fwd wg2": {"BERTACCEL_ATTENTION_FWD": "wg2"},
             "fwd 128 keys": {"BERTACCEL_ATTENTION_FWD": "n128"},
             "fwd 64 keys": {"BERTACCEL_ATTENTION_FWD": "n64"},
-            "bwd bulk": {"BERTACCEL_ATTENTION_BWD": "bulk"},
-            "bwd wide": {"BERTACCEL_ATTENTION_BWD": "wide"}}
+            "bwd bulk": {"BERTACCEL_ATTENTION_BWD": "bulk"}}
 
 
 BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,

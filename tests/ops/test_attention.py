@@ -220,12 +220,11 @@ def _err(a, ref, real):
 def _forward_kernel(name, monkeypatch):
     """`hopper`: the default kernels where the GPU is a Hopper (warpgroup MMAs); `wg1` / `wg2`: that
     forward with 64 / 128 queries per CTA; `n128`: with 128 keys per block (head dims 32, 64); `bulk`: the default forward, and the Hopper backward adding
-    dQ to an fp32 buffer (its path past 2 key blocks) at every length; `wide`: the default forward and the
-    128 x 128-step backward (attn_bwd_wide_kernel, head dim 64); `mma`: the mma.sync forward and
+    dQ to an fp32 buffer (its path past 2 key blocks) at every length; `mma`: the mma.sync forward and
     backward, the default elsewhere (BERTACCEL_ATTENTION_FWD / _BWD)."""
     if name != "mma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup-MMA forward needs a Hopper GPU (sm_90)")
-    if name in ("bulk", "wide"):  # wide: the backward in 128 x 128 steps (head dim 64; others keep the default)
+    if name == "bulk":
         monkeypatch.setenv("BERTACCEL_ATTENTION_BWD", name)
     elif name != "hopper":
         monkeypatch.setenv("BERTACCEL_ATTENTION_FWD", name)
@@ -234,7 +233,7 @@ def _forward_kernel(name, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "wide", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "mma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("lengths", [[77, 1, 0, 128, 33], [513, 64, 65, 3], [200, 129, 257]])
@@ -268,7 +267,7 @@ def test_forward_and_gradients_within_twice_sdpa_error(dtype, head_dim, lengths,
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "bulk", "wide", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "bulk", "mma"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_many_fillers_are_zero_in_every_output(fwd, packed, monkeypatch):
     """More filler rows than the fillers' grid slice has warps (each warp zeroes rows in a strided loop; the
@@ -309,7 +308,7 @@ def test_many_fillers_are_zero_in_every_output(fwd, packed, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "wide", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "mma"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("S", [128, 200])  # 2 key blocks (the Hopper backward's clusters); 4, the last partial
 @pytest.mark.parametrize("p", [0.0, 0.2])
@@ -357,7 +356,7 @@ def test_seqused_slots_on_the_gpu(fwd, head_dim, S, p, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "wide", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "wg2", "n128", "bulk", "mma"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("longest", [130, 128])  # 3 key blocks; 2 (the Hopper backward's cluster path)
 def test_dropout_is_the_reference_mask_for_the_kernels_seed(head_dim, fwd, longest, monkeypatch):
@@ -427,7 +426,7 @@ def test_strided_views_of_one_qkv_output():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fwd", ["hopper", "bulk", "wide", "mma"])
+@pytest.mark.parametrize("fwd", ["hopper", "bulk", "mma"])
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("lengths", [[50, 90], [300, 5, 0, 130, 64]])
 @pytest.mark.parametrize("p", [0.0, 0.1])
@@ -498,7 +497,7 @@ def test_cuda_graph_replays_draw_new_masks_and_match_eager():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("bwd", ["", "bulk", "wide"])
+@pytest.mark.parametrize("bwd", ["", "bulk"])
 def test_backward_replays_with_new_inputs(bwd, monkeypatch):
     """The backward captured once and replayed on new inputs equals eager calls on them: the fp32 dQ
     buffer is cleared on every call (a stale sum would carry the first replay's dq along), packed

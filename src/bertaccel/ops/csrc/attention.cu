@@ -1488,238 +1488,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
 #endif
 }
 
-// The backward in 128 x 128 steps ("wide"; BERTACCEL_ATTENTION_BWD=wide, head dim 64; session 44, written without
-// a GPU at hand: compiled offline only, not yet run). FlashAttention-3's hdim-64 Hopper shape without its producer
-// warp: a CTA of two warpgroups holds 128 keys and walks the sequence's query blocks of 128. Warpgroup w computes
-// S and dP for queries 64 w .. 64 w + 63 against all 128 keys, P and dS in registers, both to shared memory; then
-// dQ of its 64 queries over all 128 keys (dS and K from shared memory: no sum across warpgroups) and dK, dV of its
-// 64 keys over all 128 queries (P^T, dS^T from shared memory). Against attn_bwd_kernel's 64 x 64 steps: half the Q
-// and dO copies and half the dQ reductions (one 128 x 64 fp32 block per 128 x 128 step) per FLOP, one CTA of
-// eight warps per SM instead of three of four. dQ leaves through the fp32 buffer as there (no clusters).
-template <int D>
-constexpr size_t bwd_wide_smem() {  // K, V, 2 x (Q, dO), P, dS, dQ staging (fp32), 2 x (lse, dsum), 2 mbarriers
-  return (size_t)6 * 128 * D * 2 + 2 * 128 * 128 * 2 + (size_t)128 * D * 4 + 4 * 128 * 4 + 16 + 1024;
-}
-
-template <typename T, int D, bool DROPOUT>
-__global__ void __launch_bounds__(256, 1)
-    attn_bwd_wide_kernel(const Params p, const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(D == 64, "the wide backward takes head dim 64");
-  constexpr int B = 128, NT = 256;  // keys per CTA = queries per step; threads
-  constexpr int TILE = B * D * 2;
-  constexpr bool F16 = std::is_same_v<T, __half>;
-  using SP = Swz<128>;  // P and dS: [128 queries x 128 keys], two column blocks of 64 keys (128-byte rows)
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint8_t* sK = align_shared_1024(smem_raw);
-  uint8_t* sV = sK + TILE;
-  uint8_t* sQ = sV + TILE;                                   // [2]
-  uint8_t* sdO = sQ + 2 * TILE;                              // [2]
-  uint8_t* sP = sdO + 2 * TILE;                              // 32 KB
-  uint8_t* sdS = sP + B * B * 2;                             // 32 KB
-  float* sdQ = reinterpret_cast<float*>(sdS + B * B * 2);    // [128][D] fp32 (dq_chunk_phase order)
-  float* sLse = sdQ + B * D;                                 // [2][128]
-  float* sDsum = sLse + 2 * B;                               // [2][128]
-  uint64_t* full = reinterpret_cast<uint64_t*>(sDsum + 2 * B);  // [2]: a query block's Q and dO are in
-  const int b = blockIdx.z, h = blockIdx.y;
-  if (b == p.batch) {
-    zero_fillers<T>(p, D, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr, nullptr);
-    return;
-  }
-  const SeqRows seq = sequence_rows(p, b);
-  const int start = seq.start, len = seq.len;
-  const int n0 = blockIdx.x * B;
-  zero_slot_fillers<T, D>(seq, n0, n0 + B, h, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr,
-                          nullptr, p.total);
-  if (n0 >= len) return;
-  const Dropout drop = read_dropout(p, true);
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const T* k = static_cast<const T*>(p.k) + (int64_t)h * p.k_head;
-  const T* v = static_cast<const T*>(p.v) + (int64_t)h * p.v_head;
-  const float scale_log2 = p.scale * kLog2e;
-  const bool keys_full = n0 + B <= len;
-  auto load_q_block = [&](int m, int stage) {
-    const int m0 = m * B;
-    if (threadIdx.x == 0) {
-      mbar_expect_tx(&full[stage], 2 * TILE);
-      tma_load_3d(sQ + stage * TILE, &tm_q, 0, h, start + m0, &full[stage]);
-      tma_load_3d(sdO + stage * TILE, &tm_do, 0, h, start + m0, &full[stage]);
-    }
-    static_assert(NT == 2 * B, "one lse or D value per thread");
-    const int r = threadIdx.x % B;
-    float* dst = threadIdx.x < B ? &sLse[stage * B + r] : &sDsum[stage * B + r];
-    if (m0 + r < len) cp_async4(dst, (threadIdx.x < B ? p.lse : p.dsum) + (int64_t)h * p.total + start + m0 + r, 4);
-    else *dst = threadIdx.x < B ? INFINITY : 0.f;
-  };
-  const int mblocks = (len + B - 1) / B;
-  const int first = (int)blockIdx.x % mblocks;  // CTAs of a sequence add to different dQ rows at a time
-  auto qblock = [&](int i) { return first + i < mblocks ? first + i : first + i - mblocks; };
-  if (threadIdx.x == 0) {
-    mbar_init(&full[0], 1);
-    mbar_init(&full[1], 1);
-    fence_mbar_init();
-  }
-  load_tile<T, D, B, NT>(sK, k, p.k_row, start + n0, len - n0);
-  load_tile<T, D, B, NT>(sV, v, p.v_row, start + n0, len - n0);
-  load_q_block(qblock(0), 0);
-  cp_async_commit();
-
-  constexpr int KS = D / 16;  // k-slices over the head dim
-  constexpr int NO = D / 8;
-  float s[64], dp[32], dq[D / 2], dk[D / 2], dv[D / 2];  // dP: one 64-key half at a time (registers)
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;  // (s, dp, dq: written by each chain's first wgmma)
-  float* dq_accum = p.dq_accum + ((int64_t)h * p.total + start) * D;
-  const TileDesc<D, B> k_desc(sK), v_desc(sV), q_desc(sQ), do_desc(sdO);
-  // this warpgroup's 64 query rows of Q / dO (64-row offsets keep the swizzle phase) and of dS (both key blocks)
-  const TileDesc<D, B> q_wg(sQ + wg * 64 * Swz<D>::kRowBytes), do_wg(sdO + wg * 64 * Swz<D>::kRowBytes);
-  const TileDesc<128, B> ds_rows(sdS + wg * 64 * SP::kRowBytes);
-  // this warpgroup's 64 keys of P and dS: column block wg, [128 queries x 64 keys]
-  const TileDesc<64, B> p_keys(sP + wg * B * SP::kRowBytes), ds_keys(sdS + wg * B * SP::kRowBytes);
-  cp_async_wait_all();
-  async_copy::fence_proxy_async();
-  __syncthreads();
-
-  for (int m = 0; m < mblocks; ++m) {
-    const int stage = m & 1;
-    const int m0 = qblock(m) * B;
-    mbar_wait(&full[stage], (m >> 1) & 1);
-    const uint32_t st = stage * TILE;
-    // S = Q K^T (this warpgroup's 64 queries x 128 keys), then dP = dO V^T for keys 0-63: two groups, so that
-    // P's exponentials run while dP's MMAs do. dP's second half (keys 64-127) follows in the same registers
-    // (both halves at once: 250 registers and 260 bytes spilled, offline). Each chain's first k-slice is
-    // mma_ss_first (D written only): with "+f" accumulators ptxas, near its register limit, copied the previous
-    // block's values into them between the fence and the wgmma and injected a warpgroup wait / arrive there.
-    wgmma::fence();
-    wgmma::mma_ss_first<F16, 128, 0, 0>(s, q_wg.plus(st).k_major(0), k_desc.k_major(0));
-#pragma unroll
-    for (int ks = 1; ks < KS; ++ks) wgmma::mma_ss<F16, 128, 0, 0>(s, q_wg.plus(st).k_major(ks), k_desc.k_major(ks), 1);
-    wgmma::commit();
-    auto issue_dp = [&](int half) {
-      const TileDesc<D, B> v_half = v_desc.plus(half * 64 * Swz<D>::kRowBytes);  // key rows 64 half ..
-      wgmma::mma_ss_first<F16, 64, 0, 0>(dp, do_wg.plus(st).k_major(0), v_half.k_major(0));
-#pragma unroll
-      for (int ks = 1; ks < KS; ++ks) wgmma::mma_ss<F16, 64, 0, 0>(dp, do_wg.plus(st).k_major(ks), v_half.k_major(ks), 1);
-      wgmma::commit();
-    };
-    issue_dp(0);
-    if (m + 1 < mblocks) load_q_block(qblock(m + 1), stage ^ 1);  // its stage was read by block m - 1's MMAs, done
-    cp_async_commit();
-    const int row = wg * 64 + warp * 16 + g;  // rows row, row + 8 of the 128
-    const float lse0 = sLse[stage * B + row] * kLog2e, lse1 = sLse[stage * B + row + 8] * kLog2e;
-    const float ds0 = sDsum[stage * B + row], ds1 = sDsum[stage * B + row + 8];
-    const int64_t row_token = (int64_t)start + m0 + row;
-    wgmma::wait<1>();
-    reg_fence(s);
-    // P (before dropout) in s: element 4 j + e is row g + 8 (e / 2), key 8 j + 2 t + e % 2
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + j * 8 + 2 * t + (e & 1);
-        const float lse = e < 2 ? lse0 : lse1;
-        s[4 * j + e] = (keys_full || key < len) ? fast_exp2(fmaf(s[4 * j + e], scale_log2, -lse)) : 0.f;
-      }
-    // (block m - 1's MMAs, which read P and dS, are done: each warpgroup waited for its own before the barrier
-    // that ended block m - 1)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (half == 1) {
-        wgmma::fence();
-        issue_dp(1);
-      }
-      wgmma::wait<0>();
-      reg_fence(dp);
-      // dS = P (dP - D) (dropped P and dP with dropout) for the half's 64 keys; P (dropped) and dS to shared
-      // memory, [query][key] swizzled
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const int chunk = 4 * half + kk;  // 16-key chunk of the 128
-        [[maybe_unused]] uint32_t bits = 0xFFu;
-        if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + chunk * 16 + 2 * t, h);
-#pragma unroll
-        for (int side = 0; side < 2; ++side) {
-          const int j = 2 * chunk + side, jh = 2 * kk + side;  // n8 group in s / in dp
-          float pd[4], dsv[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float dsum = e < 2 ? ds0 : ds1, pr = s[4 * j + e];
-            float dpe = dp[4 * jh + e];
-            pd[e] = pr;
-            if constexpr (DROPOUT) {
-              const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
-              pd[e] = keep ? pr * drop.scale : 0.f;
-              dpe = keep ? dpe * drop.scale : 0.f;
-            }
-            dsv[e] = pr * (dpe - dsum);
-          }
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int off = SP::offset<B>(row + 8 * r, j) + 4 * t;
-            *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(pd[2 * r], pd[2 * r + 1]);
-            *reinterpret_cast<uint32_t*>(sdS + off) = pack2<T>(dsv[2 * r], dsv[2 * r + 1]);
-          }
-        }
-      }
-    }
-    async_copy::fence_proxy_async();
-    __syncthreads();  // both warpgroups' P and dS are in
-    wgmma::fence();
-    // dQ (unscaled) = dS K: this warpgroup's 64 queries, K = all 128 keys (K as the MN-major B)
-    wgmma::mma_ss_first<F16, D, 0, 1>(dq, ds_rows.k_major(0), k_desc.mn_major(0));
-#pragma unroll
-    for (int kk = 1; kk < 8; ++kk) wgmma::mma_ss<F16, D, 0, 1>(dq, ds_rows.k_major(kk), k_desc.mn_major(kk), 1);
-    // dV += P^T dO, dK += dS^T Q: this warpgroup's 64 keys, K = all 128 queries
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) wgmma::mma_ss<F16, D, 1, 1>(dv, p_keys.mn_major(ks), do_desc.plus(st).mn_major(ks), 1);
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) wgmma::mma_ss<F16, D, 1, 1>(dk, ds_keys.mn_major(ks), q_desc.plus(st).mn_major(ks), 1);
-    wgmma::commit();
-    // this warp's rows of block m - 1's dQ have left the staging tile
-    if (lane == 0) async_copy::bulk_wait_read<0>();
-    __syncwarp();
-    wgmma::wait<0>();
-    reg_fence(dq);
-    reg_fence(dv);
-    reg_fence(dk);
-    if (m + 1 < mblocks) cp_async_wait_all();  // block m + 1's lse and D (this thread's copies)
-    // stage this warp's 16 dQ rows (dq_accum's chunk order) and add them to the buffer
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int rr = row + 8 * r;
-      float* dst = sdQ + rr * D + 2 * t;
-      const int phase = dq_chunk_phase(start + m0 + rr, D);
-#pragma unroll
-      for (int i = 0; i < NO; ++i)
-        *reinterpret_cast<float2*>(dst + ((i ^ phase) << 3)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-    }
-    async_copy::fence_proxy_async();
-    __syncwarp();
-    const int wrow = wg * 64 + warp * 16;
-    const int rows = min(16, len - m0 - wrow);
-    if (lane == 0 && rows > 0)
-      bulk_reduce_add_f32(dq_accum + (int64_t)(m0 + wrow) * D, sdQ + wrow * D, (uint32_t)rows * D * 4);
-    __syncthreads();  // block m + 1's lse / D (every thread's copies) are in; its Q / dO: the mbarrier
-  }
-  if (lane == 0) async_copy::bulk_wait_all();
-  // dK (scaled) and dV: this warpgroup's 64 keys, its warp's 16
-  T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
-  T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = n0 + wg * 64 + warp * 16 + g + 8 * r;
-    if (key < len) {
-      const int64_t off = (int64_t)(start + key) * p.grad_row;
-#pragma unroll
-      for (int i = 0; i < NO; ++i) {
-        *reinterpret_cast<uint32_t*>(dkp + off + i * 8 + 2 * t) = pack2<T>(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
-      }
-    }
-  }
-#endif
-}
-
 }  // namespace hopper
 #endif  // BERTACCEL_ATTENTION_SM90A
 
@@ -1855,13 +1623,11 @@ int hopper_forward_warpgroups(bool full_128) {
 // Which backward runs at head dims 32 and 64: hopper::attn_bwd_kernel on a Hopper (kClusters: with dQ
 // summed on chip where varlen_attention_bwd allows it), unless BERTACCEL_ATTENTION_BWD=mma (the mma.sync
 // kernel: kNone) or =bulk (dQ through the fp32 buffer at every length: kBuffer).
-// =wide: hopper::attn_bwd_wide_kernel at head dim 64 (128 x 128 steps; not yet run on a GPU, so never the default).
-enum class HopperBackward { kNone, kClusters, kBuffer, kWide };
+enum class HopperBackward { kNone, kClusters, kBuffer };
 HopperBackward hopper_backward() {
   if (!on_hopper()) return HopperBackward::kNone;
   const std::string choice = env_value("BERTACCEL_ATTENTION_BWD");
   if (choice == "mma") return HopperBackward::kNone;
-  if (choice == "wide") return HopperBackward::kWide;
   return choice == "bulk" ? HopperBackward::kBuffer : HopperBackward::kClusters;
 }
 #endif
@@ -2037,22 +1803,8 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
     attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, !direct);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
-    if constexpr (D == 64) {
-      if (choice == HopperBackward::kWide) {  // 128 keys per CTA, 128 queries per step; dQ through the buffer
-        constexpr size_t smem = hopper::bwd_wide_smem<D>();
-        bind_primary_context(q.get_device());
-        const CUtensorMap tm_q = qkv_tile_map(q, 128), tm_do = qkv_tile_map(dout, 128);
-        auto kernel = hopper::attn_bwd_wide_kernel<T, D, DR>;
-        set_smem(kernel, smem);
-        const dim3 wide_grid((unsigned)std::max<int64_t>((max_seqlen + 127) / 128, 1), (unsigned)P.heads,
-                             (unsigned)P.batch + 1);
-        kernel<<<wide_grid, 256, smem, stream>>>(P, tm_q, tm_do);
-        launched = true;
-        layout = DqLayout::kHeadsMajorPermuted;
-      }
-    }
     if constexpr (D <= 64) {
-      if (hopper && !launched) {
+      if (hopper) {
         constexpr size_t smem = hopper::bwd_smem<D>();
         bind_primary_context(q.get_device());
         const CUtensorMap tm_q = qkv_tile_map(q, 64), tm_do = qkv_tile_map(dout, 64);
