@@ -168,7 +168,6 @@ struct Params {
   void* dk;
   void* dv;
   float* dq_accum;  // [T, heads, d] fp32
-  int* dq_done;     // the Hopper backward: [batch, heads] CTAs done adding to dq_accum (the last one casts dQ); null: a kernel of its own casts it
   void* dq;         // the Hopper backward in clusters: written directly
   float* lse;       // [heads, T] natural log
   float* dsum;      // [heads, T] rowsum(dO * O)
@@ -476,7 +475,6 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attn_fwd_kernel
 // ------------------------------------------------------------------------------ backward
 // D = rowsum(dO * O) per (row, head), fp32: D / 8 threads per (row, head), 16 bytes of each per thread;
 // and, when zero_dq, clears the fp32 dQ sums (D values per (row, head): all of them, whatever their layout)
-// and the Hopper backward's dq_done counters (the grid covers batch * heads threads too)
 template <typename T, int D>
 __global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
   constexpr int TPR = D / 8;  // threads per (row, head); divides 32
@@ -484,7 +482,6 @@ __global__ void attn_bwd_dsum_kernel(const Params p, bool zero_dq) {
   const int64_t w = gid / TPR;
   const int part = (int)(gid % TPR);
   const bool valid = w < (int64_t)p.total * p.heads;  // no early return: the shuffles below take every lane
-  if (p.dq_done != nullptr && gid < (int64_t)p.batch * p.heads) p.dq_done[gid] = 0;
   const int64_t row = w / p.heads;
   const int h = (int)(w % p.heads);
   float acc = 0.f;
@@ -1201,36 +1198,6 @@ constexpr size_t bwd_smem() {  // K, V, 2 x (Q, dO), P, dS, 2 x (lse, dsum), 4 m
 template <int D, bool DROPOUT>
 constexpr int bwd_min_blocks() { return D <= 32 ? (DROPOUT ? 3 : 4) : 3; }
 
-// Orders this thread's completed bulk (async-proxy) writes to global memory before its later generic accesses
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-
-// *x += v at GPU scope with acquire-release semantics (what was written before it, here or by threads this
-// one synchronised with, is visible to whoever reads the sum after; what they wrote before theirs, to this
-// thread after); returns the old value
-__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* x, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(x), "r"(v) : "memory");
-  return old;
-}
-
-// dq = scale * dQ's fp32 sums (dq_chunk_phase layout) for rows [start, start + len) of head h, cast: run by the
-// CTA that added a (sequence, head)'s last dQ partial, in place of a pass of attn_bwd_dq_kernel over every row
-// (which re-read the 4-byte sums from memory; here they are mostly still in L2). 8 values per thread and
-// step, 8 steps' loads in flight.
-template <typename T, int D>
-__device__ __forceinline__ void cast_dq_rows(const Params& p, int h, int start, int len) {
-  constexpr int C = D / 8;  // 32-byte chunks of a row's sums
-  const float* acc = p.dq_accum + ((int64_t)h * p.total + start) * D;
-  T* dq = static_cast<T*>(p.dq) + (int64_t)h * D;
-#pragma unroll 8
-  for (int i = threadIdx.x; i < len * C; i += blockDim.x) {
-    const int r = i / C, c = i % C;
-    const float* src = acc + (int64_t)r * D + ((c ^ dq_chunk_phase(start + r, D)) << 3);
-    const float4 a = __ldcg(reinterpret_cast<const float4*>(src)), b = __ldcg(reinterpret_cast<const float4*>(src + 4));
-    *reinterpret_cast<uint4*>(dq + (int64_t)(start + r) * p.grad_row + c * 8) = scaled8<T>(a, b, p.scale);
-  }
-}
-
 template <typename T, int D, bool DROPOUT, int CLUSTER>
 __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     attn_bwd_kernel(const Params p, const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do) {
@@ -1255,20 +1222,17 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
   // the next sequence's rows (rows past the tensor: zero): their lse is set to +inf, so P = 0 and dS = 0.
   uint64_t* full = bars + 2;
   const int b = blockIdx.z, h = blockIdx.y;
-  // this kernel writes dq (its fillers too): summed on chip (CLUSTER) or cast from the fp32 buffer by the last
-  // CTA of each (sequence, head) (dq_done); else attn_bwd_dq_kernel casts every row after it
-  const bool dq_here = p.dq_accum == nullptr || p.dq_done != nullptr;
   if (b == p.batch) {
     zero_fillers<T>(p, D, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv), nullptr,
-                    dq_here ? static_cast<T*>(p.dq) : nullptr);
+                    p.dq_accum ? nullptr : static_cast<T*>(p.dq));
     return;
   }
   const SeqRows seq = sequence_rows(p, b);
   const int start = seq.start, len = seq.len;
   const int n0 = blockIdx.x * B;
-  // (dq too where this kernel writes it: otherwise its fp32 sums are cleared for every row and cast)
+  // (dq too where the clusters write it: elsewhere its fp32 sums are cleared for every row and cast)
   zero_slot_fillers<T, D>(seq, n0, n0 + B, h, p.grad_row, static_cast<T*>(p.dk), static_cast<T*>(p.dv),
-                          dq_here ? static_cast<T*>(p.dq) : nullptr, nullptr, p.total);
+                          p.dq_accum ? nullptr : static_cast<T*>(p.dq), nullptr, p.total);
   // CLUSTER > 0 (gridDim.x <= CLUSTER): every key block of one (sequence, head) in one thread-block
   // cluster, summing dQ through each other's shared memory: per query block, each CTA stages its 64 x D
   // partial (fp32), and the `nact` CTAs with keys split the block's rows, each adding the nact partials of
@@ -1519,17 +1483,6 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
         *reinterpret_cast<uint32_t*>(dkp + off + i * 8 + 2 * t) = pack2<T>(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
         *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
       }
-    }
-  }
-  if constexpr (CLUSTER == 0) {
-    if (p.dq_done != nullptr) {  // count this CTA's dQ partials in; the last of the (sequence, head) casts them
-      __shared__ int last;
-      if (lane == 0) fence_proxy_async_global();  // the bulk reductions (complete above), before the count
-      __syncthreads();  // every warp's reductions are complete
-      if (threadIdx.x == 0)
-        last = atomic_add_acq_rel_gpu(&p.dq_done[b * p.heads + h], 1) == (len + B - 1) / B - 1;
-      __syncthreads();
-      if (last) cast_dq_rows<T, D>(p, h, start, len);
     }
   }
 #endif
@@ -1814,19 +1767,15 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   // The Hopper backward: with at most 2 key blocks (max_seqlen <= 128) both CTAs of a (sequence, head) run as
   // one cluster and write dq from on-chip sums (128x128x12x64 fwd+bwd 0.212 ms against 0.245 through the
   // buffer, 6f6343a); past that, each CTA adds its dQ partial to an fp32 buffer (cleared by the dsum
-  // kernel, cast by the last CTA of each (sequence, head) to add its partials: dq_done). Clusters measured slower there (benchmarks/bench_attention.py,
+  // kernel, cast by attn_bwd_dq_kernel). Clusters measured slower there (benchmarks/bench_attention.py,
   // 32x512x12x64): all 8 key blocks writing dq directly 0.506 ms (a78e2b0), pairs adding their sums to
   // the buffer (half the L2 reductions) 0.539 ms (6f6343a), against 0.416-0.424 without clusters; pairs again
   // with every remote read in flight (tried/attention-bwd-dq-pairs): main kernel 281 against 212 us.
   // BERTACCEL_ATTENTION_BWD=bulk: the buffer at every length (for tests and timing).
   const int cluster = clusters && key_blocks <= 2 ? 2 : 0;
   const bool direct = cluster > 0;
-  at::Tensor dq_accum, dq_done;
+  at::Tensor dq_accum;
   if (!direct) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  // The Hopper backward through the buffer casts dQ itself (its CTAs count their partials in; the dsum kernel
-  // clears the counts): 32x512x12x64 bwd ... . The mma.sync backward's sums go to attn_bwd_dq_kernel.
-  const bool cast_in_kernel = hopper && !direct;
-  if (cast_in_kernel) dq_done = at::empty({cu_seqlens.size(0) - 1, q.size(1)}, q.options().dtype(at::kInt));
   at::Tensor dsum = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   Params P = make_params(q, k, v, cu_seqlens, scale, dropout_p, seqused);
   P.o = out.data_ptr();
@@ -1836,7 +1785,6 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
   P.dk = dk.data_ptr();
   P.dv = dv.data_ptr();
   P.dq_accum = direct ? nullptr : dq_accum.data_ptr<float>();
-  P.dq_done = cast_in_kernel ? dq_done.data_ptr<int>() : nullptr;
   P.dq = dq.data_ptr();
   P.grad_row = dq.stride(0);
   P.lse = lse.data_ptr<float>();
@@ -1852,8 +1800,7 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
     constexpr bool DR = decltype(drop)::value;
     bool launched = false;
     DqLayout layout = DqLayout::kTokensMajor;
-    const int64_t dsum_threads = std::max<int64_t>(rows * (D / 8), (int64_t)P.batch * P.heads);
-    attn_bwd_dsum_kernel<T, D><<<(unsigned)((dsum_threads + 255) / 256), 256, 0, stream>>>(P, !direct);
+    attn_bwd_dsum_kernel<T, D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(P, !direct);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 #if defined(BERTACCEL_ATTENTION_SM90A)
     if constexpr (D <= 64) {
@@ -1894,7 +1841,7 @@ void attention_bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::T
       kernel<<<grid, kThreads, smem, stream>>>(P);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (direct || (launched && cast_in_kernel)) return;  // dq written by the backward itself
+    if (direct) return;  // dq written by the backward itself
     const int64_t n = dq.numel();
     attn_bwd_dq_kernel<T><<<(unsigned)((n / 8 + 255) / 256), 256, 0, stream>>>(P.dq_accum, (T*)dq.data_ptr(), n,
                                                                              (float)scale, layout, P.heads, (int)D,
