@@ -4,7 +4,7 @@
 
 Runs the CLI in this process with one extra callback that, between training steps `START` and
 `STOP` (env, default 60 and 260), profiles the main thread with cProfile and times the window.
-Writes `$OUT/host_steps.txt`: ms per step (wall), host ms per step spent inside Lightning's hooks,
+Writes `$OUT/host_steps.txt` (under DDP one `host_steps_rank<R>.txt` per rank): ms per step (wall), host ms per step spent inside Lightning's hooks,
 and the functions taking the host's time, by own and cumulative time.
 """
 import cProfile
@@ -42,7 +42,8 @@ class HostSteps(pl.Callback):
             st.sort_stats("cumulative").print_stats(70)
             n = STOP - START
             head = f"steps {START}..{STOP}: {1e3 * wall / n:.2f} ms per step wall (profiled; cProfile adds overhead)\n"
-            with open(os.path.join(OUT, "host_steps.txt"), "w") as f:
+            name = "host_steps.txt" if trainer.world_size == 1 else f"host_steps_rank{trainer.global_rank}.txt"
+            with open(os.path.join(OUT, name), "w") as f:
                 f.write(head + s.getvalue())
             print(head, flush=True)
             self.prof = None
