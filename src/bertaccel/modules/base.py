@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import get_linear_schedule_with_warmup
 
 from bertaccel.errors import CheckpointError, ConfigError
+from bertaccel.modules import sigterm_check
 from bertaccel.modules.bert import architecture_of
 from bertaccel.modules.graphs import StepGraphs
 from bertaccel.modules.train_step import all_reduce_grads, build_train_step, make_static_grads
@@ -634,6 +635,8 @@ class BertModule(pl.LightningModule):
         # on the H100 host (the slowest steps of benchmarks/finetune.py's runs at 8c32708). Make it now.
         for logger in self.trainer.loggers:
             logger.experiment  # noqa: B018 - the property creates it (a dummy on ranks other than 0)
+        # Under DDP Lightning reads a broadcast SIGTERM flag back every batch (a sync per step): one batch late
+        sigterm_check.install(self.trainer)
         self._freeze_heap()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

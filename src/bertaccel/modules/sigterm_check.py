@@ -1,0 +1,78 @@
+"""Lightning's per-batch SIGTERM agreement under DDP, without a host-device synchronisation per step.
+
+Lightning (2.5+, `_TrainingEpochLoop._broadcast_sigterm_tensor`) makes the ranks agree at the start of
+every training batch whether rank 0 has received SIGTERM: it makes a one-element tensor on the device,
+broadcasts it from rank 0 and reads it back with `.item()`. The read waits for everything queued on the
+GPU - the steps the host had launched ahead - so each step's host work (the loop, the hooks, the next
+launch) then runs while the GPU is idle. Measured on 2 H100s, MiniLM IMDB max_length 256 with
+`recommended.yaml` (one epoch, session 45): 2.6 ms of every step's host time inside it, the GPU busy 69% of
+each step (87% on one GPU), 4.1 ms per step counted as waiting for the batch.
+
+`LaggedSigtermCheck` makes the same agreement one batch later: at batch i it enqueues the broadcast of the
+flag, a non-blocking copy of the result into pinned host memory and an event; at batch i + 1 it waits for
+that event only - for the GPU work queued before batch i's step, which the host is at most one step
+ahead of - and acts on the value. Every rank reads the same broadcast at the same batch, so all ranks stop
+at the same batch as before, one batch later. On a CPU device (gloo) the copy is synchronous and the
+logic the same. `install` puts it in place of the loop's method when Lightning has one (else nothing
+changes: Lightning without the per-batch check, or a later version that changed it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
+
+_METHOD = "_broadcast_sigterm_tensor"
+
+
+class LaggedSigtermCheck:
+    """Callable replacing `trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor` (see the module)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def __call__(self) -> None:
+        previous, self._pending = self._pending, None
+        device = self.trainer.strategy.root_device
+        flag = torch.tensor([1 if getattr(self.trainer, "received_sigterm", False) else 0], device=device)
+        try:
+            dist.broadcast(flag, src=0)
+        except Exception:  # noqa: BLE001 - as Lightning's own check: a failed broadcast does not stop training
+            flag = None
+        if flag is not None:
+            if device.type == "cuda":
+                host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+                host.copy_(flag, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._pending = (host, event)
+            else:
+                self._pending = (flag, None)
+        if previous is not None:
+            host, event = previous
+            if event is not None:
+                event.synchronize()
+            if int(host[0]) == 1:
+                with contextlib.suppress(Exception):
+                    dist.barrier()  # as Lightning: every rank here before any exits
+                raise SIGTERMException()
+
+
+def install(trainer: Any) -> bool:
+    """Replace the fit loop's per-batch SIGTERM broadcast with `LaggedSigtermCheck` (DDP only: the loop
+    calls it when torch.distributed is initialised with more than one rank). True if it was replaced."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is None or trainer.world_size <= 1 or not callable(getattr(type(loop), _METHOD, None)):
+        return False
+    if not isinstance(loop.__dict__.get(_METHOD), LaggedSigtermCheck):
+        setattr(loop, _METHOD, LaggedSigtermCheck(trainer))
+        log.debug("bertaccel: the per-batch SIGTERM broadcast reads its result one batch late (no sync per step)")
+    return True
