@@ -107,9 +107,16 @@ class GraphLoopOnCPU(Callback):
         pl_module._graph_decisions.clear()  # Lightning asked `automatic_optimization` before this hook
 
     def on_train_end(self, trainer, pl_module) -> None:
+        import os
+
+        from bertaccel.modules.sigterm_check import LaggedSigtermCheck
+
         steps = pl_module.graph_stats().get("train", {}).get("eager_steps")
         if pl_module.automatic_optimization or steps != trainer.global_step:
             raise RuntimeError(f"the graph-mode loop did not run every step ({steps} of {trainer.global_step})")
+        lagged = isinstance(trainer.fit_loop.epoch_loop.__dict__.get("_broadcast_sigterm_tensor"), LaggedSigtermCheck)
+        if lagged != (os.environ.get("BERTACCEL_LAGGED_SIGTERM") == "1"):
+            raise RuntimeError(f"the lagged SIGTERM check installed: {lagged}, asked for: {not lagged}")
 
 
 @pytest.mark.slow
@@ -117,7 +124,8 @@ def test_ddp_graph_mode_steps_sync_gradients_like_ddp(tiny_config, tmp_path):
     """2 processes, the graph-mode step (the captured one on a GPU: it all-reduces the gradients itself,
     Lightning's DDP reducer idle) trains to the weights of Lightning's DDP automatic optimization, with
     gradient clipping (which must see the global gradients). Without the step's all-reduce each rank
-    would train on its own shard alone."""
+    would train on its own shard alone. The graph-mode fit runs with the lagged SIGTERM check
+    (BERTACCEL_LAGGED_SIGTERM=1: the ranks' per-batch broadcast read one batch late)."""
     import os
 
     import torch
@@ -132,17 +140,18 @@ def test_ddp_graph_mode_steps_sync_gradients_like_ddp(tiny_config, tmp_path):
               json.dumps({"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
                           "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})]
 
-    def fit(name: str, *extra: str) -> tuple[dict, str]:
+    def fit(name: str, *extra: str, lagged_sigterm: bool = False) -> tuple[dict, str]:
         cfg = tiny_config(name, epochs=1, dataset=str(data), val_size=64)
         out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common, *extra], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600, env=env)
+                             capture_output=True, text=True, timeout=600,
+                             env=dict(env, BERTACCEL_LAGGED_SIGTERM="1" if lagged_sigterm else "0"))
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
         ckpt = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
         return ckpt, out.stdout + out.stderr
 
     eager, _ = fit("ddp_eager")
     graph, _ = fit("ddp_graph_loop", "--model.init_args.cuda_graphs", "true",
-                     "--trainer.callbacks", "tests.test_ddp.GraphLoopOnCPU")
+                     "--trainer.callbacks", "tests.test_ddp.GraphLoopOnCPU", lagged_sigterm=True)
     assert graph["global_step"] == eager["global_step"] == 8
     for k, v in eager["state_dict"].items():
         torch.testing.assert_close(graph["state_dict"][k], v, rtol=1e-4, atol=1e-5, msg=k)

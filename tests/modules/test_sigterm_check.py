@@ -15,10 +15,14 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from bertaccel.modules import sigterm_check
 
 
+def _group(tmp_path, backend):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+
+
 @pytest.fixture
 def one_process_group(tmp_path):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    _group(tmp_path, "gloo")
     yield
     dist.destroy_process_group()
 
@@ -40,10 +44,17 @@ def test_a_flag_set_before_a_batch_stops_the_batch_after(one_process_group):
 
 
 @pytest.mark.cuda
-def test_the_flag_goes_through_pinned_memory_on_a_gpu(one_process_group):
+def test_the_flag_goes_through_pinned_memory_on_a_gpu(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    # gloo broadcasts a CUDA tensor through the host; the check's copy and event are the CUDA path's
+    _group(tmp_path, "nccl")  # as under DDP on GPUs
+    try:
+        _pinned_path()
+    finally:
+        dist.destroy_process_group()
+
+
+def _pinned_path():
     trainer = _trainer("cuda")
     check = sigterm_check.LaggedSigtermCheck(trainer)
     check()
@@ -60,13 +71,15 @@ class _Loop:
         raise AssertionError("Lightning's own check ran")
 
 
-def test_install_replaces_the_loops_method_under_ddp_only():
+def test_install_replaces_the_loops_method_under_ddp_only_when_asked(monkeypatch):
     loop = _Loop()
     trainer = _trainer()
     trainer.fit_loop = types.SimpleNamespace(epoch_loop=loop)
     trainer.world_size = 1
-    assert not sigterm_check.install(trainer)
+    assert not sigterm_check.install(trainer, force=True)
     trainer.world_size = 2
+    assert not sigterm_check.install(trainer)  # opt-in: BERTACCEL_LAGGED_SIGTERM unset
+    monkeypatch.setenv("BERTACCEL_LAGGED_SIGTERM", "1")
     assert sigterm_check.install(trainer) and sigterm_check.install(trainer)  # twice: still one replacement
     assert isinstance(loop._broadcast_sigterm_tensor, sigterm_check.LaggedSigtermCheck)
     trainer.fit_loop = types.SimpleNamespace(epoch_loop=object())  # a Lightning without the per-batch check

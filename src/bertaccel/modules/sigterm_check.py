@@ -5,8 +5,9 @@ every training batch whether rank 0 has received SIGTERM: it makes a one-element
 broadcasts it from rank 0 and reads it back with `.item()`. The read waits for everything queued on the
 GPU - the steps the host had launched ahead - so each step's host work (the loop, the hooks, the next
 launch) then runs while the GPU is idle. Measured on 2 H100s, MiniLM IMDB max_length 256 with
-`recommended.yaml` (one epoch, session 45): 2.6 ms of every step's host time inside it, the GPU busy 69% of
-each step (87% on one GPU), 4.1 ms per step counted as waiting for the batch.
+`recommended.yaml` (one epoch, session 45, `scripts/host_steps.py`): 2.6 ms of every step's host time inside
+it (8.9 ms per step under cProfile), the GPU busy 69% of each step (87% on one GPU), 4.1 ms per step counted as
+waiting for the batch.
 
 `LaggedSigtermCheck` makes the same agreement one batch later: at batch i it enqueues the broadcast of the
 flag, a non-blocking copy of the result into pinned host memory and an event; at batch i + 1 it waits for
@@ -15,12 +16,19 @@ ahead of - and acts on the value. Every rank reads the same broadcast at the sam
 at the same batch as before, one batch later. On a CPU device (gloo) the copy is synchronous and the
 logic the same. `install` puts it in place of the loop's method when Lightning has one (else nothing
 changes: Lightning without the per-batch check, or a later version that changed it).
+
+Status: opt-in (BERTACCEL_LAGGED_SIGTERM=1). Its first version made the flag with torch.tensor(..., device=...)
+- a copy from pageable memory, which waits for the stream - and measured no gain on 2 H200s (10,406 against
+11,281 train samples/s without it, one run each, data wait 3.6 vs 3.8 ms per step). The flag is now made by a
+fill kernel; that version is tested on CPU (gloo) only. `benchmarks/bench_sigterm_check.py` times both checks'
+host cost with GPU work queued; measure it and a 2-GPU fit before making it the default.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any
 
 import torch
@@ -42,7 +50,12 @@ class LaggedSigtermCheck:
     def __call__(self) -> None:
         previous, self._pending = self._pending, None
         device = self.trainer.strategy.root_device
-        flag = torch.tensor([1 if getattr(self.trainer, "received_sigterm", False) else 0], device=device)
+        # made on the device by a fill kernel: torch.tensor([...], device=...) copies from pageable host memory,
+        # which waits for the stream - the very synchronisation this class exists to avoid (its first version
+        # did that and measured no gain)
+        flag = torch.zeros(1, dtype=torch.int64, device=device)
+        if getattr(self.trainer, "received_sigterm", False):
+            flag.fill_(1)
         try:
             dist.broadcast(flag, src=0)
         except Exception:  # noqa: BLE001 - as Lightning's own check: a failed broadcast does not stop training
@@ -66,9 +79,17 @@ class LaggedSigtermCheck:
                 raise SIGTERMException()
 
 
-def install(trainer: Any) -> bool:
+def enabled() -> bool:
+    """BERTACCEL_LAGGED_SIGTERM=1: opt-in until the fixed version is measured on GPUs (see the module)."""
+    return os.environ.get("BERTACCEL_LAGGED_SIGTERM", "0") == "1"
+
+
+def install(trainer: Any, force: bool = False) -> bool:
     """Replace the fit loop's per-batch SIGTERM broadcast with `LaggedSigtermCheck` (DDP only: the loop
-    calls it when torch.distributed is initialised with more than one rank). True if it was replaced."""
+    calls it when torch.distributed is initialised with more than one rank), where `enabled()` or `force`.
+    True if it was replaced."""
+    if not (force or enabled()):
+        return False
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     if loop is None or trainer.world_size <= 1 or not callable(getattr(type(loop), _METHOD, None)):
         return False
