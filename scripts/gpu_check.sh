@@ -14,7 +14,9 @@
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), hf_attention (cuda tests of attn_implementation bertaccel and graphed steps through it vs SDPA
 # and the unpadded encoder: HF_ATTN_CELLS="model:shape:lengths ..."), recommended (the MiniLM IMDB fine-tune as users compose
-# the presets, max_length 512 and 256: recommended, recommended + unpadded, graphs + fused with SDPA, plain), ddp_rows (2 GPUs: DDP fit, test, predict rows), gelu_sweep (bias+GELU forward
+# the presets, max_length 512 and 256: recommended, recommended + unpadded, graphs + fused with SDPA, plain), ddp_rows (2 GPUs: DDP fit, test, predict rows),
+# sigterm (2 GPUs: the per-batch SIGTERM check's host cost, benchmarks/bench_sigterm_check.py, then one-epoch DDP fits of recommended.yaml
+# with and without BERTACCEL_LAGGED_SIGTERM=1, alternating, SIGTERM_ROUNDS=2), gelu_sweep (bias+GELU forward
 # vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
 # ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_gemm_stalls (warp-stall samples per SASS instruction of the same calls, scripts/ncu_stalls.py; NCU_TOP, NCU_GEMM_EPILOGUE=none|bias|gelu|gelu-pre), ncu_gemm_states (stall reasons per GEMM kernel, caches flushed and not; scripts/ncu_stall_reasons.py), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
@@ -336,6 +338,23 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 idx = [r.get("index") for r in rows]
 print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, first keys {sorted(rows[0])}")
 PY
+fi
+if has sigterm; then  # 2 GPUs (needs .carry/imdb, .carry/minilm): modules/sigterm_check.py measured
+  timeout 120 python -m benchmarks.bench_sigterm_check --out "$OUT/sigterm_check.json" > "$OUT/sigterm_check.log" 2>&1
+  echo "bench_sigterm_check rc=$?"; tail -1 "$OUT/sigterm_check.log"
+  ST=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm
+      --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500 --data.init_args.max_length 256
+      -c configs/presets/recommended.yaml --throughput.enabled true --progress_bar.refresh_rate 500
+      --trainer.devices 2 --trainer.strategy ddp --trainer.max_epochs 1 --test_after_fit false)
+  for round in $(seq ${SIGTERM_ROUNDS:-2}); do
+    for lagged in 0 1; do
+      name=sigterm_lagged${lagged}_r$round
+      BERTACCEL_LAGGED_SIGTERM=$lagged timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit "${ST[@]}" \
+        --trainer.logger.init_args.name $name > "$OUT/$name.log" 2>&1
+      echo "$name rc=$?"; cp runs/$name/version_0/benchmark_stats.json "$OUT/${name}_stats.json" 2>/dev/null
+      python -c "import json,sys; t=json.load(open(sys.argv[1]))['train']; print('  train', {k: t.get(k) for k in ('samples_per_s','step_ms_p50','data_wait_ms_mean','gpu_step_fraction')})" "$OUT/${name}_stats.json" 2>/dev/null
+    done
+  done
 fi
 if has ddp_rows; then  # nvidia-h200-x2: DDP fit (+ test after fit), then predict from its last checkpoint: every row once
   DR=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm
