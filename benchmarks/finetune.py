@@ -150,7 +150,7 @@ def cli_run(args, name: str, presets: list[str], workers: int, extra: list[str] 
             "--data.init_args.max_length", str(args.max_length), "--data.init_args.batch_size", str(args.batch_size),
             "--data.init_args.num_workers", str(workers), "--model.init_args.lr", str(args.lr),
             "--throughput.enabled", "true", "--throughput.warmup_steps", str(args.skip),
-            "--progress_bar.refresh_rate", "100", "--trainer.logger.init_args.name", run_name,
+            "--trainer.logger.init_args.name", run_name,
             "--trainer.logger.init_args.save_dir", str(args.runs), "--seed_everything", str(args.seed), *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})

@@ -143,7 +143,7 @@ if has finetune; then  # MiniLM on the staged IMDB subset through the CLI, plain
     extra=(); [ "$preset" = fused ] && extra=(-c configs/presets/fused.yaml)
     python -m bertaccel fit -c configs/imdb_minilm.yaml "${extra[@]}" --data.init_args.dataset .carry/imdb \
       --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500 \
-      --throughput.enabled true --progress_bar.refresh_rate 500 --trainer.logger.init_args.name "ft_$preset" \
+      --throughput.enabled true --trainer.logger.init_args.name "ft_$preset" \
       > "$OUT/ft_$preset.log" 2>&1
     echo "finetune $preset rc=$?"
     cp runs/ft_$preset/version_0/benchmark_stats.json "$OUT/ft_${preset}_stats.json" 2>/dev/null
@@ -153,7 +153,7 @@ fi
 if has profile; then  # BERT-base, batch 16 x seq 128, train and test, plain and fused
   BASE=(--data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500
         --model.init_args.pretrained null --model.init_args.config '{}' --data.init_args.max_length 128 --data.init_args.pad_to_multiple_of 128 --data.init_args.batch_size 16
-        --data.init_args.eval_batch_size 16 --test_after_fit false --progress_bar.refresh_rate 500)
+        --data.init_args.eval_batch_size 16 --test_after_fit false)
   for preset in plain fused; do
     extra=(); [ "$preset" = fused ] && extra=(-c configs/presets/fused.yaml)
     for stage in fit test; do
@@ -186,7 +186,7 @@ if has host_steps; then  # host time per steady-state graphed step, cProfile of 
   python scripts/host_steps.py fit -c configs/imdb_minilm.yaml -c configs/presets/graphs.yaml \
     --data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm \
     --data.init_args.val_size 500 --trainer.limit_train_batches 300 --trainer.limit_val_batches 0 --test_after_fit false \
-    --progress_bar.refresh_rate 100 --trainer.logger.init_args.name host_steps ${HOST_STEPS_ARGS:-} > "$OUT/host_steps.log" 2>&1
+    --trainer.logger.init_args.name host_steps ${HOST_STEPS_ARGS:-} > "$OUT/host_steps.log" 2>&1
   echo "host steps rc=$?"; head -1 "$OUT/host_steps.txt"
   python -X importtime -c "import bertaccel.ops.swap" 2> "$OUT/importtime.txt"; sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -4
 fi
@@ -281,7 +281,7 @@ if has mlm; then  # a short BERT-base masked-LM fit from scratch on local text: 
   python -m bertaccel fit -c configs/mlm_local.yaml --data.init_args.train_files '[.carry/imdb/train.jsonl.gz]' \
     --data.init_args.val_files null --data.init_args.exclude_files null --data.init_args.tokenizer .carry/minilm \
     --trainer.max_steps ${MLM_STEPS:-400} --trainer.val_check_interval 100 --trainer.limit_val_batches 20 \
-    --throughput.enabled true --trainer.log_every_n_steps 25 --progress_bar.refresh_rate 200 \
+    --throughput.enabled true --trainer.log_every_n_steps 25 \
     --trainer.logger lightning.pytorch.loggers.CSVLogger --trainer.logger.init_args.save_dir runs \
     --trainer.logger.init_args.name mlm_gpu ${MLM_ARGS:-} > "$OUT/mlm.log" 2>&1
   echo "mlm rc=$?"
@@ -290,7 +290,7 @@ if has mlm; then  # a short BERT-base masked-LM fit from scratch on local text: 
 fi
 if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1 and 2 GPUs (DDP), global samples/s, then FSDP BERT-base
   IMDB=(--data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm
-        --data.init_args.val_size 500 --throughput.enabled true --progress_bar.refresh_rate 500)
+        --data.init_args.val_size 500 --throughput.enabled true)
   for run in ${MULTI_RUNS:-ddp1 ddp2 ddp2-fused-graphs}; do
     n=${run:3:1}; extra=(); [[ $run == *fused-graphs ]] && extra=(-c configs/presets/graphs.yaml -c configs/presets/fused.yaml)
     strategy=ddp; [ "$n" = 1 ] && strategy=auto  # the 1-GPU baseline runs as a user would, without DDP
@@ -304,7 +304,7 @@ if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1
     --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500 --model.init_args.pretrained null \
     --model.init_args.config '{}' --data.init_args.max_length 128 --trainer.devices 2 --trainer.strategy fsdp \
     --trainer.limit_train_batches 100 --trainer.limit_val_batches 10 --trainer.limit_test_batches 10 \
-    --throughput.enabled true --progress_bar.refresh_rate 50 --trainer.logger.init_args.name fsdp_base > "$OUT/fsdp_base.log" 2>&1
+    --throughput.enabled true --trainer.logger.init_args.name fsdp_base > "$OUT/fsdp_base.log" 2>&1
   echo "fsdp bert-base rc=$?"; grep -E "test/acc|throughput \(|Error" "$OUT/fsdp_base.log" | cut -c1-300 | head -5; fi
 fi
 if has grad_sync; then  # issue 12 (2+ GPUs): the graphed DDP step's gradient all-reduce, eager / graphed / NCCL floor
@@ -314,8 +314,7 @@ fi
 if has fsdp_test; then  # issue 12 (nvidia-h200-x2): an FSDP fit's checkpoint tested in a new process; predict under DDP
   FS=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm
       --data.init_args.val_size 500 --model.init_args.pretrained null --model.init_args.config '{}'
-      --data.init_args.max_length 128 --trainer.devices 2 --trainer.strategy fsdp --trainer.logger.init_args.name fsdp_t
-      --progress_bar.refresh_rate 50)
+      --data.init_args.max_length 128 --trainer.devices 2 --trainer.strategy fsdp --trainer.logger.init_args.name fsdp_t)
   if [ -z "${FSDP_SKIP_FIT:-}" ]; then
     timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit "${FS[@]}" --trainer.limit_train_batches 30 --trainer.limit_val_batches 5 \
       > "$OUT/fsdp_fit.log" 2>&1
@@ -329,7 +328,7 @@ if has fsdp_test; then  # issue 12 (nvidia-h200-x2): an FSDP fit's checkpoint te
   echo "fsdp test rc=$?"; grep -vE "Warning|warn\(|^\s*$" "$OUT/fsdp_test.log" | tail -${FSDP_TAIL:-25} | cut -c1-400
   [ -z "${FSDP_SKIP_PREDICT:-}" ] && timeout ${MULTI_TIMEOUT:-240} python -m bertaccel predict -c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb \
     --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm --trainer.devices 2 \
-    --trainer.strategy ddp --trainer.logger.init_args.name ddp_predict --progress_bar.refresh_rate 50 > "$OUT/ddp_predict.log" 2>&1
+    --trainer.strategy ddp --trainer.logger.init_args.name ddp_predict > "$OUT/ddp_predict.log" 2>&1
   echo "ddp predict rc=$?"; grep -E "predictions written|Error|rows" "$OUT/ddp_predict.log" | cut -c1-300 | head -5
   f=$(ls runs/ddp_predict/version_*/predictions.jsonl 2>/dev/null | head -1)
   [ -n "$f" ] && python - "$f" <<'PY'
@@ -344,7 +343,7 @@ if has sigterm; then  # 2 GPUs (needs .carry/imdb, .carry/minilm): modules/sigte
   echo "bench_sigterm_check rc=$?"; tail -1 "$OUT/sigterm_check.log"
   ST=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm
       --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500 --data.init_args.max_length 256
-      -c configs/presets/recommended.yaml --throughput.enabled true --progress_bar.refresh_rate 500
+      -c configs/presets/recommended.yaml --throughput.enabled true
       --trainer.devices 2 --trainer.strategy ddp --trainer.max_epochs 1 --test_after_fit false)
   for round in $(seq ${SIGTERM_ROUNDS:-2}); do
     for lagged in 0 1; do
@@ -359,7 +358,7 @@ fi
 if has ddp_rows; then  # nvidia-h200-x2: DDP fit (+ test after fit), then predict from its last checkpoint: every row once
   DR=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm
       --model.init_args.pretrained .carry/minilm --data.init_args.val_size 500 --data.init_args.max_length 128
-      --data.init_args.test_subset 1001 --trainer.devices 2 --trainer.strategy ddp --progress_bar.refresh_rate 50
+      --data.init_args.test_subset 1001 --trainer.devices 2 --trainer.strategy ddp
       ${DDP_ROWS_ARGS:-})  # e.g. DDP_ROWS_ARGS="-c configs/presets/recommended.yaml"
   timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit "${DR[@]}" --trainer.limit_train_batches 40 --trainer.limit_val_batches 5 \
     --trainer.logger.init_args.name ddp_rows > "$OUT/ddp_fit.log" 2>&1

@@ -7,7 +7,7 @@ OUT=${OUT:-bench_results}; mkdir -p "$OUT"
 python -m cProfile -o "$OUT/fit.prof" -m bertaccel fit -c configs/imdb_minilm.yaml -c configs/presets/graphs.yaml \
   --data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm \
   --data.init_args.val_size 500 --trainer.limit_train_batches 300 --trainer.limit_val_batches 0 --test_after_fit false \
-  --progress_bar.refresh_rate 100 --trainer.logger.init_args.name host_profile "$@" > "$OUT/host_profile.log" 2>&1
+  --trainer.logger.init_args.name host_profile "$@" > "$OUT/host_profile.log" 2>&1
 echo "profile rc=$?"
 python - "$OUT/fit.prof" > "$OUT/host_profile.txt" <<'PY'
 import pstats, sys

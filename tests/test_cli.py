@@ -204,6 +204,19 @@ def test_every_preset_composes_and_graphs_fall_back_on_cpu(tiny_config):
     assert graphs.model.automatic_optimization  # CPU: eager steps, said in one line
 
 
+def test_progress_bar_redraws_a_few_times_a_second_unless_asked(tiny_config):
+    """Lightning's RichProgressBar redraws up to 100 times a second (refresh_rate is per second), each redraw
+    Python holding the GIL the training loop needs: bertaccel's default is 4; the option still sets it."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    def bar(*args):
+        run = BertAccelCLI(args=["-c", tiny_config("bar"), *args], run=False)
+        return next(c for c in run.trainer.callbacks if isinstance(c, RichProgressBar))
+
+    assert bar().refresh_rate == 4
+    assert bar("--progress_bar.refresh_rate", "10").refresh_rate == 10
+
+
 def test_shipped_configs_resolve_from_any_directory(tmp_path, monkeypatch):
     """The package is `bertaccel` (src layout) and ships its configs: `-c configs/quickstart.yaml`,
     `-c quickstart` and `-c presets/graphs` work outside the repository; a wrong name lists them."""
