@@ -33,7 +33,6 @@ def _timed_refresh(self) -> None:
     _renders["n"] += 1
 
 
-rich.live.Live.refresh = _timed_refresh
 WARMUP = 50
 
 
@@ -77,6 +76,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=1500)
     args = ap.parse_args()
+    rich.live.Live.refresh = _timed_refresh  # count and time every redraw
     results = [run(rate, args.steps) for _ in range(args.rounds) for rate in args.rates]
     for r in results:
         print(json.dumps(r))
