@@ -22,6 +22,11 @@ START, STOP = int(os.environ.get("START", 60)), int(os.environ.get("STOP", 260))
 OUT = os.environ.get("OUT", ".")
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():  # on a CPU-only machine there is no queue to drain
+        torch.cuda.synchronize()
+
+
 class HostSteps(pl.Callback):
     def __init__(self):
         self.prof = cProfile.Profile()
@@ -29,12 +34,12 @@ class HostSteps(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == START and self.t0 is None:
-            torch.cuda.synchronize()
+            _sync()
             self.t0 = time.perf_counter()
             self.prof.enable()
         elif trainer.global_step == STOP and self.t0 is not None and self.prof is not None:
             self.prof.disable()
-            torch.cuda.synchronize()
+            _sync()
             wall = time.perf_counter() - self.t0
             s = io.StringIO()
             st = pstats.Stats(self.prof, stream=s)
