@@ -25,7 +25,8 @@ Variants:
   ":attn" runs `model.attn_implementation: bertaccel` (our attention kernel on the padded batches);
   ":flash" / ":sdpa" run unpadded attention on PyTorch's FlashAttention varlen / re-padded SDPA instead
   of our kernel (BERTACCEL_VARLEN_ATTENTION); ":nofreeze" leaves the garbage collector unfrozen
-  (BERTACCEL_GC_FREEZE=0; see BertModule._freeze_heap).
+  (BERTACCEL_GC_FREEZE=0; see BertModule._freeze_heap); ":pN" redraws the progress bar N times a second
+  (the CLI's default 4; Lightning's 100, which the runs before session 45 used).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
 does the same with its warm-up steps; graph captures of lengths first seen later stay in the
@@ -228,10 +229,12 @@ def main(argv=None) -> None:
                     env["BERTACCEL_VARLEN_ATTENTION"] = o
                 elif o == "nofreeze":
                     env["BERTACCEL_GC_FREEZE"] = "0"
+                elif o[:1] == "p" and o[1:].isdigit():  # progress bar redraws per second (0: none; CLI default 4)
+                    extra += ["--progress_bar.refresh_rate", o[1:]]
                 else:
                     raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
                                      "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, flash / sdpa: unpadded attention "
-                                     "by PyTorch's kernels, nofreeze: BERTACCEL_GC_FREEZE=0)")
+                                     "by PyTorch's kernels, nofreeze: BERTACCEL_GC_FREEZE=0, pN: progress bar redrawn N times a second)")
             results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if args.out:
