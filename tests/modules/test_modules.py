@@ -176,3 +176,21 @@ def test_qk_norm_needs_a_model_trained_from_scratch_and_checkpoints_must_agree(t
     normed = BertClassifier(config=TINY_BERT, vocab_size=64, num_labels=2, qk_norm="layernorm")
     with pytest.raises(CheckpointError, match="qk_norm: checkpoint None vs config layernorm"):
         normed.on_load_checkpoint(ckpt)
+
+
+def test_logged_train_loss_is_the_mean_of_the_window(monkeypatch):
+    """`_log_train_loss` sums the step losses on the device (one add per step, the count on the host) and
+    logs their mean every `log_every_n_steps` batches, starting the next window from zero."""
+    import types
+
+    module = BertClassifier(num_labels=2, pretrained=None, config=TINY_BERT)
+    loop = types.SimpleNamespace(_batches_that_stepped=0)
+    module._trainer = types.SimpleNamespace(fit_loop=types.SimpleNamespace(epoch_loop=loop), log_every_n_steps=3,
+                                            global_step=0)
+    logged = []
+    monkeypatch.setattr(module, "log", lambda name, value, **kw: logged.append((name, float(value))))
+    losses = [0.5, 1.25, 2.0, 4.0, 3.0, 0.25, 7.0]
+    for i, x in enumerate(losses):
+        module._log_train_loss(torch.tensor(x, requires_grad=True) * 1.0)
+        loop._batches_that_stepped = i + 1
+    assert logged == [("train/loss", pytest.approx(sum(losses[:3]) / 3)), ("train/loss", pytest.approx(sum(losses[3:6]) / 3))]

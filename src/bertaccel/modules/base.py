@@ -155,7 +155,8 @@ class BertModule(pl.LightningModule):
         self._clip: tuple[float, str] | None = None
         self._accumulate = 1
         self._micro = 0
-        self._train_loss_window: torch.Tensor | None = None
+        self._train_loss_window: torch.Tensor | None = None  # the step losses' sum since the last log (fp64)
+        self._train_loss_count = 0
         self._static_grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._rng_to_restore: dict[str, Any] | None = None
         self._saved_schedule: dict[str, int] | None = None
@@ -555,14 +556,17 @@ class BertModule(pl.LightningModule):
         once (the only host read) and log it (as a CPU tensor, so the progress bar reads no device)."""
         loss = loss.detach()
         if self._train_loss_window is None or self._train_loss_window.device != loss.device:
-            self._train_loss_window = torch.zeros(2, dtype=torch.float64, device=loss.device)
-        self._train_loss_window += torch.stack((loss.double(), torch.ones((), dtype=torch.float64, device=loss.device)))
+            self._train_loss_window = torch.zeros((), dtype=torch.float64, device=loss.device)
+            self._train_loss_count = 0
+        self._train_loss_window += loss  # one launch per step (the count is the host's)
+        self._train_loss_count += 1
         loop = self.trainer.fit_loop.epoch_loop
         done = getattr(loop, "_batches_that_stepped", self.global_step) + 1
         if done % max(1, self.trainer.log_every_n_steps) == 0:
-            total, n = self._train_loss_window.cpu().tolist()
+            total, n = self._train_loss_window.item(), self._train_loss_count
             self._train_loss_window.zero_()
-            self.log("train/loss", torch.tensor(total / max(n, 1.0)), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+            self._train_loss_count = 0
+            self.log("train/loss", torch.tensor(total / max(n, 1)), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
 
     def _eval_fn(self):
         def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
