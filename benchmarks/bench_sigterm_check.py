@@ -12,7 +12,6 @@ synchronises takes about the busy time; one that does not, microseconds. Medians
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -32,14 +31,20 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sigterm_check needs a CUDA GPU (NCCL)")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        try:
+            _measure(args)
+        finally:
+            dist.destroy_process_group()
+
+
+def _measure(args) -> None:
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
     from bertaccel.modules.sigterm_check import LaggedSigtermCheck
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    store = tempfile.NamedTemporaryFile(delete=False).name
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
     trainer = types.SimpleNamespace(received_sigterm=False, world_size=1,
                                     strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
     loop = types.SimpleNamespace(trainer=trainer)
@@ -65,7 +70,6 @@ def main() -> None:
     print(f"host ms per check with {args.busy_ms:.0f} ms of GPU work queued (median of {args.rounds}): {result}")
     if args.out:
         write_json(args.out, {"environment": environment(), "busy_ms": args.busy_ms, "host_ms": result})
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

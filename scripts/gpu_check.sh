@@ -30,6 +30,13 @@ mkdir -p "$OUT"
 export BERTACCEL_CACHE=${BERTACCEL_CACHE:-/tmp/bc}
 STAGES=${STAGES:-build tests ops e2e}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# The staged MiniLM IMDB fine-tune (.carry/imdb, .carry/minilm) with the throughput meter: the multi-GPU stages' runs
+MINILM_IMDB=(--data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm
+             --data.init_args.val_size 500 --throughput.enabled true)
+# train_stats STATS_JSON KEY...: those keys of a run's benchmark_stats.json train section, on one line
+train_stats() {
+  python -c "import json,sys; t=json.load(open(sys.argv[1]))['train']; print('  train', {k: t.get(k) for k in sys.argv[2:]})" "$@" 2>/dev/null
+}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
   # Give BERTACCEL_COMMIT (the sha, from the machine that sent the tree): the GPU host's copy may carry
@@ -289,16 +296,14 @@ if has mlm; then  # a short BERT-base masked-LM fit from scratch on local text: 
   grep -E "throughput \(train|Error" "$OUT/mlm.log" | cut -c1-400
 fi
 if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1 and 2 GPUs (DDP), global samples/s, then FSDP BERT-base
-  IMDB=(--data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm
-        --data.init_args.val_size 500 --throughput.enabled true)
   for run in ${MULTI_RUNS:-ddp1 ddp2 ddp2-fused-graphs}; do
     n=${run:3:1}; extra=(); [[ $run == *fused-graphs ]] && extra=(-c configs/presets/graphs.yaml -c configs/presets/fused.yaml)
     strategy=ddp; [ "$n" = 1 ] && strategy=auto  # the 1-GPU baseline runs as a user would, without DDP
-    timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit -c configs/imdb_minilm.yaml "${extra[@]}" "${IMDB[@]}" --trainer.devices $n \
+    timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit -c configs/imdb_minilm.yaml "${extra[@]}" "${MINILM_IMDB[@]}" --trainer.devices $n \
       --trainer.strategy $strategy --trainer.logger.init_args.name $run ${MULTI_ARGS:-} > "$OUT/$run.log" 2>&1
     echo "$run rc=$?"; cp runs/$run/version_0/benchmark_stats.json "$OUT/${run}_stats.json" 2>/dev/null
     grep -E "test/acc|throughput \(|CUDA graphs|eager|Error" "$OUT/$run.log" | cut -c1-300 | head -6
-    python -c "import json,sys; t=json.load(open(sys.argv[1]))['train']; print('  train', {k: t.get(k) for k in ('world_size','samples_per_s','tokens_per_s','step_ms_p50','gpu_step_fraction')})" "$OUT/${run}_stats.json" 2>/dev/null
+    train_stats "$OUT/${run}_stats.json" world_size samples_per_s tokens_per_s step_ms_p50 gpu_step_fraction
   done
   if [ "${MULTI_FSDP:-1}" = 1 ]; then timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit -c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb \
     --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500 --model.init_args.pretrained null \
@@ -345,9 +350,7 @@ fi
 if has sigterm; then  # 2 GPUs (needs .carry/imdb, .carry/minilm): modules/sigterm_check.py measured
   timeout 120 python -m benchmarks.bench_sigterm_check --out "$OUT/sigterm_check.json" > "$OUT/sigterm_check.log" 2>&1
   echo "bench_sigterm_check rc=$?"; tail -1 "$OUT/sigterm_check.log"
-  ST=(-c configs/imdb_minilm.yaml --data.init_args.dataset .carry/imdb --model.init_args.pretrained .carry/minilm
-      --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500 --data.init_args.max_length 256
-      -c configs/presets/recommended.yaml --throughput.enabled true
+  ST=(-c configs/imdb_minilm.yaml "${MINILM_IMDB[@]}" --data.init_args.max_length 256 -c configs/presets/recommended.yaml
       --trainer.devices 2 --trainer.strategy ddp --trainer.max_epochs 1 --test_after_fit false)
   for round in $(seq ${SIGTERM_ROUNDS:-2}); do
     for lagged in 0 1; do
@@ -355,7 +358,7 @@ if has sigterm; then  # 2 GPUs (needs .carry/imdb, .carry/minilm): modules/sigte
       BERTACCEL_LAGGED_SIGTERM=$lagged timeout ${MULTI_TIMEOUT:-240} python -m bertaccel fit "${ST[@]}" \
         --trainer.logger.init_args.name $name > "$OUT/$name.log" 2>&1
       echo "$name rc=$?"; cp runs/$name/version_0/benchmark_stats.json "$OUT/${name}_stats.json" 2>/dev/null
-      python -c "import json,sys; t=json.load(open(sys.argv[1]))['train']; print('  train', {k: t.get(k) for k in ('samples_per_s','step_ms_p50','data_wait_ms_mean','gpu_step_fraction')})" "$OUT/${name}_stats.json" 2>/dev/null
+      train_stats "$OUT/${name}_stats.json" samples_per_s step_ms_p50 data_wait_ms_mean gpu_step_fraction
     done
   done
 fi

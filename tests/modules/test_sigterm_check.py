@@ -4,7 +4,6 @@ the replacement takes the fit loop's method only where Lightning has one and mor
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
@@ -16,7 +15,6 @@ from bertaccel.modules import sigterm_check
 
 
 def _group(tmp_path, backend):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(backend, init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
 
 
