@@ -16,7 +16,7 @@
 # and the unpadded encoder: HF_ATTN_CELLS="model:shape:lengths ..."), recommended (the MiniLM IMDB fine-tune as users compose
 # the presets, max_length 512 and 256: recommended, recommended + unpadded, graphs + fused with SDPA, plain), ddp_rows (2 GPUs: DDP fit, test, predict rows),
 # sigterm (2 GPUs: the per-batch SIGTERM check's host cost, benchmarks/bench_sigterm_check.py, then one-epoch DDP fits of recommended.yaml
-# with and without BERTACCEL_LAGGED_SIGTERM=1, alternating, SIGTERM_ROUNDS=2), residual_dgrad (benchmarks/bench_residual_dgrad.py), gelu_sweep (bias+GELU forward
+# with BERTACCEL_LAGGED_SIGTERM=0 and 1, alternating, SIGTERM_ROUNDS=2), residual_dgrad (benchmarks/bench_residual_dgrad.py), gelu_sweep (bias+GELU forward
 # vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
 # ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_gemm_stalls (warp-stall samples per SASS instruction of the same calls, scripts/ncu_stalls.py; NCU_TOP, NCU_GEMM_EPILOGUE=none|bias|gelu|gelu-pre), ncu_gemm_states (stall reasons per GEMM kernel, caches flushed and not; scripts/ncu_stall_reasons.py), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,

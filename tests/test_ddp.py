@@ -115,7 +115,7 @@ class GraphLoopOnCPU(Callback):
         if pl_module.automatic_optimization or steps != trainer.global_step:
             raise RuntimeError(f"the graph-mode loop did not run every step ({steps} of {trainer.global_step})")
         lagged = isinstance(trainer.fit_loop.epoch_loop.__dict__.get("_broadcast_sigterm_tensor"), LaggedSigtermCheck)
-        if lagged != (os.environ.get("BERTACCEL_LAGGED_SIGTERM") == "1"):
+        if lagged != (os.environ.get("BERTACCEL_LAGGED_SIGTERM", "1") != "0"):
             raise RuntimeError(f"the lagged SIGTERM check installed: {lagged}, asked for: {not lagged}")
 
 

@@ -69,16 +69,18 @@ class _Loop:
         raise AssertionError("Lightning's own check ran")
 
 
-def test_install_replaces_the_loops_method_under_ddp_only_when_asked(monkeypatch):
+def test_install_replaces_the_loops_method_under_ddp_unless_turned_off(monkeypatch):
     loop = _Loop()
     trainer = _trainer()
     trainer.fit_loop = types.SimpleNamespace(epoch_loop=loop)
     trainer.world_size = 1
     assert not sigterm_check.install(trainer, force=True)
     trainer.world_size = 2
-    assert not sigterm_check.install(trainer)  # opt-in: BERTACCEL_LAGGED_SIGTERM unset
-    monkeypatch.setenv("BERTACCEL_LAGGED_SIGTERM", "1")
-    assert sigterm_check.install(trainer) and sigterm_check.install(trainer)  # twice: still one replacement
+    monkeypatch.setenv("BERTACCEL_LAGGED_SIGTERM", "0")
+    assert not sigterm_check.install(trainer)  # turned off: Lightning's own check stays
+    assert "_broadcast_sigterm_tensor" not in loop.__dict__
+    monkeypatch.delenv("BERTACCEL_LAGGED_SIGTERM")
+    assert sigterm_check.install(trainer) and sigterm_check.install(trainer)  # the default; twice: still one replacement
     assert isinstance(loop._broadcast_sigterm_tensor, sigterm_check.LaggedSigtermCheck)
     trainer.fit_loop = types.SimpleNamespace(epoch_loop=object())  # a Lightning without the per-batch check
     assert not sigterm_check.install(trainer)
