@@ -9,7 +9,7 @@ What the JIT build does on the GPU host (`bertaccel.ops.build`), minus the link,
 --resource-usage` per translation unit. A CPU-only torch wheel ships no cuBLAS/cuSPARSE/cuSOLVER
 headers, which ATen's CUDA headers include for their handle types: small stand-ins are written to a
 temporary folder (the kernels never call those libraries). No cuRAND header is needed: the
-dropouts draw from their own Philox4x32-10 (`csrc/philox.cuh`).
+dropouts draw from their own Philox4x32 (`csrc/philox.cuh`).
 
 `--ptx DIR` also writes each source's PTX to DIR/<source>.ptx with what does not change what the GPU
 runs taken out (debug line records, the per-translation-unit hashes in internal names), so that a

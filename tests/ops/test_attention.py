@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bertaccel.ops import attention
-from bertaccel.ops.attention import dropout_keep, philox4x32_10, varlen_attention, varlen_attention_packed
+from bertaccel.ops.attention import dropout_keep, philox4x32, varlen_attention, varlen_attention_packed
 from tests.ops.conftest import capture_graph
 
 
@@ -53,15 +53,40 @@ def _slots(lengths, S):
 
 # ------------------------------------------------------------------------------ CPU
 def test_philox_matches_random123_known_answers():
+    """The mirror's round function at Random123's ten-round answers (the kernels' dropout runs the same
+    rounds, seven of them: csrc/philox.cuh)."""
     def run(counter, key):
         c = tuple(torch.tensor([x], dtype=torch.int64) for x in counter)
-        return [int(w) for w in philox4x32_10(c, key[0] | key[1] << 32)]
+        return [int(w) for w in philox4x32(c, key[0] | key[1] << 32, rounds=10)]
 
     assert run((0, 0, 0, 0), (0, 0)) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
     ones = 0xFFFFFFFF
     assert run((ones,) * 4, (ones, ones)) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
     assert run((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)) == [
         0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_dropout_philox_draws_are_uniform_and_uncorrelated():
+    """The dropouts' seven-round Philox (csrc/philox.cuh): over 2^16 consecutive counters its 16-bit draws
+    fill the 16 bins of their top nibble evenly, and neither neighbouring counters' words nor a word's two
+    halves correlate (chi-square and correlation bounds several standard errors wide)."""
+    from bertaccel.ops.registration import DROPOUT_PHILOX_ROUNDS
+
+    assert DROPOUT_PHILOX_ROUNDS == 7
+    n = 1 << 16
+    i = torch.arange(n, dtype=torch.int64)
+    zero = torch.zeros_like(i)
+    words = torch.stack(philox4x32((i, zero, zero + 5, zero), 0x243F6A8885A308D3))  # [4, n]
+    halves = torch.cat([words & 0xFFFF, words >> 16]).double()  # [8, n] draws
+    counts = torch.bincount((halves.long() >> 12).reshape(-1), minlength=16).double()
+    expected = halves.numel() / 16
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 50, chi2  # 15 degrees of freedom: P(chi2 > 50) ~ 1e-5
+    u = (halves - 32767.5) / 18918.6  # unit variance
+    bound = 5 / n ** 0.5
+    assert abs((u[0, 1:] * u[0, :-1]).mean().item()) < bound  # neighbouring counters, same word
+    assert abs((u[0] * u[4]).mean().item()) < bound  # low and high half of word 0
+    assert abs((u[1] * u[2]).mean().item()) < bound  # two words of one call
 
 
 def test_dropout_mask_keeps_one_minus_p_and_differs_by_head_offset_and_row():

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bertaccel.ops.registration import MASK32, NS, SEEDED, check_dropout, dropout_threshold, lib, philox4x32_10
+from bertaccel.ops.registration import MASK32, NS, SEEDED, check_dropout, dropout_threshold, lib, philox4x32
 
 CUDA_SOURCES = ["attention.cu"]
 HEAD_DIMS = (32, 64, 128)
@@ -56,7 +56,7 @@ lib.define(
 )
 
 # ------------------------------------------------------------------------------ the dropout draw
-# (philox4x32_10 and dropout_threshold: bertaccel.ops.registration, shared with the row ops' dropout)
+# (philox4x32 and dropout_threshold: bertaccel.ops.registration, shared with the row ops' dropout)
 def dropout_keep(start: int, length: int, head: int, p: float, seed: int, offset: int) -> Tensor:
     """The kernels' keep mask [length, length] of one sequence (rows from packed row `start`) and head:
     element (q, k) uses 16 bits of Philox at counter (token of the first row of q's 16-row tile + q % 8,
@@ -69,7 +69,7 @@ def dropout_keep(start: int, length: int, head: int, p: float, seed: int, offset
     key = (k - kk + 2 * ((kk % 8) // 2)) | (head << 16)
     c = (row_token, key.expand(length, length), torch.full_like(row_token, offset & MASK32),
          torch.full_like(row_token, (offset >> 32) & MASK32))
-    words = torch.stack(philox4x32_10(c, seed % (1 << 64)))  # [4, length, length]
+    words = torch.stack(philox4x32(c, seed % (1 << 64)))  # [4, length, length]
     word = 2 * (r16 >= 8).long() + (kk >= 8).long()
     draw = (words.gather(0, word.expand(length, length)[None]).squeeze(0) >> (16 * (kk % 2))) & 0xFFFF
     return draw >= dropout_threshold(p)

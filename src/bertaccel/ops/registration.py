@@ -37,8 +37,10 @@ def check_dropout(p: float) -> None:
 # ------------------------------------------------------------------------------ the kernels' dropout draw
 # Python mirrors of csrc/philox.cuh and common.cuh's dropout_keep, for tests that check a kernel's mask
 # exactly: the row ops (LayerNorm, residual LayerNorm, embeddings) and the attention
-# (bertaccel.ops.attention.dropout_keep) draw 16-bit numbers from Philox4x32-10.
+# (bertaccel.ops.attention.dropout_keep) draw 16-bit numbers from Philox4x32 with DROPOUT_PHILOX_ROUNDS
+# rounds (csrc/philox.cuh kDropoutPhiloxRounds: 7, as FlashAttention-2's dropout; curand's default is 10).
 MASK32 = 0xFFFFFFFF
+DROPOUT_PHILOX_ROUNDS = 7
 
 
 def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -49,11 +51,13 @@ def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
     return ((p_hi >> 16) + (mid >> 32)) & MASK32, mid & MASK32
 
 
-def philox4x32_10(c: tuple[Tensor, Tensor, Tensor, Tensor], seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Philox4x32-10 (curand's, Random123's) of counters c (uint32 in int64 tensors) under a 64-bit key."""
+def philox4x32(c: tuple[Tensor, Tensor, Tensor, Tensor], seed: int,
+               rounds: int = DROPOUT_PHILOX_ROUNDS) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32-`rounds` (Random123's; curand's with rounds 10) of counters c (uint32 in int64 tensors)
+    under a 64-bit key. The default is the kernels' dropout draw (csrc/philox.cuh)."""
     c0, c1, c2, c3 = c
     k0, k1 = seed & MASK32, (seed >> 32) & MASK32
-    for _ in range(10):
+    for _ in range(rounds):
         hi0, lo0 = _mulhilo(0xD2511F53, c0)
         hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
@@ -68,12 +72,12 @@ def dropout_threshold(p: float) -> int:
 
 def row_dropout_keep(numel: int, p: float, seed: int, offset: int) -> Tensor:
     """The CUDA row ops' keep mask of a launch's elements 0 .. numel - 1 (flat, row-major): element i
-    keeps when 16-bit half i % 2 of word (i % 8) / 2 of Philox at counter (i / 8 low, i / 8 high,
+    keeps when 16-bit half i % 2 of word (i % 8) / 2 of Philox (philox4x32) at counter (i / 8 low, i / 8 high,
     offset low, offset high), key `seed`, is >= dropout_threshold(p)."""
     i = torch.arange(numel, dtype=torch.int64)
     group = i // 8
     c = (group & MASK32, group >> 32, torch.full_like(i, offset & MASK32), torch.full_like(i, (offset >> 32) & MASK32))
-    words = torch.stack(philox4x32_10(c, seed % (1 << 64)))  # [4, numel]
+    words = torch.stack(philox4x32(c, seed % (1 << 64)))  # [4, numel]
     e = i % 8
     draw = (words.gather(0, (e // 2)[None]).squeeze(0) >> (16 * (e % 2))) & 0xFFFF
     return draw >= dropout_threshold(p)

@@ -21,7 +21,7 @@
 // scales and casts it); P and dS go through shared memory so that each warp then accumulates 16
 // keys of dV += P^T dO and dK += dS^T Q in registers.
 //
-// Dropout: element (query q, key k, head h) of a sequence is kept when a 16-bit slice of Philox4x32-10
+// Dropout: element (query q, key k, head h) of a sequence is kept when a 16-bit slice of Philox4x32-7
 // at counter (token of q's 16-row tile + q % 8, (k - k % 16 + 2 * ((k % 8) / 2)) | h << 16, offset)
 // is >= round(p * 65536) (see keep_bits): one Philox call gives the 8 draws a thread needs for its
 // 2 rows x 4 keys of a 16 x 16 tile, in the forward and in the backward alike.
@@ -143,7 +143,7 @@ struct Dropout {
 __device__ __forceinline__ uint32_t keep_bits(const Dropout& d, int64_t row_token, int key, int head) {
   const uint4 c = make_uint4((uint32_t)row_token, (uint32_t)key | ((uint32_t)head << 16), (uint32_t)d.offset,
                              (uint32_t)(d.offset >> 32));
-  const uint4 r = philox4x32_10(c, (uint32_t)d.seed, (uint32_t)(d.seed >> 32));
+  const uint4 r = dropout_philox(c, (uint32_t)d.seed, (uint32_t)(d.seed >> 32));
   const uint32_t w[4] = {r.x, r.y, r.z, r.w};
   uint32_t bits = 0;
 #pragma unroll

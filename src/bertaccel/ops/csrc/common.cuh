@@ -146,7 +146,7 @@ struct MaxOp {
 };
 
 // Dropout: element i of a launch keeps its value when its 16-bit Philox draw >= round(p * 65536):
-// draw i is half i % 2 of word (i % 8) / 2 of Philox4x32-10 at counter (i / 8 low, i / 8 high,
+// draw i is half i % 2 of word (i % 8) / 2 of Philox4x32-7 (philox.cuh) at counter (i / 8 low, i / 8 high,
 // offset low, offset high) under the key `seed`. A pure function of (seed, offset, i): the backward
 // regenerates the same mask whatever its launch shape, and one Philox call serves eight elements
 // (curand_uniform4 served four, behind a curand_init per call). Measured on the H100 at 16384 x 768
@@ -159,8 +159,8 @@ __device__ __forceinline__ uint32_t half_draw(const uint4& w, int e) {  // draw 
 }
 
 __device__ __forceinline__ uint4 dropout_draws(uint64_t seed, uint64_t offset, uint64_t group) {
-  return philox4x32_10(make_uint4((uint32_t)group, (uint32_t)(group >> 32), (uint32_t)offset, (uint32_t)(offset >> 32)),
-                       (uint32_t)seed, (uint32_t)(seed >> 32));
+  return dropout_philox(make_uint4((uint32_t)group, (uint32_t)(group >> 32), (uint32_t)offset, (uint32_t)(offset >> 32)),
+                        (uint32_t)seed, (uint32_t)(seed >> 32));
 }
 
 // keep[j] for elements i0 .. i0 + VEC - 1; i0 is a multiple of VEC (VEC a power of two <= 8), so the
