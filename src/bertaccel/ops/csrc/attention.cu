@@ -158,6 +158,21 @@ __device__ __forceinline__ uint32_t keep_bits(const Dropout& d, int64_t row_toke
 // half j (keys 8j..), c index e (row g + 8 * (e / 2), key 2t + e % 2) -> bit 4 * (e / 2) + 2 * j + e % 2
 __device__ __forceinline__ int keep_bit_index(int side, int e) { return 4 * (e / 2) + 2 * side + (e & 1); }
 
+// The same draws without the packed bits (the Hopper kernels): keep_draws gives the Philox words of keep_bits'
+// call, draw_kept tests draw (side, e) - bit keep_bit_index(side, e), i.e. half e % 2 of word 2 (e / 2) + side -
+// on them directly, so each element costs its half's extraction and one compare (packing the bits and testing
+// them again cost two more integer instructions per element).
+__device__ __forceinline__ uint4 keep_draws(const Dropout& d, int64_t row_token, int key, int head) {
+  const uint4 c = make_uint4((uint32_t)row_token, (uint32_t)key | ((uint32_t)head << 16), (uint32_t)d.offset,
+                             (uint32_t)(d.offset >> 32));
+  return dropout_philox(c, (uint32_t)d.seed, (uint32_t)(d.seed >> 32));
+}
+__device__ __forceinline__ bool draw_kept(const uint4& r, int side, int e, uint32_t threshold) {
+  const int word = 2 * (e / 2) + side;
+  const uint32_t w = word == 0 ? r.x : word == 1 ? r.y : word == 2 ? r.z : r.w;
+  return ((e & 1) ? (w >> 16) : (w & 0xFFFFu)) >= threshold;
+}
+
 struct Params {
   const void* q;
   const void* k;
@@ -1111,15 +1126,14 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
     // P (dropped) as A fragments
 #pragma unroll
     for (int kk = 0; kk < PS; ++kk) {
-      if constexpr (DROPOUT) {
-        const uint32_t bits = keep_bits(drop, row_token, key0 + kk * 16 + 2 * t, h);
+      if constexpr (DROPOUT) {  // dropped P unscaled: 1 / (1 - p) goes with 1 / l at the end (O is linear in P)
+        const uint4 r = keep_draws(drop, row_token, key0 + kk * 16 + 2 * t, h);
 #pragma unroll
         for (int side = 0; side < 2; ++side)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
             float& x = s[4 * (2 * kk + side) + e];
-            x = keep ? x * drop.scale : 0.f;
+            x = draw_kept(r, side, e, drop.threshold) ? x : 0.f;
           }
       }
       pa[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
@@ -1155,7 +1169,8 @@ __global__ void __launch_bounds__(NWG * 128, (fwd_min_blocks<D, NWG, BN>()))
     float sum = row_sum[r];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = 1.f / sum;
+    float inv = 1.f / sum;
+    if constexpr (DROPOUT) inv *= drop.scale;  // P was kept unscaled
     const int lr = warp * 16 + g + 8 * r;  // row within the warpgroup's 64
 #pragma unroll
     for (int i = 0; i < NO; ++i)
@@ -1376,8 +1391,8 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     constexpr bool kMasked = decltype(masked_keys)::value;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      [[maybe_unused]] uint32_t bits = 0xFFu;
-      if constexpr (DROPOUT) bits = keep_bits(drop, row_token, n0 + kk * 16 + 2 * t, h);
+      [[maybe_unused]] uint4 draws;
+      if constexpr (DROPOUT) draws = keep_draws(drop, row_token, n0 + kk * 16 + 2 * t, h);
 #pragma unroll
       for (int side = 0; side < 2; ++side) {
         const int j = 2 * kk + side;
@@ -1386,14 +1401,16 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
           const int key = n0 + j * 8 + 2 * t + (e & 1);
           const float lse = e < 2 ? lse0 : lse1, dsum = e < 2 ? ds0 : ds1;
           const float pr = (!kMasked || key < len) ? fast_exp2(fmaf(s[4 * j + e], scale_log2, -lse)) : 0.f;
-          float pd = pr, dpe = dp[4 * j + e];
           if constexpr (DROPOUT) {
-            const bool keep = (bits >> keep_bit_index(side, e)) & 1u;
-            pd = keep ? pr * drop.scale : 0.f;
-            dpe = keep ? dpe * drop.scale : 0.f;
+            // P dropped, unscaled (dV is scaled by 1 / (1 - p) once, at its store); dS = P (dP dropped and
+            // scaled - D), the scale in the same FFMA as D
+            const bool keep = draw_kept(draws, side, e, drop.threshold);
+            s[4 * j + e] = keep ? pr : 0.f;
+            dp[4 * j + e] = pr * fmaf(keep ? dp[4 * j + e] : 0.f, drop.scale, -dsum);
+          } else {
+            s[4 * j + e] = pr;
+            dp[4 * j + e] = pr * (dp[4 * j + e] - dsum);
           }
-          s[4 * j + e] = pd;
-          dp[4 * j + e] = pr * (dpe - dsum);
         }
       }
 #pragma unroll
@@ -1470,7 +1487,8 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
     mbarrier_wait_cluster(&bars[1], (mblocks - 1) & 1);  // no CTA reads this one's shared memory any more
   }
   if (!direct && lane == 0) async_copy::bulk_wait_all();
-  // dK (scaled) and dV: rows = this CTA's keys (warp's 16), [T, heads, d], token stride grad_row
+  // dK (scaled) and dV (with dropout: its P was unscaled, 1 / (1 - p) here): rows = this CTA's keys (warp's
+  // 16), [T, heads, d], token stride grad_row
   T* dkp = static_cast<T*>(p.dk) + (int64_t)h * D;
   T* dvp = static_cast<T*>(p.dv) + (int64_t)h * D;
 #pragma unroll
@@ -1481,7 +1499,11 @@ __global__ void __launch_bounds__(128, (bwd_min_blocks<D, DROPOUT>()))
 #pragma unroll
       for (int i = 0; i < NO; ++i) {
         *reinterpret_cast<uint32_t*>(dkp + off + i * 8 + 2 * t) = pack2<T>(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+        if constexpr (DROPOUT)
+          *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) =
+              pack2<T>(dv[4 * i + 2 * r] * drop.scale, dv[4 * i + 2 * r + 1] * drop.scale);
+        else
+          *reinterpret_cast<uint32_t*>(dvp + off + i * 8 + 2 * t) = pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
       }
     }
   }
