@@ -91,3 +91,53 @@ def test_lightning_still_has_the_per_batch_check():
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
     assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
+
+
+def test_install_puts_on_sigterm_in_the_place_of_lightnings_notifier(monkeypatch):
+    """The registered SIGTERM handler (Lightning's composition of its notifier and any earlier handler) gets
+    the check's on_sigterm where the notifier was; on_sigterm records the signal and passes it on to the
+    launched ranks once, with no collective and without setting received_sigterm (that waits for the
+    ranks to agree)."""
+    import signal
+
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+
+    killed = []
+    earlier = []
+    connector = types.SimpleNamespace(received_sigterm=False)
+    connector._sigterm_notifier_fn = lambda signum, frame: None
+    trainer = _trainer()
+    trainer.world_size = 2
+    trainer.global_rank = 0
+    trainer._signal_connector = connector
+    trainer.strategy.launcher = types.SimpleNamespace(kill=killed.append)
+    loop = _Loop()
+    trainer.fit_loop = types.SimpleNamespace(epoch_loop=loop)
+    before = signal.getsignal(signal.SIGTERM)
+    composed = _HandlersCompose([connector._sigterm_notifier_fn, lambda signum, frame: earlier.append(signum)])
+    signal.signal(signal.SIGTERM, composed)
+    try:
+        monkeypatch.delenv("BERTACCEL_LAGGED_SIGTERM", raising=False)
+        assert sigterm_check.install(trainer) and sigterm_check.install(trainer)
+        check = loop._broadcast_sigterm_tensor
+        assert composed.signal_handlers[0] == check.on_sigterm and len(composed.signal_handlers) == 2
+        composed(signal.SIGTERM, None)
+        composed(signal.SIGTERM, None)
+        assert check.signalled and killed == [signal.SIGTERM] and earlier == [signal.SIGTERM] * 2
+        assert not connector.received_sigterm
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_signal_recorded_by_on_sigterm_stops_the_batch_after_next_and_sets_received_sigterm(one_process_group):
+    trainer = _trainer()
+    trainer._signal_connector = types.SimpleNamespace(received_sigterm=False)
+    trainer.strategy.launcher = None
+    check = sigterm_check.LaggedSigtermCheck(trainer)
+    check()
+    check.on_sigterm(15, None)
+    check()  # batch i: the flag goes out
+    assert not trainer._signal_connector.received_sigterm
+    with pytest.raises(SIGTERMException):
+        check()  # batch i + 1: agreed
+    assert trainer._signal_connector.received_sigterm

@@ -24,6 +24,17 @@ on 2 H200s (10,406 against 11,281 train samples/s). The flag is now made by a fi
 15,881 / 15,324 train samples/s against 10,408 / 10,484 with Lightning's check (1.49x), the GPU busy 93% / 91%
 of each step against 72% / 77%, the same validation accuracy; `benchmarks/bench_sigterm_check.py` with 50 ms of
 GPU work queued: 0.56 ms of host time per check against Lightning's 49.9 ms (it waits for the queue).
+
+The signal itself (session 46). Lightning's SIGTERM handler, besides setting `trainer.received_sigterm` and
+passing the signal on to the ranks its launcher started, broadcasts a flag from inside the signal handler - a
+collective at whatever point the handler interrupts, out of step with the other ranks' collectives - and the
+training loop then raises on that rank alone at the end of its batch. A SIGTERM that reaches rank 0 alone (as
+where rank 0 launched no other rank) hung a 2-process gloo fit with Lightning's check and with this one alike.
+`install` therefore also puts `LaggedSigtermCheck.on_sigterm` in the place of Lightning's notifier in the
+registered handler: it records the signal and passes it on as Lightning does, without a collective and without
+setting `received_sigterm`; the per-batch agreement is a max over every rank's flag (all_reduce) rather than
+rank 0's broadcast, so a SIGTERM reaching any one rank stops all of them after the same batch, and
+`received_sigterm` is set on every rank when they agree, just before SIGTERMException.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 from typing import Any
 
 import torch
@@ -43,11 +56,24 @@ _METHOD = "_broadcast_sigterm_tensor"
 
 
 class LaggedSigtermCheck:
-    """Callable replacing `trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor` (see the module)."""
+    """Callable replacing `trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor`, and (`on_sigterm`) the
+    SIGTERM handler's notifier (see the module)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
+        self.signalled = False  # this process got SIGTERM (on_sigterm)
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def on_sigterm(self, signum: int, _frame: Any) -> None:
+        """In the place of Lightning's `_sigterm_notifier_fn`: record the signal and pass it on to the ranks
+        this process launched (as Lightning does), with no collective and no `received_sigterm` yet."""
+        # on Lightning's logger, which prints at INFO, as its own notifier's message
+        logging.getLogger("lightning.pytorch").info(f"[rank: {getattr(self.trainer, 'global_rank', '?')}] Received SIGTERM: {signum}")
+        if not self.signalled:
+            launcher = getattr(self.trainer.strategy, "launcher", None)
+            if launcher is not None:
+                launcher.kill(signum)
+        self.signalled = True
 
     def __call__(self) -> None:
         previous, self._pending = self._pending, None
@@ -56,11 +82,11 @@ class LaggedSigtermCheck:
         # which waits for the stream - the very synchronisation this class exists to avoid (its first version
         # did that and measured no gain)
         flag = torch.zeros(1, dtype=torch.int64, device=device)
-        if getattr(self.trainer, "received_sigterm", False):
+        if self.signalled or getattr(self.trainer, "received_sigterm", False):
             flag.fill_(1)
         try:
-            dist.broadcast(flag, src=0)
-        except Exception:  # noqa: BLE001 - as Lightning's own check: a failed broadcast does not stop training
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank's SIGTERM stops every rank
+        except Exception:  # noqa: BLE001 - as Lightning's own check: a failed collective does not stop training
             flag = None
         if flag is not None:
             if device.type == "cuda":
@@ -76,6 +102,9 @@ class LaggedSigtermCheck:
             if event is not None:
                 event.synchronize()
             if int(host[0]) == 1:
+                connector = getattr(self.trainer, "_signal_connector", None)
+                if connector is not None:
+                    connector.received_sigterm = True  # every rank, at the same batch
                 with contextlib.suppress(Exception):
                     dist.barrier()  # as Lightning: every rank here before any exits
                 raise SIGTERMException()
@@ -88,14 +117,36 @@ def enabled() -> bool:
 
 def install(trainer: Any, force: bool = False) -> bool:
     """Replace the fit loop's per-batch SIGTERM broadcast with `LaggedSigtermCheck` (DDP only: the loop
-    calls it when torch.distributed is initialised with more than one rank), where `enabled()` or `force`.
-    True if it was replaced."""
+    calls it when torch.distributed is initialised with more than one rank), where `enabled()` or `force`,
+    and Lightning's SIGTERM notifier in the registered handler with its `on_sigterm`. True if replaced."""
     if not (force or enabled()):
         return False
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     if loop is None or trainer.world_size <= 1 or not callable(getattr(type(loop), _METHOD, None)):
         return False
-    if not isinstance(loop.__dict__.get(_METHOD), LaggedSigtermCheck):
-        setattr(loop, _METHOD, LaggedSigtermCheck(trainer))
-        log.debug("bertaccel: the per-batch SIGTERM broadcast reads its result one batch late (no sync per step)")
+    check = loop.__dict__.get(_METHOD)
+    if not isinstance(check, LaggedSigtermCheck):
+        check = LaggedSigtermCheck(trainer)
+        setattr(loop, _METHOD, check)
+        log.debug("bertaccel: the per-batch SIGTERM agreement reads its result one batch late (no sync per step)")
+    _replace_notifier(trainer, check)
     return True
+
+
+def _replace_notifier(trainer: Any, check: LaggedSigtermCheck) -> bool:
+    """In the SIGTERM handler Lightning registered (a `_HandlersCompose` of its connector's notifier and any
+    handler there before), put `check.on_sigterm` where the notifier is. Lightning's connector restores the
+    handlers it found at the end of the run. False where there is nothing to replace (not the main thread,
+    another handler registered since, a Lightning without the notifier)."""
+    connector = getattr(trainer, "_signal_connector", None)
+    notifier = getattr(connector, "_sigterm_notifier_fn", None)
+    if notifier is None or threading.current_thread() is not threading.main_thread():
+        return False
+    handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
+    if not isinstance(handlers, list):
+        return False
+    for i, h in enumerate(handlers):
+        if h == notifier or h == check.on_sigterm:
+            handlers[i] = check.on_sigterm
+            return True
+    return False
