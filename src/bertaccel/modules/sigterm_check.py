@@ -9,10 +9,11 @@ launch) then runs while the GPU is idle. Measured on 2 H100s, MiniLM IMDB max_le
 it (8.9 ms per step under cProfile), the GPU busy 69% of each step (87% on one GPU), 4.1 ms per step counted as
 waiting for the batch.
 
-`LaggedSigtermCheck` makes the same agreement one batch later: at batch i it enqueues the broadcast of the
-flag, a non-blocking copy of the result into pinned host memory and an event; at batch i + 1 it waits for
+`LaggedSigtermCheck` makes the same agreement one batch later: at batch i it enqueues the collective over
+the flag (an all_reduce max since 331f418, below), a non-blocking copy of the result into pinned host memory and
+an event; at batch i + 1 it waits for
 that event only - for the GPU work queued before batch i's step, which the host is at most one step
-ahead of - and acts on the value. Every rank reads the same broadcast at the same batch, so all ranks stop
+ahead of - and acts on the value. Every rank reads the same result at the same batch, so all ranks stop
 at the same batch as before, one batch later. On a CPU device (gloo) the copy is synchronous and the
 logic the same. `install` puts it in place of the loop's method when Lightning has one (else nothing
 changes: Lightning without the per-batch check, or a later version that changed it).
@@ -34,7 +35,8 @@ where rank 0 launched no other rank) hung a 2-process gloo fit with Lightning's 
 registered handler: it records the signal and passes it on as Lightning does, without a collective and without
 setting `received_sigterm`; the per-batch agreement is a max over every rank's flag (all_reduce) rather than
 rank 0's broadcast, so a SIGTERM reaching any one rank stops all of them after the same batch, and
-`received_sigterm` is set on every rank when they agree, just before SIGTERMException.
+`received_sigterm` is set on every rank when they agree, just before SIGTERMException. Measured in this form on 2
+H200s (331f418, `graphs.yaml`, one epoch each): 8,325 train samples/s against 6,188 with Lightning's check.
 """
 
 from __future__ import annotations
