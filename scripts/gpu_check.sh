@@ -16,7 +16,8 @@
 # and the unpadded encoder: HF_ATTN_CELLS="model:shape:lengths ..."), recommended (the MiniLM IMDB fine-tune as users compose
 # the presets, max_length 512 and 256: recommended, recommended + unpadded, graphs + fused with SDPA, plain), ddp_rows (2 GPUs: DDP fit, test, predict rows),
 # sigterm (2 GPUs: the per-batch SIGTERM check's host cost, benchmarks/bench_sigterm_check.py, then one-epoch DDP fits of recommended.yaml
-# with BERTACCEL_LAGGED_SIGTERM=0 and 1, alternating, SIGTERM_ROUNDS=2), residual_dgrad (benchmarks/bench_residual_dgrad.py), gelu_sweep (bias+GELU forward
+# with BERTACCEL_LAGGED_SIGTERM=0 and 1, alternating, SIGTERM_ROUNDS=2), residual_dgrad (benchmarks/bench_residual_dgrad.py),
+# dropout (the dropouts' exact-mask cuda tests, attention kernel sums with p = 0.1, scripts/ln_fwd_sweep.py), gelu_sweep (bias+GELU forward
 # vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
 # ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_gemm_stalls (warp-stall samples per SASS instruction of the same calls, scripts/ncu_stalls.py; NCU_TOP, NCU_GEMM_EPILOGUE=none|bias|gelu|gelu-pre), ncu_gemm_states (stall reasons per GEMM kernel, caches flushed and not; scripts/ncu_stall_reasons.py), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
@@ -342,6 +343,15 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 idx = [r.get("index") for r in rows]
 print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, first keys {sorted(rows[0])}")
 PY
+fi
+if has dropout; then  # the dropouts (session 46): exact-mask cuda tests, attention kernel sums and the LayerNorm forward sweep with p = 0.1
+  timeout 200 python -u -m pytest -m cuda tests/ops/test_attention.py tests/ops/test_layer_norm.py tests/ops/test_embeddings.py \
+    tests/modules/test_graphs_cuda.py tests/modules/test_unpadded.py -q -p no:cacheprovider -k "dropout or philox or keep" > "$OUT/dropout_tests.log" 2>&1
+  echo "dropout cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/dropout_tests.log" | tail -5
+  timeout 90 python scripts/attention_calls.py --kernels --dropout 0.1 --cell 32x512x12x64 32x512x12x32 > "$OUT/attention_dropout_kernels.log" 2>&1
+  echo "attention dropout kernels rc=$?"; grep -E "\(sum\)" "$OUT/attention_dropout_kernels.log"
+  timeout 90 python scripts/ln_fwd_sweep.py > "$OUT/ln_fwd_sweep.log" 2>&1
+  echo "ln_fwd_sweep rc=$?"; grep 16384 "$OUT/ln_fwd_sweep.log"
 fi
 if has residual_dgrad; then  # issue 10: the residual gradient's add folded into the input-gradient GEMM (cuBLAS addmm), measured first
   timeout 120 python -m benchmarks.bench_residual_dgrad --out "$OUT/residual_dgrad.json" > "$OUT/residual_dgrad.log" 2>&1
