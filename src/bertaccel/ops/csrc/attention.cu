@@ -137,13 +137,18 @@ struct Dropout {
   float scale;         // 1 / (1 - p)
 };
 
+// The Philox words of one thread's 8 draws of a 16 x 16 tile (see keep_bits for which element each is).
+__device__ __forceinline__ uint4 keep_draws(const Dropout& d, int64_t row_token, int key, int head) {
+  const uint4 c = make_uint4((uint32_t)row_token, (uint32_t)key | ((uint32_t)head << 16), (uint32_t)d.offset,
+                             (uint32_t)(d.offset >> 32));
+  return dropout_philox(c, (uint32_t)d.seed, (uint32_t)(d.seed >> 32));
+}
+
 // The keep bits of one thread's 8 elements of a 16 x 16 tile: rows g and g + 8 of the tile (g =
 // lane / 4), keys 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4). Bit i of the result: word i / 2,
 // half i % 2 -> (row g + 8 * (i / 4), key 2t + (i & 1) + 8 * ((i / 2) & 1)).
 __device__ __forceinline__ uint32_t keep_bits(const Dropout& d, int64_t row_token, int key, int head) {
-  const uint4 c = make_uint4((uint32_t)row_token, (uint32_t)key | ((uint32_t)head << 16), (uint32_t)d.offset,
-                             (uint32_t)(d.offset >> 32));
-  const uint4 r = dropout_philox(c, (uint32_t)d.seed, (uint32_t)(d.seed >> 32));
+  const uint4 r = keep_draws(d, row_token, key, head);
   const uint32_t w[4] = {r.x, r.y, r.z, r.w};
   uint32_t bits = 0;
 #pragma unroll
@@ -158,15 +163,10 @@ __device__ __forceinline__ uint32_t keep_bits(const Dropout& d, int64_t row_toke
 // half j (keys 8j..), c index e (row g + 8 * (e / 2), key 2t + e % 2) -> bit 4 * (e / 2) + 2 * j + e % 2
 __device__ __forceinline__ int keep_bit_index(int side, int e) { return 4 * (e / 2) + 2 * side + (e & 1); }
 
-// The same draws without the packed bits (the Hopper kernels): keep_draws gives the Philox words of keep_bits'
-// call, draw_kept tests draw (side, e) - bit keep_bit_index(side, e), i.e. half e % 2 of word 2 (e / 2) + side -
-// on them directly, so each element costs its half's extraction and one compare (packing the bits and testing
-// them again cost two more integer instructions per element).
-__device__ __forceinline__ uint4 keep_draws(const Dropout& d, int64_t row_token, int key, int head) {
-  const uint4 c = make_uint4((uint32_t)row_token, (uint32_t)key | ((uint32_t)head << 16), (uint32_t)d.offset,
-                             (uint32_t)(d.offset >> 32));
-  return dropout_philox(c, (uint32_t)d.seed, (uint32_t)(d.seed >> 32));
-}
+// The same test without the packed bits (the Hopper kernels): draw_kept tests draw (side, e) of keep_draws'
+// words - bit keep_bit_index(side, e), i.e. half e % 2 of word 2 (e / 2) + side - directly, so each element
+// costs its half's extraction and one compare (packing the bits and testing them again cost two more integer
+// instructions per element).
 __device__ __forceinline__ bool draw_kept(const uint4& r, int side, int e, uint32_t threshold) {
   const int word = 2 * (e / 2) + side;
   const uint32_t w = word == 0 ? r.x : word == 1 ? r.y : word == 2 ? r.z : r.w;
