@@ -64,6 +64,9 @@ VARIANTS = {
     # with the default swap, and with everything swapped (every nn.Linear and the feed-forward block on our GEMM)
     "attn-fused-graphs": ("bertaccel", True, True, False, True),
     "attn-ffn-gemm-fused-graphs": ("bertaccel", True, "ffn", False, True),
+    # the same with the feed-forward block's residual gradient added by a separate kernel (BERTACCEL_FFN_RESIDUAL=add)
+    # instead of in its input-gradient GEMM's epilogue
+    "attn-ffn-gemm-fused-graphs-residual-add": ("bertaccel", True, "ffn", False, True),
     # the same two with BERTACCEL_GEMM_TUNE=1: each GEMM problem's first (eager, warm-up) call times the cost
     # model's closest tile configurations and keeps the fastest
     "gemm-tuned-fused-graphs": ("sdpa", True, "gemm", False, True),
@@ -76,7 +79,8 @@ VARIANTS = {
 }
 UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash",
             "ffn-gemm-fused-unpadded-graphs": "bertaccel"}
-VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}}
+VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"},
+               "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"}}
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
 

@@ -61,6 +61,16 @@ def test_reference_epilogues(epilogue, trans_a, trans_b):
     assert pre.numel() == (M * N if "gelu" in epilogue and not epilogue.startswith("d") else 0)
 
 
+def test_residual_epilogue_without_bias():
+    """The residual epilogue's bias is optional: out = op(a) op(b)^T + aux (the fused FFN's input gradient)."""
+    a, b = _operands(6, 10, 12, False, True)
+    aux = torch.randn(6, 10)
+    out, _ = GEMM(a, b, None, aux, EPILOGUES["bias_residual"], False, True, False, False)
+    torch.testing.assert_close(out, a @ b + aux, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception):  # the bias epilogues themselves still need one
+        GEMM(a, b, None, None, EPILOGUES["bias"], False, True, False, False)
+
+
 def test_gemm_opcheck_cpu():
     a, b = _operands(5, 16, 24, False, False)
     for e in (0, 1, 2):
@@ -246,6 +256,22 @@ def _check_epilogue(M, N, K, epilogue, name, *config, bias_dtype=torch.float32, 
 def test_streamk_epilogues_at_a_bert_shape(epilogue):
     """Every epilogue after the stream-K fix-up (2048 x 768 x 3072: 96 tiles of 128 x 128 over 132 blocks)."""
     _check_epilogue(2048, 768, 3072, epilogue, f"stream-K {epilogue}", 128, 1, 3)
+
+
+@hopper_test
+@pytest.mark.parametrize("schedule,tile_n", [(0, 0), (1, 128), (1, 256), (2, 128), (4, 192)])
+@pytest.mark.parametrize("M,N,K", [(2048, 768, 3072), (1031, 136, 264)])
+def test_residual_epilogue_without_bias_in_the_dgrad_layout(M, N, K, schedule, tile_n):
+    """dx = dy W + residual-gradient (b stored [K, N], no bias), as the fused FFN's backward runs it: against
+    the float64 reference from the same bf16 inputs, beside cuBLAS's product plus the add in fp32."""
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    a, b = _operands(M, N, K, False, True, "cuda", torch.bfloat16, g)
+    aux = torch.randn(M, N, device="cuda", generator=g).bfloat16()
+    poison()
+    out, _ = GEMM(a, b, None, aux, EPILOGUES["bias_residual"], False, True, False, False, tile_n, 1, schedule)
+    ref = a.double() @ b.double() + aux.double()
+    cub = ((a @ b).float() + aux.float()).bfloat16()
+    check_vs_cublas(out, cub, ref, f"residual without bias {M}x{N}x{K} schedule {schedule} n{tile_n}")
 
 
 @hopper_test

@@ -9,13 +9,16 @@ backward. The fused block runs
     backward  that kernel's backward (d of GEMM 2's output, db2, dgamma, dbeta);
               GEMM 2's dgrad, then one pass for d(pre) = d(act) gelu'(pre) and db1 (bias_gelu_bwd), or
               (BERTACCEL_FFN_DGELU=epilogue) the dgrad with gelu'(pre) in its epilogue, then db1's column sums;
-              dW2 = dy^T act;  dW1 = d(pre)^T x;  dx = d(pre) W1
+              dW2 = dy^T act;  dW1 = d(pre)^T x;  dx = d(pre) W1 + d(residual), the residual's gradient
+              added in that GEMM's epilogue (x feeds the GEMMs and the residual: as one op, the block
+              gets both gradients together, and autograd's separate add of the two goes)
 so the forward's GELU is no pass over the 4H-wide activation of its own. The dGELU epilogue measured
 slower than the separate pass on an H100 (README "fused FFN"): the erf and exp of 50M elements in the
 epilogue are not hidden behind the MMAs, and the bias gradient then needs its own reduction.
 
-`feed_forward(x, w1, b1, w2)` is the op (composite over `bertaccel::gemm`, so CPU runs the same
-formulas through the reference GEMM); the swap family `ffn` (opt-in, Hopper) replaces each HF
+`feed_forward(x, w1, b1, w2)` is the two GEMMs' op and `feed_forward_layer_norm(...)` the whole block's
+(composites over `bertaccel::gemm` and the residual LayerNorm op, so CPU runs the same formulas through the
+references); the swap family `ffn` (opt-in, Hopper) replaces each HF
 `BertLayer` by the same layer whose `feed_forward_chunk` runs it: same Parameters, same state_dict
 keys, the attention sub-tree left to the other families.
 """
@@ -25,14 +28,15 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+import bertaccel.ops.layer_norm  # noqa: F401 - defines layer_norm_fwd / layer_norm_bwd
 from bertaccel.ops import gemm as _gemm  # noqa: F401 - defines bertaccel::gemm
 from bertaccel.ops.bias_grad import column_sum
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
 from bertaccel.ops.gelu import activation_kind
-from bertaccel.ops.registration import NS, SwapEntry, lib
-from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
+from bertaccel.ops.registration import NS, SEEDED, SwapEntry, check_dropout, lib
 
 CUDA_SOURCES: list[str] = []  # GEMMs (the sm_90a extension), the bias_gelu and residual LayerNorm kernels
 
@@ -46,6 +50,7 @@ def dgelu_in_epilogue() -> bool:
     16384 x 768 x 3072 the kernel form measured faster (benchmarks/bench_ffn.py, README "fused FFN")."""
     return os.environ.get("BERTACCEL_FFN_DGELU", "kernel") == "epilogue"
 _EPILOGUE = {False: (2, 5), True: (3, 6)}  # tanh -> (bias + GELU, dGELU): gemm.EPILOGUES
+_RESIDUAL = 4  # gemm.EPILOGUES["bias_residual"], given no bias
 
 # ------------------------------------------------------------------------------------------ op
 lib.define("feed_forward_fwd(Tensor x, Tensor w1, Tensor b1, Tensor w2, bool tanh) -> (Tensor, Tensor, Tensor)")
@@ -73,35 +78,111 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(x, w1, w2, act, pre)
 
 
-def _backward(ctx, dy, _dact, _dpre):
-    x, w1, w2, act, pre = ctx.saved_tensors
-    need_x, need_w1, need_b1, need_w2, _ = ctx.needs_input_grad
-    if dy is None:  # the output took no part in the loss
-        return None, None, None, None, None
-    dy = dy.contiguous()  # the copy engine reads unit-stride rows
+def _block_grads(needs, tanh: bool, b1_dtype, dy, x, w1, w2, act, pre, residual_grad=None):
+    """(dx, dw1, db1, dw2) of GELU(x W1^T + b1) W2^T from d(output) `dy`; with `residual_grad` (x's gradient
+    through the block's residual), dx = d(pre) W1 + residual_grad in the dgrad's epilogue (no add kernel)."""
+    need_x, need_w1, need_b1, need_w2 = needs
     dx = dw1 = db1 = dw2 = None
     if need_w2:
         dw2 = _GEMM(dy, act, None, None, 0, True, True, w2.dtype == torch.float32, False)[0]
     if need_x or need_w1 or need_b1:
         if dgelu_in_epilogue():
             # GEMM 2's input gradient times gelu'(pre) in its epilogue: d(pre) directly, then its column sums
-            dpre = _GEMM(dy, w2, None, pre, _EPILOGUE[ctx.tanh][1], False, True, False, False)[0]
+            dpre = _GEMM(dy, w2, None, pre, _EPILOGUE[tanh][1], False, True, False, False)[0]
             db1 = column_sum(dpre) if need_b1 else None
         else:
             # GEMM 2's input gradient, then one memory-bound pass for gelu'(pre) and the bias gradient
             # (the bias_gelu family's kernel; pre already holds b1, so it is handed a zero bias)
             dact = _GEMM(dy, w2, None, None, 0, False, True, False, False)[0]
-            dpre, db1 = torch.ops.bertaccel.bias_gelu_bwd(dact, pre, pre.new_zeros(pre.shape[1]), ctx.tanh)
+            dpre, db1 = torch.ops.bertaccel.bias_gelu_bwd(dact, pre, pre.new_zeros(pre.shape[1]), tanh)
         if need_x:
-            dx = _GEMM(dpre, w1, None, None, 0, False, True, False, False)[0]
+            if residual_grad is None:
+                dx = _GEMM(dpre, w1, None, None, 0, False, True, False, False)[0]
+            else:  # the residual epilogue without a bias: + residual_grad as each tile leaves
+                dx = _GEMM(dpre, w1, None, residual_grad, _RESIDUAL, False, True, False, False)[0]
         if need_w1:
             dw1 = _GEMM(dpre, x, None, None, 0, True, True, w1.dtype == torch.float32, False)[0]
-        db1 = db1.to(ctx.b1_dtype) if need_b1 else None
-    return dx, dw1, db1, dw2, None
+        db1 = db1.to(b1_dtype) if need_b1 else None
+    return dx, dw1, db1, dw2
+
+
+def _backward(ctx, dy, _dact, _dpre):
+    x, w1, w2, act, pre = ctx.saved_tensors
+    if dy is None:  # the output took no part in the loss
+        return None, None, None, None, None
+    # (.contiguous(): the copy engine reads unit-stride rows)
+    return (*_block_grads(ctx.needs_input_grad[:4], ctx.tanh, ctx.b1_dtype, dy.contiguous(), x, w1, w2, act, pre), None)
 
 
 torch.library.register_autograd(f"{NS}::feed_forward_fwd", _backward, setup_context=_setup)
 _FEED_FORWARD = torch.ops.bertaccel.feed_forward_fwd.default
+
+# --------------------------------------------------------------- the block with its residual LayerNorm
+# The whole block, y = LayerNorm(dropout(GELU(x W1^T + b1) W2^T + b2) + x), as one op, so that x's two
+# gradients (through the GEMMs and through the residual) meet inside its backward: the residual's gradient
+# goes into GEMM 1's dgrad epilogue instead of autograd adding the two afterwards (one [T, H] add kernel -
+# a read of two tensors and a write of one - per layer). Forward: feed_forward_fwd's two GEMMs, then the
+# residual LayerNorm kernel (layer_norm_fwd, b2 and dropout there); backward: layer_norm_bwd, then the
+# GEMMs' gradients above with the residual's gradient folded in. The outputs past y are what the backward
+# reads (act, pre, the saved sum z, mean, rstd, the dropout seed).
+lib.define("feed_forward_layer_norm_fwd(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor weight, "
+           "Tensor ln_bias, float p, float eps, bool tanh) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+           tags=SEEDED)
+
+
+def residual_grad_in_epilogue() -> bool:
+    """BERTACCEL_FFN_RESIDUAL=add (read per call; for comparison runs) adds the residual's gradient to GEMM 1's
+    input gradient in a separate kernel, as autograd did with the block as two ops; the default, `epilogue`,
+    adds it in that GEMM's epilogue."""
+    return os.environ.get("BERTACCEL_FFN_RESIDUAL", "epilogue") != "add"
+
+
+@torch.library.impl(lib, "feed_forward_layer_norm_fwd", "CompositeExplicitAutograd")
+def _feed_forward_layer_norm_fwd(x, w1, b1, w2, b2, weight, ln_bias, p, eps, tanh):
+    h, act, pre = _feed_forward_fwd(x, w1, b1, w2, tanh)
+    # the row kernel reads b2 in the activation's dtype (768 values); its gradient comes back in fp32
+    y, z, mean, rstd, rng = torch.ops.bertaccel.layer_norm_fwd(h, b2.to(h.dtype), x, weight, ln_bias, p, eps)
+    return y, act, pre, z, mean, rstd, rng
+
+
+@torch.library.register_fake(f"{NS}::feed_forward_layer_norm_fwd")
+def _feed_forward_layer_norm_fwd_fake(x, w1, b1, w2, b2, weight, ln_bias, p, eps, tanh):
+    check_dropout(p)
+    T, H, inner = x.shape[0], x.shape[1], w1.shape[0]
+    stats = x.new_empty(T, dtype=torch.float32)
+    return (x.new_empty(T, H), x.new_empty(T, inner), x.new_empty(T, inner), x.new_empty(T, H), stats,
+            torch.empty_like(stats), x.new_empty(2, dtype=torch.long))
+
+
+def _block_setup(ctx, inputs, output):
+    x, w1, b1, w2, b2, weight, ln_bias, p, eps, tanh = inputs
+    _, act, pre, z, mean, rstd, rng = output
+    ctx.tanh, ctx.p = tanh, p
+    ctx.dtypes = (b1.dtype, b2.dtype, weight.dtype, ln_bias.dtype)
+    ctx.mark_non_differentiable(act, pre, z, mean, rstd, rng)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, w1, w2, act, pre, z, weight, mean, rstd, rng)
+
+
+def _block_backward(ctx, dy, *_saved):
+    x, w1, w2, act, pre, z, weight, mean, rstd, rng = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if dy is None:
+        return (None,) * 10
+    b1_dtype, b2_dtype, weight_dtype, ln_bias_dtype = ctx.dtypes
+    # d(residual) = d(sum); dh = d(GEMM 2's output): the sum's gradient through the dropout mask
+    dres, dh, dweight, dln_bias, db2 = torch.ops.bertaccel.layer_norm_bwd(dy.contiguous(), z, weight, mean, rstd, rng,
+                                                                          ctx.p, True)
+    fold = residual_grad_in_epilogue()
+    dx, dw1, db1, dw2 = _block_grads(needs[:4], ctx.tanh, b1_dtype, dh, x, w1, w2, act, pre, dres if fold else None)
+    if dx is not None and not fold:
+        dx = dx + dres
+    return (dx, dw1, db1, dw2, db2.to(b2_dtype) if needs[4] else None, dweight.to(weight_dtype) if needs[5] else None,
+            dln_bias.to(ln_bias_dtype) if needs[6] else None, None, None, None)
+
+
+torch.library.register_autograd(f"{NS}::feed_forward_layer_norm_fwd", _block_backward, setup_context=_block_setup)
+_FEED_FORWARD_LAYER_NORM = torch.ops.bertaccel.feed_forward_layer_norm_fwd.default
 
 
 def feed_forward_reference(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, approximate: str = "none") -> Tensor:
@@ -115,6 +196,20 @@ def feed_forward(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, approximate: str
     fp32): the two GEMMs of BERT's feed-forward block without the second bias (the LayerNorm kernel
     after it adds it)."""
     return _FEED_FORWARD(x, w1, b1, w2, approximate == "tanh")[0]
+
+
+def feed_forward_layer_norm_reference(x, w1, b1, w2, b2, weight, ln_bias, p, eps, approximate="none", training=True):
+    """Plain PyTorch: HF's BertIntermediate + BertOutput, LayerNorm(dropout(GELU(x W1^T + b1) W2^T + b2) + x)."""
+    h = feed_forward_reference(x, w1, b1, w2, approximate) + b2
+    return F.layer_norm(F.dropout(h, p, training) + x, (x.shape[-1],), weight, ln_bias, eps)
+
+
+def feed_forward_layer_norm(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, weight: Tensor, ln_bias: Tensor,
+                            p: float, eps: float, approximate: str = "none", training: bool = True) -> Tensor:
+    """BERT's whole feed-forward block on [T, H] rows: LayerNorm(dropout(GELU(x W1^T + b1) W2^T + b2) + x),
+    w1 [I, H], w2 [H, I] in x's dtype; b1, b2 and the LayerNorm's weight and bias fp32 or x's dtype."""
+    return _FEED_FORWARD_LAYER_NORM(x, w1, b1, w2, b2, weight, ln_bias, float(p) if training else 0.0, eps,
+                                    approximate == "tanh")[0]
 
 
 # ---------------------------------------------------------------------------------------- modules
@@ -151,9 +246,8 @@ class FusedFeedForward(nn.Module):
                 b1 = b1 if b1.dtype == torch.float32 else b1.to(dtype)
                 # traced by torch.compile there is no address to check: the GEMM op refuses a misaligned one
                 if torch.compiler.is_compiling() or not any(t.data_ptr() % 16 for t in (x2, w1, w2)):
-                    h = _FEED_FORWARD(x2, w1, b1, w2, self.approximate == "tanh")[0]
-                    y = bias_dropout_add_layer_norm(h, out.dense.bias, x2, ln.weight, ln.bias, out.dropout.p, ln.eps,
-                                                    self.training)
+                    y = feed_forward_layer_norm(x2, w1, b1, w2, out.dense.bias, ln.weight, ln.bias, out.dropout.p,
+                                                ln.eps, self.approximate, self.training)
                     return y.view(shape)
                 reason = "operands are not 16-byte aligned"
         note_fallback("ffn", reason)

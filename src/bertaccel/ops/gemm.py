@@ -9,7 +9,8 @@ transposed in memory. A linear layer's three GEMMs are all one kernel:
     wgrad    dW = dy^T x       gemm(dy, x, trans_a=True, trans_b=True)   (split-K: K = tokens)
 
 Epilogues (`EPILOGUES`): none, bias, bias+GELU (erf or tanh; optionally writing the pre-activation
-for the backward), bias+residual, and dGELU (the incoming gradient times gelu'(saved pre-activation)).
+for the backward), bias+residual (the bias optional: the fused FFN's input gradient adds the residual's
+gradient to its dgrad with it), and dGELU (the incoming gradient times gelu'(saved pre-activation)).
 
 The kernel runs on Hopper (compute capability 9.0) for bf16 operands whose inner dimensions are
 multiples of 8 with 16-byte aligned data (what the copy engine needs); M, N and K need not be
@@ -66,7 +67,7 @@ def _dgelu(h: Tensor, tanh: bool) -> Tensor:
 def apply_epilogue(acc: Tensor, bias, aux, epilogue: int, save_pre: bool, pre_dtype: torch.dtype):
     """The epilogues on a product `acc` (in acc's precision): (output, pre-activation or empty)."""
     pre = acc.new_empty(0, dtype=pre_dtype)
-    if epilogue in (1, 2, 3, 4):
+    if epilogue in (1, 2, 3) or (epilogue == 4 and bias is not None):  # the residual epilogue's bias is optional
         acc = acc + bias.to(acc.dtype)
     if epilogue in (2, 3):
         if save_pre:

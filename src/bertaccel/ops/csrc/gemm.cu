@@ -374,7 +374,8 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
                 "bertaccel gemm: operands need 16-byte aligned data and row strides (a multiple of 8 elements)");
   }
   BERTACCEL_CHECK(epilogue >= kNone && epilogue <= kDGeluTanh, "bertaccel gemm: unknown epilogue %lld", (long long)epilogue);
-  const bool needs_bias = epilogue >= kBias && epilogue <= kBiasResidual;
+  // the residual epilogue's bias is optional (the FFN's input gradient adds the residual's gradient, no bias)
+  const bool needs_bias = epilogue >= kBias && (epilogue < kBiasResidual || (epilogue == kBiasResidual && bias.has_value()));
   BERTACCEL_CHECK(!needs_bias || (bias.has_value() && bias->numel() == N && bias->is_contiguous() &&
                              (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16)),
              "bertaccel gemm: this epilogue needs a contiguous fp32 or bf16 bias of %lld elements", (long long)N);

@@ -73,7 +73,7 @@ struct Config {
 
 __device__ __forceinline__ float finish(const Args& p, float v, int row, int col) {
   const int e = p.epilogue;
-  if (e >= kBias && e <= kBiasResidual) v += p.bias[col];
+  if (e >= kBias && e <= kBiasResidual && p.bias != nullptr) v += p.bias[col];  // residual: bias optional
   const int64_t at = (int64_t)row * p.N + col;
   if (e == kBiasGeluErf || e == kBiasGeluTanh) {
     if (p.pre != nullptr) p.pre[at] = v;
@@ -386,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_fp32(const at::Tensor& a, const at::Tens
   }
   TORCH_CHECK(M < (int64_t)1 << 31 && N < (int64_t)1 << 31 && K < (int64_t)1 << 31, "bertaccel gemm: a dimension is too large");
   BERTACCEL_CHECK(epilogue >= kNone && epilogue <= kDGeluTanh, "bertaccel gemm: unknown epilogue %lld", (long long)epilogue);
-  const bool needs_bias = epilogue >= kBias && epilogue <= kBiasResidual;
+  const bool needs_bias = epilogue >= kBias && (epilogue < kBiasResidual || (epilogue == kBiasResidual && bias.has_value()));
   BERTACCEL_CHECK(!needs_bias || (bias.has_value() && bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat),
                   "bertaccel gemm (fp32): this epilogue needs a contiguous fp32 bias of %lld elements", (long long)N);
   const bool needs_aux = epilogue >= kBiasResidual;

@@ -345,7 +345,7 @@ __device__ __forceinline__ void finish8(const Params& p, void* out, bool raw, in
   const int64_t at = (int64_t)row * N + col;
   const int e = p.epilogue;
   if (!raw && e != kNone) {  // else a split-K slice or no epilogue: the raw sums
-    if (e < kDGeluErf) {
+    if (e < kDGeluErf && p.bias != nullptr) {  // (the residual epilogue may come without a bias)
       float b[8];
       if (p.bias_f32) load8(static_cast<const float*>(p.bias) + col, n, whole, b);
       else load8(static_cast<const bf16*>(p.bias) + col, n, whole, b);
@@ -525,7 +525,7 @@ __device__ __forceinline__ void epilogue_chunk(const Params& p, const CUtensorMa
   constexpr int kV = W / 2;  // values per thread
   const int lane = t % 32, e = slice_out(p) ? kNone : p.epilogue;  // a split-K slice: the raw sums
   const int r_top = row0 + (t / 32) * 16 + lane / 4, c_lane = col0 + 2 * (lane % 4);
-  if (e >= kBias && e <= kBiasResidual) {
+  if (e >= kBias && e <= kBiasResidual && p.bias != nullptr) {  // (the residual epilogue may come without a bias)
 #pragma unroll
     for (int jj = 0; jj < W / 8; ++jj) {
       const int col = c_lane + 8 * jj;
@@ -730,7 +730,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ C
       if (PP && local > 0) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + cw) : "memory");
       int prev = -1;
       const bool bias_smem = C::kBiasInSmem && p.tma_store && !slice_out(p) && p.epilogue >= kBias &&
-                             p.epilogue <= kBiasResidual;  // the same in the whole block
+                             p.epilogue <= kBiasResidual && p.bias != nullptr;  // the same in the whole block
       uint8_t* bias_s = bias_region + cw * BN * 4;
       if (bias_smem) load_bias_async<BN>(p, bias_s, tn * BN, t);
       // The epilogue's auxiliary input (TMA-store epilogues) is loaded a chunk ahead, the first chunk's
