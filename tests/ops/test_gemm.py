@@ -855,18 +855,50 @@ def test_split_k_specialisation_gives_the_general_kernels_bits(layout, schedule,
 
 
 @hopper_test
+@pytest.mark.parametrize("schedule,tile_n", SCHEDULE_WIDTHS, ids=_config_id)
+@pytest.mark.parametrize("layout", ["fwd", "dgrad"])
+def test_residual_specialisation_gives_the_general_kernels_bits(layout, schedule, tile_n, monkeypatch):
+    """The residual epilogue without a bias (the fused FFN's input gradient: dgrad layout) runs the kSpecResidual
+    kernel (another kernel than with BERTACCEL_GEMM_SPECIALISED=0): the general kernel's bits, within 2x the error
+    of cuBLAS's product plus the add, at a ragged shape and a BERT one, eager and replayed."""
+    trans_a, trans_b = LAYOUTS[layout]
+    if tile_n == 96 and trans_b:
+        pytest.skip("96-wide tiles take a K-major B only")
+    for M, N, K in [(333, 520, 2056), (2048, 768, 3072)]:
+        a, b = _operands(M, N, K, trans_a, trans_b, "cuda", torch.bfloat16)
+        aux = torch.randn(M, N, device="cuda").bfloat16()
+        B = b.t() if trans_b else b
+
+        def run():
+            return GEMM(a, b, None, aux, EPILOGUES["bias_residual"], trans_a, trans_b, False, False, tile_n, 1, schedule)[0]
+
+        general, general_names, ours, names = _general_then_specialised(run, monkeypatch)
+        name = f"residual {layout} {M}x{N}x{K} schedule {schedule} n{tile_n}"
+        assert len(names) == 1 and len(general_names) == 1 and names != general_names, f"{name}: {names} {general_names}"
+        check_vs_cublas(ours, ((a @ B.t()).float() + aux.float()).bfloat16(), a.double() @ B.double().t() + aux.double(), name)
+        assert torch.equal(ours, general), f"{name}: differs from the general kernel"
+        monkeypatch.delenv("BERTACCEL_GEMM_SPECIALISED")
+        assert_replay_matches_eager(lambda x, w: (GEMM(x, w, None, aux, EPILOGUES["bias_residual"], trans_a, trans_b, False,
+                                                       False, tile_n, 1, schedule)[0], []), a, b)
+
+
+@hopper_test
 def test_specialised_switch_leaves_other_calls_alone_and_refuses_bad_values(monkeypatch):
     """Calls no specialisation takes (fp32 out with one split, a transposed operand with a bias, the tanh GELU, a bias
-    with K splits) run the same kernel with the switch on or off; plain, bias and K-split calls run another one."""
+    with K splits, bias + residual) run the same kernel with the switch on or off; plain, bias, K-split and residual
+    (no bias) calls run another one."""
     a, b = _operands(1000, 768, 768, False, False, "cuda", torch.bfloat16)
     bias = torch.randn(768, device="cuda")
+    aux = torch.randn(1000, 768, device="cuda").bfloat16()
     calls = {"bias": lambda: GEMM(a, b, bias, None, 1, False, False, False, False, 0, 0, 0),
              "plain": lambda: GEMM(a, b, None, None, 0, False, False, False, False, 0, 0, 0),
              "fp32 out": lambda: GEMM(a, b, None, None, 0, False, False, True, False, 0, 0, 0),
              "K splits": lambda: GEMM(a, b, None, None, 0, False, False, False, False, 128, 3, 1),
              "bias, K splits": lambda: GEMM(a, b, bias, None, 1, False, False, False, False, 128, 3, 1),
              "bias, B^T": lambda: GEMM(a, b.t().contiguous(), bias, None, 1, False, True, False, False, 0, 0, 0),
-             "tanh GELU": lambda: GEMM(a, b, bias, None, 3, False, False, False, True, 0, 0, 0)}
+             "tanh GELU": lambda: GEMM(a, b, bias, None, 3, False, False, False, True, 0, 0, 0),
+             "residual": lambda: GEMM(a, b, None, aux, 4, False, False, False, False, 0, 0, 0),
+             "bias + residual": lambda: GEMM(a, b, bias, aux, 4, False, False, False, False, 0, 0, 0)}
     outs, names = {}, {}
     for setting in ("0", "1"):
         monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", setting)
@@ -874,7 +906,7 @@ def test_specialised_switch_leaves_other_calls_alone_and_refuses_bad_values(monk
         names[setting] = {k: _gemm_kernel_names(f) for k, f in calls.items()}
     for k in calls:
         assert all(torch.equal(x, y) for x, y in zip(outs["0"][k], outs["1"][k])), k
-        assert (names["0"][k] != names["1"][k]) == (k in ("bias", "plain", "K splits")), (k, names["0"][k], names["1"][k])
+        assert (names["0"][k] != names["1"][k]) == (k in ("bias", "plain", "K splits", "residual")), (k, names["0"][k], names["1"][k])
     monkeypatch.setenv("BERTACCEL_GEMM_SPECIALISED", "yes")
     with pytest.raises(RuntimeError, match="BERTACCEL_GEMM_SPECIALISED"):
         GEMM(a, b, None, None, 0, False, False, False, False, 0, 0, 0)

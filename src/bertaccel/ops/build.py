@@ -54,7 +54,7 @@ def sources() -> list[str]:
 
 HEADERS = ["check.h", "common.cuh", "erf_fast.cuh", "pdl.cuh", "philox.cuh", "layer_norm_bwd.cuh", "switches.h"]
 # the GEMM extension: sm_90a only (wgmma, setmaxnreg); TORCH_CUDA_ARCH_LIST "9.0a" gives its -gencode
-GEMM_SOURCES = ["gemm.cu", "gemm_plain.cu", "gemm_bias.cu", "gemm_gelu.cu", "gemm_splitk.cu", "gemm_cluster_cooperative.cu", "gemm_cluster_rows.cu", "gemm_fp32.cu"]
+GEMM_SOURCES = ["gemm.cu", "gemm_plain.cu", "gemm_bias.cu", "gemm_gelu.cu", "gemm_splitk.cu", "gemm_residual.cu", "gemm_cluster_cooperative.cu", "gemm_cluster_rows.cu", "gemm_fp32.cu"]
 GEMM_HEADERS = ["async_copy.cuh", "check.h", "erf_fast.cuh", "gelu_math.cuh", "gemm.h", "gemm_kernel.cuh", "pdl.cuh",
                 "switches.h", "tensor_map.h", "wgmma.cuh"]
 GEMM_ARCH = "9.0a"

@@ -479,6 +479,8 @@ std::tuple<at::Tensor, at::Tensor> gemm(const at::Tensor& a, const at::Tensor& b
       launch_bias_gelu(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
     } else if (spec == kSpecSplitK) {
       launch_splitk(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
+    } else if (spec == kSpecResidual) {
+      launch_residual(pingpong, rows192, bn, trans_a, trans_b, maps, p, grid, stream);
     } else if (pair && (rows192 || pingpong)) {
       launch_pair_rows(pingpong, bn, trans_a, trans_b, maps, p, grid, stream);
     } else if (pair) {

@@ -127,23 +127,26 @@ __device__ __forceinline__ bool slice_out(const Params& p) { return p.splits > 1
 // 31); the PLAIN kernels removed that for plain calls. kSpecBias and kSpecBiasGelu do the same for the forward's
 // bias and bias + GELU (erf) epilogues (GELU's saved pre-activation stays a run-time option), kSpecSplitK for
 // K splits without an epilogue (the weight gradients at many tokens; how the splits are summed and the output
-// dtype stay run-time options).
+// dtype stay run-time options), kSpecResidual for the residual epilogue without a bias (the fused FFN's dgrad).
 enum Spec : int {
   kSpecGeneral = 0,
   kSpecPlain = 1,     // no epilogue
   kSpecBias = 2,      // + bias (fp32 or bf16)
   kSpecBiasGelu = 3,  // GELU(. + bias), erf form, the pre-activation written or not
   kSpecSplitK = 4,    // K splits, no epilogue: fp32 workspace slices or summed in the kernel, bf16 or fp32 out
+  kSpecResidual = 5,  // + aux[M, N], no bias (the fused FFN's input gradient plus the residual's gradient)
 };
 // The specialisations built for every operand layout: all but the bias and GELU ones (the forward's epilogues),
 // which are built for K-major operands only (launch_layout and spec_fits read this).
 constexpr bool spec_every_layout(int spec) { return spec != kSpecBias && spec != kSpecBiasGelu; }
-// The options a specialisation fixes: stores through TMA, no stream-K, no auxiliary input, and its epilogue;
-// all but kSpecSplitK a bf16 output and one K split.
+// The options a specialisation fixes: stores through TMA, no stream-K, no auxiliary input (but kSpecResidual's),
+// and its epilogue; all but kSpecSplitK a bf16 output and one K split.
 template <int SPEC>
 __host__ __device__ __forceinline__ void apply_spec(Params& p) {
-  static_assert(SPEC >= kSpecPlain && SPEC <= kSpecSplitK, "a specialisation");
-  p.tma_store = true, p.streamk = false, p.aux = nullptr;
+  static_assert(SPEC >= kSpecPlain && SPEC <= kSpecResidual, "a specialisation");
+  p.tma_store = true, p.streamk = false;
+  if constexpr (SPEC != kSpecResidual) p.aux = nullptr;
+  if constexpr (SPEC == kSpecResidual) p.epilogue = kBiasResidual, p.bias = nullptr, p.bias_f32 = false, p.pre = nullptr;
   if constexpr (SPEC != kSpecSplitK) p.out_f32 = false, p.fixup = false, p.splits = 1;
   if constexpr (SPEC == kSpecPlain || SPEC == kSpecSplitK) p.epilogue = kNone, p.bias = nullptr, p.bias_f32 = false, p.pre = nullptr;
   if constexpr (SPEC == kSpecBias) p.epilogue = kBias, p.pre = nullptr;
@@ -1089,10 +1092,11 @@ inline int spec_of(const Params& p, bool pair, bool a_mn, bool b_mn) {
   if (p.splits > 1 && spec_fits<kSpecSplitK>(p, a_mn, b_mn)) return kSpecSplitK;
   if (spec_fits<kSpecBias>(p, a_mn, b_mn)) return kSpecBias;
   if (spec_fits<kSpecBiasGelu>(p, a_mn, b_mn)) return kSpecBiasGelu;
+  if (p.aux != nullptr && spec_fits<kSpecResidual>(p, a_mn, b_mn)) return kSpecResidual;
   return kSpecGeneral;
 }
 // launch_single<SPEC> of each specialisation, in its own translation unit (gemm_plain.cu, gemm_bias.cu,
-// gemm_gelu.cu, gemm_splitk.cu: compiled in parallel with gemm.cu).
+// gemm_gelu.cu, gemm_splitk.cu, gemm_residual.cu: compiled in parallel with gemm.cu).
 void launch_plain(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                   cudaStream_t stream);
 void launch_bias(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
@@ -1101,5 +1105,7 @@ void launch_bias_gelu(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn,
                       cudaStream_t stream);
 void launch_splitk(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
                    cudaStream_t stream);
+void launch_residual(bool pingpong, bool rows192, int bn, bool a_mn, bool b_mn, const Maps& m, const Params& p, int grid,
+                     cudaStream_t stream);
 
 }  // namespace bertaccel::gemm::kernel
