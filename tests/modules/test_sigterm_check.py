@@ -129,6 +129,32 @@ def test_install_puts_on_sigterm_in_the_place_of_lightnings_notifier(monkeypatch
         signal.signal(signal.SIGTERM, before)
 
 
+def test_install_says_once_when_the_handlers_notifier_stays(monkeypatch, caplog):
+    """Where the registered SIGTERM handler holds no Lightning notifier (another handler set since), the per-batch
+    check is still replaced and install says, once, why the notifier stays."""
+    import logging
+    import signal
+
+    connector = types.SimpleNamespace(received_sigterm=False)
+    connector._sigterm_notifier_fn = lambda signum, frame: None
+    trainer = _trainer()
+    trainer.world_size = 2
+    trainer._signal_connector = connector
+    loop = _Loop()
+    trainer.fit_loop = types.SimpleNamespace(epoch_loop=loop)
+    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # someone else's handler, not Lightning's composition
+    try:
+        monkeypatch.delenv("BERTACCEL_LAGGED_SIGTERM", raising=False)
+        with caplog.at_level(logging.INFO, logger="bertaccel.modules.sigterm_check"):
+            assert sigterm_check.install(trainer) and sigterm_check.install(trainer)
+        assert isinstance(loop._broadcast_sigterm_tensor, sigterm_check.LaggedSigtermCheck)
+        notes = [r.getMessage() for r in caplog.records if "notifier stays" in r.getMessage()]
+        assert len(notes) == 1 and "not Lightning's composition" in notes[0]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_a_signal_recorded_by_on_sigterm_stops_the_batch_after_next_and_sets_received_sigterm(one_process_group):
     trainer = _trainer()
     trainer._signal_connector = types.SimpleNamespace(received_sigterm=False)

@@ -65,6 +65,7 @@ class LaggedSigtermCheck:
         self.trainer = trainer
         self.signalled = False  # this process got SIGTERM (on_sigterm)
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self.notifier_note_given = False  # install's message when the handler's notifier could not be replaced
 
     def on_sigterm(self, signum: int, _frame: Any) -> None:
         """In the place of Lightning's `_sigterm_notifier_fn`: record the signal and pass it on to the ranks
@@ -131,8 +132,21 @@ def install(trainer: Any, force: bool = False) -> bool:
         check = LaggedSigtermCheck(trainer)
         setattr(loop, _METHOD, check)
         log.debug("bertaccel: the per-batch SIGTERM agreement reads its result one batch late (no sync per step)")
-    _replace_notifier(trainer, check)
+    if not _replace_notifier(trainer, check) and not check.notifier_note_given:
+        check.notifier_note_given = True  # once per check (install runs at every fit start)
+        log.info("bertaccel: Lightning's SIGTERM notifier stays in the signal handler (%s): a SIGTERM reaching one rank "
+                 "alone runs its broadcast inside the handler, as without bertaccel; the per-batch agreement is still "
+                 "read one batch late", _why_notifier_stays(trainer))
     return True
+
+
+def _why_notifier_stays(trainer: Any) -> str:
+    """Why `_replace_notifier` found nothing to replace, for install's message."""
+    if getattr(getattr(trainer, "_signal_connector", None), "_sigterm_notifier_fn", None) is None:
+        return "this Lightning's signal connector has no SIGTERM notifier"
+    if threading.current_thread() is not threading.main_thread():
+        return "not on the main thread, where signal handlers are set"
+    return "the registered SIGTERM handler is not Lightning's composition holding its notifier"
 
 
 def _replace_notifier(trainer: Any, check: LaggedSigtermCheck) -> bool:
