@@ -264,19 +264,35 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   }
   const float inv_h = 1.f / (float)H;
   int stage = 0;
+  const uint32_t threshold = dropout_threshold(p);
   for (int64_t row = first; row < rows; row += stride) {
-    // The row's dropout mask depends on no data: draw it while the row is still landing.
-    uint32_t kept = 0xffffffffu;  // bit k * VEC + j: element j of vector k is kept
+    // The row's dropout draws depend on no data: make them while the row is still landing. Vector k's VEC
+    // draws are 16-bit halves of one Philox call's words (dropout_keep's). Up to 3 vectors per lane (768-wide
+    // bf16 rows, 384-wide fp32) the words are kept and each element's half compared where the element is used
+    // (kDrawWords: packing keep bits first and testing them again cost two more integer instructions per
+    // element, as in the attention kernels' draw_kept); wider rows keep one bit per element (the words, 4
+    // registers per vector, made the 1024-wide kernels spill at the 128-register cap).
+    constexpr bool kDrawWords = ITEMS <= 3;
+    uint4 draws[kDrawWords ? ITEMS : 1];  // VEC == 4: the vector's two words in .x and .y
+    uint32_t kept = 0xffffffffu;          // !kDrawWords: bit k * VEC + j: element j of vector k is kept
     if (p > 0.f) {
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k) {
         const int c = lane + k * 32;
         if (c < nvec) {
-          bool keep[VEC];
-          dropout_keep<VEC>(seed, offset, row * H + (int64_t)c * VEC, p, keep);
+          const int64_t i0 = row * H + (int64_t)c * VEC;
+          if constexpr (kDrawWords) {
+            draws[k] = dropout_draws(seed, offset, (uint64_t)i0 >> 3);
+            if constexpr (VEC == 4) {  // draws 0-3 or 4-7 of the group (H is a multiple of 4)
+              if (i0 & 7) draws[k].x = draws[k].z, draws[k].y = draws[k].w;
+            }
+          } else {
+            bool keep[VEC];
+            dropout_keep<VEC>(seed, offset, i0, p, keep);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j)
-            if (!keep[j]) kept &= ~(1u << (k * VEC + j));
+            for (int j = 0; j < VEC; ++j)
+              if (!keep[j]) kept &= ~(1u << (k * VEC + j));
+          }
         }
       }
     }
@@ -298,7 +314,12 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
       }
       if (p > 0.f)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[k][j] = kept_bit(kept, k * VEC + j) ? v[k][j] * scale : 0.f;
+        for (int j = 0; j < VEC; ++j) {
+          bool keep;
+          if constexpr (kDrawWords) keep = half_draw(draws[kDrawWords ? k : 0], j) >= threshold;  // j known at compile time
+          else keep = kept_bit(kept, k * VEC + j);
+          v[k][j] = keep ? v[k][j] * scale : 0.f;
+        }
       if constexpr (RES) {
         float rr[VEC];
         load_f<T, VEC>(reinterpret_cast<const T*>(src + (ITEMS + k) * kRingItemBytes), rr);
