@@ -64,6 +64,9 @@ VARIANTS = {
     # with the default swap, and with everything swapped (every nn.Linear and the feed-forward block on our GEMM)
     "attn-fused-graphs": ("bertaccel", True, True, False, True),
     "attn-ffn-gemm-fused-graphs": ("bertaccel", True, "ffn", False, True),
+    # attn-fused-graphs with every parameter updated by our AdamW kernel (BERTACCEL_ADAMW_ALL=1: the uncopied ones,
+    # mostly the word embeddings, by `bertaccel::adamw_` instead of PyTorch's fused AdamW)
+    "attn-fused-graphs-adamw-all": ("bertaccel", True, True, False, True),
     # the same with the feed-forward block's residual gradient added by a separate kernel (BERTACCEL_FFN_RESIDUAL=add)
     # instead of in its input-gradient GEMM's epilogue
     "attn-ffn-gemm-fused-graphs-residual-add": ("bertaccel", True, "ffn", False, True),
@@ -80,7 +83,8 @@ VARIANTS = {
 UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash",
             "ffn-gemm-fused-unpadded-graphs": "bertaccel"}
 VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"},
-               "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"}}
+               "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"},
+               "attn-fused-graphs-adamw-all": {"BERTACCEL_ADAMW_ALL": "1"}}
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
 

@@ -106,3 +106,26 @@ def test_synced_gradients_are_the_mean_over_ranks(copies, fused, accumulate, cli
         assert torch.bfloat16 in synced[0] and torch.float32 in synced[0]
     for (name, a), b in zip(one.named_parameters(), two.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_uncopied_parameters_in_our_kernel_update_as_pytorchs_adamw(monkeypatch):
+    """BERTACCEL_ADAMW_ALL=1: the parameters without bf16 copies (here the LayerNorm and the biases) are updated by
+    `bertaccel::adamw_` instead of PyTorch's AdamW, to the same values over four steps (the CPU reference is its
+    arithmetic; the moments and step counts it keeps in the optimizer's state carry from step to step)."""
+    monkeypatch.setenv("BERTACCEL_ADAMW_ALL", "0")
+    theirs, _ = _run_synced(1, copies=True, fused=True)
+    calls = []
+    real = torch.ops.bertaccel.adamw_
+
+    def counting(*args):
+        calls.append(len(args[0]))
+        return real(*args)
+
+    monkeypatch.setenv("BERTACCEL_ADAMW_ALL", "1")
+    import bertaccel.ops.adamw  # noqa: F401 - the op
+
+    monkeypatch.setattr(torch.ops.bertaccel, "adamw_", counting)
+    ours, _ = _run_synced(1, copies=True, fused=True)
+    assert calls and all(n > 0 for n in calls), "the uncopied parameters did not go through adamw_"
+    for (name, a), b in zip(theirs.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

@@ -1,4 +1,5 @@
-"""Tests of AdamW on fp32 masters from bf16 copies' gradients (ops/adamw.py, csrc/adamw.cu).
+"""Tests of AdamW on fp32 masters from bf16 copies' gradients (ops/adamw.py, csrc/adamw.cu), and of `adamw_`
+(the same kernel for parameters without copies, from fp32 gradients).
 
 CPU: opcheck, and the reference op against PyTorch's AdamW (bit for bit: the same fp32 arithmetic).
 CUDA: the kernel against PyTorch's fused capturable AdamW over several steps, for sizes that take
@@ -35,6 +36,18 @@ def _ours(masters, grads_per_step, lr, wd, betas=(0.9, 0.999), eps=1e-8):
     return p, m, v, copies
 
 
+def _ours_plain(masters, grads_per_step, lr, wd, betas=(0.9, 0.999), eps=1e-8):
+    """`adamw_`: the same update from fp32 gradients, no copies."""
+    p = [m.clone() for m in masters]
+    m = [torch.zeros_like(x) for x in p]
+    v = [torch.zeros_like(x) for x in p]
+    steps = [torch.zeros((), device=x.device) for x in p]
+    for grads in grads_per_step:
+        torch._foreach_add_(steps, 1)
+        torch.ops.bertaccel.adamw_(p, [g.float() for g in grads], m, v, steps, lr, betas[0], betas[1], wd, eps)
+    return p, m, v
+
+
 def _torch(masters, grads_per_step, lr, wd, **kw):
     params = [torch.nn.Parameter(x.clone()) for x in masters]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **kw)
@@ -61,6 +74,39 @@ def test_reference_is_pytorchs_adamw_bit_for_bit():
     for a, b, c in zip(p, params, copies):
         assert torch.equal(a, b.detach())
         assert torch.equal(c, a.bfloat16())
+
+
+def test_adamw_plain_opcheck_and_reference_is_pytorchs_adamw_bit_for_bit():
+    masters, grads = _case("cpu", [12, 5])
+    args = ([m.clone() for m in masters], [g.float() for g in grads[0]], [torch.zeros_like(m) for m in masters],
+            [torch.zeros_like(m) for m in masters], [torch.ones(()) for _ in masters],
+            torch.tensor(1e-3, dtype=torch.float64), 0.9, 0.999, 0.01, 1e-8)
+    torch.library.opcheck(torch.ops.bertaccel.adamw_.default, args)
+    masters, grads = _case("cpu", SIZES[:3])
+    p, m, v = _ours_plain(masters, grads, torch.tensor(3e-3, dtype=torch.float64), 0.01)
+    params, opt = _torch(masters, grads, 3e-3, 0.01, foreach=True)
+    for a, b in zip(p, params):
+        assert torch.equal(a, b.detach())
+
+
+@cuda_test
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+@pytest.mark.parametrize("tensors", [len(SIZES), 53], ids=lambda n: f"{n}-tensors")
+def test_plain_kernel_matches_pytorchs_fused_adamw(wd, tensors):
+    """`adamw_` (fp32 gradients, no copies) against PyTorch's fused capturable AdamW, as the copies' kernel."""
+    sizes = (SIZES * 11)[:tensors]
+    masters, grads = _case("cuda", sizes)
+    lr = torch.tensor(3e-3, device="cuda")
+    p, m, v = _ours_plain(masters, grads, lr, wd)
+    params, opt = _torch(masters, grads, lr, wd, fused=True, capturable=True)
+    for i, (a, b) in enumerate(zip(p, params)):
+        st = opt.state[b]
+        torch.testing.assert_close(a, b.detach(), rtol=2e-6, atol=1e-7, msg=f"param {i} ({sizes[i]})")
+        torch.testing.assert_close(m[i], st["exp_avg"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(v[i], st["exp_avg_sq"], rtol=1e-6, atol=1e-10)
+    with pytest.raises(RuntimeError, match="float32"):  # bf16 gradients are the copies' op's
+        torch.ops.bertaccel.adamw_(p[:1], [grads[0][0]], m[:1], v[:1], [torch.ones((), device="cuda")], lr,
+                                   0.9, 0.999, 0.0, 1e-8)
 
 
 @cuda_test

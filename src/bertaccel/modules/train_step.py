@@ -34,11 +34,15 @@ writes the refreshed copies: the widening copy into the masters' `.grad`, their 
 fused AdamW and the refresh become one kernel that moves 28 instead of 40 bytes per parameter.
 PyTorch's AdamW still steps every other parameter, and the moments and step counts live in the
 optimizer's own state (the checkpoint and an eager resume see PyTorch's AdamW state).
+With BERTACCEL_ADAMW_ALL=1 (read when the step is built; off until measured on a GPU) the other parameters
+too are updated by our kernel (`bertaccel::adamw_`, from their fp32 gradients, no copy) instead of PyTorch's
+fused AdamW: the word embeddings (read in fp32 by the embedding kernel, so not copied) are most of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +90,9 @@ def build_train_step(
     scale = 1.0 / (accumulate * world_size)
     fused = fused_copies_update and copies and accumulate == 1 and clip is None and fusable_adamw(optimizer, copies)
     copied = {id(m) for m in copies.masters} if copies else set()
+    # the uncopied parameters in our kernel too (BERTACCEL_ADAMW_ALL=1; see the module's docs)
+    all_ours = bool(fused) and os.environ.get("BERTACCEL_ADAMW_ALL", "0") == "1" and all(
+        p.dtype == torch.float32 and p.is_contiguous() for p in params if id(p) not in copied)
     transient = [p for p in params if p.grad is not None and id(p) not in copied] if accumulate == 1 else []
     if not transient_grads:
         transient = []
@@ -108,7 +115,8 @@ def build_train_step(
         if fused:
             if grad_sync is not None:
                 grad_sync([p.grad for p in params if p.grad is not None] + [c.grad for c in copies.copies if c.grad is not None])
-            optimizer.step()
+            if not (all_ours and adamw_uncopied_step(optimizer, copied)):
+                optimizer.step()
             adamw_copies_step(optimizer, copies)
             for m, g in zip(copies.masters, master_grads):
                 m.grad = g
@@ -198,6 +206,38 @@ def _adamw_state(optimizer: torch.optim.AdamW, p: torch.Tensor, group: dict) -> 
     return state
 
 
+def _group_lr(group: dict) -> torch.Tensor:
+    # a float learning rate (eager CPU steps) as float64, so the reference op sees its exact value
+    lr = group["lr"]
+    return lr if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+
+
+def adamw_uncopied_step(optimizer: torch.optim.AdamW, copied: set[int]) -> bool:
+    """AdamW on the parameters not in `copied` that got a gradient, by `bertaccel::adamw_` (fp32 gradients), in
+    place of PyTorch's AdamW (which then must not step them). False, having done nothing, where a gradient is
+    not a contiguous fp32 tensor or a learning rate is a float on a GPU (the kernel reads it from the device)."""
+    work = []
+    for g in optimizer.param_groups:
+        ps = [p for p in g["params"] if id(p) not in copied and p.grad is not None]
+        if not ps:
+            continue
+        if any(p.grad.dtype != torch.float32 or not p.grad.is_contiguous() for p in ps):
+            return False
+        if ps[0].is_cuda and not isinstance(g["lr"], torch.Tensor):
+            return False
+        work.append((g, ps))
+    with torch.no_grad():
+        for g, ps in work:
+            states = [_adamw_state(optimizer, p, g) for p in ps]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            beta1, beta2 = (float(b) for b in g["betas"])
+            torch.ops.bertaccel.adamw_(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
+                                       [s["exp_avg_sq"] for s in states], steps, _group_lr(g), beta1, beta2,
+                                       float(g["weight_decay"]), float(g["eps"]))
+    return True
+
+
 def adamw_copies_step(optimizer: torch.optim.AdamW, copies: Bf16WeightCopies) -> None:
     """AdamW on the copied masters whose copies got a gradient, from those bf16 gradients, writing
     the refreshed copies; the copies' gradients are dropped after."""
@@ -215,12 +255,10 @@ def adamw_copies_step(optimizer: torch.optim.AdamW, copies: Bf16WeightCopies) ->
             states = [_adamw_state(optimizer, m, g) for m in masters]
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1)
-            # a float learning rate (eager CPU steps) as float64, so the reference op sees its exact value
-            lr = g["lr"] if isinstance(g["lr"], torch.Tensor) else torch.tensor(float(g["lr"]), dtype=torch.float64)
             beta1, beta2 = (float(b) for b in g["betas"])
             torch.ops.bertaccel.adamw_bf16_copies_(
                 masters, [copies.copies[i].grad for i in idx], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], steps, [copies.copies[i] for i in idx], lr, beta1, beta2,
+                [s["exp_avg_sq"] for s in states], steps, [copies.copies[i] for i in idx], _group_lr(g), beta1, beta2,
                 float(g["weight_decay"]), float(g["eps"]))
     for c in copies.copies:
         c.grad = None

@@ -14,6 +14,10 @@
 // step count t read from each parameter's device step tensor (capturable) and the learning rate
 // from a device tensor (graph replays see the schedule's current value).
 //
+// `adamw_` is the same update for parameters without copies, from their own fp32 gradients (16 B read, 12 B
+// written: what PyTorch's fused AdamW moves), so that the graphed step can update every parameter in this
+// kernel (the word embeddings, read in fp32 by the embedding kernel, have no copy).
+//
 // Launch: blocks walk (tensor, chunk) pairs of up to kMaxTensors tensors per launch, described in
 // the kernel's parameter struct (no host-to-device copy, so a CUDA graph can capture it); 4-wide
 // vectors where a tensor's pointers are 16-byte aligned and its size a multiple of 4.
@@ -33,11 +37,11 @@ constexpr int64_t kChunk = 65536;
 
 struct AdamWTensors {
   float* p[kMaxTensors];
-  const __nv_bfloat16* g[kMaxTensors];
+  const void* g[kMaxTensors];  // bf16 (the copies' gradients) or fp32 (adamw_: the parameters' own)
   float* m[kMaxTensors];
   float* v[kMaxTensors];
   const float* step[kMaxTensors];
-  __nv_bfloat16* c[kMaxTensors];
+  __nv_bfloat16* c[kMaxTensors];  // null without copies (adamw_)
   int64_t n[kMaxTensors];
   int chunk_start[kMaxTensors + 1];
   int count;
@@ -56,8 +60,10 @@ __device__ __forceinline__ void adamw_one(float& p, float g, float& m, float& v,
   p -= step_size * m / denom;
 }
 
-__global__ void __launch_bounds__(kAdamThreads) adamw_bf16_copies_kernel(AdamWTensors t, const float* __restrict__ lr_ptr,
-                                                                        AdamWScalars s) {
+// G: the gradients' type; COPY: write the refreshed bf16 copies (adamw_bf16_copies_) or not (adamw_).
+template <typename G, bool COPY>
+__global__ void __launch_bounds__(kAdamThreads) adamw_kernel(AdamWTensors t, const float* __restrict__ lr_ptr,
+                                                            AdamWScalars s) {
   // the tensor of this block: the last i with chunk_start[i] <= blockIdx.x
   int lo = 0, hi = t.count - 1;
   const int b = blockIdx.x;
@@ -74,67 +80,70 @@ __global__ void __launch_bounds__(kAdamThreads) adamw_bf16_copies_kernel(AdamWTe
   const float bc2_sqrt = sqrtf(1.f - powf(s.beta2, step));
   const float step_size = lr / bc1, wd_lr = lr * s.weight_decay;
   float* __restrict__ P = t.p[i];
-  const __nv_bfloat16* __restrict__ G = t.g[i];
+  const G* __restrict__ Gr = static_cast<const G*>(t.g[i]);
   float* __restrict__ M = t.m[i];
   float* __restrict__ V = t.v[i];
   __nv_bfloat16* __restrict__ C = t.c[i];
   const bool vec = t.n[i] % 4 == 0 &&
                    ((reinterpret_cast<uintptr_t>(P) | reinterpret_cast<uintptr_t>(M) | reinterpret_cast<uintptr_t>(V)) % 16) == 0 &&
-                   ((reinterpret_cast<uintptr_t>(G) | reinterpret_cast<uintptr_t>(C)) % 8) == 0;
+                   reinterpret_cast<uintptr_t>(Gr) % (4 * sizeof(G)) == 0 && (!COPY || reinterpret_cast<uintptr_t>(C) % 8 == 0);
   if (vec) {
     for (int64_t k = begin + 4 * (int64_t)threadIdx.x; k < end; k += 4 * kAdamThreads) {
-      float p[4], g[4], m[4], v[4], c[4];
+      float p[4], g[4], m[4], v[4];
       load_f<float, 4>(P + k, p);
-      load_f<__nv_bfloat16, 4>(G + k, g);
+      load_f<G, 4>(Gr + k, g);
       load_f<float, 4>(M + k, m);
       load_f<float, 4>(V + k, v);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        adamw_one(p[j], g[j], m[j], v[j], wd_lr, step_size, bc2_sqrt, s);
-        c[j] = p[j];
-      }
+      for (int j = 0; j < 4; ++j) adamw_one(p[j], g[j], m[j], v[j], wd_lr, step_size, bc2_sqrt, s);
       store_f<float, 4>(P + k, p);
       store_f<float, 4>(M + k, m);
       store_f<float, 4>(V + k, v);
-      store_f<__nv_bfloat16, 4>(C + k, c);
+      if constexpr (COPY) store_f<__nv_bfloat16, 4>(C + k, p);
     }
   } else {
     for (int64_t k = begin + threadIdx.x; k < end; k += kAdamThreads) {
       float p = P[k], m = M[k], v = V[k];
-      adamw_one(p, __bfloat162float(G[k]), m, v, wd_lr, step_size, bc2_sqrt, s);
+      adamw_one(p, to_f(Gr[k]), m, v, wd_lr, step_size, bc2_sqrt, s);
       P[k] = p;
       M[k] = m;
       V[k] = v;
-      C[k] = __float2bfloat16(p);
+      if constexpr (COPY) C[k] = __float2bfloat16(p);
     }
   }
 }
 
-void adamw_bf16_copies_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                        at::TensorList exp_avg_sqs, at::TensorList steps, at::TensorList copies, const at::Tensor& lr,
-                        double beta1, double beta2, double weight_decay, double eps) {
+// Both ops: checks, then one launch per kMaxTensors parameters. copies empty: adamw_ (fp32 gradients, no copies).
+void adamw_launch(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                  at::TensorList exp_avg_sqs, at::TensorList steps, at::TensorList copies, const at::Tensor& lr,
+                  double beta1, double beta2, double weight_decay, double eps, bool with_copies) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
-                  copies.size() == n,
-              "bertaccel adamw_bf16_copies_: every tensor list must have one entry per parameter");
+                  (!with_copies || copies.size() == n),
+              "bertaccel ", op, ": every tensor list must have one entry per parameter");
   if (n == 0) return;
   TORCH_CHECK(lr.is_cuda() && lr.scalar_type() == at::kFloat && lr.numel() == 1,
-              "bertaccel adamw_bf16_copies_: lr must be a one-element float32 CUDA tensor (capturable)");
+              "bertaccel ", op, ": lr must be a one-element float32 CUDA tensor (capturable)");
+  const at::ScalarType grad_type = with_copies ? at::kBFloat16 : at::kFloat;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     TORCH_CHECK(p.is_cuda() && p.scalar_type() == at::kFloat && p.is_contiguous(),
-                "bertaccel adamw_bf16_copies_: masters must be contiguous float32 CUDA tensors");
+                "bertaccel ", op, ": parameters must be contiguous float32 CUDA tensors");
     for (const at::Tensor* t : {&exp_avgs[i], &exp_avg_sqs[i]})
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == p.numel() &&
                       t->device() == p.device(),
-                  "bertaccel adamw_bf16_copies_: exp_avg / exp_avg_sq must be contiguous float32 like the master");
-    for (const at::Tensor* t : {&grads[i], &copies[i]})
-      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == p.numel() &&
-                      t->device() == p.device(),
-                  "bertaccel adamw_bf16_copies_: gradients and copies must be contiguous bfloat16 like the master");
+                  "bertaccel ", op, ": exp_avg / exp_avg_sq must be contiguous float32 like the parameter");
+    TORCH_CHECK(grads[i].scalar_type() == grad_type && grads[i].is_contiguous() && grads[i].numel() == p.numel() &&
+                    grads[i].device() == p.device(),
+                "bertaccel ", op, ": gradients must be contiguous ", with_copies ? "bfloat16" : "float32",
+                " like the parameter");
+    if (with_copies)
+      TORCH_CHECK(copies[i].scalar_type() == at::kBFloat16 && copies[i].is_contiguous() &&
+                      copies[i].numel() == p.numel() && copies[i].device() == p.device(),
+                  "bertaccel ", op, ": copies must be contiguous bfloat16 like the master");
     TORCH_CHECK(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == p.device(),
-                "bertaccel adamw_bf16_copies_: step counts must be one-element float32 tensors on the master's device");
-    TORCH_CHECK(p.device() == lr.device(), "bertaccel adamw_bf16_copies_: lr must be on the masters' device");
+                "bertaccel ", op, ": step counts must be one-element float32 tensors on the parameter's device");
+    TORCH_CHECK(p.device() == lr.device(), "bertaccel ", op, ": lr must be on the parameters' device");
   }
   c10::cuda::CUDAGuard guard(params[0].device());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -147,26 +156,44 @@ void adamw_bf16_copies_(at::TensorList params, at::TensorList grads, at::TensorL
     for (; k < kMaxTensors && first + k < n; ++k) {
       const size_t i = first + k;
       t.p[k] = params[i].data_ptr<float>();
-      t.g[k] = reinterpret_cast<const __nv_bfloat16*>(grads[i].data_ptr());
+      t.g[k] = grads[i].data_ptr();
       t.m[k] = exp_avgs[i].data_ptr<float>();
       t.v[k] = exp_avg_sqs[i].data_ptr<float>();
       t.step[k] = steps[i].data_ptr<float>();
-      t.c[k] = reinterpret_cast<__nv_bfloat16*>(copies[i].data_ptr());
+      t.c[k] = with_copies ? reinterpret_cast<__nv_bfloat16*>(copies[i].data_ptr()) : nullptr;
       t.n[k] = params[i].numel();
       t.chunk_start[k] = blocks;
       const int64_t chunks = (t.n[k] + kChunk - 1) / kChunk;
-      TORCH_CHECK(blocks + chunks < (1LL << 31), "bertaccel adamw_bf16_copies_: too many elements for one launch");
+      TORCH_CHECK(blocks + chunks < (1LL << 31), "bertaccel ", op, ": too many elements for one launch");
       blocks += (int)chunks;
     }
     t.count = k;
     t.chunk_start[k] = blocks;
-    if (blocks > 0) adamw_bf16_copies_kernel<<<blocks, kAdamThreads, 0, stream>>>(t, lr.data_ptr<float>(), s);
+    if (blocks > 0) {
+      if (with_copies) adamw_kernel<__nv_bfloat16, true><<<blocks, kAdamThreads, 0, stream>>>(t, lr.data_ptr<float>(), s);
+      else adamw_kernel<float, false><<<blocks, kAdamThreads, 0, stream>>>(t, lr.data_ptr<float>(), s);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     first += k;
   }
 }
 
+void adamw_bf16_copies_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList steps, at::TensorList copies, const at::Tensor& lr,
+                        double beta1, double beta2, double weight_decay, double eps) {
+  adamw_launch("adamw_bf16_copies_", params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr, beta1, beta2,
+               weight_decay, eps, true);
+}
+
+void adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+            at::TensorList steps, const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps) {
+  adamw_launch("adamw_", params, grads, exp_avgs, exp_avg_sqs, steps, {}, lr, beta1, beta2, weight_decay, eps, false);
+}
+
 }  // namespace
 }  // namespace bertaccel
 
-TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) { m.impl("adamw_bf16_copies_", &bertaccel::adamw_bf16_copies_); }
+TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
+  m.impl("adamw_bf16_copies_", &bertaccel::adamw_bf16_copies_);
+  m.impl("adamw_", &bertaccel::adamw_);
+}
