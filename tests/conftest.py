@@ -52,7 +52,11 @@ EXTENSIONS = str(cache_root())  # read before any test points BERTACCEL_CACHE el
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
-    """Each test runs in its own folder with its own tokenized-data cache (the extensions folder is shared)."""
+    """Each test runs in its own folder with its own tokenized-data cache (the extensions folder is shared),
+    and from the same random state: a test's unseeded draws do not depend on which tests ran before it (an
+    added test once shifted the global stream into a draw that failed another test's tolerance)."""
+    torch.manual_seed(0)
+    random.seed(0)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("BERTACCEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("BERTACCEL_EXTENSIONS", EXTENSIONS)
