@@ -67,6 +67,9 @@ VARIANTS = {
     # attn-fused-graphs with every parameter updated by our AdamW kernel (BERTACCEL_ADAMW_ALL=1: the uncopied ones,
     # mostly the word embeddings, by `bertaccel::adamw_` instead of PyTorch's fused AdamW)
     "attn-fused-graphs-adamw-all": ("bertaccel", True, True, False, True),
+    # attn-fused-graphs with the residual LayerNorms' outputs fanned out (BERTACCEL_RESIDUAL_FANOUT=1): the two
+    # gradients of each output summed in the LayerNorm backward's kernel instead of autograd's add
+    "attn-fused-graphs-residual-fanout": ("bertaccel", True, True, False, True),
     # the same with the feed-forward block's residual gradient added by a separate kernel (BERTACCEL_FFN_RESIDUAL=add)
     # instead of in its input-gradient GEMM's epilogue
     "attn-ffn-gemm-fused-graphs-residual-add": ("bertaccel", True, "ffn", False, True),
@@ -84,7 +87,8 @@ UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash":
             "ffn-gemm-fused-unpadded-graphs": "bertaccel"}
 VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"},
                "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"},
-               "attn-fused-graphs-adamw-all": {"BERTACCEL_ADAMW_ALL": "1"}}
+               "attn-fused-graphs-adamw-all": {"BERTACCEL_ADAMW_ALL": "1"},
+               "attn-fused-graphs-residual-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "1"}}
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
 

@@ -370,3 +370,134 @@ def test_layer_norm_falls_back_to_pytorch_exactly_on_cpu():
     assert torch.equal(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (48,), w, b, 1e-5))
     y = bias_dropout_add_layer_norm(x, b, x, w, b, 0.0, 1e-5)
     assert torch.equal(y, F.layer_norm(x + b + x, (48,), w, b, 1e-5))
+
+
+# ------------------------------------------------------------------- the residual gradient's fan-out (CPU)
+def test_layer_norm_bwd2_is_the_backward_of_the_summed_gradient():
+    """layer_norm_bwd2(dy, dy2, ...) = layer_norm_bwd(dy + dy2 rounded to the gradient's dtype, ...): bf16 and fp32."""
+    H = 24
+    for dtype in (torch.float32, torch.bfloat16):
+        x, bias, res = rand(7, H, dtype=dtype), rand(H, dtype=dtype), rand(7, H, dtype=dtype)
+        w, b = rand(H), rand(H)
+        _, z, mean, rstd, rng = torch.ops.bertaccel.layer_norm_fwd(x, bias, res, w, b, 0.0, 1e-5)
+        dy, dy2 = rand(7, H, dtype=dtype), rand(7, H, dtype=dtype)
+        two = torch.ops.bertaccel.layer_norm_bwd2(dy, dy2, z, w, mean, rstd, rng, 0.0)
+        one = torch.ops.bertaccel.layer_norm_bwd(dy + dy2, z, w, mean, rstd, rng, 0.0, True)
+        for a, c in zip(two, one):
+            assert torch.equal(a, c)
+        torch.library.opcheck(torch.ops.bertaccel.layer_norm_bwd2.default, (dy, dy2, z, w, mean, rstd, rng, 0.0))
+
+
+def test_fanout_hands_the_two_gradients_apart_and_sums_them():
+    """The fan-out's y and its alias feed two consumers: their gradients reach the LayerNorm backward apart and give
+    what one output used twice gives (autograd's add), for every input; one consumer alone works too."""
+    from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm_fanout
+
+    H = 16
+    inputs = [rand(5, H, requires_grad=True), rand(H, requires_grad=True), rand(5, H, requires_grad=True),
+              rand(H, requires_grad=True), rand(H, requires_grad=True)]
+    a, b = rand(5, H), rand(5, H)
+    y, alias = bias_dropout_add_layer_norm_fanout(*inputs[:3], *inputs[3:], 0.0, 1e-5)
+    assert alias.data_ptr() == y.data_ptr() and alias is not y
+    ours = torch.autograd.grad((y * a).sum() + (alias * b).sum(), inputs)
+    yr = bias_dropout_add_layer_norm(*inputs[:3], *inputs[3:], 0.0, 1e-5)
+    ref = torch.autograd.grad((yr * a).sum() + (yr * b).sum(), inputs)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)
+    y, alias = bias_dropout_add_layer_norm_fanout(*inputs[:3], *inputs[3:], 0.0, 1e-5)
+    only = torch.autograd.grad((alias * b).sum(), inputs)  # y unused: its gradient never comes
+    yr = bias_dropout_add_layer_norm(*inputs[:3], *inputs[3:], 0.0, 1e-5)
+    ref = torch.autograd.grad((yr * b).sum(), inputs)
+    for o, r in zip(only, ref):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)
+
+
+def test_fanout_between_swapped_layers_trains_like_autograds_add(monkeypatch):
+    """BERTACCEL_RESIDUAL_FANOUT=1 in a 2-layer BERT with the residual LayerNorms swapped (their kernel path forced on
+    CPU, where the ops run their references): each output's residual consumer takes its alias, the backward sums
+    the two gradients in layer_norm_bwd2 (counted), and the output and every parameter's gradient are the ones
+    autograd's add gives."""
+    from transformers import BertConfig, BertModel
+
+    from bertaccel.ops import residual_layer_norm
+    from bertaccel.ops.swap import swap
+
+    monkeypatch.setattr(residual_layer_norm, "why_not", lambda *a, **k: None)
+    cfg = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = BertModel(cfg, add_pooling_layer=False)
+    swap(model, ["residual_layer_norm"])
+    ids = torch.randint(0, 50, (3, 9))
+    calls = []
+    real = torch.ops.bertaccel.layer_norm_bwd2
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    results = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("BERTACCEL_RESIDUAL_FANOUT", setting)
+        if setting == "1":
+            monkeypatch.setattr(torch.ops.bertaccel, "layer_norm_bwd2", counting)
+        model.zero_grad()
+        out = model(input_ids=ids).last_hidden_state
+        out.square().sum().backward()
+        results[setting] = [out.detach(), *[p.grad.clone() for p in model.parameters() if p.grad is not None]]
+    assert len(calls) == 3, calls  # layer 0's two outputs and layer 1's attention output each have a residual consumer
+    for a, b in zip(results["0"], results["1"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H", [384, 768, 1024, 1002])  # the prefetching kernel (bf16 <= 768); elsewhere an add first
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_layer_norm_bwd2_kernel_gives_the_backward_of_the_added_gradients_bits(dtype, H, p):
+    """The kernel summing dy + dy2 as it loads the rows gives layer_norm_bwd's bits on the added gradient (PyTorch's
+    add rounds the sum to the dtype once, as the kernel does), with and without dropout, fp32 and bf16 weights."""
+    rows = 2053
+    for wdtype in {torch.float32, dtype}:
+        x, res = rand(rows, H, device="cuda", dtype=dtype), rand(rows, H, device="cuda", dtype=dtype)
+        bias = rand(H, device="cuda", dtype=dtype)
+        w, b = rand(H, device="cuda").to(wdtype), rand(H, device="cuda").to(wdtype)
+        _, z, mean, rstd, rng = torch.ops.bertaccel.layer_norm_fwd(x, bias, res, w, b, p, 1e-5)
+        dy, dy2 = rand(rows, H, device="cuda", dtype=dtype), rand(rows, H, device="cuda", dtype=dtype)
+        poison()
+        two = torch.ops.bertaccel.layer_norm_bwd2(dy, dy2, z, w, mean, rstd, rng, p)
+        one = torch.ops.bertaccel.layer_norm_bwd(dy + dy2, z, w, mean, rstd, rng, p, True)
+        for name, a, c in zip(["dz", "dh", "dweight", "dln_bias", "dbias"], two, one):
+            assert torch.equal(a, c), f"{name} H={H} {dtype} weights {wdtype} p={p}"
+
+
+@cuda_test
+def test_fanout_in_a_swapped_bert_trains_like_autograds_add(monkeypatch):
+    """BERTACCEL_RESIDUAL_FANOUT=1 on the GPU (bf16 autocast, the default swap, dropout off): the summing kernel ran,
+    and the output and every parameter's gradient are autograd's add's up to kernel-order noise (the same sums; the
+    attention backward's dQ additions are unordered)."""
+    from transformers import BertConfig, BertModel
+
+    from bertaccel.ops.swap import swap
+
+    cfg = BertConfig(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = BertModel(cfg, add_pooling_layer=False).cuda()
+    swap(model, ["all"])
+    ids = torch.randint(0, cfg.vocab_size, (4, 128), device="cuda")
+    calls = []
+    real = torch.ops.bertaccel.layer_norm_bwd2
+    results = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("BERTACCEL_RESIDUAL_FANOUT", setting)
+        if setting == "1":
+            monkeypatch.setattr(torch.ops.bertaccel, "layer_norm_bwd2", lambda *a: calls.append(1) or real(*a))
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(input_ids=ids).last_hidden_state
+        out.float().square().mean().backward()
+        results[setting] = [out.detach().float(), *[p.grad.clone() for p in model.parameters() if p.grad is not None]]
+    assert len(calls) == 3, calls
+    for i, (a, b) in enumerate(zip(results["0"], results["1"])):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-3 * a.abs().max().item() + 1e-6, msg=f"tensor {i}")

@@ -26,6 +26,12 @@ lib.define(
     "layer_norm_bwd(Tensor dy, Tensor z, Tensor weight, Tensor mean, Tensor rstd, Tensor rng, float p, bool want_dh)"
     " -> (Tensor dz, Tensor dh, Tensor dweight, Tensor dln_bias, Tensor dbias)"
 )
+# the fused form's backward with the output's gradient in two parts, dy + dy2 (the output's two consumers, as
+# residual_layer_norm.py's fan-out hands them over): the kernel sums them as it loads the rows
+lib.define(
+    "layer_norm_bwd2(Tensor dy, Tensor dy2, Tensor z, Tensor weight, Tensor mean, Tensor rstd, Tensor rng, float p)"
+    " -> (Tensor dz, Tensor dh, Tensor dweight, Tensor dln_bias, Tensor dbias)"
+)
 
 
 # ------------------------------------------------------------------------------ CPU reference
@@ -68,11 +74,17 @@ def _bwd_cpu(dy, z, weight, mean, rstd, rng, p, want_dh):
     dz, dweight, dln_bias = layer_norm_grads_cpu(dy, z, weight, mean, rstd)
     if not want_dh:
         return dz, z.new_empty(0), dweight, dln_bias, dweight.new_empty(0)
-    dh = dz.float()
+    dh = dz.to(torch.float32, copy=True)  # (not dz itself: fp32 outputs must not alias)
     if p > 0:
         dh = dh * cpu_dropout_keep(z.shape, p, rng) / (1 - p)
     dh = dh.to(z.dtype)
     return dz, dh, dweight, dln_bias, dh.float().reshape(-1, H).sum(0)
+
+
+@torch.library.impl(lib, "layer_norm_bwd2", "CPU")
+def _bwd2_cpu(dy, dy2, z, weight, mean, rstd, rng, p):
+    # the sum rounded to the gradient's dtype, as adding the two tensors first would hand it over
+    return _bwd_cpu((dy.float() + dy2.float()).to(dy.dtype), z, weight, mean, rstd, rng, p, True)
 
 
 # ----------------------------------------------------------------------------------------- fake
@@ -93,6 +105,11 @@ def _bwd_fake(dy, z, weight, mean, rstd, rng, p, want_dh):
     if want_dh:
         return torch.empty_like(z), torch.empty_like(z), w, torch.empty_like(w), torch.empty_like(w)
     return torch.empty_like(z), z.new_empty(0), w, torch.empty_like(w), z.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NS}::layer_norm_bwd2")
+def _bwd2_fake(dy, dy2, z, weight, mean, rstd, rng, p):
+    return _bwd_fake(dy, z, weight, mean, rstd, rng, p, True)
 
 
 # ------------------------------------------------------------------------------------ autograd

@@ -405,12 +405,24 @@ __device__ __forceinline__ void load_weight_in_loop(const W* p, float (&out)[VEC
   for (int j = 0; j < VEC; ++j) out[j] = to_f(v[j]);
 }
 
-template <typename T, typename W, int VEC, int ITEMS, int MODE>
+// the sum of two gradient packs, rounded to T: what adding the two tensors first (PyTorch's add) would hand over
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> add_packs(const Pack<T, VEC>& a, const Pack<T, VEC>& b) {
+  Pack<T, VEC> o;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(to_f(a.v[j]) + to_f(b.v[j]));
+  return o;
+}
+
+// DY2 (the fused form, layer_norm_bwd2): the output's gradient comes in two parts, dy + dy2 (the LayerNorm output's
+// two consumers: the next sub-layer and the next residual), summed as each row is used - the add kernel autograd
+// would run before the backward, folded into its loads (the same bits: the sum is rounded to T as the add rounds it).
+template <typename T, typename W, int VEC, int ITEMS, int MODE, bool DY2 = false>
 __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEMS>()) ln_bwd_prefetch_kernel(
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
-    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng, const T* __restrict__ dy2) {
   constexpr bool kBeta = MODE != kRms;
   constexpr bool kDh = MODE == kFused;
   constexpr bool kCentre = MODE != kRms;
@@ -462,15 +474,38 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
     }
   };
 
+  // DY2: group grp's second gradient added into its dy packs. Done when the group is next in line, after the
+  // previous group's passes, when their packs are dead: loaded a group ahead with the rest, or added at the top of
+  // the group, the extra packs spilled at the 128-register cap at 768 wide. The load's latency is exposed there;
+  // the other warps cover it.
+  auto fold = [&](int64_t grp, Pack<T, VEC>(&dp)[ITEMS]) {
+    const int64_t row = grp * rpw + slot;
+    if (grp < groups && row < rows) {
+      // one pack at a time, by volatile loads: with all of a row's packs loaded first, or plain loads (which ptxas
+      // moves up the loop), the extra packs spilled at 768 wide (30-132 bytes)
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k)
+        if (t + k * tpr < nvec) {
+          Pack<T, VEC> d2;
+          uint32_t* w = reinterpret_cast<uint32_t*>(&d2);
+          asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                       : "l"(dy2 + row * H + (int64_t)(t + k * tpr) * VEC));
+          dp[k] = add_packs<T, VEC>(dp[k], d2);
+        }
+    }
+  };
+
   Pack<T, VEC> dcur[ITEMS], zcur[ITEMS];
   float mu = 0.f, rs = 0.f;
   load(first, dcur, zcur, mu, rs);
+  if constexpr (DY2) fold(first, dcur);
   for (int64_t grp = first; grp < groups; grp += stride) {
+    const int64_t row = grp * rpw + slot;
+    const bool active = row < rows;
     Pack<T, VEC> dnext[ITEMS], znext[ITEMS];
     float mu_next = 0.f, rs_next = 0.f;
     load(grp + stride, dnext, znext, mu_next, rs_next);  // in flight through this group's two passes
-    const int64_t row = grp * rpw + slot;
-    const bool active = row < rows;
     uint32_t kept = 0xffffffffu;  // with dropout: bit k * VEC + j set where column (k, j) is kept
     if constexpr (MODE == kEmb || MODE == kFused) {
       if (p > 0.f && active) {
@@ -512,6 +547,7 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
         if constexpr (kDh) add_to(kAccs - 1, k, ph);
       }
     }
+    if constexpr (DY2) fold(grp + stride, dnext);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       dcur[k] = dnext[k];
@@ -538,10 +574,12 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
+// dy2 (defined: layer_norm_bwd2, the fused form): a second part of the output's gradient, summed into dy as the
+// prefetching kernel loads it, or added to dy first where another kernel runs.
 template <int MODE, typename T, typename W>
 void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gamma, const at::Tensor& mean,
                 const at::Tensor& rstd, at::Tensor& dz, at::Tensor& dh, at::Tensor& dgamma, at::Tensor& dbeta,
-                at::Tensor& dbias, double p, const at::Tensor& rng) {
+                at::Tensor& dbias, double p, const at::Tensor& rng, const at::Tensor& dy2 = at::Tensor()) {
   const int64_t H = z.size(-1);
   const int64_t rows = H > 0 ? z.numel() / H : 0;
   if (rows == 0) {
@@ -558,6 +596,10 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int tpr = pick_tpr((int)(H / vec), items);
   BERTACCEL_CHECK(tpr <= kBwdThreads, "bertaccel layer_norm: hidden size %lld is above %d", (long long)H,
                   (int)(kBwdThreads * kMaxElemsPerThread));
+  if (dy2.defined() && !(MODE == kFused && sizeof(T) == 2 && prefetch && tpr <= 32 && items <= 3)) {
+    launch_bwd<MODE, T, W>(dy.add(dy2), z, gamma, mean, rstd, dz, dh, dgamma, dbeta, dbias, p, rng);
+    return;
+  }
   const int rpb = kBwdThreads / tpr;
   const int64_t groups = (rows + rpb - 1) / rpb;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -568,14 +610,15 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int64_t* rngp = p > 0 ? rng.data_ptr<int64_t>() : nullptr;
   // Every backward kernel takes the same arguments and writes one fp32 partial row per block for each
   // weight gradient: `run` allocates those, launches `kernel` on `blocks` blocks and adds the rows up.
-  auto run = [&](auto kernel, int smem, int blocks) {
+  // (`extra`: the prefetching kernel's dy2 pointer)
+  auto run = [&](auto kernel, int smem, int blocks, auto... extra) {
     at::Tensor pg = at::empty({blocks, H}, opts), pb, ph;
     if (dbeta.defined()) pb = at::empty({blocks, H}, opts);
     if (dbias.defined()) ph = at::empty({blocks, H}, opts);
     launch_dependent(kernel, dim3(blocks), dim3(kBwdThreads), smem, stream, (const T*)dy.data_ptr(),
                      (const T*)z.data_ptr(), (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(), (T*)dz.data_ptr(),
                      dhp, pg.data_ptr<float>(), pb.defined() ? pb.data_ptr<float>() : nullptr,
-                     ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp);
+                     ph.defined() ? ph.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)p, rngp, extra...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -587,19 +630,26 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   if constexpr (MODE == kFused && sizeof(T) == 2) {  // bf16 rows with full 16-byte vectors, a row within a warp
     if (prefetch && tpr <= 32 && items <= 3) {
       const int device = z.get_device();
+#define BA_LN_BWD_PREFETCH_K(V, I, DY2)                                                                   \
+  do {                                                                                                    \
+    auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, DY2>;                                          \
+    constexpr int smem = bwd_prefetch_smem<MODE, V, I>();                                                 \
+    static int per_sm[64] = {};                                                                           \
+    const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);    \
+    const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                       \
+    run(kernel, smem, (int)std::min<int64_t>((warp_groups + kBwdRingWarps - 1) / kBwdRingWarps, fit),    \
+        DY2 ? (const T*)dy2.data_ptr() : (const T*)nullptr);                                              \
+  } while (0)
 #define BA_LN_BWD_PREFETCH(V, I)                                                                          \
   do {                                                                                                    \
     if constexpr (V == max_vec && I <= 3) {                                                               \
-      auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE>;                                             \
-      constexpr int smem = bwd_prefetch_smem<MODE, V, I>();                                               \
-      static int per_sm[64] = {};                                                                         \
-      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);  \
-      const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                     \
-      run(kernel, smem, (int)std::min<int64_t>((warp_groups + kBwdRingWarps - 1) / kBwdRingWarps, fit)); \
+      if (dy2.defined()) BA_LN_BWD_PREFETCH_K(V, I, true);                                                \
+      else BA_LN_BWD_PREFETCH_K(V, I, false);                                                             \
     }                                                                                                     \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_PREFETCH);
 #undef BA_LN_BWD_PREFETCH
+#undef BA_LN_BWD_PREFETCH_K
       return;
     }
   }
