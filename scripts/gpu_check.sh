@@ -349,6 +349,11 @@ if has step_switches; then  # session 47's off-by-default step changes: their cu
   timeout ${TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops/test_adamw.py tests/ops/test_layer_norm.py \
     tests/modules/test_graphs_cuda.py -q -p no:cacheprovider -k "adamw or bwd2 or fanout" > "$OUT/step_switch_tests.log" 2>&1
   echo "step switch cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/step_switch_tests.log" | tail -6
+  # and every cuda test of the row ops whose kernels session 47 changed (the forward ring's dropout draws ran only
+  # the dropout / mask tests on a GPU) and of the FFN block
+  timeout ${TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops/test_layer_norm.py tests/ops/test_rms_norm.py \
+    tests/ops/test_embeddings.py tests/ops/test_ffn.py tests/ops/test_op_library.py -q -p no:cacheprovider > "$OUT/row_op_tests.log" 2>&1
+  echo "row op cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/row_op_tests.log" | tail -6
   timeout 120 python scripts/ln_bwd2_bench.py > "$OUT/ln_bwd2_bench.log" 2>&1
   echo "ln_bwd2_bench rc=$?"; grep LN_BWD2 "$OUT/ln_bwd2_bench.log"
   timeout ${E2E_TIMEOUT:-500} python -m benchmarks.e2e --models bert-base --shapes ${E2E_SHAPES:-32x512} --workloads train \
