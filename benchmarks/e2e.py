@@ -70,6 +70,7 @@ VARIANTS = {
     # attn-fused-graphs with the residual LayerNorms' outputs fanned out (BERTACCEL_RESIDUAL_FANOUT=1): the two
     # gradients of each output summed in the LayerNorm backward's kernel instead of autograd's add
     "attn-fused-graphs-residual-fanout": ("bertaccel", True, True, False, True),
+    "attn-ffn-gemm-fused-graphs-residual-fanout": ("bertaccel", True, "ffn", False, True),
     # the same with the feed-forward block's residual gradient added by a separate kernel (BERTACCEL_FFN_RESIDUAL=add)
     # instead of in its input-gradient GEMM's epilogue
     "attn-ffn-gemm-fused-graphs-residual-add": ("bertaccel", True, "ffn", False, True),
@@ -88,7 +89,8 @@ UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash":
 VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"},
                "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"},
                "attn-fused-graphs-adamw-all": {"BERTACCEL_ADAMW_ALL": "1"},
-               "attn-fused-graphs-residual-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "1"}}
+               "attn-fused-graphs-residual-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "1"},
+               "attn-ffn-gemm-fused-graphs-residual-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "1"}}
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
 

@@ -347,7 +347,7 @@ PY
 fi
 if has step_switches; then  # session 47's off-by-default step changes: their cuda tests, then the BERT-base step with each on
   timeout ${TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops/test_adamw.py tests/ops/test_layer_norm.py \
-    tests/modules/test_graphs_cuda.py -q -p no:cacheprovider -k "adamw or bwd2 or fanout" > "$OUT/step_switch_tests.log" 2>&1
+    tests/ops/test_ffn.py tests/modules/test_graphs_cuda.py -q -p no:cacheprovider -k "adamw or bwd2 or fanout" > "$OUT/step_switch_tests.log" 2>&1
   echo "step switch cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/step_switch_tests.log" | tail -6
   # and every cuda test of the row ops whose kernels session 47 changed (the forward ring's dropout draws ran only
   # the dropout / mask tests on a GPU) and of the FFN block
@@ -357,9 +357,10 @@ if has step_switches; then  # session 47's off-by-default step changes: their cu
   timeout 120 python scripts/ln_bwd2_bench.py > "$OUT/ln_bwd2_bench.log" 2>&1
   echo "ln_bwd2_bench rc=$?"; grep LN_BWD2 "$OUT/ln_bwd2_bench.log"
   timeout ${E2E_TIMEOUT:-500} python -m benchmarks.e2e --models bert-base --shapes ${E2E_SHAPES:-32x512} --workloads train \
-    --variants attn-fused-graphs attn-fused-graphs-adamw-all attn-fused-graphs-residual-fanout --warmup 10 --steps 30 \
+    --variants attn-fused-graphs attn-fused-graphs-adamw-all attn-fused-graphs-residual-fanout attn-ffn-gemm-fused-graphs \
+    attn-ffn-gemm-fused-graphs-residual-fanout --warmup 10 --steps 30 \
     --rounds ${E2E_ROUNDS:-2} --out "$OUT/e2e_step_switches.json" > "$OUT/e2e_step_switches.log" 2>&1
-  echo "e2e step switches rc=$?"; grep -E "^bert" "$OUT/e2e_step_switches.log" | tail -3
+  echo "e2e step switches rc=$?"; grep -E "^bert" "$OUT/e2e_step_switches.log" | tail -5
 fi
 if has dropout; then  # the dropouts (session 46): exact-mask cuda tests, attention kernel sums and the LayerNorm forward sweep with p = 0.1
   timeout 200 python -u -m pytest -m cuda tests/ops/test_attention.py tests/ops/test_layer_norm.py tests/ops/test_embeddings.py \

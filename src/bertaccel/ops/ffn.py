@@ -37,6 +37,7 @@ from bertaccel.ops.bias_grad import column_sum
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
 from bertaccel.ops.gelu import activation_kind
 from bertaccel.ops.registration import NS, SEEDED, SwapEntry, check_dropout, lib
+from bertaccel.ops.residual_layer_norm import RESIDUAL_ALIAS, residual_fanout_enabled
 
 CUDA_SOURCES: list[str] = []  # GEMMs (the sm_90a extension), the bias_gelu and residual LayerNorm kernels
 
@@ -154,25 +155,36 @@ def _feed_forward_layer_norm_fwd_fake(x, w1, b1, w2, b2, weight, ln_bias, p, eps
             torch.empty_like(stats), x.new_empty(2, dtype=torch.long))
 
 
-def _block_setup(ctx, inputs, output):
+def _block_setup(ctx, inputs, output, outputs_returned=True):
     x, w1, b1, w2, b2, weight, ln_bias, p, eps, tanh = inputs
     _, act, pre, z, mean, rstd, rng = output
     ctx.tanh, ctx.p = tanh, p
     ctx.dtypes = (b1.dtype, b2.dtype, weight.dtype, ln_bias.dtype)
-    ctx.mark_non_differentiable(act, pre, z, mean, rstd, rng)
+    if outputs_returned:  # (the op returns them; the fan-out Function does not)
+        ctx.mark_non_differentiable(act, pre, z, mean, rstd, rng)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, w1, w2, act, pre, z, weight, mean, rstd, rng)
 
 
 def _block_backward(ctx, dy, *_saved):
+    return _block_grads_from_output(ctx, dy, None)
+
+
+def _block_grads_from_output(ctx, dy, dy_alias):
+    """The block's ten input gradients from its output's gradient - given in two parts (dy, dy_alias: the
+    fan-out's two consumers, residual_layer_norm.py) when both came, summed in the LayerNorm backward's kernel."""
     x, w1, w2, act, pre, z, weight, mean, rstd, rng = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    if dy is None:
+    if dy is None and dy_alias is None:
         return (None,) * 10
     b1_dtype, b2_dtype, weight_dtype, ln_bias_dtype = ctx.dtypes
     # d(residual) = d(sum); dh = d(GEMM 2's output): the sum's gradient through the dropout mask
-    dres, dh, dweight, dln_bias, db2 = torch.ops.bertaccel.layer_norm_bwd(dy.contiguous(), z, weight, mean, rstd, rng,
-                                                                          ctx.p, True)
+    if dy is not None and dy_alias is not None:
+        dres, dh, dweight, dln_bias, db2 = torch.ops.bertaccel.layer_norm_bwd2(dy.contiguous(), dy_alias.contiguous(), z,
+                                                                               weight, mean, rstd, rng, ctx.p)
+    else:
+        dres, dh, dweight, dln_bias, db2 = torch.ops.bertaccel.layer_norm_bwd(
+            (dy if dy is not None else dy_alias).contiguous(), z, weight, mean, rstd, rng, ctx.p, True)
     fold = residual_grad_in_epilogue()
     dx, dw1, db1, dw2 = _block_grads(needs[:4], ctx.tanh, b1_dtype, dh, x, w1, w2, act, pre, dres if fold else None)
     if dx is not None and not fold:
@@ -183,6 +195,22 @@ def _block_backward(ctx, dy, *_saved):
 
 torch.library.register_autograd(f"{NS}::feed_forward_layer_norm_fwd", _block_backward, setup_context=_block_setup)
 _FEED_FORWARD_LAYER_NORM = torch.ops.bertaccel.feed_forward_layer_norm_fwd.default
+
+
+class _FeedForwardLayerNormFanOut(torch.autograd.Function):
+    """The block returning (y, an alias of y) for the residual fan-out (BERTACCEL_RESIDUAL_FANOUT, see
+    residual_layer_norm.py): the next layer's residual LayerNorm takes the alias, so y's two gradients come back
+    apart and the block's LayerNorm backward sums them in its kernel (layer_norm_bwd2)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, weight, ln_bias, p, eps, tanh):
+        y, act, pre, z, mean, rstd, rng = _FEED_FORWARD_LAYER_NORM(x, w1, b1, w2, b2, weight, ln_bias, p, eps, tanh)
+        _block_setup(ctx, (x, w1, b1, w2, b2, weight, ln_bias, p, eps, tanh), (y, act, pre, z, mean, rstd, rng), False)
+        return y, y.detach()  # (the same memory, not a view)
+
+    @staticmethod
+    def backward(ctx, dy, dy_alias):
+        return _block_grads_from_output(ctx, dy, dy_alias)
 
 
 def feed_forward_reference(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, approximate: str = "none") -> Tensor:
@@ -246,6 +274,14 @@ class FusedFeedForward(nn.Module):
                 b1 = b1 if b1.dtype == torch.float32 else b1.to(dtype)
                 # traced by torch.compile there is no address to check: the GEMM op refuses a misaligned one
                 if torch.compiler.is_compiling() or not any(t.data_ptr() % 16 for t in (x2, w1, w2)):
+                    if residual_fanout_enabled() and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                        # an alias of the output for the next layer's residual LayerNorm (its gradient comes back apart)
+                        y, alias = _FeedForwardLayerNormFanOut.apply(
+                            x2, w1, b1, w2, out.dense.bias, ln.weight, ln.bias,
+                            float(out.dropout.p) if self.training else 0.0, ln.eps, self.approximate == "tanh")
+                        y = y.view(shape)
+                        setattr(y, RESIDUAL_ALIAS, alias.view(shape))
+                        return y
                     y = feed_forward_layer_norm(x2, w1, b1, w2, out.dense.bias, ln.weight, ln.bias, out.dropout.p,
                                                 ln.eps, self.approximate, self.training)
                     return y.view(shape)
