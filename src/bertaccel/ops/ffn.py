@@ -274,7 +274,7 @@ class FusedFeedForward(nn.Module):
                 b1 = b1 if b1.dtype == torch.float32 else b1.to(dtype)
                 # traced by torch.compile there is no address to check: the GEMM op refuses a misaligned one
                 if torch.compiler.is_compiling() or not any(t.data_ptr() % 16 for t in (x2, w1, w2)):
-                    if residual_fanout_enabled() and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and residual_fanout_enabled():
                         # an alias of the output for the next layer's residual LayerNorm (its gradient comes back apart)
                         y, alias = _FeedForwardLayerNormFanOut.apply(
                             x2, w1, b1, w2, out.dense.bias, ln.weight, ln.bias,

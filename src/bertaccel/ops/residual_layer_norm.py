@@ -128,7 +128,7 @@ class FusedBertOutput(nn.Module):
         h = dense_matmul(self.dense, hidden_states)
         args = (self.dense.bias, self.LayerNorm.weight, self.LayerNorm.bias, self.dropout.p, self.LayerNorm.eps,
                 self.training)
-        if (residual_fanout_enabled() and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if (not torch.compiler.is_compiling() and torch.is_grad_enabled() and residual_fanout_enabled()
                 and why_not(h, params=(self.LayerNorm.weight, self.LayerNorm.bias)) is None):
             # the residual through the alias its producer left (so its gradient comes back apart), and an alias of
             # this output for the next residual LayerNorm
