@@ -37,7 +37,7 @@ from bertaccel.ops.bias_grad import column_sum
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
 from bertaccel.ops.gelu import activation_kind
 from bertaccel.ops.registration import NS, SEEDED, SwapEntry, check_dropout, lib
-from bertaccel.ops.residual_layer_norm import RESIDUAL_ALIAS, residual_fanout_enabled
+from bertaccel.ops.residual_layer_norm import layer_norm_bwd_of_parts, leave_residual_alias, residual_fanout_active
 
 CUDA_SOURCES: list[str] = []  # GEMMs (the sm_90a extension), the bias_gelu and residual LayerNorm kernels
 
@@ -51,7 +51,7 @@ def dgelu_in_epilogue() -> bool:
     16384 x 768 x 3072 the kernel form measured faster (benchmarks/bench_ffn.py, README "fused FFN")."""
     return os.environ.get("BERTACCEL_FFN_DGELU", "kernel") == "epilogue"
 _EPILOGUE = {False: (2, 5), True: (3, 6)}  # tanh -> (bias + GELU, dGELU): gemm.EPILOGUES
-_RESIDUAL = 4  # gemm.EPILOGUES["bias_residual"], given no bias
+_RESIDUAL = _gemm.EPILOGUES["bias_residual"]  # (given no bias: + the auxiliary input only)
 
 # ------------------------------------------------------------------------------------------ op
 lib.define("feed_forward_fwd(Tensor x, Tensor w1, Tensor b1, Tensor w2, bool tanh) -> (Tensor, Tensor, Tensor)")
@@ -179,12 +179,7 @@ def _block_grads_from_output(ctx, dy, dy_alias):
         return (None,) * 10
     b1_dtype, b2_dtype, weight_dtype, ln_bias_dtype = ctx.dtypes
     # d(residual) = d(sum); dh = d(GEMM 2's output): the sum's gradient through the dropout mask
-    if dy is not None and dy_alias is not None:
-        dres, dh, dweight, dln_bias, db2 = torch.ops.bertaccel.layer_norm_bwd2(dy.contiguous(), dy_alias.contiguous(), z,
-                                                                               weight, mean, rstd, rng, ctx.p)
-    else:
-        dres, dh, dweight, dln_bias, db2 = torch.ops.bertaccel.layer_norm_bwd(
-            (dy if dy is not None else dy_alias).contiguous(), z, weight, mean, rstd, rng, ctx.p, True)
+    dres, dh, dweight, dln_bias, db2 = layer_norm_bwd_of_parts(dy, dy_alias, z, weight, mean, rstd, rng, ctx.p)
     fold = residual_grad_in_epilogue()
     dx, dw1, db1, dw2 = _block_grads(needs[:4], ctx.tanh, b1_dtype, dh, x, w1, w2, act, pre, dres if fold else None)
     if dx is not None and not fold:
@@ -274,14 +269,12 @@ class FusedFeedForward(nn.Module):
                 b1 = b1 if b1.dtype == torch.float32 else b1.to(dtype)
                 # traced by torch.compile there is no address to check: the GEMM op refuses a misaligned one
                 if torch.compiler.is_compiling() or not any(t.data_ptr() % 16 for t in (x2, w1, w2)):
-                    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and residual_fanout_enabled():
+                    if residual_fanout_active():
                         # an alias of the output for the next layer's residual LayerNorm (its gradient comes back apart)
                         y, alias = _FeedForwardLayerNormFanOut.apply(
                             x2, w1, b1, w2, out.dense.bias, ln.weight, ln.bias,
                             float(out.dropout.p) if self.training else 0.0, ln.eps, self.approximate == "tanh")
-                        y = y.view(shape)
-                        setattr(y, RESIDUAL_ALIAS, alias.view(shape))
-                        return y
+                        return leave_residual_alias(y.view(shape), alias.view(shape))
                     y = feed_forward_layer_norm(x2, w1, b1, w2, out.dense.bias, ln.weight, ln.bias, out.dropout.p,
                                                 ln.eps, self.approximate, self.training)
                     return y.view(shape)

@@ -33,18 +33,14 @@ def bias_dropout_add_layer_norm(
     if reason is not None:
         note_fallback("residual_layer_norm", reason)
         return bias_dropout_add_layer_norm_reference(x, bias, residual, weight, ln_bias, p, eps, training)
-    shape = x.shape
-    H = shape[-1]
-    y = _LAYER_NORM(
-        x.contiguous().view(-1, H),
-        bias.to(x.dtype).contiguous(),
-        residual.to(x.dtype).contiguous().view(-1, H),
-        weight,
-        ln_bias,
-        float(p) if training else 0.0,
-        eps,
-    )
-    return y.view(shape)
+    return _LAYER_NORM(*_kernel_args(x, bias, residual, weight, ln_bias, p, eps, training)).view(x.shape)
+
+
+def _kernel_args(x, bias, residual, weight, ln_bias, p, eps, training):
+    """The layer_norm op's arguments: [T, H] rows, bias and residual in x's dtype, no dropout in eval."""
+    H = x.shape[-1]
+    return (x.contiguous().view(-1, H), bias.to(x.dtype).contiguous(), residual.to(x.dtype).contiguous().view(-1, H),
+            weight, ln_bias, float(p) if training else 0.0, eps)
 
 
 # --------------------------------------------------------------------- the residual gradient's fan-out
@@ -57,8 +53,26 @@ def bias_dropout_add_layer_norm(
 RESIDUAL_ALIAS = "_bertaccel_residual"  # the attribute of y holding the alias for the next residual LayerNorm
 
 
-def residual_fanout_enabled() -> bool:
-    return os.environ.get("BERTACCEL_RESIDUAL_FANOUT", "0") == "1"
+def residual_fanout_active() -> bool:
+    """The fan-out applies: BERTACCEL_RESIDUAL_FANOUT=1, gradients recorded, not traced by torch.compile (tested
+    first: nothing for dynamo to trace in the environment read)."""
+    return (not torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and os.environ.get("BERTACCEL_RESIDUAL_FANOUT", "0") == "1")
+
+
+def leave_residual_alias(y: Tensor, alias: Tensor) -> Tensor:
+    """y, carrying `alias` for its residual consumer (`residual_alias`)."""
+    setattr(y, RESIDUAL_ALIAS, alias)
+    return y
+
+
+def layer_norm_bwd_of_parts(dy: Tensor | None, dy_alias: Tensor | None, z, weight, mean, rstd, rng, p: float):
+    """The fused form's backward (layer_norm_bwd's five outputs) from its output's gradient in up to two parts: the
+    summing kernel (layer_norm_bwd2) when both came, the plain backward on the one that did. Not both None."""
+    if dy is not None and dy_alias is not None:
+        return torch.ops.bertaccel.layer_norm_bwd2(dy.contiguous(), dy_alias.contiguous(), z, weight, mean, rstd, rng, p)
+    return torch.ops.bertaccel.layer_norm_bwd((dy if dy is not None else dy_alias).contiguous(), z, weight, mean, rstd,
+                                              rng, p, True)
 
 
 class _ResidualLayerNormFanOut(torch.autograd.Function):
@@ -78,13 +92,7 @@ class _ResidualLayerNormFanOut(torch.autograd.Function):
     def backward(ctx, dy, dy_alias):
         if dy is None and dy_alias is None:
             return (None,) * 7
-        z, weight, mean, rstd, rng = ctx.saved_tensors
-        if dy is None or dy_alias is None:
-            dz, dh, dweight, dln_bias, dbias = torch.ops.bertaccel.layer_norm_bwd(
-                (dy if dy is not None else dy_alias).contiguous(), z, weight, mean, rstd, rng, ctx.p, True)
-        else:
-            dz, dh, dweight, dln_bias, dbias = torch.ops.bertaccel.layer_norm_bwd2(
-                dy.contiguous(), dy_alias.contiguous(), z, weight, mean, rstd, rng, ctx.p)
+        dz, dh, dweight, dln_bias, dbias = layer_norm_bwd_of_parts(dy, dy_alias, *ctx.saved_tensors, ctx.p)
         bias_dtype, weight_dtype, ln_bias_dtype = ctx.dtypes
         return dh, dbias.to(bias_dtype), dz, dweight.to(weight_dtype), dln_bias.to(ln_bias_dtype), None, None
 
@@ -94,12 +102,8 @@ def bias_dropout_add_layer_norm_fanout(x: Tensor, bias: Tensor, residual: Tensor
     """bias_dropout_add_layer_norm's output y and an alias of it for a second consumer, whose gradient then
     reaches the LayerNorm backward apart from y's (summed in its kernel instead of by autograd). The kernel's path
     only (see `bias_dropout_add_layer_norm`)."""
-    shape = x.shape
-    H = shape[-1]
-    y, alias = _ResidualLayerNormFanOut.apply(
-        x.contiguous().view(-1, H), bias.to(x.dtype).contiguous(), residual.to(x.dtype).contiguous().view(-1, H),
-        weight, ln_bias, float(p) if training else 0.0, eps)
-    return y.view(shape), alias.view(shape)
+    y, alias = _ResidualLayerNormFanOut.apply(*_kernel_args(x, bias, residual, weight, ln_bias, p, eps, training))
+    return y.view(x.shape), alias.view(x.shape)
 
 
 def residual_alias(t: Tensor) -> Tensor:
@@ -128,13 +132,11 @@ class FusedBertOutput(nn.Module):
         h = dense_matmul(self.dense, hidden_states)
         args = (self.dense.bias, self.LayerNorm.weight, self.LayerNorm.bias, self.dropout.p, self.LayerNorm.eps,
                 self.training)
-        if (not torch.compiler.is_compiling() and torch.is_grad_enabled() and residual_fanout_enabled()
-                and why_not(h, params=(self.LayerNorm.weight, self.LayerNorm.bias)) is None):
+        if residual_fanout_active() and why_not(h, params=(self.LayerNorm.weight, self.LayerNorm.bias)) is None:
             # the residual through the alias its producer left (so its gradient comes back apart), and an alias of
             # this output for the next residual LayerNorm
-            y, alias = bias_dropout_add_layer_norm_fanout(h, args[0], residual_alias(input_tensor), *args[1:])
-            setattr(y, RESIDUAL_ALIAS, alias)
-            return y
+            return leave_residual_alias(*bias_dropout_add_layer_norm_fanout(h, args[0], residual_alias(input_tensor),
+                                                                            *args[1:]))
         return bias_dropout_add_layer_norm(h, args[0], input_tensor, *args[1:])
 
 
