@@ -390,16 +390,22 @@ inline bool bwd_prefetch_enabled() {
 // The weight's VEC values (as floats) at p, read where they are used, every row: a volatile load the
 // compiler cannot hoist out of the row loop (it did: ITEMS x VEC more registers held across the loop,
 // 139 instead of 115 at 768 wide) - the weight stays in L1, the registers go to the next rows.
-template <typename W, int VEC>
-__device__ __forceinline__ void load_weight_in_loop(const W* p, float (&out)[VEC]) {
-  static_assert(VEC * sizeof(W) % 16 == 0, "whole 16-byte vectors");
-  constexpr int kWords = VEC * sizeof(W) / 4;
-  uint32_t w[kWords];
+// kWords 32-bit words at p by volatile 16-byte loads, issued where they stand (ptxas does not move them)
+template <int kWords>
+__device__ __forceinline__ void load_words_in_place(const void* p, uint32_t (&w)[kWords]) {
+  static_assert(kWords % 4 == 0, "whole 16-byte vectors");
 #pragma unroll
   for (int i = 0; i < kWords; i += 4)
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(w[i]), "=r"(w[i + 1]), "=r"(w[i + 2]), "=r"(w[i + 3])
                  : "l"(reinterpret_cast<const char*>(p) + 4 * i));
+}
+
+template <typename W, int VEC>
+__device__ __forceinline__ void load_weight_in_loop(const W* p, float (&out)[VEC]) {
+  static_assert(VEC * sizeof(W) % 16 == 0, "whole 16-byte vectors");
+  uint32_t w[VEC * sizeof(W) / 4];
+  load_words_in_place(p, w);
   const W* v = reinterpret_cast<const W*>(w);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = to_f(v[j]);
@@ -486,12 +492,9 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k)
         if (t + k * tpr < nvec) {
-          Pack<T, VEC> d2;
-          uint32_t* w = reinterpret_cast<uint32_t*>(&d2);
-          asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                       : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                       : "l"(dy2 + row * H + (int64_t)(t + k * tpr) * VEC));
-          dp[k] = add_packs<T, VEC>(dp[k], d2);
+          uint32_t w[4];
+          load_words_in_place(dy2 + row * H + (int64_t)(t + k * tpr) * VEC, w);
+          dp[k] = add_packs<T, VEC>(dp[k], *reinterpret_cast<const Pack<T, VEC>*>(w));
         }
     }
   };
