@@ -107,3 +107,43 @@ def check(ours, torch_same_dtype, ref, dtype, name):
 
 def leaves(*ts):
     return [t.detach().clone().requires_grad_(True) for t in ts]
+
+
+# the small CPU model (the ops' references) and the BERT-base-wide GPU model of the residual fan-out tests
+FANOUT_CPU_BERT = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                       attn_implementation="eager")
+FANOUT_GPU_BERT = dict(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072)
+
+
+def bert_fanout_off_and_on(monkeypatch, families, config, device="cpu"):
+    """A 2-layer BertModel (dropout off) with `families` swapped, one forward + backward with
+    BERTACCEL_RESIDUAL_FANOUT=0, then with =1 counting layer_norm_bwd2's calls: (off, on, calls), off and on each
+    [output, every parameter's gradient]. CPU: batch 3 x 9, loss sum(out^2); CUDA: 4 x 128 under bf16 autocast,
+    loss mean(out^2) in fp32."""
+    from transformers import BertConfig, BertModel
+
+    from bertaccel.ops.swap import swap
+
+    cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **config)
+    torch.manual_seed(0)
+    model = BertModel(cfg, add_pooling_layer=False).to(device)
+    swap(model, families)
+    cuda = device != "cpu"
+    ids = torch.randint(0, cfg.vocab_size, (4, 128) if cuda else (3, 9), device=device)
+
+    def step():
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            out = model(input_ids=ids).last_hidden_state
+        (out.float().square().mean() if cuda else out.square().sum()).backward()
+        return [out.detach().float() if cuda else out.detach(), *[p.grad.clone() for p in model.parameters()
+                                                                  if p.grad is not None]]
+
+    calls = []
+    real = torch.ops.bertaccel.layer_norm_bwd2
+    monkeypatch.setenv("BERTACCEL_RESIDUAL_FANOUT", "0")
+    off = step()
+    monkeypatch.setenv("BERTACCEL_RESIDUAL_FANOUT", "1")
+    monkeypatch.setattr(torch.ops.bertaccel, "layer_norm_bwd2", lambda *a: calls.append(1) or real(*a))
+    on = step()
+    return off, on, len(calls)

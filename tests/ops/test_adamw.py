@@ -24,28 +24,21 @@ def _case(device, sizes, seed=0):
     return masters, grads
 
 
-def _ours(masters, grads_per_step, lr, wd, betas=(0.9, 0.999), eps=1e-8):
+def _ours(masters, grads_per_step, lr, wd, betas=(0.9, 0.999), eps=1e-8, copies=True):
+    """Our AdamW over the steps: `adamw_bf16_copies_` from the bf16 gradients, writing bf16 copies, or (copies=False)
+    `adamw_` from the same gradients widened to fp32. (params, exp_avgs, exp_avg_sqs, copies or None)."""
     p = [m.clone() for m in masters]
     m = [torch.zeros_like(x) for x in p]
     v = [torch.zeros_like(x) for x in p]
     steps = [torch.zeros((), device=x.device) for x in p]
-    copies = [torch.empty_like(x, dtype=torch.bfloat16) for x in p]
+    out = [torch.empty_like(x, dtype=torch.bfloat16) for x in p] if copies else None
     for grads in grads_per_step:
         torch._foreach_add_(steps, 1)
-        torch.ops.bertaccel.adamw_bf16_copies_(p, grads, m, v, steps, copies, lr, betas[0], betas[1], wd, eps)
-    return p, m, v, copies
-
-
-def _ours_plain(masters, grads_per_step, lr, wd, betas=(0.9, 0.999), eps=1e-8):
-    """`adamw_`: the same update from fp32 gradients, no copies."""
-    p = [m.clone() for m in masters]
-    m = [torch.zeros_like(x) for x in p]
-    v = [torch.zeros_like(x) for x in p]
-    steps = [torch.zeros((), device=x.device) for x in p]
-    for grads in grads_per_step:
-        torch._foreach_add_(steps, 1)
-        torch.ops.bertaccel.adamw_(p, [g.float() for g in grads], m, v, steps, lr, betas[0], betas[1], wd, eps)
-    return p, m, v
+        if copies:
+            torch.ops.bertaccel.adamw_bf16_copies_(p, grads, m, v, steps, out, lr, betas[0], betas[1], wd, eps)
+        else:
+            torch.ops.bertaccel.adamw_(p, [g.float() for g in grads], m, v, steps, lr, betas[0], betas[1], wd, eps)
+    return p, m, v, out
 
 
 def _torch(masters, grads_per_step, lr, wd, **kw):
@@ -83,7 +76,7 @@ def test_adamw_plain_opcheck_and_reference_is_pytorchs_adamw_bit_for_bit():
             torch.tensor(1e-3, dtype=torch.float64), 0.9, 0.999, 0.01, 1e-8)
     torch.library.opcheck(torch.ops.bertaccel.adamw_.default, args)
     masters, grads = _case("cpu", SIZES[:3])
-    p, m, v = _ours_plain(masters, grads, torch.tensor(3e-3, dtype=torch.float64), 0.01)
+    p, m, v, _ = _ours(masters, grads, torch.tensor(3e-3, dtype=torch.float64), 0.01, copies=False)
     params, opt = _torch(masters, grads, 3e-3, 0.01, foreach=True)
     for a, b in zip(p, params):
         assert torch.equal(a, b.detach())
@@ -92,40 +85,28 @@ def test_adamw_plain_opcheck_and_reference_is_pytorchs_adamw_bit_for_bit():
 @cuda_test
 @pytest.mark.parametrize("wd", [0.0, 0.01])
 @pytest.mark.parametrize("tensors", [len(SIZES), 53], ids=lambda n: f"{n}-tensors")
-def test_plain_kernel_matches_pytorchs_fused_adamw(wd, tensors):
-    """`adamw_` (fp32 gradients, no copies) against PyTorch's fused capturable AdamW, as the copies' kernel."""
+@pytest.mark.parametrize("with_copies", [True, False], ids=["adamw_bf16_copies_", "adamw_"])
+def test_kernel_matches_pytorchs_fused_adamw(wd, tensors, with_copies):
+    """Both ops (the copies' from bf16 gradients; `adamw_` from fp32 ones, no copies) against PyTorch's fused
+    capturable AdamW."""
     sizes = (SIZES * 11)[:tensors]
     masters, grads = _case("cuda", sizes)
     lr = torch.tensor(3e-3, device="cuda")
-    p, m, v = _ours_plain(masters, grads, lr, wd)
+    p, m, v, copies = _ours(masters, grads, lr, wd, copies=with_copies)
     params, opt = _torch(masters, grads, lr, wd, fused=True, capturable=True)
     for i, (a, b) in enumerate(zip(p, params)):
-        st = opt.state[b]
-        torch.testing.assert_close(a, b.detach(), rtol=2e-6, atol=1e-7, msg=f"param {i} ({sizes[i]})")
-        torch.testing.assert_close(m[i], st["exp_avg"], rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(v[i], st["exp_avg_sq"], rtol=1e-6, atol=1e-10)
-    with pytest.raises(RuntimeError, match="float32"):  # bf16 gradients are the copies' op's
-        torch.ops.bertaccel.adamw_(p[:1], [grads[0][0]], m[:1], v[:1], [torch.ones((), device="cuda")], lr,
-                                   0.9, 0.999, 0.0, 1e-8)
-
-
-@cuda_test
-@pytest.mark.parametrize("wd", [0.0, 0.01])
-@pytest.mark.parametrize("tensors", [len(SIZES), 53], ids=lambda n: f"{n}-tensors")
-def test_kernel_matches_pytorchs_fused_adamw(wd, tensors):
-    sizes = (SIZES * 11)[:tensors]
-    masters, grads = _case("cuda", sizes)
-    lr = torch.tensor(3e-3, device="cuda")
-    p, m, v, copies = _ours(masters, grads, lr, wd)
-    params, opt = _torch(masters, grads, lr, wd, fused=True, capturable=True)
-    for i, (a, b, c) in enumerate(zip(p, params, copies)):
         st = opt.state[b]
         # same fp32 formula; the bias corrections' powers may differ in the last bit (powf vs pow)
         torch.testing.assert_close(a, b.detach(), rtol=2e-6, atol=1e-7, msg=f"param {i} ({sizes[i]})")
         # (a moment near zero is a difference of nearby terms: compare on the moments' own scale)
         torch.testing.assert_close(m[i], st["exp_avg"], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(v[i], st["exp_avg_sq"], rtol=1e-6, atol=1e-10)
-        assert torch.equal(c, a.bfloat16()), "the copy is not the master rounded to bf16"
+        if with_copies:
+            assert torch.equal(copies[i], a.bfloat16()), "the copy is not the master rounded to bf16"
+    if not with_copies:
+        with pytest.raises(RuntimeError, match="float32"):  # bf16 gradients are the copies' op's
+            torch.ops.bertaccel.adamw_(p[:1], [grads[0][0]], m[:1], v[:1], [torch.ones((), device="cuda")], lr,
+                                       0.9, 0.999, 0.0, 1e-8)
 
 
 @cuda_test

@@ -19,7 +19,15 @@ import bertaccel.ops.swap  # noqa: F401 - imports every op family
 from bertaccel.ops import ffn
 from bertaccel.ops.ffn import FusedFeedForward, feed_forward, feed_forward_reference
 from bertaccel.ops.swap import swap
-from tests.ops.conftest import assert_replay_matches_eager, check_vs_cublas, hopper_test, poison
+from tests.ops.conftest import (
+    FANOUT_CPU_BERT,
+    FANOUT_GPU_BERT,
+    assert_replay_matches_eager,
+    bert_fanout_off_and_on,
+    check_vs_cublas,
+    hopper_test,
+    poison,
+)
 
 OP = torch.ops.bertaccel.feed_forward_fwd.default
 
@@ -301,32 +309,14 @@ def test_fanout_from_the_block_to_the_next_layer_trains_like_autograds_add(monke
     forced on CPU): the block's output hands the next layer's attention-output LayerNorm an alias, the two gradients
     meet in layer_norm_bwd2 (once: layer 0's block output; the attention outputs feed the block alone), and the
     output and every gradient are autograd's add's."""
-    from transformers import BertConfig, BertModel
-
     from bertaccel.ops import residual_layer_norm
 
     monkeypatch.setattr(residual_layer_norm, "why_not", lambda *a, **k: None)
     monkeypatch.setattr(ffn, "why_not", lambda *a, **k: None)
     monkeypatch.setattr(ffn, "_gemm_reason", lambda *a: None)
-    cfg = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = BertModel(cfg, add_pooling_layer=False)
-    swap(model, ["residual_layer_norm", "ffn"])
-    ids = torch.randint(0, 50, (3, 9))
-    calls = []
-    real = torch.ops.bertaccel.layer_norm_bwd2
-    results = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("BERTACCEL_RESIDUAL_FANOUT", setting)
-        if setting == "1":
-            monkeypatch.setattr(torch.ops.bertaccel, "layer_norm_bwd2", lambda *a: calls.append(1) or real(*a))
-        model.zero_grad()
-        out = model(input_ids=ids).last_hidden_state
-        out.square().sum().backward()
-        results[setting] = [out.detach(), *[p.grad.clone() for p in model.parameters() if p.grad is not None]]
-    assert len(calls) == 1, calls
-    for a, b in zip(results["0"], results["1"]):
+    off, on, calls = bert_fanout_off_and_on(monkeypatch, ["residual_layer_norm", "ffn"], FANOUT_CPU_BERT)
+    assert calls == 1, calls
+    for a, b in zip(off, on):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -335,26 +325,7 @@ def test_fanout_with_everything_swapped_trains_like_autograds_add(monkeypatch):
     """BERTACCEL_RESIDUAL_FANOUT=1 on the GPU with every family (`ffn` and `linear` included; bf16 autocast, dropout
     off): layer_norm_bwd2 ran for each residual LayerNorm output with two consumers, and the output and every
     parameter's gradient are autograd's add's up to kernel-order noise."""
-    from transformers import BertConfig, BertModel
-
-    cfg = BertConfig(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    model = BertModel(cfg, add_pooling_layer=False).cuda()
-    swap(model, ["all", "linear", "ffn"])
-    ids = torch.randint(0, cfg.vocab_size, (4, 128), device="cuda")
-    calls = []
-    real = torch.ops.bertaccel.layer_norm_bwd2
-    results = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("BERTACCEL_RESIDUAL_FANOUT", setting)
-        if setting == "1":
-            monkeypatch.setattr(torch.ops.bertaccel, "layer_norm_bwd2", lambda *a: calls.append(1) or real(*a))
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(input_ids=ids).last_hidden_state
-        out.float().square().mean().backward()
-        results[setting] = [out.detach().float(), *[p.grad.clone() for p in model.parameters() if p.grad is not None]]
-    assert len(calls) == 1, calls  # layer 0's block output (its attention outputs feed the block alone)
-    for i, (a, b) in enumerate(zip(results["0"], results["1"])):
+    off, on, calls = bert_fanout_off_and_on(monkeypatch, ["all", "linear", "ffn"], FANOUT_GPU_BERT, "cuda")
+    assert calls == 1, calls  # layer 0's block output (its attention outputs feed the block alone)
+    for i, (a, b) in enumerate(zip(off, on)):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-3 * a.abs().max().item() + 1e-6, msg=f"tensor {i}")

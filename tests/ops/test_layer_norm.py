@@ -13,7 +13,19 @@ from bertaccel.ops.layer_norm import layer_norm
 from bertaccel.ops.registration import row_dropout_keep
 from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
 from bertaccel.ops.rms_norm import rms_norm
-from tests.ops.conftest import DTYPES, HIDDEN, ROWS, check, cuda_test, leaves, poison, rand
+from tests.ops.conftest import (
+    DTYPES,
+    FANOUT_CPU_BERT,
+    FANOUT_GPU_BERT,
+    HIDDEN,
+    ROWS,
+    bert_fanout_off_and_on,
+    check,
+    cuda_test,
+    leaves,
+    poison,
+    rand,
+)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -417,36 +429,12 @@ def test_fanout_between_swapped_layers_trains_like_autograds_add(monkeypatch):
     CPU, where the ops run their references): each output's residual consumer takes its alias, the backward sums
     the two gradients in layer_norm_bwd2 (counted), and the output and every parameter's gradient are the ones
     autograd's add gives."""
-    from transformers import BertConfig, BertModel
-
     from bertaccel.ops import residual_layer_norm
-    from bertaccel.ops.swap import swap
 
     monkeypatch.setattr(residual_layer_norm, "why_not", lambda *a, **k: None)
-    cfg = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = BertModel(cfg, add_pooling_layer=False)
-    swap(model, ["residual_layer_norm"])
-    ids = torch.randint(0, 50, (3, 9))
-    calls = []
-    real = torch.ops.bertaccel.layer_norm_bwd2
-
-    def counting(*args):
-        calls.append(1)
-        return real(*args)
-
-    results = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("BERTACCEL_RESIDUAL_FANOUT", setting)
-        if setting == "1":
-            monkeypatch.setattr(torch.ops.bertaccel, "layer_norm_bwd2", counting)
-        model.zero_grad()
-        out = model(input_ids=ids).last_hidden_state
-        out.square().sum().backward()
-        results[setting] = [out.detach(), *[p.grad.clone() for p in model.parameters() if p.grad is not None]]
-    assert len(calls) == 3, calls  # layer 0's two outputs and layer 1's attention output each have a residual consumer
-    for a, b in zip(results["0"], results["1"]):
+    off, on, calls = bert_fanout_off_and_on(monkeypatch, ["residual_layer_norm"], FANOUT_CPU_BERT)
+    assert calls == 3, calls  # layer 0's two outputs and layer 1's attention output each have a residual consumer
+    for a, b in zip(off, on):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -476,28 +464,7 @@ def test_fanout_in_a_swapped_bert_trains_like_autograds_add(monkeypatch):
     """BERTACCEL_RESIDUAL_FANOUT=1 on the GPU (bf16 autocast, the default swap, dropout off): the summing kernel ran,
     and the output and every parameter's gradient are autograd's add's up to kernel-order noise (the same sums; the
     attention backward's dQ additions are unordered)."""
-    from transformers import BertConfig, BertModel
-
-    from bertaccel.ops.swap import swap
-
-    cfg = BertConfig(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    model = BertModel(cfg, add_pooling_layer=False).cuda()
-    swap(model, ["all"])
-    ids = torch.randint(0, cfg.vocab_size, (4, 128), device="cuda")
-    calls = []
-    real = torch.ops.bertaccel.layer_norm_bwd2
-    results = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("BERTACCEL_RESIDUAL_FANOUT", setting)
-        if setting == "1":
-            monkeypatch.setattr(torch.ops.bertaccel, "layer_norm_bwd2", lambda *a: calls.append(1) or real(*a))
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(input_ids=ids).last_hidden_state
-        out.float().square().mean().backward()
-        results[setting] = [out.detach().float(), *[p.grad.clone() for p in model.parameters() if p.grad is not None]]
-    assert len(calls) == 3, calls
-    for i, (a, b) in enumerate(zip(results["0"], results["1"])):
+    off, on, calls = bert_fanout_off_and_on(monkeypatch, ["all"], FANOUT_GPU_BERT, "cuda")
+    assert calls == 3, calls
+    for i, (a, b) in enumerate(zip(off, on)):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-3 * a.abs().max().item() + 1e-6, msg=f"tensor {i}")
