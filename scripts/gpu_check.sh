@@ -18,7 +18,7 @@
 # sigterm (2 GPUs: the per-batch SIGTERM check's host cost, benchmarks/bench_sigterm_check.py, then one-epoch DDP fits of recommended.yaml
 # with BERTACCEL_LAGGED_SIGTERM=0 and 1, alternating, SIGTERM_ROUNDS=2), residual_dgrad (benchmarks/bench_residual_dgrad.py),
 # dropout (the dropouts' exact-mask cuda tests, attention kernel sums with p = 0.1, scripts/ln_fwd_sweep.py), step_switches
-# (the cuda tests of BERTACCEL_ADAMW_ALL and BERTACCEL_RESIDUAL_FANOUT, then BERT-base 32x512 graphed steps with each on), gelu_sweep (bias+GELU forward
+# (the cuda tests of BERTACCEL_ADAMW_ALL and BERTACCEL_RESIDUAL_FANOUT, then BERT-base 32x512 graphed steps with each switched), gelu_sweep (bias+GELU forward
 # vectors per thread), op_kernels (per-kernel time of the norm / GELU ops, scripts/op_kernels.py),
 # ncu_attn (Nsight Compute on the attention forward or, NCU_ATTN_KERNEL=attn_bwd_kernel, backward: NCU_ATTN_CELL, NCU_ATTN_FWD), ncu_gemm (our GEMM and cuBLAS, scripts/gemm_calls.py: NCU_GEMM_SHAPES, NCU_GEMM_GEMMS), ncu_gemm_stalls (warp-stall samples per SASS instruction of the same calls, scripts/ncu_stalls.py; NCU_TOP, NCU_GEMM_EPILOGUE=none|bias|gelu|gelu-pre), ncu_gemm_states (stall reasons per GEMM kernel, caches flushed and not; scripts/ncu_stall_reasons.py), ncu_rows (Nsight Compute counters of the LayerNorm-family kernels, scripts/row_op_calls.py). OPS_SETTINGS="A=1 B=2": the ops stage again under each switch.
 # Logs and JSON go to $OUT; the compiled extension is cached in $BERTACCEL_CACHE (default /tmp/bc,
@@ -357,7 +357,7 @@ if has step_switches; then  # session 47's off-by-default step changes: their cu
   timeout 120 python scripts/ln_bwd2_bench.py > "$OUT/ln_bwd2_bench.log" 2>&1
   echo "ln_bwd2_bench rc=$?"; grep LN_BWD2 "$OUT/ln_bwd2_bench.log"
   timeout ${E2E_TIMEOUT:-500} python -m benchmarks.e2e --models bert-base --shapes ${E2E_SHAPES:-32x512} --workloads train \
-    --variants attn-fused-graphs attn-fused-graphs-adamw-all attn-fused-graphs-residual-fanout attn-ffn-gemm-fused-graphs \
+    --variants attn-fused-graphs attn-fused-graphs-adamw-pytorch attn-fused-graphs-residual-fanout attn-ffn-gemm-fused-graphs \
     attn-ffn-gemm-fused-graphs-residual-fanout --warmup 10 --steps 30 \
     --rounds ${E2E_ROUNDS:-2} --out "$OUT/e2e_step_switches.json" > "$OUT/e2e_step_switches.log" 2>&1
   echo "e2e step switches rc=$?"; grep -E "^bert" "$OUT/e2e_step_switches.log" | tail -5

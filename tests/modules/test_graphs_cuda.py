@@ -92,13 +92,13 @@ def test_captured_bf16_weight_copies_train_like_autocast_casts(tiny_data, tmp_pa
 
 
 def test_graphed_step_with_every_parameter_in_our_adamw_trains_like_pytorchs(tiny_data, tmp_path, monkeypatch):
-    """BERTACCEL_ADAMW_ALL=1: the graphed bf16-mixed step updates the uncopied parameters (embeddings, LayerNorms,
+    """By default (BERTACCEL_ADAMW_ALL=0 turns it off) the graphed bf16-mixed step updates the uncopied parameters (embeddings, LayerNorms,
     biases) with `bertaccel::adamw_` instead of PyTorch's fused AdamW: the same training up to kernel-order noise,
     and the optimizer's state holds their moments and step counts as PyTorch's would."""
     init = initial_parameters()
     monkeypatch.setenv("BERTACCEL_ADAMW_ALL", "0")
     theirs, t_theirs = fit(tiny_data, tmp_path / "a", graphs=True)
-    monkeypatch.setenv("BERTACCEL_ADAMW_ALL", "1")
+    monkeypatch.delenv("BERTACCEL_ADAMW_ALL")  # the default
     ours, t_ours = fit(tiny_data, tmp_path / "b", graphs=True)
     stats = ours.graph_stats()
     assert stats["train"]["disabled"] is None and stats["train"]["replays"] > stats["train"]["eager_steps"]

@@ -109,8 +109,8 @@ def test_synced_gradients_are_the_mean_over_ranks(copies, fused, accumulate, cli
 
 
 def test_uncopied_parameters_in_our_kernel_update_as_pytorchs_adamw(monkeypatch):
-    """BERTACCEL_ADAMW_ALL=1: the parameters without bf16 copies (here the LayerNorm and the biases) are updated by
-    `bertaccel::adamw_` instead of PyTorch's AdamW, to the same values over four steps (the CPU reference is its
+    """By default (BERTACCEL_ADAMW_ALL unset; =0 turns it off) the parameters without bf16 copies (here the LayerNorm
+    and the biases) are updated by `bertaccel::adamw_` instead of PyTorch's AdamW, to the same values over four steps (the CPU reference is its
     arithmetic; the moments and step counts it keeps in the optimizer's state carry from step to step)."""
     monkeypatch.setenv("BERTACCEL_ADAMW_ALL", "0")
     theirs, _ = _run_synced(1, copies=True, fused=True)
@@ -121,7 +121,7 @@ def test_uncopied_parameters_in_our_kernel_update_as_pytorchs_adamw(monkeypatch)
         calls.append(len(args[0]))
         return real(*args)
 
-    monkeypatch.setenv("BERTACCEL_ADAMW_ALL", "1")
+    monkeypatch.delenv("BERTACCEL_ADAMW_ALL")  # the default
     import bertaccel.ops.adamw  # noqa: F401 - the op
 
     monkeypatch.setattr(torch.ops.bertaccel, "adamw_", counting)

@@ -116,18 +116,19 @@ FANOUT_GPU_BERT = dict(hidden_size=768, num_hidden_layers=2, num_attention_heads
 
 
 def bert_fanout_off_and_on(monkeypatch, families, config, device="cpu"):
-    """A 2-layer BertModel (dropout off) with `families` swapped, one forward + backward with
+    """A 2-layer BertModel (dropout off) with `families` (a config's list: `all` allowed) swapped, one forward + backward with
     BERTACCEL_RESIDUAL_FANOUT=0, then with =1 counting layer_norm_bwd2's calls: (off, on, calls), off and on each
     [output, every parameter's gradient]. CPU: batch 3 x 9, loss sum(out^2); CUDA: 4 x 128 under bf16 autocast,
     loss mean(out^2) in fp32."""
     from transformers import BertConfig, BertModel
 
+    from bertaccel.ops.registry import expand
     from bertaccel.ops.swap import swap
 
     cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **config)
     torch.manual_seed(0)
     model = BertModel(cfg, add_pooling_layer=False).to(device)
-    swap(model, families)
+    swap(model, expand(families))  # `all` as a config means it
     cuda = device != "cpu"
     ids = torch.randint(0, cfg.vocab_size, (4, 128) if cuda else (3, 9), device=device)
 

@@ -460,6 +460,23 @@ def test_layer_norm_bwd2_kernel_gives_the_backward_of_the_added_gradients_bits(d
 
 
 @cuda_test
+def test_layer_norm_bwd2_with_a_misaligned_second_gradient_adds_first():
+    """A second gradient that is contiguous but starts 2 bytes into a 16-byte vector (a view one element into its
+    buffer) cannot be copied by the prefetching kernel's 16-byte loads: the op adds first, and gives the same bits."""
+    rows, H, dtype = 1031, 768, torch.bfloat16
+    x, res = rand(rows, H, device="cuda", dtype=dtype), rand(rows, H, device="cuda", dtype=dtype)
+    w, b = rand(H, device="cuda"), rand(H, device="cuda")
+    _, z, mean, rstd, rng = torch.ops.bertaccel.layer_norm_fwd(x, None, res, w, b, 0.1, 1e-5)
+    dy = rand(rows, H, device="cuda", dtype=dtype)
+    dy2 = rand(rows * H + 1, device="cuda", dtype=dtype)[1:].view(rows, H)
+    assert dy2.is_contiguous() and dy2.data_ptr() % 16 != 0
+    two = torch.ops.bertaccel.layer_norm_bwd2(dy, dy2, z, w, mean, rstd, rng, 0.1)
+    one = torch.ops.bertaccel.layer_norm_bwd(dy + dy2, z, w, mean, rstd, rng, 0.1, True)
+    for name, a, c in zip(["dz", "dh", "dweight", "dln_bias", "dbias"], two, one):
+        assert torch.equal(a, c), name
+
+
+@cuda_test
 def test_fanout_in_a_swapped_bert_trains_like_autograds_add(monkeypatch):
     """BERTACCEL_RESIDUAL_FANOUT=1 on the GPU (bf16 autocast, the default swap, dropout off): the summing kernel ran,
     and the output and every parameter's gradient are autograd's add's up to kernel-order noise (the same sums; the

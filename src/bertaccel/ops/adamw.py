@@ -3,7 +3,7 @@
 writes the refreshed bf16 copies. Not a kernel-swap family: the graphed training step calls it
 (modules/train_step.py) in place of widening the gradients, PyTorch's fused AdamW and the refresh.
 `adamw_` is the same kernel for parameters without copies (their own fp32 gradients, no copy written):
-with BERTACCEL_ADAMW_ALL=1 the graphed step updates those with it too instead of PyTorch's fused AdamW.
+the graphed step updates those with it too (BERTACCEL_ADAMW_ALL=0: PyTorch's fused AdamW instead).
 
 The CPU kernel is the reference (the same fp32 arithmetic as PyTorch's fused AdamW), so the schema,
 opcheck and the step logic are tested without a GPU.

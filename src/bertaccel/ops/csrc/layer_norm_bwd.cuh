@@ -378,8 +378,9 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
 // column sums, which more bytes in flight do not shorten.
 template <int MODE>
 constexpr int bwd_prefetch_accs() { return 1 + (MODE != kRms) + (MODE == kFused); }
-template <int MODE, int VEC, int ITEMS>
-constexpr int bwd_prefetch_smem() { return bwd_prefetch_accs<MODE>() * kBwdThreads * ITEMS * VEC * 4; }
+// the accumulators, and with DY2 a 16-byte slot per thread and vector where the next group's second gradient lands
+template <int MODE, int VEC, int ITEMS, bool DY2 = false>
+constexpr int bwd_prefetch_smem() { return bwd_prefetch_accs<MODE>() * kBwdThreads * ITEMS * VEC * 4 + (DY2 ? ITEMS * kBwdThreads * 16 : 0); }
 template <int VEC, int ITEMS>
 constexpr int bwd_prefetch_min_blocks() { return 2; }
 inline bool bwd_prefetch_enabled() {
@@ -480,21 +481,31 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
     }
   };
 
-  // DY2: group grp's second gradient added into its dy packs. Done when the group is next in line, after the
-  // previous group's passes, when their packs are dead: loaded a group ahead with the rest, or added at the top of
-  // the group, the extra packs spilled at the 128-register cap at 768 wide. The load's latency is exposed there;
-  // the other warps cover it.
-  auto fold = [&](int64_t grp, Pack<T, VEC>(&dp)[ITEMS]) {
+  // DY2: group grp's second gradient, copied by cp.async into this thread's slots of shared memory when the group's
+  // dy and z are loaded (a group ahead, in flight through the current group's two passes, holding no registers), and
+  // added into its dy packs after the current group's passes, when their packs are dead. (Held in registers a group
+  // ahead the extra packs spilled at the 128-register cap at 768 wide; loaded where they are added, by volatile loads,
+  // the load's latency was exposed: 16384x768, bf16, H200, add + bwd 64.5 us, bwd2 63.2, bwd alone 44.6.)
+  uint4* dy2_slots = reinterpret_cast<uint4*>(bwd_acc_smem + kAccs * ITEMS * kQ * kBwdThreads);  // [k][thread]
+  auto stage_dy2 = [&](int64_t grp) {
     const int64_t row = grp * rpw + slot;
     if (grp < groups && row < rows) {
-      // one pack at a time, by volatile loads: with all of a row's packs loaded first, or plain loads (which ptxas
-      // moves up the loop), the extra packs spilled at 768 wide (30-132 bytes)
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k)
+        if (t + k * tpr < nvec)
+          cp_async16(dy2_slots + k * kBwdThreads + threadIdx.x, dy2 + row * H + (int64_t)(t + k * tpr) * VEC);
+    }
+    cp_async_commit();
+  };
+  auto fold = [&](int64_t grp, Pack<T, VEC>(&dp)[ITEMS]) {
+    cp_async_wait<0>();  // this thread's copies: its own slots, no other thread's
+    const int64_t row = grp * rpw + slot;
+    if (grp < groups && row < rows) {
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k)
         if (t + k * tpr < nvec) {
-          uint32_t w[4];
-          load_words_in_place(dy2 + row * H + (int64_t)(t + k * tpr) * VEC, w);
-          dp[k] = add_packs<T, VEC>(dp[k], *reinterpret_cast<const Pack<T, VEC>*>(w));
+          const uint4 w = dy2_slots[k * kBwdThreads + threadIdx.x];
+          dp[k] = add_packs<T, VEC>(dp[k], *reinterpret_cast<const Pack<T, VEC>*>(&w));
         }
     }
   };
@@ -502,13 +513,17 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
   Pack<T, VEC> dcur[ITEMS], zcur[ITEMS];
   float mu = 0.f, rs = 0.f;
   load(first, dcur, zcur, mu, rs);
-  if constexpr (DY2) fold(first, dcur);
+  if constexpr (DY2) {
+    stage_dy2(first);
+    fold(first, dcur);
+  }
   for (int64_t grp = first; grp < groups; grp += stride) {
     const int64_t row = grp * rpw + slot;
     const bool active = row < rows;
     Pack<T, VEC> dnext[ITEMS], znext[ITEMS];
     float mu_next = 0.f, rs_next = 0.f;
     load(grp + stride, dnext, znext, mu_next, rs_next);  // in flight through this group's two passes
+    if constexpr (DY2) stage_dy2(grp + stride);
     uint32_t kept = 0xffffffffu;  // with dropout: bit k * VEC + j set where column (k, j) is kept
     if constexpr (MODE == kEmb || MODE == kFused) {
       if (p > 0.f && active) {
@@ -591,7 +606,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     return;
   }
   constexpr int max_vec = 16 / sizeof(T);
-  const int vec = pick_vec(H, max_vec, {&dy, &z, &dz, &dh, &gamma});
+  const int vec = pick_vec(H, max_vec, {&dy, &z, &dz, &dh, &gamma, &dy2});  // (dy2 read by 16-byte copies too)
   // The fused form's register-held accumulators took the fewest vectors per thread (see pick_items);
   // the prefetching kernel keeps them in shared memory and takes the usual rule.
   const bool prefetch = MODE == kFused && sizeof(T) == 2 && vec == max_vec && H <= 768 && bwd_prefetch_enabled();
@@ -636,7 +651,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
 #define BA_LN_BWD_PREFETCH_K(V, I, DY2)                                                                   \
   do {                                                                                                    \
     auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, DY2>;                                          \
-    constexpr int smem = bwd_prefetch_smem<MODE, V, I>();                                                 \
+    constexpr int smem = bwd_prefetch_smem<MODE, V, I, DY2>();                                                 \
     static int per_sm[64] = {};                                                                           \
     const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);    \
     const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                       \
