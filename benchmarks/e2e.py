@@ -67,10 +67,10 @@ VARIANTS = {
     # attn-fused-graphs with the parameters without bf16 copies (mostly the word embeddings) updated by PyTorch's
     # fused AdamW (BERTACCEL_ADAMW_ALL=0) instead of our kernel `bertaccel::adamw_` (the default since session 48)
     "attn-fused-graphs-adamw-pytorch": ("bertaccel", True, True, False, True),
-    # attn-fused-graphs with the residual LayerNorms' outputs fanned out (BERTACCEL_RESIDUAL_FANOUT=1): the two
-    # gradients of each output summed in the LayerNorm backward's kernel instead of autograd's add
-    "attn-fused-graphs-residual-fanout": ("bertaccel", True, True, False, True),
-    "attn-ffn-gemm-fused-graphs-residual-fanout": ("bertaccel", True, "ffn", False, True),
+    # the two without the residual LayerNorms' fan-out (BERTACCEL_RESIDUAL_FANOUT=0; on by default since session 48):
+    # the two gradients of each output added by autograd's add kernel instead of in the LayerNorm backward's kernel
+    "attn-fused-graphs-no-fanout": ("bertaccel", True, True, False, True),
+    "attn-ffn-gemm-fused-graphs-no-fanout": ("bertaccel", True, "ffn", False, True),
     # the same with the feed-forward block's residual gradient added by a separate kernel (BERTACCEL_FFN_RESIDUAL=add)
     # instead of in its input-gradient GEMM's epilogue
     "attn-ffn-gemm-fused-graphs-residual-add": ("bertaccel", True, "ffn", False, True),
@@ -89,8 +89,8 @@ UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash":
 VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"},
                "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"},
                "attn-fused-graphs-adamw-pytorch": {"BERTACCEL_ADAMW_ALL": "0"},
-               "attn-fused-graphs-residual-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "1"},
-               "attn-ffn-gemm-fused-graphs-residual-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "1"}}
+               "attn-fused-graphs-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"},
+               "attn-ffn-gemm-fused-graphs-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"}}
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
 

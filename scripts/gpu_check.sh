@@ -345,7 +345,7 @@ idx = [r.get("index") for r in rows]
 print(f"predict rows {len(rows)}, unique indices {len(set(idx))}, first keys {sorted(rows[0])}")
 PY
 fi
-if has step_switches; then  # session 47's off-by-default step changes: their cuda tests, then the BERT-base step with each on
+if has step_switches; then  # session 47's step changes (on by default since session 48): their cuda tests, then the BERT-base step with each off
   timeout ${TESTS_TIMEOUT:-400} python -u -m pytest -m cuda tests/ops/test_adamw.py tests/ops/test_layer_norm.py \
     tests/ops/test_ffn.py tests/modules/test_graphs_cuda.py -q -p no:cacheprovider -k "adamw or bwd2 or fanout" > "$OUT/step_switch_tests.log" 2>&1
   echo "step switch cuda tests rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/step_switch_tests.log" | tail -6
@@ -357,8 +357,8 @@ if has step_switches; then  # session 47's off-by-default step changes: their cu
   timeout 120 python scripts/ln_bwd2_bench.py > "$OUT/ln_bwd2_bench.log" 2>&1
   echo "ln_bwd2_bench rc=$?"; grep LN_BWD2 "$OUT/ln_bwd2_bench.log"
   timeout ${E2E_TIMEOUT:-500} python -m benchmarks.e2e --models bert-base --shapes ${E2E_SHAPES:-32x512} --workloads train \
-    --variants attn-fused-graphs attn-fused-graphs-adamw-pytorch attn-fused-graphs-residual-fanout attn-ffn-gemm-fused-graphs \
-    attn-ffn-gemm-fused-graphs-residual-fanout --warmup 10 --steps 30 \
+    --variants attn-fused-graphs attn-fused-graphs-adamw-pytorch attn-fused-graphs-no-fanout attn-ffn-gemm-fused-graphs \
+    attn-ffn-gemm-fused-graphs-no-fanout --warmup 10 --steps 30 \
     --rounds ${E2E_ROUNDS:-2} --out "$OUT/e2e_step_switches.json" > "$OUT/e2e_step_switches.log" 2>&1
   echo "e2e step switches rc=$?"; grep -E "^bert" "$OUT/e2e_step_switches.log" | tail -5
 fi
