@@ -44,6 +44,9 @@ VARIANTS = {
     "hf-compile": ("sdpa", True, False, True, False),
     "fused": ("sdpa", True, True, False, False),
     "fused-compile": ("sdpa", True, True, True, False),
+    # `fused` without the residual LayerNorms' fan-out (BERTACCEL_RESIDUAL_FANOUT=0): its autograd.Functions' host
+    # cost in an eager step
+    "fused-no-fanout": ("sdpa", True, True, False, False),
     # eager attention, with the softmax family (scale + mask + softmax in one kernel) swapped in too
     "fused-eager": ("eager", True, True, False, False),
     # the product's graphed step (src/bertaccel/modules/graphs.py, as `model.cuda_graphs` runs it): forward,
@@ -90,6 +93,7 @@ VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gem
                "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"},
                "attn-fused-graphs-adamw-pytorch": {"BERTACCEL_ADAMW_ALL": "0"},
                "attn-fused-graphs-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"},
+               "fused-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"},
                "attn-ffn-gemm-fused-graphs-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"}}
 BASELINE = "hf-sdpa-bf16"
 COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_vs_sdpa", "TFLOP/s"]
