@@ -115,11 +115,12 @@ FANOUT_CPU_BERT = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_a
 FANOUT_GPU_BERT = dict(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072)
 
 
-def bert_fanout_off_and_on(monkeypatch, families, config, device="cpu"):
+def bert_fanout_off_and_on(monkeypatch, families, config, device="cpu", checkpointing=None):
     """A 2-layer BertModel (dropout off) with `families` (a config's list: `all` allowed) swapped, one forward + backward with
     BERTACCEL_RESIDUAL_FANOUT=0, then with the default (on) counting layer_norm_bwd2's calls: (off, on, calls), off and on each
     [output, every parameter's gradient]. CPU: batch 3 x 9, loss sum(out^2); CUDA: 4 x 128 under bf16 autocast,
-    loss mean(out^2) in fp32."""
+    loss mean(out^2) in fp32. checkpointing: {"use_reentrant": ...} to run the layers under HF's gradient
+    checkpointing."""
     from transformers import BertConfig, BertModel
 
     from bertaccel.ops.registry import expand
@@ -129,6 +130,11 @@ def bert_fanout_off_and_on(monkeypatch, families, config, device="cpu"):
     torch.manual_seed(0)
     model = BertModel(cfg, add_pooling_layer=False).to(device)
     swap(model, expand(families))  # `all` as a config means it
+    if checkpointing is not None:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     cuda = device != "cpu"
     ids = torch.randint(0, cfg.vocab_size, (4, 128) if cuda else (3, 9), device=device)
 

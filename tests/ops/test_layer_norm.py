@@ -438,6 +438,22 @@ def test_fanout_between_swapped_layers_trains_like_autograds_add(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_fanout_under_gradient_checkpointing_trains_like_autograds_add(monkeypatch, reentrant):
+    """The fan-out (on by default) under HF's gradient checkpointing: non-reentrant, the forward records the aliases
+    and the recomputation makes the same ones (the summing kernel runs as without checkpointing); reentrant, the
+    forward runs without grad (no alias: each output's one gradient) and only the recomputed layer's inner output
+    fans out. Either way the output and every gradient are autograd's add's."""
+    from bertaccel.ops import residual_layer_norm
+
+    monkeypatch.setattr(residual_layer_norm, "why_not", lambda *a, **k: None)
+    off, on, calls = bert_fanout_off_and_on(monkeypatch, ["residual_layer_norm"], FANOUT_CPU_BERT,
+                                            checkpointing={"use_reentrant": reentrant})
+    assert calls == (2 if reentrant else 3), calls
+    for a, b in zip(off, on):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @cuda_test
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("H", [384, 768, 1024, 1002])  # the prefetching kernel (bf16 <= 768); elsewhere an add first
