@@ -208,10 +208,17 @@ def _adamw_state(optimizer: torch.optim.AdamW, p: torch.Tensor, group: dict) -> 
     return state
 
 
-def _group_lr(group: dict) -> torch.Tensor:
+def _advance_group(optimizer: torch.optim.AdamW, group: dict, params: list[torch.Tensor]) -> tuple[list, list]:
+    """What both AdamW ops take for `params` of `group` around their tensors: ([exp_avgs, exp_avg_sqs, steps],
+    [lr, beta1, beta2, weight_decay, eps]), the step counts advanced by one as PyTorch's AdamW does first."""
+    states = [_adamw_state(optimizer, p, group) for p in params]
+    steps = [s["step"] for s in states]
+    torch._foreach_add_(steps, 1)
     # a float learning rate (eager CPU steps) as float64, so the reference op sees its exact value
-    lr = group["lr"]
-    return lr if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+    lr = group["lr"] if isinstance(group["lr"], torch.Tensor) else torch.tensor(float(group["lr"]), dtype=torch.float64)
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return ([[s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], steps],
+            [lr, beta1, beta2, float(group["weight_decay"]), float(group["eps"])])
 
 
 def adamw_uncopied_step(optimizer: torch.optim.AdamW, copied: set[int]) -> bool:
@@ -230,13 +237,8 @@ def adamw_uncopied_step(optimizer: torch.optim.AdamW, copied: set[int]) -> bool:
         work.append((g, ps))
     with torch.no_grad():
         for g, ps in work:
-            states = [_adamw_state(optimizer, p, g) for p in ps]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1)
-            beta1, beta2 = (float(b) for b in g["betas"])
-            torch.ops.bertaccel.adamw_(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
-                                       [s["exp_avg_sq"] for s in states], steps, _group_lr(g), beta1, beta2,
-                                       float(g["weight_decay"]), float(g["eps"]))
+            state, scalars = _advance_group(optimizer, g, ps)
+            torch.ops.bertaccel.adamw_(ps, [p.grad for p in ps], *state, *scalars)
     return True
 
 
@@ -254,13 +256,8 @@ def adamw_copies_step(optimizer: torch.optim.AdamW, copies: Bf16WeightCopies) ->
             if not idx:
                 continue
             masters = [copies.masters[i] for i in idx]
-            states = [_adamw_state(optimizer, m, g) for m in masters]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1)
-            beta1, beta2 = (float(b) for b in g["betas"])
-            torch.ops.bertaccel.adamw_bf16_copies_(
-                masters, [copies.copies[i].grad for i in idx], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], steps, [copies.copies[i] for i in idx], _group_lr(g), beta1, beta2,
-                float(g["weight_decay"]), float(g["eps"]))
+            state, scalars = _advance_group(optimizer, g, masters)
+            torch.ops.bertaccel.adamw_bf16_copies_(masters, [copies.copies[i].grad for i in idx], *state,
+                                                   [copies.copies[i] for i in idx], *scalars)
     for c in copies.copies:
         c.grad = None

@@ -615,7 +615,8 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int tpr = pick_tpr((int)(H / vec), items);
   BERTACCEL_CHECK(tpr <= kBwdThreads, "bertaccel layer_norm: hidden size %lld is above %d", (long long)H,
                   (int)(kBwdThreads * kMaxElemsPerThread));
-  if (dy2.defined() && !(MODE == kFused && sizeof(T) == 2 && prefetch && tpr <= 32 && items <= 3)) {
+  const bool prefetching = prefetch && tpr <= 32 && items <= 3;  // the prefetching kernel runs (below)
+  if (dy2.defined() && !prefetching) {  // (only it sums dy2 as it loads)
     launch_bwd<MODE, T, W>(dy.add(dy2), z, gamma, mean, rstd, dz, dh, dgamma, dbeta, dbias, p, rng);
     return;
   }
@@ -647,7 +648,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   // LayerNorm and RMSNorm measured even (23.1 vs 23.3, 40.7 vs 40.3; 36.6 vs 36.3) and keep the
   // kernels below; at 1024 wide (4 vectors per thread) it spilled at 128 registers and lost (75.4 vs 70.2).
   if constexpr (MODE == kFused && sizeof(T) == 2) {  // bf16 rows with full 16-byte vectors, a row within a warp
-    if (prefetch && tpr <= 32 && items <= 3) {
+    if (prefetching) {
       const int device = z.get_device();
 #define BA_LN_BWD_PREFETCH_K(V, I, DY2)                                                                   \
   do {                                                                                                    \
