@@ -35,7 +35,7 @@ MODELS = {
                  max_position_embeddings=128),
 }
 # name: (attention implementation, autocast bf16, kernel swap (True: `ops: [all]`; "gemm": with `linear`;
-#        "ffn": with `linear` and `ffn`),
+#        "ffn": with `linear` and `ffn`; "ffn-only": with `ffn` alone),
 #        torch.compile, whole-step CUDA graph)
 VARIANTS = {
     "hf-eager-fp32": ("eager", False, False, False, False),
@@ -67,6 +67,9 @@ VARIANTS = {
     # with the default swap, and with everything swapped (every nn.Linear and the feed-forward block on our GEMM)
     "attn-fused-graphs": ("bertaccel", True, True, False, True),
     "attn-ffn-gemm-fused-graphs": ("bertaccel", True, "ffn", False, True),
+    # our GEMM in the feed-forward block only (GELU in GEMM 1's epilogue, the residual's gradient in its dgrad's):
+    # the attention projections and the pooler stay on cuBLAS
+    "attn-ffn-fused-graphs": ("bertaccel", True, "ffn-only", False, True),
     # attn-fused-graphs with the parameters without bf16 copies (mostly the word embeddings) updated by PyTorch's
     # fused AdamW (BERTACCEL_ADAMW_ALL=0) instead of our kernel `bertaccel::adamw_` (the default since session 48)
     "attn-fused-graphs-adamw-pytorch": ("bertaccel", True, True, False, True),
@@ -163,7 +166,7 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
         register()
     model.set_attn_implementation(attn)
     if fused:
-        ops = {"gemm": DEFAULT + ["linear"], "ffn": DEFAULT + ["linear", "ffn"]}.get(
+        ops = {"gemm": DEFAULT + ["linear"], "ffn": DEFAULT + ["linear", "ffn"], "ffn-only": DEFAULT + ["ffn"]}.get(
             fused, [f for f in DEFAULT if fused != "noqkv" or f != "qkv"])
         swap(model, ops)
     train = workload == "train"
