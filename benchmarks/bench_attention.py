@@ -95,7 +95,11 @@ def run_cell(cell: str, variants: bool = True, dropout: float = 0.0) -> list[dic
     # padded q, k, v as HF's BERT hands them to attention: [B, H, S, D] views of [B, S, H, D] projections
     qs, ks, vs = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     qp, kp, vp = (t.transpose(1, 2) for t in (qs, ks, vs))
-    dp = torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16)
+    # the output's gradient as the model hands it back: HF reshapes attention's [B, S, H, D] output to [B, S, H * D]
+    # before the output projection, so the gradient arrives as a contiguous [B, S, H, D] (SDPA's [B, H, S, D] output
+    # gets it as a transposed view of that; until session 49 ours got a transposed view instead, and copied it to
+    # contiguous rows - 25 MB each way at 32x512x12x64 - which the model never does)
+    dp = torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     key_padding = None if kind == "full" else mask[:, None, None, :]
 
     def add(name, fwd, step):
@@ -132,7 +136,7 @@ def run_cell(cell: str, variants: bool = True, dropout: float = 0.0) -> list[dic
                 padded()
 
         add("bertaccel (padded, hf interface)", padded_fwd,
-            lambda: torch.autograd.grad(padded(), (qs, ks, vs), dp.transpose(1, 2)))
+            lambda: torch.autograd.grad(padded(), (qs, ks, vs), dp.transpose(1, 2)))  # (contiguous [B, S, H, D])
     q, k, v = (torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(layout.tokens, heads, d, device="cuda", dtype=torch.bfloat16)
     cu, scale = layout.cu_seqlens, d ** -0.5

@@ -38,6 +38,51 @@ def test_layer_norm_opcheck_cpu(fused):
     torch.library.opcheck(torch.ops.bertaccel.layer_norm_fwd.default, (x, bias, res, w, b, 0.0, 1e-5))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_row_ops_take_any_leading_dimensions_cpu(fused):
+    """The public functions hand the ops [..., H] as shaped (no per-call views): the ops' fake and CPU kernels and
+    their autograd take a [B, S, H] input, and give what the [B * S, H] rows give."""
+    H = 24
+    x, w, b = rand(3, 5, H, requires_grad=True), rand(H, requires_grad=True), rand(H, requires_grad=True)
+    bias = rand(H, requires_grad=True) if fused else None
+    res = rand(3, 5, H, requires_grad=True) if fused else None
+    torch.library.opcheck(torch.ops.bertaccel.layer_norm_fwd.default, (x, bias, res, w, b, 0.0, 1e-5))
+    torch.library.opcheck(torch.ops.bertaccel.layer_norm.default, (x, bias, res, w, b, 0.0, 1e-5))
+    torch.library.opcheck(torch.ops.bertaccel.rms_norm.default, (x, w, 1e-6))
+    y3 = torch.ops.bertaccel.layer_norm(x, bias, res, w, b, 0.0, 1e-5)
+    y2 = torch.ops.bertaccel.layer_norm(x.view(-1, H), bias, None if res is None else res.view(-1, H), w, b, 0.0, 1e-5)
+    assert y3.shape == x.shape
+    torch.testing.assert_close(y3.view(-1, H), y2, rtol=0, atol=0)
+
+
+@cuda_test
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "residual_layer_norm"])
+def test_row_ops_on_a_3d_input_give_the_rows_bits(op):
+    """[B, S, H] through the public function (the ops take it as shaped) gives the bits of the same rows as
+    [B * S, H]: the output and every gradient."""
+    B, S, H = 4, 37, 768
+    torch.manual_seed(0)
+    x, r = (torch.randn(B, S, H, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    bias = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(B, S, H, device="cuda", dtype=torch.bfloat16)
+    fn = {"layer_norm": lambda a, rr, bi, ww, bb: layer_norm(a, ww, bb, 1e-12),
+          "rms_norm": lambda a, rr, bi, ww, bb: rms_norm(a, ww, 1e-6),
+          "residual_layer_norm": lambda a, rr, bi, ww, bb: bias_dropout_add_layer_norm(a, bi, rr, ww, bb, 0.0, 1e-12)}[op]
+    outs = []
+    for shape in ((B, S, H), (B * S, H)):
+        ins = leaves(x.reshape(shape), r.reshape(shape), bias, w, b)
+        y = fn(*ins)
+        assert y.shape == shape
+        used = [t for t in ins if t.requires_grad]
+        grads = torch.autograd.grad(y, used, dy.reshape(shape), allow_unused=True)
+        outs.append([y.reshape(-1, H)] + [g.reshape(-1, g.shape[-1]) if g is not None else None for g in grads])
+    for a, c in zip(*outs):
+        assert (a is None) == (c is None)
+        if a is not None:
+            torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
 def test_layer_norm_backward_formula_matches_autograd():
     H = 33
     x, bias, res = rand(9, H, dtype=torch.float32), rand(H), rand(9, H)

@@ -163,9 +163,8 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     if reason is not None:
         note_fallback("layer_norm", reason)
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-    shape = x.shape
-    y = _LAYER_NORM(x.contiguous().view(-1, shape[-1]), None, None, weight, bias, 0.0, eps)
-    return y.view(shape)
+    # (any number of leading dimensions: the kernels take rows = numel / H; no views to make and undo per call)
+    return _LAYER_NORM(x.contiguous(), None, None, weight, bias, 0.0, eps)
 
 
 # ---------------------------------------------------------------------------------------- module

@@ -33,13 +33,15 @@ def bias_dropout_add_layer_norm(
     if reason is not None:
         note_fallback("residual_layer_norm", reason)
         return bias_dropout_add_layer_norm_reference(x, bias, residual, weight, ln_bias, p, eps, training)
-    return _LAYER_NORM(*_kernel_args(x, bias, residual, weight, ln_bias, p, eps, training)).view(x.shape)
+    return _LAYER_NORM(*_kernel_args(x, bias, residual, weight, ln_bias, p, eps, training))
 
 
 def _kernel_args(x, bias, residual, weight, ln_bias, p, eps, training):
-    """The layer_norm op's arguments: [T, H] rows, bias and residual in x's dtype, no dropout in eval."""
-    H = x.shape[-1]
-    return (x.contiguous().view(-1, H), bias.to(x.dtype).contiguous(), residual.to(x.dtype).contiguous().view(-1, H),
+    """The layer_norm op's arguments: x as it is shaped (the kernels take rows = numel / H, so no views are made
+    and undone per call), bias and residual in x's dtype (the residual in x's shape), no dropout in eval."""
+    if residual.shape != x.shape:
+        residual = residual.reshape(x.shape)
+    return (x.contiguous(), bias.to(x.dtype).contiguous(), residual.to(x.dtype).contiguous(),
             weight, ln_bias, float(p) if training else 0.0, eps)
 
 
@@ -103,8 +105,7 @@ def bias_dropout_add_layer_norm_fanout(x: Tensor, bias: Tensor, residual: Tensor
     """bias_dropout_add_layer_norm's output y and an alias of it for a second consumer, whose gradient then
     reaches the LayerNorm backward apart from y's (summed in its kernel instead of by autograd). The kernel's path
     only (see `bias_dropout_add_layer_norm`)."""
-    y, alias = _ResidualLayerNormFanOut.apply(*_kernel_args(x, bias, residual, weight, ln_bias, p, eps, training))
-    return y.view(x.shape), alias.view(x.shape)
+    return _ResidualLayerNormFanOut.apply(*_kernel_args(x, bias, residual, weight, ln_bias, p, eps, training))
 
 
 def residual_alias(t: Tensor) -> Tensor:

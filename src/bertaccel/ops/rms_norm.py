@@ -84,9 +84,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None) -> Tens
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    shape = x.shape
-    y = _RMS_NORM(x.contiguous().view(-1, shape[-1]), weight, eps)
-    return y.view(shape)
+    return _RMS_NORM(x.contiguous(), weight, eps)  # (any leading dimensions, as layer_norm)
 
 
 # ---------------------------------------------------------------------------------------- module

@@ -1,0 +1,108 @@
+"""Host time per eager call of the row ops, next to the PyTorch op each replaces, and of the parts of our
+Python wrappers (issue 9's "eager per-call time within 1.3x of the PyTorch op").
+
+    python scripts/eager_overhead.py [--shapes 16x128x768 16x128x384] [--calls 2000] [--rounds 3]
+
+Each callable runs `--calls` times back to back (after a warm-up), then one synchronize: at these shapes the
+kernels take a few us and the host a few tens, so wall time / calls is the host's cost per call (the GPU
+never holds the loop up: a column `gpu_us` gives each callable's kernels' time from CUDA-graph replays to check
+that). Rows: `pytorch` (F.layer_norm / F.rms_norm / bias + F.gelu), `bertaccel` (the public function the
+swapped modules call), `op` (the registered op called directly on the same tensors, no Python wrapper),
+and the wrapper's parts alone (`why_not`, the reshapes). Inference (no_grad) and training (inputs that
+require grad: the forward records the C++ autograd node). Median of `--rounds` rounds, interleaved.
+bf16 activations, fp32 LayerNorm weights as under bf16 autocast; RMSNorm's weight bf16 (F.rms_norm would
+compute in fp32 beside an fp32 weight)."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import graph_time_ms
+from bertaccel.ops.eligibility import why_not
+from bertaccel.ops.gelu import bias_gelu
+from bertaccel.ops.layer_norm import layer_norm
+from bertaccel.ops.rms_norm import rms_norm
+
+
+def host_us(fn, calls: int) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def cases(shape: tuple[int, ...], grad: bool) -> dict:
+    H = shape[-1]
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    w, b = (torch.randn(H, device="cuda", requires_grad=grad) for _ in range(2))
+    wb = torch.randn(H, device="cuda", dtype=torch.bfloat16, requires_grad=grad)  # (F.rms_norm promotes to fp32 beside fp32)
+    gb = torch.randn(4 * H, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    g = torch.randn(*shape[:-1], 4 * H, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    x2 = x.view(-1, H)
+    ops = torch.ops.bertaccel
+    return {
+        "layer_norm": {
+            "pytorch": lambda: F.layer_norm(x, (H,), w, b, 1e-12),
+            "bertaccel": lambda: layer_norm(x, w, b, 1e-12),
+            "op": lambda: ops.layer_norm.default(x2, None, None, w, b, 0.0, 1e-12),
+        },
+        "rms_norm": {
+            "pytorch": lambda: F.rms_norm(x, (H,), wb, 1e-6),
+            "bertaccel": lambda: rms_norm(x, wb, 1e-6),
+            "op": lambda: ops.rms_norm.default(x2, wb, 1e-6),
+        },
+        "bias_gelu": {
+            "pytorch": lambda: F.gelu(g + gb),
+            "bertaccel": lambda: bias_gelu(g, gb),
+        },
+        "wrapper parts": {
+            "why_not": lambda: why_not(x, params=(w, b)),
+            "contiguous+view": lambda: x.contiguous().view(-1, H),
+            "view back": lambda: x2.view(shape),
+        },
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["16x128x768", "16x128x384", "32x512x768"])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU: it times kernel launches"
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'shape':<12} {'mode':<6} {'op':<14} {'impl':<16} {'host_us':>8} {'gpu_us':>7} {'x_pytorch':>9}")
+    for s in args.shapes:
+        shape = tuple(int(v) for v in s.split("x"))
+        for grad in (False, True):
+            table = cases(shape, grad)
+            times: dict[tuple[str, str], list[float]] = {}
+            with torch.set_grad_enabled(grad):
+                for _ in range(args.rounds):
+                    for op, impls in table.items():
+                        for name, fn in impls.items():
+                            times.setdefault((op, name), []).append(host_us(fn, args.calls))
+                gpu = {}
+                with torch.no_grad():
+                    for op, impls in table.items():
+                        for name, fn in impls.items():
+                            if op != "wrapper parts":
+                                gpu[(op, name)] = graph_time_ms(lambda *_a, fn=fn: fn(), [()]) * 1e3
+            for (op, name), ts in times.items():
+                t = statistics.median(ts)
+                base = statistics.median(times[(op, "pytorch")]) if (op, "pytorch") in times else None
+                g = f"{gpu[(op, name)]:7.1f}" if (op, name) in gpu else " " * 7
+                ratio = f"{t / base:9.2f}" if base and name != "pytorch" else " " * 9
+                print(f"{s:<12} {'train' if grad else 'infer':<6} {op:<14} {name:<16} {t:8.1f} {g} {ratio}")
+
+
+if __name__ == "__main__":
+    main()
