@@ -10,8 +10,9 @@ that). Rows: `pytorch` (F.layer_norm / F.rms_norm / bias + F.gelu), `bertaccel` 
 swapped modules call), `op` (the registered op called directly on the same tensors, no Python wrapper),
 and the wrapper's parts alone (`why_not`, the reshapes). Inference (no_grad) and training (inputs that
 require grad: the forward records the C++ autograd node). Median of `--rounds` rounds, interleaved.
-bf16 activations, fp32 LayerNorm weights as under bf16 autocast; RMSNorm's weight bf16 (F.rms_norm would
-compute in fp32 beside an fp32 weight)."""
+bf16 activations, PyTorch's ops with bf16 weights (F.layer_norm refuses fp32 ones
+beside bf16 outside autocast, F.rms_norm computes in fp32 beside them), ours with the fp32 master weights a
+swapped model passes under autocast."""
 from __future__ import annotations
 
 import argparse
@@ -28,36 +29,43 @@ from bertaccel.ops.layer_norm import layer_norm
 from bertaccel.ops.rms_norm import rms_norm
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def host_us(fn, calls: int) -> float:
     for _ in range(50):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def cases(shape: tuple[int, ...], grad: bool) -> dict:
+def cases(shape: tuple[int, ...], grad: bool, device: str) -> dict:
     H = shape[-1]
-    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
-    w, b = (torch.randn(H, device="cuda", requires_grad=grad) for _ in range(2))
-    wb = torch.randn(H, device="cuda", dtype=torch.bfloat16, requires_grad=grad)  # (F.rms_norm promotes to fp32 beside fp32)
-    gb = torch.randn(4 * H, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
-    g = torch.randn(*shape[:-1], 4 * H, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=grad)
+    w, b = (torch.randn(H, device=device, requires_grad=grad) for _ in range(2))
+    # PyTorch's norms take the activation dtype's weights (F.layer_norm refuses fp32 beside bf16 outside autocast,
+    # F.rms_norm computes in fp32); ours take the fp32 master weights, as a swapped model under autocast passes them
+    wb, bb = (torch.randn(H, device=device, dtype=torch.bfloat16, requires_grad=grad) for _ in range(2))
+    gb = torch.randn(4 * H, device=device, dtype=torch.bfloat16, requires_grad=grad)
+    g = torch.randn(*shape[:-1], 4 * H, device=device, dtype=torch.bfloat16, requires_grad=grad)
     x2 = x.view(-1, H)
     ops = torch.ops.bertaccel
     return {
         "layer_norm": {
-            "pytorch": lambda: F.layer_norm(x, (H,), w, b, 1e-12),
+            "pytorch": lambda: F.layer_norm(x, (H,), wb, bb, 1e-12),
             "bertaccel": lambda: layer_norm(x, w, b, 1e-12),
             "op": lambda: ops.layer_norm.default(x2, None, None, w, b, 0.0, 1e-12),
         },
         "rms_norm": {
             "pytorch": lambda: F.rms_norm(x, (H,), wb, 1e-6),
-            "bertaccel": lambda: rms_norm(x, wb, 1e-6),
-            "op": lambda: ops.rms_norm.default(x2, wb, 1e-6),
+            "bertaccel": lambda: rms_norm(x, w, 1e-6),
+            "op": lambda: ops.rms_norm.default(x2, w, 1e-6),
         },
         "bias_gelu": {
             "pytorch": lambda: F.gelu(g + gb),
@@ -76,14 +84,16 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["16x128x768", "16x128x384", "32x512x768"])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a check of the harness only")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA GPU: it times kernel launches"
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    cuda = args.device == "cuda"
+    assert not cuda or torch.cuda.is_available(), "needs a CUDA GPU (it times kernel launches); --device cpu checks the harness"
+    print(f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}")
     print(f"{'shape':<12} {'mode':<6} {'op':<14} {'impl':<16} {'host_us':>8} {'gpu_us':>7} {'x_pytorch':>9}")
     for s in args.shapes:
         shape = tuple(int(v) for v in s.split("x"))
         for grad in (False, True):
-            table = cases(shape, grad)
+            table = cases(shape, grad, args.device)
             times: dict[tuple[str, str], list[float]] = {}
             with torch.set_grad_enabled(grad):
                 for _ in range(args.rounds):
@@ -92,6 +102,8 @@ def main() -> None:
                             times.setdefault((op, name), []).append(host_us(fn, args.calls))
                 gpu = {}
                 with torch.no_grad():
+                    if not cuda:
+                        table = {}
                     for op, impls in table.items():
                         for name, fn in impls.items():
                             if op != "wrapper parts":
