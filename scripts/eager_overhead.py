@@ -6,8 +6,9 @@ Python wrappers (issue 9's "eager per-call time within 1.3x of the PyTorch op").
 Each callable runs `--calls` times back to back (after a warm-up), then one synchronize: at these shapes the
 kernels take a few us and the host a few tens, so wall time / calls is the host's cost per call (the GPU
 never holds the loop up: a column `gpu_us` gives each callable's kernels' time from CUDA-graph replays to check
-that). Rows: `pytorch` (F.layer_norm / F.rms_norm / bias + F.gelu), `bertaccel` (the public function the
-swapped modules call), `op` (the registered op called directly on the same tensors, no Python wrapper),
+that). Rows: `pytorch` (F.layer_norm / F.rms_norm / bias + F.gelu; for the residual LayerNorm an add, a dropout,
+an add and F.layer_norm), `bertaccel` (the public function the swapped modules call; `fanout`: the residual
+LayerNorm's form a training forward runs by default, a Python autograd.Function), `op` (the registered op called directly on the same tensors, no Python wrapper),
 and the wrapper's parts alone (`why_not`, the reshapes). Inference (no_grad) and training (inputs that
 require grad: the forward records the C++ autograd node). Median of `--rounds` rounds, interleaved.
 bf16 activations, PyTorch's ops with bf16 weights (F.layer_norm refuses fp32 ones
@@ -26,6 +27,7 @@ from benchmarks.common import graph_time_ms
 from bertaccel.ops.eligibility import why_not
 from bertaccel.ops.gelu import bias_gelu
 from bertaccel.ops.layer_norm import layer_norm
+from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_fanout
 from bertaccel.ops.rms_norm import rms_norm
 
 
@@ -52,6 +54,8 @@ def cases(shape: tuple[int, ...], grad: bool, device: str) -> dict:
     # PyTorch's norms take the activation dtype's weights (F.layer_norm refuses fp32 beside bf16 outside autocast,
     # F.rms_norm computes in fp32); ours take the fp32 master weights, as a swapped model under autocast passes them
     wb, bb = (torch.randn(H, device=device, dtype=torch.bfloat16, requires_grad=grad) for _ in range(2))
+    hb = torch.randn(H, device=device, dtype=torch.bfloat16, requires_grad=grad)
+    r = torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=grad)
     gb = torch.randn(4 * H, device=device, dtype=torch.bfloat16, requires_grad=grad)
     g = torch.randn(*shape[:-1], 4 * H, device=device, dtype=torch.bfloat16, requires_grad=grad)
     x2 = x.view(-1, H)
@@ -66,6 +70,12 @@ def cases(shape: tuple[int, ...], grad: bool, device: str) -> dict:
             "pytorch": lambda: F.rms_norm(x, (H,), wb, 1e-6),
             "bertaccel": lambda: rms_norm(x, w, 1e-6),
             "op": lambda: ops.rms_norm.default(x2, w, 1e-6),
+        },
+        "residual_ln": {  # BertSelfOutput / BertOutput's tail: LayerNorm(dropout(h + bias) + residual), p = 0.1
+            "pytorch": lambda: F.layer_norm(F.dropout(x + hb, 0.1) + r, (H,), wb, bb, 1e-12),
+            "bertaccel": lambda: bias_dropout_add_layer_norm(x, hb, r, w, b, 0.1, 1e-12),
+            # what a training forward runs by default (the fan-out: a Python autograd.Function, y and its alias)
+            "fanout": lambda: bias_dropout_add_layer_norm_fanout(x, hb, r, w, b, 0.1, 1e-12),
         },
         "bias_gelu": {
             "pytorch": lambda: F.gelu(g + gb),
