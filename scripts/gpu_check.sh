@@ -6,7 +6,7 @@
 #   STAGES="build e2e e2e_compile profile sweep mlm"    bash scripts/gpu_check.sh
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
 # (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep, e2e, e2e_eager_base, e2e_compile,
-# ln_bwd_sweep (scripts/ln_bwd_sweep.py; LN_BWD_SETTINGS=, LN_BWD_ARGS=), norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
+# ln_bwd_sweep (scripts/ln_bwd_sweep.py; LN_BWD_SETTINGS=, LN_BWD_ARGS=), eager_overhead (scripts/eager_overhead.py: host us per eager call; EAGER_ARGS=), norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
 # ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm_epilogue_sweep (each epilogue on every schedule / tile width), step_gemms (one BERT step's GEMM calls timed alone - warm, cold, rewarmed, alternating - and in the step's order), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
@@ -487,6 +487,10 @@ if has e2e_eager_base; then  # eager BERT-base 16x128 train step: the swap again
   python -m benchmarks.e2e --models bert-base --shapes 16x128 --variants hf-sdpa-bf16 fused --warmup 10 --steps 30 \
     --out "$OUT/e2e_eager_base.json" > "$OUT/e2e_eager_base.log" 2>&1
   echo "e2e eager base rc=$?"; grep -E "^bert" "$OUT/e2e_eager_base.log"
+fi
+if has eager_overhead; then  # host time per eager call of the row ops against PyTorch's (issue 9; EAGER_ARGS=, e.g. --shapes 16x128x768)
+  python scripts/eager_overhead.py ${EAGER_ARGS:-} > "$OUT/eager_overhead.log" 2>&1
+  echo "eager overhead rc=$?"; grep -vi warn "$OUT/eager_overhead.log" | tail -n 60
 fi
 if has gelu_sweep; then  # bias+GELU forward: vectors per thread 1/2/4 against the default choice (csrc/gelu.cu fwd_unroll)
   for setting in "" BERTACCEL_GELU_UNROLL=1 BERTACCEL_GELU_UNROLL=2 BERTACCEL_GELU_UNROLL=4; do env $setting python scripts/elementwise_sweep.py; done > "$OUT/gelu_sweep.log" 2>&1
