@@ -134,7 +134,7 @@ class FusedBertOutput(nn.Module):
         h = dense_matmul(self.dense, hidden_states)
         args = (self.dense.bias, self.LayerNorm.weight, self.LayerNorm.bias, self.dropout.p, self.LayerNorm.eps,
                 self.training)
-        if residual_fanout_active() and why_not(h, params=(self.LayerNorm.weight, self.LayerNorm.bias)) is None:
+        if residual_fanout_active():  # (h: the device, dtype and width the check above passed)
             # the residual through the alias its producer left (so its gradient comes back apart), and an alias of
             # this output for the next residual LayerNorm
             return leave_residual_alias(*bias_dropout_add_layer_norm_fanout(h, args[0], residual_alias(input_tensor),
