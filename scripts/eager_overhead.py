@@ -8,8 +8,9 @@ kernels take a few us and the host a few tens, so wall time / calls is the host'
 never holds the loop up: a column `gpu_us` gives each callable's kernels' time from CUDA-graph replays to check
 that). Rows: `pytorch` (F.layer_norm / F.rms_norm / bias + F.gelu; for the residual LayerNorm an add, a dropout,
 an add and F.layer_norm), `bertaccel` (the public function the swapped modules call; `fanout`: the residual
-LayerNorm's form a training forward runs by default, a Python autograd.Function), `op` (the registered op called directly on the same tensors, no Python wrapper),
-and the wrapper's parts alone (`why_not`, the reshapes). Inference (no_grad) and training (inputs that
+LayerNorm's form a training forward runs by default, a Python autograd.Function), `op` (the registered op called through torch.ops on the same tensors, no Python wrapper),
+and the wrapper's parts alone (`why_not`, the Python eligibility test the wrappers ran on every call before the
+direct entry of csrc/eager.cpp; `direct_entry`, what they run now before that entry's C++ test and call). Inference (no_grad) and training (inputs that
 require grad: the forward records the C++ autograd node). Median of `--rounds` rounds, interleaved.
 bf16 activations, PyTorch's ops with bf16 weights (F.layer_norm refuses fp32 ones
 beside bf16 outside autocast, F.rms_norm computes in fp32 beside them), ours with the fp32 master weights a
@@ -25,6 +26,11 @@ import torch.nn.functional as F
 
 from benchmarks.common import graph_time_ms
 from bertaccel.ops.eligibility import why_not
+
+try:
+    from bertaccel.ops.eligibility import direct_entry
+except ImportError:  # a tree before the direct entry (an A/B run, scripts/ab_runs.sh)
+    direct_entry = None
 from bertaccel.ops.gelu import bias_gelu
 from bertaccel.ops.layer_norm import layer_norm
 from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_fanout
@@ -82,9 +88,8 @@ def cases(shape: tuple[int, ...], grad: bool, device: str) -> dict:
             "bertaccel": lambda: bias_gelu(g, gb),
         },
         "wrapper parts": {
-            "why_not": lambda: why_not(x, params=(w, b)),
-            "contiguous+view": lambda: x.contiguous().view(-1, H),
-            "view back": lambda: x2.view(shape),
+            "why_not": lambda: why_not(x, params=(w, b)),  # (the Python check, now only where the entry is None)
+            **({"direct_entry": lambda: direct_entry(x, w, b)} if direct_entry else {}),
         },
     }
 

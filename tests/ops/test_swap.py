@@ -220,7 +220,7 @@ def test_registry_derives_build_sources_and_swap_order():
     assert ORDER == list(registry.swap_entries())
     others = {s for m in build._other_op_modules() for s in m.CUDA_SOURCES}
     assert "adamw.cu" in others
-    assert set(build.sources()) == {s for m in registry.modules() for s in m.CUDA_SOURCES} | others | {"autograd.cpp"}
+    assert set(build.sources()) == {s for m in registry.modules() for s in m.CUDA_SOURCES} | others | set(build.SHARED_SOURCES)
     assert all((build.CSRC / s).exists() for s in build.sources() + build.HEADERS)
     assert all(name in registry.describe() for name in ORDER)
     # every CUDA / C++ source belongs to exactly one of the three extensions

@@ -33,9 +33,10 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-# Autograd of every public op on CUDA (csrc/autograd.cpp), host code only; the op families' own
-# sources come from bertaccel.ops.registry, the other ops' (the optimizer's) from OTHER_OP_MODULES.
-SHARED_SOURCES = ["autograd.cpp"]
+# Autograd of every public op on CUDA (csrc/autograd.cpp) and the direct eager entry points (csrc/eager.cpp),
+# host code only; the op families' own sources come from bertaccel.ops.registry, the other ops' (the
+# optimizer's) from OTHER_OP_MODULES.
+SHARED_SOURCES = ["autograd.cpp", "eager.cpp"]
 # ops that are not kernel-swap families (modules whose schemas must exist before the kernels register)
 OTHER_OP_MODULES = ["adamw", "bias_grad"]
 
@@ -77,6 +78,9 @@ def attention_sources() -> list[str]:
 CUDA_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]
 
 _state: dict[str, object] = {"loaded": None, "reason": ""}
+# bertaccel_ops imported as a Python module once loaded: csrc/eager.cpp's direct entry points for eager calls
+# (eligibility.direct_entry); None before, or where that import failed (the ops then run through torch.ops)
+entry = None
 _gemm_state: dict[str, object] = {"loaded": None, "reason": ""}
 _attention_state: dict[str, object] = {"loaded": None, "reason": ""}
 
@@ -282,11 +286,30 @@ def attention_reason() -> str:
 
 
 def _build_and_load(verbose: bool) -> None:
-    _build_and_load_extension("bertaccel_ops", sources(), sources() + HEADERS, _arch(), verbose)
+    global entry
+    library_file = _build_and_load_extension("bertaccel_ops", sources(), sources() + HEADERS, _arch(), verbose)
+    entry = _import_entry(library_file)
+
+
+def _import_entry(library_file: Path):
+    """The loaded library as a Python module (its PYBIND11_MODULE, csrc/eager.cpp): the same shared object, so
+    nothing registers twice. None, with a warning, when that fails; the ops stay on through torch.ops."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.spec_from_file_location(library_file.stem, library_file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception as e:  # noqa: BLE001 - the direct entry is an optimisation, not a requirement
+        warnings.warn(f"bertaccel: the ops' direct eager entry did not import ({type(e).__name__}: {e}); "
+                      "eager calls go through torch.ops", stacklevel=2)
+        return None
 
 
 def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arch: str, verbose: bool,
-                              extra_cuda_flags: list[str] | None = None) -> None:
+                              extra_cuda_flags: list[str] | None = None) -> Path:
+    """Build `name` (unless this key's build is done) and load it into torch.ops; the library's path."""
     from torch.utils.cpp_extension import load as cpp_load
 
     from bertaccel.ops import registry
@@ -311,7 +334,7 @@ def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arc
         # The folder is keyed by sources, flags, versions and arch: a finished build is current.
         torch.ops.load_library(str(library_file))
         log.info("%s loaded from %s", name, library_file)
-        return
+        return library_file
     with BuildLock(build_dir / "bertaccel.lock"):
         # torch's own baton file: we hold our lock, so any baton left here is from a dead build.
         (build_dir / "lock").unlink(missing_ok=True)
@@ -336,3 +359,4 @@ def _build_and_load_extension(name: str, srcs: list[str], hashed: list[str], arc
                 os.environ["TORCH_CUDA_ARCH_LIST"] = previous
         done.touch()
     log.info("%s loaded in %.1fs from %s", name, time.time() - t0, build_dir)
+    return library_file

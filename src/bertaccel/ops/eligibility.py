@@ -61,6 +61,19 @@ def why_not(x: torch.Tensor, hidden: int | None = None, dtype: torch.dtype | Non
     return None
 
 
+_has_torch_function = torch._C._has_torch_function_variadic
+
+
+def direct_entry(*args):
+    """The extension's direct Python entry points (csrc/eager.cpp: the eligibility test and an unboxed op call in
+    C++; a function returns None where the kernel cannot take its inputs), or None where an eager call must go
+    through torch.ops: while torch.compile traces, under a __torch_function__ mode or with an argument that
+    overrides __torch_function__, and before the extension has loaded."""
+    if torch.compiler.is_compiling() or _has_torch_function(*args):
+        return None
+    return build.entry
+
+
 def note_once(key: str, message: str, stacklevel: int = 2) -> None:
     """Warn `message` the first time `key` is noted in this process (never while compiling)."""
     if key in _warned or torch.compiler.is_compiling():

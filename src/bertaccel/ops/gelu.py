@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.eligibility import compute_dtype, direct_entry, note_fallback, why_not
 from bertaccel.ops.gemm import dense_matmul
 from bertaccel.ops.registration import NS, SwapEntry, lib
 
@@ -81,6 +81,9 @@ def bias_gelu_reference(x: Tensor, bias: Tensor | None, approximate: str = "none
 
 def bias_gelu(x: Tensor, bias: Tensor | None = None, approximate: str = "none") -> Tensor:
     """GELU(x + bias) in one pass (`approximate` as in `F.gelu`); PyTorch when the kernel cannot run."""
+    entry = direct_entry(x, bias)  # (the check and the call in C++: csrc/eager.cpp)
+    if entry is not None and (y := entry.bias_gelu(x, bias, approximate == "tanh")) is not None:
+        return y
     reason = why_not(x)
     if reason is not None:
         note_fallback("bias_gelu", reason)

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops.eligibility import note_fallback, why_not
+from bertaccel.ops.eligibility import direct_entry, note_fallback, why_not
 from bertaccel.ops.registration import NS, SEEDED, SwapEntry, check_dropout, cpu_dropout_keep, define_public, lib
 
 CUDA_SOURCES = ["layer_norm_fwd.cu", "layer_norm_bwd.cu"]
 
 # ------------------------------------------------------------------------------------ schemas
+# rng: the dropout (seed, offset) when p > 0, else empty; z: the pre-norm sum in the fused form, else empty
 lib.define(
     "layer_norm_fwd(Tensor x, Tensor? bias, Tensor? residual, Tensor weight, Tensor ln_bias, float p, float eps)"
     " -> (Tensor y, Tensor z, Tensor mean, Tensor rstd, Tensor rng)",
@@ -40,7 +41,7 @@ def _fwd_cpu(x, bias, residual, weight, ln_bias, p, eps):
     check_dropout(p)
     fused = bias is not None or residual is not None or p > 0
     h = x.float()
-    rng = torch.zeros(2, dtype=torch.long)
+    rng = torch.zeros(2 if p > 0 else 0, dtype=torch.long)  # (seed, offset) with dropout, else empty
     if bias is not None:
         h = h + bias.float()
     if p > 0:
@@ -95,7 +96,7 @@ def _fwd_fake(x, bias, residual, weight, ln_bias, p, eps):
     fused = bias is not None or residual is not None or p > 0
     f = x.new_empty(rows, dtype=torch.float32)
     return (torch.empty_like(x), torch.empty_like(x) if fused else x.new_empty(0), f, torch.empty_like(f),
-            x.new_empty(2, dtype=torch.long))
+            x.new_empty(2 if p > 0 else 0, dtype=torch.long))
 
 
 @torch.library.register_fake(f"{NS}::layer_norm_bwd")
@@ -159,6 +160,9 @@ def layer_norm_reference(x: Tensor, weight: Tensor, bias: Tensor, eps: float) ->
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """`F.layer_norm(x, (H,), weight, bias, eps)` through the kernel when it can run (CUDA, bf16/fp32,
     H <= 8192, affine, weights fp32 or x's dtype); PyTorch's own op otherwise, with the same result."""
+    entry = direct_entry(x, weight, bias)  # (the check and the call in C++: csrc/eager.cpp)
+    if entry is not None and (y := entry.layer_norm(x, weight, bias, eps)) is not None:
+        return y
     reason = why_not(x, params=(weight, bias)) if weight is not None and bias is not None else "no affine weight/bias"
     if reason is not None:
         note_fallback("layer_norm", reason)

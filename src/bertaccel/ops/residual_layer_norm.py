@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import bertaccel.ops.layer_norm  # noqa: F401 - defines the op this family runs
-from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
+from bertaccel.ops.eligibility import compute_dtype, direct_entry, note_fallback, why_not
 from bertaccel.ops.gemm import dense_matmul
 from bertaccel.ops.registration import SwapEntry
 
@@ -29,6 +29,10 @@ def bias_dropout_add_layer_norm(
 ) -> Tensor:
     """LayerNorm(dropout(x + bias, p) + residual). Runs in x's dtype (residual and bias are cast to
     it); the reference computation when the kernel cannot run."""
+    entry = direct_entry(x, bias, residual, weight, ln_bias)  # (the check and the call in C++: csrc/eager.cpp)
+    if entry is not None and (y := entry.bias_dropout_add_layer_norm(
+            x, bias, residual, weight, ln_bias, float(p) if training else 0.0, eps)) is not None:
+        return y
     reason = why_not(x, params=(weight, ln_bias))
     if reason is not None:
         note_fallback("residual_layer_norm", reason)

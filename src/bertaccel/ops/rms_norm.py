@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops.eligibility import note_fallback, why_not
+from bertaccel.ops.eligibility import direct_entry, note_fallback, why_not
 from bertaccel.ops.registration import NS, SwapEntry, define_public, lib
 
 CUDA_SOURCES = ["layer_norm_fwd.cu", "rms_norm_bwd.cu"]
@@ -78,6 +78,9 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None) -> Tens
     """`F.rms_norm(x, (H,), weight, eps)` through the kernel when it can run (CUDA, bf16/fp32,
     H <= 8192, with a weight of fp32 or x's dtype); PyTorch's own op otherwise. eps None: the dtype's
     machine epsilon, as in `F.rms_norm`."""
+    entry = direct_entry(x, weight)  # (the check and the call in C++: csrc/eager.cpp)
+    if entry is not None and (y := entry.rms_norm(x, weight, eps)) is not None:
+        return y
     reason = why_not(x, params=(weight,)) if weight is not None else "no weight"
     if reason is not None:
         note_fallback("rms_norm", reason)

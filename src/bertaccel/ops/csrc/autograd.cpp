@@ -55,7 +55,8 @@ struct LayerNormFn : public Function<LayerNormFn> {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [y, z, mean, rstd, rng] = fwd.call(x, bias, residual, weight, ln_bias, p, eps);
     const bool fused = bias.has_value() || residual.has_value() || p > 0;
-    ctx->save_for_backward({fused ? z : x, weight, ln_bias, mean, rstd, rng});
+    // (ln_bias is not saved: its gradient takes the weight's dtype, which the kernel checked is ln_bias's)
+    ctx->save_for_backward({fused ? z : x, weight, mean, rstd, rng});
     ctx->saved_data["p"] = p;
     ctx->saved_data["fused"] = fused;
     ctx->saved_data["bias_dtype"] = bias ? c10::IValue(bias->scalar_type()) : c10::IValue();
@@ -68,13 +69,13 @@ struct LayerNormFn : public Function<LayerNormFn> {
                                  const Tensor&, double, bool)>("bertaccel::layer_norm_bwd");
     auto s = ctx->get_saved_variables();
     const bool fused = ctx->saved_data["fused"].toBool();
-    auto [dz, dh, dweight, dln_bias, dbias] = bwd.call(grads[0], s[0], s[1], s[3], s[4], s[5],
+    auto [dz, dh, dweight, dln_bias, dbias] = bwd.call(grads[0], s[0], s[1], s[2], s[3], s[4],
                                                        ctx->saved_data["p"].toDouble(), fused);
     auto bias_dtype = ctx->saved_data["bias_dtype"];
     return {fused ? dh : dz,
             bias_dtype.isNone() ? Tensor() : dbias.to(bias_dtype.toScalarType()),
             ctx->saved_data["has_residual"].toBool() ? dz : Tensor(),
-            like(dweight, s[1]), like(dln_bias, s[2]), Tensor(), Tensor()};
+            like(dweight, s[1]), like(dln_bias, s[1]), Tensor(), Tensor()};
   }
 };
 

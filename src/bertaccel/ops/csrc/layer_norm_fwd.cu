@@ -524,7 +524,7 @@ void launch_any(const at::Tensor& x, const at::Tensor& gamma, Args&&... args) {
 }
 
 // With the tensors the backward needs: y, z (the pre-norm sum; fused form, else empty), mean, rstd
-// and the dropout seed/offset.
+// and the dropout seed/offset (p > 0, else empty).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const at::Tensor& x, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
     const at::Tensor& gamma, const at::Tensor& beta, double p, double eps) {
@@ -537,7 +537,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_nor
   at::Tensor z = fused ? at::empty_like(x) : at::Tensor();
   auto fopts = x.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({rows}, fopts), rstd = at::empty({rows}, fopts);
-  at::Tensor rng = at::empty({2}, x.options().dtype(at::kLong));  // written by the kernel
+  // (seed, offset), written by the kernel, when there is dropout; empty (no allocation) otherwise
+  at::Tensor rng = at::empty({p > 0 ? 2 : 0}, x.options().dtype(at::kLong));
   at::Tensor b = bias ? *bias : at::Tensor(), r = residual ? *residual : at::Tensor();
   launch_any<false>(x, gamma, b, r, gamma, beta, y, z, mean, rstd, eps, p, rng);
   if (!fused) z = at::empty({0}, x.options());
