@@ -12,7 +12,8 @@ from bertaccel.ops import build
 from bertaccel.ops.eligibility import direct_entry, why_not
 from bertaccel.ops.gelu import bias_gelu
 from bertaccel.ops.layer_norm import layer_norm
-from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
+from bertaccel.ops.residual_layer_norm import (_ResidualLayerNormFanOut, _kernel_args, bias_dropout_add_layer_norm,
+                                               bias_dropout_add_layer_norm_fanout)
 from bertaccel.ops.rms_norm import rms_norm
 from tests.ops.conftest import cuda_test
 
@@ -75,6 +76,10 @@ def test_entry_answers_as_why_not_and_gives_the_ops_bits():
         if y is not None:
             eps = torch.finfo(x.dtype).eps
             assert torch.equal(y, ops.rms_norm.default(x.contiguous(), w, eps)), desc
+        if w.device != x.device:  # (bias_gelu's eligibility does not look at the bias: the op names the problem)
+            with pytest.raises(RuntimeError, match="bias is on cpu"):
+                entry.bias_gelu(x, w, False)
+            continue
         y = entry.bias_gelu(x, w, False)
         assert (y is not None) == (why_not(x) is None), desc
         if y is not None:
@@ -112,3 +117,35 @@ def test_wrappers_through_the_entry_match_torch_ops_with_gradients(dtype):
     (o1, g1), (o2, g2) = run(False), run(True)
     for a, b in zip(o1 + list(g1), o2 + list(g2)):
         assert torch.equal(a, b)
+
+
+@cuda_test
+@pytest.mark.parametrize("consumers", ["both", "y", "alias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpp_fanout_equals_the_python_function(dtype, consumers):
+    """The residual LayerNorm's fan-out in C++ (csrc/autograd.cpp, what an eager call runs) against the Python
+    autograd.Function (what torch.ops-only callers run): y, the alias (the same memory, another autograd edge) and
+    every input's gradient bit for bit, with dropout, the bias and residual cast from fp32 (their gradients back in
+    fp32), with both consumers' gradients (layer_norm_bwd2) or either alone."""
+    T, H = 53, 768
+
+    def run(cpp: bool):
+        torch.manual_seed(1)
+        x = torch.randn(T, H, device="cuda", dtype=dtype, requires_grad=True)
+        hb = torch.randn(H, device="cuda", requires_grad=True)  # fp32: cast to x's dtype on the way in
+        r = torch.randn(T, H, device="cuda", requires_grad=True)
+        w, b = (torch.randn(H, device="cuda", requires_grad=True) for _ in range(2))
+        a, c = (torch.randn(T, H, device="cuda") for _ in range(2))
+        torch.cuda.manual_seed(3)
+        if cpp:
+            y, alias = bias_dropout_add_layer_norm_fanout(x, hb, r, w, b, 0.1, 1e-12)
+            assert "ResidualLayerNormFanOutFn" in y.grad_fn.name(), y.grad_fn.name()  # (the C++ node)
+        else:
+            y, alias = _ResidualLayerNormFanOut.apply(*_kernel_args(x, hb, r, w, b, 0.1, 1e-12, True))
+        assert alias.data_ptr() == y.data_ptr() and alias is not y
+        loss = {"both": (y.float() * a).sum() + (alias.float() * c).sum(), "y": (y.float() * a).sum(),
+                "alias": (alias.float() * c).sum()}[consumers]
+        return [y, *torch.autograd.grad(loss, (x, hb, r, w, b))]
+
+    for i, (p, q) in enumerate(zip(run(True), run(False))):
+        assert p.dtype == q.dtype and torch.equal(p, q), i

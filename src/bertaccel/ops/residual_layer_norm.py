@@ -84,7 +84,8 @@ def layer_norm_bwd_of_parts(dy: Tensor | None, dy_alias: Tensor | None, z, weigh
 
 class _ResidualLayerNormFanOut(torch.autograd.Function):
     """LayerNorm(dropout(x + bias) + residual) returning (y, an alias of y); the backward takes both outputs'
-    gradients and runs the LayerNorm backward once on their sum (summed in the kernel)."""
+    gradients and runs the LayerNorm backward once on their sum (summed in the kernel). csrc/autograd.cpp's
+    ResidualLayerNormFanOutFn is the same in C++ (eager calls)."""
 
     @staticmethod
     def forward(ctx, x, bias, residual, weight, ln_bias, p, eps):
@@ -108,7 +109,12 @@ def bias_dropout_add_layer_norm_fanout(x: Tensor, bias: Tensor, residual: Tensor
                                        p: float, eps: float, training: bool = True) -> tuple[Tensor, Tensor]:
     """bias_dropout_add_layer_norm's output y and an alias of it for a second consumer, whose gradient then
     reaches the LayerNorm backward apart from y's (summed in its kernel instead of by autograd). The kernel's path
-    only (see `bias_dropout_add_layer_norm`)."""
+    only (see `bias_dropout_add_layer_norm`): in eager calls csrc/autograd.cpp's C++ form of the Function below
+    (through csrc/eager.cpp), otherwise that Python Function."""
+    entry = direct_entry(x, bias, residual, weight, ln_bias)
+    if entry is not None and (out := entry.bias_dropout_add_layer_norm_fanout(
+            x, bias, residual, weight, ln_bias, float(p) if training else 0.0, eps)) is not None:
+        return out
     return _ResidualLayerNormFanOut.apply(*_kernel_args(x, bias, residual, weight, ln_bias, p, eps, training))
 
 

@@ -92,6 +92,50 @@ Tensor layer_norm_autograd(const Tensor& x, const OptTensor& bias, const OptTens
   return LayerNormFn::apply(x, bias, residual, weight, ln_bias, p, eps);
 }
 
+// ------------------------------------------------------- residual LayerNorm with its output's fan-out
+// residual_layer_norm.py's fan-out (the _ResidualLayerNormFanOut autograd.Function there, in C++ for eager calls:
+// residual_layer_norm_fanout below, reached through csrc/eager.cpp): y and an alias of y for its second consumer,
+// whose gradients reach the backward apart and are summed in the kernel (layer_norm_bwd2). Not a registered op: it
+// runs only outside torch.compile (residual_fanout_active), where the Python Function serves the other cases.
+struct ResidualLayerNormFanOutFn : public Function<ResidualLayerNormFanOutFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, const Tensor& residual,
+                               const Tensor& weight, const Tensor& ln_bias, double p, double eps) {
+    static auto fwd = op<Tensor5(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&,
+                                 double, double)>("bertaccel::layer_norm_fwd");
+    Tensor y, z, mean, rstd, rng;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(y, z, mean, rstd, rng) = fwd.call(x, bias, residual, weight, ln_bias, p, eps);
+    }
+    ctx->save_for_backward({z, weight, mean, rstd, rng});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["bias_dtype"] = bias.scalar_type();
+    ctx->set_materialize_grads(false);
+    return {y, y.detach()};  // (detach: the same memory, not a view - no reference from the alias back to y)
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, double, bool)>("bertaccel::layer_norm_bwd");
+    static auto bwd2 = op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, const Tensor&, double)>("bertaccel::layer_norm_bwd2");
+    const Tensor &dy = grads[0], &dy_alias = grads[1];
+    if (!dy.defined() && !dy_alias.defined()) return variable_list(7);
+    auto s = ctx->get_saved_variables();
+    const double p = ctx->saved_data["p"].toDouble();
+    Tensor dz, dh, dweight, dln_bias, dbias;
+    if (dy.defined() && dy_alias.defined())
+      std::tie(dz, dh, dweight, dln_bias, dbias) =
+          bwd2.call(dy.contiguous(), dy_alias.contiguous(), s[0], s[1], s[2], s[3], s[4], p);
+    else
+      std::tie(dz, dh, dweight, dln_bias, dbias) =
+          bwd.call((dy.defined() ? dy : dy_alias).contiguous(), s[0], s[1], s[2], s[3], s[4], p, true);
+    // (weight and ln_bias have one dtype: the kernel checked)
+    return {dh, dbias.to(ctx->saved_data["bias_dtype"].toScalarType()), dz, like(dweight, s[1]),
+            like(dln_bias, s[1]), Tensor(), Tensor()};
+  }
+};
+
 // ------------------------------------------------------------------------------------- RMSNorm
 struct RMSNormFn : public Function<RMSNormFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps) {
@@ -227,6 +271,15 @@ Tensor embedding_layer_norm_autograd(const Tensor& ids, const Tensor& pos_ids, c
 }
 
 }  // namespace
+
+// (csrc/eager.cpp's entry for the fan-out)
+std::tuple<Tensor, Tensor> residual_layer_norm_fanout(const Tensor& x, const Tensor& bias, const Tensor& residual,
+                                                      const Tensor& weight, const Tensor& ln_bias, double p,
+                                                      double eps) {
+  auto out = ResidualLayerNormFanOutFn::apply(x, bias, residual, weight, ln_bias, p, eps);
+  return {out[0], out[1]};
+}
+
 }  // namespace bertaccel
 
 TORCH_LIBRARY_IMPL(bertaccel, AutogradCUDA, m) {

@@ -13,6 +13,12 @@
 #include <limits>
 
 namespace bertaccel {
+
+// csrc/autograd.cpp
+std::tuple<at::Tensor, at::Tensor> residual_layer_norm_fanout(const at::Tensor& x, const at::Tensor& bias,
+                                                              const at::Tensor& residual, const at::Tensor& weight,
+                                                              const at::Tensor& ln_bias, double p, double eps);
+
 namespace {
 
 using at::Tensor;
@@ -58,6 +64,18 @@ OptTensor bias_dropout_add_layer_norm(const Tensor& x, const Tensor& bias, const
   return call.call(x.contiguous(), bias.to(dtype).contiguous(), r.to(dtype).contiguous(), weight, ln_bias, p, eps);
 }
 
+// residual_layer_norm.bias_dropout_add_layer_norm_fanout: (y, an alias of y for its second consumer)
+std::optional<std::tuple<Tensor, Tensor>> bias_dropout_add_layer_norm_fanout(
+    const Tensor& x, const Tensor& bias, const Tensor& residual, const Tensor& weight, const Tensor& ln_bias, double p,
+    double eps) {
+  if (!rows_ok(x) || !param_ok(x, weight) || !param_ok(x, ln_bias)) return std::nullopt;
+  pybind11::gil_scoped_release no_gil;
+  const auto dtype = x.scalar_type();
+  const Tensor& r = residual.sizes() == x.sizes() ? residual : residual.reshape(x.sizes());
+  return residual_layer_norm_fanout(x.contiguous(), bias.to(dtype).contiguous(), r.to(dtype).contiguous(), weight,
+                                    ln_bias, p, eps);
+}
+
 // rms_norm.rms_norm (eps None: the input dtype's machine epsilon, as F.rms_norm)
 OptTensor rms_norm(const Tensor& x, const OptTensor& weight, std::optional<double> eps) {
   if (!weight || !rows_ok(x) || !param_ok(x, *weight)) return std::nullopt;
@@ -85,6 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "bertaccel's direct eager entry points (see csrc/eager.cpp); None where the kernel cannot take the inputs";
   m.def("layer_norm", &bertaccel::layer_norm);
   m.def("bias_dropout_add_layer_norm", &bertaccel::bias_dropout_add_layer_norm);
+  m.def("bias_dropout_add_layer_norm_fanout", &bertaccel::bias_dropout_add_layer_norm_fanout);
   m.def("rms_norm", &bertaccel::rms_norm);
   m.def("bias_gelu", &bertaccel::bias_gelu);
 }
