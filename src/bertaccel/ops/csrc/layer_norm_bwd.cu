@@ -7,41 +7,37 @@
 namespace bertaccel {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
-    const at::Tensor& dy_in, const at::Tensor& z, const at::Tensor& gamma, const at::Tensor& mean,
-    const at::Tensor& rstd, const at::Tensor& rng, double p, bool want_dh) {
-  at::Tensor dy = checked_grad(dy_in, z);
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// dz, dh (fused form), dgamma, dbeta, dbias (fused form); the output's gradient is dy, or dy + dy2 when dy2 is
+// defined (fused form only: the kernel sums them as it loads the rows). The plain form returns empty dh / dbias.
+Grads backward(const at::Tensor& dy, const at::Tensor& dy2, const at::Tensor& z, const at::Tensor& gamma,
+               const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& rng, double p, bool want_dh) {
   c10::cuda::CUDAGuard guard(z.device());
   const int64_t H = z.size(-1);
-  at::Tensor dz = at::empty_like(z);
-  at::Tensor dh = want_dh ? at::empty_like(z) : at::Tensor();
   auto fopts = z.options().dtype(at::kFloat);
+  at::Tensor dz = at::empty_like(z);
   at::Tensor dgamma = at::empty({H}, fopts), dbeta = at::empty({H}, fopts);
-  at::Tensor dbias = want_dh ? at::empty({H}, fopts) : at::Tensor();
-  if (want_dh)
-    launch_bwd_any<kFused>(dy, z, gamma, mean, rstd, dz, dh, dgamma, dbeta, dbias, p, rng);
-  else
-    launch_bwd_any<kPlain>(dy, z, gamma, mean, rstd, dz, dh, dgamma, dbeta, dbias, 0.0, rng);
   if (!want_dh) {
-    dh = at::empty({0}, z.options());
-    dbias = at::empty({0}, fopts);
+    at::Tensor none;
+    launch_bwd_any<kPlain>(dy, z, gamma, mean, rstd, dz, none, dgamma, dbeta, none, 0.0, rng);
+    return {dz, at::empty({0}, z.options()), dgamma, dbeta, at::empty({0}, fopts)};
   }
+  at::Tensor dh = at::empty_like(z), dbias = at::empty({H}, fopts);
+  launch_bwd_any<kFused>(dy, z, gamma, mean, rstd, dz, dh, dgamma, dbeta, dbias, p, rng, dy2);
   return {dz, dh, dgamma, dbeta, dbias};
+}
+
+Grads layer_norm_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gamma, const at::Tensor& mean,
+                     const at::Tensor& rstd, const at::Tensor& rng, double p, bool want_dh) {
+  return backward(checked_grad(dy, z), at::Tensor(), z, gamma, mean, rstd, rng, p, want_dh);
 }
 
 // The fused form's backward with the output's gradient in two parts (dy + dy2, the output's two consumers:
 // residual_layer_norm.py's fan-out), summed as the rows are loaded (launch_bwd).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd2(
-    const at::Tensor& dy_in, const at::Tensor& dy2_in, const at::Tensor& z, const at::Tensor& gamma,
-    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& rng, double p) {
-  at::Tensor dy = checked_grad(dy_in, z), dy2 = checked_grad(dy2_in, z);
-  c10::cuda::CUDAGuard guard(z.device());
-  const int64_t H = z.size(-1);
-  at::Tensor dz = at::empty_like(z), dh = at::empty_like(z);
-  auto fopts = z.options().dtype(at::kFloat);
-  at::Tensor dgamma = at::empty({H}, fopts), dbeta = at::empty({H}, fopts), dbias = at::empty({H}, fopts);
-  launch_bwd_any<kFused>(dy, z, gamma, mean, rstd, dz, dh, dgamma, dbeta, dbias, p, rng, dy2);
-  return {dz, dh, dgamma, dbeta, dbias};
+Grads layer_norm_bwd2(const at::Tensor& dy, const at::Tensor& dy2, const at::Tensor& z, const at::Tensor& gamma,
+                      const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& rng, double p) {
+  return backward(checked_grad(dy, z), checked_grad(dy2, z), z, gamma, mean, rstd, rng, p, true);
 }
 
 }  // namespace
