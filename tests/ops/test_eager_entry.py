@@ -149,3 +149,12 @@ def test_cpp_fanout_equals_the_python_function(dtype, consumers):
 
     for i, (p, q) in enumerate(zip(run(True), run(False))):
         assert p.dtype == q.dtype and torch.equal(p, q), i
+
+
+def test_a_library_that_does_not_import_leaves_no_entry(tmp_path):
+    """A shared object that is not a Python module (no PyInit): build._import_entry warns and gives None (the ops
+    then run through torch.ops), rather than failing the load."""
+    bogus = tmp_path / "bertaccel_ops_000000000000.so"
+    bogus.write_bytes(b"not an ELF file")
+    with pytest.warns(UserWarning, match="direct eager entry did not import"):
+        assert build._import_entry(bogus) is None
