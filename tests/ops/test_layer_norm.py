@@ -546,3 +546,16 @@ def test_fanout_in_a_swapped_bert_trains_like_autograds_add(monkeypatch):
     assert calls == 3, calls
     for i, (a, b) in enumerate(zip(off, on)):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-3 * a.abs().max().item() + 1e-6, msg=f"tensor {i}")
+
+
+@cuda_test
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_cpp_fanout_under_gradient_checkpointing_trains_like_autograds_add(monkeypatch, reentrant):
+    """The fan-out's C++ form (what eager CUDA calls run, csrc/autograd.cpp) under HF's gradient checkpointing, as the
+    CPU test checks the Python Function: the same calls of the summing kernel, and autograd's add's output and
+    gradients."""
+    off, on, calls = bert_fanout_off_and_on(monkeypatch, ["all"], FANOUT_GPU_BERT, "cuda",
+                                            checkpointing={"use_reentrant": reentrant})
+    assert calls == (2 if reentrant else 3), calls
+    for i, (a, b) in enumerate(zip(off, on)):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-3 * a.abs().max().item() + 1e-6, msg=f"tensor {i}")
