@@ -7,7 +7,7 @@ Each callable runs `--calls` times back to back (after a warm-up), then one sync
 kernels take a few us and the host a few tens, so wall time / calls is the host's cost per call (the GPU
 never holds the loop up: a column `gpu_us` gives each callable's kernels' time from CUDA-graph replays to check
 that). Rows: `pytorch` (F.layer_norm / F.rms_norm / bias + F.gelu; for the residual LayerNorm an add, a dropout,
-an add and F.layer_norm), `bertaccel` (the public function the swapped modules call; `fanout`: the residual
+an add and F.layer_norm; `bert_output`: HF's BertSelfOutput module under bf16 autocast against the swapped one), `bertaccel` (the public function the swapped modules call; `fanout`: the residual
 LayerNorm's form a training forward runs by default, a Python autograd.Function), `op` (the registered op called through torch.ops on the same tensors, no Python wrapper),
 and the wrapper's parts alone (`why_not`, the Python eligibility test the wrappers ran on every call before the
 direct entry of csrc/eager.cpp; `direct_entry`, what they run now before that entry's C++ test and call). Inference (no_grad) and training (inputs that
@@ -53,6 +53,23 @@ def host_us(fn, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def _bert_outputs(H: int, training: bool, device: str):
+    """An HF BertSelfOutput of width H (fp32 weights, dropout 0.1, train() when `training`) and the swapped module
+    over the same parameters."""
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertSelfOutput
+
+    from bertaccel.ops.residual_layer_norm import FusedBertOutput
+
+    hf = BertSelfOutput(BertConfig(hidden_size=H, num_attention_heads=max(1, H // 64))).to(device).train(training)
+    return hf, FusedBertOutput(hf)
+
+
+def _autocast(device: str, module, x, r):
+    with torch.autocast(device, dtype=torch.bfloat16):
+        return module(x, r)
+
+
 def cases(shape: tuple[int, ...], grad: bool, device: str) -> dict:
     H = shape[-1]
     x = torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=grad)
@@ -66,6 +83,7 @@ def cases(shape: tuple[int, ...], grad: bool, device: str) -> dict:
     g = torch.randn(*shape[:-1], 4 * H, device=device, dtype=torch.bfloat16, requires_grad=grad)
     x2 = x.view(-1, H)
     ops = torch.ops.bertaccel
+    hf_output, fused_output = _bert_outputs(H, grad, device)
     return {
         "layer_norm": {
             "pytorch": lambda: F.layer_norm(x, (H,), wb, bb, 1e-12),
@@ -86,6 +104,13 @@ def cases(shape: tuple[int, ...], grad: bool, device: str) -> dict:
         "bias_gelu": {
             "pytorch": lambda: F.gelu(g + gb),
             "bertaccel": lambda: bias_gelu(g, gb),
+        },
+        # a BERT sub-layer's tail as the model calls it: HF's BertSelfOutput (dense, dropout, add, LayerNorm; fp32
+        # weights under bf16 autocast, as bf16-mixed training runs it) against the swapped FusedBertOutput (the matmul
+        # without its bias, then the fused kernel; in training the fan-out form) - the matmul's host time included
+        "bert_output": {
+            "pytorch": lambda: _autocast(device, hf_output, x, r),
+            "bertaccel": lambda: _autocast(device, fused_output, x, r),
         },
         "wrapper parts": {
             "why_not": lambda: why_not(x, params=(w, b)),  # (the Python check, now only where the entry is None)
