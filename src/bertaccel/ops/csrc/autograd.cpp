@@ -47,11 +47,18 @@ Tensor like(const Tensor& grad, const Tensor& ref) {
 }
 
 // ----------------------------------------------------------------- LayerNorm (+ bias, dropout, residual)
+// the saving forward and the backwards, shared by LayerNormFn and ResidualLayerNormFanOutFn
+using LayerNormFwdSig = Tensor5(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, double,
+                                double);
+using LayerNormBwdSig = Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, double, bool);
+using LayerNormBwd2Sig = Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, const Tensor&, double);
+
 struct LayerNormFn : public Function<LayerNormFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const OptTensor& residual,
                         const Tensor& weight, const Tensor& ln_bias, double p, double eps) {
-    static auto fwd = op<Tensor5(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&,
-                                 double, double)>("bertaccel::layer_norm_fwd");
+    static auto fwd = op<LayerNormFwdSig>("bertaccel::layer_norm_fwd");
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [y, z, mean, rstd, rng] = fwd.call(x, bias, residual, weight, ln_bias, p, eps);
     const bool fused = bias.has_value() || residual.has_value() || p > 0;
@@ -65,8 +72,7 @@ struct LayerNormFn : public Function<LayerNormFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto bwd = op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const Tensor&, double, bool)>("bertaccel::layer_norm_bwd");
+    static auto bwd = op<LayerNormBwdSig>("bertaccel::layer_norm_bwd");
     auto s = ctx->get_saved_variables();
     const bool fused = ctx->saved_data["fused"].toBool();
     auto [dz, dh, dweight, dln_bias, dbias] = bwd.call(grads[0], s[0], s[1], s[2], s[3], s[4],
@@ -100,8 +106,7 @@ Tensor layer_norm_autograd(const Tensor& x, const OptTensor& bias, const OptTens
 struct ResidualLayerNormFanOutFn : public Function<ResidualLayerNormFanOutFn> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, const Tensor& residual,
                                const Tensor& weight, const Tensor& ln_bias, double p, double eps) {
-    static auto fwd = op<Tensor5(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&,
-                                 double, double)>("bertaccel::layer_norm_fwd");
+    static auto fwd = op<LayerNormFwdSig>("bertaccel::layer_norm_fwd");
     Tensor y, z, mean, rstd, rng;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
@@ -115,10 +120,8 @@ struct ResidualLayerNormFanOutFn : public Function<ResidualLayerNormFanOutFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto bwd = op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const Tensor&, double, bool)>("bertaccel::layer_norm_bwd");
-    static auto bwd2 = op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, const Tensor&, double)>("bertaccel::layer_norm_bwd2");
+    static auto bwd = op<LayerNormBwdSig>("bertaccel::layer_norm_bwd");
+    static auto bwd2 = op<LayerNormBwd2Sig>("bertaccel::layer_norm_bwd2");
     const Tensor &dy = grads[0], &dy_alias = grads[1];
     if (!dy.defined() && !dy_alias.defined()) return variable_list(7);
     auto s = ctx->get_saved_variables();

@@ -53,27 +53,40 @@ OptTensor layer_norm(const Tensor& x, const OptTensor& weight, const OptTensor& 
   return call.call(x.contiguous(), std::nullopt, std::nullopt, *weight, *bias, 0.0, eps);
 }
 
+// The residual form's kernel arguments (residual_layer_norm._kernel_args): x as it is shaped, bias and residual in
+// x's dtype, the residual in x's shape.
+struct ResidualArgs {
+  Tensor x, bias, residual;
+  ResidualArgs(const Tensor& x_in, const Tensor& bias_in, const Tensor& residual_in)
+      : x(x_in.contiguous()),
+        bias(bias_in.to(x_in.scalar_type()).contiguous()),
+        residual((residual_in.sizes() == x_in.sizes() ? residual_in : residual_in.reshape(x_in.sizes()))
+                     .to(x_in.scalar_type())
+                     .contiguous()) {}
+};
+
+bool residual_ok(const Tensor& x, const Tensor& weight, const Tensor& ln_bias) {
+  return rows_ok(x) && param_ok(x, weight) && param_ok(x, ln_bias);
+}
+
 // residual_layer_norm.bias_dropout_add_layer_norm (p already 0 outside training)
 OptTensor bias_dropout_add_layer_norm(const Tensor& x, const Tensor& bias, const Tensor& residual,
                                       const Tensor& weight, const Tensor& ln_bias, double p, double eps) {
-  if (!rows_ok(x) || !param_ok(x, weight) || !param_ok(x, ln_bias)) return std::nullopt;
+  if (!residual_ok(x, weight, ln_bias)) return std::nullopt;
   static auto call = op<LayerNormSig>("bertaccel::layer_norm");
   pybind11::gil_scoped_release no_gil;
-  const auto dtype = x.scalar_type();
-  const Tensor& r = residual.sizes() == x.sizes() ? residual : residual.reshape(x.sizes());
-  return call.call(x.contiguous(), bias.to(dtype).contiguous(), r.to(dtype).contiguous(), weight, ln_bias, p, eps);
+  const ResidualArgs a(x, bias, residual);
+  return call.call(a.x, a.bias, a.residual, weight, ln_bias, p, eps);
 }
 
 // residual_layer_norm.bias_dropout_add_layer_norm_fanout: (y, an alias of y for its second consumer)
 std::optional<std::tuple<Tensor, Tensor>> bias_dropout_add_layer_norm_fanout(
     const Tensor& x, const Tensor& bias, const Tensor& residual, const Tensor& weight, const Tensor& ln_bias, double p,
     double eps) {
-  if (!rows_ok(x) || !param_ok(x, weight) || !param_ok(x, ln_bias)) return std::nullopt;
+  if (!residual_ok(x, weight, ln_bias)) return std::nullopt;
   pybind11::gil_scoped_release no_gil;
-  const auto dtype = x.scalar_type();
-  const Tensor& r = residual.sizes() == x.sizes() ? residual : residual.reshape(x.sizes());
-  return residual_layer_norm_fanout(x.contiguous(), bias.to(dtype).contiguous(), r.to(dtype).contiguous(), weight,
-                                    ln_bias, p, eps);
+  const ResidualArgs a(x, bias, residual);
+  return residual_layer_norm_fanout(a.x, a.bias, a.residual, weight, ln_bias, p, eps);
 }
 
 // rms_norm.rms_norm (eps None: the input dtype's machine epsilon, as F.rms_norm)
