@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import bertaccel.ops.swap  # noqa: F401 - imports every op family
+from bertaccel.ops import gelu_math
 from bertaccel.ops.gelu import bias_gelu
 from bertaccel.ops.layer_norm import layer_norm
 from tests.ops.conftest import DTYPES, check, cuda_test, leaves, poison, rand
@@ -29,6 +30,16 @@ def test_gelu_backward_formula_matches_autograd():
         rx, rb = torch.autograd.grad(F.gelu(xr + br, approximate=approximate), (xr, br), dy)
         torch.testing.assert_close(gx, rx)
         torch.testing.assert_close(gb, rb)
+
+
+@pytest.mark.parametrize("tanh", [False, True])
+def test_gelu_derivative_written_out_matches_autograd(tanh):
+    """gelu_math.gelu_derivative (the CPU references of the bias+GELU backward and the GEMM's dGELU epilogue)
+    against autograd through gelu_math.gelu, in float64, over the range BERT's pre-activations take and past it."""
+    h = torch.cat([torch.linspace(-12, 12, 2001, dtype=torch.float64), torch.randn(1000, dtype=torch.float64) * 3])
+    h.requires_grad_(True)
+    (expect,) = torch.autograd.grad(gelu_math.gelu(h, tanh).sum(), h)
+    torch.testing.assert_close(gelu_math.gelu_derivative(h.detach(), tanh), expect, atol=1e-13, rtol=1e-13)
 
 
 @cuda_test

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bertaccel.ops import gelu_math
 from bertaccel.ops.eligibility import compute_dtype, direct_entry, note_fallback, why_not
 from bertaccel.ops.gemm import dense_matmul
 from bertaccel.ops.registration import NS, SwapEntry, lib
@@ -21,30 +20,16 @@ lib.define("bias_gelu_bwd(Tensor dy, Tensor x, Tensor? bias, bool tanh) -> (Tens
 
 
 # ------------------------------------------------------------------------------ CPU reference
-def gelu_reference(x: Tensor, tanh: bool) -> Tensor:
-    return F.gelu(x, approximate="tanh" if tanh else "none")
-
-
-def gelu_derivative_reference(h: Tensor, tanh: bool) -> Tensor:
-    """d GELU(h) / dh, written out (a kernel that ran autograd inside would record nothing below the autograd
-    key, e.g. under a TorchDispatchMode)."""
-    if tanh:
-        k = math.sqrt(2.0 / math.pi)
-        t = torch.tanh(k * (h + 0.044715 * h**3))
-        return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * k * (1 + 3 * 0.044715 * h * h)
-    return 0.5 * (1 + torch.erf(h * math.sqrt(0.5))) + h * torch.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
-
-
 @torch.library.impl(lib, "bias_gelu", "CPU")
 def _fwd_cpu(x, bias, tanh):
     h = x.float() if bias is None else x.float() + bias.float()
-    return gelu_reference(h, tanh).to(x.dtype)
+    return gelu_math.gelu(h, tanh).to(x.dtype)
 
 
 @torch.library.impl(lib, "bias_gelu_bwd", "CPU")
 def _bwd_cpu(dy, x, bias, tanh):
     h = x.float() if bias is None else x.float() + bias.float()
-    dx = (dy.float() * gelu_derivative_reference(h, tanh)).to(x.dtype)
+    dx = (dy.float() * gelu_math.gelu_derivative(h, tanh)).to(x.dtype)
     dbias = dx.float().reshape(-1, x.shape[-1]).sum(0) if bias is not None else dx.new_empty(0, dtype=torch.float32)
     return dx, dbias
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.ops import build
+from bertaccel.ops import build, gelu_math
 from bertaccel.ops.bias_grad import column_sum, linear_setup
 from bertaccel.ops.eligibility import compute_dtype, note_fallback
 from bertaccel.ops.registration import NS, SwapEntry, lib
@@ -53,16 +53,6 @@ lib.define("linear_gelu(Tensor x, Tensor weight, Tensor bias, bool tanh) -> (Ten
 
 
 # ------------------------------------------------------------------------------ CPU reference
-def _gelu(h: Tensor, tanh: bool) -> Tensor:
-    return F.gelu(h, approximate="tanh" if tanh else "none")
-
-
-def _dgelu(h: Tensor, tanh: bool) -> Tensor:
-    from bertaccel.ops.gelu import gelu_derivative_reference  # (gelu.py imports this module)
-
-    return gelu_derivative_reference(h, tanh)
-
-
 def apply_epilogue(acc: Tensor, bias, aux, epilogue: int, save_pre: bool, pre_dtype: torch.dtype):
     """The epilogues on a product `acc` (in acc's precision): (output, pre-activation or empty)."""
     pre = acc.new_empty(0, dtype=pre_dtype)
@@ -71,11 +61,11 @@ def apply_epilogue(acc: Tensor, bias, aux, epilogue: int, save_pre: bool, pre_dt
     if epilogue in (2, 3):
         if save_pre:
             pre = acc.to(pre_dtype)
-        acc = _gelu(acc, epilogue == 3)
+        acc = gelu_math.gelu(acc, epilogue == 3)
     elif epilogue == 4:
         acc = acc + aux.to(acc.dtype)
     elif epilogue in (5, 6):
-        acc = acc * _dgelu(aux.to(acc.dtype), epilogue == 6)
+        acc = acc * gelu_math.gelu_derivative(aux.to(acc.dtype), epilogue == 6)
     return acc, pre
 
 
