@@ -1,4 +1,4 @@
-"""The GEMM share-of-cuBLAS table of the README from `benchmarks/bench_gemm.py` JSONs: per BERT GEMM cell, the
+"""The GEMM share-of-cuBLAS table (docs/gemm.md) from `benchmarks/bench_gemm.py` JSONs: per BERT GEMM cell, the
 model's pick as a share of cuBLAS in each run given ("a / b / c"), the tuned pick in brackets where a run has
 one (`--tune`) and it differs from the model's by 0.02 or more; then per run the median and the cells at 0.9.
 

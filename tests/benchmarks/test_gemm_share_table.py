@@ -1,4 +1,4 @@
-"""scripts/gemm_share_table.py: the README's share-of-cuBLAS table from bench_gemm JSONs."""
+"""scripts/gemm_share_table.py: docs/gemm.md's share-of-cuBLAS table from bench_gemm JSONs."""
 
 from __future__ import annotations
 

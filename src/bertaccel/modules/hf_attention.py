@@ -32,7 +32,7 @@ cross attention, a 4-D mask (as transformers passes a caller's own), `output_att
 which returns weights). The Hopper rule makes the option safe to name in a preset: our kernel runs where
 it was measured faster than SDPA (an H100); elsewhere `BERTACCEL_HF_ATTENTION_ANY_GPU=1` runs its mma.sync
 kernels anyway (on an H100 they beat cuDNN on padded batches with much padding and lost to it on full
-ones: README, "Attention").
+ones: docs/attention.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ backward. The fused block runs
               added in that GEMM's epilogue (x feeds the GEMMs and the residual: as one op, the block
               gets both gradients together, and autograd's separate add of the two goes)
 so the forward's GELU is no pass over the 4H-wide activation of its own. The dGELU epilogue measured
-slower than the separate pass on an H100 (README "fused FFN"): the erf and exp of 50M elements in the
+slower than the separate pass on an H100 (docs/gemm.md, "The fused feed-forward block"): the erf and exp of 50M elements in the
 epilogue are not hidden behind the MMAs, and the bias gradient then needs its own reduction.
 
 `feed_forward(x, w1, b1, w2)` is the two GEMMs' op and `feed_forward_layer_norm(...)` the whole block's
@@ -48,7 +48,7 @@ def dgelu_in_epilogue() -> bool:
     """Where the backward applies gelu'(pre): BERTACCEL_FFN_DGELU=epilogue puts it in GEMM 2's dgrad
     epilogue (no d(act) tensor, but the bias gradient is a separate column sum); the default, `kernel`,
     runs a plain dgrad and one bias_gelu_bwd pass (dGELU and the bias gradient together). On an H100 at
-    16384 x 768 x 3072 the kernel form measured faster (benchmarks/bench_ffn.py, README "fused FFN")."""
+    16384 x 768 x 3072 the kernel form measured faster (benchmarks/bench_ffn.py, docs/gemm.md)."""
     return os.environ.get("BERTACCEL_FFN_DGELU", "kernel") == "epilogue"
 _EPILOGUE = {False: (2, 5), True: (3, 6)}  # tanh -> (bias + GELU, dGELU): gemm.EPILOGUES
 _RESIDUAL = _gemm.EPILOGUES["bias_residual"]  # (given no bias: + the auxiliary input only)

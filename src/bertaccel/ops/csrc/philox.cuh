@@ -9,7 +9,7 @@
 // found Crush-resistant (passing TestU01's BigCrush with its own counters); its default 10 adds a safety
 // margin for general use. Each round is two 32x32->64 multiplies (IMAD.WIDE) and two three-input XORs
 // (LOP3); with dropout the attention kernels and the residual LayerNorm forward are issue-bound on these
-// (README "Philox rounds" for what seven saved). Python mirror: bertaccel.ops.registration.philox4x32,
+// (docs/attention.md "Philox rounds" for what seven saved). Python mirror: bertaccel.ops.registration.philox4x32,
 // whose ten-round form is checked against Random123's known answers.
 #pragma once
 #include <cstdint>
