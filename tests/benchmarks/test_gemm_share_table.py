@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gemm_share_table.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("gemm_share_table", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from scripts import gemm_share_table
 
 
 def bench(path: Path, cells: dict, tuned: dict | None = None) -> str:
@@ -35,7 +27,7 @@ def test_table_columns_runs_and_marks_tuned_picks_that_differ(tmp_path):
     b = bench(tmp_path / "b.json", {("16384x768x768", "fwd"): 0.97, ("16384x768x768", "wgrad"): 0.85,
                                      ("2048x768x768", "dgrad"): 0.81},
               tuned={("16384x768x768", "fwd"): 0.975, ("16384x768x768", "wgrad"): 0.89})
-    out = load().table([a, b]).splitlines()
+    out = gemm_share_table.table([a, b]).splitlines()
     row = next(line for line in out if line.startswith("| 16384x768x768"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     # large M on the left, M = 2048 on the right; the tuned wgrad (0.04 better) in brackets, the fwd (0.005) not

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "targets_table.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("targets_table", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from scripts import targets_table
 
 
 def write(tmp: Path, gpu: str) -> dict:
@@ -55,8 +47,7 @@ def write(tmp: Path, gpu: str) -> dict:
 
 
 def test_each_target_is_judged_from_its_cells(tmp_path):
-    mod = load()
-    lines, met, measured = mod.table(write(tmp_path, "NVIDIA H100 80GB HBM3"))
+    lines, met, measured = targets_table.table(write(tmp_path, "NVIDIA H100 80GB HBM3"))
     text = "\n".join(lines)
     # issue 9: LN fwd 86 met, bwd 65 not; faster than compile both ways (2 met); 2,048 rows: fwd met, bwd 15 > 14
     # not; softmax's large cell 87 < 88 not (its small one not judged)
@@ -65,16 +56,15 @@ def test_each_target_is_judged_from_its_cells(tmp_path):
     assert "issue 11: 1 of 2 cells at target" in text  # d 64 0.34 vs cuDNN 0.33 not, d 32 met
     assert "softmax 16x12x128x128" not in text
     assert (met, measured) == (7, 13)
-    unmet, _, _ = mod.table(write(tmp_path, "NVIDIA H100 80GB HBM3"), unmet_only=True)
+    unmet, _, _ = targets_table.table(write(tmp_path, "NVIDIA H100 80GB HBM3"), unmet_only=True)
     cells = [line for line in unmet if line.startswith("  issue")]
     assert len(cells) == 6 and all(line.endswith("NOT met") for line in cells)
 
 
 def test_another_gpu_counts_nothing_as_met_and_missing_files_say_so(tmp_path):
-    mod = load()
     paths = write(tmp_path, "NVIDIA H200")
     paths["gemm"] = str(tmp_path / "absent.json")
-    lines, met, measured = mod.table(paths)
+    lines, met, measured = targets_table.table(paths)
     text = "\n".join(lines)
     assert (met, measured) == (0, 0)
     assert "not an H100: shown, not counted" in text and "gemm: not measured" in text

@@ -53,7 +53,7 @@ def sources() -> list[str]:
     return registry.cuda_sources() + [s for m in _other_op_modules() for s in m.CUDA_SOURCES] + SHARED_SOURCES
 
 
-HEADERS = ["check.h", "common.cuh", "erf_fast.cuh", "pdl.cuh", "philox.cuh", "layer_norm_bwd.cuh", "switches.h"]
+HEADERS = ["check.h", "common.cuh", "dispatch.h", "erf_fast.cuh", "pdl.cuh", "philox.cuh", "layer_norm_bwd.cuh", "switches.h"]
 # the GEMM extension: sm_90a only (wgmma, setmaxnreg); TORCH_CUDA_ARCH_LIST "9.0a" gives its -gencode
 GEMM_SOURCES = ["gemm.cu", "gemm_plain.cu", "gemm_bias.cu", "gemm_gelu.cu", "gemm_splitk.cu", "gemm_residual.cu", "gemm_cluster_cooperative.cu", "gemm_cluster_rows.cu", "gemm_fp32.cu"]
 GEMM_HEADERS = ["async_copy.cuh", "check.h", "erf_fast.cuh", "gelu_math.cuh", "gemm.h", "gemm_kernel.cuh", "pdl.cuh",

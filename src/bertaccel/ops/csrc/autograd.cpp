@@ -11,9 +11,10 @@
 // normalises the stored bf16 sum, so the two can differ by one bf16 rounding (tests/ops/
 // test_layer_norm.py checks both against each other). Under torch.compile these Functions are traced like any aten op's
 // autograd: the forward graph holds `*_fwd`, the backward graph `*_bwd`.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include "dispatch.h"
 
 namespace bertaccel {
 namespace {
@@ -24,11 +25,6 @@ using torch::autograd::Function;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<Tensor>;
 using Tensor5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
 
 // Whether a call must record a backward: grad mode on and some input that requires grad. When not
 // (inference, evaluation), the public op's own CUDA kernel runs, writing only the output.
@@ -275,7 +271,7 @@ Tensor embedding_layer_norm_autograd(const Tensor& ids, const Tensor& pos_ids, c
 
 }  // namespace
 
-// (csrc/eager.cpp's entry for the fan-out)
+// (dispatch.h; csrc/eager.cpp's entry for the fan-out)
 std::tuple<Tensor, Tensor> residual_layer_norm_fanout(const Tensor& x, const Tensor& bias, const Tensor& residual,
                                                       const Tensor& weight, const Tensor& ln_bias, double p,
                                                       double eps) {

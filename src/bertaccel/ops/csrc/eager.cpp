@@ -12,24 +12,15 @@
 
 #include <limits>
 
+#include "dispatch.h"
+
 namespace bertaccel {
-
-// csrc/autograd.cpp
-std::tuple<at::Tensor, at::Tensor> residual_layer_norm_fanout(const at::Tensor& x, const at::Tensor& bias,
-                                                              const at::Tensor& residual, const at::Tensor& weight,
-                                                              const at::Tensor& ln_bias, double p, double eps);
-
 namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
 constexpr int64_t kMaxHidden = 8192;  // eligibility.MAX_HIDDEN
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
 
 // eligibility.why_not(x) is None
 bool rows_ok(const Tensor& x) {
