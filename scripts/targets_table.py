@@ -36,18 +36,18 @@ def _load(path: str | None) -> dict | None:
         return json.load(f)
 
 
-def _rows_per_cell(rows: list[dict], key: str) -> dict:
-    """{(op, shape): {impl: row}} from bench_ops rows (key "op" + "shape")."""
+def _rows_per_cell(rows: list[dict]) -> dict:
+    """{(op, shape): {impl: row}} from bench_ops rows."""
     out: dict = {}
     for r in rows:
-        out.setdefault((r[key], r["shape"]), {})[r["impl"]] = r
+        out.setdefault((r["op"], r["shape"]), {})[r["impl"]] = r
     return out
 
 
 def ops_targets(doc: dict) -> list[tuple]:
     """(issue, target, cell, measured, met) for the row ops."""
     lines = []
-    cells = _rows_per_cell(doc["rows"], "op")
+    cells = _rows_per_cell(doc["rows"])
     for (op, shape), impls in sorted(cells.items()):
         ours = impls.get("bertaccel")
         if ours is None:
