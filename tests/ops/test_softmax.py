@@ -64,6 +64,41 @@ def test_softmax(shape, mask_kind, dtype):
 
 
 @cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["key_padding", "misaligned", "full"])
+@pytest.mark.parametrize("shape", [(2, 12, 128, 128), (1, 3, 7, 1000), (2, 6, 401, 1024)])
+def test_softmax_reads_16_bit_masks_as_their_float32_values(shape, layout, mask_dtype, dtype):
+    """A bf16 / fp16 additive mask (what a bf16 / fp16 model builds) is read in its own dtype, 4 keys per 8-byte
+    load where aligned, one key per load where not: the result equals the float32 mask's bit for bit (the widening
+    is exact), and the call launches the softmax kernel alone (no conversion kernel before it)."""
+    b, h, q, k = shape
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.randn(shape, device="cuda", generator=g) * 4).to(dtype)
+    lo = torch.finfo(mask_dtype).min
+    if layout == "full":
+        mask = torch.randn(b, h, q, k, device="cuda", generator=g).to(mask_dtype)
+    else:
+        keep = torch.rand(b, 1, 1, k, device="cuda", generator=g) > 0.3
+        keep[..., 0] = True
+        if layout == "key_padding":
+            mask = torch.zeros(b, 1, 1, k, device="cuda", dtype=mask_dtype)
+        else:  # one element past an aligned start: the scalar loads
+            mask = torch.zeros(b * k + 1, device="cuda", dtype=mask_dtype)[1:].view(b, 1, 1, k)
+        mask.masked_fill_(~keep, lo)
+        mask += (torch.rand(b, 1, 1, k, device="cuda", generator=g) * 2).to(mask_dtype)  # not only 0 / min
+    poison()
+    ours = softmax(x, mask, 0.125)
+    want = softmax(x, mask.float(), 0.125)
+    assert torch.equal(ours, want)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        softmax(x, mask, 0.125)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "softmax" in kernels[0], kernels
+
+
+@cuda_test
 def test_softmax_fully_masked_rows_are_zero():
     x = torch.randn(2, 1, 3, 64, device="cuda", dtype=torch.bfloat16)
     keep = torch.ones(2, 1, 1, 64, dtype=torch.bool, device="cuda")

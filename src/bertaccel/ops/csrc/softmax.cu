@@ -8,10 +8,11 @@
 // row, so two rows share a warp and reduce with width-16 shuffles; up to 256 for 8192 keys), each
 // holding ITEMS 16-byte vectors in registers: one read and one write of the scores, max and sum by
 // shuffles (block reduction through shared memory when a row spans several warps). The mask is read
-// through L1/L2 (a key-padding mask is one row per sequence): an additive mask 4 keys per 16-byte
-// load where its rows are 16-byte aligned (they are for HF's [batch, 1, 1, key] masks, key % 4 == 0),
-// else one key per load, as the boolean mask always is. Bytes: forward 2 x
-// sizeof(T) per element, backward 3 x.
+// through L1/L2 (a key-padding mask is one row per sequence) in its own dtype (float32, bfloat16 or
+// float16: a 16-bit mask, as a bf16 model builds it, is not converted by a kernel of its own first): an
+// additive mask 4 keys per load (16 bytes, or 8 for a 16-bit mask) where its rows are aligned for it
+// (they are for HF's [batch, 1, 1, key] masks, key % 4 == 0), else one key per load, as the boolean
+// mask always is. Bytes: forward 2 x sizeof(T) per element, backward 3 x.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,12 +25,34 @@ namespace {
 
 constexpr int kThreads = 256;
 
+enum class AddKind : int { kFloat, kBFloat16, kHalf };
+
 struct MaskView {
-  const float* add = nullptr;  // additive mask, or
+  const void* add = nullptr;   // additive mask (its dtype: add_kind), or
   const bool* keep = nullptr;  // boolean mask (true = attend)
   int64_t sb = 0, sh = 0, sq = 0;  // element strides of batch, head, query (0: broadcast)
   int heads = 1, q_len = 1;
-  bool add_vec4 = false;  // the additive mask 16-byte aligned at every row start: read 4 keys per load
+  AddKind add_kind = AddKind::kFloat;
+  bool add_vec4 = false;  // the additive mask aligned for 4 keys per load at every row start
+
+  // key i of the additive mask (add != nullptr); add_kind is the same for every thread: no divergence
+  __device__ __forceinline__ float add_at(int64_t i) const {
+    if (add_kind == AddKind::kFloat) return static_cast<const float*>(add)[i];
+    const unsigned short h = static_cast<const unsigned short*>(add)[i];
+    return add_kind == AddKind::kBFloat16 ? __uint_as_float((unsigned)h << 16)
+                                          : __half2float(__ushort_as_half(h));
+  }
+  // keys i .. i + 3 (add_vec4: i % 4 == 0 and the row start aligned)
+  __device__ __forceinline__ float4 add4_at(int64_t i) const {
+    if (add_kind == AddKind::kFloat) return *reinterpret_cast<const float4*>(static_cast<const float*>(add) + i);
+    const uint2 w = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(add) + i);
+    if (add_kind == AddKind::kBFloat16)
+      return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xFFFF0000u),
+                         __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xFFFF0000u));
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
 
   __device__ __forceinline__ int64_t row_offset(int64_t row) const {
     const int64_t q = row % q_len, bh = row / q_len;
@@ -52,7 +75,7 @@ __device__ __forceinline__ void scale_and_mask(float (&v)[VEC], const MaskView m
       vec_mask = true;
 #pragma unroll
       for (int j = 0; j < VEC; j += 4) {
-        const float4 m4 = *reinterpret_cast<const float4*>(mask.add + moff + c * VEC + j);
+        const float4 m4 = mask.add4_at(moff + c * VEC + j);
         v[j] = v[j] * scale + m4.x;
         v[j + 1] = v[j + 1] * scale + m4.y;
         v[j + 2] = v[j + 2] * scale + m4.z;
@@ -67,7 +90,7 @@ __device__ __forceinline__ void scale_and_mask(float (&v)[VEC], const MaskView m
     for (int j = 0; j < VEC; ++j) {
       const int64_t mi = moff + c * VEC + j;
       float s = v[j] * scale;
-      if (mask.add != nullptr) s += mask.add[mi];
+      if (mask.add != nullptr) s += mask.add_at(mi);
       else if (mask.keep != nullptr && !mask.keep[mi]) s = -INFINITY;
       v[j] = s;
       mx = fmaxf(mx, s);
@@ -291,7 +314,8 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
                     shape_str(x.sizes()).c_str());
     BERTACCEL_CHECK(mask.device() == x.device(), "bertaccel softmax: mask is on %s, scores on %s",
                     mask.device().str().c_str(), x.device().str().c_str());
-    if (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kFloat) mask = mask.to(at::kFloat);
+    const auto mt = mask.scalar_type();
+    if (mt != at::kBool && mt != at::kFloat && mt != at::kBFloat16 && mt != at::kHalf) mask = mask.to(at::kFloat);
     mask = mask.expand(x.sizes());
     if (mask.stride(3) != 1) mask = mask.contiguous();
     mv.sb = mask.size(0) > 1 ? mask.stride(0) : 0;
@@ -299,10 +323,16 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
     mv.sq = mask.size(2) > 1 ? mask.stride(2) : 0;
     mv.heads = (int)x.size(1);
     mv.q_len = (int)x.size(2);
-    if (mask.scalar_type() == at::kBool) mv.keep = mask.data_ptr<bool>();
-    else mv.add = mask.data_ptr<float>();
-    mv.add_vec4 = mv.add != nullptr && reinterpret_cast<uintptr_t>(mv.add) % 16 == 0 && mv.sb % 4 == 0 &&
-                  mv.sh % 4 == 0 && mv.sq % 4 == 0;
+    if (mask.scalar_type() == at::kBool) {
+      mv.keep = mask.data_ptr<bool>();
+    } else {
+      mv.add = mask.data_ptr();
+      mv.add_kind = mask.scalar_type() == at::kFloat      ? AddKind::kFloat
+                    : mask.scalar_type() == at::kBFloat16 ? AddKind::kBFloat16
+                                                          : AddKind::kHalf;
+      mv.add_vec4 = reinterpret_cast<uintptr_t>(mv.add) % (4 * mask.element_size()) == 0 && mv.sb % 4 == 0 &&
+                    mv.sh % 4 == 0 && mv.sq % 4 == 0;
+    }
   }
   auto stream = at::cuda::getCurrentCUDAStream();
   auto run = [&](auto type_tag) {
