@@ -138,6 +138,57 @@ def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
             "gemm_kernels": {k: round(v, 4) for k, v in sorted(gemms.items(), key=lambda kv: -kv[1])}}
 
 
+# The kernel categories `--profile-sources` attributes to the call that launched them: what is left once the
+# GEMMs, attention, the row ops and the optimizer are counted (copies, casts, fills, adds, cats, reductions).
+SOURCE_CATEGORIES = ("elementwise", "memcpy/memset", "reduction", "other")
+
+
+def _source_frame(evt) -> str:
+    """Where a profiled op came from: the innermost Python frame in bertaccel, transformers or benchmarks (forward
+    ops), else the autograd node that ran it (backward ops run on the engine's thread, without a Python stack)."""
+    for frame in getattr(evt, "stack", None) or []:
+        if any(k in frame for k in ("bertaccel/", "transformers/", "benchmarks/")):
+            return frame.split("site-packages/")[-1].split("/src/")[-1]
+    parent = getattr(evt, "cpu_parent", None)
+    while parent is not None:
+        if parent.name.startswith("autograd::engine::evaluate_function: "):
+            return "backward: " + parent.name.split(": ", 1)[1]
+        parent = getattr(parent, "cpu_parent", None)
+    return "?"
+
+
+def kernel_sources(events, keep, calls: int = 1) -> list[dict]:
+    """The kernels `keep(kernel name)` selects, summed by (kernel, launching op, its input shapes, source frame):
+    GPU us per call, launches per call. `events`: torch.profiler FunctionEvents (CPU ops, each with the kernels
+    it launched, its input shapes, Python stack and parent op), from a run of `calls` eager calls."""
+    acc: dict[tuple, list[float]] = {}
+    for evt in events:
+        for k in getattr(evt, "kernels", None) or []:
+            if not keep(k.name):
+                continue
+            key = (k.name[:70], evt.name, str(getattr(evt, "input_shapes", ""))[:90], _source_frame(evt))
+            a = acc.setdefault(key, [0.0, 0])
+            a[0] += k.duration / calls
+            a[1] += 1 / calls
+    rows = [{"kernel": k[0], "op": k[1], "shapes": k[2], "source": k[3], "us": round(v[0], 1), "launches": round(v[1], 2)}
+            for k, v in acc.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def profile_sources(fn, calls: int = 2) -> list[dict]:
+    """kernel_sources of `calls` eager calls of fn (a step body) on the GPU: the small kernels and who launched them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bertaccel.callbacks.profiler import categorize
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return kernel_sources(prof.events(), lambda name: categorize(name) in SOURCE_CATEGORIES, calls)
+
+
 def step_times(variant: str, *args, **kwargs) -> list[float]:
     """Step times in ms of one variant: CUDA events on a GPU, a wall clock on CPU (smoke runs only); the
     variant's kernel switches (VARIANT_ENV) set for its run only."""
@@ -148,8 +199,9 @@ def step_times(variant: str, *args, **kwargs) -> list[float]:
 
 
 def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int,
-                device: str = "cuda", lengths: str = "full", profile: int = 0) -> list[float]:
-    """profile > 0: also record this variant's kernel breakdown (PROFILES), keeping its `profile` top kernels."""
+                device: str = "cuda", lengths: str = "full", profile: int = 0, sources: bool = False) -> list[float]:
+    """profile > 0: also record this variant's kernel breakdown (PROFILES), keeping its `profile` top kernels;
+    sources: and which calls of one eager run of the step body launched its small kernels (profile_sources)."""
     import os
 
     attn, bf16, fused, compiled, graphed = VARIANTS[variant]
@@ -252,6 +304,9 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
             times.append((time.perf_counter() - t0) * 1e3)
     if profile and cuda:
         PROFILES[(model_name, f"{batch}x{seq}", workload, variant)] = kernel_breakdown(one_step, top=profile)
+        if sources:  # the graphed step's body run eagerly: the same kernels, each with the call that launched it
+            body = (lambda: graph_step(ids, mask, labels)) if graphed else one_step
+            PROFILES[(model_name, f"{batch}x{seq}", workload, variant)]["sources"] = profile_sources(body)
     model = opt = None  # (not del: the step closures above refer to them) - frees the GPU memory below
     gc.collect()
     if cuda:
@@ -275,6 +330,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also list each variant's GPU time by kernel category")
     ap.add_argument("--profile-top", type=int, default=12,
                     help="how many of each profiled variant's kernels (by GPU time) the JSON and the table keep")
+    ap.add_argument("--profile-sources", action="store_true",
+                    help="with --profile: also attribute each variant's copy / cast / fill / add / reduction kernels to the "
+                         "op, input shapes and source line (or autograd node) that launched them, from eager runs of its step")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant of a cell this many times, the variants interleaved (each round builds and "
                          "captures anew); a cell's time is the median of its rounds' medians, each round's kept in the JSON")
@@ -291,7 +349,8 @@ def main() -> None:
                     for variant in args.variants:
                         try:
                             t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps, args.device,
-                                           args.lengths, args.profile_top if args.profile and r == 0 else 0)
+                                           args.lengths, args.profile_top if args.profile and r == 0 else 0,
+                                           args.profile and args.profile_sources and r == 0)
                             per_round[variant].append(statistics.median(t))
                         except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
                             print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
@@ -321,6 +380,10 @@ def main() -> None:
             print(f"\n{p['variant']} top kernels:")
             for k, v in p["top_kernels"].items():
                 print(f"  {v:7.3f}  {k}")
+            if p.get("sources"):
+                print(f"\n{p['variant']} small kernels by launching call (eager run of the step body; us per step, launches):")
+                for src in p["sources"][:40]:
+                    print(f"  {src['us']:8.1f} {src['launches']:5.1f}  {src['kernel'][:50]:50}  {src['op']}  {src['shapes'][:60]}  {src['source']}")
     picture = plot_file(args.out)  # PNG next to the JSON (with matplotlib)
     if picture:
         print(f"picture: {picture}")

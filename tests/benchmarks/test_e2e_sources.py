@@ -1,0 +1,33 @@
+"""benchmarks/e2e.py's kernel attribution (`--profile-sources`): kernels summed by the op, shapes and source that
+launched them, forward ops by their Python frame, backward ops by their autograd node."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+from benchmarks.e2e import kernel_sources
+
+
+def _kernel(name, us):
+    return NS(name=name, duration=us)
+
+
+def test_kernels_are_summed_per_launching_call_and_split_by_source():
+    node = NS(name="autograd::engine::evaluate_function: ToCopyBackward0", cpu_parent=None)
+    copy_bwd = NS(name="aten::copy_", cpu_parent=NS(name="aten::_to_copy", cpu_parent=node), stack=[],
+                  input_shapes=[[16, 768], [16, 768]], kernels=[_kernel("bfloat16_copy_kernel", 4.0)])
+    fwd_frame = "/x/site-packages/transformers/models/bert/modeling_bert.py(123): forward"
+    lib_frame = "/opt/torch/nn/functional.py(9): linear"
+    copy_fwd = [NS(name="aten::copy_", cpu_parent=None, stack=[lib_frame, fwd_frame], input_shapes=[[16, 768], [16, 768]],
+                   kernels=[_kernel("bfloat16_copy_kernel", 3.0)]) for _ in range(2)]
+    fill = NS(name="aten::fill_", cpu_parent=None, stack=[], input_shapes=[[8]], kernels=[_kernel("FillFunctor", 1.0),
+                                                                                           _kernel("nvjet_gemm", 50.0)])
+    no_kernels = NS(name="aten::empty", cpu_parent=None, stack=[], input_shapes=[[8]], kernels=[])
+    rows = kernel_sources([copy_bwd, *copy_fwd, fill, no_kernels], keep=lambda k: "gemm" not in k, calls=2)
+    by_source = {r["source"]: r for r in rows}
+    assert set(by_source) == {"backward: ToCopyBackward0", "transformers/models/bert/modeling_bert.py(123): forward", "?"}
+    fwd = by_source["transformers/models/bert/modeling_bert.py(123): forward"]
+    assert (fwd["us"], fwd["launches"], fwd["op"]) == (3.0, 1.0, "aten::copy_")  # two launches of 3 us over 2 calls
+    assert by_source["backward: ToCopyBackward0"]["us"] == 2.0
+    assert by_source["?"]["kernel"] == "FillFunctor"  # the GEMM kernel of the same op was not kept
+    assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
