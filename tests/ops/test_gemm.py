@@ -412,6 +412,32 @@ def test_linear_gradients(gelu):
 
 
 @hopper_test
+@pytest.mark.parametrize("gelu", [None, "none"])
+def test_linear_reads_an_fp32_bias_as_it_is(gelu):
+    """bf16 operands beside an fp32 master bias (the bf16 weight copies' case): the epilogue reads the bias as it is,
+    so forward and backward launch no cast kernel, and the bias gradient comes back in fp32."""
+    x = torch.randn(515, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(1024, 768, device="cuda") * 768**-0.5).bfloat16().requires_grad_(True)
+    bias = torch.randn(1024, device="cuda", requires_grad=True)
+    dy = torch.randn(515, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y = linear(x, w, bias) if gelu is None else linear_gelu(x, w, bias, gelu)
+        step.grads = torch.autograd.grad(y, (x, w, bias), dy)
+
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not [k for k in kernels if "copy" in k.lower()], kernels
+    assert step.grads[2].dtype == torch.float32
+    want = dy.float().sum(0) if gelu is None else None
+    if want is not None:  # the plain linear's bias gradient: the fp32 column sums of dy
+        torch.testing.assert_close(step.grads[2], want, rtol=1e-5, atol=1e-3)
+
+
+@hopper_test
 def test_a_threads_first_cuda_call():
     """The GEMM as the first CUDA work of a thread (autograd's device thread when a backward starts with
     it): the tensor maps need a current context (CUDA_ERROR_INVALID_CONTEXT, 201, before bind_primary_context)."""

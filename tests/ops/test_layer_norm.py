@@ -282,6 +282,48 @@ def test_the_row_ring_keeps_every_row_in_order(dtype, H):
         check(a, t, rf, dtype, name)
 
 
+def _kernels_of(fn):
+    """The CUDA kernels fn() launches (names), from the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@cuda_test
+@pytest.mark.parametrize("fanout", ["0", "1"], ids=["plain", "fanout"])
+def test_residual_layer_norm_reads_an_fp32_bias_as_it_is(fanout, monkeypatch):
+    """BERT's case under autocast: bf16 activations beside fp32 master parameters (the linear bias and the
+    LayerNorm's). The bias goes to the kernel as it is: forward and backward launch no cast kernel, and its
+    gradient comes back in fp32 (not rounded to bf16 and widened again), within 2x PyTorch's error."""
+    from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm_fanout
+
+    monkeypatch.setenv("BERTACCEL_RESIDUAL_FANOUT", fanout)
+    rows, H = 1000, 768
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x, r, dy = (torch.randn(rows, H, device="cuda", generator=g).bfloat16() for _ in range(3))
+    bias, w, b = (torch.randn(H, device="cuda", generator=g) for _ in range(3))
+    ins = leaves(x, bias, r, w, b)
+
+    def step():
+        y = (bias_dropout_add_layer_norm_fanout(*ins, 0.0, 1e-12)[0] if fanout == "1"
+             else bias_dropout_add_layer_norm(*ins, 0.0, 1e-12))
+        step.grads = torch.autograd.grad(y, ins, dy)
+
+    step()  # warm-up (the kernels' one-time setup)
+    kernels = _kernels_of(step)
+    assert not [k for k in kernels if "copy" in k.lower()], kernels
+    dbias = step.grads[1]
+    assert dbias.dtype == torch.float32
+    ref_ins = leaves(x.double(), bias.double(), r.double(), w.double(), b.double())
+    ref = torch.autograd.grad(F.layer_norm(ref_ins[0] + ref_ins[1] + ref_ins[2], (H,), ref_ins[3], ref_ins[4], 1e-12),
+                              ref_ins[1], dy.double())[0]
+    th_ins = leaves(x, bias, r, w, b)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        th = F.layer_norm(th_ins[0] + th_ins[1].bfloat16() + th_ins[2], (H,), th_ins[3], th_ins[4], 1e-12)
+    check(dbias, torch.autograd.grad(th, th_ins[1], dy.to(th.dtype))[0], ref, torch.bfloat16, "dbias")
+
+
 @cuda_test
 def test_cuda_autograd_is_the_cpp_kernel():
     """On CUDA the public ops' backward nodes come from csrc/autograd.cpp, not a Python function."""

@@ -141,8 +141,8 @@ def residual_grad_in_epilogue() -> bool:
 @torch.library.impl(lib, "feed_forward_layer_norm_fwd", "CompositeExplicitAutograd")
 def _feed_forward_layer_norm_fwd(x, w1, b1, w2, b2, weight, ln_bias, p, eps, tanh):
     h, act, pre = _feed_forward_fwd(x, w1, b1, w2, tanh)
-    # the row kernel reads b2 in the activation's dtype (768 values); its gradient comes back in fp32
-    y, z, mean, rstd, rng = torch.ops.bertaccel.layer_norm_fwd(h, b2.to(h.dtype), x, weight, ln_bias, p, eps)
+    # the row kernel reads b2 in the LayerNorm weight's dtype (an fp32 master bias as it is); its gradient comes back in fp32
+    y, z, mean, rstd, rng = torch.ops.bertaccel.layer_norm_fwd(h, b2.to(weight.dtype), x, weight, ln_bias, p, eps)
     return y, act, pre, z, mean, rstd, rng
 
 

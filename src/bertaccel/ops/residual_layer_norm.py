@@ -27,8 +27,8 @@ def bias_dropout_add_layer_norm_reference(x, bias, residual, weight, ln_bias, p,
 def bias_dropout_add_layer_norm(
     x: Tensor, bias: Tensor, residual: Tensor, weight: Tensor, ln_bias: Tensor, p: float, eps: float, training: bool = True
 ) -> Tensor:
-    """LayerNorm(dropout(x + bias, p) + residual). Runs in x's dtype (residual and bias are cast to
-    it); the reference computation when the kernel cannot run."""
+    """LayerNorm(dropout(x + bias, p) + residual). Runs in x's dtype (the residual is cast to it, the bias
+    read in the LayerNorm weight's dtype, the sums in fp32); the reference computation when the kernel cannot run."""
     entry = direct_entry(x, bias, residual, weight, ln_bias)  # (the check and the call in C++: csrc/eager.cpp)
     if entry is not None and (y := entry.bias_dropout_add_layer_norm(
             x, bias, residual, weight, ln_bias, float(p) if training else 0.0, eps)) is not None:
@@ -42,10 +42,12 @@ def bias_dropout_add_layer_norm(
 
 def _kernel_args(x, bias, residual, weight, ln_bias, p, eps, training):
     """The layer_norm op's arguments: x as it is shaped (the kernels take rows = numel / H, so no views are made
-    and undone per call), bias and residual in x's dtype (the residual in x's shape), no dropout in eval."""
+    and undone per call), the residual in x's dtype and shape, the bias in the LayerNorm weight's dtype (the kernel
+    reads it so: an fp32 master bias goes as it is, no cast kernel, and its gradient comes back in fp32 unrounded),
+    no dropout in eval."""
     if residual.shape != x.shape:
         residual = residual.reshape(x.shape)
-    return (x.contiguous(), bias.to(x.dtype).contiguous(), residual.to(x.dtype).contiguous(),
+    return (x.contiguous(), bias.to(weight.dtype).contiguous(), residual.to(x.dtype).contiguous(),
             weight, ln_bias, float(p) if training else 0.0, eps)
 
 

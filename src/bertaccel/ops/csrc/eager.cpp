@@ -48,9 +48,9 @@ OptTensor layer_norm(const Tensor& x, const OptTensor& weight, const OptTensor& 
 // x's dtype, the residual in x's shape.
 struct ResidualArgs {
   Tensor x, bias, residual;
-  ResidualArgs(const Tensor& x_in, const Tensor& bias_in, const Tensor& residual_in)
+  ResidualArgs(const Tensor& x_in, const Tensor& bias_in, const Tensor& residual_in, const Tensor& weight)
       : x(x_in.contiguous()),
-        bias(bias_in.to(x_in.scalar_type()).contiguous()),
+        bias(bias_in.to(weight.scalar_type()).contiguous()),  // in the LayerNorm weight's dtype, as the kernel reads it
         residual((residual_in.sizes() == x_in.sizes() ? residual_in : residual_in.reshape(x_in.sizes()))
                      .to(x_in.scalar_type())
                      .contiguous()) {}
@@ -66,7 +66,7 @@ OptTensor bias_dropout_add_layer_norm(const Tensor& x, const Tensor& bias, const
   if (!residual_ok(x, weight, ln_bias)) return std::nullopt;
   static auto call = op<LayerNormSig>("bertaccel::layer_norm");
   pybind11::gil_scoped_release no_gil;
-  const ResidualArgs a(x, bias, residual);
+  const ResidualArgs a(x, bias, residual, weight);
   return call.call(a.x, a.bias, a.residual, weight, ln_bias, p, eps);
 }
 
@@ -76,7 +76,7 @@ std::optional<std::tuple<Tensor, Tensor>> bias_dropout_add_layer_norm_fanout(
     double eps) {
   if (!residual_ok(x, weight, ln_bias)) return std::nullopt;
   pybind11::gil_scoped_release no_gil;
-  const ResidualArgs a(x, bias, residual);
+  const ResidualArgs a(x, bias, residual, weight);
   return residual_layer_norm_fanout(a.x, a.bias, a.residual, weight, ln_bias, p, eps);
 }
 

@@ -9,7 +9,9 @@
 // deviations gives the variance (no per-element division as in Welford, and no cancellation as in
 // E[x^2] - E[x]^2). The thread then normalises its registers and writes y (and z, the pre-norm sum
 // the backward needs, for the fused form). Bytes: read x (+ residual), write y (+ z), 8 bytes of
-// statistics per row; ~8 FLOPs per element.
+// statistics per row; ~8 FLOPs per element. The linear bias (one row, read through L1) is of the
+// LayerNorm weight's type W, as the weight and its bias are: BERT's fp32 master biases are read as
+// they are, with no cast kernel per call (linear_bias_as).
 //
 // Two kernels: rows up to 1024 wide with 16-byte aligned tensors run the persistent row ring
 // (`ln_fwd_ring_kernel`, below: 78-91% of the copy ceiling on the H100 against 73-82% for the one-row
@@ -31,14 +33,14 @@ namespace {
 constexpr int kThreads = 256;
 
 // ROWS rows per thread group at once: the loads of all ROWS rows are in flight before the first
-// reduction. The weight (and bias) are of type W (float32, or the activation type under
-// bf16-true). RMS: RMSNorm (no centring, no bias); it reads its weight into registers once, while
+// reduction. The weight, its bias and the linear bias are of type W (float32, or the activation type
+// under bf16-true). RMS: RMSNorm (no centring, no bias); it reads its weight into registers once, while
 // the row's loads are in flight. LayerNorm reads weight and bias after the statistics, from L1:
 // holding both in registers (48 more for a 768-wide row) cost occupancy and measured slower
 // (16384 x 768 bf16: 66% of the copy ceiling against RMSNorm's 86% in the same run).
 template <typename T, typename W, int VEC, int ITEMS, int ROWS, bool RMS>
 __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
-    const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ residual,
+    const T* __restrict__ x, const W* __restrict__ bias, const T* __restrict__ residual,
     const W* __restrict__ gamma, const W* __restrict__ beta, T* __restrict__ y, T* __restrict__ z,
     float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int H, int tpr, float eps,
     float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
@@ -119,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
       const int64_t off = row[r] * H + (int64_t)c * VEC;
       if (bias != nullptr) {
         float bb[VEC];
-        load_f<T, VEC>(bias + c * VEC, bb);
+        load_f<W, VEC>(bias + c * VEC, bb);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[r][k][j] += bb[j];
       }
@@ -219,7 +221,7 @@ constexpr int ring_stages() { return ring_stages_for(ring_stage_bytes<ITEMS, RES
 
 template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
-    const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ residual,
+    const T* __restrict__ x, const W* __restrict__ bias, const T* __restrict__ residual,
     const W* __restrict__ gamma, const W* __restrict__ beta, T* __restrict__ y, T* __restrict__ z,
     float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int H, float eps,
     float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
@@ -308,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
       load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kRingItemBytes), v[k]);
       if (bias != nullptr) {
         float bb[VEC];
-        load_f<T, VEC>(bias + c * VEC, bb);
+        load_f<W, VEC>(bias + c * VEC, bb);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] += bb[j];
       }
@@ -372,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
 }
 
 template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES>
-void launch_ring(const at::Tensor& x, const T* bp, const T* rp, const at::Tensor& gamma, const W* betap, at::Tensor& y,
+void launch_ring(const at::Tensor& x, const W* bp, const T* rp, const at::Tensor& gamma, const W* betap, at::Tensor& y,
                  T* zp, float* mp, float* rsp, int64_t rows, int H, double eps, double p,
                  const at::PhiloxCudaState& philox, int64_t* rngp, cudaStream_t stream) {
   auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES>;
@@ -425,7 +427,7 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
   const int rpb = kThreads / tpr;
   const int nrows = vec == max_vec ? pick_rows() : 1;
   auto stream = at::cuda::getCurrentCUDAStream();
-  const T* bp = bias.defined() ? (const T*)bias.data_ptr() : nullptr;
+  const W* bp = bias.defined() ? (const W*)bias.data_ptr() : nullptr;  // in the weight's dtype (linear_bias_as)
   const T* rp = residual.defined() ? (const T*)residual.data_ptr() : nullptr;
   T* zp = z.defined() ? (T*)z.data_ptr() : nullptr;
   float* mp = mean.defined() ? mean.data_ptr<float>() : nullptr;
@@ -500,14 +502,23 @@ void check_optional_inputs(const at::Tensor& x, const std::optional<at::Tensor>&
   BERTACCEL_CHECK(p >= 0 && p < 1, "bertaccel layer_norm: dropout probability must be in [0, 1), got %g", p);
   if (bias) {
     check_cuda_contiguous(*bias, "bias");
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == x.size(-1) && bias->device() == x.device(),
-                "bertaccel: the linear bias must match the input in dtype, size and device");
+    TORCH_CHECK((bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat) &&
+                    bias->numel() == x.size(-1) && bias->device() == x.device(),
+                "bertaccel: the linear bias must be float32 or the input's dtype, of the input's size, on its device");
   }
   if (residual) {
     check_cuda_contiguous(*residual, "residual");
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
                 residual->device() == x.device(), "bertaccel: residual must match the input in shape, dtype and device");
   }
+}
+
+// The linear bias in the kernel's weight type W (gamma's dtype), as the kernels read it: an fp32 master bias as it is
+// (no cast kernel per call, and its gradient comes back in fp32 unrounded); a bias of another dtype widened or
+// narrowed to W here (exact for a bf16 bias beside fp32 weights).
+at::Tensor linear_bias_as(const std::optional<at::Tensor>& bias, const at::Tensor& gamma) {
+  if (!bias) return at::Tensor();
+  return bias->scalar_type() == gamma.scalar_type() ? *bias : bias->to(gamma.scalar_type()).contiguous();
 }
 
 template <bool RMS, typename... Args>
@@ -539,7 +550,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_nor
   at::Tensor mean = at::empty({rows}, fopts), rstd = at::empty({rows}, fopts);
   // (seed, offset), written by the kernel, when there is dropout; empty (no allocation) otherwise
   at::Tensor rng = at::empty({p > 0 ? 2 : 0}, x.options().dtype(at::kLong));
-  at::Tensor b = bias ? *bias : at::Tensor(), r = residual ? *residual : at::Tensor();
+  at::Tensor b = linear_bias_as(bias, gamma), r = residual ? *residual : at::Tensor();
   launch_any<false>(x, gamma, b, r, gamma, beta, y, z, mean, rstd, eps, p, rng);
   if (!fused) z = at::empty({0}, x.options());
   return {y, z, mean, rstd, rng};
@@ -553,7 +564,7 @@ at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& bias
   check_optional_inputs(x, bias, residual, p);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty_like(x);
-  at::Tensor none, b = bias ? *bias : at::Tensor(), r = residual ? *residual : at::Tensor();
+  at::Tensor none, b = linear_bias_as(bias, gamma), r = residual ? *residual : at::Tensor();
   launch_any<false>(x, gamma, b, r, gamma, beta, y, none, none, none, eps, p, none);
   return y;
 }
