@@ -96,6 +96,26 @@ def test_linear_autograd_matches_f_linear(gelu):
     torch.testing.assert_close(torch.autograd.grad(ours, (x, w, bias), dy), torch.autograd.grad(ref, (xr, wr, br), dy))
 
 
+@pytest.mark.parametrize("gelu", [None, "none"])
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_hands_the_kernel_its_bias(monkeypatch, gelu, bias_dtype):
+    """The public functions' path to the op (`_on_kernel`), run on CPU with the kernel's eligibility forced (the op's CPU
+    reference computes): the bias reaches the op - an fp32 one as it is, another cast to the compute dtype - and its
+    gradient comes back in the bias's dtype."""
+    import bertaccel.ops.gemm as gemm
+
+    monkeypatch.setattr(gemm, "why_not", lambda *a, **k: None)
+    x = torch.randn(5, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)
+    bias = (torch.randn(8) * 4).to(bias_dtype).requires_grad_(True)
+    y = linear(x, w, bias) if gelu is None else linear_gelu(x, w, bias, gelu)
+    want = F.linear(x.float(), w.float(), bias.float())
+    want = (want if gelu is None else F.gelu(want)).bfloat16()
+    torch.testing.assert_close(y, want)
+    (db,) = torch.autograd.grad(y.float().sum(), bias)
+    assert db.dtype == bias_dtype
+
+
 def test_linear_family_is_opt_in_and_falls_back_on_cpu():
     assert "linear" in registry.swap_entries() and "linear" not in registry.default_families()
     assert registry.expand(["all"]) == registry.default_families()

@@ -204,7 +204,8 @@ def _on_kernel(name: str, x: Tensor, weight: Tensor, bias: Tensor | None, run, f
             w2 = weight.to(dtype)
             reason = _misaligned(x2, w2)
             if reason is None:
-                y = run(x2, w2, None if bias is None or bias.dtype == torch.float32 else bias.to(dtype))
+                b2 = bias if bias is None or bias.dtype == torch.float32 else bias.to(dtype)
+                y = run(x2, w2, b2)
                 return y.view(*shape[:-1], weight.shape[0])
     note_fallback(name, reason)
     return fallback()
