@@ -143,16 +143,27 @@ def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
 SOURCE_CATEGORIES = ("elementwise", "memcpy/memset", "reduction", "other")
 
 
+_OUR_CODE = ("bertaccel/", "transformers/", "benchmarks/")
+
+
+def _short_frame(frame: str) -> str:
+    return frame.split("site-packages/")[-1].split("/src/")[-1]
+
+
 def _source_frame(evt) -> str:
     """Where a profiled op came from: the innermost Python frame in bertaccel, transformers or benchmarks (forward
-    ops), else the autograd node that ran it (backward ops run on the engine's thread, without a Python stack)."""
+    ops; with `with_stack` the profiler records each Python call as a parent event named "file(line): function",
+    and may also list them in the op's `stack`), else the autograd node that ran it (backward ops run on the
+    engine's thread, without Python frames)."""
     for frame in getattr(evt, "stack", None) or []:
-        if any(k in frame for k in ("bertaccel/", "transformers/", "benchmarks/")):
-            return frame.split("site-packages/")[-1].split("/src/")[-1]
+        if any(k in frame for k in _OUR_CODE):
+            return _short_frame(frame)
     parent = getattr(evt, "cpu_parent", None)
     while parent is not None:
         if parent.name.startswith("autograd::engine::evaluate_function: "):
             return "backward: " + parent.name.split(": ", 1)[1]
+        if "): " in parent.name and any(k in parent.name for k in _OUR_CODE):
+            return _short_frame(parent.name)
         parent = getattr(parent, "cpu_parent", None)
     return "?"
 

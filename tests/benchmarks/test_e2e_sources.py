@@ -22,10 +22,16 @@ def test_kernels_are_summed_per_launching_call_and_split_by_source():
                    kernels=[_kernel("bfloat16_copy_kernel", 3.0)]) for _ in range(2)]
     fill = NS(name="aten::fill_", cpu_parent=None, stack=[], input_shapes=[[8]], kernels=[_kernel("FillFunctor", 1.0),
                                                                                            _kernel("nvjet_gemm", 50.0)])
+    # the Python frame as a parent event (how torch.profiler's with_stack records it), above a built-in's event
+    py = NS(name="/w/src/bertaccel/ops/qkv.py(47): qkv_projection", cpu_parent=None)
+    cat = NS(name="aten::cat", cpu_parent=NS(name="<built-in method cat of type object>", cpu_parent=py), stack=[],
+             input_shapes=[[], []], kernels=[_kernel("CatArrayBatchedCopy", 2.0)])
     no_kernels = NS(name="aten::empty", cpu_parent=None, stack=[], input_shapes=[[8]], kernels=[])
-    rows = kernel_sources([copy_bwd, *copy_fwd, fill, no_kernels], keep=lambda k: "gemm" not in k, calls=2)
+    rows = kernel_sources([copy_bwd, *copy_fwd, fill, no_kernels, cat], keep=lambda k: "gemm" not in k, calls=2)
     by_source = {r["source"]: r for r in rows}
-    assert set(by_source) == {"backward: ToCopyBackward0", "transformers/models/bert/modeling_bert.py(123): forward", "?"}
+    assert set(by_source) == {"backward: ToCopyBackward0", "transformers/models/bert/modeling_bert.py(123): forward", "?",
+                              "bertaccel/ops/qkv.py(47): qkv_projection"}
+    assert by_source["bertaccel/ops/qkv.py(47): qkv_projection"]["op"] == "aten::cat"
     fwd = by_source["transformers/models/bert/modeling_bert.py(123): forward"]
     assert (fwd["us"], fwd["launches"], fwd["op"]) == (3.0, 1.0, "aten::copy_")  # two launches of 3 us over 2 calls
     assert by_source["backward: ToCopyBackward0"]["us"] == 2.0
