@@ -464,6 +464,19 @@ def test_autocast_keeps_the_input_dtype():
         assert bias_gelu(x, w.bfloat16()).dtype == torch.bfloat16
 
 
+def test_residual_kernel_args_keep_an_fp32_bias_as_it_is():
+    """The residual LayerNorm hands its kernel the linear bias in the LayerNorm weight's dtype: BERT's fp32 master bias
+    as the same tensor (no cast kernel, its gradient not rounded to bf16), a bf16 bias beside fp32 weights widened."""
+    from bertaccel.ops.residual_layer_norm import _kernel_args
+
+    x, r = rand(4, 16).bfloat16(), rand(4, 16)
+    w, b, bias32 = rand(16), rand(16), rand(16)
+    args = _kernel_args(x, bias32, r, w, b, 0.1, 1e-12, True)
+    assert args[1] is bias32 and args[2].dtype == torch.bfloat16 and args[5] == 0.1
+    widened = _kernel_args(x, bias32.bfloat16(), r, w, b, 0.1, 1e-12, False)
+    assert widened[1].dtype == torch.float32 and torch.equal(widened[1], bias32.bfloat16().float()) and widened[5] == 0.0
+
+
 def test_layer_norm_falls_back_to_pytorch_exactly_on_cpu():
     x, w, b = rand(5, 48), rand(48), rand(48)
     assert torch.equal(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (48,), w, b, 1e-5))
