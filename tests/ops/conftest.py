@@ -106,6 +106,14 @@ def check(ours, torch_same_dtype, ref, dtype, name):
     assert e_ours <= 2 * e_torch + FLOOR[dtype], f"{name}: error {e_ours:.2e} vs PyTorch {e_torch:.2e}"
 
 
+def cuda_kernel_names(fn) -> list[str]:
+    """The names of the CUDA kernels fn() launches, in launch order (torch.profiler, synchronized)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def leaves(*ts):
     return [t.detach().clone().requires_grad_(True) for t in ts]
 

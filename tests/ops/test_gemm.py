@@ -28,7 +28,7 @@ from bertaccel.ops.gemm import (
     linear,
     linear_gelu,
 )
-from tests.ops.conftest import assert_replay_matches_eager, check_vs_cublas, hopper_test, poison
+from tests.ops.conftest import assert_replay_matches_eager, check_vs_cublas, cuda_kernel_names, hopper_test, poison
 
 GEMM = torch.ops.bertaccel.gemm.default
 
@@ -788,13 +788,8 @@ def test_plain_kernels_give_the_general_kernels_bits(layout, schedule, tile_n, m
 
 
 def _gemm_kernel_names(fn) -> list[str]:
-    """The names of the GEMM kernels `fn()` launches (torch.profiler): which instantiation ran."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if "gemm_kernel" in e.name]
+    """The names of the GEMM kernels `fn()` launches: which instantiation ran."""
+    return [name for name in cuda_kernel_names(fn) if "gemm_kernel" in name]
 
 
 def _general_then_specialised(run, monkeypatch):

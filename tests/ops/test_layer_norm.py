@@ -21,6 +21,7 @@ from tests.ops.conftest import (
     ROWS,
     bert_fanout_off_and_on,
     check,
+    cuda_kernel_names,
     cuda_test,
     leaves,
     poison,
@@ -282,14 +283,6 @@ def test_the_row_ring_keeps_every_row_in_order(dtype, H):
         check(a, t, rf, dtype, name)
 
 
-def _kernels_of(fn):
-    """The CUDA kernels fn() launches (names), from the profiler."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @cuda_test
 @pytest.mark.parametrize("fanout", ["0", "1"], ids=["plain", "fanout"])
 def test_residual_layer_norm_reads_an_fp32_bias_as_it_is(fanout, monkeypatch):
@@ -311,7 +304,7 @@ def test_residual_layer_norm_reads_an_fp32_bias_as_it_is(fanout, monkeypatch):
         step.grads = torch.autograd.grad(y, ins, dy)
 
     step()  # warm-up (the kernels' one-time setup)
-    kernels = _kernels_of(step)
+    kernels = cuda_kernel_names(step)
     assert not [k for k in kernels if "copy" in k.lower()], kernels
     dbias = step.grads[1]
     assert dbias.dtype == torch.float32
