@@ -314,10 +314,11 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
             one_step()
             times.append((time.perf_counter() - t0) * 1e3)
     if profile and cuda:
-        PROFILES[(model_name, f"{batch}x{seq}", workload, variant)] = kernel_breakdown(one_step, top=profile)
+        key = (model_name, f"{batch}x{seq}", workload, variant)
+        PROFILES[key] = kernel_breakdown(one_step, top=profile)
         if sources:  # the graphed step's body run eagerly: the same kernels, each with the call that launched it
             body = (lambda: graph_step(ids=ids, mask=mask, labels=labels)) if graphed else one_step
-            PROFILES[(model_name, f"{batch}x{seq}", workload, variant)]["sources"] = profile_sources(body)
+            PROFILES[key]["sources"] = profile_sources(body)
     model = opt = None  # (not del: the step closures above refer to them) - frees the GPU memory below
     gc.collect()
     if cuda:

@@ -44,8 +44,8 @@ OptTensor layer_norm(const Tensor& x, const OptTensor& weight, const OptTensor& 
   return call.call(x.contiguous(), std::nullopt, std::nullopt, *weight, *bias, 0.0, eps);
 }
 
-// The residual form's kernel arguments (residual_layer_norm._kernel_args): x as it is shaped, bias and residual in
-// x's dtype, the residual in x's shape.
+// The residual form's kernel arguments (residual_layer_norm._kernel_args): x as it is shaped, the residual in x's
+// dtype and shape, the bias in the LayerNorm weight's dtype.
 struct ResidualArgs {
   Tensor x, bias, residual;
   ResidualArgs(const Tensor& x_in, const Tensor& bias_in, const Tensor& residual_in, const Tensor& weight)
