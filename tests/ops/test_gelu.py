@@ -11,13 +11,16 @@ import bertaccel.ops.swap  # noqa: F401 - imports every op family
 from bertaccel.ops import gelu_math
 from bertaccel.ops.gelu import bias_gelu
 from bertaccel.ops.layer_norm import layer_norm
-from tests.ops.conftest import DTYPES, check, cuda_test, leaves, poison, rand
+from tests.ops.conftest import DTYPES, check, cuda_kernel_names, cuda_test, leaves, poison, rand
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_bias_gelu_opcheck_cpu(approximate):
     x, b = rand(5, 40, requires_grad=True), rand(40, requires_grad=True)
     torch.library.opcheck(torch.ops.bertaccel.bias_gelu.default, (x, b, approximate == "tanh"))
+    # bf16 activations beside an fp32 bias, as the kernel takes them
+    xb = rand(5, 40).bfloat16().requires_grad_(True)
+    torch.library.opcheck(torch.ops.bertaccel.bias_gelu.default, (xb, b, approximate == "tanh"))
 
 
 def test_gelu_backward_formula_matches_autograd():
@@ -63,6 +66,37 @@ def test_bias_gelu(shape, approximate, dtype):
     check(ours, th, ref, dtype, "y")
     for name, a, t, r in zip(("dx", "dbias"), our_g, th_g, ref_g):
         check(a, t, r, dtype, name)
+
+
+@cuda_test
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", [(7, 1000), (1023, 3072), (16384, 3072)])
+def test_bias_gelu_reads_an_fp32_bias_as_it_is(shape, approximate):
+    """bf16 activations beside an fp32 master bias (BERT's intermediate layer under autocast): the kernels read the bias
+    as it is, so forward and backward launch no cast kernel; y, dx and the fp32 dbias within 2x PyTorch's error (the
+    PyTorch side as autocast runs it: the bias cast to bf16)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = (torch.randn(shape, device="cuda", generator=g) * 2).bfloat16()
+    bias, dy = torch.randn(shape[-1], device="cuda", generator=g), torch.randn(shape, device="cuda", generator=g).bfloat16()
+    ins = leaves(x, bias)
+
+    def step():
+        out = bias_gelu(*ins, approximate)
+        step.out, step.grads = out, torch.autograd.grad(out, ins, dy)
+
+    step()
+    kernels = cuda_kernel_names(step)
+    assert not [k for k in kernels if "copy" in k.lower()], kernels
+    assert step.out.dtype == torch.bfloat16 and step.grads[1].dtype == torch.float32
+    ref_ins = leaves(x.double(), bias.double())
+    ref = F.gelu(ref_ins[0] + ref_ins[1], approximate=approximate)
+    ref_g = torch.autograd.grad(ref, ref_ins, dy.double())
+    th_ins = leaves(x, bias)
+    th = F.gelu(th_ins[0] + th_ins[1].bfloat16(), approximate=approximate)
+    th_g = torch.autograd.grad(th, th_ins, dy)
+    check(step.out, th, ref, torch.bfloat16, "y")
+    for name, a, t, r in zip(("dx", "dbias"), step.grads, th_g, ref_g):
+        check(a, t, r, torch.bfloat16, name)
 
 
 @cuda_test

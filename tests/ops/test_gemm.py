@@ -100,8 +100,8 @@ def test_linear_autograd_matches_f_linear(gelu):
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_linear_hands_the_kernel_its_bias(monkeypatch, gelu, bias_dtype):
     """The public functions' path to the op (`_on_kernel`), run on CPU with the kernel's eligibility forced (the op's CPU
-    reference computes): the bias reaches the op (in the compute dtype; branch pending/linear-fp32-bias passes an fp32
-    one as it is) and its gradient comes back in the bias's dtype."""
+    reference computes): the bias reaches the op - an fp32 one as it is, another cast to the compute dtype - and its
+    gradient comes back in the bias's dtype."""
     import bertaccel.ops.gemm as gemm
 
     monkeypatch.setattr(gemm, "why_not", lambda *a, **k: None)
@@ -430,6 +430,29 @@ def test_linear_gradients(gelu):
     for name, o, c, r in zip(["y", "dx", "dw", "dbias"], ours, cublas, ref):
         assert o.dtype == c.dtype, f"{name}: {o.dtype} vs {c.dtype}"
         check_vs_cublas(o, c, r, f"linear {gelu} {name}")
+
+
+@hopper_test
+@pytest.mark.parametrize("gelu", [None, "none"])
+def test_linear_reads_an_fp32_bias_as_it_is(gelu):
+    """bf16 operands beside an fp32 master bias (the bf16 weight copies' case): the epilogue reads the bias as it is,
+    so forward and backward launch no cast kernel, and the bias gradient comes back in fp32."""
+    x = torch.randn(515, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(1024, 768, device="cuda") * 768**-0.5).bfloat16().requires_grad_(True)
+    bias = torch.randn(1024, device="cuda", requires_grad=True)
+    dy = torch.randn(515, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y = linear(x, w, bias) if gelu is None else linear_gelu(x, w, bias, gelu)
+        step.grads = torch.autograd.grad(y, (x, w, bias), dy)
+
+    step()
+    kernels = cuda_kernel_names(step)
+    assert not [k for k in kernels if "copy" in k.lower()], kernels
+    assert step.grads[2].dtype == torch.float32
+    want = dy.float().sum(0) if gelu is None else None
+    if want is not None:  # the plain linear's bias gradient: the fp32 column sums of dy
+        torch.testing.assert_close(step.grads[2], want, rtol=1e-5, atol=1e-3)
 
 
 @hopper_test

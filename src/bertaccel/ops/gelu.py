@@ -83,7 +83,8 @@ def bias_gelu(x: Tensor, bias: Tensor | None = None, approximate: str = "none") 
     if reason is not None:
         note_fallback("bias_gelu", reason)
         return bias_gelu_reference(x, bias, approximate)
-    b = None if bias is None else bias.to(x.dtype).contiguous()
+    # an fp32 (master) bias as it is: the kernel reads it so (no cast kernel, its gradient returned in fp32 unrounded)
+    b = None if bias is None else (bias if bias.dtype == torch.float32 else bias.to(x.dtype)).contiguous()
     return _BIAS_GELU(x.contiguous(), b, approximate == "tanh")
 
 

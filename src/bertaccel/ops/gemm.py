@@ -192,7 +192,9 @@ def _misaligned(*operands: Tensor) -> str | None:
 
 def _on_kernel(name: str, x: Tensor, weight: Tensor, bias: Tensor | None, run, fallback) -> Tensor:
     """`run(x2, w2, bias2)` on the 2-D operands cast to the compute dtype (x's, or autocast's, as
-    F.linear would), reshaped back; `fallback()` (said once, with the reason) when the kernel cannot run."""
+    F.linear would), reshaped back; an fp32 bias goes as it is (the epilogue reads it so: no cast kernel per
+    call, and its gradient comes back in fp32, not rounded to bf16 and widened again); `fallback()` (said once,
+    with the reason) when the kernel cannot run."""
     dtype = compute_dtype(x)
     reason = why_not(x, weight, dtype, allow_fp32=True)
     if reason is None:
@@ -202,7 +204,8 @@ def _on_kernel(name: str, x: Tensor, weight: Tensor, bias: Tensor | None, run, f
             w2 = weight.to(dtype)
             reason = _misaligned(x2, w2)
             if reason is None:
-                y = run(x2, w2, None if bias is None else bias.to(dtype))
+                b2 = bias if bias is None or bias.dtype == torch.float32 else bias.to(dtype)
+                y = run(x2, w2, b2)
                 return y.view(*shape[:-1], weight.shape[0])
     note_fallback(name, reason)
     return fallback()

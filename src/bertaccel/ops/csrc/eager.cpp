@@ -96,7 +96,9 @@ OptTensor bias_gelu(const Tensor& x, const OptTensor& bias, bool tanh_form) {
   if (!rows_ok(x)) return std::nullopt;
   static auto call = op<Tensor(const Tensor&, const OptTensor&, bool)>("bertaccel::bias_gelu");
   pybind11::gil_scoped_release no_gil;
-  OptTensor b = bias ? OptTensor(bias->to(x.scalar_type()).contiguous()) : std::nullopt;
+  // an fp32 bias as it is (the kernel reads it so), another in x's dtype
+  OptTensor b = !bias ? std::nullopt
+                      : OptTensor((bias->scalar_type() == at::kFloat ? *bias : bias->to(x.scalar_type())).contiguous());
   return call.call(x.contiguous(), b, tanh_form);
 }
 

@@ -60,11 +60,20 @@ inline bool gelu_fast_erf(bool bf16) {
   return bf16 && !libm;
 }
 
+// The bias: in the input's dtype, or fp32 (a master bias beside bf16 activations, read as it is: no cast kernel
+// before the call, and the backward's fp32 column sums returned without a bf16 rounding). `f32` is one value per
+// launch: every thread takes the same branch.
+struct BiasView {
+  const void* p = nullptr;
+  bool f32 = false;
+};
+
 // The bias vector of column vector cv, or zeros without a bias.
 template <typename T, int VEC>
-__device__ __forceinline__ void load_bias(const T* __restrict__ bias, int cv, float (&b)[VEC]) {
-  if (bias != nullptr) {
-    load_f<T, VEC>(bias + cv * VEC, b);
+__device__ __forceinline__ void load_bias(const BiasView bias, int cv, float (&b)[VEC]) {
+  if (bias.p != nullptr) {
+    if (bias.f32) load_f<float, VEC>(static_cast<const float*>(bias.p) + cv * VEC, b);
+    else load_f<T, VEC>(static_cast<const T*>(bias.p) + cv * VEC, b);
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) b[j] = 0.f;
@@ -76,7 +85,7 @@ __device__ __forceinline__ void load_bias(const T* __restrict__ bias, int cv, fl
 // Each thread loads UNROLL vectors, kFwdThreads apart, before it computes any: several
 // independent 16-byte loads in flight per thread are what keeps HBM busy (see fwd_unroll).
 template <typename T, int VEC, typename Index, int UNROLL, bool FAST>
-__global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
+__global__ void __launch_bounds__(kFwdThreads) bias_gelu_fwd_kernel(const T* __restrict__ x, const BiasView bias,
                                                                     T* __restrict__ y, Index nvec, Index cpr,
                                                                     bool tanh_form) {
   begin_dependent_kernel();
@@ -123,7 +132,7 @@ int fwd_unroll(int64_t nvec, const cudaDeviceProp& prop) {
 // partial in registers.
 template <typename T, int VEC, bool FAST>
 __global__ void __launch_bounds__(kThreads) bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                                                 const T* __restrict__ bias, T* __restrict__ dx,
+                                                                 const BiasView bias, T* __restrict__ dx,
                                                                  float* __restrict__ dbias_part, int64_t rows, int cols,
                                                                  int rows_per_chunk, bool tanh_form) {
   begin_dependent_kernel();  // (the column sums may launch now: they wait for this grid)
@@ -184,8 +193,9 @@ void check(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   BERTACCEL_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
                   "bertaccel bias_gelu: input must be bfloat16 or float32, got %s", c10::toString(x.scalar_type()));
   if (bias) {
-    BERTACCEL_CHECK(bias->is_contiguous() && bias->scalar_type() == x.scalar_type() && bias->numel() == x.size(-1),
-                    "bertaccel bias_gelu: bias must be contiguous, of the input's dtype and of size %lld",
+    BERTACCEL_CHECK(bias->is_contiguous() && (bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat) &&
+                        bias->numel() == x.size(-1),
+                    "bertaccel bias_gelu: bias must be contiguous, float32 or of the input's dtype, and of size %lld",
                     (long long)x.size(-1));
     BERTACCEL_CHECK(bias->device() == x.device(), "bertaccel bias_gelu: bias is on %s, input on %s",
                     bias->device().str().c_str(), x.device().str().c_str());
@@ -206,7 +216,7 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
     int vec = pick_vec((int)cols, 16 / sizeof(T), {&x, &b, &y});
     const int64_t nvec = rows * cols / vec, cpr = cols / vec;
     const int unroll = fwd_unroll(nvec, *at::cuda::getCurrentDeviceProperties());
-    const T* bp = b.defined() ? (const T*)b.data_ptr() : nullptr;
+    const BiasView bp{b.defined() ? b.data_ptr() : nullptr, b.defined() && b.scalar_type() == at::kFloat};
     const bool fast = gelu_fast_erf(sizeof(T) == 2);
     // 32-bit indices (cheaper i % cpr) when every element offset i * VEC fits, not just the vector count
     const bool narrow = rows * cols < (int64_t{1} << 31);
@@ -263,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
     int chunks = (int)((rows + rpc - 1) / rpc);
     dim3 grid(col_blocks, chunks);
     at::Tensor part = bias ? at::empty({chunks, cols}, x.options().dtype(at::kFloat)) : at::Tensor();
-    const T* bp = b.defined() ? (const T*)b.data_ptr() : nullptr;
+    const BiasView bp{b.defined() ? b.data_ptr() : nullptr, b.defined() && b.scalar_type() == at::kFloat};
     float* pp = part.defined() ? part.data_ptr<float>() : nullptr;
     const bool fast = gelu_fast_erf(sizeof(T) == 2);
 #define BA_GELU_BWD(V)                                                                                     \
