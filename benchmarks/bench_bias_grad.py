@@ -1,8 +1,10 @@
 """Bias gradients: the column sums of a [tokens, N] output gradient (ops/bias_grad.py), against
 PyTorch's `dy.sum(0)` (what autograd runs for nn.Linear: bf16 out), the same with an fp32 result,
 cuBLAS (a ones-vector GEMV) and torch.compile; then a whole linear layer forward + backward,
-`F.linear` under the casts autocast makes (fp32 bias cast to bf16) against `dense` (fp32 bias kept).
-Bytes: the column sums read dy once (rows x N x 2); the linear rows are not memory-bound (their
+`F.linear` under the casts autocast makes (fp32 bias cast to bf16) against `dense` (fp32 bias kept);
+and a linear layer's weight + bias gradient (dy^T x and dy's column sums): cuBLAS's GEMM alone (the
+floor), with PyTorch's sum, with our column sum (the separate form), torch.compile, and `dense_wgrad`
+(one cuBLASLt matmul with the BGRADB epilogue). Bytes: the column sums read dy once (rows x N x 2); the linear rows are not memory-bound (their
 GB/s columns mean nothing: read the times).
 
     python -m benchmarks.bench_ops --ops bias_grad --out bench_results/bias_grad.json
@@ -14,13 +16,38 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import graph_time_ms, measure_op, rotations
-from bertaccel.ops.bias_grad import column_sum, dense
+from bertaccel.ops.bias_grad import column_sum, dense, dense_wgrad_path
 
 # tokens x N: 9,830 = 60% of 32 x 512 (packed IMDB at max_length 512); 384 / 1,152 MiniLM's bias and
 # Q+K+V, 768 / 2,304 / 3,072 BERT-base's
 SHAPES = [(2048, 768), (2048, 2304), (9830, 384), (9830, 1152), (16384, 384), (16384, 768), (16384, 1152),
           (16384, 2304), (16384, 3072)]
 LINEAR_SHAPES = [(9830, 384, 1152), (16384, 384, 1152), (16384, 768, 2304)]  # tokens, in, out
+# tokens, out, in: the Q/K/V projections' weight gradients (MiniLM, BERT-base) at 32 x 512 and 60% of it
+WGRAD_SHAPES = [(9830, 1152, 384), (16384, 1152, 384), (9830, 2304, 768), (16384, 2304, 768)]
+
+
+def wgrad_rows(ceiling_gbs: float) -> list[dict]:
+    """dw = dy^T x with db = dy summed over the tokens (fp32): GPU time per call from graph replays."""
+    impls = {
+        "cublas mm (no bias grad)": lambda dy, x: dy.t() @ x,
+        "cublas mm + pytorch sum(0)": lambda dy, x: (dy.t() @ x, dy.sum(0)),
+        "cublas mm + column_sum": lambda dy, x: (dy.t() @ x, column_sum(dy)),
+        "compile": torch.compile(lambda dy, x: (dy.t() @ x, dy.sum(0, dtype=torch.float32))),
+        "bertaccel dense_wgrad": torch.ops.bertaccel.dense_wgrad,
+    }
+    rows = []
+    for t, n, k in WGRAD_SHAPES:
+        nbytes = 2 * (t * n + t * k + n * k)
+        sets = [(torch.randn(t, n, device="cuda", dtype=torch.bfloat16), torch.randn(t, k, device="cuda", dtype=torch.bfloat16))
+                for _ in range(rotations(nbytes))]
+        path = dense_wgrad_path(*sets[0])
+        for name, fn in impls.items():
+            with torch.no_grad():
+                us = graph_time_ms(fn, sets) * 1e3
+            rows.append({"op": "dense_wgrad", "shape": f"{t}x{n}x{k} bf16", "impl": name, "fwd_us": round(us, 1),
+                         "fwd_TFLOP/s": round(2 * t * n * k / us / 1e6), "path": path if name.startswith("bertaccel") else ""})
+    return rows
 
 
 def column_sum_rows(ceiling_gbs: float, dtype) -> list[dict]:
@@ -48,6 +75,7 @@ def run(ceiling_gbs: float, dtype=torch.bfloat16) -> list[dict]:
     rows = column_sum_rows(ceiling_gbs, dtype)
     if dtype != torch.bfloat16:
         return rows
+    rows += wgrad_rows(ceiling_gbs)
     impls = {"pytorch": lambda x, w, b: F.linear(x, w, b.to(x.dtype)), "bertaccel": dense}  # F.linear: the bias cast as autocast does
     for t, k, n in LINEAR_SHAPES:
         make = lambda: (torch.randn(t, k, device="cuda", dtype=dtype), torch.randn(n, k, device="cuda", dtype=dtype) * 0.05,  # noqa: E731

@@ -45,7 +45,7 @@ def main() -> None:
     if picture:
         print(f"picture: {picture}")
     print_table(rows, ["op", "shape", "impl", "eager_fwd_us", "fwd_us", "fwd_GB/s", "fwd_%copy", "bwd_us", "bwd_GB/s",
-                       "bwd_%copy", "bwd_timing", "train_fwd_us", "train_fwd_%copy"])
+                       "bwd_%copy", "bwd_timing", "train_fwd_us", "train_fwd_%copy", "fwd_TFLOP/s", "path"])
 
 
 if __name__ == "__main__":

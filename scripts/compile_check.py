@@ -48,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src")]
 
+NEEDS_CUBLAS = {"dense_wgrad.cu"}  # sources that call cuBLAS's API, not just name its handle types
 STUBS = {
     "cusparse.h": "#pragma once\ntypedef struct cusparseContext* cusparseHandle_t;\ntypedef int cusparseStatus_t;\n",
     "cublas_v2.h": "#pragma once\n#include <cuda_runtime.h>\ntypedef struct cublasContext* cublasHandle_t;\ntypedef int cublasStatus_t;\n",
@@ -267,6 +268,8 @@ def main() -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--only", nargs="*", help="source files (default: the build's)")
     ap.add_argument("--filter", default="", help="show kernels whose mangled name contains this")
+    ap.add_argument("--cublas-include", default="", help="a real cuBLAS include folder (default $CUBLAS_INCLUDE); "
+                    "without one the sources that call cuBLASLt are skipped")
     ap.add_argument("--ptx", type=Path, help="also write each source's normalized PTX into this folder")
     ap.add_argument("--loads-in-flight", action="store_true",
                     help="also report each kernel's most 16-byte loads in flight (SASS, needs nvdisasm)")
@@ -294,12 +297,18 @@ def main() -> int:
         for name, text in STUBS.items():
             (scratch / name).parent.mkdir(parents=True, exist_ok=True)
             (scratch / name).write_text(text)
-        includes = [f"-I{p}" for p in ext.include_paths()] + [f"-I{scratch}"]
+        # a real cuBLAS include folder (e.g. the nvidia-cublas wheel's nvidia/cu13/include) goes before the
+        # stand-ins: dense_wgrad.cu calls cuBLASLt's API, which the stand-ins do not declare
+        cublas = args.cublas_include or os.environ.get("CUBLAS_INCLUDE")
+        includes = [f"-I{p}" for p in ext.include_paths()] + ([f"-I{cublas}"] if cublas else []) + [f"-I{scratch}"]
         failed = 0
         attention = build.attention_sources()
         for source in args.only or [s for s in build.sources() + build.GEMM_SOURCES + attention if s.endswith(".cu")]:
             # the GEMM is its own sm_90a build (wgmma, setmaxnreg): the -gencode form, as the JIT build passes it;
             # attention too, with its warpgroup-MMA forward, as built on a Hopper GPU
+            if source in NEEDS_CUBLAS and not cublas:
+                print(f"{source}: skipped (calls cuBLASLt: pass --cublas-include, e.g. the nvidia-cublas wheel's include folder)")
+                continue
             sm90a = source in build.GEMM_SOURCES or (source in attention and args.arch == "sm_90")
             arch = ["-gencode=arch=compute_90a,code=sm_90a"] if sm90a else [f"-arch={args.arch}"]
             if source in attention and sm90a:

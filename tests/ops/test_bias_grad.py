@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bertaccel.ops.bias_grad import column_sum, column_sum_reference, dense
-from tests.ops.conftest import DTYPES, assert_replay_matches_eager, check, cuda_test, leaves, poison, rand
+from bertaccel.ops.bias_grad import column_sum, column_sum_reference, dense, dense_wgrad_path, dense_wgrad_reference
+from tests.ops.conftest import (DTYPES, assert_replay_matches_eager, check, cuda_kernel_names, cuda_test, leaves, poison,
+                                rand)
 
 
 @pytest.mark.parametrize("shape", [(5, 40), (2, 3, 17), (1, 8)])
@@ -21,6 +22,20 @@ def test_dense_opcheck_cpu(bias):
     x, w = rand(3, 5, 16, requires_grad=True), rand(24, 16, requires_grad=True)
     b = rand(24, requires_grad=True) if bias else None
     torch.library.opcheck(torch.ops.bertaccel.dense.default, (x, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dense_wgrad_opcheck_cpu(dtype):
+    torch.library.opcheck(torch.ops.bertaccel.dense_wgrad.default, (rand(13, 24).to(dtype), rand(13, 40).to(dtype)))
+
+
+def test_dense_wgrad_is_the_weight_and_bias_gradient_cpu():
+    dy, x = rand(11, 6).to(torch.bfloat16), rand(11, 9).to(torch.bfloat16)
+    dw, db = torch.ops.bertaccel.dense_wgrad(dy, x)
+    assert dw.dtype == torch.bfloat16 and dw.shape == (6, 9) and db.dtype == torch.float32
+    torch.testing.assert_close(dw, dy.t() @ x)
+    torch.testing.assert_close(db, dy.double().sum(0).float(), rtol=1e-6, atol=1e-6)
+    assert dense_wgrad_path(dy, x).startswith("separate")
 
 
 def test_column_sum_is_the_sum_over_leading_dims():
@@ -140,6 +155,78 @@ def test_dense_compiles_fullgraph():
     r = torch.autograd.grad(f(x, w, b), (x, w, b))
     for a, t in zip(g, r):
         torch.testing.assert_close(a, t, rtol=2e-2, atol=2e-2)
+
+
+def _wgrad_case(tokens, out_features, in_features, dtype=torch.bfloat16):
+    dy = torch.randn(tokens, out_features, device="cuda").to(dtype)
+    x = torch.randn(tokens, in_features, device="cuda").to(dtype)
+    return dy, x
+
+
+def _check_wgrad(dw, db, dy, x, name):
+    """dw within 2x PyTorch's own GEMM error, db within 2x of PyTorch's bias gradient under autocast (a bf16
+    sum) or fp32 sum, both against float64 from the same rounded inputs."""
+    dy64, x64 = dy.double(), x.double()
+    check(dw, dy.t() @ x, dy64.t() @ x64, dy.dtype, f"{name} dweight")
+    check(db, dy.sum(0).float(), dy64.sum(0), dy.dtype, f"{name} dbias")
+
+
+@cuda_test
+@pytest.mark.parametrize("shape", [(16384, 2304, 768), (4000, 1152, 384), (333, 96, 40)], ids=str)
+def test_dense_wgrad_is_one_cublaslt_matmul(shape, monkeypatch):
+    """bf16 at aligned sizes: one matmul (the BGRADB epilogue), no column-sum kernel; the gradients as
+    accurate as the separate GEMM + column sum (BERTACCEL_DENSE_WGRAD=separate, the same call)."""
+    dy, x = _wgrad_case(*shape)
+    assert dense_wgrad_path(dy, x).startswith("fused"), dense_wgrad_path(dy, x)
+    names = cuda_kernel_names(lambda: torch.ops.bertaccel.dense_wgrad(dy, x))
+    assert not any("column_sum" in n for n in names), names
+    dw, db = torch.ops.bertaccel.dense_wgrad(dy, x)
+    assert dw.dtype == torch.bfloat16 and dw.shape == (shape[1], shape[2]) and db.dtype == torch.float32
+    _check_wgrad(dw, db, dy, x, "fused")
+    monkeypatch.setenv("BERTACCEL_DENSE_WGRAD", "separate")
+    assert dense_wgrad_path(dy, x) == "separate: BERTACCEL_DENSE_WGRAD=separate"
+    names = cuda_kernel_names(lambda: torch.ops.bertaccel.dense_wgrad(dy, x))
+    assert any("column_sum" in n for n in names), names
+    dw2, db2 = torch.ops.bertaccel.dense_wgrad(dy, x)
+    _check_wgrad(dw2, db2, dy, x, "separate")
+
+
+@cuda_test
+@pytest.mark.parametrize("shape,dtype,why", [((300, 30, 40), torch.bfloat16, "aligned"), ((300, 96, 44), torch.bfloat16, "aligned"),
+                                             ((257, 96, 40), torch.float32, "bfloat16 only")], ids=str)
+def test_dense_wgrad_separate_where_it_cannot_fuse(shape, dtype, why):
+    """Sizes that are not multiples of 8 and fp32 take the GEMM and the column sum, with the reason, and the same results."""
+    dy, x = _wgrad_case(*shape, dtype=dtype)
+    path = dense_wgrad_path(dy, x)
+    assert path.startswith("separate") and why in path, path
+    dw, db = torch.ops.bertaccel.dense_wgrad(dy, x)
+    ref_dw, ref_db = dense_wgrad_reference(dy.double(), x.double())
+    torch.testing.assert_close(dw.double(), ref_dw, rtol=2e-2, atol=2e-2 * shape[0] ** 0.5)
+    torch.testing.assert_close(db.double(), ref_db, rtol=1e-3, atol=1e-3)
+
+
+@cuda_test
+def test_dense_wgrad_misaligned_view_takes_the_separate_path():
+    """A [tokens, out] view starting 2 bytes into its storage: not handed to cuBLASLt (which was told 16-byte
+    alignment), summed by the GEMM and the column sum, not misread."""
+    flat = torch.randn(1 + 512 * 768, device="cuda").to(torch.bfloat16)
+    dy = flat[1:].view(512, 768)
+    x = torch.randn(512, 256, device="cuda").to(torch.bfloat16)
+    assert "aligned" in dense_wgrad_path(dy, x)
+    dw, db = torch.ops.bertaccel.dense_wgrad(dy, x)
+    _check_wgrad(dw, db, dy.clone(), x, "misaligned")
+
+
+@cuda_test
+def test_dense_backward_uses_the_fused_wgrad():
+    """`dense`'s backward (the Q/K/V projection's) runs no column-sum kernel at a BERT-base shape."""
+    x = torch.randn(2048, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2304, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(2304, device="cuda", requires_grad=True)
+    dy = torch.randn(2048, 2304, device="cuda", dtype=torch.bfloat16)
+    y = dense(x, w, b)
+    names = cuda_kernel_names(lambda: torch.autograd.grad(y, (x, w, b), dy))
+    assert not any("column_sum" in n for n in names), names
 
 
 def test_reference_matches_torch_sum():

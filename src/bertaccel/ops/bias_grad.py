@@ -6,9 +6,12 @@ bandwidth at [9,830, 384] and ~35% at [16,384, 1,152] (the MiniLM fine-tune's Q/
 0.30 / 0.21 ms per step). `column_sum` reads each element once with 16-byte loads over the whole
 GPU and adds per-chunk partial rows in a second, dependently launched kernel (deterministic).
 
-`dense(x, weight, bias)` is `F.linear` (cuBLAS) whose backward takes the bias gradient from
-`column_sum` and returns it in the bias's own dtype: an fp32 bias is summed straight into fp32, with
-no bf16 cast of the bias in the forward and no widening of its gradient in the backward. The fused
+`dense(x, weight, bias)` is `F.linear` (cuBLAS) whose backward returns the bias gradient in the
+bias's own dtype: an fp32 bias is summed straight into fp32, with no bf16 cast of the bias in the
+forward and no widening of its gradient in the backward. For bf16 its weight gradient and bias
+gradient are one cuBLASLt matmul (`dense_wgrad`, csrc/dense_wgrad.cu: the BGRADB epilogue sums dy
+while the weight-gradient GEMM reads it, instead of a second pass over dy); elsewhere, and where
+cuBLASLt offers no such algorithm, the GEMM and `column_sum`. The fused
 Q/K/V projection (`bertaccel.ops.qkv`) runs on it; our GEMM's linear layers (`bertaccel.ops.gemm`)
 sum their bias gradients with `column_sum` too.
 
@@ -25,10 +28,13 @@ from torch import Tensor
 from bertaccel.ops.eligibility import compute_dtype, note_fallback, why_not
 from bertaccel.ops.registration import NS, lib
 
-CUDA_SOURCES = ["column_sum.cu"]
+CUDA_SOURCES = ["column_sum.cu", "dense_wgrad.cu"]
 
 lib.define("column_sum(Tensor x) -> Tensor")
 lib.define("dense(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+# (dy^T x, dy summed over the tokens in fp32) for dy [tokens, out], x [tokens, in]
+lib.define("dense_wgrad(Tensor dy, Tensor x) -> (Tensor, Tensor)")
+lib.define("dense_wgrad_path(Tensor dy, Tensor x) -> str")
 
 
 # ------------------------------------------------------------------------------ CPU reference / fake
@@ -62,6 +68,35 @@ def _column_sum_backward(ctx, g):
 
 torch.library.register_autograd(f"{NS}::column_sum", _column_sum_backward, setup_context=_column_sum_setup)
 _COLUMN_SUM = torch.ops.bertaccel.column_sum.default
+
+
+def dense_wgrad_reference(dy: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """A linear layer's weight gradient dy^T x (in dy's dtype) and bias gradient (fp32; fp64 for fp64)."""
+    return dy.t() @ x, column_sum_reference(dy)
+
+
+@torch.library.impl(lib, "dense_wgrad", "CPU")
+def _dense_wgrad_cpu(dy, x):
+    return dense_wgrad_reference(dy, x)
+
+
+@torch.library.register_fake(f"{NS}::dense_wgrad")
+def _dense_wgrad_fake(dy, x):
+    return dy.new_empty(dy.shape[1], x.shape[1]), dy.new_empty(dy.shape[1], dtype=_sum_dtype(dy))
+
+
+@torch.library.impl(lib, "dense_wgrad_path", "CPU")
+def _dense_wgrad_path_cpu(dy, x):
+    return "separate: a CPU tensor"
+
+
+_DENSE_WGRAD = torch.ops.bertaccel.dense_wgrad.default
+
+
+def dense_wgrad_path(dy: Tensor, x: Tensor) -> str:
+    """Which form `dense_wgrad` takes for these inputs: "fused (fp32 bias gradient)", "fused (bf16 bias
+    gradient)" (one cuBLASLt matmul) or "separate: <why not fused>" (the GEMM, then `column_sum`)."""
+    return torch.ops.bertaccel.dense_wgrad_path(dy, x)
 
 
 # ------------------------------------------------------------------------------ public column_sum
@@ -100,11 +135,15 @@ def _dense_backward(ctx, dy):
     x, weight = ctx.saved_tensors
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = (dy2 @ weight).view(*dy.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
-    dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-    db = None
-    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-        db = column_sum(dy2).to(ctx.bias_dtype)
-    return dx, dw, db
+    x2 = x.reshape(-1, x.shape[-1])
+    want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    dw = db = None
+    if ctx.needs_input_grad[1] and want_db and why_not(dy2, hidden=1) is None:
+        dw, db = _DENSE_WGRAD(dy2, x2)  # one cuBLASLt matmul where it can (csrc/dense_wgrad.cu)
+    else:
+        dw = dy2.t() @ x2 if ctx.needs_input_grad[1] else None
+        db = column_sum(dy2) if want_db else None
+    return dx, dw, None if db is None else db.to(ctx.bias_dtype)
 
 
 torch.library.register_autograd(f"{NS}::dense", _dense_backward, setup_context=linear_setup)
