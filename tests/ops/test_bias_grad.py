@@ -173,18 +173,19 @@ def _check_wgrad(dw, db, dy, x, name):
 
 @cuda_test
 @pytest.mark.parametrize("shape", [(16384, 2304, 768), (4000, 1152, 384), (333, 96, 40)], ids=str)
-def test_dense_wgrad_is_one_cublaslt_matmul(shape, monkeypatch):
-    """bf16 at aligned sizes: one matmul (the BGRADB epilogue), no column-sum kernel; the gradients as
-    accurate as the separate GEMM + column sum (BERTACCEL_DENSE_WGRAD=separate, the same call)."""
+def test_dense_wgrad_fused_is_one_cublaslt_matmul(shape, monkeypatch):
+    """BERTACCEL_DENSE_WGRAD=fused, bf16 at aligned sizes: one matmul (the BGRADB epilogue), no column-sum
+    kernel; the gradients within 2x PyTorch's error; then the default: the GEMM and the column sum."""
     dy, x = _wgrad_case(*shape)
+    monkeypatch.setenv("BERTACCEL_DENSE_WGRAD", "fused")
     assert dense_wgrad_path(dy, x).startswith("fused"), dense_wgrad_path(dy, x)
     names = cuda_kernel_names(lambda: torch.ops.bertaccel.dense_wgrad(dy, x))
     assert not any("column_sum" in n for n in names), names
     dw, db = torch.ops.bertaccel.dense_wgrad(dy, x)
     assert dw.dtype == torch.bfloat16 and dw.shape == (shape[1], shape[2]) and db.dtype == torch.float32
     _check_wgrad(dw, db, dy, x, "fused")
-    monkeypatch.setenv("BERTACCEL_DENSE_WGRAD", "separate")
-    assert dense_wgrad_path(dy, x) == "separate: BERTACCEL_DENSE_WGRAD=separate"
+    monkeypatch.delenv("BERTACCEL_DENSE_WGRAD")
+    assert dense_wgrad_path(dy, x).startswith("separate: the default"), dense_wgrad_path(dy, x)
     names = cuda_kernel_names(lambda: torch.ops.bertaccel.dense_wgrad(dy, x))
     assert any("column_sum" in n for n in names), names
     dw2, db2 = torch.ops.bertaccel.dense_wgrad(dy, x)
@@ -194,8 +195,10 @@ def test_dense_wgrad_is_one_cublaslt_matmul(shape, monkeypatch):
 @cuda_test
 @pytest.mark.parametrize("shape,dtype,why", [((300, 30, 40), torch.bfloat16, "aligned"), ((300, 96, 44), torch.bfloat16, "aligned"),
                                              ((257, 96, 40), torch.float32, "bfloat16 only")], ids=str)
-def test_dense_wgrad_separate_where_it_cannot_fuse(shape, dtype, why):
-    """Sizes that are not multiples of 8 and fp32 take the GEMM and the column sum, with the reason, and the same results."""
+def test_dense_wgrad_separate_where_it_cannot_fuse(shape, dtype, why, monkeypatch):
+    """Asked for the fused form, sizes that are not multiples of 8 and fp32 take the GEMM and the column sum, with
+    the reason, and the same results."""
+    monkeypatch.setenv("BERTACCEL_DENSE_WGRAD", "fused")
     dy, x = _wgrad_case(*shape, dtype=dtype)
     path = dense_wgrad_path(dy, x)
     assert path.startswith("separate") and why in path, path
@@ -206,9 +209,10 @@ def test_dense_wgrad_separate_where_it_cannot_fuse(shape, dtype, why):
 
 
 @cuda_test
-def test_dense_wgrad_misaligned_view_takes_the_separate_path():
-    """A [tokens, out] view starting 2 bytes into its storage: not handed to cuBLASLt (which was told 16-byte
-    alignment), summed by the GEMM and the column sum, not misread."""
+def test_dense_wgrad_misaligned_view_takes_the_separate_path(monkeypatch):
+    """Asked for the fused form, a [tokens, out] view starting 2 bytes into its storage: not handed to cuBLASLt
+    (which was told 16-byte alignment), summed by the GEMM and the column sum, not misread."""
+    monkeypatch.setenv("BERTACCEL_DENSE_WGRAD", "fused")
     flat = torch.randn(1 + 512 * 768, device="cuda").to(torch.bfloat16)
     dy = flat[1:].view(512, 768)
     x = torch.randn(512, 256, device="cuda").to(torch.bfloat16)
@@ -218,15 +222,19 @@ def test_dense_wgrad_misaligned_view_takes_the_separate_path():
 
 
 @cuda_test
-def test_dense_backward_uses_the_fused_wgrad():
-    """`dense`'s backward (the Q/K/V projection's) runs no column-sum kernel at a BERT-base shape."""
+@pytest.mark.parametrize("form", ["fused", "default"])
+def test_dense_backward_takes_the_switched_wgrad(form, monkeypatch):
+    """`dense`'s backward (the Q/K/V projection's) at a BERT-base shape: a column-sum kernel by default, none with
+    BERTACCEL_DENSE_WGRAD=fused."""
+    if form == "fused":
+        monkeypatch.setenv("BERTACCEL_DENSE_WGRAD", "fused")
     x = torch.randn(2048, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(2304, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(2304, device="cuda", requires_grad=True)
     dy = torch.randn(2048, 2304, device="cuda", dtype=torch.bfloat16)
     y = dense(x, w, b)
     names = cuda_kernel_names(lambda: torch.autograd.grad(y, (x, w, b), dy))
-    assert not any("column_sum" in n for n in names), names
+    assert any("column_sum" in n for n in names) == (form == "default"), names
 
 
 def test_reference_matches_torch_sum():

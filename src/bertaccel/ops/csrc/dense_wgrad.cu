@@ -1,11 +1,16 @@
-// A linear layer's weight gradient and bias gradient in one cuBLASLt matmul: dw = dy^T x, with the
-// bias gradient db = dy summed over the tokens taken by the matmul's BGRADB epilogue while it reads dy
-// (the reduction over the GEMM's k dimension, which the weight gradient reduces over anyway).
+// A linear layer's weight gradient dw = dy^T x and bias gradient db (dy summed over the tokens): by
+// default cuBLAS's GEMM, then our column-sum kernel (column_sum.cu); with BERTACCEL_DENSE_WGRAD=fused,
+// one cuBLASLt matmul whose BGRADB epilogue sums dy while the GEMM reads it (Apex's fused_dense and
+// Transformer Engine take their wgrad bias gradients this way).
 //
-// Why: the fused Q/K/V projection's bias gradient was a separate pass over dy ([tokens, 3 x hidden]
-// bf16: 75 MB at BERT-base 32x512, ~26 us a layer on an H200 with our column-sum kernel at ~80% of the
-// copy bandwidth), after a weight-gradient GEMM that had just read the same dy. Apex's fused_dense and
-// Transformer Engine take their wgrad bias gradients the same way.
+// The fused form is not the default because it measured slower, and less exact: on an H200 (session 53,
+// `python -m benchmarks.bench_ops --ops bias_grad`, graph replays, bf16) 119.2 us against 109.8 for
+// GEMM + column sum at BERT-base's Q/K/V projection (16,384 tokens, 2,304 x 768; the GEMM alone 83.1),
+// 48.4 against 41.7 at MiniLM's (1,152 x 384; GEMM alone 29.0), and slower at 9,830 tokens too; and
+// cuBLASLt offered the epilogue only with a bf16 bias vector (no fp32 one beside bf16 matrices), so db
+// is rounded to bf16 where column_sum returns fp32. The BERT-base / MiniLM 32x512 graphed steps
+// measured no difference either way (within the run-to-run spread). The switch stays for other GPUs (the
+// H100 is the product's target) and cuBLAS versions.
 //
 // Column-major cuBLAS view of the row-major tensors (m = in_features K, n = out_features N, k = tokens M):
 //   D (K x N, ld K)  = dw [N, K] row-major
@@ -15,10 +20,9 @@
 // No link against cuBLASLt: its functions are looked up in the copy PyTorch has loaded (dlopen with
 // RTLD_NOLOAD), so the extension loads wherever PyTorch runs. Where they are missing, or cuBLASLt
 // offers no algorithm for the shape (heuristics asked once per shape), or the inputs are not bf16 /
-// 16-byte aligned, the op runs the unfused form (at::mm and the column-sum op) and `dense_wgrad_path`
-// says why. BERTACCEL_DENSE_WGRAD=separate forces the unfused form (read per call: compare both in one run).
-// The bias gradient is fp32 where cuBLASLt takes an fp32 bias vector beside bf16 matrices, else bf16
-// widened to fp32 (PyTorch's autocast linear returns it in bf16 too); which one is cached per shape.
+// 16-byte aligned, the fused form falls back to the separate one and `dense_wgrad_path` says why.
+// The switch is read per call (compare both in one run). The fused form's bias gradient is fp32 where
+// cuBLASLt takes an fp32 bias vector, else bf16 widened to fp32; which one is cached per shape.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -170,7 +174,7 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 
 // "" when the fused matmul can run for these inputs, else why not.
 std::string why_unfused(const at::Tensor& dy, const at::Tensor& x) {
-  if (env_is("BERTACCEL_DENSE_WGRAD", "separate")) return "BERTACCEL_DENSE_WGRAD=separate";
+  if (!env_is("BERTACCEL_DENSE_WGRAD", "fused")) return "the default (BERTACCEL_DENSE_WGRAD=fused for cuBLASLt's BGRADB)";
   if (dy.scalar_type() != at::kBFloat16 || x.scalar_type() != at::kBFloat16) return "the fused form takes bfloat16 only";
   if (!lt().missing.empty()) return lt().missing;
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
