@@ -18,6 +18,11 @@ nothing of the copies.
 
 Only weights that no other kind of module reads get a copy: a decoder weight tied to the word
 embeddings stays fp32 (the embedding lookup reads the same Parameter).
+
+The copies of a self-attention's `query`, `key` and `value` weights (same input width, each read by
+that Linear only) are three Parameters over one [q + k + v, hidden] block, back to back: the fused Q/K/V
+projection (`bertaccel.ops.qkv.adjacent_rows`) reads the block as it is instead of concatenating the
+three per forward.
 """
 
 from __future__ import annotations
@@ -47,7 +52,16 @@ class Bf16WeightCopies:
         # normal tensors even when made under inference mode (an evaluation that comes first): a
         # training step differentiates through the same copies later
         with torch.inference_mode(False), torch.no_grad():
-            self.copies = [nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=w.requires_grad) for w in self.masters]
+            blocks = {i: block for block in _qkv_blocks(model, self.masters, self.targets) for i in block}
+            self.copies: list[nn.Parameter | None] = [None] * len(self.masters)
+            for i, w in enumerate(self.masters):
+                if i in blocks and self.copies[i] is None:  # the block's three copies over one buffer
+                    block = blocks[i]
+                    whole = torch.cat([self.masters[j].detach() for j in block]).to(torch.bfloat16)
+                    for j, part in zip(block, whole.split([self.masters[j].shape[0] for j in block])):
+                        self.copies[j] = nn.Parameter(part, requires_grad=self.masters[j].requires_grad)
+                elif i not in blocks:
+                    self.copies[i] = nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=w.requires_grad)
 
     def __len__(self) -> int:
         return len(self.copies)
@@ -87,3 +101,25 @@ class Bf16WeightCopies:
                 torch._foreach_zero_(unused)
         for c in self.copies:
             c.grad = None
+
+
+def _qkv_blocks(model: nn.Module, masters: list[nn.Parameter], targets: list[tuple[nn.Module, int]]) -> list[tuple[int, ...]]:
+    """Index triples (into `masters`) of the query / key / value weights that can share one copy buffer: the
+    children `query`, `key`, `value` of one module, nn.Linear with one input width, each master read by that Linear
+    alone (not tied) and in no other triple."""
+    readers: dict[int, int] = {}
+    for _, i in targets:
+        readers[i] = readers.get(i, 0) + 1
+    index = {id(w): i for i, w in enumerate(masters)}
+    blocks, taken = [], set()
+    for m in model.modules():
+        layers = [getattr(m, n, None) for n in ("query", "key", "value")]
+        if not all(isinstance(layer, nn.Linear) for layer in layers):
+            continue
+        ids = [index.get(id(layer._parameters.get("weight"))) for layer in layers]
+        if (None in ids or len(set(ids)) != 3 or any(readers[i] != 1 or i in taken for i in ids)
+                or len({layer.in_features for layer in layers}) != 1):
+            continue
+        blocks.append(tuple(ids))
+        taken.update(ids)
+    return blocks

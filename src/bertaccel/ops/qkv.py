@@ -7,14 +7,19 @@ weights (and biases) and runs one GEMM of N = 3 x hidden: one of each in the bac
 The attention itself is HF's (SDPA, flash, ...) on views of the one output; the eager-attention
 module of the softmax family (`FusedBertSelfAttention`) takes the same projection.
 
-The concatenation costs one small copy of the weights per step (3 x hidden^2 elements; with the bf16
-weight copies of graphed steps, in bf16). No CUDA code of its own: the matmul is cuBLAS, with the bias
+The weights are read in place where they lie one after another in one buffer: the graphed steps' bf16
+weight copies (`modules/weight_copies.py`) put each attention's three in one [3 x hidden, hidden] block,
+and `adjacent_rows` hands that block to the GEMM whole, its gradient split back into three views (no
+copy either way). Elsewhere (fp32 masters, autocast's casts, torch.compile) the concatenation costs one
+small copy of the weights per forward (3 x hidden^2 elements); the biases are concatenated (3 x hidden). No CUDA code of its own: the matmul is cuBLAS, with the bias
 gradient from our column-sum kernel (`bertaccel.ops.bias_grad.dense`: PyTorch's `dy.sum(0)` reached
 ~35% of the copy bandwidth there), or our GEMM when the `linear` family made the projections
 `GemmLinear`s. The unpadded encoder (`bertaccel.modules.unpadded`) runs the same projection on packed rows.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor, nn
@@ -37,14 +42,52 @@ def can_fuse(query: nn.Module, key: nn.Module, value: nn.Module) -> str | None:
     return None
 
 
+class _AdjacentRows(torch.autograd.Function):
+    """[sum(rows), cols] over 2-D tensors that lie one after another in one storage: the same memory, no
+    copy; the gradient goes back as row slices of the incoming one (views, no copy)."""
+
+    @staticmethod
+    def forward(ctx, *parts):
+        ctx.rows = [t.shape[0] for t in parts]
+        first = parts[0]
+        whole = first.new_empty(0)
+        whole.set_(first.untyped_storage(), first.storage_offset(), (sum(ctx.rows), first.shape[1]), first.stride())
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(grad.split(ctx.rows, 0))
+
+
+def adjacent_rows(*parts: Tensor) -> Tensor | None:
+    """`torch.cat(parts)` without the copy where the 2-D `parts` are contiguous row blocks lying back to back in one
+    storage (the bf16 weight copies' Q/K/V blocks), else None. None under torch.compile (which traces the cat) and
+    with BERTACCEL_QKV_IN_PLACE=0 (read per call: the concatenation, for comparing both in one run)."""
+    first = parts[0]
+    if (torch.compiler.is_compiling() or first.dim() != 2 or not first.is_contiguous()
+            or os.environ.get("BERTACCEL_QKV_IN_PLACE") == "0"):
+        return None
+    at = first.storage_offset() + first.numel()
+    for t in parts[1:]:
+        if (t.dim() != 2 or not t.is_contiguous() or t.shape[1] != first.shape[1] or t.dtype != first.dtype
+                or t.device != first.device or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != at):
+            return None
+        at += t.numel()
+    return _AdjacentRows.apply(*parts)
+
+
 def qkv_projection(query: nn.Linear, key: nn.Linear, value: nn.Linear, x: Tensor) -> Tensor:
-    """`cat([query(x), key(x), value(x)], -1)` as one GEMM (weights concatenated on the fly): our GEMM
+    """`cat([query(x), key(x), value(x)], -1)` as one GEMM (weights read in place where they lie back to back,
+    else concatenated on the fly): our GEMM
     when the `linear` family made the projections `GemmLinear`s, else cuBLAS with the bias gradient
     summed by our column-sum kernel (`bias_grad.dense`)."""
     from bertaccel.ops.bias_grad import dense
     from bertaccel.ops.gemm import GemmLinear, linear
 
-    w = torch.cat((query.weight, key.weight, value.weight))
+    w = adjacent_rows(query.weight, key.weight, value.weight)
+    if w is None:
+        w = torch.cat((query.weight, key.weight, value.weight))
     b = None if query.bias is None else torch.cat((query.bias, key.bias, value.bias))
     if isinstance(query, GemmLinear):
         return linear(x, w, b)
