@@ -175,7 +175,7 @@ def test_qkv_swapped_model_reads_the_block_in_place_on_the_gpu(monkeypatch):
         with copies.swapped_in(), torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(input_ids=ids).last_hidden_state
             out.float().square().mean().backward()
-        grads = [c.grad.clone() for c in copies.copies]
+        grads = [None if c.grad is None else c.grad.clone() for c in copies.copies]  # (the pooler's: None)
         for c in copies.copies:
             c.grad = None
         return out.detach(), grads
@@ -189,4 +189,28 @@ def test_qkv_swapped_model_reads_the_block_in_place_on_the_gpu(monkeypatch):
     out_cat, grads_cat = run()
     assert cats(run) == in_place + 2
     assert torch.equal(out, out_cat)
-    assert all(torch.equal(a, b) for a, b in zip(grads, grads_cat))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, grads_cat))
+    assert sum(g is not None for g in grads) == len(grads) - 1  # every copy but the pooler's got a gradient
+
+
+def test_swapped_attention_projects_from_the_block_on_its_copies(monkeypatch):
+    """The `qkv` family's module (what the graphed steps run), on the copies: its projection concatenates only the
+    biases (the weights come from the block); with BERTACCEL_QKV_IN_PLACE=0 the weights too. CPU: the module's
+    projection called directly (its forward runs HF's module on CPU)."""
+    from bertaccel.ops.swap import swap
+
+    model = BertForMaskedLM(BertConfig(**{**TINY_BERT, "vocab_size": 120, "attn_implementation": "sdpa"}))
+    assert swap(model, ["qkv"]).counts().get("qkv") == TINY_BERT["num_hidden_layers"]
+    att = next(m for m in model.modules() if type(m).__name__ == "FusedQKVSelfAttention")
+    copies = Bf16WeightCopies(model)
+    calls = []
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda ts, *a, **k: calls.append([t.shape for t in ts]) or cat(ts, *a, **k))
+    x = torch.randn(2, 5, att.query.in_features)
+    with copies.swapped_in(), torch.autocast("cpu", dtype=torch.bfloat16):
+        att.heads(x)
+        assert calls == [[att.query.bias.shape] * 3]
+        monkeypatch.setenv("BERTACCEL_QKV_IN_PLACE", "0")
+        calls.clear()
+        att.heads(x)
+        assert calls == [[att.query.weight.shape] * 3, [att.query.bias.shape] * 3]
