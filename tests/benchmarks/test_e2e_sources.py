@@ -37,3 +37,24 @@ def test_kernels_are_summed_per_launching_call_and_split_by_source():
     assert by_source["backward: ToCopyBackward0"]["us"] == 2.0
     assert by_source["?"]["kernel"] == "FillFunctor"  # the GEMM kernel of the same op was not kept
     assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
+
+
+def test_breakdown_counts_a_pdl_wait_once():
+    """Two steps of a GEMM followed by a LayerNorm launched early (it waits for the GEMM inside its own time): the
+    categories hold exposed time and add up to the busy time; total_ms keeps the kernels' own times."""
+    from types import SimpleNamespace
+
+    from benchmarks.e2e import breakdown_of
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, device_index=0, time_range=SimpleNamespace(start=start, end=end))
+
+    acts = []
+    for t0 in (0.0, 1000.0):  # us
+        acts += [kernel("nvjet_sm90_tst_128x256_gemm", t0, t0 + 600.0), kernel("layer_norm_fwd_kernel", t0 + 100.0, t0 + 700.0)]
+    b = breakdown_of(acts, steps=2)
+    assert b["busy_ms"] == 0.7 and b["total_ms"] == 1.2
+    assert b["categories"] == {"gemm": 0.6, "layernorm": 0.1}
+    assert b["categories_own"] == {"gemm": 0.6, "layernorm": 0.6}
+    assert b["top_kernels"] == {"nvjet_sm90_tst_128x256_gemm": 0.6, "layer_norm_fwd_kernel": 0.1}
+    assert list(b["gemm_kernels"].values()) == [0.6]

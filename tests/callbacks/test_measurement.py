@@ -219,3 +219,34 @@ def test_training_freezes_the_heap_and_teardown_unfreezes_it(tiny_data, tmp_path
     _fit_tiny_with_meter(tiny_data, tmp_path, [FrozenCount()], 1, accelerator="cpu", max_epochs=1, limit_val_batches=0)
     assert seen and (min(seen) > 10_000 if freeze == "1" else max(seen) == 0)
     assert gc.get_freeze_count() == 0
+
+
+def test_exposed_time_counts_overlapped_kernel_time_once():
+    """A kernel launched early by programmatic dependent launch waits inside its own time: only what runs past its
+    predecessor is its own. Exposed times add up to the busy time (the union), per GPU."""
+    from bertaccel.callbacks.profiler import exposed_us
+
+    pdl = [(0, 0.0, 10.0), (0, 2.0, 15.0)]  # the second starts at 2, waits until 10, ends at 15
+    assert exposed_us(pdl) == [10.0, 5.0]
+    assert exposed_us([(0, 6.0, 8.0), (0, 0.0, 5.0)]) == [2.0, 5.0]  # apart: their own times, in any input order
+    assert exposed_us([(0, 0.0, 10.0), (0, 2.0, 4.0)]) == [10.0, 0.0]  # inside another: nothing exposed
+    assert exposed_us([(0, 0.0, 4.0), (0, 0.0, 10.0)]) == [0.0, 10.0]  # same start: the longer one first
+    assert exposed_us([(0, 0.0, 10.0), (1, 2.0, 15.0)]) == [10.0, 13.0]  # two GPUs: no overlap between them
+    chain = [(0, 0.0, 3.0), (0, 1.0, 7.0), (0, 6.0, 9.0), (0, 20.0, 21.0)]
+    assert sum(exposed_us(chain)) == 9.0 + 1.0  # the union: [0, 9] and [20, 21]
+
+
+def test_exposed_by_name_skips_annotations_and_host_events():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bertaccel.callbacks.profiler import exposed_by_name
+
+    def ev(name, start, end, device_type=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(key=name, device_type=device_type, device_index=0, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [ev("gemm", 0.0, 10.0), ev("layer_norm", 8.0, 13.0), ev("layer_norm", 20.0, 22.0),
+              ev("layer0.ffn", 0.0, 30.0, annotation=True), ev("aten::mm", 0.0, 50.0, device_type=DeviceType.CPU)]
+    assert exposed_by_name(events) == {"gemm": 10.0, "layer_norm": 5.0}
