@@ -250,3 +250,23 @@ def test_exposed_by_name_skips_annotations_and_host_events():
     events = [ev("gemm", 0.0, 10.0), ev("layer_norm", 8.0, 13.0), ev("layer_norm", 20.0, 22.0),
               ev("layer0.ffn", 0.0, 30.0, annotation=True), ev("aten::mm", 0.0, 50.0, device_type=DeviceType.CPU)]
     assert exposed_by_name(events) == {"gemm": 10.0, "layer_norm": 5.0}
+
+
+@pytest.mark.cuda
+def test_profiler_counts_overlapping_gpu_time_once(tiny_config, tmp_path):
+    """On a GPU with the kernel swap and graphed steps (our row kernels launched by programmatic dependent launch):
+    the busy time is at most the kernels' summed own times, each kernel's exposed time at most its own, the shares of
+    exposed time add up to one, and the categories add up to the busy time."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    cfg = tiny_config("prof_gpu", epochs=1)
+    BertAccelCLI(args=["fit", "-c", cfg, "--trainer.accelerator", "gpu", "--trainer.precision", "bf16-mixed",
+                       "--kernel_swap.ops", "[all]", "--model.cuda_graphs", "true", "--profiler.enabled", "true",
+                       "--profiler.skip_first", "2", "--profiler.warmup", "1", "--profiler.active", "3"])
+    prof = tmp_path / "runs" / "prof_gpu" / "version_0" / "profiler"
+    summary = json.loads((prof / "profile_summary.json").read_text())
+    kernels = json.loads((prof / "kernel_statistics.json").read_text())
+    assert kernels and 0 < summary["gpu_ms"] <= summary["kernel_sum_ms"] + 1e-6
+    assert all(k["exposed_ms"] <= k["total_ms"] + 1e-6 for k in kernels)
+    assert sum(k["share"] for k in kernels) == pytest.approx(1.0, rel=1e-6)
+    assert sum(c["ms"] for c in summary["categories"].values()) == pytest.approx(summary["gpu_ms"], rel=1e-6)
