@@ -190,21 +190,51 @@ def _source_frame(evt) -> str:
     return "?"
 
 
+def _exposed_by_launch(events) -> dict[int, list[tuple[str, float]]]:
+    """Per launching op (its profiler correlation id): (kernel name, exposed us) of its GPU activities, in launch
+    order. Empty where this torch's FunctionEvents do not carry the device events' correlation ids."""
+    from bertaccel.callbacks.profiler import device_activities, exposed_us
+
+    acts = [e for e in device_activities(events) if hasattr(e, "time_range")]
+    out: dict[int, list[tuple[str, float]]] = {}
+    xs = exposed_us([(e.device_index, e.time_range.start, e.time_range.end) for e in acts])
+    for e, x in zip(acts, xs):
+        corr = getattr(e, "linked_correlation_id", 0)
+        if corr:
+            out.setdefault(corr, []).append((e.name, x))
+    return out
+
+
+def _take(pending: list[tuple[str, float]], name: str, default: float) -> float:
+    """The exposed time of the first pending activity named `name` (removed from `pending`), else `default`."""
+    for i, (n, x) in enumerate(pending):
+        if n == name:
+            del pending[i]
+            return x
+    return default
+
+
 def kernel_sources(events, keep, calls: int = 1) -> list[dict]:
     """The kernels `keep(kernel name)` selects, summed by (kernel, launching op, its input shapes, source frame):
-    GPU us per call, launches per call. `events`: torch.profiler FunctionEvents (CPU ops, each with the kernels
-    it launched, its input shapes, Python stack and parent op), from a run of `calls` eager calls."""
+    GPU us per call - exposed time (what a kernel ran past the kernels that began before it: a kernel launched by
+    programmatic dependent launch, e.g. our column_sums_kernel, waits for its predecessor inside its own time), own
+    time beside it - and launches per call. `events`: torch.profiler FunctionEvents (CPU ops, each with the kernels it
+    launched, its input shapes, Python stack and parent op; and the GPU activities), from `calls` eager calls."""
+    exposed = _exposed_by_launch(events)
     acc: dict[tuple, list[float]] = {}
     for evt in events:
+        pending = list(exposed.get(getattr(evt, "id", None), []))
         for k in getattr(evt, "kernels", None) or []:
+            x = _take(pending, k.name, k.duration)
             if not keep(k.name):
                 continue
             key = (k.name[:70], evt.name, str(getattr(evt, "input_shapes", ""))[:90], _source_frame(evt))
-            a = acc.setdefault(key, [0.0, 0])
-            a[0] += k.duration / calls
-            a[1] += 1 / calls
-    rows = [{"kernel": k[0], "op": k[1], "shapes": k[2], "source": k[3], "us": round(v[0], 1), "launches": round(v[1], 2)}
-            for k, v in acc.items()]
+            a = acc.setdefault(key, [0.0, 0.0, 0])
+            a[0] += x / calls
+            a[1] += k.duration / calls
+            a[2] += 1 / calls
+    rows = [{"kernel": k[0], "op": k[1], "shapes": k[2], "source": k[3], "us": round(v[0], 1), "own_us": round(v[1], 1),
+             "launches": round(v[2], 2)} for k, v in acc.items()]
     return sorted(rows, key=lambda r: -r["us"])
 
 
@@ -417,11 +447,12 @@ def main() -> None:
             for k, v in p["top_kernels"].items():
                 print(f"  {v:7.3f}  {k}")
             if p.get("sources"):
-                print(f"\n{p['variant']} small kernels by launching call (eager run of the step body; us per step, launches;"
-                      " own times: a kernel launched by programmatic dependent launch, e.g. column_sums_kernel, includes"
-                      " its wait for the kernel before it):")
+                print(f"\n{p['variant']} small kernels by launching call (eager run of the step body; exposed us per step, own us"
+                      " - a kernel launched by programmatic dependent launch, e.g. column_sums_kernel, waits for the kernel"
+                      " before it inside its own time -, launches):")
                 for src in p["sources"][:40]:
-                    print(f"  {src['us']:8.1f} {src['launches']:5.1f}  {src['kernel'][:50]:50}  {src['op']}  {src['shapes'][:60]}  {src['source']}")
+                    print(f"  {src['us']:8.1f} {src.get('own_us', src['us']):8.1f} {src['launches']:5.1f}  {src['kernel'][:50]:50}  "
+                          f"{src['op']}  {src['shapes'][:60]}  {src['source']}")
     picture = plot_file(args.out)  # PNG next to the JSON (with matplotlib)
     if picture:
         print(f"picture: {picture}")

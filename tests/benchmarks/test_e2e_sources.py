@@ -58,3 +58,19 @@ def test_breakdown_counts_a_pdl_wait_once():
     assert b["categories_own"] == {"gemm": 0.6, "layernorm": 0.6}
     assert b["top_kernels"] == {"nvjet_sm90_tst_128x256_gemm": 0.6, "layer_norm_fwd_kernel": 0.1}
     assert list(b["gemm_kernels"].values()) == [0.6]
+
+
+def test_sources_count_a_pdl_wait_as_the_kernel_before_it():
+    """A column-sum kernel launched early (programmatic dependent launch) by the same op as the kernel it waits for:
+    its row holds its exposed time (what it ran past that kernel), its own time beside it."""
+    from torch.autograd import DeviceType
+
+    def device(name, start, end, corr):
+        return NS(name=name, key=name, device_type=DeviceType.CUDA, device_index=0, is_user_annotation=False,
+                  time_range=NS(start=start, end=end), linked_correlation_id=corr)
+
+    op = NS(name="bertaccel::bias_gelu_bwd", id=7, cpu_parent=None, stack=[], input_shapes=[[16, 3072]],
+            kernels=[_kernel("bias_gelu_bwd_kernel", 30.0), _kernel("column_sums_kernel", 28.0)])
+    events = [op, device("bias_gelu_bwd_kernel", 0.0, 30.0, 7), device("column_sums_kernel", 4.0, 32.0, 7)]
+    rows = kernel_sources(events, keep=lambda k: "column_sums" in k)
+    assert len(rows) == 1 and (rows[0]["us"], rows[0]["own_us"], rows[0]["launches"]) == (2.0, 28.0, 1.0)

@@ -67,7 +67,7 @@ def categorize(kernel: str) -> str:
 def device_activities(events) -> list:
     """The GPU kernels, memcpys and memsets among torch.profiler FunctionEvents (not the GPU-side copies of
     record_function ranges, which span the kernels they label)."""
-    return [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    return [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
 
 
 def exposed_us(intervals: list[tuple[int, float, float]]) -> list[float]:
