@@ -108,7 +108,7 @@ def plot_summary(summary: dict, path: Path, on_gpu: bool) -> Path | None:
     panels = []
     if on_gpu and summary["categories"]:
         cats = sorted(summary["categories"].items(), key=lambda kv: kv[1]["ms"])
-        panels.append(("GPU time by kernel category (ms)", [c for c, _ in cats], [v["ms"] for _, v in cats]))
+        panels.append(("GPU busy time by kernel category (ms, overlaps counted once)", [c for c, _ in cats], [v["ms"] for _, v in cats]))
     if summary["regions"]:
         key = "device_ms" if on_gpu else "cpu_ms"
         regs = sorted(summary["regions"].items(), key=lambda kv: kv[1][key])
