@@ -253,16 +253,18 @@ def test_exposed_by_name_skips_annotations_and_host_events():
 
 
 @pytest.mark.cuda
-def test_profiler_counts_overlapping_gpu_time_once(tiny_config, tmp_path):
-    """On a GPU with the kernel swap and graphed steps (our row kernels launched by programmatic dependent launch):
-    the busy time is at most the kernels' summed own times, each kernel's exposed time at most its own, the shares of
-    exposed time add up to one, and the categories add up to the busy time."""
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
+def test_profiler_counts_overlapping_gpu_time_once(tiny_config, tmp_path, graphs):
+    """On a GPU with the kernel swap (our row kernels launched by programmatic dependent launch), graphed or eager
+    steps: the busy time is at most the kernels' summed own times, each kernel's exposed time at most its own, the
+    shares of exposed time add up to one, the categories add up to the busy time; eager, the labelled regions'
+    device time (exposed) is positive and at most their kernels' own times."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     cfg = tiny_config("prof_gpu", epochs=1)
     BertAccelCLI(args=["fit", "-c", cfg, "--trainer.accelerator", "gpu", "--trainer.precision", "bf16-mixed",
-                       "--kernel_swap.ops", "[all]", "--model.cuda_graphs", "true", "--profiler.enabled", "true",
-                       "--profiler.skip_first", "2", "--profiler.warmup", "1", "--profiler.active", "3"])
+                       "--kernel_swap.ops", "[all]", "--model.cuda_graphs", str(graphs).lower(), "--profiler.enabled",
+                       "true", "--profiler.skip_first", "2", "--profiler.warmup", "1", "--profiler.active", "3"])
     prof = tmp_path / "runs" / "prof_gpu" / "version_0" / "profiler"
     summary = json.loads((prof / "profile_summary.json").read_text())
     kernels = json.loads((prof / "kernel_statistics.json").read_text())
@@ -270,3 +272,35 @@ def test_profiler_counts_overlapping_gpu_time_once(tiny_config, tmp_path):
     assert all(k["exposed_ms"] <= k["total_ms"] + 1e-6 for k in kernels)
     assert sum(k["share"] for k in kernels) == pytest.approx(1.0, rel=1e-6)
     assert sum(c["ms"] for c in summary["categories"].values()) == pytest.approx(summary["gpu_ms"], rel=1e-6)
+    if not graphs:
+        regions = summary["regions"]
+        assert regions["layer0.ffn"]["device_ms"] > 0
+        assert all(r["device_ms"] <= r["device_own_ms"] + 1e-6 for r in regions.values())
+
+
+def test_region_device_time_counts_overlapping_kernels_once():
+    """A labelled region whose two ops launched overlapping kernels (the second waiting for the first inside its own
+    time): the region's exposed device time is their union; a region of another name and host-only events add
+    nothing."""
+    import re
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from bertaccel.callbacks.profiler import region_exposed_us
+
+    def cpu(name, id_, children=()):
+        return NS(name=name, id=id_, device_type=DeviceType.CPU, cpu_children=list(children))
+
+    def kernel(start, end, corr):
+        return NS(name="k", key="k", device_type=DeviceType.CUDA, device_index=0, is_user_annotation=False,
+                  time_range=NS(start=start, end=end), linked_correlation_id=corr)
+
+    ops = [cpu("aten::mm", 1), cpu("bertaccel::layer_norm", 2)]
+    region = cpu("layer0.ffn", 10, [cpu("aten::linear", 11, [ops[0]]), ops[1]])
+    other = cpu("layer1.ffn", 20, [cpu("aten::mm", 3)])
+    events = [region, other, *ops, kernel(0.0, 10.0, 1), kernel(2.0, 15.0, 2), kernel(30.0, 34.0, 3)]
+    got = region_exposed_us(events, re.compile(r"^layer\d+\.ffn$"))
+    assert got == {"layer0.ffn": 15.0, "layer1.ffn": 4.0}
+    assert region_exposed_us([region, NS(name="k", device_type=DeviceType.CUDA, device_index=0,
+                                         time_range=NS(start=0.0, end=1.0))], re.compile("layer0.ffn")) is None

@@ -85,6 +85,38 @@ def exposed_us(intervals: list[tuple[int, float, float]]) -> list[float]:
     return out
 
 
+def exposed_by_launch(events) -> dict[int, float] | None:
+    """Exposed microseconds of the GPU activities among `events`, summed per launching CPU event (the device events'
+    `linked_correlation_id`, the CPU event's `id`); None where this torch's events do not carry it."""
+    acts = device_activities(events)
+    if acts and not all(hasattr(e, "linked_correlation_id") for e in acts):
+        return None
+    totals: dict[int, float] = defaultdict(float)
+    for e, us in zip(acts, exposed_us([(e.device_index, e.time_range.start, e.time_range.end) for e in acts])):
+        if e.linked_correlation_id:
+            totals[e.linked_correlation_id] += us
+    return dict(totals)
+
+
+def region_exposed_us(events, names: re.Pattern) -> dict[str, float] | None:
+    """For the CPU events whose name `names` matches (record_function regions): the exposed GPU microseconds of the
+    kernels launched inside them (by them or by the CPU events nested in them), summed by name - what PyTorch's
+    device_time_total sums, with overlapping kernels counted once. None where the events lack correlation ids."""
+    by_launch = exposed_by_launch(events)
+    if by_launch is None:
+        return None
+    out: dict[str, float] = defaultdict(float)
+    for e in events:
+        if getattr(e, "device_type", None) != DeviceType.CPU or not names.match(e.name):
+            continue
+        stack = [e]
+        while stack:
+            c = stack.pop()
+            out[e.name] += by_launch.get(c.id, 0.0)
+            stack.extend(getattr(c, "cpu_children", None) or [])
+    return dict(out)
+
+
 def exposed_by_name(events) -> dict[str, float]:
     """Exposed microseconds (`exposed_us`) of the GPU activities among `events`, summed by name."""
     acts = device_activities(events)
@@ -318,7 +350,15 @@ class ProfilerCallback(pl.Callback):
         for r in kernel_rows:
             by_cat[r["category"]] += r["exposed_ms"]
         region_names = re.compile(r"^(embeddings|layer\d+\.(attention|ffn)|head|backward|optimizer_step)$")
-        regions = {e.key: {"device_ms": e.device_time_total / 1e3, "cpu_ms": e.cpu_time_total / 1e3, "calls": e.count}
+        region_exposed = region_exposed_us(prof.events(), region_names) or {}
+        # device_ms: the kernels launched inside the region, overlapping ones counted once (exposed time) where the
+        # profiler links kernels to their launches; device_own_ms: their own times summed (PyTorch's device total)
+        def region_device_us(e) -> float:  # own time where the links gave nothing (they should give something)
+            x = region_exposed.get(e.key, 0.0)
+            return x if x > 0 or e.device_time_total == 0 else e.device_time_total
+
+        regions = {e.key: {"device_ms": region_device_us(e) / 1e3,
+                           "device_own_ms": e.device_time_total / 1e3, "cpu_ms": e.cpu_time_total / 1e3, "calls": e.count}
                    for e in ops if region_names.match(e.key)}
         summary = {
             "stage": stage, "active_steps": self.active * max(self.repeat, 1),
