@@ -11,10 +11,10 @@ The weights are read in place where they lie one after another in one buffer: th
 weight copies (`modules/weight_copies.py`) put each attention's three in one [3 x hidden, hidden] block,
 and `adjacent_rows` hands that block to the GEMM whole, its gradient split back into three views (no
 copy either way). Elsewhere (fp32 masters, autocast's casts, torch.compile) the concatenation costs one
-small copy of the weights per forward (3 x hidden^2 elements); the biases are concatenated (3 x hidden). No CUDA code of its own: the matmul is cuBLAS, with the bias
-gradient from our column-sum kernel (`bertaccel.ops.bias_grad.dense`: PyTorch's `dy.sum(0)` reached
-~35% of the copy bandwidth there), or our GEMM when the `linear` family made the projections
-`GemmLinear`s. The unpadded encoder (`bertaccel.modules.unpadded`) runs the same projection on packed rows.
+small copy of the weights per forward (3 x hidden^2 elements); the biases are concatenated (3 x hidden).
+No CUDA code of its own: the matmul is cuBLAS, with the bias gradient from our column-sum kernel
+(`bertaccel.ops.bias_grad.dense`: PyTorch's `dy.sum(0)` reached ~35% of the copy bandwidth there), or
+our GEMM when the `linear` family made the projections `GemmLinear`s. The unpadded encoder (`bertaccel.modules.unpadded`) runs the same projection on packed rows.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class _AdjacentRows(torch.autograd.Function):
         ctx.rows = [t.shape[0] for t in parts]
         first = parts[0]
         whole = first.new_empty(0)
-        whole.set_(first.untyped_storage(), first.storage_offset(), (sum(ctx.rows), first.shape[1]), first.stride())
+        whole.set_(first.untyped_storage(), first.storage_offset(), (sum(ctx.rows), first.shape[1]), (first.shape[1], 1))
         return whole
 
     @staticmethod
@@ -79,9 +79,8 @@ def adjacent_rows(*parts: Tensor) -> Tensor | None:
 
 def qkv_projection(query: nn.Linear, key: nn.Linear, value: nn.Linear, x: Tensor) -> Tensor:
     """`cat([query(x), key(x), value(x)], -1)` as one GEMM (weights read in place where they lie back to back,
-    else concatenated on the fly): our GEMM
-    when the `linear` family made the projections `GemmLinear`s, else cuBLAS with the bias gradient
-    summed by our column-sum kernel (`bias_grad.dense`)."""
+    else concatenated on the fly): our GEMM when the `linear` family made the projections `GemmLinear`s, else
+    cuBLAS with the bias gradient summed by our column-sum kernel (`bias_grad.dense`)."""
     from bertaccel.ops.bias_grad import dense
     from bertaccel.ops.gemm import GemmLinear, linear
 
