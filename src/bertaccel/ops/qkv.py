@@ -14,7 +14,8 @@ copy either way). Elsewhere (fp32 masters, autocast's casts, torch.compile) the 
 small copy of the weights per forward (3 x hidden^2 elements); the biases are concatenated (3 x hidden).
 No CUDA code of its own: the matmul is cuBLAS, with the bias gradient from our column-sum kernel
 (`bertaccel.ops.bias_grad.dense`: PyTorch's `dy.sum(0)` reached ~35% of the copy bandwidth there), or
-our GEMM when the `linear` family made the projections `GemmLinear`s. The unpadded encoder (`bertaccel.modules.unpadded`) runs the same projection on packed rows.
+our GEMM when the `linear` family made the projections `GemmLinear`s. The unpadded encoder
+(`bertaccel.modules.unpadded`) runs the same projection on packed rows.
 """
 
 from __future__ import annotations
