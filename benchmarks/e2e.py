@@ -136,9 +136,9 @@ def breakdown_of(acts, steps: int, top: int = 12) -> dict:
     (bertaccel.callbacks.profiler.exposed_us: what a kernel ran past every kernel that began before it; they add up to
     `busy_ms`; before session 53 they held own times), `categories_own` by own time, `gemm_kernels` every GEMM kernel's
     own time with its template arguments (tile, layouts, schedule)."""
-    from bertaccel.callbacks.profiler import categorize, exposed_us
+    from bertaccel.callbacks.profiler import activity_exposed_us, categorize
 
-    exposed = exposed_us([(e.device_index, e.time_range.start, e.time_range.end) for e in acts])
+    exposed = activity_exposed_us(acts)
     cats: dict[str, float] = {}
     own_cats: dict[str, float] = {}
     kernels: dict[str, float] = {}
@@ -190,21 +190,6 @@ def _source_frame(evt) -> str:
     return "?"
 
 
-def _exposed_by_launch(events) -> dict[int, list[tuple[str, float]]]:
-    """Per launching op (its profiler correlation id): (kernel name, exposed us) of its GPU activities, in launch
-    order. Empty where this torch's FunctionEvents do not carry the device events' correlation ids."""
-    from bertaccel.callbacks.profiler import device_activities, exposed_us
-
-    acts = [e for e in device_activities(events) if hasattr(e, "time_range")]
-    out: dict[int, list[tuple[str, float]]] = {}
-    xs = exposed_us([(e.device_index, e.time_range.start, e.time_range.end) for e in acts])
-    for e, x in zip(acts, xs):
-        corr = getattr(e, "linked_correlation_id", 0)
-        if corr:
-            out.setdefault(corr, []).append((e.name, x))
-    return out
-
-
 def _take(pending: list[tuple[str, float]], name: str, default: float) -> float:
     """The exposed time of the first pending activity named `name` (removed from `pending`), else `default`."""
     for i, (n, x) in enumerate(pending):
@@ -220,7 +205,9 @@ def kernel_sources(events, keep, calls: int = 1) -> list[dict]:
     programmatic dependent launch, e.g. our column_sums_kernel, waits for its predecessor inside its own time), own
     time beside it - and launches per call. `events`: torch.profiler FunctionEvents (CPU ops, each with the kernels it
     launched, its input shapes, Python stack and parent op; and the GPU activities), from `calls` eager calls."""
-    exposed = _exposed_by_launch(events)
+    from bertaccel.callbacks.profiler import exposed_by_launch
+
+    exposed = exposed_by_launch(events) or {}  # (empty where this torch lacks the links: own times then)
     acc: dict[tuple, list[float]] = {}
     for evt in events:
         pending = list(exposed.get(getattr(evt, "id", None), []))

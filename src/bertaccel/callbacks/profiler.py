@@ -85,17 +85,23 @@ def exposed_us(intervals: list[tuple[int, float, float]]) -> list[float]:
     return out
 
 
-def exposed_by_launch(events) -> dict[int, float] | None:
-    """Exposed microseconds of the GPU activities among `events`, summed per launching CPU event (the device events'
-    `linked_correlation_id`, the CPU event's `id`); None where this torch's events do not carry it."""
+def activity_exposed_us(acts) -> list[float]:
+    """`exposed_us` of GPU activities (profiler FunctionEvents: device index and time range)."""
+    return exposed_us([(e.device_index, e.time_range.start, e.time_range.end) for e in acts])
+
+
+def exposed_by_launch(events) -> dict[int, list[tuple[str, float]]] | None:
+    """(kernel name, exposed microseconds) of the GPU activities among `events`, in launch order, per launching CPU
+    event (the device events' `linked_correlation_id`, the CPU event's `id`); None where this torch's events do not
+    carry it."""
     acts = device_activities(events)
     if acts and not all(hasattr(e, "linked_correlation_id") for e in acts):
         return None
-    totals: dict[int, float] = defaultdict(float)
-    for e, us in zip(acts, exposed_us([(e.device_index, e.time_range.start, e.time_range.end) for e in acts])):
+    out: dict[int, list[tuple[str, float]]] = {}
+    for e, us in zip(acts, activity_exposed_us(acts)):
         if e.linked_correlation_id:
-            totals[e.linked_correlation_id] += us
-    return dict(totals)
+            out.setdefault(e.linked_correlation_id, []).append((e.name, us))
+    return out
 
 
 def region_exposed_us(events, names: re.Pattern) -> dict[str, float] | None:
@@ -112,7 +118,7 @@ def region_exposed_us(events, names: re.Pattern) -> dict[str, float] | None:
         stack = [e]
         while stack:
             c = stack.pop()
-            out[e.name] += by_launch.get(c.id, 0.0)
+            out[e.name] += sum(us for _, us in by_launch.get(c.id, ()))
             stack.extend(getattr(c, "cpu_children", None) or [])
     return dict(out)
 
@@ -121,7 +127,7 @@ def exposed_by_name(events) -> dict[str, float]:
     """Exposed microseconds (`exposed_us`) of the GPU activities among `events`, summed by name."""
     acts = device_activities(events)
     totals: dict[str, float] = defaultdict(float)
-    for e, us in zip(acts, exposed_us([(e.device_index, e.time_range.start, e.time_range.end) for e in acts])):
+    for e, us in zip(acts, activity_exposed_us(acts)):
         totals[e.key] += us
     return dict(totals)
 
