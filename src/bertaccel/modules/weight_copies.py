@@ -28,6 +28,7 @@ three per forward.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 
 import torch
 from torch import nn
@@ -52,15 +53,13 @@ class Bf16WeightCopies:
         # normal tensors even when made under inference mode (an evaluation that comes first): a
         # training step differentiates through the same copies later
         with torch.inference_mode(False), torch.no_grad():
-            blocks = {i: block for block in _qkv_blocks(model, self.masters, self.targets) for i in block}
             self.copies: list[nn.Parameter | None] = [None] * len(self.masters)
+            for block in _qkv_blocks(model, self.masters, self.targets):  # the block's three copies over one buffer
+                whole = torch.cat([self.masters[j].detach() for j in block]).to(torch.bfloat16)
+                for j, part in zip(block, whole.split([self.masters[j].shape[0] for j in block])):
+                    self.copies[j] = nn.Parameter(part, requires_grad=self.masters[j].requires_grad)
             for i, w in enumerate(self.masters):
-                if i in blocks and self.copies[i] is None:  # the block's three copies over one buffer
-                    block = blocks[i]
-                    whole = torch.cat([self.masters[j].detach() for j in block]).to(torch.bfloat16)
-                    for j, part in zip(block, whole.split([self.masters[j].shape[0] for j in block])):
-                        self.copies[j] = nn.Parameter(part, requires_grad=self.masters[j].requires_grad)
-                elif i not in blocks:
+                if self.copies[i] is None:
                     self.copies[i] = nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=w.requires_grad)
 
     def __len__(self) -> int:
@@ -107,9 +106,7 @@ def _qkv_blocks(model: nn.Module, masters: list[nn.Parameter], targets: list[tup
     """Index triples (into `masters`) of the query / key / value weights that can share one copy buffer: the
     children `query`, `key`, `value` of one module, nn.Linear with one input width, each master read by that Linear
     alone (not tied) and in no other triple."""
-    readers: dict[int, int] = {}
-    for _, i in targets:
-        readers[i] = readers.get(i, 0) + 1
+    readers = Counter(i for _, i in targets)
     index = {id(w): i for i, w in enumerate(masters)}
     blocks, taken = [], set()
     for m in model.modules():
