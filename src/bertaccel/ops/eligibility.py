@@ -94,3 +94,9 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+def bias_as_read(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A linear bias as the bias-reading kernels take it (bias + GELU, our GEMM's epilogues): an fp32 (master) bias as
+    it is - no cast kernel per call, and its gradient comes back in fp32 unrounded - another cast to `dtype`."""
+    return bias if bias is None or bias.dtype == torch.float32 else bias.to(dtype)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertaccel.ops import gelu_math
-from bertaccel.ops.eligibility import compute_dtype, direct_entry, note_fallback, why_not
+from bertaccel.ops.eligibility import bias_as_read, compute_dtype, direct_entry, note_fallback, why_not
 from bertaccel.ops.gemm import dense_matmul
 from bertaccel.ops.registration import NS, SwapEntry, lib
 
@@ -83,8 +83,7 @@ def bias_gelu(x: Tensor, bias: Tensor | None = None, approximate: str = "none") 
     if reason is not None:
         note_fallback("bias_gelu", reason)
         return bias_gelu_reference(x, bias, approximate)
-    # an fp32 (master) bias as it is: the kernel reads it so (no cast kernel, its gradient returned in fp32 unrounded)
-    b = None if bias is None else (bias if bias.dtype == torch.float32 else bias.to(x.dtype)).contiguous()
+    b = None if bias is None else bias_as_read(bias, x.dtype).contiguous()
     return _BIAS_GELU(x.contiguous(), b, approximate == "tanh")
 
 

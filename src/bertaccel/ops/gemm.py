@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from bertaccel.ops import build, gelu_math
 from bertaccel.ops.bias_grad import column_sum, linear_setup
-from bertaccel.ops.eligibility import compute_dtype, note_fallback
+from bertaccel.ops.eligibility import bias_as_read, compute_dtype, note_fallback
 from bertaccel.ops.registration import NS, SwapEntry, lib
 
 CUDA_SOURCES: list[str] = []  # the GEMM is its own sm_90a extension: build.GEMM_SOURCES
@@ -204,8 +204,7 @@ def _on_kernel(name: str, x: Tensor, weight: Tensor, bias: Tensor | None, run, f
             w2 = weight.to(dtype)
             reason = _misaligned(x2, w2)
             if reason is None:
-                b2 = bias if bias is None or bias.dtype == torch.float32 else bias.to(dtype)
-                y = run(x2, w2, b2)
+                y = run(x2, w2, bias_as_read(bias, dtype))
                 return y.view(*shape[:-1], weight.shape[0])
     note_fallback(name, reason)
     return fallback()
