@@ -4,8 +4,8 @@ cuBLAS (a ones-vector GEMV) and torch.compile; then a whole linear layer forward
 `F.linear` under the casts autocast makes (fp32 bias cast to bf16) against `dense` (fp32 bias kept);
 and a linear layer's weight + bias gradient (dy^T x and dy's column sums): cuBLAS's GEMM alone (the
 floor), with PyTorch's sum, with our column sum (the separate form), torch.compile, and `dense_wgrad`
-(one cuBLASLt matmul with the BGRADB epilogue). Bytes: the column sums read dy once (rows x N x 2); the linear rows are not memory-bound (their
-GB/s columns mean nothing: read the times).
+(one cuBLASLt matmul with the BGRADB epilogue). Bytes: the column sums read dy once (rows x N x 2); the
+linear rows are not memory-bound (their GB/s columns mean nothing: read the times).
 
     python -m benchmarks.bench_ops --ops bias_grad --out bench_results/bias_grad.json
 """
@@ -27,7 +27,7 @@ LINEAR_SHAPES = [(9830, 384, 1152), (16384, 384, 1152), (16384, 768, 2304)]  # t
 WGRAD_SHAPES = [(9830, 1152, 384), (16384, 1152, 384), (9830, 2304, 768), (16384, 2304, 768)]
 
 
-def wgrad_rows(ceiling_gbs: float) -> list[dict]:
+def wgrad_rows() -> list[dict]:
     """dw = dy^T x with db = dy summed over the tokens (fp32): GPU time per call from graph replays."""
     impls = {
         "cublas mm (no bias grad)": lambda dy, x: dy.t() @ x,
@@ -75,7 +75,7 @@ def run(ceiling_gbs: float, dtype=torch.bfloat16) -> list[dict]:
     rows = column_sum_rows(ceiling_gbs, dtype)
     if dtype != torch.bfloat16:
         return rows
-    rows += wgrad_rows(ceiling_gbs)
+    rows += wgrad_rows()
     impls = {"pytorch": lambda x, w, b: F.linear(x, w, b.to(x.dtype)), "bertaccel": dense}  # F.linear: the bias cast as autocast does
     for t, k, n in LINEAR_SHAPES:
         make = lambda: (torch.randn(t, k, device="cuda", dtype=dtype), torch.randn(n, k, device="cuda", dtype=dtype) * 0.05,  # noqa: E731
