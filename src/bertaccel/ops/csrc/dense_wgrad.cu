@@ -27,7 +27,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 #include <dlfcn.h>
@@ -39,6 +38,7 @@
 #include <tuple>
 
 #include "check.h"
+#include "dispatch.h"
 #include "switches.h"
 
 namespace bertaccel {
@@ -199,8 +199,7 @@ std::tuple<at::Tensor, at::Tensor> dense_wgrad(const at::Tensor& dy_, const at::
   c10::cuda::CUDAGuard guard(dy_.device());
   const at::Tensor dy = dy_.contiguous(), x = x_.contiguous();
   if (!why_unfused(dy, x).empty()) {
-    static auto column_sum = c10::Dispatcher::singleton().findSchemaOrThrow("bertaccel::column_sum", "")
-                                 .typed<at::Tensor(const at::Tensor&)>();
+    static auto column_sum = op<at::Tensor(const at::Tensor&)>("bertaccel::column_sum");
     return {at::mm(dy.t(), x), column_sum.call(dy)};
   }
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
