@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from bertaccel.ops import build
-from bertaccel.ops.eligibility import direct_entry, why_not
+from bertaccel.ops.eligibility import bias_as_read, direct_entry, why_not
 from bertaccel.ops.gelu import bias_gelu
 from bertaccel.ops.layer_norm import layer_norm
 from bertaccel.ops.residual_layer_norm import (_ResidualLayerNormFanOut, _kernel_args, bias_dropout_add_layer_norm,
@@ -83,7 +83,8 @@ def test_entry_answers_as_why_not_and_gives_the_ops_bits():
         y = entry.bias_gelu(x, w, False)
         assert (y is not None) == (why_not(x) is None), desc
         if y is not None:
-            assert torch.equal(y, ops.bias_gelu.default(x.contiguous(), w.to(x.dtype), False)), desc
+            # the entry reads an fp32 bias as it is, like gelu.bias_gelu (eligibility.bias_as_read)
+            assert torch.equal(y, ops.bias_gelu.default(x.contiguous(), bias_as_read(w, x.dtype), False)), desc
     assert entry.layer_norm(torch.randn(3, 8, device="cuda"), None, torch.randn(8, device="cuda"), 1e-5) is None
 
 

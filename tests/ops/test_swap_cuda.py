@@ -65,9 +65,9 @@ def test_swapped_model_matches_hf_fp32(name, make):
 
 def imdb_batches(tokenizer, n_steps, batch, max_length):
     rows = [json.loads(l) for l in gzip.open(IMDB / "train.jsonl.gz", "rt", encoding="utf-8")]
-    rows = rows[: n_steps * batch]
-    for i in range(n_steps):
-        chunk = rows[i * batch : (i + 1) * batch]
+    assert len(rows) >= batch, f"{IMDB} has {len(rows)} training rows, fewer than one batch of {batch}"
+    for i in range(n_steps):  # (past the staged subset's end it starts over: a second epoch)
+        chunk = [rows[j % len(rows)] for j in range(i * batch, (i + 1) * batch)]
         enc = tokenizer([r["text"] for r in chunk], truncation=True, max_length=max_length, padding=True, return_tensors="pt")
         yield {k: v.cuda() for k, v in enc.items()}, torch.tensor([r["label"] for r in chunk], device="cuda")
 
