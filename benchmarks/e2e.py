@@ -89,7 +89,12 @@ VARIANTS = {
     "fused-unpadded-graphs-flash": ("sdpa", True, True, False, True),
     # everything swapped on real tokens: the unpadded encoder with every nn.Linear and the feed-forward block on our GEMM
     "ffn-gemm-fused-unpadded-graphs": ("sdpa", True, "ffn", False, True),
+    # the product's graphed step with the last layer at the [CLS] position only (`model.last_layer_cls_only`,
+    # bertaccel.modules.cls_only): its TFLOP/s from the FLOPs that run (fewer), as the throughput meter counts them
+    "attn-fused-graphs-cls-only": ("bertaccel", True, True, False, True),
+    "fused-graphs-cls-only": ("sdpa", True, True, False, True),
 }
+CLS_ONLY = {"attn-fused-graphs-cls-only", "fused-graphs-cls-only"}
 UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash",
             "ffn-gemm-fused-unpadded-graphs": "bertaccel"}
 VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"},
@@ -271,6 +276,10 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
         ops = {"gemm": DEFAULT + ["linear"], "ffn": DEFAULT + ["linear", "ffn"], "ffn-only": DEFAULT + ["ffn"]}.get(
             fused, [f for f in DEFAULT if fused != "noqkv" or f != "qkv"])
         swap(model, ops)
+    if variant in CLS_ONLY:
+        from bertaccel.modules.cls_only import last_layer_cls_only
+
+        last_layer_cls_only(model)
     train = workload == "train"
     model.train(train)
     if compiled:
@@ -407,9 +416,9 @@ def main() -> None:
                             print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
                             per_round[variant].append(float("nan"))
                 cell = {v: statistics.median(ts) for v, ts in per_round.items()}
-                flops = bert_step_flops(cfg, batch, seq, training=workload == "train")
                 base = cell.get(BASELINE)
                 for variant, ms in cell.items():
+                    flops = bert_step_flops(cfg, batch, seq, training=workload == "train", cls_only_last_layer=variant in CLS_ONLY)
                     extra = {"ms_rounds": [round(x, 3) for x in per_round[variant]]} if args.rounds > 1 else {}
                     rows.append({
                         "model": model_name, "shape": shape, "lengths": args.lengths, "workload": workload, "variant": variant,

@@ -225,6 +225,8 @@ def main(argv=None) -> None:
                     extra += ["--model.init_args.bf16_weight_copies", "false"]
                 elif o == "attn":
                     extra += ["--model.init_args.attn_implementation", "bertaccel"]
+                elif o == "cls":  # the last layer at the [CLS] position only (bertaccel.modules.cls_only)
+                    extra += ["--model.init_args.last_layer_cls_only", "true"]
                 elif o in ("flash", "sdpa"):
                     env["BERTACCEL_VARLEN_ATTENTION"] = o
                 elif o == "nofreeze":
@@ -233,7 +235,7 @@ def main(argv=None) -> None:
                     extra += ["--progress_bar.refresh_rate", o[1:]]
                 else:
                     raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
-                                     "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, flash / sdpa: unpadded attention "
+                                     "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, cls: the last layer at [CLS] only, flash / sdpa: unpadded attention "
                                      "by PyTorch's kernels, nofreeze: BERTACCEL_GC_FREEZE=0, pN: progress bar redrawn N times a second)")
             results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)

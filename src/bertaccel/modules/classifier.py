@@ -57,6 +57,10 @@ class BertClassifier(BertModule):
             parameters and results as the padded model. The data module packs each batch on the CPU
             (where the real tokens are), so the step reads nothing back to the host; with cuda_graphs
             the token count is rounded up to a few buckets per length bucket (fillers: padding tokens).
+        last_layer_cls_only: Compute the last encoder layer at the [CLS] position only - all the pooler and
+            the classifier read (`bertaccel.modules.cls_only`): its K / V projections on every token, the rest
+            on one row per sequence. The same logits and gradients up to rounding, about 1/L of the step's
+            work saved (L layers); the FLOP count (MFU) counts what runs. Not with `unpadded`.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class BertClassifier(BertModule):
         bf16_weight_copies: bool = True,
         qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
         unpadded: bool = False,
+        last_layer_cls_only: bool = False,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
                          optimizer, muon_lr, muon_orthogonalizer, bf16_weight_copies)
@@ -101,6 +106,14 @@ class BertClassifier(BertModule):
         # from_pretrained returns the model in eval mode, and Lightning keeps each submodule's mode:
         # without this, fine-tuning a pretrained model would silently run without dropout.
         self.model.train()
+        if last_layer_cls_only:
+            if unpadded:
+                raise ConfigError("model.last_layer_cls_only does not apply with model.unpadded (the unpadded encoder "
+                                  "runs its own layers); set one of the two.")
+            from bertaccel.modules.cls_only import last_layer_cls_only as cls_only
+
+            cls_only(self.model)
+        self.last_layer_cls_only = last_layer_cls_only
         # ("train" cannot be a ModuleDict key: it would shadow nn.Module.train)
         self.metrics = torch.nn.ModuleDict({f"{s}_metrics": ClassificationStats(num_labels) for s in ("train", "val", "test")})
 
@@ -125,6 +138,11 @@ class BertClassifier(BertModule):
                 )
 
     def flops_per_batch(self, batch: dict[str, torch.Tensor], training: bool):
+        if self.last_layer_cls_only:
+            from bertaccel.modules.flops import bert_step_flops
+
+            B, S = batch["input_ids"].shape
+            return bert_step_flops(self.model.config, B, S, training=training, cls_only_last_layer=True)
         if not self.unpadded:
             return super().flops_per_batch(batch, training)
         B, S = batch["input_ids"].shape

@@ -10,10 +10,16 @@ as in the usual MFU convention. Training = 3x forward (backward = 2x forward).
 from __future__ import annotations
 
 
-def bert_forward_flops(config, batch: int, seq: int, head: str = "classifier", predicted_tokens: int | None = None) -> int:
+def bert_forward_flops(config, batch: int, seq: int, head: str = "classifier", predicted_tokens: int | None = None,
+                       cls_only_last_layer: bool = False) -> int:
+    """`cls_only_last_layer` (bertaccel.modules.cls_only): the last layer's K and V projections on every token,
+    its Q, output and feed-forward matmuls and its attention for the [CLS] query only."""
     H, L, F = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     per_layer = 2 * seq * (4 * H * H + 2 * H * F) + 4 * seq * seq * H
     flops = batch * L * per_layer
+    if cls_only_last_layer:
+        last = 2 * seq * (2 * H * H) + 2 * (2 * H * H + 2 * H * F) + 4 * seq * H
+        flops += batch * (last - per_layer)
     if head == "classifier":
         flops += batch * (2 * H * H + 2 * H * config.num_labels)
     elif head == "mlm":
@@ -25,8 +31,8 @@ def bert_forward_flops(config, batch: int, seq: int, head: str = "classifier", p
 
 
 def bert_step_flops(config, batch: int, seq: int, head: str = "classifier", predicted_tokens: int | None = None,
-                    training: bool = True) -> int:
-    fwd = bert_forward_flops(config, batch, seq, head, predicted_tokens)
+                    training: bool = True, cls_only_last_layer: bool = False) -> int:
+    fwd = bert_forward_flops(config, batch, seq, head, predicted_tokens, cls_only_last_layer)
     return 3 * fwd if training else fwd
 
 

@@ -1,0 +1,123 @@
+"""The last encoder layer of a sequence classifier computed at the [CLS] position only.
+
+A BERT sequence classifier reads one vector of the encoder's output: the pooler takes position 0 ([CLS]) of the last
+layer. Every other position of the last layer is computed and thrown away - and in training its gradient is zero,
+so its backward is wasted too. What position 0 of the last layer needs: the keys and values of every position (the
+layer's attention reads them all), and the query, attention output, residual LayerNorm and feed-forward block of
+position 0 alone. With `last_layer_cls_only`, the last layer runs exactly that: the K and V projections on all
+tokens, the rest on one row per sequence. The logits and every gradient are those of the whole layer (the same
+formulas; the rows left out contribute exact zeros); the floating-point rounding of the kept rows may differ (other
+GEMM shapes), and attention dropout draws other random numbers for the kept row.
+
+What it saves, per sequence of S tokens and hidden size H (intermediate F = 4H): the last layer's Q, attention
+output and feed-forward GEMMs on S - 1 rows (10 of its 12 H^2 matmul units), its attention's S - 1 query rows, and
+the LayerNorms, GELU and dropouts of those rows - about 1/L of a BERT step of L layers, less the K / V GEMMs kept
+(measured numbers: README "Last layer at [CLS] only").
+
+The encoder's output then has one position: `last_hidden_state` is [batch, 1, hidden] (the pooler reads it as
+before). Asking for hidden states or attention weights, giving cross-attention inputs or a cache runs the whole
+layer. The unpadded encoder (`model.unpadded`) has its own form (`cls_attention_packed`).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ATTR = "_bertaccel_cls_only"  # set on the encoder while its forward is replaced
+
+
+def _key_mask(attention_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The mask of the [CLS] query row in the form SDPA takes for a query of length 1: a 2-D padding mask (bool or
+    0/1, what `attn_implementation: bertaccel` passes) as bool [B, 1, 1, S]; a 4-D mask (SDPA's bool [B, 1, S, S],
+    eager's additive floats) its first query row, additive floats in the queries' dtype (clamped to its range)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask.bool()[:, None, None, :]
+    if attention_mask.dim() != 4:
+        raise ValueError(f"last_layer_cls_only: an attention mask of {attention_mask.dim()} dimensions")
+    row = attention_mask[:, :, :1, :]
+    if row.dtype == torch.bool:
+        return row
+    return row.clamp(min=torch.finfo(dtype).min).to(dtype)
+
+
+def cls_attention(sa: nn.Module, cls: Tensor, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Self-attention's output at the [CLS] row: cls [B, 1, H] (queries), hidden [B, S, H] (keys, values) ->
+    [B, 1, H]. The module's own projection modules (nn.Linear, the kernel swap's, QK-norm's) make q, k, v."""
+    B, S, _ = hidden.shape
+    heads, d = sa.num_attention_heads, sa.attention_head_size
+    q = sa.query(cls).view(B, 1, heads, d).transpose(1, 2)
+    k = sa.key(hidden).view(B, S, heads, d).transpose(1, 2)
+    v = sa.value(hidden).view(B, S, heads, d).transpose(1, 2)
+    mask = _key_mask(attention_mask, q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=sa.dropout.p if sa.training else 0.0,
+                                         scale=sa.scaling)
+    return out.transpose(1, 2).reshape(B, 1, heads * d)
+
+
+def cls_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """A `BertLayer` (HF's or the kernel swap's) at the [CLS] row only: [B, S, H] -> [B, 1, H]."""
+    cls = hidden[:, :1]
+    attention = layer.attention
+    a = attention.output(cls_attention(attention.self, cls, hidden, attention_mask), cls)  # dense, dropout, LN(. + cls)
+    return layer.feed_forward_chunk(a)  # HF's intermediate + output; the ffn family's fused block
+
+
+def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                     encoder_attention_mask=None, cache=None, use_cache=None, **kwargs):
+    """`BertEncoder.forward` with the last layer at the [CLS] row only; the class's own forward where that does not
+    apply (cross-attention inputs, a cache, attention weights asked for)."""
+    full = (encoder_hidden_states is not None or cache is not None or use_cache
+            or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"))
+    if full:
+        return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                  cache=cache, use_cache=use_cache, **kwargs)
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+    *rest, last = self.layer
+    for layer in rest:
+        hidden_states = layer(hidden_states, attention_mask, None, encoder_attention_mask=None, cache=None, **kwargs)
+    hidden_states = cls_layer_forward(last, hidden_states, attention_mask)
+    return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states)
+
+
+def _encoder(model: nn.Module) -> nn.Module:
+    bert = getattr(model, "bert", model)
+    encoder = getattr(bert, "encoder", None)
+    if encoder is None or not isinstance(getattr(encoder, "layer", None), nn.ModuleList) or not len(encoder.layer):
+        raise ValueError(f"last_layer_cls_only: {type(model).__name__} has no BERT encoder with layers")
+    return encoder
+
+
+class ClsOnlyHandle:
+    """What `last_layer_cls_only` changed; `revert()` puts the encoder's own forward back."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        self.encoder = encoder
+
+    def revert(self) -> None:
+        self.encoder.__dict__.pop("forward", None)
+        self.encoder.__dict__.pop(ATTR, None)
+
+
+def last_layer_cls_only(model: nn.Module) -> ClsOnlyHandle:
+    """Make `model`'s (a `BertForSequenceClassification`, or its `BertModel`) last encoder layer compute the [CLS]
+    position only (module docstring). In place and reversible (`.revert()`); Parameters and state_dict keys are
+    unchanged, and the kernel swap may run before or after (the layer's modules are looked up at each call)."""
+    encoder = _encoder(model)
+    encoder.forward = types.MethodType(_encoder_forward, encoder)
+    setattr(encoder, ATTR, True)
+    return ClsOnlyHandle(encoder)
+
+
+def is_cls_only(model: nn.Module) -> bool:
+    """Whether `last_layer_cls_only` is on for `model`'s encoder."""
+    try:
+        return bool(getattr(_encoder(model), ATTR, False))
+    except ValueError:
+        return False

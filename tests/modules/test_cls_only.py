@@ -1,0 +1,213 @@
+"""The last encoder layer at the [CLS] position only (bertaccel.modules.cls_only): the same logits and gradients as
+the whole layer, with every attention implementation and mask form, the kernel swap and torch.compile; reversible;
+the classifier's option and its FLOP count."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from bertaccel.errors import ConfigError
+from bertaccel.modules.cls_only import is_cls_only, last_layer_cls_only
+from bertaccel.modules.flops import bert_step_flops
+
+
+def _model(attn: str = "sdpa", layers: int = 2, dropout: float = 0.0, dtype=torch.float64, hidden: int = 32,
+           heads: int = 4, device: str = "cpu") -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=120, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=4 * hidden, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                     num_labels=3, max_position_embeddings=256)
+    if attn == "bertaccel":
+        from bertaccel.modules.hf_attention import register
+
+        register()
+    model = BertForSequenceClassification(cfg).to(device=device, dtype=dtype).train()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def _batch(B: int = 4, S: int = 11, device: str = "cpu"):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 120, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    for b, n in enumerate([S, 7, 2, 1][:B]):  # right padding, down to [CLS] alone
+        mask[b, n:] = 0
+    labels = torch.randint(0, 3, (B,), generator=g)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def _logits_and_grads(model, ids, mask, labels):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return out.logits.detach(), grads
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "bertaccel"])
+def test_same_logits_and_gradients_as_the_whole_layer(attn):
+    full = _model(attn)
+    cls = copy.deepcopy(full)
+    last_layer_cls_only(cls)
+    batch = _batch()
+    logits, grads = _logits_and_grads(full, *batch)
+    logits_cls, grads_cls = _logits_and_grads(cls, *batch)
+    torch.testing.assert_close(logits_cls, logits, rtol=1e-10, atol=1e-12)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_cls[name], g, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    # the rows left out get no gradient: the last layer's query weight gradient comes from [CLS] alone, and is not 0
+    assert grads_cls["bert.encoder.layer.1.attention.self.query.weight"].abs().sum() > 0
+
+
+def test_the_encoder_output_has_one_position_and_revert_puts_the_layer_back():
+    model = _model(layers=3)
+    ids, mask, _ = _batch()
+    full = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+    handle = last_layer_cls_only(model)
+    assert is_cls_only(model)
+    out = model.bert(input_ids=ids, attention_mask=mask)
+    assert out.last_hidden_state.shape == (4, 1, 32)
+    torch.testing.assert_close(out.last_hidden_state[:, 0], full[:, 0], rtol=1e-10, atol=1e-12)
+    # hidden states asked for: the whole layer runs (every position of every layer is returned)
+    hs = model.bert(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert hs[-1].shape == full.shape
+    handle.revert()
+    assert not is_cls_only(model)
+    torch.testing.assert_close(model.bert(input_ids=ids, attention_mask=mask).last_hidden_state, full)
+    assert set(model.state_dict()) == set(_model(layers=3).state_dict())
+
+
+def test_a_4d_additive_mask_and_no_mask():
+    full = _model("eager")
+    cls = copy.deepcopy(full)
+    last_layer_cls_only(cls)
+    ids, mask, _ = _batch()
+    for m in (None, mask):
+        torch.testing.assert_close(cls(input_ids=ids, attention_mask=m).logits, full(input_ids=ids, attention_mask=m).logits,
+                                   rtol=1e-10, atol=1e-12)
+
+
+def test_with_the_kernel_swap_before_or_after():
+    from bertaccel.ops.swap import DEFAULT, swap
+
+    full = _model("sdpa", dtype=torch.float32)
+    before, after = copy.deepcopy(full), copy.deepcopy(full)
+    last_layer_cls_only(before)
+    swap(before, DEFAULT + ["ffn"])
+    swap(after, DEFAULT + ["ffn"])
+    last_layer_cls_only(after)
+    batch = _batch()
+    logits, grads = _logits_and_grads(full, *batch)
+    for model in (before, after):
+        logits_cls, grads_cls = _logits_and_grads(model, *batch)
+        torch.testing.assert_close(logits_cls, logits, rtol=1e-5, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(grads_cls[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_under_torch_compile():
+    full = _model(dtype=torch.float32)
+    cls = copy.deepcopy(full)
+    last_layer_cls_only(cls)
+    compiled = torch.compile(cls, backend="aot_eager")
+    ids, mask, labels = _batch()
+    torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits,
+                               full(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_in_training_draws_but_eval_matches():
+    full = _model(dropout=0.1)
+    cls = copy.deepcopy(full)
+    last_layer_cls_only(cls)
+    ids, mask, labels = _batch()
+    loss = cls(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    full.eval(), cls.eval()
+    torch.testing.assert_close(cls(input_ids=ids, attention_mask=mask).logits, full(input_ids=ids, attention_mask=mask).logits,
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_flop_count_of_the_last_layer():
+    cfg = BertConfig()  # BERT-base
+    whole = bert_step_flops(cfg, 32, 512)
+    cls = bert_step_flops(cfg, 32, 512, cls_only_last_layer=True)
+    H, S, F = 768, 512, 3072
+    per_layer = 2 * S * (4 * H * H + 2 * H * F) + 4 * S * S * H
+    kept = 2 * S * 2 * H * H + 2 * (2 * H * H + 2 * H * F) + 4 * S * H  # K, V on every token; the rest at [CLS]
+    assert whole - cls == 3 * 32 * (per_layer - kept)
+    assert 0.07 < 1 - cls / whole < 1 / 12  # most of one layer of twelve
+
+
+def test_classifier_option():
+    from bertaccel.modules.classifier import BertClassifier
+
+    config = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    whole = BertClassifier(config=config, num_labels=3, vocab_size=120)
+    cls = BertClassifier(config=config, num_labels=3, vocab_size=120, last_layer_cls_only=True)
+    cls.load_state_dict(whole.state_dict())
+    assert is_cls_only(cls.model) and not is_cls_only(whole.model)
+    ids, mask, _ = _batch()
+    torch.testing.assert_close(cls(ids, mask), whole(ids, mask), rtol=1e-5, atol=1e-6)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    assert cls.flops_per_batch(batch, True) < whole.flops_per_batch(batch, True)
+    with pytest.raises(ConfigError, match="last_layer_cls_only .* unpadded"):
+        BertClassifier(config=config, num_labels=3, vocab_size=120, last_layer_cls_only=True, unpadded=True)
+
+
+@pytest.mark.cuda
+def test_bf16_swapped_graph_on_gpu_within_twice_the_whole_layers_error():
+    """bf16 autocast, the kernel swap and our attention (a Hopper GPU; SDPA elsewhere), forward + backward captured
+    in a CUDA graph and replayed: logits and gradients against the fp64 whole model, within 2x the error of the
+    bf16 whole model's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from bertaccel.ops.swap import DEFAULT, swap
+
+    ref = _model("bertaccel", layers=2, hidden=384, heads=12, device="cuda")  # fp64, whole layers
+    ids, mask, labels = _batch(B=4, S=136, device="cuda")
+    ref_logits, ref_grads = _logits_and_grads(ref, ids, mask, labels)
+    results = {}
+    for name in ("whole", "cls"):
+        model = copy.deepcopy(ref).float()
+        swap(model, DEFAULT)
+        if name == "cls":
+            last_layer_cls_only(model)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+            out.loss.backward()
+            return out.logits
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()
+        for p in model.parameters():
+            p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        results[name] = (logits.double(), {n: p.grad.double() for n, p in model.named_parameters()})
+
+    def err(a, b):
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    assert err(results["cls"][0], ref_logits) <= 2 * err(results["whole"][0], ref_logits) + 1e-3
+    for n, g in ref_grads.items():
+        if g.abs().sum() == 0:
+            continue
+        e_cls, e_whole = err(results["cls"][1][n], g), err(results["whole"][1][n], g)
+        assert e_cls <= 2 * e_whole + 1e-3, (n, e_cls, e_whole)
