@@ -93,9 +93,10 @@ VARIANTS = {
     # bertaccel.modules.cls_only): its TFLOP/s from the FLOPs that run (fewer), as the throughput meter counts them
     "attn-fused-graphs-cls-only": ("bertaccel", True, True, False, True),
     "fused-graphs-cls-only": ("sdpa", True, True, False, True),
+    "fused-unpadded-graphs-cls-only": ("sdpa", True, True, False, True),
 }
-CLS_ONLY = {"attn-fused-graphs-cls-only", "fused-graphs-cls-only"}
-UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash",
+CLS_ONLY = {"attn-fused-graphs-cls-only", "fused-graphs-cls-only", "fused-unpadded-graphs-cls-only"}
+UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash", "fused-unpadded-graphs-cls-only": "bertaccel",
             "ffn-gemm-fused-unpadded-graphs": "bertaccel"}
 VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"},
                "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"},

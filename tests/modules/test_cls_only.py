@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from bertaccel.errors import ConfigError
 from bertaccel.modules.cls_only import is_cls_only, last_layer_cls_only
 from bertaccel.modules.flops import bert_step_flops
 
@@ -134,7 +133,12 @@ def test_dropout_in_training_draws_but_eval_matches():
 
 def test_flop_count_of_the_last_layer():
     cfg = BertConfig()  # BERT-base
+    from bertaccel.modules.flops import bert_step_flops_unpadded
+
     whole = bert_step_flops(cfg, 32, 512)
+    # the unpadded count with every token real is the padded one
+    assert bert_step_flops_unpadded(cfg, 32, 512, 32 * 512, cls_only_last_layer=True) == bert_step_flops(
+        cfg, 32, 512, cls_only_last_layer=True)
     cls = bert_step_flops(cfg, 32, 512, cls_only_last_layer=True)
     H, S, F = 768, 512, 3072
     per_layer = 2 * S * (4 * H * H + 2 * H * F) + 4 * S * S * H
@@ -157,8 +161,51 @@ def test_classifier_option():
     torch.testing.assert_close(cls(ids, mask), whole(ids, mask), rtol=1e-5, atol=1e-6)
     batch = {"input_ids": ids, "attention_mask": mask}
     assert cls.flops_per_batch(batch, True) < whole.flops_per_batch(batch, True)
-    with pytest.raises(ConfigError, match="last_layer_cls_only .* unpadded"):
-        BertClassifier(config=config, num_labels=3, vocab_size=120, last_layer_cls_only=True, unpadded=True)
+    whole_u = BertClassifier(config=config, num_labels=3, vocab_size=120, unpadded=True)
+    cls_u = BertClassifier(config=config, num_labels=3, vocab_size=120, unpadded=True, last_layer_cls_only=True)
+    whole_u.load_state_dict(whole.state_dict()), cls_u.load_state_dict(whole.state_dict())
+    torch.testing.assert_close(cls_u(ids, mask), whole(ids, mask), rtol=1e-5, atol=1e-6)
+    assert cls_u.flops_per_batch(batch, True) < whole_u.flops_per_batch(batch, True)
+
+
+def test_unpadded_encoder_same_logits_and_gradients_with_an_empty_row():
+    """`model.unpadded`'s own form (cls_layer_forward_packed), and a batch row with no tokens (static-shape padding
+    rows): the same logits for the real rows and the same, finite, gradients as the whole padded model."""
+    from bertaccel.modules.unpadded import Unpadded, classifier_logits
+
+    full = _model("sdpa", layers=3)
+    cls = copy.deepcopy(full)
+    last_layer_cls_only(cls)
+    ids, mask, labels = _batch()
+    mask[3] = 0  # an empty row
+    labels[3] = -100
+    out = {}
+    for name, model, run in (("padded", full, lambda: full(input_ids=ids, attention_mask=mask).logits),
+                             ("padded-cls", cls, lambda: cls(input_ids=ids, attention_mask=mask).logits),
+                             ("unpadded-cls", cls, lambda: classifier_logits(cls, ids, mask, None, Unpadded.from_mask(mask)))):
+        model.zero_grad(set_to_none=True)
+        logits = run()
+        torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100).backward()
+        out[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    ref_logits, ref_grads = out["padded"]
+    for name in ("padded-cls", "unpadded-cls"):
+        logits, grads = out[name]
+        torch.testing.assert_close(logits[:3], ref_logits[:3], rtol=1e-10, atol=1e-12)
+        for n, g in ref_grads.items():
+            assert torch.isfinite(grads[n]).all(), (name, n)
+            torch.testing.assert_close(grads[n], g, rtol=1e-9, atol=1e-12, msg=lambda m, n=n: f"{name} {n}: {m}")
+
+
+def test_a_row_without_keys_attends_to_position_0_not_to_nothing():
+    from bertaccel.modules.cls_only import _key_mask
+
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert _key_mask(mask, torch.float32).tolist() == [[[[True, True, False]]], [[[True, False, False]]]]
+    additive = torch.tensor([0.0, torch.finfo(torch.float32).min]).repeat(2, 1, 3, 1)[..., [0, 0, 1]]
+    additive[1] = torch.finfo(torch.float32).min
+    got = _key_mask(additive, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 1, 1, 3)
+    assert got[1, 0, 0, 0] == 0 and got[1, 0, 0, 1] < -1e38 and got[0, 0, 0, :2].eq(0).all()
 
 
 @pytest.mark.cuda
@@ -211,3 +258,24 @@ def test_bf16_swapped_graph_on_gpu_within_twice_the_whole_layers_error():
             continue
         e_cls, e_whole = err(results["cls"][1][n], g), err(results["whole"][1][n], g)
         assert e_cls <= 2 * e_whole + 1e-3, (n, e_cls, e_whole)
+
+
+def test_bf16_weight_copies_key_and_value_read_in_place():
+    """Under the graphed steps' bf16 weight copies the K and V weights lie back to back (each attention's Q, K, V in
+    one block): the [CLS]-only layer projects K and V in one GEMM reading them in place, with the same result as the
+    whole model under the same copies."""
+    from bertaccel.modules.weight_copies import Bf16WeightCopies
+    from bertaccel.ops.qkv import adjacent_rows
+
+    full = _model(dtype=torch.float32)
+    cls = copy.deepcopy(full)
+    last_layer_cls_only(cls)
+    ids, mask, labels = _batch()
+    out = {}
+    for name, model in (("full", full), ("cls", cls)):
+        copies = Bf16WeightCopies(model)
+        with copies.swapped_in(), torch.autocast("cpu", dtype=torch.bfloat16):
+            sa = model.bert.encoder.layer[-1].attention.self
+            assert adjacent_rows(sa.key.weight, sa.value.weight) is not None
+            out[name] = model(input_ids=ids, attention_mask=mask).logits.float()
+    torch.testing.assert_close(out["cls"], out["full"], rtol=2e-2, atol=2e-2)

@@ -60,7 +60,7 @@ class BertClassifier(BertModule):
         last_layer_cls_only: Compute the last encoder layer at the [CLS] position only - all the pooler and
             the classifier read (`bertaccel.modules.cls_only`): its K / V projections on every token, the rest
             on one row per sequence. The same logits and gradients up to rounding, about 1/L of the step's
-            work saved (L layers); the FLOP count (MFU) counts what runs. Not with `unpadded`.
+            work saved (L layers); the FLOP count (MFU) counts what runs. With `unpadded` too.
     """
 
     def __init__(
@@ -107,9 +107,6 @@ class BertClassifier(BertModule):
         # without this, fine-tuning a pretrained model would silently run without dropout.
         self.model.train()
         if last_layer_cls_only:
-            if unpadded:
-                raise ConfigError("model.last_layer_cls_only does not apply with model.unpadded (the unpadded encoder "
-                                  "runs its own layers); set one of the two.")
             from bertaccel.modules.cls_only import last_layer_cls_only as cls_only
 
             cls_only(self.model)
@@ -138,12 +135,12 @@ class BertClassifier(BertModule):
                 )
 
     def flops_per_batch(self, batch: dict[str, torch.Tensor], training: bool):
-        if self.last_layer_cls_only:
-            from bertaccel.modules.flops import bert_step_flops
-
-            B, S = batch["input_ids"].shape
-            return bert_step_flops(self.model.config, B, S, training=training, cls_only_last_layer=True)
         if not self.unpadded:
+            if self.last_layer_cls_only:
+                from bertaccel.modules.flops import bert_step_flops
+
+                B, S = batch["input_ids"].shape
+                return bert_step_flops(self.model.config, B, S, training=training, cls_only_last_layer=True)
             return super().flops_per_batch(batch, training)
         B, S = batch["input_ids"].shape
         # the rows the encoder runs on: the packed token count (fillers included), else the real tokens
@@ -156,7 +153,7 @@ class BertClassifier(BertModule):
             cu = batch.get("cu_seqlens")
             lengths = cu.diff() if isinstance(cu, torch.Tensor) else batch["attention_mask"].sum(1)
             pairs = lengths.double().square().sum()
-        return bert_step_flops_unpadded(self.model.config, B, S, rows, training, pairs)
+        return bert_step_flops_unpadded(self.model.config, B, S, rows, training, pairs, self.last_layer_cls_only)
 
     def step_outputs(self, input_ids, attention_mask, token_type_ids=None, labels=None, packed_indices=None,
                      cu_seqlens=None) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ the LayerNorms, GELU and dropouts of those rows - about 1/L of a BERT step of L 
 
 The encoder's output then has one position: `last_hidden_state` is [batch, 1, hidden] (the pooler reads it as
 before). Asking for hidden states or attention weights, giving cross-attention inputs or a cache runs the whole
-layer. The unpadded encoder (`model.unpadded`) has its own form (`cls_attention_packed`).
+layer. The unpadded encoder (`model.unpadded`) has its own form (`cls_layer_forward_packed`).
 """
 
 from __future__ import annotations
@@ -33,31 +33,64 @@ ATTR = "_bertaccel_cls_only"  # set on the encoder while its forward is replaced
 def _key_mask(attention_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """The mask of the [CLS] query row in the form SDPA takes for a query of length 1: a 2-D padding mask (bool or
     0/1, what `attn_implementation: bertaccel` passes) as bool [B, 1, 1, S]; a 4-D mask (SDPA's bool [B, 1, S, S],
-    eager's additive floats) its first query row, additive floats in the queries' dtype (clamped to its range)."""
+    eager's additive floats) its first query row, additive floats in the queries' dtype (clamped to its range).
+    A row with no key at all (the empty rows that pad a static-shape batch) may attend to position 0: a softmax
+    over nothing is NaN on some SDPA backends, and a NaN row poisons the K / V gradients even where its loss is 0."""
     if attention_mask is None:
         return None
     if attention_mask.dim() == 2:
-        return attention_mask.bool()[:, None, None, :]
-    if attention_mask.dim() != 4:
+        row = attention_mask.bool()[:, None, None, :]
+    elif attention_mask.dim() == 4:
+        row = attention_mask[:, :, :1, :]
+    else:
         raise ValueError(f"last_layer_cls_only: an attention mask of {attention_mask.dim()} dimensions")
-    row = attention_mask[:, :, :1, :]
+    first = torch.arange(row.shape[-1], device=row.device) == 0
     if row.dtype == torch.bool:
-        return row
-    return row.clamp(min=torch.finfo(dtype).min).to(dtype)
+        return row | (first & ~row.any(-1, keepdim=True))
+    row = row.clamp(min=torch.finfo(dtype).min).to(dtype)
+    none = row.amax(-1, keepdim=True) <= torch.finfo(dtype).min / 2
+    return row.masked_fill(first & none, 0.0)
+
+
+def _keys_values(sa: nn.Module, rows: Tensor) -> Tensor:
+    """The K and V projections of rows [..., H] as [..., 2 * heads * d] (K then V): one GEMM where the two can fuse
+    (the bf16 weight copies' K and V rows read in place), else the module's own two (QK-norm's wrapped key)."""
+    from bertaccel.ops.qkv import can_fuse, fused_projection
+
+    if can_fuse(sa.key, sa.value) is None and sa.key.out_features == sa.value.out_features:
+        return fused_projection((sa.key, sa.value), rows)
+    return torch.cat((sa.key(rows), sa.value(rows)), -1)
+
+
+def _attend(sa: nn.Module, q: Tensor, kv: Tensor, mask: Tensor | None) -> Tensor:
+    """q [B, 1, H], kv [B, S, 2H] -> the attention output [B, 1, H] (SDPA, one query per sequence)."""
+    B, S = kv.shape[:2]
+    heads, d = sa.num_attention_heads, sa.attention_head_size
+    k, v = kv.view(B, S, 2, heads, d).unbind(2)
+    q = q.view(B, 1, heads, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=_key_mask(mask, q.dtype),
+                                         dropout_p=sa.dropout.p if sa.training else 0.0, scale=sa.scaling)
+    return out.transpose(1, 2).reshape(B, 1, heads * d)
 
 
 def cls_attention(sa: nn.Module, cls: Tensor, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
     """Self-attention's output at the [CLS] row: cls [B, 1, H] (queries), hidden [B, S, H] (keys, values) ->
     [B, 1, H]. The module's own projection modules (nn.Linear, the kernel swap's, QK-norm's) make q, k, v."""
-    B, S, _ = hidden.shape
-    heads, d = sa.num_attention_heads, sa.attention_head_size
-    q = sa.query(cls).view(B, 1, heads, d).transpose(1, 2)
-    k = sa.key(hidden).view(B, S, heads, d).transpose(1, 2)
-    v = sa.value(hidden).view(B, S, heads, d).transpose(1, 2)
-    mask = _key_mask(attention_mask, q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=sa.dropout.p if sa.training else 0.0,
-                                         scale=sa.scaling)
-    return out.transpose(1, 2).reshape(B, 1, heads * d)
+    return _attend(sa, sa.query(cls), _keys_values(sa, hidden), attention_mask)
+
+
+def cls_layer_forward_packed(layer: nn.Module, h: Tensor, layout) -> Tensor:
+    """The unpadded encoder's last layer (`model.unpadded`) at each sequence's [CLS] only: packed rows h [T, H] ->
+    [B, H] (zeros for empty rows, as `Unpadded.first_tokens` gives). K and V on the packed rows, put back in the
+    padded [B, S] order for SDPA with the key-padding mask (one query per sequence: small next to the GEMMs)."""
+    attention = layer.attention
+    sa = attention.self
+    cls = layout.first_tokens(h)  # [B, H]
+    kv = layout.unpack(_keys_values(sa, h))  # [B, S, 2H], zeros at the padding (masked)
+    a = attention.output(_attend(sa, sa.query(cls)[:, None], kv, layout.key_padding)[:, 0], cls)
+    out = layer.feed_forward_chunk(a)
+    empty = (layout.cu_seqlens[1:] == layout.cu_seqlens[:-1])[:, None]
+    return out.masked_fill(empty, 0)
 
 
 def cls_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:

@@ -36,14 +36,18 @@ def bert_step_flops(config, batch: int, seq: int, head: str = "classifier", pred
     return 3 * fwd if training else fwd
 
 
-def bert_step_flops_unpadded(config, batch: int, seq: int, real_tokens, training: bool = True, attention_pairs=None):
+def bert_step_flops_unpadded(config, batch: int, seq: int, real_tokens, training: bool = True, attention_pairs=None,
+                             cls_only_last_layer: bool = False):
     """The classifier step as `model.unpadded` executes it: every projection and feed-forward matmul
     on the `real_tokens` only (an int or a 0-d tensor), pooler and classifier per sequence. Attention:
     with `attention_pairs` (the sum over the sequences of length^2, an int or a 0-d tensor) on the
     packed sequences, as the varlen kernels run it; without, on the padded [batch, seq] (the re-padded
-    SDPA fallback)."""
+    SDPA fallback). `cls_only_last_layer`: as `bert_forward_flops` says, on the packed rows."""
     H, L, F = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     attention = batch * seq * seq if attention_pairs is None else attention_pairs
-    fwd = L * (2 * real_tokens * (4 * H * H + 2 * H * F) + 4 * attention * H)
+    per_layer = 2 * real_tokens * (4 * H * H + 2 * H * F) + 4 * attention * H
+    fwd = L * per_layer
+    if cls_only_last_layer:  # K, V on the packed rows; the rest per sequence, its attention on the re-padded keys
+        fwd = fwd - per_layer + 2 * real_tokens * 2 * H * H + batch * (2 * (2 * H * H + 2 * H * F) + 4 * seq * H)
     fwd = fwd + batch * (2 * H * H + 2 * H * config.num_labels)
     return 3 * fwd if training else fwd

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bertaccel.modules.cls_only import cls_layer_forward_packed, is_cls_only
+
 
 @dataclass
 class Unpadded:
@@ -208,7 +210,8 @@ def _self_attention(sa: nn.Module, h: Tensor, layout: Unpadded) -> Tensor:
 
 
 def encoder_forward(bert: nn.Module, input_ids: Tensor, token_type_ids: Tensor | None, layout: Unpadded) -> Tensor:
-    """HF `BertModel`'s embeddings and encoder on the real tokens only: [T, hidden]."""
+    """HF `BertModel`'s embeddings and encoder on the real tokens only: [T, hidden] ([batch, hidden], each sequence's
+    [CLS] row, with `last_layer_cls_only`)."""
     emb = bert.embeddings
     ids = layout.pack(input_ids)
     positions = layout.pack(torch.arange(layout.seq, device=ids.device).expand(layout.batch, -1))
@@ -216,7 +219,11 @@ def encoder_forward(bert: nn.Module, input_ids: Tensor, token_type_ids: Tensor |
     # the model's own embeddings module on the packed tokens as one row of T (HF's BertEmbeddings, or the
     # kernel swap's fused lookup + LayerNorm + dropout kernel): its hooks open the `embeddings` region
     h = emb(input_ids=ids[None], token_type_ids=types[None], position_ids=positions[None])[0]
+    cls_only = is_cls_only(bert)
     for i, layer in enumerate(bert.encoder.layer):
+        if cls_only and i == len(bert.encoder.layer) - 1:  # model.last_layer_cls_only: [B, hidden], [CLS] rows
+            with _region(f"layer{i}.attention"):
+                return cls_layer_forward_packed(layer, h, layout)
         attention = layer.attention
         with _region(f"layer{i}.attention"):
             a = attention.output(_self_attention(attention.self, h, layout), h)  # dense, dropout, LayerNorm(. + h)
@@ -232,5 +239,6 @@ def classifier_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
     h = encoder_forward(model.bert, input_ids, token_type_ids, layout)
     pooler = model.bert.pooler
     with _region("head"):
-        pooled = pooler.activation(pooler.dense(layout.first_tokens(h)))
+        cls = h if is_cls_only(model.bert) else layout.first_tokens(h)  # (the [CLS] rows already)
+        pooled = pooler.activation(pooler.dense(cls))
     return model.classifier(model.dropout(pooled))

@@ -31,9 +31,8 @@ from bertaccel.ops.registration import SwapEntry
 CUDA_SOURCES: list[str] = []
 
 
-def can_fuse(query: nn.Module, key: nn.Module, value: nn.Module) -> str | None:
-    """None when the three projections can run as one GEMM, else why not."""
-    layers = (query, key, value)
+def can_fuse(*layers: nn.Module) -> str | None:
+    """None when the projections (query, key, value; or key, value) can run as one GEMM, else why not."""
     if not all(isinstance(m, nn.Linear) for m in layers):
         return "a projection is not an nn.Linear"
     if len({m.in_features for m in layers}) != 1:
@@ -78,20 +77,26 @@ def adjacent_rows(*parts: Tensor) -> Tensor | None:
     return _AdjacentRows.apply(*parts)
 
 
-def qkv_projection(query: nn.Linear, key: nn.Linear, value: nn.Linear, x: Tensor) -> Tensor:
-    """`cat([query(x), key(x), value(x)], -1)` as one GEMM (weights read in place where they lie back to back,
-    else concatenated on the fly): our GEMM when the `linear` family made the projections `GemmLinear`s, else
+def fused_projection(layers: tuple[nn.Linear, ...], x: Tensor) -> Tensor:
+    """`cat([layer(x) for layer in layers], -1)` as one GEMM (`can_fuse` layers; weights read in place where they lie
+    back to back, else concatenated on the fly): our GEMM when the `linear` family made them `GemmLinear`s, else
     cuBLAS with the bias gradient summed by our column-sum kernel (`bias_grad.dense`)."""
     from bertaccel.ops.bias_grad import dense
     from bertaccel.ops.gemm import GemmLinear, linear
 
-    w = adjacent_rows(query.weight, key.weight, value.weight)
+    weights = [m.weight for m in layers]
+    w = adjacent_rows(*weights)
     if w is None:
-        w = torch.cat((query.weight, key.weight, value.weight))
-    b = None if query.bias is None else torch.cat((query.bias, key.bias, value.bias))
-    if isinstance(query, GemmLinear):
+        w = torch.cat(weights)
+    b = None if layers[0].bias is None else torch.cat([m.bias for m in layers])
+    if isinstance(layers[0], GemmLinear):
         return linear(x, w, b)
     return dense(x, w, b)
+
+
+def qkv_projection(query: nn.Linear, key: nn.Linear, value: nn.Linear, x: Tensor) -> Tensor:
+    """`cat([query(x), key(x), value(x)], -1)` as one GEMM (`fused_projection`)."""
+    return fused_projection((query, key, value), x)
 
 
 def split_heads(qkv: Tensor, sizes: tuple[int, int, int], head_size: int) -> tuple[Tensor, Tensor, Tensor]:
