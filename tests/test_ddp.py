@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch import Callback
 
 from tests.conftest import sample_rows, write_jsonl
@@ -209,3 +210,24 @@ def test_ddp_sigterm_on_rank_0_stops_every_rank_at_the_same_batch(tiny_config, t
         assert out.returncode == 0, out.stderr[-3000:]
     # (Lightning's own handling: its handler's broadcast and the launcher's kill race the other rank's exit,
     # and about one run in four rank 0 ends in a gloo "Connection reset by peer", status 1)
+
+
+@pytest.mark.slow
+def test_ddp_fit_with_the_last_layer_at_cls_only(tiny_config, tmp_path):
+    """`model.last_layer_cls_only` under DDP (2 processes): the fit finishes (every parameter still gets a gradient:
+    DDP's reducer raises on one that does not) and its checkpoint tests to the same metrics on 2 processes as on one.
+    (That the option computes the whole layer's function: tests/modules/test_cls_only.py.)"""
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", sample_rows("train", 96))
+    write_jsonl(data / "test.jsonl", sample_rows("test", 31))
+    cfg = tiny_config("ddp_cls", epochs=1, dataset=str(data))
+    bertaccel("fit", "-c", cfg, *DDP, "--model.init_args.last_layer_cls_only", "true", "--test_after_fit", "false",
+              cwd=tmp_path)
+    ckpt = torch.load(tmp_path / "runs" / "ddp_cls" / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["hyper_parameters"]["last_layer_cls_only"] is True  # (the test runs take it from the checkpoint)
+    two = printed_metrics(bertaccel("test", "-c", cfg, *DDP, "--ckpt_path", "last", cwd=tmp_path).stdout)
+    one = printed_metrics(bertaccel("test", "-c", cfg, "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+                                    "--ckpt_path", "last", cwd=tmp_path).stdout)
+    assert {"test/acc", "test/loss"} <= set(one)
+    for name in ("test/acc", "test/loss"):
+        assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name
