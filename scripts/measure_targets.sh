@@ -48,8 +48,8 @@ has ops && stage ops 150 python -m benchmarks.bench_ops --ops layer_norm residua
   --out "$OUT/ops.json"
 has attention && stage attention 90 python -m benchmarks.bench_attention --no-variants \
   --cells 128x128x12x64:full 128x128x12x32:full 32x512x12x64:full 32x512x12x32:full --out "$OUT/attention.json"
-has e2e && stage e2e 150 python -m benchmarks.e2e --models bert-base --shapes 32x512 --workloads train \
-  --variants attn-fused-graphs attn-ffn-gemm-fused-graphs hf-sdpa-bf16 --rounds 2 --warmup 10 --steps 30 \
+has e2e && stage e2e 180 python -m benchmarks.e2e --models bert-base --shapes 32x512 --workloads train \
+  --variants attn-fused-graphs attn-ffn-gemm-fused-graphs attn-fused-graphs-cls-only hf-sdpa-bf16 --rounds 2 --warmup 10 --steps 30 \
   --out "$OUT/e2e.json"
 has gemm && stage gemm 200 python -m benchmarks.bench_gemm --no-epilogues --rounds 2 --out "$OUT/gemm.json"
 
