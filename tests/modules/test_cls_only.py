@@ -279,3 +279,19 @@ def test_bf16_weight_copies_key_and_value_read_in_place():
             assert adjacent_rows(sa.key.weight, sa.value.weight) is not None
             out[name] = model(input_ids=ids, attention_mask=mask).logits.float()
     torch.testing.assert_close(out["cls"], out["full"], rtol=2e-2, atol=2e-2)
+
+
+def test_the_profilers_attention_region_of_the_last_layer_is_kept():
+    """The skipped `BertAttention` call would have opened `layer{i}.attention` through the profiler's hooks: the
+    [CLS]-only layer opens it itself (padded and unpadded encoders), so the region breakdown still has the layer."""
+    from bertaccel.modules.unpadded import Unpadded, classifier_logits
+
+    model = _model(layers=2)
+    last_layer_cls_only(model)
+    ids, mask, _ = _batch()
+    for run in (lambda: model(input_ids=ids, attention_mask=mask),
+                lambda: classifier_logits(model, ids, mask, None, Unpadded.from_mask(mask))):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run()
+        names = {e.name for e in prof.events()}
+        assert "layer1.attention" in names, sorted(n for n in names if n.startswith("layer"))

@@ -21,6 +21,7 @@ layer. The unpadded encoder (`model.unpadded`) has its own form (`cls_layer_forw
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -79,26 +80,32 @@ def cls_attention(sa: nn.Module, cls: Tensor, hidden: Tensor, attention_mask: Te
     return _attend(sa, sa.query(cls), _keys_values(sa, hidden), attention_mask)
 
 
-def cls_layer_forward_packed(layer: nn.Module, h: Tensor, layout) -> Tensor:
+def cls_layer_forward_packed(layer: nn.Module, h: Tensor, layout, region=contextlib.nullcontext) -> Tensor:
     """The unpadded encoder's last layer (`model.unpadded`) at each sequence's [CLS] only: packed rows h [T, H] ->
     [B, H] (zeros for empty rows, as `Unpadded.first_tokens` gives). K and V on the packed rows, put back in the
-    padded [B, S] order for SDPA with the key-padding mask (one query per sequence: small next to the GEMMs)."""
+    padded [B, S] order for SDPA with the key-padding mask (one query per sequence: small next to the GEMMs).
+    `region()`: the context the attention part runs in (the unpadded encoder's profiler label)."""
     attention = layer.attention
     sa = attention.self
-    cls = layout.first_tokens(h)  # [B, H]
-    kv = layout.unpack(_keys_values(sa, h))  # [B, S, 2H], zeros at the padding (masked)
-    a = attention.output(_attend(sa, sa.query(cls)[:, None], kv, layout.key_padding)[:, 0], cls)
-    out = layer.feed_forward_chunk(a)
+    with region():
+        cls = layout.first_tokens(h)  # [B, H]
+        kv = layout.unpack(_keys_values(sa, h))  # [B, S, 2H], zeros at the padding (masked)
+        a = attention.output(_attend(sa, sa.query(cls)[:, None], kv, layout.key_padding)[:, 0], cls)
+    out = layer.feed_forward_chunk(a)  # (its modules' hooks label the feed-forward block)
     empty = (layout.cu_seqlens[1:] == layout.cu_seqlens[:-1])[:, None]
     return out.masked_fill(empty, 0)
 
 
-def cls_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """A `BertLayer` (HF's or the kernel swap's) at the [CLS] row only: [B, S, H] -> [B, 1, H]."""
+def cls_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None,
+                      region=contextlib.nullcontext) -> Tensor:
+    """A `BertLayer` (HF's or the kernel swap's) at the [CLS] row only: [B, S, H] -> [B, 1, H]. `region()`: the
+    context the attention part runs in (the profiler's `layer{i}.attention` label, which the skipped
+    `BertAttention` call would have opened through its hooks)."""
     cls = hidden[:, :1]
     attention = layer.attention
-    a = attention.output(cls_attention(attention.self, cls, hidden, attention_mask), cls)  # dense, dropout, LN(. + cls)
-    return layer.feed_forward_chunk(a)  # HF's intermediate + output; the ffn family's fused block
+    with region():
+        a = attention.output(cls_attention(attention.self, cls, hidden, attention_mask), cls)  # dense, dropout, LN
+    return layer.feed_forward_chunk(a)  # HF's intermediate + output (or the ffn family's block): hooks label it
 
 
 def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
@@ -112,10 +119,12 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
                                   cache=cache, use_cache=use_cache, **kwargs)
     from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
+    from bertaccel.modules.unpadded import _region
+
     *rest, last = self.layer
     for layer in rest:
         hidden_states = layer(hidden_states, attention_mask, None, encoder_attention_mask=None, cache=None, **kwargs)
-    hidden_states = cls_layer_forward(last, hidden_states, attention_mask)
+    hidden_states = cls_layer_forward(last, hidden_states, attention_mask, lambda: _region(f"layer{len(rest)}.attention"))
     return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states)
 
 

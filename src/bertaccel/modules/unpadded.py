@@ -222,8 +222,7 @@ def encoder_forward(bert: nn.Module, input_ids: Tensor, token_type_ids: Tensor |
     cls_only = is_cls_only(bert)
     for i, layer in enumerate(bert.encoder.layer):
         if cls_only and i == len(bert.encoder.layer) - 1:  # model.last_layer_cls_only: [B, hidden], [CLS] rows
-            with _region(f"layer{i}.attention"):
-                return cls_layer_forward_packed(layer, h, layout)
+            return cls_layer_forward_packed(layer, h, layout, lambda i=i: _region(f"layer{i}.attention"))
         attention = layer.attention
         with _region(f"layer{i}.attention"):
             a = attention.output(_self_attention(attention.self, h, layout), h)  # dense, dropout, LayerNorm(. + h)
