@@ -12,7 +12,7 @@ from bertaccel.data.masking import IGNORE_INDEX
 from bertaccel.errors import ConfigError
 from bertaccel.modules.base import BertModule
 from bertaccel.modules.bert import build_bert
-from bertaccel.modules.flops import bert_step_flops_unpadded
+from bertaccel.modules.flops import bert_step_flops, bert_step_flops_unpadded
 from bertaccel.modules.metrics import ClassificationStats
 from bertaccel.modules.unpadded import Unpadded, classifier_logits
 
@@ -135,14 +135,9 @@ class BertClassifier(BertModule):
                 )
 
     def flops_per_batch(self, batch: dict[str, torch.Tensor], training: bool):
-        if not self.unpadded:
-            if self.last_layer_cls_only:
-                from bertaccel.modules.flops import bert_step_flops
-
-                B, S = batch["input_ids"].shape
-                return bert_step_flops(self.model.config, B, S, training=training, cls_only_last_layer=True)
-            return super().flops_per_batch(batch, training)
         B, S = batch["input_ids"].shape
+        if not self.unpadded:
+            return bert_step_flops(self.model.config, B, S, training=training, cls_only_last_layer=self.last_layer_cls_only)
         # the rows the encoder runs on: the packed token count (fillers included), else the real tokens
         packed = batch.get("packed_indices")
         rows = packed.numel() if isinstance(packed, torch.Tensor) else batch["attention_mask"].sum()

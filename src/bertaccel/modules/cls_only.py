@@ -27,6 +27,7 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
 ATTR = "_bertaccel_cls_only"  # set on the encoder while its forward is replaced
 
@@ -58,7 +59,7 @@ def _keys_values(sa: nn.Module, rows: Tensor) -> Tensor:
     (the bf16 weight copies' K and V rows read in place), else the module's own two (QK-norm's wrapped key)."""
     from bertaccel.ops.qkv import can_fuse, fused_projection
 
-    if can_fuse(sa.key, sa.value) is None and sa.key.out_features == sa.value.out_features:
+    if can_fuse(sa.key, sa.value) is None:
         return fused_projection((sa.key, sa.value), rows)
     return torch.cat((sa.key(rows), sa.value(rows)), -1)
 
@@ -117,9 +118,7 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     if full:
         return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
                                   cache=cache, use_cache=use_cache, **kwargs)
-    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
-
-    from bertaccel.modules.unpadded import _region
+    from bertaccel.modules.unpadded import _region  # (unpadded imports this module)
 
     *rest, last = self.layer
     for layer in rest:

@@ -10,6 +10,13 @@ as in the usual MFU convention. Training = 3x forward (backward = 2x forward).
 from __future__ import annotations
 
 
+def _cls_only_last_layer(H: int, F: int, kv_rows, batch: int, seq: int):
+    """The forward matmul FLOPs of a last layer at [CLS] only (bertaccel.modules.cls_only): K and V projections on
+    `kv_rows` rows; Q, output and feed-forward matmuls on one row per sequence; its attention: one query over `seq`
+    keys per sequence."""
+    return 2 * kv_rows * 2 * H * H + batch * (2 * (2 * H * H + 2 * H * F) + 4 * seq * H)
+
+
 def bert_forward_flops(config, batch: int, seq: int, head: str = "classifier", predicted_tokens: int | None = None,
                        cls_only_last_layer: bool = False) -> int:
     """`cls_only_last_layer` (bertaccel.modules.cls_only): the last layer's K and V projections on every token,
@@ -18,8 +25,7 @@ def bert_forward_flops(config, batch: int, seq: int, head: str = "classifier", p
     per_layer = 2 * seq * (4 * H * H + 2 * H * F) + 4 * seq * seq * H
     flops = batch * L * per_layer
     if cls_only_last_layer:
-        last = 2 * seq * (2 * H * H) + 2 * (2 * H * H + 2 * H * F) + 4 * seq * H
-        flops += batch * (last - per_layer)
+        flops += _cls_only_last_layer(H, F, batch * seq, batch, seq) - batch * per_layer
     if head == "classifier":
         flops += batch * (2 * H * H + 2 * H * config.num_labels)
     elif head == "mlm":
@@ -48,6 +54,6 @@ def bert_step_flops_unpadded(config, batch: int, seq: int, real_tokens, training
     per_layer = 2 * real_tokens * (4 * H * H + 2 * H * F) + 4 * attention * H
     fwd = L * per_layer
     if cls_only_last_layer:  # K, V on the packed rows; the rest per sequence, its attention on the re-padded keys
-        fwd = fwd - per_layer + 2 * real_tokens * 2 * H * H + batch * (2 * (2 * H * H + 2 * H * F) + 4 * seq * H)
+        fwd = fwd - per_layer + _cls_only_last_layer(H, F, real_tokens, batch, seq)
     fwd = fwd + batch * (2 * H * H + 2 * H * config.num_labels)
     return 3 * fwd if training else fwd
