@@ -90,7 +90,7 @@ VARIANTS = {
     # everything swapped on real tokens: the unpadded encoder with every nn.Linear and the feed-forward block on our GEMM
     "ffn-gemm-fused-unpadded-graphs": ("sdpa", True, "ffn", False, True),
     # the product's graphed step with the last layer at the [CLS] position only (`model.last_layer_cls_only`,
-    # bertaccel.modules.cls_only): its TFLOP/s from the FLOPs that run (fewer), as the throughput meter counts them
+    # bertaccel.modules.last_layer): its TFLOP/s from the FLOPs that run (fewer), as the throughput meter counts them
     "attn-fused-graphs-cls-only": ("bertaccel", True, True, False, True),
     "fused-graphs-cls-only": ("sdpa", True, True, False, True),
     "fused-unpadded-graphs-cls-only": ("sdpa", True, True, False, True),
@@ -128,11 +128,16 @@ def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
     from bertaccel.callbacks.profiler import device_activities
 
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
         for _ in range(steps):
             one_step()
+        end.record()
         torch.cuda.synchronize()
-    return breakdown_of(device_activities(prof.events()), steps, top)
+    # the profiled pass's own step time: a breakdown is read against it, not against the timed steps (a pass that ran
+    # slower - tracing, clocks - inflates every kernel alike)
+    return {"wall_ms": round(start.elapsed_time(end) / steps, 3), **breakdown_of(device_activities(prof.events()), steps, top)}
 
 
 def breakdown_of(acts, steps: int, top: int = 12) -> dict:
@@ -140,14 +145,15 @@ def breakdown_of(acts, steps: int, top: int = 12) -> dict:
     and `total_ms` (the kernels' own times summed: more where kernels overlap, as one launched by programmatic dependent
     launch does, waiting inside its own time for the kernel before it); `categories` and `top_kernels` by exposed time
     (bertaccel.callbacks.profiler.exposed_us: what a kernel ran past every kernel that began before it; they add up to
-    `busy_ms`; before session 53 they held own times), `categories_own` by own time, `gemm_kernels` every GEMM kernel's
-    own time with its template arguments (tile, layouts, schedule)."""
+    `busy_ms`; before session 53 they held own times), `top_kernel_launches` their launches per step, `categories_own`
+    by own time, `gemm_kernels` every GEMM kernel's own time with its template arguments (tile, layouts, schedule)."""
     from bertaccel.callbacks.profiler import activity_exposed_us, categorize
 
     exposed = activity_exposed_us(acts)
     cats: dict[str, float] = {}
     own_cats: dict[str, float] = {}
     kernels: dict[str, float] = {}
+    launches: dict[str, int] = {}
     gemms: dict[str, float] = {}
     for e, x in zip(acts, exposed):
         name, own, x = e.name, (e.time_range.end - e.time_range.start) / steps / 1e3, x / steps / 1e3
@@ -155,6 +161,7 @@ def breakdown_of(acts, steps: int, top: int = 12) -> dict:
         cats[cat] = cats.get(cat, 0.0) + x
         own_cats[cat] = own_cats.get(cat, 0.0) + own
         kernels[name[:90]] = kernels.get(name[:90], 0.0) + x
+        launches[name[:90]] = launches.get(name[:90], 0) + 1
         if cat == "gemm":
             short = name.split("(")[0][:160]
             gemms[short] = gemms.get(short, 0.0) + own
@@ -163,6 +170,7 @@ def breakdown_of(acts, steps: int, top: int = 12) -> dict:
             "categories": {k: round(v, 3) for k, v in by_value(cats)},
             "categories_own": {k: round(v, 3) for k, v in by_value(own_cats)},
             "top_kernels": {k: round(v, 3) for k, v in by_value(kernels)[:top]},
+            "top_kernel_launches": {k: round(launches[k] / steps, 2) for k, _ in by_value(kernels)[:top]},
             "gemm_kernels": {k: round(v, 4) for k, v in by_value(gemms)}}
 
 
@@ -278,7 +286,7 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
             fused, [f for f in DEFAULT if fused != "noqkv" or f != "qkv"])
         swap(model, ops)
     if variant in CLS_ONLY:
-        from bertaccel.modules.cls_only import last_layer_cls_only
+        from bertaccel.modules.last_layer import last_layer_cls_only
 
         last_layer_cls_only(model)
     train = workload == "train"
@@ -435,14 +443,15 @@ def main() -> None:
         cats = sorted({c for p in profiles for c in p["categories"]}, key=lambda c: -max(p["categories"].get(c, 0) for p in profiles))
         print("\nGPU ms per step by kernel category (exposed time: overlapping kernels counted once; they add up to busy_ms)")
         print(f"{'category':24}" + "".join(f"{p['variant'][:22]:>24}" for p in profiles))
+        print(f"{'wall_ms (profiled pass)':24}" + "".join(f"{p.get('wall_ms', float('nan')):24.3f}" for p in profiles))
         print(f"{'busy_ms':24}" + "".join(f"{p['busy_ms']:24.3f}" for p in profiles))
         print(f"{'total_ms (own times)':24}" + "".join(f"{p['total_ms']:24.3f}" for p in profiles))
         for c in cats:
             print(f"{c:24}" + "".join(f"{p['categories'].get(c, 0.0):24.3f}" for p in profiles))
         for p in profiles:
-            print(f"\n{p['variant']} top kernels (exposed ms per step):")
+            print(f"\n{p['variant']} top kernels (exposed ms per step, launches per step):")
             for k, v in p["top_kernels"].items():
-                print(f"  {v:7.3f}  {k}")
+                print(f"  {v:7.3f} {p.get('top_kernel_launches', {}).get(k, float('nan')):6.1f}  {k}")
             if p.get("sources"):
                 print(f"\n{p['variant']} small kernels by launching call (eager run of the step body; exposed us per step, own us"
                       " - a kernel launched by programmatic dependent launch, e.g. column_sums_kernel, waits for the kernel"

@@ -225,8 +225,10 @@ def main(argv=None) -> None:
                     extra += ["--model.init_args.bf16_weight_copies", "false"]
                 elif o == "attn":
                     extra += ["--model.init_args.attn_implementation", "bertaccel"]
-                elif o == "cls":  # the last layer at the [CLS] position only (bertaccel.modules.cls_only)
+                elif o == "cls":  # the last layer at the [CLS] position only (bertaccel.modules.last_layer; the config's default)
                     extra += ["--model.init_args.last_layer_cls_only", "true"]
+                elif o == "full":  # the last layer at every position (the option off)
+                    extra += ["--model.init_args.last_layer_cls_only", "false"]
                 elif o in ("flash", "sdpa"):
                     env["BERTACCEL_VARLEN_ATTENTION"] = o
                 elif o == "nofreeze":
@@ -235,7 +237,7 @@ def main(argv=None) -> None:
                     extra += ["--progress_bar.refresh_rate", o[1:]]
                 else:
                     raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
-                                     "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, cls: the last layer at [CLS] only, flash / sdpa: unpadded attention "
+                                     "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, cls / full: the last layer at [CLS] only / at every position, flash / sdpa: unpadded attention "
                                      "by PyTorch's kernels, nofreeze: BERTACCEL_GC_FREEZE=0, pN: progress bar redrawn N times a second)")
             results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
         print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -57,6 +57,7 @@ def test_breakdown_counts_a_pdl_wait_once():
     assert b["categories"] == {"gemm": 0.6, "layernorm": 0.1}
     assert b["categories_own"] == {"gemm": 0.6, "layernorm": 0.6}
     assert b["top_kernels"] == {"nvjet_sm90_tst_128x256_gemm": 0.6, "layer_norm_fwd_kernel": 0.1}
+    assert b["top_kernel_launches"] == {"nvjet_sm90_tst_128x256_gemm": 1.0, "layer_norm_fwd_kernel": 1.0}
     assert list(b["gemm_kernels"].values()) == [0.6]
 
 

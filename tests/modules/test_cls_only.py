@@ -1,4 +1,4 @@
-"""The last encoder layer at the [CLS] position only (bertaccel.modules.cls_only): the same logits and gradients as
+"""The last encoder layer at the [CLS] position only (bertaccel.modules.last_layer): the same logits and gradients as
 the whole layer, with every attention implementation and mask form, the kernel swap and torch.compile; reversible;
 the classifier's option and its FLOP count."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from bertaccel.modules.cls_only import is_cls_only, last_layer_cls_only
+from bertaccel.modules.last_layer import is_cls_only, last_layer_cls_only
 from bertaccel.modules.flops import bert_step_flops
 
 
@@ -197,7 +197,7 @@ def test_unpadded_encoder_same_logits_and_gradients_with_an_empty_row():
 
 
 def test_a_row_without_keys_attends_to_position_0_not_to_nothing():
-    from bertaccel.modules.cls_only import _key_mask
+    from bertaccel.modules.last_layer import _key_mask
 
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     assert _key_mask(mask, torch.float32).tolist() == [[[[True, True, False]]], [[[True, False, False]]]]

@@ -593,16 +593,11 @@ class BertModule(pl.LightningModule):
 
     def flops_per_batch(self, batch: dict[str, torch.Tensor], training: bool):
         """Matmul FLOPs this batch costs (src/bertaccel/modules/flops.py); an int, or a 0-d tensor when it
-        depends on device values (masked-LM: the number of predicted tokens), read lazily."""
+        depends on device values (masked-LM: the number of predicted tokens), read lazily. The classifier and the
+        masked-LM count their own."""
         from bertaccel.modules.flops import bert_step_flops
 
         B, T = batch["input_ids"].shape
-        if self.flops_head == "mlm" and "labels" in batch:
-            n = (batch["labels"] != -100).sum()
-            cfg = self.model.config
-            per_token = 2 * cfg.hidden_size * cfg.hidden_size + 2 * cfg.hidden_size * cfg.vocab_size
-            body = bert_step_flops(cfg, B, T, head="none", training=training)
-            return body + n * per_token * (3 if training else 1)
         return bert_step_flops(self.model.config, B, T, head=self.flops_head, training=training)
 
     # ------------------------------------------------------------------------------ checkpoint

@@ -58,7 +58,7 @@ class BertClassifier(BertModule):
             (where the real tokens are), so the step reads nothing back to the host; with cuda_graphs
             the token count is rounded up to a few buckets per length bucket (fillers: padding tokens).
         last_layer_cls_only: Compute the last encoder layer at the [CLS] position only - all the pooler and
-            the classifier read (`bertaccel.modules.cls_only`): its K / V projections on every token, the rest
+            the classifier read (`bertaccel.modules.last_layer`): its K / V projections on every token, the rest
             on one row per sequence. The same logits and gradients up to rounding, about 1/L of the step's
             work saved (L layers); the FLOP count (MFU) counts what runs. With `unpadded` too.
     """
@@ -107,7 +107,7 @@ class BertClassifier(BertModule):
         # without this, fine-tuning a pretrained model would silently run without dropout.
         self.model.train()
         if last_layer_cls_only:
-            from bertaccel.modules.cls_only import last_layer_cls_only as cls_only
+            from bertaccel.modules.last_layer import last_layer_cls_only as cls_only
 
             cls_only(self.model)
         self.last_layer_cls_only = last_layer_cls_only

@@ -52,6 +52,11 @@ class BertMLM(BertModule):
         lm_head_fp8: The LM head's vocabulary projection (forward and both backward matmuls) in FP8
             with delayed per-tensor scaling (`bertaccel.modules.fp8`); plain precision where FP8 cannot
             run (GPUs before compute capability 8.9, hidden sizes not a multiple of 16).
+        last_layer_masked_only: Compute the last encoder layer at the masked positions only - all the head
+            reads (`bertaccel.modules.last_layer`): its K / V projections on every token, the rest on the
+            masked rows. The same loss and gradients; under CUDA graphs each sequence gets a static number
+            of rows (`row_mask_budget`; masked tokens past it are left out of the loss and counted in
+            `dropped_masked`, as the head's budget's are).
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class BertMLM(BertModule):
         bf16_weight_copies: bool = True,
         qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
         lm_head_fp8: bool = False,
+        last_layer_masked_only: bool = False,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
                          optimizer, muon_lr, muon_orthogonalizer, bf16_weight_copies)
@@ -85,6 +91,12 @@ class BertMLM(BertModule):
         # from_pretrained returns the model in eval mode, and Lightning keeps each submodule's mode:
         # without this, fine-tuning a pretrained model would silently run without dropout.
         self.model.train()
+        self.last_layer_masked_only = last_layer_masked_only
+        self._last_layer = None
+        if last_layer_masked_only:
+            from bertaccel.modules.last_layer import last_layer_at_rows
+
+            self._last_layer = last_layer_at_rows(self.model)
         self.lm_head_fp8 = lm_head_fp8
         self.fp8_history = AmaxHistory() if lm_head_fp8 else None
         self.val_loss = WeightedMean()
@@ -109,16 +121,33 @@ class BertMLM(BertModule):
         budget = expected * 1.25 + 6 * math.sqrt(tokens * p * (1 - p))
         return int(min(tokens, 64 * math.ceil(budget / 64)))
 
+    def row_mask_budget(self, seq: int) -> int:
+        """How many positions of each sequence of `seq` tokens the last layer computes with `last_layer_masked_only`
+        under static shapes: `mask_budget`'s margin for one sequence, rounded up to 8."""
+        p = self._mask_probability
+        budget = seq * p * 1.25 + 6 * math.sqrt(seq * p * (1 - p))
+        return int(min(seq, 8 * math.ceil(budget / 8)))
+
     def masked_logits(self, batch: dict[str, torch.Tensor], static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (M, V) at the M selected positions, and their labels (M,). With `static`, M is the
         fixed `mask_budget` of the batch shape (unused slots labelled -100): no host read, no
         data-dependent shape, so the step can be captured."""
-        hidden = self.model.bert(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).last_hidden_state
         labels = batch["labels"]
         selected = labels != IGNORE_INDEX  # (B, T)
+        if self._last_layer is not None:  # the encoder's output at each sequence's masked positions only
+            from bertaccel.modules.last_layer import masked_rows
+
+            rows, used = masked_rows(selected, self.row_mask_budget(labels.shape[1]) if static else None)
+            with self._last_layer.at(rows):
+                hidden = self.model.bert(input_ids=batch["input_ids"],
+                                         attention_mask=batch.get("attention_mask")).last_hidden_state  # (B, Q, H)
+            labels, selected = torch.where(used, labels.gather(1, rows), IGNORE_INDEX), used
+        else:
+            hidden = self.model.bert(input_ids=batch["input_ids"],
+                                     attention_mask=batch.get("attention_mask")).last_hidden_state
         if not static:
             return self.lm_head(hidden[selected]), labels[selected]
-        budget = self.mask_budget(labels.numel())
+        budget = min(self.mask_budget(batch["labels"].numel()), selected.numel())
         slots = torch.nonzero_static(selected.flatten(), size=budget, fill_value=-1).squeeze(1)
         used = slots >= 0
         index = slots.clamp(min=0)
@@ -134,6 +163,24 @@ class BertMLM(BertModule):
         head = self.model.cls.predictions
         return fp8_linear(head.transform(hidden), head.decoder.weight, head.decoder.bias, self.fp8_history)
 
+    def flops_per_batch(self, batch: dict[str, torch.Tensor], training: bool):
+        """The encoder's matmuls as they run (the last layer at the masked rows with `last_layer_masked_only`: the
+        static rows per sequence under CUDA graphs, the largest count otherwise) and the head's on the predicted
+        tokens (a 0-d tensor: device values, read lazily)."""
+        from bertaccel.modules.flops import bert_step_flops
+
+        B, T = batch["input_ids"].shape
+        if "labels" not in batch:
+            return bert_step_flops(self.model.config, B, T, head="none", training=training)
+        selected = batch["labels"] != IGNORE_INDEX
+        rows = None
+        if self._last_layer is not None:
+            rows = B * (self.row_mask_budget(T) if self.cuda_graphs else selected.sum(1).max().clamp(min=1))
+        cfg = self.model.config
+        per_token = 2 * cfg.hidden_size * cfg.hidden_size + 2 * cfg.hidden_size * cfg.vocab_size
+        body = bert_step_flops(cfg, B, T, head="none", training=training, last_layer_rows=rows)
+        return body + selected.sum() * per_token * (3 if training else 1)
+
     def step_outputs(self, input_ids, attention_mask=None, labels=None, token_type_ids=None) -> dict[str, torch.Tensor]:
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         static = self.cuda_graphs  # static shapes whenever graphs are asked for (same numbers either way)
@@ -146,7 +193,7 @@ class BertMLM(BertModule):
             "count": n,
             "correct": ((logits.argmax(-1) == y) & counted).sum().float(),
         }
-        if static:
+        if static:  # past the head's budget, and past a sequence's rows of the last layer (last_layer_masked_only)
             out["dropped_masked"] = ((labels != IGNORE_INDEX).sum() - counted.sum()).float()
         return out
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertaccel.modules.cls_only import cls_layer_forward_packed, is_cls_only
+from bertaccel.modules.last_layer import cls_layer_forward_packed, is_cls_only
 
 
 @dataclass

@@ -1,0 +1,235 @@
+"""The last encoder layer computed at the rows its head reads only: [CLS] for a sequence classifier, the masked
+positions for a masked-LM.
+
+A BERT sequence classifier reads one vector of the encoder's output: the pooler takes position 0 ([CLS]) of the last
+layer. A masked-LM's head reads the ~15% of positions that were masked. Every other position of the last layer is
+computed and thrown away - and in training its gradient is zero, so its backward is wasted too. What a read row of
+the last layer needs: the keys and values of every position (the layer's attention reads them all), and its own
+query, attention output, residual LayerNorm and feed-forward block. So the last layer runs exactly that: the K and V
+projections on all tokens, the rest on the read rows. The outputs and every gradient are those of the whole layer
+(the same formulas; the rows left out contribute exact zeros); the floating-point rounding of the kept rows may
+differ (other GEMM shapes), and attention dropout draws other random numbers for them.
+
+- `last_layer_cls_only(model)` (classifiers, `model.last_layer_cls_only`): the encoder's `last_hidden_state` is
+  [batch, 1, hidden] (the pooler reads it as before). The unpadded encoder (`model.unpadded`) has its own form
+  (`cls_layer_forward_packed`).
+- `last_layer_at_rows(model)` (masked-LMs, `model.last_layer_masked_only`): inside `handle.at(rows)` (rows: [batch,
+  Q] positions per sequence, `masked_rows` picks them) the encoder's `last_hidden_state` is [batch, Q, hidden], the
+  last layer's output at those positions; outside it the whole layer runs.
+
+What it saves, per sequence of S tokens of which R are read, hidden size H (intermediate F = 4H): the last layer's Q,
+attention output and feed-forward GEMMs on S - R rows (10 of its 12 H^2 matmul units), its attention's S - R query
+rows, and the LayerNorms, GELU and dropouts of those rows - up to 1/L of a BERT step of L layers, less the K / V GEMMs
+kept (measured numbers: README "Last layer at the rows the head reads").
+
+Asking for hidden states or attention weights, giving cross-attention inputs or a cache runs the whole layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+ATTR = "_bertaccel_last_layer"  # on the encoder while its forward is replaced: "cls", or the RowsHandle
+
+
+def _key_mask(attention_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The key mask of the kept query rows in the form SDPA takes, broadcast over the queries: a 2-D padding mask
+    (bool or 0/1, what `attn_implementation: bertaccel` passes) as bool [B, 1, 1, S]; a 4-D mask (SDPA's bool
+    [B, 1, S, S], eager's additive floats) its first query row, additive floats in the queries' dtype (clamped to its
+    range) - a BERT encoder's 4-D mask is its key-padding mask repeated for every query.
+    A row with no key at all (the empty rows that pad a static-shape batch) may attend to position 0: a softmax
+    over nothing is NaN on some SDPA backends, and a NaN row poisons the K / V gradients even where its loss is 0."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        row = attention_mask.bool()[:, None, None, :]
+    elif attention_mask.dim() == 4:
+        row = attention_mask[:, :, :1, :]
+    else:
+        raise ValueError(f"last_layer_cls_only: an attention mask of {attention_mask.dim()} dimensions")
+    first = torch.arange(row.shape[-1], device=row.device) == 0
+    if row.dtype == torch.bool:
+        return row | (first & ~row.any(-1, keepdim=True))
+    row = row.clamp(min=torch.finfo(dtype).min).to(dtype)
+    none = row.amax(-1, keepdim=True) <= torch.finfo(dtype).min / 2
+    return row.masked_fill(first & none, 0.0)
+
+
+def _keys_values(sa: nn.Module, rows: Tensor) -> Tensor:
+    """The K and V projections of rows [..., H] as [..., 2 * heads * d] (K then V): one GEMM where the two can fuse
+    (the bf16 weight copies' K and V rows read in place), else the module's own two (QK-norm's wrapped key)."""
+    from bertaccel.ops.qkv import can_fuse, fused_projection
+
+    if can_fuse(sa.key, sa.value) is None:
+        return fused_projection((sa.key, sa.value), rows)
+    return torch.cat((sa.key(rows), sa.value(rows)), -1)
+
+
+def _attend(sa: nn.Module, q: Tensor, kv: Tensor, mask: Tensor | None) -> Tensor:
+    """q [B, Q, H], kv [B, S, 2H] -> the attention output [B, Q, H] (SDPA, Q queries per sequence)."""
+    B, S = kv.shape[:2]
+    Q = q.shape[1]
+    heads, d = sa.num_attention_heads, sa.attention_head_size
+    k, v = kv.view(B, S, 2, heads, d).unbind(2)
+    q = q.view(B, Q, heads, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=_key_mask(mask, q.dtype),
+                                         dropout_p=sa.dropout.p if sa.training else 0.0, scale=sa.scaling)
+    return out.transpose(1, 2).reshape(B, Q, heads * d)
+
+
+def rows_attention(sa: nn.Module, rows: Tensor, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Self-attention's output at the kept rows: rows [B, Q, H] (queries), hidden [B, S, H] (keys, values) ->
+    [B, Q, H]. The module's own projection modules (nn.Linear, the kernel swap's, QK-norm's) make q, k, v."""
+    return _attend(sa, sa.query(rows), _keys_values(sa, hidden), attention_mask)
+
+
+cls_attention = rows_attention  # the [CLS] row: rows = hidden[:, :1]
+
+
+def cls_layer_forward_packed(layer: nn.Module, h: Tensor, layout, region=contextlib.nullcontext) -> Tensor:
+    """The unpadded encoder's last layer (`model.unpadded`) at each sequence's [CLS] only: packed rows h [T, H] ->
+    [B, H] (zeros for empty rows, as `Unpadded.first_tokens` gives). K and V on the packed rows, put back in the
+    padded [B, S] order for SDPA with the key-padding mask (one query per sequence: small next to the GEMMs).
+    `region()`: the context the attention part runs in (the unpadded encoder's profiler label)."""
+    attention = layer.attention
+    sa = attention.self
+    with region():
+        cls = layout.first_tokens(h)  # [B, H]
+        kv = layout.unpack(_keys_values(sa, h))  # [B, S, 2H], zeros at the padding (masked)
+        a = attention.output(_attend(sa, sa.query(cls)[:, None], kv, layout.key_padding)[:, 0], cls)
+    out = layer.feed_forward_chunk(a)  # (its modules' hooks label the feed-forward block)
+    empty = (layout.cu_seqlens[1:] == layout.cu_seqlens[:-1])[:, None]
+    return out.masked_fill(empty, 0)
+
+
+def rows_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None, rows: Tensor | None = None,
+                       region=contextlib.nullcontext) -> Tensor:
+    """A `BertLayer` (HF's or the kernel swap's) at some rows only: hidden [B, S, H] -> [B, Q, H], its output at
+    positions `rows` [B, Q] (int64, per sequence), or at the [CLS] row (Q = 1) when `rows` is None. `region()`: the
+    context the attention part runs in (the profiler's `layer{i}.attention` label, which the skipped
+    `BertAttention` call would have opened through its hooks)."""
+    if rows is None:
+        kept = hidden[:, :1]
+    else:
+        kept = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
+    attention = layer.attention
+    with region():
+        a = attention.output(rows_attention(attention.self, kept, hidden, attention_mask), kept)  # dense, dropout, LN
+    return layer.feed_forward_chunk(a)  # HF's intermediate + output (or the ffn family's block): hooks label it
+
+
+def cls_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None,
+                      region=contextlib.nullcontext) -> Tensor:
+    """A `BertLayer` at the [CLS] row only: [B, S, H] -> [B, 1, H] (`rows_layer_forward`)."""
+    return rows_layer_forward(layer, hidden, attention_mask, None, region)
+
+
+def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                     encoder_attention_mask=None, cache=None, use_cache=None, **kwargs):
+    """`BertEncoder.forward` with the last layer at the [CLS] row or the rows of the active `RowsHandle.at` only; the
+    class's own forward where that does not apply (cross-attention inputs, a cache, attention weights asked for, a
+    rows handle outside `at`)."""
+    mode = getattr(self, ATTR)
+    rows = None if mode == "cls" else mode.rows
+    full = (encoder_hidden_states is not None or cache is not None or use_cache
+            or kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or (mode != "cls" and rows is None))
+    if full:
+        return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                  cache=cache, use_cache=use_cache, **kwargs)
+    from bertaccel.modules.unpadded import _region  # (unpadded imports this module)
+
+    *rest, last = self.layer
+    for layer in rest:
+        hidden_states = layer(hidden_states, attention_mask, None, encoder_attention_mask=None, cache=None, **kwargs)
+    hidden_states = rows_layer_forward(last, hidden_states, attention_mask, rows,
+                                       lambda: _region(f"layer{len(rest)}.attention"))
+    return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states)
+
+
+def _encoder(model: nn.Module, option: str = "last_layer_cls_only") -> nn.Module:
+    bert = getattr(model, "bert", model)
+    encoder = getattr(bert, "encoder", None)
+    if encoder is None or not isinstance(getattr(encoder, "layer", None), nn.ModuleList) or not len(encoder.layer):
+        raise ValueError(f"{option}: {type(model).__name__} has no BERT encoder with layers")
+    return encoder
+
+
+class ClsOnlyHandle:
+    """What `last_layer_cls_only` / `last_layer_at_rows` changed; `revert()` puts the encoder's own forward back."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        self.encoder = encoder
+
+    def revert(self) -> None:
+        self.encoder.__dict__.pop("forward", None)
+        self.encoder.__dict__.pop(ATTR, None)
+
+
+def _install(encoder: nn.Module, mode, option: str) -> None:
+    if ATTR in encoder.__dict__:
+        raise ValueError(f"{option}: the encoder's last layer is already computed at some rows only (revert first)")
+    encoder.forward = types.MethodType(_encoder_forward, encoder)
+    setattr(encoder, ATTR, mode)
+
+
+def last_layer_cls_only(model: nn.Module) -> ClsOnlyHandle:
+    """Make `model`'s (a `BertForSequenceClassification`, or its `BertModel`) last encoder layer compute the [CLS]
+    position only (module docstring). In place and reversible (`.revert()`); Parameters and state_dict keys are
+    unchanged, and the kernel swap may run before or after (the layer's modules are looked up at each call)."""
+    encoder = _encoder(model)
+    _install(encoder, "cls", "last_layer_cls_only")
+    return ClsOnlyHandle(encoder)
+
+
+class RowsHandle(ClsOnlyHandle):
+    """`last_layer_at_rows`'s handle: `with handle.at(rows):` the encoder's last layer runs at `rows` only."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__(encoder)
+        self.rows: Tensor | None = None
+
+    @contextlib.contextmanager
+    def at(self, rows: Tensor):
+        """rows: [B, Q] int64 positions per sequence (repeats allowed; `masked_rows` gives them)."""
+        if rows.dim() != 2 or rows.dtype != torch.long:
+            raise ValueError(f"last layer rows: a [batch, Q] int64 tensor of positions, got {rows.dtype} {tuple(rows.shape)}")
+        self.rows = rows
+        try:
+            yield self
+        finally:
+            self.rows = None
+
+
+def last_layer_at_rows(model: nn.Module) -> RowsHandle:
+    """Make `model`'s (a `BertForMaskedLM`, or its `BertModel`) last encoder layer compute only the positions given
+    to `handle.at(rows)` while inside it (module docstring); the whole layer outside it. In place and reversible."""
+    encoder = _encoder(model, "last_layer_masked_only")
+    handle = RowsHandle(encoder)
+    _install(encoder, handle, "last_layer_masked_only")
+    return handle
+
+
+def masked_rows(selected: Tensor, per_row: int | None = None) -> tuple[Tensor, Tensor]:
+    """The positions of the True entries of `selected` [B, S] (bool), per row, in order: (rows [B, Q] int64, used
+    [B, Q] bool - False for slots past a row's count, which hold other positions). Q = `per_row` (a static bound:
+    a row's True entries past it are left out), or the largest row count (a host read; at least 1)."""
+    if per_row is None:
+        per_row = max(int(selected.sum(1).max()), 1) if selected.numel() else 1
+    per_row = min(per_row, selected.shape[1])
+    # a stable sort of the "not selected" flags puts each row's selected positions first, in order; no host read
+    order = torch.argsort((~selected).to(torch.uint8), dim=1, stable=True)[:, :per_row]
+    return order, selected.gather(1, order)
+
+
+def is_cls_only(model: nn.Module) -> bool:
+    """Whether `last_layer_cls_only` is on for `model`'s encoder."""
+    try:
+        return getattr(_encoder(model), ATTR, None) == "cls"
+    except ValueError:
+        return False
