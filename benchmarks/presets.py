@@ -43,8 +43,9 @@ PRESETS: dict[str, tuple[list[str], list[str]]] = {
                                                    "--model.init_args.attn_implementation", "sdpa"]),
     # one change at a time against recommended: the FP8 LM head alone; NorMuon at a quarter of the Muon lr
     "recommended-fp8-head": (["configs/presets/recommended.yaml"], ["--model.init_args.lm_head_fp8", "true"]),
-    # the last layer at the masked positions only (bertaccel.modules.last_layer)
-    "recommended-masked-last": (["configs/presets/recommended.yaml"], ["--model.init_args.last_layer_masked_only", "true"]),
+    # the last layer at every position (mlm_local.yaml computes it at the masked positions only since session 55;
+    # "recommended" before that commit is this one: bertaccel.modules.last_layer)
+    "recommended-whole-last": (["configs/presets/recommended.yaml"], ["--model.init_args.last_layer_masked_only", "false"]),
     "recommended-normuon-lr0.005": (["configs/presets/recommended.yaml"],
                                     ["--model.init_args.optimizer", "normuon", "--model.init_args.muon_lr", "0.005"]),
 }

@@ -1,0 +1,125 @@
+"""The attention of a last layer at some rows only (bertaccel.modules.last_layer): Q query rows per sequence over all S
+keys, forward + backward, by SDPA's backends and by plain fp32 matmuls, at the shapes the product runs.
+
+    python -m benchmarks.bench_last_layer_attention --out bench_results/last_layer_attention.json
+    python -m benchmarks.bench_last_layer_attention --device cpu --shapes 2x1x16   # the harness only
+
+Shapes are batch x queries x keys (BERT-base heads, 12 x 64): 32x1x512 is a classifier's [CLS] row at max_length 512,
+64x56x128 and 16x152x512 the masked-LM's static rows per sequence at blocks of 128 and 512. Inputs as the layer
+has them: q [B, Q, H] and the K / V projections [B, S, 2H] in bf16, a key-padding mask (every fourth row a quarter
+shorter). Time: CUDA-graph replays of forward + backward (dropout `--dropout`, 0.1 as BERT trains), median. Error:
+the output and the three input gradients against float64 from the same bf16 inputs (dropout 0), relative norm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import environment, graph_time_ms, print_table, write_json
+
+HEADS, D = 12, 64
+
+
+def make_inputs(B: int, Q: int, S: int, device: str, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, Q, HEADS * D, generator=g).to(device, torch.bfloat16)
+    kv = torch.randn(B, S, 2 * HEADS * D, generator=g).to(device, torch.bfloat16)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[::4, S - S // 4:] = False
+    dout = torch.randn(B, Q, HEADS * D, generator=g).to(device, torch.bfloat16)
+    return q, kv, mask.to(device), dout
+
+
+def _split(q, kv):
+    B, S = kv.shape[:2]
+    k, v = kv.view(B, S, 2, HEADS, D).unbind(2)
+    return q.view(B, q.shape[1], HEADS, D).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def sdpa(backend=None):
+    def attend(q, kv, mask, p):
+        qh, k, v = _split(q, kv)
+        with torch.nn.attention.sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[:, None, None, :], dropout_p=p,
+                                                 scale=1 / math.sqrt(D))
+        return out.transpose(1, 2).reshape(q.shape)
+    return attend
+
+
+def fp32_matmuls(q, kv, mask, p):
+    """Scores, softmax, dropout and the weighted sum in fp32 (autocast off), the output in the inputs' dtype."""
+    qh, k, v = _split(q, kv)
+    ct = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(qh.to(ct), k.to(ct).transpose(-1, -2)) / math.sqrt(D)
+    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = F.dropout(torch.softmax(s, -1), p)
+    out = torch.matmul(probs, v.to(ct)).to(q.dtype)
+    return out.transpose(1, 2).reshape(q.shape)
+
+
+def implementations(device: str) -> dict:
+    from torch.nn.attention import SDPBackend
+
+    impls = {"sdpa": sdpa(), "fp32-matmuls": fp32_matmuls}
+    if device == "cuda":
+        impls |= {"sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION), "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+                  "sdpa-math": sdpa(SDPBackend.MATH)}
+    return impls
+
+
+def errors(fn, q, kv, mask, dout) -> dict:
+    def run(q, kv, dout, fn=fn):
+        q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
+        out = fn(q, kv, mask, 0.0)
+        out.backward(dout)
+        return out.detach(), q.grad, kv.grad
+
+    ref = run(q.double(), kv.double(), dout.double(), fp32_matmuls)  # float64 math from the same bf16 inputs
+    got = run(q, kv, dout)
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    return {"err_out": rel(got[0], ref[0]), "err_dq": rel(got[1], ref[1]), "err_dkv": rel(got[2], ref[2])}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", nargs="+", default=["32x1x512", "64x56x128", "16x152x512"], help="batch x queries x keys")
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: errors only (the harness)")
+    ap.add_argument("--out", default="bench_results/last_layer_attention.json")
+    args = ap.parse_args(argv)
+    rows = []
+    for shape in args.shapes:
+        B, Q, S = (int(x) for x in shape.split("x"))
+        q, kv, mask, dout = make_inputs(B, Q, S, args.device)
+        for name, fn in implementations(args.device).items():
+            row = {"shape": shape, "impl": name}
+            try:
+                row |= {k: round(v, 5) for k, v in errors(fn, q, kv, mask, dout).items()}
+                if args.device == "cuda":
+                    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
+
+                    def step(fn=fn, qg=qg, kvg=kvg):
+                        out = fn(qg, kvg, mask, args.dropout)
+                        qg.grad = kvg.grad = None
+                        out.backward(dout)
+
+                    row["fwd_bwd_us"] = round(graph_time_ms(step, [()], calls=10) * 1e3, 1)
+            except Exception as e:  # a backend that does not take the shape, the mask or dropout under capture
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            rows.append(row)
+            print(row)
+    write_json(args.out, {"environment": environment(), "dropout": args.dropout, "rows": rows})
+    print()
+    print_table(rows, ["shape", "impl", "fwd_bwd_us", "err_out", "err_dq", "err_dkv", "error"])
+
+
+if __name__ == "__main__":
+    main()
