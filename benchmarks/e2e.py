@@ -92,19 +92,16 @@ VARIANTS = {
     # the product's graphed step with the last layer at the [CLS] position only (`model.last_layer_cls_only`,
     # bertaccel.modules.last_layer): its TFLOP/s from the FLOPs that run (fewer), as the throughput meter counts them
     "attn-fused-graphs-cls-only": ("bertaccel", True, True, False, True),
-    "attn-fused-graphs-cls-only-no-pad": ("bertaccel", True, True, False, True),  # its single query not padded to two
     "fused-graphs-cls-only": ("sdpa", True, True, False, True),
     "fused-unpadded-graphs-cls-only": ("sdpa", True, True, False, True),
 }
-CLS_ONLY = {"attn-fused-graphs-cls-only", "attn-fused-graphs-cls-only-no-pad", "fused-graphs-cls-only",
-            "fused-unpadded-graphs-cls-only"}
+CLS_ONLY = {"attn-fused-graphs-cls-only", "fused-graphs-cls-only", "fused-unpadded-graphs-cls-only"}
 UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash", "fused-unpadded-graphs-cls-only": "bertaccel",
             "ffn-gemm-fused-unpadded-graphs": "bertaccel"}
 VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"},
                "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"},
                "attn-fused-graphs-adamw-pytorch": {"BERTACCEL_ADAMW_ALL": "0"},
                "attn-fused-graphs-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"},
-               "attn-fused-graphs-cls-only-no-pad": {"BERTACCEL_CLS_QUERY_PAD": "0"},
                "fused-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"},
                "attn-ffn-gemm-fused-graphs-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"}}
 BASELINE = "hf-sdpa-bf16"

@@ -295,25 +295,3 @@ def test_the_profilers_attention_region_of_the_last_layer_is_kept():
             run()
         names = {e.name for e in prof.events()}
         assert "layer1.attention" in names, sorted(n for n in names if n.startswith("layer"))
-
-
-def test_a_single_query_padded_to_two_gives_the_same_output_and_gradients():
-    """The [CLS] query goes to SDPA as two rows under dropout on CUDA (cuDNN takes no single query with dropout): the
-    copy's output is dropped, so the output and the gradients of q and of the keys / values are the one query's."""
-    from bertaccel.modules.last_layer import _attend
-
-    model = _model(layers=1)
-    sa = model.bert.encoder.layer[0].attention.self
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(4, 1, 32, generator=g, dtype=torch.float64)
-    kv = torch.randn(4, 11, 64, generator=g, dtype=torch.float64)
-    mask = _batch()[1]
-    results = []
-    for pad in (False, True):
-        qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
-        out = _attend(sa, qq, kk, mask, pad_single_query=pad)
-        out.backward(torch.ones_like(out))
-        results.append((out.detach(), qq.grad, kk.grad))
-    assert results[1][0].shape == (4, 1, 32)
-    for a, b in zip(*results):
-        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)

@@ -28,7 +28,6 @@ Asking for hidden states or attention weights, giving cross-attention inputs or 
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 
 import torch
@@ -72,27 +71,16 @@ def _keys_values(sa: nn.Module, rows: Tensor) -> Tensor:
     return torch.cat((sa.key(rows), sa.value(rows)), -1)
 
 
-def _attend(sa: nn.Module, q: Tensor, kv: Tensor, mask: Tensor | None, pad_single_query: bool | None = None) -> Tensor:
-    """q [B, Q, H], kv [B, S, 2H] -> the attention output [B, Q, H] (SDPA, Q queries per sequence).
-
-    One query with dropout (the [CLS] row in training) goes to SDPA as two - the second a copy whose output is
-    dropped (so it gets no gradient): PyTorch's cuDNN attention takes no single query with dropout, and the
-    memory-efficient kernels it then falls to tile 64 queries (BERT-base 32x512 heads, H200, forward + backward with
-    dropout 0.1: 0.32 ms for one query, 0.17 ms for two on cuDNN; `benchmarks/bench_last_layer_attention.py`).
-    `pad_single_query`: force it on or off (tests); None: on CUDA, unless BERTACCEL_CLS_QUERY_PAD=0."""
+def _attend(sa: nn.Module, q: Tensor, kv: Tensor, mask: Tensor | None) -> Tensor:
+    """q [B, Q, H], kv [B, S, 2H] -> the attention output [B, Q, H] (SDPA, Q queries per sequence)."""
     B, S = kv.shape[:2]
     Q = q.shape[1]
     heads, d = sa.num_attention_heads, sa.attention_head_size
-    dropout_p = sa.dropout.p if sa.training else 0.0
-    if pad_single_query is None:
-        pad_single_query = Q == 1 and dropout_p > 0 and q.is_cuda and os.environ.get("BERTACCEL_CLS_QUERY_PAD") != "0"
-    if pad_single_query:
-        q = torch.cat((q, q), 1)
     k, v = kv.view(B, S, 2, heads, d).unbind(2)
-    q = q.view(B, q.shape[1], heads, d).transpose(1, 2)
+    q = q.view(B, Q, heads, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=_key_mask(mask, q.dtype),
-                                         dropout_p=dropout_p, scale=sa.scaling)
-    return out[:, :, :Q].transpose(1, 2).reshape(B, Q, heads * d)
+                                         dropout_p=sa.dropout.p if sa.training else 0.0, scale=sa.scaling)
+    return out.transpose(1, 2).reshape(B, Q, heads * d)
 
 
 def rows_attention(sa: nn.Module, rows: Tensor, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
