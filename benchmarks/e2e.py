@@ -4,8 +4,10 @@ and this project's presets, all in one process on the same inputs.
     python -m benchmarks.e2e --out bench_results/e2e.json
     python -m benchmarks.e2e --models bert-base --shapes 16x128 --variants hf-sdpa-bf16 fused
 
-"train" = forward + backward + fused AdamW step; "infer" = forward under no_grad. Random-init
-`BertForSequenceClassification`, attention mask all ones; with `--lengths uniform` each row's length
+"train" = forward + backward + fused AdamW step; "infer" = forward under no_grad; "mlm" = a masked-LM train step
+(`bertaccel.modules.BertMLM`'s: 15% of the real tokens masked, the head on the selected positions - under graphs and
+compile the static budget). Random-init `BertForSequenceClassification` (`BertForMaskedLM` for "mlm"), attention
+mask all ones; with `--lengths uniform` each row's length
 is uniform in [0.2, 1] x seq (ByteTransformer's setting; fixed seed), where the `*-unpadded-*`
 variants run the encoder on the real tokens only (bertaccel.modules.unpadded, packed once with
 `packed_layout`): our varlen attention kernel, or PyTorch's FlashAttention varlen (`-flash`). Each cell: warm-up (compilation
@@ -94,8 +96,12 @@ VARIANTS = {
     "attn-fused-graphs-cls-only": ("bertaccel", True, True, False, True),
     "fused-graphs-cls-only": ("sdpa", True, True, False, True),
     "fused-unpadded-graphs-cls-only": ("sdpa", True, True, False, True),
+    # the masked-LM's graphed step with its last layer at the masked positions only (`model.last_layer_masked_only`,
+    # workload "mlm" only; attn-fused-graphs is the whole layer there)
+    "attn-fused-graphs-masked-last": ("bertaccel", True, True, False, True),
 }
 CLS_ONLY = {"attn-fused-graphs-cls-only", "fused-graphs-cls-only", "fused-unpadded-graphs-cls-only"}
+MASKED_LAST = {"attn-fused-graphs-masked-last"}
 UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash", "fused-unpadded-graphs-cls-only": "bertaccel",
             "ffn-gemm-fused-unpadded-graphs": "bertaccel"}
 VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"},
@@ -118,6 +124,7 @@ def batch_mask(batch: int, seq: int, lengths: str, device: str) -> torch.Tensor:
 
 
 PROFILES: dict[tuple, dict] = {}
+FLOPS: dict[tuple, float] = {}  # a masked-LM cell's step FLOPs (they depend on its masked positions)
 
 
 def kernel_breakdown(one_step, steps: int = 5, top: int = 12) -> dict:
@@ -273,9 +280,23 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
         os.environ["BERTACCEL_VARLEN_ATTENTION"] = UNPADDED[variant]
     cuda = device == "cuda"
     graphed = graphed and cuda
+    mlm = workload == "mlm"
+    if mlm and (variant in UNPADDED or variant in CLS_ONLY):
+        raise ValueError(f"{variant} is a classifier's variant (workload train / infer)")
+    if not mlm and variant in MASKED_LAST:
+        raise ValueError(f"{variant} is the masked-LM's variant (workload mlm)")
     torch.manual_seed(0)
     cfg = BertConfig(num_labels=2, **MODELS[model_name])
-    model = BertForSequenceClassification(cfg).to(device)
+    module = None
+    if mlm:
+        from bertaccel.modules.mlm import BertMLM
+
+        # static shapes (the masked positions' fixed budget) under graphs and compile, as the product runs them
+        module = BertMLM(config=MODELS[model_name], vocab_size=cfg.vocab_size, cuda_graphs=graphed or compiled,
+                         last_layer_masked_only=variant in MASKED_LAST).to(device)
+        model = module.model
+    else:
+        model = BertForSequenceClassification(cfg).to(device)
     if attn == "bertaccel":
         from bertaccel.modules.hf_attention import register
 
@@ -289,9 +310,12 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
         from bertaccel.modules.last_layer import last_layer_cls_only
 
         last_layer_cls_only(model)
-    train = workload == "train"
+    train = workload in ("train", "mlm")
     model.train(train)
-    if compiled:
+    if compiled and mlm:  # BertMLM calls the encoder and the head, not the model's own forward
+        model.bert.compile(mode="reduce-overhead")
+        model.cls.compile(mode="reduce-overhead")
+    elif compiled:
         model.compile(mode="reduce-overhead")  # in place: state_dict keys unchanged
     opt = None
     if train:
@@ -301,6 +325,10 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
     ids = torch.randint(min(1000, cfg.vocab_size // 2), cfg.vocab_size, (batch, seq), device=device, generator=g)
     mask = batch_mask(batch, seq, lengths, device)
     labels = torch.randint(0, 2, (batch,), device=device, generator=g)
+    if mlm:  # 15% of the real tokens masked (their ids as labels), the rest -100
+        labels = torch.where((torch.rand(batch, seq, device=device, generator=g) < 0.15) & mask.bool(), ids, -100)
+        FLOPS[(model_name, f"{batch}x{seq}", workload, variant)] = float(module.flops_per_batch(
+            {"input_ids": ids, "attention_mask": mask, "labels": labels}, True))
     if variant in UNPADDED:
         from bertaccel.data.collate import packed_layout
         from bertaccel.modules.unpadded import Unpadded, classifier_logits
@@ -313,6 +341,11 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
     else:
         def logits_of(ids, mask):
             return model(input_ids=ids, attention_mask=mask).logits
+
+    def loss_of(ids, mask, labels):
+        if mlm:
+            return module.step_outputs(ids, mask, labels)["loss"]
+        return torch.nn.functional.cross_entropy(logits_of(ids, mask), labels)
 
     if graphed:
         import contextlib
@@ -331,7 +364,7 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
             make_static_grads(model.parameters())  # the product's static gradient buffers
             # the product's graphed step body (bertaccel.modules.train_step), as `bertaccel fit` builds it
             graph_step = build_train_step(
-                lambda ids, mask, labels: {"loss": torch.nn.functional.cross_entropy(logits_of(ids, mask), labels)},
+                lambda ids, mask, labels: {"loss": loss_of(ids, mask, labels)},
                 opt, copies=copies, autocast=autocast)
         else:
             def graph_step(ids, mask, labels):
@@ -345,7 +378,7 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             if train:
-                loss = torch.nn.functional.cross_entropy(logits_of(ids, mask), labels)
+                loss = loss_of(ids, mask, labels)
             else:
                 with torch.no_grad():
                     return logits_of(ids, mask)
@@ -376,7 +409,7 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
         if sources:  # the graphed step's body run eagerly: the same kernels, each with the call that launched it
             body = (lambda: graph_step(ids=ids, mask=mask, labels=labels)) if graphed else one_step
             PROFILES[key]["sources"] = profile_sources(body)
-    model = opt = None  # (not del: the step closures above refer to them) - frees the GPU memory below
+    model = module = opt = None  # (not del: the step closures above refer to them) - frees the GPU memory below
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -389,7 +422,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", nargs="+", default=["bert-base", "minilm"], choices=list(MODELS))
     ap.add_argument("--shapes", nargs="+", default=["16x128", "32x512"], help="batch x seq")
-    ap.add_argument("--workloads", nargs="+", default=["train", "infer"], choices=["train", "infer"])
+    ap.add_argument("--workloads", nargs="+", default=["train", "infer"], choices=["train", "infer", "mlm"],
+                    help="mlm: the masked-LM train step (BertForMaskedLM; not with the classifier-only variants)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--steps", type=int, default=40)
@@ -427,13 +461,14 @@ def main() -> None:
                 cell = {v: statistics.median(ts) for v, ts in per_round.items()}
                 base = cell.get(BASELINE)
                 for variant, ms in cell.items():
-                    flops = bert_step_flops(cfg, batch, seq, training=workload == "train", cls_only_last_layer=variant in CLS_ONLY)
+                    flops = FLOPS.get((model_name, shape, workload, variant)) if workload == "mlm" else bert_step_flops(
+                        cfg, batch, seq, training=workload == "train", cls_only_last_layer=variant in CLS_ONLY)
                     extra = {"ms_rounds": [round(x, 3) for x in per_round[variant]]} if args.rounds > 1 else {}
                     rows.append({
                         "model": model_name, "shape": shape, "lengths": args.lengths, "workload": workload, "variant": variant,
                         "ms": round(ms, 3), "samples/s": round(batch / ms * 1e3, 1) if ms == ms else "",
                         "speedup_vs_sdpa": round(base / ms, 2) if base and ms == ms else "",
-                        "TFLOP/s": round(flops / ms / 1e9, 1) if ms == ms else "", **extra,
+                        "TFLOP/s": round(flops / ms / 1e9, 1) if ms == ms and flops else "", **extra,
                     })
                 print_table([r for r in rows if r["model"] == model_name and r["shape"] == shape and r["workload"] == workload],
                             COLUMNS)

@@ -42,6 +42,25 @@ def test_e2e_harness_writes_its_table(tmp_path, monkeypatch):
     assert all(r["ms"] > 0 for r in rows)
 
 
+def test_e2e_masked_lm_workload_counts_the_flops_that_run(tmp_path, monkeypatch):
+    """workload mlm: BertMLM's step; the masked-last variant counts fewer FLOPs (its last layer at the masked rows),
+    and a classifier-only variant is refused (a FAILED row, nan), as is the masked-LM's variant on a classifier."""
+    out = tmp_path / "e2e.json"
+    monkeypatch.setattr(sys, "argv", ["e2e", "--device", "cpu", "--models", "tiny", "--shapes", "4x32", "--workloads",
+                                      "mlm", "train", "--variants", "hf-sdpa-bf16", "attn-fused-graphs",
+                                      "attn-fused-graphs-masked-last", "fused-graphs-cls-only", "--warmup", "1",
+                                      "--steps", "1", "--out", str(out)])
+    e2e.main()
+    rows = {(r["workload"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
+    for w, v in (("mlm", "hf-sdpa-bf16"), ("mlm", "attn-fused-graphs"), ("mlm", "attn-fused-graphs-masked-last"),
+                 ("train", "fused-graphs-cls-only")):
+        assert rows[(w, v)]["ms"] > 0, (w, v)
+    for w, v in (("mlm", "fused-graphs-cls-only"), ("train", "attn-fused-graphs-masked-last")):
+        assert rows[(w, v)]["ms"] != rows[(w, v)]["ms"], (w, v)  # nan: refused
+    flops = {k: v for k, v in e2e.FLOPS.items() if k[0] == "tiny" and k[1] == "4x32"}
+    assert 0 < flops[("tiny", "4x32", "mlm", "attn-fused-graphs-masked-last")] < flops[("tiny", "4x32", "mlm", "attn-fused-graphs")]
+
+
 def test_e2e_rounds_interleave_the_variants_and_keep_each_rounds_time(tmp_path, monkeypatch):
     """--rounds 3: each variant timed three times, in the order a, b, a, b, a, b; the cell is the median."""
     calls = []

@@ -17,6 +17,22 @@ from bertaccel.modules.fp8 import AmaxHistory, fp8_linear
 from bertaccel.modules.metrics import WeightedMean
 
 
+def mask_budget(tokens: int, p: float) -> int:
+    """The static number of masked positions a batch of `tokens` tokens masked with probability `p` gets (CUDA graphs):
+    the expected count plus a wide margin (25% and six standard deviations, for whole-word masking's larger spread),
+    rounded up to 64. Masked positions beyond it (not seen in practice) are left out of the loss and counted in
+    `dropped_masked`, reported per epoch."""
+    budget = tokens * p * 1.25 + 6 * math.sqrt(tokens * p * (1 - p))
+    return int(min(tokens, 64 * math.ceil(budget / 64)))
+
+
+def row_mask_budget(seq: int, p: float) -> int:
+    """`mask_budget`'s margin for one sequence of `seq` tokens, rounded up to 8: the static rows per sequence of the
+    last layer with `last_layer_masked_only`."""
+    budget = seq * p * 1.25 + 6 * math.sqrt(seq * p * (1 - p))
+    return int(min(seq, 8 * math.ceil(budget / 8)))
+
+
 class BertMLM(BertModule):
     """BertForMaskedLM trained on masked positions only.
 
@@ -113,20 +129,13 @@ class BertMLM(BertModule):
 
     def mask_budget(self, tokens: int) -> int:
         """How many masked positions a batch of `tokens` tokens is given a slot for when steps have static
-        shapes (CUDA graphs): the expected count plus a wide margin (25% and six standard deviations,
-        for whole-word masking's larger spread), rounded up to 64. Masked positions beyond it (not seen
-        in practice) are left out of the loss and counted in `dropped_masked`, reported per epoch."""
-        p = self._mask_probability
-        expected = tokens * p
-        budget = expected * 1.25 + 6 * math.sqrt(tokens * p * (1 - p))
-        return int(min(tokens, 64 * math.ceil(budget / 64)))
+        shapes (CUDA graphs): `mask_budget(tokens, mlm_probability)`."""
+        return mask_budget(tokens, self._mask_probability)
 
     def row_mask_budget(self, seq: int) -> int:
         """How many positions of each sequence of `seq` tokens the last layer computes with `last_layer_masked_only`
-        under static shapes: `mask_budget`'s margin for one sequence, rounded up to 8."""
-        p = self._mask_probability
-        budget = seq * p * 1.25 + 6 * math.sqrt(seq * p * (1 - p))
-        return int(min(seq, 8 * math.ceil(budget / 8)))
+        under static shapes: `row_mask_budget(seq, mlm_probability)`."""
+        return row_mask_budget(seq, self._mask_probability)
 
     def masked_logits(self, batch: dict[str, torch.Tensor], static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (M, V) at the M selected positions, and their labels (M,). With `static`, M is the
