@@ -222,3 +222,13 @@ def test_bf16_swapped_graph_on_gpu_within_twice_the_whole_layers_error():
             continue
         e_masked, e_whole = err(results["masked"][1][n], g), err(results["whole"][1][n], g)
         assert e_masked <= 2 * e_whole + 1e-3, (n, e_masked, e_whole)
+
+
+def test_a_deep_copy_runs_its_own_encoder():
+    """copy.deepcopy (EMA / SWA copies, tests) keeps the option, bound to the copy's encoder and handle."""
+    whole, masked = _pair()
+    twin = copy.deepcopy(masked)
+    encoder = twin.model.bert.encoder
+    assert encoder.forward.__self__ is encoder and twin._last_layer.encoder is encoder
+    batch = _batch()
+    torch.testing.assert_close(twin.step_outputs(*batch)["loss"], whole.step_outputs(*batch)["loss"], rtol=1e-10, atol=1e-12)

@@ -89,8 +89,6 @@ def rows_attention(sa: nn.Module, rows: Tensor, hidden: Tensor, attention_mask: 
     return _attend(sa, sa.query(rows), _keys_values(sa, hidden), attention_mask)
 
 
-cls_attention = rows_attention  # the [CLS] row: rows = hidden[:, :1]
-
 
 def cls_layer_forward_packed(layer: nn.Module, h: Tensor, layout, region=contextlib.nullcontext) -> Tensor:
     """The unpadded encoder's last layer (`model.unpadded`) at each sequence's [CLS] only: packed rows h [T, H] ->
@@ -124,12 +122,6 @@ def rows_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor 
     return layer.feed_forward_chunk(a)  # HF's intermediate + output (or the ffn family's block): hooks label it
 
 
-def cls_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None,
-                      region=contextlib.nullcontext) -> Tensor:
-    """A `BertLayer` at the [CLS] row only: [B, S, H] -> [B, 1, H] (`rows_layer_forward`)."""
-    return rows_layer_forward(layer, hidden, attention_mask, None, region)
-
-
 def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
                      encoder_attention_mask=None, cache=None, use_cache=None, **kwargs):
     """`BertEncoder.forward` with the last layer at the [CLS] row or the rows of the active `RowsHandle.at` only; the
@@ -160,7 +152,7 @@ def _encoder(model: nn.Module, option: str = "last_layer_cls_only") -> nn.Module
     return encoder
 
 
-class ClsOnlyHandle:
+class LastLayerHandle:
     """What `last_layer_cls_only` / `last_layer_at_rows` changed; `revert()` puts the encoder's own forward back."""
 
     def __init__(self, encoder: nn.Module) -> None:
@@ -178,16 +170,16 @@ def _install(encoder: nn.Module, mode, option: str) -> None:
     setattr(encoder, ATTR, mode)
 
 
-def last_layer_cls_only(model: nn.Module) -> ClsOnlyHandle:
+def last_layer_cls_only(model: nn.Module) -> LastLayerHandle:
     """Make `model`'s (a `BertForSequenceClassification`, or its `BertModel`) last encoder layer compute the [CLS]
     position only (module docstring). In place and reversible (`.revert()`); Parameters and state_dict keys are
     unchanged, and the kernel swap may run before or after (the layer's modules are looked up at each call)."""
     encoder = _encoder(model)
     _install(encoder, "cls", "last_layer_cls_only")
-    return ClsOnlyHandle(encoder)
+    return LastLayerHandle(encoder)
 
 
-class RowsHandle(ClsOnlyHandle):
+class RowsHandle(LastLayerHandle):
     """`last_layer_at_rows`'s handle: `with handle.at(rows):` the encoder's last layer runs at `rows` only."""
 
     def __init__(self, encoder: nn.Module) -> None:
