@@ -231,3 +231,51 @@ def test_ddp_fit_with_the_last_layer_at_cls_only(tiny_config, tmp_path):
     assert {"test/acc", "test/loss"} <= set(one)
     for name in ("test/acc", "test/loss"):
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.slow
+def test_ddp_masked_lm_fit_with_the_last_layer_at_the_masked_positions(tmp_path):
+    """`model.last_layer_masked_only` under DDP (2 processes, no dropout): the fit finishes (every parameter gets a
+    gradient on every rank) and validates to the same loss as the same DDP fit with the whole last layer, and its
+    checkpoint validates to that loss on one process too (the option restored from the checkpoint)."""
+    import re
+
+    import yaml
+
+    from tests.conftest import TINY_BERT
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"the film number {i} was {'good' if i % 2 else 'bad'} and long, said the critic"
+                                for i in range(400)))
+    cfg = {
+        "seed_everything": 5,
+        "trainer": {"max_epochs": 1, "accelerator": "cpu", "devices": 1, "log_every_n_steps": 1,
+                    "enable_model_summary": False, "limit_train_batches": 8,
+                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                               "init_args": {"save_dir": str(tmp_path / "runs"), "name": "mlm"}}},
+        "model": {"class_path": "bertaccel.modules.BertMLM",
+                  "init_args": {"config": TINY_BERT, "lr": 3e-3, "warmup_ratio": 0.1}},
+        "data": {"class_path": "bertaccel.data.MLMDataModule",
+                 "init_args": {"train_files": [str(corpus)], "tokenizer": "sample:sentiment", "block_size": 32,
+                               "batch_size": 8, "val_size": 0.1}},
+    }
+    path = tmp_path / "mlm.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+
+    def val_loss(stdout: str) -> float:
+        return float(re.findall(r"val/loss\W+([-+0-9.eE]+)", stdout)[-1])
+
+    losses = {}
+    for option in ("false", "true"):
+        name = f"mlm_{option}"
+        bertaccel("fit", "-c", str(path), *DDP, "--model.init_args.last_layer_masked_only", option,
+                  "--trainer.logger.init_args.name", name, cwd=tmp_path)
+        ckpt = tmp_path / "runs" / name / "checkpoints" / "last.ckpt"
+        assert torch.load(ckpt, weights_only=False, map_location="cpu")["hyper_parameters"]["last_layer_masked_only"] is (
+            option == "true")
+        losses[option] = val_loss(bertaccel("validate", "-c", str(path), *DDP, "--ckpt_path", str(ckpt),
+                                            "--trainer.logger.init_args.name", name, cwd=tmp_path).stdout)
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-4)
+    one = val_loss(bertaccel("validate", "-c", str(path), "--ckpt_path",
+                             str(tmp_path / "runs" / "mlm_true" / "checkpoints" / "last.ckpt"), cwd=tmp_path).stdout)
+    assert one == pytest.approx(losses["true"], rel=1e-5)
