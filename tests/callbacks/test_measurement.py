@@ -105,6 +105,10 @@ def test_profiler_and_meter_write_their_files(tiny_config, tmp_path):
     assert (prof / "profile_summary.png").stat().st_size > 1000  # the picture next to the JSON
     summary = json.loads((prof / "profile_summary.json").read_text())
     assert {"embeddings", "layer0.attention", "layer0.ffn", "backward", "optimizer_step"} <= set(summary["regions"])
+    # the recorded steps' own time beside the untraced ones' before them (skip_first 1 left out, wait 1; warm-up traced)
+    step_ms = summary["step_ms"]
+    assert step_ms["recorded_steps"] == 2 and step_ms["unrecorded_steps"] == 1, step_ms
+    assert step_ms["recorded"] > 0 and step_ms["unrecorded"] > 0
     stats = json.loads((run / "benchmark_stats.json").read_text())["train"]
     assert stats["samples_per_s"] > 0 and 0 <= stats["padding_fraction"] < 1
     assert stats["real_tokens_per_s"] < stats["padded_tokens_per_s"] or stats["padding_fraction"] == 0
@@ -304,3 +308,34 @@ def test_region_device_time_counts_overlapping_kernels_once():
     assert got == {"layer0.ffn": 15.0, "layer1.ffn": 4.0}
     assert region_exposed_us([region, NS(name="k", device_type=DeviceType.CUDA, device_index=0,
                                          time_range=NS(start=0.0, end=1.0))], re.compile("layer0.ffn")) is None
+
+
+def test_profiler_step_times_recorded_against_unrecorded(monkeypatch):
+    """Step times from the marks at each step's end: the recorded steps' median beside the untraced (skipped, waiting)
+    steps' before them (the stage's first step left out; warm-up steps are traced); after a recorded cycle only the
+    last unrecorded mark is kept, so a later cycle's first recorded step is timed from the step before it and the list
+    stays short."""
+    import time
+    from types import SimpleNamespace
+
+    from torch.profiler import ProfilerAction
+
+    from bertaccel.callbacks.profiler import ProfilerCallback
+
+    cb = ProfilerCallback(enabled=True)
+    cb._cuda, cb._stage = False, "train"
+    clock = iter([0.0, 0.050, 0.060, 0.070, 0.090, 0.110, 0.120, 0.130, 0.140, 0.165, 0.200])  # s, at each step's end
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    N, W, R = ProfilerAction.NONE, ProfilerAction.WARMUP, ProfilerAction.RECORD
+    actions = iter([N, N, N, W, R, R, N, N, W, R])  # skip 1, then two cycles of wait 1 / warmup 1 / active 2 (the last cut short)
+    cb._prof = SimpleNamespace(current_action=None, step=lambda: None)
+    cb._marks = [("none", cb._mark())]
+    for action in actions:
+        cb._prof.current_action = action
+        cb._step("train")
+    assert len(cb._marks) == 9  # of the three unrecorded marks after the first cycle only the last is kept
+    times = cb._step_times()
+    # untraced before the first record: 10, 10 ms (the first step's 50 ms left out, the warm-up's 20 too); recorded:
+    # 20, 10 ms, and 35 ms timed from the second cycle's warm-up step (the marks before it dropped)
+    assert times == {"recorded": pytest.approx(20.0), "recorded_steps": 3, "unrecorded": pytest.approx(10.0),
+                     "unrecorded_steps": 2}

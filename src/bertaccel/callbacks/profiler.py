@@ -8,7 +8,9 @@ Outputs, in `<log_dir>/profiler/` (named in the log when written):
 - `kernel_statistics.json`: every GPU kernel: total ms, exposed ms, calls, mean us, share of GPU busy time,
   category;
 - `operator_statistics.json`: every aten op: self CPU ms, self device ms, calls, mean, device memory;
-- `profile_summary.json`: GPU busy time by category and by labelled region.
+- `profile_summary.json`: GPU busy time by category and by labelled region, and `step_ms`: the median time per step
+  of the recorded steps and of the unrecorded ones before them (the profiler slows what it traces: its per-step
+  times are of the slowed steps - the line printed says by how much).
 The top kernels, top operators and category shares are printed at the end of the stage.
 
 Kernels overlap: a kernel launched by programmatic dependent launch (our row kernels and GEMM, after
@@ -241,6 +243,7 @@ class ProfilerCallback(pl.Callback):
         self._stage: str | None = None
         self._hooks = _RegionHooks()
         self._ranges: dict[str, object] = {}
+        self._marks: list[tuple[str, object]] = []  # ("none" / "warmup" / "record", end-of-step mark) per step
         self.outputs: dict[str, Path] = {}
 
     # ------------------------------------------------------------------------------- control
@@ -272,6 +275,8 @@ class ProfilerCallback(pl.Callback):
             acc_events=True,
         )
         self._hooks.attach(pl_module)
+        self._cuda = trainer.strategy.root_device.type == "cuda"
+        self._marks = [("none", self._mark())]  # the stage's start
         self._prof.__enter__()
 
     def _fit_schedule(self, trainer, stage: str) -> tuple[int, int]:
@@ -299,15 +304,51 @@ class ProfilerCallback(pl.Callback):
                            f"warmup {self.warmup} -> {warmup}, so that {self.active} whole steps are recorded.")
         return skip_first, warmup
 
+    def _mark(self):
+        """The end of a step: a CUDA event on the current stream (the GPU's timeline, no synchronization), or the host
+        clock on CPU."""
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        import time
+
+        return time.perf_counter()
+
     def _step(self, stage: str) -> None:
         if self._prof is not None and self._stage == stage:
+            action = self._prof.current_action
+            kind = ("record" if action in (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE)
+                    else "warmup" if action == torch.profiler.ProfilerAction.WARMUP else "none")
+            if kind != "record" and self._marks[-1][0] != "record" and any(k == "record" for k, _ in self._marks):
+                self._marks.pop()  # after a recorded step only the mark before the next recorded one is needed
+            self._marks.append((kind, self._mark()))
             self._prof.step()
+
+    def _step_times(self) -> dict[str, float | int | None]:
+        """Median ms per step of the recorded steps and of the untraced ones before the first recorded step (the
+        profiler's skipped and waiting steps; its warm-up steps are traced; the stage's first step left out:
+        compilation, graph capture, caches)."""
+        import statistics
+
+        marks, self._marks = self._marks, []
+        if self._cuda:
+            torch.cuda.synchronize()
+        times = []
+        for (_, a), (kind, b) in zip(marks, marks[1:]):
+            times.append((kind, a.elapsed_time(b) if self._cuda else (b - a) * 1e3))
+        first = next((i for i, (k, _) in enumerate(times) if k == "record"), len(times))
+        before = [t for k, t in times[1:first] if k == "none"]
+        during = [t for k, t in times if k == "record"]
+        return {"recorded": statistics.median(during) if during else None, "recorded_steps": len(during),
+                "unrecorded": statistics.median(before) if before else None, "unrecorded_steps": len(before)}
 
     def _finish(self, trainer, stage: str) -> None:
         if self._prof is None or self._stage != stage:
             return
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
+        self._step_ms = self._step_times()
         self._hooks.remove()
         for handle in self._ranges.values():
             handle.__exit__(None, None, None)
@@ -372,6 +413,7 @@ class ProfilerCallback(pl.Callback):
             "kernel_sum_ms": kernel_sum / 1e3,
             "categories": {c: {"ms": by_cat[c], "share": by_cat[c] * 1e3 / gpu_total} for c in CATEGORY_NAMES if by_cat[c]},
             "regions": regions,
+            "step_ms": getattr(self, "_step_ms", None),
         }
         for name, rows in (("kernel_statistics.json", kernel_rows), ("operator_statistics.json", op_rows),
                            ("profile_summary.json", summary)):
@@ -400,6 +442,12 @@ class ProfilerCallback(pl.Callback):
             lines.append(f"  no GPU activity (CPU run); top operators by self CPU time over {summary['active_steps']} steps:")
             for r in sorted(op_rows, key=lambda r: -r["self_cpu_ms"])[: self.row_limit]:
                 lines.append(f"    {r['self_cpu_ms']:8.3f} ms cpu {r['calls']:5d}x  {r['name'][:80]}")
+        step_ms = summary["step_ms"] or {}
+        if step_ms.get("recorded") and step_ms.get("unrecorded"):
+            slower = step_ms["recorded"] / step_ms["unrecorded"] - 1
+            lines.append(f"  recorded steps took {step_ms['recorded']:.2f} ms each, the {step_ms['unrecorded_steps']} "
+                         f"untraced ones before them {step_ms['unrecorded']:.2f} ms: tracing changed the step time by "
+                         f"{slower:+.1%} - the times above are of the traced steps")
         if regions:
             unit = "device ms / cpu ms" if on_gpu else "cpu ms"
             lines.append(f"  regions ({unit}): " + ", ".join(
