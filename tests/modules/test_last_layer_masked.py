@@ -232,3 +232,26 @@ def test_a_deep_copy_runs_its_own_encoder():
     assert encoder.forward.__self__ is encoder and twin._last_layer.encoder is encoder
     batch = _batch()
     torch.testing.assert_close(twin.step_outputs(*batch)["loss"], whole.step_outputs(*batch)["loss"], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("qk_norm", ["layernorm", "rmsnorm"])
+def test_with_qk_norm(qk_norm):
+    """QK-norm wraps the key projection (K and V then run as two projections, not one GEMM): the same loss and
+    gradients, for the masked-LM and for the classifier at [CLS]."""
+    from bertaccel.modules.classifier import BertClassifier
+
+    whole, masked = _pair(qk_norm=qk_norm)
+    batch = _batch()
+    out, grads = _outputs_and_grads(whole, *batch)
+    out_m, grads_m = _outputs_and_grads(masked, *batch)
+    torch.testing.assert_close(out_m["loss"], out["loss"], rtol=1e-10, atol=1e-12)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_m[name], g, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    torch.manual_seed(0)
+    whole_c = BertClassifier(config=CONFIG, num_labels=3, vocab_size=100, qk_norm=qk_norm).double()
+    cls = BertClassifier(config=CONFIG, num_labels=3, vocab_size=100, qk_norm=qk_norm, last_layer_cls_only=True).double()
+    cls.load_state_dict(whole_c.state_dict())
+    ids, mask, _ = batch
+    mask = mask.clone()
+    mask[3, 0] = 1  # (the classifier's rows keep their [CLS])
+    torch.testing.assert_close(cls(ids, mask), whole_c(ids, mask), rtol=1e-10, atol=1e-12)
