@@ -12,6 +12,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from bertaccel.modules.last_layer import is_cls_only, last_layer_cls_only
 from bertaccel.modules.flops import bert_step_flops
+from tests.ops.conftest import capture_graph, rel_err
 
 
 def _model(attn: str = "sdpa", layers: int = 2, dropout: float = 0.0, dtype=torch.float64, hidden: int = 32,
@@ -235,28 +236,18 @@ def test_bf16_swapped_graph_on_gpu_within_twice_the_whole_layers_error():
             out.loss.backward()
             return out.logits
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = step()
+        graph, logits = capture_graph(step)
         for p in model.parameters():
             p.grad.zero_()
         graph.replay()
         torch.cuda.synchronize()
         results[name] = (logits.double(), {n: p.grad.double() for n, p in model.named_parameters()})
 
-    def err(a, b):
-        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-    assert err(results["cls"][0], ref_logits) <= 2 * err(results["whole"][0], ref_logits) + 1e-3
+    assert rel_err(results["cls"][0], ref_logits) <= 2 * rel_err(results["whole"][0], ref_logits) + 1e-3
     for n, g in ref_grads.items():
         if g.abs().sum() == 0:
             continue
-        e_cls, e_whole = err(results["cls"][1][n], g), err(results["whole"][1][n], g)
+        e_cls, e_whole = rel_err(results["cls"][1][n], g), rel_err(results["whole"][1][n], g)
         assert e_cls <= 2 * e_whole + 1e-3, (n, e_cls, e_whole)
 
 

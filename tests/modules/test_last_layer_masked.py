@@ -13,6 +13,7 @@ import torch
 
 from bertaccel.modules import BertMLM
 from bertaccel.modules.last_layer import last_layer_at_rows, masked_rows
+from tests.ops.conftest import capture_graph, rel_err
 
 CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64)
@@ -199,28 +200,18 @@ def test_bf16_swapped_graph_on_gpu_within_twice_the_whole_layers_error():
             out["loss"].backward()
             return out["loss"]
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            loss = step()
+        graph, loss = capture_graph(step)
         for p in model.parameters():
             p.grad.zero_()
         graph.replay()
         torch.cuda.synchronize()
         results[name] = (loss.double(), {n: p.grad.double() for n, p in model.named_parameters()})
 
-    def err(a, b):
-        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-    assert err(results["masked"][0], ref_out["loss"]) <= 2 * err(results["whole"][0], ref_out["loss"]) + 1e-3
+    assert rel_err(results["masked"][0], ref_out["loss"]) <= 2 * rel_err(results["whole"][0], ref_out["loss"]) + 1e-3
     for n, g in ref_grads.items():
         if g.abs().sum() == 0:
             continue
-        e_masked, e_whole = err(results["masked"][1][n], g), err(results["whole"][1][n], g)
+        e_masked, e_whole = rel_err(results["masked"][1][n], g), rel_err(results["whole"][1][n], g)
         assert e_masked <= 2 * e_whole + 1e-3, (n, e_masked, e_whole)
 
 

@@ -52,7 +52,8 @@ def _key_mask(attention_mask: Tensor | None, dtype: torch.dtype) -> Tensor | Non
     elif attention_mask.dim() == 4:
         row = attention_mask[:, :, :1, :]
     else:
-        raise ValueError(f"last_layer_cls_only: an attention mask of {attention_mask.dim()} dimensions")
+        raise ValueError(f"last layer at some rows (last_layer_cls_only / last_layer_masked_only): an attention mask "
+                         f"of {attention_mask.dim()} dimensions")
     first = torch.arange(row.shape[-1], device=row.device) == 0
     if row.dtype == torch.bool:
         return row | (first & ~row.any(-1, keepdim=True))
@@ -87,7 +88,6 @@ def rows_attention(sa: nn.Module, rows: Tensor, hidden: Tensor, attention_mask: 
     """Self-attention's output at the kept rows: rows [B, Q, H] (queries), hidden [B, S, H] (keys, values) ->
     [B, Q, H]. The module's own projection modules (nn.Linear, the kernel swap's, QK-norm's) make q, k, v."""
     return _attend(sa, sa.query(rows), _keys_values(sa, hidden), attention_mask)
-
 
 
 def cls_layer_forward_packed(layer: nn.Module, h: Tensor, layout, region=contextlib.nullcontext) -> Tensor:

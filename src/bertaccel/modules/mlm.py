@@ -17,20 +17,24 @@ from bertaccel.modules.fp8 import AmaxHistory, fp8_linear
 from bertaccel.modules.metrics import WeightedMean
 
 
+def _static_budget(tokens: int, p: float, multiple: int) -> int:
+    """The expected count of `tokens` positions masked with probability `p` plus a wide margin (25% and six standard
+    deviations, for whole-word masking's larger spread), rounded up to `multiple`, at most `tokens`."""
+    budget = tokens * p * 1.25 + 6 * math.sqrt(tokens * p * (1 - p))
+    return int(min(tokens, multiple * math.ceil(budget / multiple)))
+
+
 def mask_budget(tokens: int, p: float) -> int:
-    """The static number of masked positions a batch of `tokens` tokens masked with probability `p` gets (CUDA graphs):
-    the expected count plus a wide margin (25% and six standard deviations, for whole-word masking's larger spread),
+    """The static number of masked positions a batch of `tokens` tokens masked with probability `p` gets (CUDA graphs),
     rounded up to 64. Masked positions beyond it (not seen in practice) are left out of the loss and counted in
     `dropped_masked`, reported per epoch."""
-    budget = tokens * p * 1.25 + 6 * math.sqrt(tokens * p * (1 - p))
-    return int(min(tokens, 64 * math.ceil(budget / 64)))
+    return _static_budget(tokens, p, 64)
 
 
 def row_mask_budget(seq: int, p: float) -> int:
     """`mask_budget`'s margin for one sequence of `seq` tokens, rounded up to 8: the static rows per sequence of the
     last layer with `last_layer_masked_only`."""
-    budget = seq * p * 1.25 + 6 * math.sqrt(seq * p * (1 - p))
-    return int(min(seq, 8 * math.ceil(budget / 8)))
+    return _static_budget(seq, p, 8)
 
 
 class BertMLM(BertModule):
