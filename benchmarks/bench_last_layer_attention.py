@@ -1,5 +1,6 @@
 """The attention of a last layer at some rows only (bertaccel.modules.last_layer): Q query rows per sequence over all S
-keys, forward + backward, by SDPA's backends and by plain fp32 matmuls, at the shapes the product runs.
+keys, forward + backward, by our query-rows kernel (up to 4 queries), SDPA's backends and plain fp32 matmuls, at the
+shapes the product runs.
 
     python -m benchmarks.bench_last_layer_attention --out bench_results/last_layer_attention.json
     python -m benchmarks.bench_last_layer_attention --device cpu --shapes 2x1x16   # the harness only
@@ -62,10 +63,19 @@ def fp32_matmuls(q, kv, mask, p):
     return out.transpose(1, 2).reshape(q.shape)
 
 
+def ours(q, kv, mask, p):
+    """bertaccel.ops.attention.query_rows_attention (up to 4 queries; the CPU reference off a GPU)."""
+    from bertaccel.ops.attention import QUERY_ROWS_MAX, query_rows_attention, query_rows_unavailable
+
+    if q.shape[1] > QUERY_ROWS_MAX or (q.is_cuda and query_rows_unavailable(q, kv, HEADS)):
+        raise ValueError(f"query_rows_attention does not take this: {query_rows_unavailable(q, kv, HEADS)}")
+    return query_rows_attention(q, kv, mask, HEADS, p, 1 / math.sqrt(D))
+
+
 def implementations(device: str) -> dict:
     from torch.nn.attention import SDPBackend
 
-    impls = {"sdpa": sdpa(), "fp32-matmuls": fp32_matmuls}
+    impls = {"sdpa": sdpa(), "bertaccel": ours, "fp32-matmuls": fp32_matmuls}
     if device == "cuda":
         impls |= {"sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION), "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
                   "sdpa-math": sdpa(SDPBackend.MATH)}

@@ -94,13 +94,16 @@ VARIANTS = {
     # the product's graphed step with the last layer at the [CLS] position only (`model.last_layer_cls_only`,
     # bertaccel.modules.last_layer): its TFLOP/s from the FLOPs that run (fewer), as the throughput meter counts them
     "attn-fused-graphs-cls-only": ("bertaccel", True, True, False, True),
+    # its [CLS] query's attention by SDPA instead of our query-rows kernel (BERTACCEL_QUERY_ROWS_ATTENTION=0)
+    "attn-fused-graphs-cls-only-sdpa": ("bertaccel", True, True, False, True),
     "fused-graphs-cls-only": ("sdpa", True, True, False, True),
     "fused-unpadded-graphs-cls-only": ("sdpa", True, True, False, True),
     # the masked-LM's graphed step with its last layer at the masked positions only (`model.last_layer_masked_only`,
     # workload "mlm" only; attn-fused-graphs is the whole layer there)
     "attn-fused-graphs-masked-last": ("bertaccel", True, True, False, True),
 }
-CLS_ONLY = {"attn-fused-graphs-cls-only", "fused-graphs-cls-only", "fused-unpadded-graphs-cls-only"}
+CLS_ONLY = {"attn-fused-graphs-cls-only", "attn-fused-graphs-cls-only-sdpa", "fused-graphs-cls-only",
+            "fused-unpadded-graphs-cls-only"}
 MASKED_LAST = {"attn-fused-graphs-masked-last"}
 UNPADDED = {"fused-unpadded-graphs": "bertaccel", "fused-unpadded-graphs-flash": "flash", "fused-unpadded-graphs-cls-only": "bertaccel",
             "ffn-gemm-fused-unpadded-graphs": "bertaccel"}
@@ -108,6 +111,7 @@ VARIANT_ENV = {"gemm-tuned-fused-graphs": {"BERTACCEL_GEMM_TUNE": "1"}, "ffn-gem
                "attn-ffn-gemm-fused-graphs-residual-add": {"BERTACCEL_FFN_RESIDUAL": "add"},
                "attn-fused-graphs-adamw-pytorch": {"BERTACCEL_ADAMW_ALL": "0"},
                "attn-fused-graphs-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"},
+               "attn-fused-graphs-cls-only-sdpa": {"BERTACCEL_QUERY_ROWS_ATTENTION": "0"},
                "fused-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"},
                "attn-ffn-gemm-fused-graphs-no-fanout": {"BERTACCEL_RESIDUAL_FANOUT": "0"}}
 BASELINE = "hf-sdpa-bf16"

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from bertaccel.ops.registration import MASK32, NS, SEEDED, check_dropout, dropout_threshold, lib, philox4x32
 
-CUDA_SOURCES = ["attention.cu"]
+CUDA_SOURCES = ["attention.cu", "query_rows_attention.cu"]
 HEAD_DIMS = (32, 64, 128)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -53,6 +53,16 @@ lib.define(
 lib.define(
     "varlen_attention_packed_bwd(Tensor grad_out, Tensor qkv, Tensor out, Tensor lse, Tensor cu_seqlens,"
     " int max_seqlen, float dropout_p, float scale, Tensor rng, Tensor? seqused=None) -> Tensor"
+)
+
+lib.define(
+    "query_rows_attention_fwd(Tensor q, Tensor kv, Tensor key_mask, int heads, float dropout_p, float scale)"
+    " -> (Tensor, Tensor, Tensor)",
+    tags=SEEDED,
+)
+lib.define(
+    "query_rows_attention_bwd(Tensor grad_out, Tensor q, Tensor kv, Tensor key_mask, Tensor out, Tensor lse, int heads,"
+    " float dropout_p, float scale, Tensor rng) -> (Tensor, Tensor)"
 )
 
 # ------------------------------------------------------------------------------ the dropout draw
@@ -276,3 +286,142 @@ def varlen_attention_packed(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dr
     scale = float(scale) if scale is not None else qkv.shape[-1] ** -0.5
     return torch.ops.bertaccel.varlen_attention_packed_fwd(qkv, cu_seqlens, int(max_seqlen), float(dropout_p), scale,
                                                            seqused)[0]
+
+
+# ------------------------------------------------------------------------------ a few query rows over all keys
+# `query_rows_attention`: the last layer at [CLS] only (bertaccel.modules.last_layer) - Q <= 4 queries per sequence
+# over its S keys, one CTA per (sequence, head) reading each K / V row once (csrc/query_rows_attention.cu).
+QUERY_ROWS_MAX = 4
+
+
+def query_rows_keep(batch: int, queries: int, heads: int, keys: int, p: float, seed: int, offset: int) -> Tensor:
+    """The kernel's keep mask [batch, heads, queries, keys]: element (b, h, q, j) uses 16-bit half j % 8 (word
+    (j % 8) // 2, the high half for odd j) of Philox at counter (b * queries + q, j // 8 | h << 16, offset low,
+    offset high)."""
+    b = torch.arange(batch, dtype=torch.int64)[:, None, None, None]
+    h = torch.arange(heads, dtype=torch.int64)[None, :, None, None]
+    q = torch.arange(queries, dtype=torch.int64)[None, None, :, None]
+    j = torch.arange(keys, dtype=torch.int64)[None, None, None, :]
+    shape = (batch, heads, queries, keys)
+    row = (b * queries + q).expand(shape)
+    c = (row, ((j // 8) | (h << 16)).expand(shape), torch.full(shape, offset & MASK32, dtype=torch.int64),
+         torch.full(shape, (offset >> 32) & MASK32, dtype=torch.int64))
+    words = torch.stack(philox4x32(c, seed % (1 << 64)))  # [4, B, h, Q, S]
+    i = (j % 8).expand(shape)
+    draw = (words.gather(0, (i // 2)[None]).squeeze(0) >> (16 * (i % 2))) & 0xFFFF
+    return draw >= dropout_threshold(p)
+
+
+def _query_rows_probs(q, kv, key_mask, heads, dropout_p, scale, rng):
+    """Probabilities [B, h, Q, S] (0 at masked keys; rows with no key all 0), dropout factors, lse [B, h, Q], and
+    q, K, V as [B, h, *, d], in fp32 (fp64 for fp64 inputs)."""
+    B, Q, H = q.shape
+    S, d = kv.shape[1], H // heads
+    ct = torch.promote_types(q.dtype, torch.float32)  # fp32 math (fp64 for fp64 inputs: gradcheck)
+    qh = q.to(ct).view(B, Q, heads, d).transpose(1, 2)
+    k, v = kv.to(ct).view(B, S, 2, heads, d).unbind(2)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    scores = (qh @ k.transpose(-1, -2) * scale).masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # -inf for a row with no key
+    probs = torch.where(torch.isfinite(lse)[..., None], torch.exp(scores - lse[..., None]), 0.0)
+    if dropout_p > 0:
+        factors = query_rows_keep(B, Q, heads, S, dropout_p, int(rng[0]), int(rng[1])) / (1 - dropout_p)
+    else:
+        factors = torch.ones_like(probs)
+    return qh, k, v, probs, factors, lse
+
+
+@torch.library.impl(lib, "query_rows_attention_fwd", "CPU")
+def _query_rows_fwd_cpu(q, kv, key_mask, heads, dropout_p, scale):
+    check_dropout(dropout_p)
+    rng = _cpu_rng(dropout_p)
+    _, _, v, probs, factors, lse = _query_rows_probs(q, kv, key_mask, heads, dropout_p, scale, rng)
+    out = (probs * factors) @ v  # [B, h, Q, d]
+    return out.transpose(1, 2).reshape(q.shape).to(q.dtype), lse.float().contiguous(), rng
+
+
+@torch.library.impl(lib, "query_rows_attention_bwd", "CPU")
+def _query_rows_bwd_cpu(grad_out, q, kv, key_mask, out, lse, heads, dropout_p, scale, rng):
+    B, Q, H = q.shape
+    d = H // heads
+    qh, k, v, probs, factors, _ = _query_rows_probs(q, kv, key_mask, heads, dropout_p, scale, rng)
+    do = grad_out.to(qh.dtype).view(B, Q, heads, d).transpose(1, 2)
+    o = out.to(qh.dtype).view(B, Q, heads, d).transpose(1, 2)
+    dv = (probs * factors).transpose(-1, -2) @ do  # [B, h, S, d]
+    dprobs = (do @ v.transpose(-1, -2)) * factors
+    ds = probs * (dprobs - (do * o).sum(-1, keepdim=True)) * scale  # delta = dout . out, as the kernel
+    dq = ds @ k
+    dk = ds.transpose(-1, -2) @ qh
+    dkv = torch.stack((dk.transpose(1, 2), dv.transpose(1, 2)), 2).reshape(kv.shape)
+    return dq.transpose(1, 2).reshape(q.shape).to(q.dtype), dkv.to(kv.dtype)
+
+
+@torch.library.register_fake(f"{NS}::query_rows_attention_fwd")
+def _query_rows_fwd_fake(q, kv, key_mask, heads, dropout_p, scale):
+    return (q.new_empty(q.shape), q.new_empty(q.shape[0], heads, q.shape[1], dtype=torch.float32),
+            q.new_empty(2, dtype=torch.int64))
+
+
+@torch.library.register_fake(f"{NS}::query_rows_attention_bwd")
+def _query_rows_bwd_fake(grad_out, q, kv, key_mask, out, lse, heads, dropout_p, scale, rng):
+    return q.new_empty(q.shape), kv.new_empty(kv.shape)
+
+
+def _query_rows_setup(ctx, inputs, output):
+    q, kv, key_mask, heads, dropout_p, scale = inputs
+    out, lse, rng = output
+    ctx.save_for_backward(q, kv, key_mask, out, lse, rng)
+    ctx.heads, ctx.dropout_p, ctx.scale = heads, dropout_p, scale
+    ctx.set_materialize_grads(False)  # (as _setup)
+
+
+def _query_rows_backward(ctx, grad_out, grad_lse, grad_rng):
+    if grad_out is None:
+        return None, None, None, None, None, None
+    q, kv, key_mask, out, lse, rng = ctx.saved_tensors
+    dq, dkv = torch.ops.bertaccel.query_rows_attention_bwd(
+        grad_out.contiguous(), q, kv, key_mask, out, lse, ctx.heads, ctx.dropout_p, ctx.scale, rng)
+    return dq, dkv, None, None, None, None
+
+
+torch.library.register_autograd(f"{NS}::query_rows_attention_fwd", _query_rows_backward,
+                                setup_context=_query_rows_setup)
+
+
+def query_rows_unavailable(q: Tensor, kv: Tensor, heads: int) -> str | None:
+    """Why the CUDA kernel cannot take these q [B, Q, H], kv [B, S, 2H] (None: it can). Builds the attention
+    extension on the first CUDA call (never while torch.compile traces)."""
+    if not q.is_cuda:
+        return "not a CUDA tensor"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or kv.dtype != q.dtype:
+        return f"{q.dtype} / {kv.dtype} (the kernel takes one of bfloat16, float16, float32)"
+    if q.dim() != 3 or kv.dim() != 3 or kv.shape[0] != q.shape[0] or kv.shape[2] != 2 * q.shape[2]:
+        return f"q {tuple(q.shape)} / kv {tuple(kv.shape)} are not [batch, queries, hidden] / [batch, keys, 2 x hidden]"
+    if not 1 <= q.shape[1] <= QUERY_ROWS_MAX:
+        return f"{q.shape[1]} queries per sequence (the kernel takes 1 to {QUERY_ROWS_MAX})"
+    if q.shape[2] % heads or q.shape[2] // heads not in HEAD_DIMS:
+        return f"head dim {q.shape[2] / heads:g} (the kernel takes {', '.join(map(str, HEAD_DIMS))})"
+    for name, t in (("q", q), ("kv", kv)):
+        if t.is_contiguous() and t.data_ptr() % 16:
+            return f"{name} does not start on a 16-byte boundary (the kernel reads its rows as vectors)"
+    if q.shape[1] * kv.shape[1] > 40_000:
+        return f"{q.shape[1]} x {kv.shape[1]} scores per (sequence, head) (more shared memory than a CTA has)"
+    from bertaccel.ops import build
+
+    if torch.compiler.is_compiling():
+        return None if build.attention_loaded() else (build.attention_reason() or "attention kernels not built")
+    if not build.load_attention():
+        return build.attention_reason()
+    return None
+
+
+def query_rows_attention(q: Tensor, kv: Tensor, key_mask: Tensor, heads: int, dropout_p: float = 0.0,
+                         scale: float | None = None) -> Tensor:
+    """Attention of q [B, Q, H] (Q <= 4 query rows per sequence) over the keys and values kv [B, S, 2H] (K then V,
+    heads x head_dim each) where key_mask [B, S] (bool) is True; [B, Q, H]. A row with no key gets zeros. The
+    caller checks `query_rows_unavailable` on CUDA; on CPU this runs the reference (fp32 math, the kernel's
+    dropout mask)."""
+    check_dropout(dropout_p)
+    scale = float(scale) if scale is not None else (q.shape[-1] // heads) ** -0.5
+    return torch.ops.bertaccel.query_rows_attention_fwd(q.contiguous(), kv.contiguous(), key_mask.contiguous(),
+                                                        int(heads), float(dropout_p), scale)[0]

@@ -1,0 +1,464 @@
+// Attention of a few query rows per sequence over all of its keys: the last encoder layer computed at [CLS] only
+// (bertaccel.modules.last_layer), one query per sequence and head over S keys. SDPA's kernels tile 64 queries: for
+// one query with dropout PyTorch runs its memory-efficient kernels, 0.32 ms forward + backward at BERT-base 32x512 on
+// an H200 for ~50 MB of K and V (README "Last layer at the rows the head reads"). Here one CTA per (sequence, head)
+// reads each key's K and V row once for all its queries (Q <= 4):
+//
+//   forward : scores s = q . K_j * scale (masked keys -inf) -> lse = log sum exp, p_j = exp(s_j - lse),
+//             out = sum_j p_j * keep_j / (1 - p_drop) * V_j          (fp32 accumulation)
+//   backward: delta = dout . out; per key j: dV_j = sum_q p_j f_j dout, dp_j = f_j (dout . V_j),
+//             ds_j = p_j (dp_j - delta), dK_j = sum_q ds_j * scale * q, dq += ds_j * scale * K_j
+//
+// Layout: q [B, Q, H] and kv [B, S, 2H] (the K then V projections of every token: H = heads x D) contiguous,
+// key_mask [B, S] bool (true: attend), out [B, Q, H], lse [B, heads, Q] fp32 (natural log; -inf for a row with no
+// key, whose output and gradients are zero), dkv [B, S, 2H] written whole (zeros at masked keys).
+//
+// Warps take keys j = warp, warp + 8, ...; a key's row is read by the 32 lanes of a warp, D / 32 elements each
+// (128 contiguous bytes at D = 64, bf16), and its dot products are warp sums (xor shuffles).
+//
+// Dropout: element (b, q, h, j) is kept when 16 bits of Philox4x32 (bertaccel's 7 rounds) at counter
+// (b * Q + q, j / 8 | h << 16, offset low, offset high), half j % 8 of its four words (word (j % 8) / 2, the
+// high half when j is odd), are >= round(p * 65536). bertaccel.ops.attention.query_rows_keep mirrors it on CPU.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <mutex>
+
+#include "check.h"
+#include "philox.cuh"
+
+namespace bertaccel {
+namespace {
+
+constexpr int kQRWarps = 8;
+constexpr int kQRMaxQueries = 4;
+
+struct QRParams {
+  const void* q;
+  const void* kv;
+  const bool* mask;
+  const void* dout;  // backward
+  const void* out;   // backward: the forward's output
+  void* o;           // forward: out; backward: dq
+  void* dkv;         // backward
+  float* lse;
+  int64_t* rng;  // forward: (seed, offset) written; backward: read
+  at::PhiloxCudaState philox;
+  int batch, queries, keys, heads;
+  float scale, p;
+};
+
+template <typename T>
+__device__ __forceinline__ float to_f(T x) {
+  return static_cast<float>(x);
+}
+template <>
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float to_f(__half x) {
+  return __half2float(x);
+}
+template <typename T>
+__device__ __forceinline__ T from_f(float x) {
+  return static_cast<T>(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f(float x) {
+  return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half from_f(float x) {
+  return __float2half(x);
+}
+
+// E consecutive elements of one lane as one load / store (4 bytes for bf16 at head dim 64: a warp's row is 128
+// contiguous bytes). The rows' alignment: kv, q, out contiguous with 16-byte aligned data (checked by the host).
+template <typename T, int E>
+struct alignas(sizeof(T) * E) Pack {
+  T v[E];
+};
+
+template <typename T, int E>
+__device__ __forceinline__ void load_row(const T* p, float (&f)[E]) {
+  const Pack<T, E> x = *reinterpret_cast<const Pack<T, E>*>(p);
+#pragma unroll
+  for (int e = 0; e < E; ++e) f[e] = to_f(x.v[e]);
+}
+
+template <typename T, int E>
+__device__ __forceinline__ void store_row(T* p, const float (&f)[E]) {
+  Pack<T, E> x;
+#pragma unroll
+  for (int e = 0; e < E; ++e) x.v[e] = from_f<T>(f[e]);
+  *reinterpret_cast<Pack<T, E>*>(p) = x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// The dropout factor of element (b, q, h, j): 1 / (1 - p) when kept, 0 when dropped (1 without dropout).
+__device__ __forceinline__ float keep_factor(const QRParams& P, uint64_t seed, uint64_t offset, int b, int q, int h,
+                                             int j) {
+  if (P.p <= 0.f) return 1.f;
+  const uint4 c = make_uint4((uint32_t)(b * P.queries + q), (uint32_t)(j >> 3) | ((uint32_t)h << 16), (uint32_t)offset,
+                             (uint32_t)(offset >> 32));
+  const uint4 r = dropout_philox(c, (uint32_t)seed, (uint32_t)(seed >> 32));
+  const int i = j & 7;
+  const uint32_t word = (i >> 1) == 0 ? r.x : (i >> 1) == 1 ? r.y : (i >> 1) == 2 ? r.z : r.w;
+  const uint32_t draw = (i & 1) ? (word >> 16) : (word & 0xFFFFu);
+  return draw >= dropout_threshold(P.p) ? 1.f / (1.f - P.p) : 0.f;
+}
+
+__device__ __forceinline__ void dropout_state(const QRParams& P, bool from_rng, uint64_t& seed, uint64_t& offset) {
+  seed = offset = 0;
+  if (P.p <= 0.f) return;
+  if (from_rng) {
+    seed = (uint64_t)P.rng[0];
+    offset = (uint64_t)P.rng[1];
+  } else {
+    auto s = at::cuda::philox::unpack(P.philox);
+    seed = std::get<0>(s);
+    offset = std::get<1>(s);
+  }
+}
+
+// Block-wide reduction of one value per thread (every thread gets the result). scratch: kQRWarps floats.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float x, float* scratch) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  x = MAX ? warp_max(x) : warp_sum(x);
+  __syncthreads();  // scratch is reused by consecutive calls
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float y = lane < kQRWarps ? scratch[lane] : (MAX ? -INFINITY : 0.f);
+  return MAX ? warp_max(y) : warp_sum(y);
+}
+
+// One CTA per (sequence, head). Shared memory: scores [Q][S] fp32, partial outputs [warps][Q][D] fp32, scratch.
+template <typename T, int D>
+__global__ void __launch_bounds__(kQRWarps * 32) query_rows_fwd_kernel(QRParams P) {
+  constexpr int E = D / 32;  // elements per lane
+  extern __shared__ float smem[];
+  const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int Q = P.queries, S = P.keys, H = P.heads * D;
+  float* scores = smem;                                    // [Q][S]
+  float* partial = smem + Q * S;                           // [warps][Q][D]
+  float* scratch = partial + kQRWarps * kQRMaxQueries * D;  // [warps]
+  uint64_t seed, offset;
+  dropout_state(P, false, seed, offset);
+  if (P.rng != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    P.rng[0] = (int64_t)seed;
+    P.rng[1] = (int64_t)offset;
+  }
+  const T* q = static_cast<const T*>(P.q) + (int64_t)b * Q * H + h * D + lane * E;
+  const T* k = static_cast<const T*>(P.kv) + (int64_t)b * S * 2 * H + h * D + lane * E;
+  const T* v = k + H;
+  const bool* mask = P.mask + (int64_t)b * S;
+
+  float qf[kQRMaxQueries][E] = {};
+#pragma unroll
+  for (int i = 0; i < kQRMaxQueries; ++i)
+    if (i < Q) load_row<T, E>(q + (int64_t)i * H, qf[i]);
+
+  // scores
+#pragma unroll 4  // four keys' loads in flight per warp
+  for (int j = warp; j < S; j += kQRWarps) {
+    float kf[E];
+    load_row<T, E>(k + (int64_t)j * 2 * H, kf);
+    const bool valid = mask[j];
+#pragma unroll
+    for (int i = 0; i < kQRMaxQueries; ++i) {
+      if (i >= Q) break;
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) dot = fmaf(qf[i][e], kf[e], dot);
+      dot = warp_sum(dot);
+      if (lane == 0) scores[i * S + j] = valid ? dot * P.scale : -INFINITY;
+    }
+  }
+  __syncthreads();
+
+  // log-sum-exp per query row (block-wide)
+  float lse[kQRMaxQueries];
+#pragma unroll
+  for (int i = 0; i < kQRMaxQueries; ++i) {
+    lse[i] = -INFINITY;
+    if (i >= Q) continue;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < S; j += blockDim.x) m = fmaxf(m, scores[i * S + j]);
+    m = block_reduce<true>(m, scratch);
+    float l = 0.f;
+    if (m != -INFINITY)
+      for (int j = threadIdx.x; j < S; j += blockDim.x) l += __expf(scores[i * S + j] - m);
+    l = block_reduce<false>(l, scratch);
+    lse[i] = m == -INFINITY ? -INFINITY : m + __logf(l);
+    if (threadIdx.x == 0) P.lse[((int64_t)b * P.heads + h) * Q + i] = lse[i];
+  }
+
+  // out = sum_j p_j f_j V_j, each warp over its keys, then the warps' partial sums added
+  float acc[kQRMaxQueries][E] = {};
+#pragma unroll 4  // four keys' loads in flight per warp
+  for (int j = warp; j < S; j += kQRWarps) {
+    float vf[E];
+    load_row<T, E>(v + (int64_t)j * 2 * H, vf);
+#pragma unroll
+    for (int i = 0; i < kQRMaxQueries; ++i) {
+      if (i >= Q) break;
+      const float s = scores[i * S + j];
+      const float pr = s == -INFINITY ? 0.f : __expf(s - lse[i]) * keep_factor(P, seed, offset, b, i, h, j);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[i][e] = fmaf(pr, vf[e], acc[i][e]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kQRMaxQueries; ++i)
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+      if (i < Q) partial[(warp * kQRMaxQueries + i) * D + lane * E + e] = acc[i][e];
+  __syncthreads();
+  T* out = static_cast<T*>(P.o) + (int64_t)b * Q * H + h * D;
+  for (int x = threadIdx.x; x < Q * D; x += blockDim.x) {
+    const int i = x / D, c = x % D;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kQRWarps; ++w) sum += partial[(w * kQRMaxQueries + i) * D + c];
+    out[(int64_t)i * H + c] = from_f<T>(sum);
+  }
+}
+
+// One CTA per (sequence, head): dK and dV rows of every key (written whole), dq of the Q query rows.
+template <typename T, int D>
+__global__ void __launch_bounds__(kQRWarps * 32) query_rows_bwd_kernel(QRParams P) {
+  constexpr int E = D / 32;
+  __shared__ float partial[kQRWarps][kQRMaxQueries][D];
+  const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int Q = P.queries, S = P.keys, H = P.heads * D;
+  uint64_t seed, offset;
+  dropout_state(P, true, seed, offset);
+  const int64_t qrow = (int64_t)b * Q * H + h * D + lane * E;
+  const T* q = static_cast<const T*>(P.q) + qrow;
+  const T* dout = static_cast<const T*>(P.dout) + qrow;
+  const T* out = static_cast<const T*>(P.out) + qrow;
+  const int64_t krow = (int64_t)b * S * 2 * H + h * D + lane * E;
+  const T* k = static_cast<const T*>(P.kv) + krow;
+  const T* v = k + H;
+  T* dk = static_cast<T*>(P.dkv) + krow;
+  T* dv = dk + H;
+  const bool* mask = P.mask + (int64_t)b * S;
+
+  float qf[kQRMaxQueries][E] = {}, df[kQRMaxQueries][E] = {}, lse[kQRMaxQueries], delta[kQRMaxQueries];
+#pragma unroll
+  for (int i = 0; i < kQRMaxQueries; ++i) {
+    float of[E] = {};
+    if (i < Q) {
+      load_row<T, E>(q + (int64_t)i * H, qf[i]);
+      load_row<T, E>(dout + (int64_t)i * H, df[i]);
+      load_row<T, E>(out + (int64_t)i * H, of);
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) dot = fmaf(df[i][e], of[e], dot);
+    delta[i] = warp_sum(dot);
+    lse[i] = i < Q ? P.lse[((int64_t)b * P.heads + h) * Q + i] : -INFINITY;
+  }
+  float dq[kQRMaxQueries][E] = {};
+#pragma unroll 4  // four keys' loads in flight per warp
+  for (int j = warp; j < S; j += kQRWarps) {
+    float kf[E], vf[E], dkf[E] = {}, dvf[E] = {};
+    load_row<T, E>(k + (int64_t)j * 2 * H, kf);
+    load_row<T, E>(v + (int64_t)j * 2 * H, vf);
+    if (mask[j]) {
+#pragma unroll
+      for (int i = 0; i < kQRMaxQueries; ++i) {
+        if (i >= Q || lse[i] == -INFINITY) continue;
+        float s = 0.f, dpv = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          s = fmaf(qf[i][e], kf[e], s);
+          dpv = fmaf(df[i][e], vf[e], dpv);
+        }
+        s = warp_sum(s) * P.scale;
+        dpv = warp_sum(dpv);
+        const float pr = __expf(s - lse[i]);
+        const float f = keep_factor(P, seed, offset, b, i, h, j);
+        const float ds = pr * (dpv * f - delta[i]) * P.scale;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          dvf[e] = fmaf(pr * f, df[i][e], dvf[e]);
+          dkf[e] = fmaf(ds, qf[i][e], dkf[e]);
+          dq[i][e] = fmaf(ds, kf[e], dq[i][e]);
+        }
+      }
+    }
+    store_row<T, E>(dk + (int64_t)j * 2 * H, dkf);
+    store_row<T, E>(dv + (int64_t)j * 2 * H, dvf);
+  }
+#pragma unroll
+  for (int i = 0; i < kQRMaxQueries; ++i)
+#pragma unroll
+    for (int e = 0; e < E; ++e) partial[warp][i][lane * E + e] = dq[i][e];
+  __syncthreads();
+  T* dqo = static_cast<T*>(P.o) + (int64_t)b * Q * H + h * D;
+  for (int x = threadIdx.x; x < Q * D; x += blockDim.x) {
+    const int i = x / D, c = x % D;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kQRWarps; ++w) sum += partial[w][i][c];
+    dqo[(int64_t)i * H + c] = from_f<T>(sum);
+  }
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& mask, int64_t heads, double p) {
+  BERTACCEL_CHECK(q.is_cuda() && q.dim() == 3 && q.is_contiguous(),
+                  "bertaccel query_rows_attention: q must be a contiguous CUDA tensor [batch, queries, hidden]");
+  BERTACCEL_CHECK(kv.is_cuda() && kv.dim() == 3 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
+                  "bertaccel query_rows_attention: kv must be a contiguous CUDA tensor [batch, keys, 2 x hidden] of q's dtype");
+  BERTACCEL_CHECK(mask.is_cuda() && mask.dim() == 2 && mask.is_contiguous() && mask.scalar_type() == at::kBool,
+                  "bertaccel query_rows_attention: key_mask must be a contiguous CUDA bool tensor [batch, keys]");
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2);
+  BERTACCEL_CHECK(kv.size(0) == B && kv.size(2) == 2 * H && mask.size(0) == B && mask.size(1) == kv.size(1),
+                  "bertaccel query_rows_attention: q %s, kv %s and key_mask %s do not match", shape_str(q.sizes()).c_str(),
+                  shape_str(kv.sizes()).c_str(), shape_str(mask.sizes()).c_str());
+  BERTACCEL_CHECK(heads > 0 && H % heads == 0, "bertaccel query_rows_attention: hidden %lld is not a multiple of %lld heads",
+                  (long long)H, (long long)heads);
+  const int64_t D = H / heads;
+  BERTACCEL_CHECK(D == 32 || D == 64 || D == 128, "bertaccel query_rows_attention: head dim %lld (32, 64 or 128)", (long long)D);
+  BERTACCEL_CHECK(Q >= 1 && Q <= kQRMaxQueries, "bertaccel query_rows_attention: %lld queries per sequence (1 to %d)",
+                  (long long)Q, kQRMaxQueries);
+  BERTACCEL_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf || q.scalar_type() == at::kFloat,
+                  "bertaccel query_rows_attention: dtype must be bfloat16, float16 or float32");
+  BERTACCEL_CHECK(p >= 0 && p < 1, "bertaccel query_rows_attention: dropout_p must be in [0, 1)");
+  BERTACCEL_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(kv.data_ptr()) % 16 == 0,
+                  "bertaccel query_rows_attention: q and kv must start on 16-byte boundaries (the rows are read as vectors)");
+}
+
+size_t fwd_smem(int64_t Q, int64_t S, int64_t D) {
+  return (size_t)(Q * S + kQRWarps * kQRMaxQueries * D + kQRWarps) * sizeof(float);
+}
+
+template <typename F>
+void dispatch_types(at::ScalarType t, int64_t D, F&& f) {
+  auto by_dim = [&](auto tag) {
+    if (D == 32) f(tag, std::integral_constant<int, 32>{});
+    else if (D == 64) f(tag, std::integral_constant<int, 64>{});
+    else f(tag, std::integral_constant<int, 128>{});
+  };
+  if (t == at::kBFloat16) by_dim(__nv_bfloat16{});
+  else if (t == at::kHalf) by_dim(__half{});
+  else by_dim(float{});
+}
+
+// (out [B, Q, H], lse [B, heads, Q] fp32, rng (seed, offset) int64)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_fwd(const at::Tensor& q, const at::Tensor& kv,
+                                                                        const at::Tensor& key_mask, int64_t heads,
+                                                                        double dropout_p, double scale) {
+  check_inputs(q, kv, key_mask, heads, dropout_p);
+  c10::cuda::CUDAGuard guard(q.device());
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), S = kv.size(1), D = H / heads;
+  const size_t smem = fwd_smem(Q, S, D);
+  BERTACCEL_CHECK(smem <= 200 * 1024, "bertaccel query_rows_attention: %lld keys x %lld queries need more shared memory "
+                  "than a CTA has", (long long)S, (long long)Q);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({B, heads, Q}, q.options().dtype(at::kFloat));
+  const bool written = B > 0 && heads > 0;
+  at::Tensor rng = written ? at::empty({2}, q.options().dtype(at::kLong)) : at::zeros({2}, q.options().dtype(at::kLong));
+  if (B == 0 || S == 0) {
+    if (S == 0) out.zero_(), lse.fill_(-INFINITY);
+    return {out, lse, rng};
+  }
+  QRParams P{};
+  P.q = q.data_ptr();
+  P.kv = kv.data_ptr();
+  P.mask = key_mask.data_ptr<bool>();
+  P.o = out.data_ptr();
+  P.lse = lse.data_ptr<float>();
+  P.rng = rng.data_ptr<int64_t>();
+  P.batch = (int)B, P.queries = (int)Q, P.keys = (int)S, P.heads = (int)heads;
+  P.scale = (float)scale, P.p = (float)dropout_p;
+  if (dropout_p > 0) {
+    auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    P.philox = gen->philox_cuda_state(4);  // the counter's own fields give every element its draw
+  }
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_types(q.scalar_type(), D, [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int DD = decltype(dim)::value;
+    auto kernel = query_rows_fwd_kernel<T, DD>;
+    if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<(unsigned)(B * heads), kQRWarps * 32, smem, stream>>>(P);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse, rng};
+}
+
+// (dq [B, Q, H], dkv [B, S, 2H])
+std::tuple<at::Tensor, at::Tensor> query_rows_attention_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                            const at::Tensor& kv, const at::Tensor& key_mask,
+                                                            const at::Tensor& out, const at::Tensor& lse,
+                                                            int64_t heads, double dropout_p, double scale,
+                                                            const at::Tensor& rng) {
+  check_inputs(q, kv, key_mask, heads, dropout_p);
+  BERTACCEL_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && dout.is_contiguous() && out.is_contiguous() &&
+                      dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+                  "bertaccel query_rows_attention: grad_out and out must be contiguous and shaped like q");
+  BERTACCEL_CHECK(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == q.size(0) * heads * q.size(1),
+                  "bertaccel query_rows_attention: lse must be the forward's fp32 [batch, heads, queries]");
+  BERTACCEL_CHECK(rng.is_cuda() && rng.scalar_type() == at::kLong && rng.numel() == 2,
+                  "bertaccel query_rows_attention: rng must be the forward's int64 (seed, offset)");
+  c10::cuda::CUDAGuard guard(q.device());
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), S = kv.size(1), D = H / heads;
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dkv = at::empty(kv.sizes(), kv.options());
+  if (B == 0) return {dq, dkv};
+  if (S == 0) return {dq.zero_(), dkv};
+  QRParams P{};
+  P.q = q.data_ptr();
+  P.kv = kv.data_ptr();
+  P.mask = key_mask.data_ptr<bool>();
+  P.dout = dout.data_ptr();
+  P.out = out.data_ptr();
+  P.o = dq.data_ptr();
+  P.dkv = dkv.data_ptr();
+  P.lse = const_cast<float*>(lse.data_ptr<float>());
+  P.rng = const_cast<int64_t*>(rng.data_ptr<int64_t>());
+  P.batch = (int)B, P.queries = (int)Q, P.keys = (int)S, P.heads = (int)heads;
+  P.scale = (float)scale, P.p = (float)dropout_p;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_types(q.scalar_type(), D, [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int DD = decltype(dim)::value;
+    query_rows_bwd_kernel<T, DD><<<(unsigned)(B * heads), kQRWarps * 32, 0, stream>>>(P);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dq, dkv};
+}
+
+}  // namespace
+}  // namespace bertaccel
+
+TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
+  m.impl("query_rows_attention_fwd", &bertaccel::query_rows_attention_fwd);
+  m.impl("query_rows_attention_bwd", &bertaccel::query_rows_attention_bwd);
+}

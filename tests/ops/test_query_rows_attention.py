@@ -1,0 +1,166 @@
+"""`query_rows_attention`: a few query rows per sequence over all of its keys (the last layer at [CLS] only). CPU: the
+reference against float64 SDPA (forward and gradients), a row with no key, the dropout mask the kernel draws,
+gradcheck, opcheck. CUDA: the kernel against the reference with the same dropout mask, every dtype and head dim, odd
+key counts, masked and empty rows, error at most 2x SDPA's against float64, a CUDA graph drawing new masks per replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bertaccel.ops.attention import query_rows_attention, query_rows_keep, query_rows_unavailable
+from tests.ops.conftest import poison, rel_err
+
+
+def _inputs(B=3, Q=1, S=11, heads=4, d=8, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Q, heads * d, generator=g, dtype=torch.float64).to(device, dtype)
+    kv = torch.randn(B, S, 2 * heads * d, generator=g, dtype=torch.float64).to(device, dtype)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, S // 2:] = False
+    if B > 2:
+        mask[2] = False  # a row with no key
+    return q, kv, mask.to(device)
+
+
+def _sdpa(q, kv, mask, heads, dropout_factors=None):
+    """SDPA in q's dtype, rows with no key zero (SDPA gives NaN there)."""
+    B, Q, H = q.shape
+    S, d = kv.shape[1], H // heads
+    k, v = kv.view(B, S, 2, heads, d).unbind(2)
+    qh, k, v = q.view(B, Q, heads, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if dropout_factors is None:
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[:, None, None, :])
+    else:  # the same mask as the kernel's, as explicit factors
+        s = (qh @ k.transpose(-1, -2) / d ** 0.5).masked_fill(~mask[:, None, None, :], float("-inf"))
+        out = (torch.softmax(s, -1) * dropout_factors) @ v
+    out = out.transpose(1, 2).reshape(B, Q, H)
+    return torch.where(mask.any(1)[:, None, None], out, 0)
+
+
+@pytest.mark.parametrize("Q", [1, 3])
+def test_cpu_reference_equals_sdpa_in_float64_with_gradients(Q):
+    heads = 4
+    q, kv, mask = _inputs(Q=Q)
+    q.requires_grad_(), kv.requires_grad_()
+    out = query_rows_attention(q, kv, mask, heads)
+    ref = _sdpa(q, kv, mask, heads)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert out[2].abs().max() == 0  # no key: zeros
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, kv), g)
+    refs = torch.autograd.grad(ref, (q, kv), g)
+    for a, b in zip(grads, refs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck_and_opcheck_on_cpu():
+    heads = 2
+    q, kv, mask = _inputs(B=2, Q=2, S=5, heads=heads, d=4)
+    q.requires_grad_(), kv.requires_grad_()
+    torch.autograd.gradcheck(lambda q, kv: query_rows_attention(q, kv, mask, heads), (q, kv))
+    q32, kv32 = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
+    torch.library.opcheck(torch.ops.bertaccel.query_rows_attention_fwd.default, (q32, kv32, mask, heads, 0.0, 0.5))
+    out, lse, rng = torch.ops.bertaccel.query_rows_attention_fwd(q32, kv32, mask, heads, 0.0, 0.5)
+    torch.library.opcheck(torch.ops.bertaccel.query_rows_attention_bwd.default,
+                          (torch.randn_like(out), q32.detach(), kv32.detach(), mask, out.detach(), lse, heads, 0.0, 0.5, rng))
+
+
+def test_cpu_dropout_uses_the_kernels_mask():
+    heads, p = 4, 0.3
+    q, kv, mask = _inputs(Q=2, S=37)
+    out, lse, rng = torch.ops.bertaccel.query_rows_attention_fwd(q, kv, mask, heads, p, 8 ** -0.5)
+    keep = query_rows_keep(3, 2, heads, 37, p, int(rng[0]), int(rng[1]))
+    assert 0.6 < keep.float().mean() < 0.8
+    torch.testing.assert_close(out, _sdpa(q, kv, mask, heads, keep / (1 - p)), rtol=1e-10, atol=1e-12)
+
+
+def test_unavailable_says_why():
+    q, kv, mask = _inputs()
+    assert query_rows_unavailable(q, kv, 4) == "not a CUDA tensor"
+
+
+# ------------------------------------------------------------------------------ CUDA
+def _kernel_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from bertaccel.ops import build
+
+    assert build.load_attention(), f"the attention kernels did not build: {build.attention_reason()}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("Q,S", [(1, 512), (1, 37), (4, 129), (2, 1)])
+def test_kernel_against_float64_within_twice_sdpas_error(dtype, d, Q, S):
+    _kernel_or_skip()
+    heads = 4
+    q, kv, mask = _inputs(B=5, Q=Q, S=S, heads=heads, d=d, dtype=dtype, device="cuda", seed=d + S)
+    assert query_rows_unavailable(q, kv, heads) is None
+    q64, kv64 = q.double().requires_grad_(), kv.double().requires_grad_()
+    ref = _sdpa(q64, kv64, mask, heads)
+    dout = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q64, kv64), dout)
+    poison()
+    qk, kvk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out = query_rows_attention(qk, kvk, mask, heads)
+    grads = torch.autograd.grad(out, (qk, kvk), dout.to(dtype))
+    qs, kvs = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    sdpa = _sdpa(qs, kvs, mask, heads)
+    sdpa_grads = torch.autograd.grad(sdpa, (qs, kvs), dout.to(dtype))
+    floor = 1e-3 if dtype != torch.float32 else 1e-6
+    for name, ours, theirs, r in (("out", out, sdpa, ref), ("dq", grads[0], sdpa_grads[0], ref_grads[0]),
+                                  ("dkv", grads[1], sdpa_grads[1], ref_grads[1])):
+        e_ours, e_sdpa = rel_err(ours, r), rel_err(theirs, r)
+        assert e_ours <= 2 * e_sdpa + floor, f"{name}: {e_ours:.2e} vs SDPA {e_sdpa:.2e}"
+    assert out[2].abs().max() == 0 and grads[1][2].abs().max() == 0  # the row with no key
+    assert grads[1][1, S // 2:].abs().max() == 0 if S > 1 else True  # masked keys: zero dK, dV
+
+
+@pytest.mark.cuda
+def test_kernel_dropout_mask_equals_the_reference():
+    _kernel_or_skip()
+    heads, p = 12, 0.1
+    q, kv, mask = _inputs(B=4, Q=2, S=200, heads=heads, d=64, dtype=torch.float32, device="cuda")
+    q.requires_grad_(), kv.requires_grad_()
+    out, lse, rng = torch.ops.bertaccel.query_rows_attention_fwd(q, kv, mask, heads, p, 0.125)
+    ref_out, ref_lse, _ = torch.ops.bertaccel.query_rows_attention_fwd(q.detach().cpu(), kv.detach().cpu(), mask.cpu(),
+                                                                       heads, 0.0, 0.125)
+    keep = query_rows_keep(4, 2, heads, 200, p, int(rng[0]), int(rng[1]))
+    want = _sdpa(q.detach().cpu().double(), kv.detach().cpu().double(), mask.cpu(), heads, keep.double() / (1 - p))
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(out)
+    got = torch.ops.bertaccel.query_rows_attention_bwd(dout, q.detach(), kv.detach(), mask, out, lse, heads, p, 0.125, rng)
+    ref = torch.ops.bertaccel.query_rows_attention_bwd(dout.cpu(), q.detach().cpu(), kv.detach().cpu(), mask.cpu(),
+                                                       out.cpu(), lse.cpu(), heads, p, 0.125, rng.cpu())
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_draw_new_masks():
+    _kernel_or_skip()
+    heads = 12
+    q, kv, mask = _inputs(B=4, Q=1, S=128, heads=heads, d=64, dtype=torch.bfloat16, device="cuda")
+    q.requires_grad_(), kv.requires_grad_()
+
+    def step():
+        out = query_rows_attention(q, kv, mask, heads, 0.1)
+        return (out.detach(), *torch.autograd.grad(out.float().square().sum(), (q, kv)))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    graph.replay()
+    first = static[0].clone()
+    graph.replay()
+    assert not torch.equal(first, static[0])
+    assert all(torch.isfinite(t).all() for t in static)
