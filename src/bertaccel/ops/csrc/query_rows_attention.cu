@@ -381,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_fwd(const at
                   "than a CTA has", (long long)S, (long long)Q);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({B, heads, Q}, q.options().dtype(at::kFloat));
-  const bool written = B > 0 && heads > 0;
+  const bool written = B > 0 && S > 0;  // the first CTA writes (seed, offset); no CTA runs otherwise
   at::Tensor rng = written ? at::empty({2}, q.options().dtype(at::kLong)) : at::zeros({2}, q.options().dtype(at::kLong));
   if (B == 0 || S == 0) {
     if (S == 0) out.zero_(), lse.fill_(-INFINITY);
