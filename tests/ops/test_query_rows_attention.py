@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bertaccel.ops.attention import query_rows_attention, query_rows_keep, query_rows_unavailable
-from tests.ops.conftest import poison, rel_err
+from tests.ops.conftest import capture_graph, poison, rel_err
 
 
 def _inputs(B=3, Q=1, S=11, heads=4, d=8, dtype=torch.float64, device="cpu", seed=0):
@@ -155,14 +155,7 @@ def test_cuda_graph_replays_draw_new_masks():
         out = query_rows_attention(q, kv, mask, heads, 0.1)
         return (out.detach(), *torch.autograd.grad(out.float().square().sum(), (q, kv)))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture_graph(step)
     graph.replay()
     first = static[0].clone()
     graph.replay()
