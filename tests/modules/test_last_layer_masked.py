@@ -123,18 +123,40 @@ def test_under_torch_compile():
 
 
 def test_row_budget_and_flop_count():
+    """The last layer's GEMMs on the flat rows the head takes (the static budget under graphs, the count otherwise),
+    its attention on B x Q queries (the static queries per sequence, or the largest count)."""
     whole, masked = _pair(cuda_graphs=True)
     assert masked.row_mask_budget(128) % 8 == 0 and 19 < masked.row_mask_budget(128) < 64
     assert masked.row_mask_budget(512) < 160 and masked.row_mask_budget(4) == 4
     ids, mask, labels = _batch()
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     cfg = whole.model.config
-    H, F, S, B, Q = cfg.hidden_size, cfg.intermediate_size, ids.shape[1], ids.shape[0], masked.row_mask_budget(24)
-    per_query = 2 * (2 * H * H + 2 * H * F) + 4 * S * H  # Q, output, feed-forward and attention of one kept row
-    assert whole.flops_per_batch(batch, True) - masked.flops_per_batch(batch, True) == 3 * (B * S - B * Q) * per_query
-    masked.cuda_graphs = False  # eager: the largest row count
-    q = int((labels != -100).sum(1).max())
-    assert whole.flops_per_batch(batch, False) - masked.flops_per_batch(batch, False) == (B * S - B * q) * per_query
+    H, F, S, B = cfg.hidden_size, cfg.intermediate_size, ids.shape[1], ids.shape[0]
+    per_row = 2 * (2 * H * H + 2 * H * F)  # Q, output and feed-forward matmuls of one row
+    per_query = 4 * S * H  # attention of one query
+    M, Q = masked.mask_budget(B * S), masked.row_mask_budget(S)
+    assert whole.flops_per_batch(batch, True) - masked.flops_per_batch(batch, True) == 3 * (
+        (B * S - M) * per_row + (B * S - B * Q) * per_query)
+    masked.cuda_graphs = False  # eager: the count and the largest count per sequence
+    n, q = int((labels != -100).sum()), int((labels != -100).sum(1).max())
+    assert whole.flops_per_batch(batch, False) - masked.flops_per_batch(batch, False) == (
+        (B * S - n) * per_row + (B * S - B * q) * per_query)
+
+
+def test_kept_rows_layouts():
+    """masked_kept_rows: the flat rows in the head's order (row-major), each query's flat row, each flat row's query;
+    rows past a sequence's queries or past the budget not real."""
+    from bertaccel.modules.last_layer import masked_kept_rows
+
+    selected = torch.tensor([[0, 1, 0, 1, 1], [0, 0, 0, 0, 0], [1, 1, 0, 0, 1]], dtype=torch.bool)
+    kept, real = masked_kept_rows(selected)
+    assert kept.flat.tolist() == [1, 3, 4, 10, 11, 14] and real.all()
+    assert kept.rows.tolist()[0] == [1, 3, 4] and kept.to_rows.tolist() == [[0, 1, 2], [6, 6, 6], [3, 4, 5]]
+    assert kept.to_flat.tolist() == [0, 1, 2, 6, 7, 8]  # (b * Q + q), Q = 3
+    kept, real = masked_kept_rows(selected, per_row=2, budget=8)
+    assert kept.flat.tolist()[:6] == [1, 3, 4, 10, 11, 14]
+    assert real.tolist() == [True, True, False, True, True, False, False, False]  # third of a row; unfilled slots
+    assert kept.to_rows.tolist() == [[0, 1], [8, 8], [3, 4]]
 
 
 def test_fit_on_cpu_trains_like_the_whole_layer(tmp_path):

@@ -11,25 +11,27 @@ as in the usual MFU convention. Training = 3x forward (backward = 2x forward).
 from __future__ import annotations
 
 
-def _last_layer_at_rows(H: int, F: int, kv_rows, query_rows, seq: int):
+def _last_layer_at_rows(H: int, F: int, kv_rows, query_rows, seq: int, attention_queries=None):
     """The forward matmul FLOPs of a last layer at some rows only (bertaccel.modules.last_layer): K and V projections
     on `kv_rows` rows; Q, output and feed-forward matmuls on `query_rows` rows (one per sequence at [CLS] only); its
-    attention: each of those queries over `seq` keys."""
-    return 2 * kv_rows * 2 * H * H + query_rows * (2 * (2 * H * H + 2 * H * F) + 4 * seq * H)
+    attention: `attention_queries` (default: `query_rows`) queries over `seq` keys each."""
+    attention_queries = query_rows if attention_queries is None else attention_queries
+    return 2 * kv_rows * 2 * H * H + query_rows * 2 * (2 * H * H + 2 * H * F) + attention_queries * 4 * seq * H
 
 
 def bert_forward_flops(config, batch: int, seq: int, head: str = "classifier", predicted_tokens: int | None = None,
-                       cls_only_last_layer: bool = False, last_layer_rows=None) -> int:
+                       cls_only_last_layer: bool = False, last_layer_rows=None, last_layer_queries=None) -> int:
     """`cls_only_last_layer` (bertaccel.modules.last_layer): the last layer's K and V projections on every token,
     its Q, output and feed-forward matmuls and its attention for the [CLS] query only; `last_layer_rows` (an int or
-    a 0-d tensor): the same for that many query rows in all (a masked-LM's last layer at the masked positions)."""
+    a 0-d tensor): the same for that many rows in all (a masked-LM's last layer at the masked positions), its attention
+    for `last_layer_queries` queries (default: as many)."""
     H, L, F = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     per_layer = 2 * seq * (4 * H * H + 2 * H * F) + 4 * seq * seq * H
     flops = batch * L * per_layer
     if cls_only_last_layer:
         last_layer_rows = batch
     if last_layer_rows is not None:
-        flops = flops + _last_layer_at_rows(H, F, batch * seq, last_layer_rows, seq) - batch * per_layer
+        flops = flops + _last_layer_at_rows(H, F, batch * seq, last_layer_rows, seq, last_layer_queries) - batch * per_layer
     if head == "classifier":
         flops += batch * (2 * H * H + 2 * H * config.num_labels)
     elif head == "mlm":
@@ -41,8 +43,10 @@ def bert_forward_flops(config, batch: int, seq: int, head: str = "classifier", p
 
 
 def bert_step_flops(config, batch: int, seq: int, head: str = "classifier", predicted_tokens: int | None = None,
-                    training: bool = True, cls_only_last_layer: bool = False, last_layer_rows=None) -> int:
-    fwd = bert_forward_flops(config, batch, seq, head, predicted_tokens, cls_only_last_layer, last_layer_rows)
+                    training: bool = True, cls_only_last_layer: bool = False, last_layer_rows=None,
+                    last_layer_queries=None) -> int:
+    fwd = bert_forward_flops(config, batch, seq, head, predicted_tokens, cls_only_last_layer, last_layer_rows,
+                             last_layer_queries)
     return 3 * fwd if training else fwd
 
 

@@ -28,6 +28,7 @@ Asking for hidden states or attention weights, giving cross-attention inputs or 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import types
 
@@ -136,6 +137,63 @@ def rows_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor 
     return layer.feed_forward_chunk(a)  # HF's intermediate + output (or the ffn family's block): hooks label it
 
 
+@dataclasses.dataclass
+class KeptRows:
+    """The masked-LM's kept rows in two layouts: the output rows, flat (`flat` [M]: positions b * S + s, in the head's
+    order), and the attention's queries per sequence (`rows` [B, Q]: positions s). `to_rows` [B, Q] picks each query's
+    row of the flat outputs (M: a zero row, for the slots a sequence does not fill), `to_flat` [M] each flat row's
+    attention output in the [B * Q] layout. Only the attention runs on the per-sequence layout; the Q projection, the
+    output projection, the LayerNorms and the feed-forward block run on the M flat rows."""
+
+    rows: Tensor
+    flat: Tensor
+    to_rows: Tensor
+    to_flat: Tensor
+
+
+def masked_kept_rows(selected: Tensor, per_row: int | None = None, budget: int | None = None) -> tuple[KeptRows, Tensor]:
+    """The kept rows of `selected` [B, S] (bool) and which flat rows are real ([M] bool). `per_row`: a static number of
+    queries per sequence (None: the largest count, a host read); `budget`: a static number of flat rows M (None: the
+    count, a host read). A selected position past its sequence's `per_row` or past the `budget` is not real (left out of
+    the loss by the caller), as is an unfilled slot."""
+    B, S = selected.shape
+    rows, used = masked_rows(selected, per_row)  # [B, Q]
+    Q = rows.shape[1]
+    flat_selected = selected.flatten()
+    if budget is None:
+        flat = flat_selected.nonzero().squeeze(1)
+        real = torch.ones_like(flat, dtype=torch.bool)
+    else:
+        flat = torch.nonzero_static(flat_selected, size=budget, fill_value=-1).squeeze(1)
+        real = flat >= 0
+        flat = flat.clamp(min=0)
+    M = flat.shape[0]
+    rank = selected.long().cumsum(1) - 1  # a selected position's place among its sequence's
+    b = flat // S
+    q = rank.flatten().index_select(0, flat)
+    real = real & (q < Q) & (q >= 0)
+    to_flat = torch.where(real, b * Q + q, 0)
+    slot = (flat_selected.long().cumsum(0) - 1).view(B, S).gather(1, rows)  # each query's flat row
+    to_rows = torch.where(used & (slot < M), slot, M)
+    return KeptRows(rows, flat, to_rows, to_flat), real
+
+
+def kept_layer_forward(layer: nn.Module, hidden: Tensor, attention_mask: Tensor | None, kept: KeptRows,
+                       region=contextlib.nullcontext) -> Tensor:
+    """A `BertLayer` at the `kept` rows: hidden [B, S, H] -> [M, H], its output at the flat rows `kept.flat`."""
+    B, S, H = hidden.shape
+    Q = kept.rows.shape[1]
+    attention = layer.attention
+    sa = attention.self
+    rows = hidden.reshape(B * S, H).index_select(0, kept.flat)  # [M, H]
+    with region():
+        q = sa.query(rows)
+        q = torch.cat((q, q.new_zeros(1, q.shape[1]))).index_select(0, kept.to_rows.flatten()).view(B, Q, -1)
+        a = _attend(sa, q, _keys_values(sa, hidden), attention_mask)  # [B, Q, H]
+        a = attention.output(a.reshape(B * Q, -1).index_select(0, kept.to_flat), rows)  # dense, dropout, LN
+    return layer.feed_forward_chunk(a)
+
+
 def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
                      encoder_attention_mask=None, cache=None, use_cache=None, **kwargs):
     """`BertEncoder.forward` with the last layer at the [CLS] row or the rows of the active `RowsHandle.at` only; the
@@ -153,8 +211,11 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     *rest, last = self.layer
     for layer in rest:
         hidden_states = layer(hidden_states, attention_mask, None, encoder_attention_mask=None, cache=None, **kwargs)
-    hidden_states = rows_layer_forward(last, hidden_states, attention_mask, rows,
-                                       lambda: _region(f"layer{len(rest)}.attention"))
+    region = lambda: _region(f"layer{len(rest)}.attention")  # noqa: E731
+    if isinstance(rows, KeptRows):
+        hidden_states = kept_layer_forward(last, hidden_states, attention_mask, rows, region)
+    else:
+        hidden_states = rows_layer_forward(last, hidden_states, attention_mask, rows, region)
     return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states)
 
 
@@ -201,9 +262,10 @@ class RowsHandle(LastLayerHandle):
         self.rows: Tensor | None = None
 
     @contextlib.contextmanager
-    def at(self, rows: Tensor):
-        """rows: [B, Q] int64 positions per sequence (repeats allowed; `masked_rows` gives them)."""
-        if rows.dim() != 2 or rows.dtype != torch.long:
+    def at(self, rows: Tensor | KeptRows):
+        """rows: [B, Q] int64 positions per sequence (`masked_rows` gives them; the encoder's output is then
+        [B, Q, H]), or `KeptRows` (`masked_kept_rows`; the output is [M, H], the flat rows)."""
+        if not isinstance(rows, KeptRows) and (rows.dim() != 2 or rows.dtype != torch.long):
             raise ValueError(f"last layer rows: a [batch, Q] int64 tensor of positions, got {rows.dtype} {tuple(rows.shape)}")
         self.rows = rows
         try:

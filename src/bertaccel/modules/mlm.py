@@ -73,9 +73,10 @@ class BertMLM(BertModule):
             with delayed per-tensor scaling (`bertaccel.modules.fp8`); plain precision where FP8 cannot
             run (GPUs before compute capability 8.9, hidden sizes not a multiple of 16).
         last_layer_masked_only: Compute the last encoder layer at the masked positions only - all the head
-            reads (`bertaccel.modules.last_layer`): its K / V projections on every token, the rest on the
-            masked rows. The same loss and gradients; under CUDA graphs each sequence gets a static number
-            of rows (`row_mask_budget`; masked tokens past it are left out of the loss and counted in
+            reads (`bertaccel.modules.last_layer`): its K / V projections on every token, its attention for
+            each sequence's masked positions, its GEMMs and LayerNorms on the masked rows the head takes.
+            The same loss and gradients; under CUDA graphs each sequence gets a static number of queries
+            (`row_mask_budget`; masked tokens past it are left out of the loss and counted in
             `dropped_masked`, as the head's budget's are).
     """
 
@@ -147,20 +148,19 @@ class BertMLM(BertModule):
         data-dependent shape, so the step can be captured."""
         labels = batch["labels"]
         selected = labels != IGNORE_INDEX  # (B, T)
-        if self._last_layer is not None:  # the encoder's output at each sequence's masked positions only
-            from bertaccel.modules.last_layer import masked_rows
+        if self._last_layer is not None:  # the encoder's output at the masked positions only, in the head's order
+            from bertaccel.modules.last_layer import masked_kept_rows
 
-            rows, used = masked_rows(selected, self.row_mask_budget(labels.shape[1]) if static else None)
-            with self._last_layer.at(rows):
+            kept, real = masked_kept_rows(selected, self.row_mask_budget(labels.shape[1]) if static else None,
+                                          self.mask_budget(labels.numel()) if static else None)
+            with self._last_layer.at(kept):
                 hidden = self.model.bert(input_ids=batch["input_ids"],
-                                         attention_mask=batch.get("attention_mask")).last_hidden_state  # (B, Q, H)
-            labels, selected = torch.where(used, labels.gather(1, rows), IGNORE_INDEX), used
-        else:
-            hidden = self.model.bert(input_ids=batch["input_ids"],
-                                     attention_mask=batch.get("attention_mask")).last_hidden_state
+                                         attention_mask=batch.get("attention_mask")).last_hidden_state  # (M, H)
+            return self.lm_head(hidden), torch.where(real, labels.flatten().index_select(0, kept.flat), IGNORE_INDEX)
+        hidden = self.model.bert(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).last_hidden_state
         if not static:
             return self.lm_head(hidden[selected]), labels[selected]
-        budget = min(self.mask_budget(batch["labels"].numel()), selected.numel())
+        budget = self.mask_budget(labels.numel())
         slots = torch.nonzero_static(selected.flatten(), size=budget, fill_value=-1).squeeze(1)
         used = slots >= 0
         index = slots.clamp(min=0)
@@ -186,12 +186,14 @@ class BertMLM(BertModule):
         if "labels" not in batch:
             return bert_step_flops(self.model.config, B, T, head="none", training=training)
         selected = batch["labels"] != IGNORE_INDEX
-        rows = None
-        if self._last_layer is not None:
-            rows = B * (self.row_mask_budget(T) if self.cuda_graphs else selected.sum(1).max().clamp(min=1))
+        rows = queries = None
+        if self._last_layer is not None:  # its GEMMs on the flat rows, its attention on B x Q queries
+            rows = self.mask_budget(B * T) if self.cuda_graphs else selected.sum()
+            queries = B * (self.row_mask_budget(T) if self.cuda_graphs else selected.sum(1).max().clamp(min=1))
         cfg = self.model.config
         per_token = 2 * cfg.hidden_size * cfg.hidden_size + 2 * cfg.hidden_size * cfg.vocab_size
-        body = bert_step_flops(cfg, B, T, head="none", training=training, last_layer_rows=rows)
+        body = bert_step_flops(cfg, B, T, head="none", training=training, last_layer_rows=rows,
+                               last_layer_queries=queries)
         return body + selected.sum() * per_token * (3 if training else 1)
 
     def step_outputs(self, input_ids, attention_mask=None, labels=None, token_type_ids=None) -> dict[str, torch.Tensor]:
