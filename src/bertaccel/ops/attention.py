@@ -404,8 +404,8 @@ def query_rows_unavailable(q: Tensor, kv: Tensor, heads: int) -> str | None:
     for name, t in (("q", q), ("kv", kv)):
         if t.is_contiguous() and t.data_ptr() % 16:
             return f"{name} does not start on a 16-byte boundary (the kernel reads its rows as vectors)"
-    if q.shape[1] * kv.shape[1] > 40_000:
-        return f"{q.shape[1]} x {kv.shape[1]} scores per (sequence, head) (more shared memory than a CTA has)"
+    if q.shape[1] * -(-kv.shape[1] // 32) * 4 > 200 * 1024:
+        return f"{q.shape[1]} queries x {kv.shape[1]} keys' dropout bits (more shared memory than a CTA has)"
     from bertaccel.ops import build
 
     if torch.compiler.is_compiling():

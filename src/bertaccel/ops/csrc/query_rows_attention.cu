@@ -13,8 +13,11 @@
 // key_mask [B, S] bool (true: attend), out [B, Q, H], lse [B, heads, Q] fp32 (natural log; -inf for a row with no
 // key, whose output and gradients are zero), dkv [B, S, 2H] written whole (zeros at masked keys).
 //
-// Warps take keys j = warp, warp + 8, ...; a key's row is read by the 32 lanes of a warp, D / 32 elements each
-// (128 contiguous bytes at D = 64, bf16), and its dot products are warp sums (xor shuffles).
+// Session 56's layout (the first, one warp per key row with 4-byte loads, a scores pass and then a V pass: 186 us
+// forward + backward at 32x1x512, ~0.8 TB/s): a key's row is read by a group of lanes, 16 bytes each (8 lanes at
+// D = 64, bf16; a warp takes 4 keys per step), the forward is one pass (online softmax per lane group, merged over
+// the groups and warps at the end), the dropout keep bits are drawn once per CTA into shared memory, and a kernel is
+// compiled for one query (NQ = 1: fewer registers, two CTAs per SM) apart from the 2-4 query one.
 //
 // Dropout: element (b, q, h, j) is kept when 16 bits of Philox4x32 (bertaccel's 7 rounds) at counter
 // (b * Q + q, j / 8 | h << 16, offset low, offset high), half j % 8 of its four words (word (j % 8) / 2, the
@@ -103,31 +106,6 @@ __device__ __forceinline__ void store_row(T* p, const float (&f)[E]) {
   *reinterpret_cast<Pack<T, E>*>(p) = x;
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
-// The dropout factor of element (b, q, h, j): 1 / (1 - p) when kept, 0 when dropped (1 without dropout).
-__device__ __forceinline__ float keep_factor(const QRParams& P, uint64_t seed, uint64_t offset, int b, int q, int h,
-                                             int j) {
-  if (P.p <= 0.f) return 1.f;
-  const uint4 c = make_uint4((uint32_t)(b * P.queries + q), (uint32_t)(j >> 3) | ((uint32_t)h << 16), (uint32_t)offset,
-                             (uint32_t)(offset >> 32));
-  const uint4 r = dropout_philox(c, (uint32_t)seed, (uint32_t)(seed >> 32));
-  const int i = j & 7;
-  const uint32_t word = (i >> 1) == 0 ? r.x : (i >> 1) == 1 ? r.y : (i >> 1) == 2 ? r.z : r.w;
-  const uint32_t draw = (i & 1) ? (word >> 16) : (word & 0xFFFFu);
-  return draw >= dropout_threshold(P.p) ? 1.f / (1.f - P.p) : 0.f;
-}
-
 __device__ __forceinline__ void dropout_state(const QRParams& P, bool from_rng, uint64_t& seed, uint64_t& offset) {
   seed = offset = 0;
   if (P.p <= 0.f) return;
@@ -141,135 +119,192 @@ __device__ __forceinline__ void dropout_state(const QRParams& P, bool from_rng, 
   }
 }
 
-// Block-wide reduction of one value per thread (every thread gets the result). scratch: kQRWarps floats.
-template <bool MAX>
-__device__ __forceinline__ float block_reduce(float x, float* scratch) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  x = MAX ? warp_max(x) : warp_sum(x);
-  __syncthreads();  // scratch is reused by consecutive calls
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  float y = lane < kQRWarps ? scratch[lane] : (MAX ? -INFINITY : 0.f);
-  return MAX ? warp_max(y) : warp_sum(y);
+// A key's row is read by a group of LK lanes, one 16-byte vector (E elements) each: at head dim 64 in bf16, 8 lanes
+// per key, so a warp reads KPW = 4 keys' rows at once (4 x 128 contiguous bytes) and the dot products are sums over
+// the group's lanes (3 xor shuffles).
+template <typename T, int D>
+struct RowLayout {
+  static constexpr int E = 16 / (int)sizeof(T);  // elements per lane
+  static constexpr int LK = D / E;               // lanes per key row
+  static constexpr int KPW = 32 / LK;            // keys per warp and step
+  static_assert(LK >= 1 && LK <= 32 && 32 % LK == 0, "head dim and dtype give 1 to 32 lanes per row");
+};
+
+template <int LK>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int o = LK / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
 }
 
-// One CTA per (sequence, head). Shared memory: scores [Q][S] fp32, partial outputs [warps][Q][D] fp32, scratch.
-template <typename T, int D>
-__global__ void __launch_bounds__(kQRWarps * 32) query_rows_fwd_kernel(QRParams P) {
-  constexpr int E = D / 32;  // elements per lane
-  extern __shared__ float smem[];
+// The keep bits of (b, query i, h) for keys 32 w .. 32 w + 31: the same draws as keep_factor, four Philox calls.
+__device__ __forceinline__ uint32_t keep_word(const QRParams& P, uint64_t seed, uint64_t offset, int b, int i, int h,
+                                              int w) {
+  const uint32_t threshold = dropout_threshold(P.p);
+  uint32_t bits = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint4 c = make_uint4((uint32_t)(b * P.queries + i), (uint32_t)(4 * w + k) | ((uint32_t)h << 16),
+                               (uint32_t)offset, (uint32_t)(offset >> 32));
+    const uint4 r = dropout_philox(c, (uint32_t)seed, (uint32_t)(seed >> 32));
+    const uint32_t words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const uint32_t draw = (t & 1) ? (words[t >> 1] >> 16) : (words[t >> 1] & 0xFFFFu);
+      bits |= (uint32_t)(draw >= threshold) << (8 * k + t);
+    }
+  }
+  return bits;
+}
+
+// The CTA's dropout keep bits, [Q][ceil(S / 32)] words in shared memory (drawn once, read by every key's lanes).
+__device__ __forceinline__ void fill_keep_bits(const QRParams& P, uint64_t seed, uint64_t offset, int b, int h, int Q,
+                                               uint32_t* bits) {
+  const int W = (P.keys + 31) / 32;
+  for (int x = threadIdx.x; x < Q * W; x += kQRWarps * 32) bits[x] = keep_word(P, seed, offset, b, x / W, h, x % W);
+  __syncthreads();
+}
+
+__device__ __forceinline__ float kept(const uint32_t* bits, int W, int i, int j, float factor) {
+  return ((bits[i * W + (j >> 5)] >> (j & 31)) & 1u) ? factor : 0.f;
+}
+
+// One CTA per (sequence, head), one pass over the keys: each lane group keeps a running max, sum and output
+// (online softmax) over its keys; the groups of a warp, then the 8 warps, are merged at the end. NQ: 1 (Q = 1) or
+// kQRMaxQueries (Q = 1 .. 4). Dynamic shared memory: the keep bits (dropout only).
+template <typename T, int D, int NQ>
+__global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_fwd_kernel(QRParams P) {
+  using L = RowLayout<T, D>;
+  constexpr int E = L::E, LK = L::LK, KPW = L::KPW;
+  extern __shared__ uint32_t keep_bits[];
+  __shared__ float partial[kQRWarps][NQ][D];
+  __shared__ float stats[kQRWarps][NQ][2];  // (max, sum) of each warp
   const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int Q = P.queries, S = P.keys, H = P.heads * D;
-  float* scores = smem;                                    // [Q][S]
-  float* partial = smem + Q * S;                           // [warps][Q][D]
-  float* scratch = partial + kQRWarps * kQRMaxQueries * D;  // [warps]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / LK, sub = lane % LK;
+  const int Q = NQ == 1 ? 1 : P.queries, S = P.keys, H = P.heads * D, W = (S + 31) / 32;
   uint64_t seed, offset;
   dropout_state(P, false, seed, offset);
   if (P.rng != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
     P.rng[0] = (int64_t)seed;
     P.rng[1] = (int64_t)offset;
   }
-  const T* q = static_cast<const T*>(P.q) + (int64_t)b * Q * H + h * D + lane * E;
-  const T* k = static_cast<const T*>(P.kv) + (int64_t)b * S * 2 * H + h * D + lane * E;
+  const bool dropout = P.p > 0.f;
+  const float factor = dropout ? 1.f / (1.f - P.p) : 1.f;
+  if (dropout) fill_keep_bits(P, seed, offset, b, h, Q, keep_bits);
+  const T* q = static_cast<const T*>(P.q) + (int64_t)b * Q * H + h * D + sub * E;
+  const T* k = static_cast<const T*>(P.kv) + (int64_t)b * S * 2 * H + h * D + sub * E;
   const T* v = k + H;
   const bool* mask = P.mask + (int64_t)b * S;
 
-  float qf[kQRMaxQueries][E] = {};
+  float qf[NQ][E] = {}, m[NQ], l[NQ], acc[NQ][E] = {};
 #pragma unroll
-  for (int i = 0; i < kQRMaxQueries; ++i)
+  for (int i = 0; i < NQ; ++i) {
+    m[i] = -INFINITY, l[i] = 0.f;
     if (i < Q) load_row<T, E>(q + (int64_t)i * H, qf[i]);
-
-  // scores
-#pragma unroll 4  // four keys' loads in flight per warp
-  for (int j = warp; j < S; j += kQRWarps) {
-    float kf[E];
-    load_row<T, E>(k + (int64_t)j * 2 * H, kf);
-    const bool valid = mask[j];
+  }
+#pragma unroll 2
+  for (int j0 = warp * KPW; j0 < S; j0 += kQRWarps * KPW) {  // uniform over the warp (its shuffles)
+    const int j = j0 + group;
+    const bool in = j < S;
+    float kf[E] = {}, vf[E] = {};
+    if (in) {
+      load_row<T, E>(k + (int64_t)j * 2 * H, kf);
+      load_row<T, E>(v + (int64_t)j * 2 * H, vf);
+    }
+    const bool valid = in && mask[j];
 #pragma unroll
-    for (int i = 0; i < kQRMaxQueries; ++i) {
+    for (int i = 0; i < NQ; ++i) {
       if (i >= Q) break;
       float dot = 0.f;
 #pragma unroll
       for (int e = 0; e < E; ++e) dot = fmaf(qf[i][e], kf[e], dot);
-      dot = warp_sum(dot);
-      if (lane == 0) scores[i * S + j] = valid ? dot * P.scale : -INFINITY;
+      const float s = group_sum<LK>(dot) * P.scale;
+      if (valid) {
+        const float mn = fmaxf(m[i], s);
+        const float c = __expf(m[i] - mn);  // 0 while m is -inf
+        const float pr = __expf(s - mn);
+        const float pf = dropout ? pr * kept(keep_bits, W, i, j, factor) : pr;
+        l[i] = fmaf(l[i], c, pr);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[i][e] = fmaf(acc[i][e], c, pf * vf[e]);
+        m[i] = mn;
+      }
     }
   }
-  __syncthreads();
-
-  // log-sum-exp per query row (block-wide)
-  float lse[kQRMaxQueries];
+  // merge the warp's groups (lanes sub, sub + LK, ...), then the warps through shared memory
 #pragma unroll
-  for (int i = 0; i < kQRMaxQueries; ++i) {
-    lse[i] = -INFINITY;
-    if (i >= Q) continue;
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < S; j += blockDim.x) m = fmaxf(m, scores[i * S + j]);
-    m = block_reduce<true>(m, scratch);
-    float l = 0.f;
-    if (m != -INFINITY)
-      for (int j = threadIdx.x; j < S; j += blockDim.x) l += __expf(scores[i * S + j] - m);
-    l = block_reduce<false>(l, scratch);
-    lse[i] = m == -INFINITY ? -INFINITY : m + __logf(l);
-    if (threadIdx.x == 0) P.lse[((int64_t)b * P.heads + h) * Q + i] = lse[i];
-  }
-
-  // out = sum_j p_j f_j V_j, each warp over its keys, then the warps' partial sums added
-  float acc[kQRMaxQueries][E] = {};
-#pragma unroll 4  // four keys' loads in flight per warp
-  for (int j = warp; j < S; j += kQRWarps) {
-    float vf[E];
-    load_row<T, E>(v + (int64_t)j * 2 * H, vf);
+  for (int o = LK; o < 32; o <<= 1) {
 #pragma unroll
-    for (int i = 0; i < kQRMaxQueries; ++i) {
-      if (i >= Q) break;
-      const float s = scores[i * S + j];
-      const float pr = s == -INFINITY ? 0.f : __expf(s - lse[i]) * keep_factor(P, seed, offset, b, i, h, j);
+    for (int i = 0; i < NQ; ++i) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[i], o), lo = __shfl_xor_sync(0xffffffffu, l[i], o);
+      const float mn = fmaxf(m[i], mo);
+      const float c = mn == -INFINITY ? 0.f : __expf(m[i] - mn), co = mn == -INFINITY ? 0.f : __expf(mo - mn);
+      l[i] = l[i] * c + lo * co;
 #pragma unroll
-      for (int e = 0; e < E; ++e) acc[i][e] = fmaf(pr, vf[e], acc[i][e]);
+      for (int e = 0; e < E; ++e) acc[i][e] = acc[i][e] * c + __shfl_xor_sync(0xffffffffu, acc[i][e], o) * co;
+      m[i] = mn;
     }
   }
+  if (group == 0) {
 #pragma unroll
-  for (int i = 0; i < kQRMaxQueries; ++i)
+    for (int i = 0; i < NQ; ++i) {
 #pragma unroll
-    for (int e = 0; e < E; ++e)
-      if (i < Q) partial[(warp * kQRMaxQueries + i) * D + lane * E + e] = acc[i][e];
+      for (int e = 0; e < E; ++e) partial[warp][i][sub * E + e] = acc[i][e];
+      if (sub == 0) stats[warp][i][0] = m[i], stats[warp][i][1] = l[i];
+    }
+  }
   __syncthreads();
   T* out = static_cast<T*>(P.o) + (int64_t)b * Q * H + h * D;
   for (int x = threadIdx.x; x < Q * D; x += blockDim.x) {
     const int i = x / D, c = x % D;
-    float sum = 0.f;
+    float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kQRWarps; ++w) sum += partial[(w * kQRMaxQueries + i) * D + c];
-    out[(int64_t)i * H + c] = from_f<T>(sum);
+    for (int w = 0; w < kQRWarps; ++w) M = fmaxf(M, stats[w][i][0]);
+    float sum = 0.f, o = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kQRWarps; ++w) {
+        const float c_w = __expf(stats[w][i][0] - M);
+        sum = fmaf(stats[w][i][1], c_w, sum);
+        o = fmaf(partial[w][i][c], c_w, o);
+      }
+      o /= sum;
+    }
+    out[(int64_t)i * H + c] = from_f<T>(o);
+    if (c == 0) P.lse[((int64_t)b * P.heads + h) * Q + i] = M == -INFINITY ? -INFINITY : M + __logf(sum);
   }
 }
 
-// One CTA per (sequence, head): dK and dV rows of every key (written whole), dq of the Q query rows.
-template <typename T, int D>
-__global__ void __launch_bounds__(kQRWarps * 32) query_rows_bwd_kernel(QRParams P) {
-  constexpr int E = D / 32;
-  __shared__ float partial[kQRWarps][kQRMaxQueries][D];
+// One CTA per (sequence, head): dK and dV rows of every key (written whole), dq of the Q query rows. The key layout
+// and the keep bits as the forward's.
+template <typename T, int D, int NQ>
+__global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_bwd_kernel(QRParams P) {
+  using L = RowLayout<T, D>;
+  constexpr int E = L::E, LK = L::LK, KPW = L::KPW;
+  extern __shared__ uint32_t keep_bits[];
+  __shared__ float partial[kQRWarps][NQ][D];
   const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int Q = P.queries, S = P.keys, H = P.heads * D;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / LK, sub = lane % LK;
+  const int Q = NQ == 1 ? 1 : P.queries, S = P.keys, H = P.heads * D, W = (S + 31) / 32;
   uint64_t seed, offset;
   dropout_state(P, true, seed, offset);
-  const int64_t qrow = (int64_t)b * Q * H + h * D + lane * E;
+  const bool dropout = P.p > 0.f;
+  const float factor = dropout ? 1.f / (1.f - P.p) : 1.f;
+  if (dropout) fill_keep_bits(P, seed, offset, b, h, Q, keep_bits);
+  const int64_t qrow = (int64_t)b * Q * H + h * D + sub * E;
   const T* q = static_cast<const T*>(P.q) + qrow;
   const T* dout = static_cast<const T*>(P.dout) + qrow;
   const T* out = static_cast<const T*>(P.out) + qrow;
-  const int64_t krow = (int64_t)b * S * 2 * H + h * D + lane * E;
+  const int64_t krow = (int64_t)b * S * 2 * H + h * D + sub * E;
   const T* k = static_cast<const T*>(P.kv) + krow;
   const T* v = k + H;
   T* dk = static_cast<T*>(P.dkv) + krow;
   T* dv = dk + H;
   const bool* mask = P.mask + (int64_t)b * S;
 
-  float qf[kQRMaxQueries][E] = {}, df[kQRMaxQueries][E] = {}, lse[kQRMaxQueries], delta[kQRMaxQueries];
+  float qf[NQ][E] = {}, df[NQ][E] = {}, lse[NQ], delta[NQ];
 #pragma unroll
-  for (int i = 0; i < kQRMaxQueries; ++i) {
+  for (int i = 0; i < NQ; ++i) {
     float of[E] = {};
     if (i < Q) {
       load_row<T, E>(q + (int64_t)i * H, qf[i]);
@@ -279,29 +314,34 @@ __global__ void __launch_bounds__(kQRWarps * 32) query_rows_bwd_kernel(QRParams 
     float dot = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) dot = fmaf(df[i][e], of[e], dot);
-    delta[i] = warp_sum(dot);
+    delta[i] = group_sum<LK>(dot);
     lse[i] = i < Q ? P.lse[((int64_t)b * P.heads + h) * Q + i] : -INFINITY;
   }
-  float dq[kQRMaxQueries][E] = {};
-#pragma unroll 4  // four keys' loads in flight per warp
-  for (int j = warp; j < S; j += kQRWarps) {
-    float kf[E], vf[E], dkf[E] = {}, dvf[E] = {};
-    load_row<T, E>(k + (int64_t)j * 2 * H, kf);
-    load_row<T, E>(v + (int64_t)j * 2 * H, vf);
-    if (mask[j]) {
+  float dq[NQ][E] = {};
+#pragma unroll 2
+  for (int j0 = warp * KPW; j0 < S; j0 += kQRWarps * KPW) {  // uniform over the warp (its shuffles)
+    const int j = j0 + group;
+    const bool in = j < S;
+    float kf[E] = {}, vf[E] = {}, dkf[E] = {}, dvf[E] = {};
+    if (in) {
+      load_row<T, E>(k + (int64_t)j * 2 * H, kf);
+      load_row<T, E>(v + (int64_t)j * 2 * H, vf);
+    }
+    const bool valid = in && mask[j];
 #pragma unroll
-      for (int i = 0; i < kQRMaxQueries; ++i) {
-        if (i >= Q || lse[i] == -INFINITY) continue;
-        float s = 0.f, dpv = 0.f;
+    for (int i = 0; i < NQ; ++i) {
+      if (i >= Q) break;
+      float s = 0.f, dpv = 0.f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-          s = fmaf(qf[i][e], kf[e], s);
-          dpv = fmaf(df[i][e], vf[e], dpv);
-        }
-        s = warp_sum(s) * P.scale;
-        dpv = warp_sum(dpv);
+      for (int e = 0; e < E; ++e) {
+        s = fmaf(qf[i][e], kf[e], s);
+        dpv = fmaf(df[i][e], vf[e], dpv);
+      }
+      s = group_sum<LK>(s) * P.scale;
+      dpv = group_sum<LK>(dpv);
+      if (valid && lse[i] != -INFINITY) {
         const float pr = __expf(s - lse[i]);
-        const float f = keep_factor(P, seed, offset, b, i, h, j);
+        const float f = dropout ? kept(keep_bits, W, i, j, factor) : 1.f;
         const float ds = pr * (dpv * f - delta[i]) * P.scale;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -311,13 +351,23 @@ __global__ void __launch_bounds__(kQRWarps * 32) query_rows_bwd_kernel(QRParams 
         }
       }
     }
-    store_row<T, E>(dk + (int64_t)j * 2 * H, dkf);
-    store_row<T, E>(dv + (int64_t)j * 2 * H, dvf);
+    if (in) {
+      store_row<T, E>(dk + (int64_t)j * 2 * H, dkf);
+      store_row<T, E>(dv + (int64_t)j * 2 * H, dvf);
+    }
   }
+  // dq: the warp's groups summed by shuffles, then the warps through shared memory
 #pragma unroll
-  for (int i = 0; i < kQRMaxQueries; ++i)
+  for (int o = LK; o < 32; o <<= 1)
 #pragma unroll
-    for (int e = 0; e < E; ++e) partial[warp][i][lane * E + e] = dq[i][e];
+    for (int i = 0; i < NQ; ++i)
+#pragma unroll
+      for (int e = 0; e < E; ++e) dq[i][e] += __shfl_xor_sync(0xffffffffu, dq[i][e], o);
+  if (group == 0)
+#pragma unroll
+    for (int i = 0; i < NQ; ++i)
+#pragma unroll
+      for (int e = 0; e < E; ++e) partial[warp][i][sub * E + e] = dq[i][e];
   __syncthreads();
   T* dqo = static_cast<T*>(P.o) + (int64_t)b * Q * H + h * D;
   for (int x = threadIdx.x; x < Q * D; x += blockDim.x) {
@@ -353,20 +403,31 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& m
                   "bertaccel query_rows_attention: q and kv must start on 16-byte boundaries (the rows are read as vectors)");
 }
 
-size_t fwd_smem(int64_t Q, int64_t S, int64_t D) {
-  return (size_t)(Q * S + kQRWarps * kQRMaxQueries * D + kQRWarps) * sizeof(float);
+// Dynamic shared memory of both kernels: the dropout keep bits, [Q][ceil(S / 32)] 32-bit words.
+size_t keep_bits_smem(int64_t Q, int64_t S, double p) {
+  return p > 0 ? (size_t)(Q * ((S + 31) / 32)) * sizeof(uint32_t) : 0;
 }
 
+// f(T{}, D, NQ): NQ 1 for one query per sequence, kQRMaxQueries for 2 to 4.
 template <typename F>
-void dispatch_types(at::ScalarType t, int64_t D, F&& f) {
+void dispatch_types(at::ScalarType t, int64_t D, int64_t Q, F&& f) {
+  auto by_queries = [&](auto tag, auto dim) {
+    if (Q == 1) f(tag, dim, std::integral_constant<int, 1>{});
+    else f(tag, dim, std::integral_constant<int, kQRMaxQueries>{});
+  };
   auto by_dim = [&](auto tag) {
-    if (D == 32) f(tag, std::integral_constant<int, 32>{});
-    else if (D == 64) f(tag, std::integral_constant<int, 64>{});
-    else f(tag, std::integral_constant<int, 128>{});
+    if (D == 32) by_queries(tag, std::integral_constant<int, 32>{});
+    else if (D == 64) by_queries(tag, std::integral_constant<int, 64>{});
+    else by_queries(tag, std::integral_constant<int, 128>{});
   };
   if (t == at::kBFloat16) by_dim(__nv_bfloat16{});
   else if (t == at::kHalf) by_dim(__half{});
   else by_dim(float{});
+}
+
+template <typename K>
+void allow_smem(K kernel, size_t smem) {
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
 }
 
 // (out [B, Q, H], lse [B, heads, Q] fp32, rng (seed, offset) int64)
@@ -376,9 +437,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_fwd(const at
   check_inputs(q, kv, key_mask, heads, dropout_p);
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), S = kv.size(1), D = H / heads;
-  const size_t smem = fwd_smem(Q, S, D);
-  BERTACCEL_CHECK(smem <= 200 * 1024, "bertaccel query_rows_attention: %lld keys x %lld queries need more shared memory "
-                  "than a CTA has", (long long)S, (long long)Q);
+  const size_t smem = keep_bits_smem(Q, S, dropout_p);
+  BERTACCEL_CHECK(smem <= 200 * 1024, "bertaccel query_rows_attention: %lld keys x %lld queries' dropout bits need more "
+                  "shared memory than a CTA has", (long long)S, (long long)Q);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({B, heads, Q}, q.options().dtype(at::kFloat));
   const bool written = B > 0 && S > 0;  // the first CTA writes (seed, offset); no CTA runs otherwise
@@ -402,11 +463,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_fwd(const at
     P.philox = gen->philox_cuda_state(4);  // the counter's own fields give every element its draw
   }
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_types(q.scalar_type(), D, [&](auto tag, auto dim) {
-    using T = decltype(tag);
-    constexpr int DD = decltype(dim)::value;
-    auto kernel = query_rows_fwd_kernel<T, DD>;
-    if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  dispatch_types(q.scalar_type(), D, Q, [&](auto tag, auto dim, auto nq) {
+    auto kernel = query_rows_fwd_kernel<decltype(tag), decltype(dim)::value, decltype(nq)::value>;
+    allow_smem(kernel, smem);
     kernel<<<(unsigned)(B * heads), kQRWarps * 32, smem, stream>>>(P);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -446,10 +505,13 @@ std::tuple<at::Tensor, at::Tensor> query_rows_attention_bwd(const at::Tensor& do
   P.batch = (int)B, P.queries = (int)Q, P.keys = (int)S, P.heads = (int)heads;
   P.scale = (float)scale, P.p = (float)dropout_p;
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_types(q.scalar_type(), D, [&](auto tag, auto dim) {
-    using T = decltype(tag);
-    constexpr int DD = decltype(dim)::value;
-    query_rows_bwd_kernel<T, DD><<<(unsigned)(B * heads), kQRWarps * 32, 0, stream>>>(P);
+  const size_t smem = keep_bits_smem(Q, S, dropout_p);
+  BERTACCEL_CHECK(smem <= 200 * 1024, "bertaccel query_rows_attention: %lld keys x %lld queries' dropout bits need more "
+                  "shared memory than a CTA has", (long long)S, (long long)Q);
+  dispatch_types(q.scalar_type(), D, Q, [&](auto tag, auto dim, auto nq) {
+    auto kernel = query_rows_bwd_kernel<decltype(tag), decltype(dim)::value, decltype(nq)::value>;
+    allow_smem(kernel, smem);
+    kernel<<<(unsigned)(B * heads), kQRWarps * 32, smem, stream>>>(P);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dkv};
