@@ -75,18 +75,18 @@ def _keys_values(sa: nn.Module, rows: Tensor) -> Tensor:
 
 
 def _attend(sa: nn.Module, q: Tensor, kv: Tensor, mask: Tensor | None) -> Tensor:
-    """q [B, Q, H], kv [B, S, 2H] -> the attention output [B, Q, H], Q queries per sequence. One query (the [CLS]
-    row) on a GPU: our kernel (`bertaccel.ops.attention.query_rows_attention`: one CTA per sequence and head reads
-    each K / V row once; SDPA's kernels tile 64 queries - for one query with dropout cuDNN has no kernel and PyTorch
-    runs its memory-efficient ones: forward + backward at BERT-base 32x1x512 on an H200, 186 us ours against 318),
-    unless BERTACCEL_QUERY_ROWS_ATTENTION=0 or the mask is additive; SDPA otherwise. The kernel takes up to 4 queries
-    but from 2 on cuDNN is faster (32x4x512: 346 us ours against 173), so only one query goes to it."""
+    """q [B, Q, H], kv [B, S, 2H] -> the attention output [B, Q, H], Q queries per sequence. Up to 4 queries (the
+    [CLS] row) on a GPU: our kernel (`bertaccel.ops.attention.query_rows_attention`: one CTA per sequence and head
+    reads each K / V row once; SDPA's kernels tile 64 queries - for one query with dropout cuDNN has no kernel and
+    PyTorch runs its memory-efficient ones. Forward + backward with dropout at BERT-base heads on an H200: 32x1x512
+    57 us ours against SDPA's 317, 32x4x512 135 against cuDNN's 171), unless BERTACCEL_QUERY_ROWS_ATTENTION=0 or
+    the mask is additive; SDPA otherwise (the masked-LM's 56 or 152 queries per sequence)."""
     B, S = kv.shape[:2]
     Q = q.shape[1]
     heads, d = sa.num_attention_heads, sa.attention_head_size
     dropout_p = sa.dropout.p if sa.training else 0.0
     key_mask = _key_mask(mask, q.dtype)
-    if Q == 1 and q.is_cuda and (key_mask is None or key_mask.dtype == torch.bool) and \
+    if q.is_cuda and (key_mask is None or key_mask.dtype == torch.bool) and \
             os.environ.get("BERTACCEL_QUERY_ROWS_ATTENTION", "1") != "0":
         from bertaccel.ops.attention import query_rows_attention, query_rows_unavailable
 
