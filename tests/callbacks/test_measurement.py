@@ -261,8 +261,9 @@ def test_exposed_by_name_skips_annotations_and_host_events():
 def test_profiler_counts_overlapping_gpu_time_once(tiny_config, tmp_path, graphs):
     """On a GPU with the kernel swap (our row kernels launched by programmatic dependent launch), graphed or eager
     steps: the busy time is at most the kernels' summed own times, each kernel's exposed time at most its own, the
-    shares of exposed time add up to one, the categories add up to the busy time; eager, the labelled regions'
-    device time (exposed) is positive and at most their kernels' own times."""
+    shares of exposed time add up to one, the categories add up to the busy time, the recorded and untraced steps'
+    times are there; eager, the labelled regions' device time (exposed) is positive and at most their kernels' own
+    times."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     cfg = tiny_config("prof_gpu", epochs=1)
@@ -276,6 +277,9 @@ def test_profiler_counts_overlapping_gpu_time_once(tiny_config, tmp_path, graphs
     assert all(k["exposed_ms"] <= k["total_ms"] + 1e-6 for k in kernels)
     assert sum(k["share"] for k in kernels) == pytest.approx(1.0, rel=1e-6)
     assert sum(c["ms"] for c in summary["categories"].values()) == pytest.approx(summary["gpu_ms"], rel=1e-6)
+    step_ms = summary["step_ms"]  # timed by CUDA events on the GPU's timeline
+    assert step_ms["recorded_steps"] == 3 and step_ms["unrecorded_steps"] >= 1, step_ms
+    assert step_ms["recorded"] > 0 and step_ms["unrecorded"] > 0, step_ms
     if not graphs:
         regions = summary["regions"]
         assert regions["layer0.ffn"]["device_ms"] > 0
