@@ -8,8 +8,10 @@ shapes the product runs.
 Shapes are batch x queries x keys (BERT-base heads, 12 x 64): 32x1x512 is a classifier's [CLS] row at max_length 512,
 64x56x128 and 16x152x512 the masked-LM's static rows per sequence at blocks of 128 and 512. Inputs as the layer
 has them: q [B, Q, H] and the K / V projections [B, S, 2H] in bf16, a key-padding mask (every fourth row a quarter
-shorter). Time: CUDA-graph replays of forward + backward (dropout `--dropout`, 0.1 as BERT trains), median. Error:
-the output and the three input gradients against float64 from the same bf16 inputs (dropout 0), relative norm.
+shorter). Time: CUDA-graph replays of forward + backward and of the forward alone (no grad; dropout `--dropout`, 0.1 as
+BERT trains), median; with the bytes every implementation must move at least (forward: K / V read; forward +
+backward: K / V read twice and dK / dV written; the query rows are a sliver) as GB/s. Error: the output and the
+three input gradients against float64 from the same bf16 inputs (dropout 0), relative norm.
 """
 
 from __future__ import annotations
@@ -121,14 +123,23 @@ def main(argv=None) -> None:
                         qg.grad = kvg.grad = None
                         out.backward(dout)
 
-                    row["fwd_bwd_us"] = round(graph_time_ms(step, [()], calls=10) * 1e3, 1)
+                    def forward(fn=fn):
+                        with torch.no_grad():
+                            fn(q, kv, mask, args.dropout)
+
+                    kv_bytes = kv.numel() * kv.element_size()
+                    us = graph_time_ms(step, [()], calls=10) * 1e3
+                    row |= {"fwd_bwd_us": round(us, 1), "fwd_bwd_GBps": round(3 * kv_bytes / us / 1e3)}
+                    us = graph_time_ms(forward, [()], calls=10) * 1e3
+                    row |= {"fwd_us": round(us, 1), "fwd_GBps": round(kv_bytes / us / 1e3)}
             except Exception as e:  # a backend that does not take the shape, the mask or dropout under capture
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             rows.append(row)
             print(row)
     write_json(args.out, {"environment": environment(), "dropout": args.dropout, "rows": rows})
     print()
-    print_table(rows, ["shape", "impl", "fwd_bwd_us", "err_out", "err_dq", "err_dkv", "error"])
+    print_table(rows, ["shape", "impl", "fwd_bwd_us", "fwd_bwd_GBps", "fwd_us", "fwd_GBps", "err_out", "err_dq", "err_dkv",
+                       "error"])
 
 
 if __name__ == "__main__":
