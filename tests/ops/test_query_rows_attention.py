@@ -93,7 +93,7 @@ def _kernel_or_skip():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("Q,S", [(1, 512), (1, 37), (4, 129), (2, 1)])
+@pytest.mark.parametrize("Q,S", [(1, 512), (1, 37), (1, 1000), (3, 200), (4, 129), (2, 1)])
 def test_kernel_against_float64_within_twice_sdpas_error(dtype, d, Q, S):
     """The rows with keys against float64 and against SDPA in the same dtype (SDPA's kernels may give NaN for a row
     with no key: those rows are checked to be zeros, outputs and gradients, on their own)."""
@@ -124,15 +124,16 @@ def test_kernel_against_float64_within_twice_sdpas_error(dtype, d, Q, S):
 
 
 @pytest.mark.cuda
-def test_kernel_dropout_mask_equals_the_reference():
+@pytest.mark.parametrize("Q,S", [(1, 200), (2, 200), (1, 1000)])  # the one-query kernel and the 2-4 query one
+def test_kernel_dropout_mask_equals_the_reference(Q, S):
     _kernel_or_skip()
     heads, p = 12, 0.1
-    q, kv, mask = _inputs(B=4, Q=2, S=200, heads=heads, d=64, dtype=torch.float32, device="cuda")
+    q, kv, mask = _inputs(B=4, Q=Q, S=S, heads=heads, d=64, dtype=torch.float32, device="cuda")
     q.requires_grad_(), kv.requires_grad_()
     out, lse, rng = torch.ops.bertaccel.query_rows_attention_fwd(q, kv, mask, heads, p, 0.125)
     ref_out, ref_lse, _ = torch.ops.bertaccel.query_rows_attention_fwd(q.detach().cpu(), kv.detach().cpu(), mask.cpu(),
                                                                        heads, 0.0, 0.125)
-    keep = query_rows_keep(4, 2, heads, 200, p, int(rng[0]), int(rng[1]))
+    keep = query_rows_keep(4, Q, heads, S, p, int(rng[0]), int(rng[1]))
     want = _sdpa(q.detach().cpu().double(), kv.detach().cpu().double(), mask.cpu(), heads, keep.double() / (1 - p))
     torch.testing.assert_close(out.cpu().double(), want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
