@@ -53,7 +53,8 @@ def sources() -> list[str]:
     return registry.cuda_sources() + [s for m in _other_op_modules() for s in m.CUDA_SOURCES] + SHARED_SOURCES
 
 
-HEADERS = ["check.h", "common.cuh", "dispatch.h", "erf_fast.cuh", "pdl.cuh", "philox.cuh", "layer_norm_bwd.cuh", "switches.h"]
+HEADERS = ["check.h", "common.cuh", "dispatch.h", "erf_fast.cuh", "pdl.cuh", "philox.cuh", "layer_norm_bwd.cuh", "switches.h",
+           "vec.cuh"]
 # the GEMM extension: sm_90a only (wgmma, setmaxnreg); TORCH_CUDA_ARCH_LIST "9.0a" gives its -gencode
 GEMM_SOURCES = ["gemm.cu", "gemm_plain.cu", "gemm_bias.cu", "gemm_gelu.cu", "gemm_splitk.cu", "gemm_residual.cu", "gemm_cluster_cooperative.cu", "gemm_cluster_rows.cu", "gemm_fp32.cu"]
 GEMM_HEADERS = ["async_copy.cuh", "check.h", "erf_fast.cuh", "gelu_math.cuh", "gemm.h", "gemm_kernel.cuh", "pdl.cuh",
@@ -62,7 +63,7 @@ GEMM_ARCH = "9.0a"
 # the fused attention extension (mma.sync, sm_80+; its sources: bertaccel.ops.attention.CUDA_SOURCES),
 # built for the GPU's own arch and loaded by `load_attention()` when attention first needs it; a
 # failure there leaves the other ops running
-ATTENTION_HEADERS = ["async_copy.cuh", "check.h", "philox.cuh", "switches.h", "tensor_map.h", "wgmma.cuh"]
+ATTENTION_HEADERS = ["async_copy.cuh", "check.h", "philox.cuh", "switches.h", "tensor_map.h", "vec.cuh", "wgmma.cuh"]
 # on a Hopper GPU it is built for sm_90a, with its warpgroup-MMA forward and backward
 ATTENTION_SM90A_FLAGS = ["-DBERTACCEL_ATTENTION_SM90A"]
 

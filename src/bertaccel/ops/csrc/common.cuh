@@ -1,4 +1,4 @@
-// Shared device helpers for bertaccel's kernels: 16-byte vector packs, bf16/fp32 conversion,
+// Shared device helpers for bertaccel's kernels: 16-byte vector packs, bf16/fp32 conversion (vec.cuh),
 // Welford merging, Philox dropout draws, and the column-sum kernel used by every backward.
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -11,37 +11,12 @@
 #include "pdl.cuh"
 #include "philox.cuh"
 #include "switches.h"
+#include "vec.cuh"
 #include <cuda_bf16.h>
 #include <cstdint>
 #include <initializer_list>
 
 namespace bertaccel {
-
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-
-template <typename T, int VEC>
-__device__ __forceinline__ void load_f(const T* p, float (&out)[VEC]) {
-  Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p);
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) out[j] = to_f(pk.v[j]);
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store_f(T* p, const float (&in)[VEC]) {
-  Pack<T, VEC> pk;
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) pk.v[j] = from_f<T>(in[j]);
-  *reinterpret_cast<Pack<T, VEC>*>(p) = pk;
-}
 
 // Row reductions for kernels whose rows are handled by `tpr` consecutive threads of a block
 // (tpr a power of two): xor shuffles within groups of min(tpr, 32) lanes, then, when a row spans

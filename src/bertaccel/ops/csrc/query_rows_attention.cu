@@ -37,6 +37,7 @@
 
 #include "check.h"
 #include "philox.cuh"
+#include "vec.cuh"
 
 namespace bertaccel {
 namespace {
@@ -58,53 +59,6 @@ struct QRParams {
   int batch, queries, keys, heads;
   float scale, p;
 };
-
-template <typename T>
-__device__ __forceinline__ float to_f(T x) {
-  return static_cast<float>(x);
-}
-template <>
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float to_f(__half x) {
-  return __half2float(x);
-}
-template <typename T>
-__device__ __forceinline__ T from_f(float x) {
-  return static_cast<T>(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ __forceinline__ __half from_f(float x) {
-  return __float2half(x);
-}
-
-// E consecutive elements of one lane as one load / store (4 bytes for bf16 at head dim 64: a warp's row is 128
-// contiguous bytes). The rows' alignment: kv, q, out contiguous with 16-byte aligned data (checked by the host).
-template <typename T, int E>
-struct alignas(sizeof(T) * E) Pack {
-  T v[E];
-};
-
-template <typename T, int E>
-__device__ __forceinline__ void load_row(const T* p, float (&f)[E]) {
-  const Pack<T, E> x = *reinterpret_cast<const Pack<T, E>*>(p);
-#pragma unroll
-  for (int e = 0; e < E; ++e) f[e] = to_f(x.v[e]);
-}
-
-template <typename T, int E>
-__device__ __forceinline__ void store_row(T* p, const float (&f)[E]) {
-  Pack<T, E> x;
-#pragma unroll
-  for (int e = 0; e < E; ++e) x.v[e] = from_f<T>(f[e]);
-  *reinterpret_cast<Pack<T, E>*>(p) = x;
-}
 
 __device__ __forceinline__ void dropout_state(const QRParams& P, bool from_rng, uint64_t& seed, uint64_t& offset) {
   seed = offset = 0;
@@ -200,7 +154,7 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_fwd
 #pragma unroll
   for (int i = 0; i < NQ; ++i) {
     m[i] = -INFINITY, l[i] = 0.f;
-    if (i < Q) load_row<T, E>(q + (int64_t)i * H, qf[i]);
+    if (i < Q) load_f<T, E>(q + (int64_t)i * H, qf[i]);
   }
 #pragma unroll 2
   for (int j0 = warp * KPW; j0 < S; j0 += kQRWarps * KPW) {  // uniform over the warp (its shuffles)
@@ -208,8 +162,8 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_fwd
     const bool in = j < S;
     float kf[E] = {}, vf[E] = {};
     if (in) {
-      load_row<T, E>(k + (int64_t)j * 2 * H, kf);
-      load_row<T, E>(v + (int64_t)j * 2 * H, vf);
+      load_f<T, E>(k + (int64_t)j * 2 * H, kf);
+      load_f<T, E>(v + (int64_t)j * 2 * H, vf);
     }
     const bool valid = in && mask[j];
 #pragma unroll
@@ -307,9 +261,9 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_bwd
   for (int i = 0; i < NQ; ++i) {
     float of[E] = {};
     if (i < Q) {
-      load_row<T, E>(q + (int64_t)i * H, qf[i]);
-      load_row<T, E>(dout + (int64_t)i * H, df[i]);
-      load_row<T, E>(out + (int64_t)i * H, of);
+      load_f<T, E>(q + (int64_t)i * H, qf[i]);
+      load_f<T, E>(dout + (int64_t)i * H, df[i]);
+      load_f<T, E>(out + (int64_t)i * H, of);
     }
     float dot = 0.f;
 #pragma unroll
@@ -324,8 +278,8 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_bwd
     const bool in = j < S;
     float kf[E] = {}, vf[E] = {}, dkf[E] = {}, dvf[E] = {};
     if (in) {
-      load_row<T, E>(k + (int64_t)j * 2 * H, kf);
-      load_row<T, E>(v + (int64_t)j * 2 * H, vf);
+      load_f<T, E>(k + (int64_t)j * 2 * H, kf);
+      load_f<T, E>(v + (int64_t)j * 2 * H, vf);
     }
     const bool valid = in && mask[j];
 #pragma unroll
@@ -352,8 +306,8 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_bwd
       }
     }
     if (in) {
-      store_row<T, E>(dk + (int64_t)j * 2 * H, dkf);
-      store_row<T, E>(dv + (int64_t)j * 2 * H, dvf);
+      store_f<T, E>(dk + (int64_t)j * 2 * H, dkf);
+      store_f<T, E>(dv + (int64_t)j * 2 * H, dvf);
     }
   }
   // dq: the warp's groups summed by shuffles, then the warps through shared memory
@@ -403,9 +357,12 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& m
                   "bertaccel query_rows_attention: q and kv must start on 16-byte boundaries (the rows are read as vectors)");
 }
 
-// Dynamic shared memory of both kernels: the dropout keep bits, [Q][ceil(S / 32)] 32-bit words.
+// Dynamic shared memory of both kernels: the dropout keep bits, [Q][ceil(S / 32)] 32-bit words (checked to fit a CTA).
 size_t keep_bits_smem(int64_t Q, int64_t S, double p) {
-  return p > 0 ? (size_t)(Q * ((S + 31) / 32)) * sizeof(uint32_t) : 0;
+  const size_t smem = p > 0 ? (size_t)(Q * ((S + 31) / 32)) * sizeof(uint32_t) : 0;
+  BERTACCEL_CHECK(smem <= 200 * 1024, "bertaccel query_rows_attention: %lld keys x %lld queries' dropout bits need more "
+                  "shared memory than a CTA has", (long long)S, (long long)Q);
+  return smem;
 }
 
 // f(T{}, D, NQ): NQ 1 for one query per sequence, kQRMaxQueries for 2 to 4.
@@ -438,8 +395,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_fwd(const at
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), S = kv.size(1), D = H / heads;
   const size_t smem = keep_bits_smem(Q, S, dropout_p);
-  BERTACCEL_CHECK(smem <= 200 * 1024, "bertaccel query_rows_attention: %lld keys x %lld queries' dropout bits need more "
-                  "shared memory than a CTA has", (long long)S, (long long)Q);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({B, heads, Q}, q.options().dtype(at::kFloat));
   const bool written = B > 0 && S > 0;  // the first CTA writes (seed, offset); no CTA runs otherwise
@@ -506,8 +461,6 @@ std::tuple<at::Tensor, at::Tensor> query_rows_attention_bwd(const at::Tensor& do
   P.scale = (float)scale, P.p = (float)dropout_p;
   auto stream = at::cuda::getCurrentCUDAStream();
   const size_t smem = keep_bits_smem(Q, S, dropout_p);
-  BERTACCEL_CHECK(smem <= 200 * 1024, "bertaccel query_rows_attention: %lld keys x %lld queries' dropout bits need more "
-                  "shared memory than a CTA has", (long long)S, (long long)Q);
   dispatch_types(q.scalar_type(), D, Q, [&](auto tag, auto dim, auto nq) {
     auto kernel = query_rows_bwd_kernel<decltype(tag), decltype(dim)::value, decltype(nq)::value>;
     allow_smem(kernel, smem);

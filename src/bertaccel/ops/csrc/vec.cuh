@@ -1,0 +1,38 @@
+// 16-byte vector packs and the float conversions of bertaccel's kernels (bf16, fp16, fp32): a lane's VEC consecutive
+// elements read or written as one load / store and widened to fp32. Used by the row ops (common.cuh) and the query-rows
+// attention (query_rows_attention.cu).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace bertaccel {
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_f(const T* p, float (&out)[VEC]) {
+  Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out[j] = to_f(pk.v[j]);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_f(T* p, const float (&in)[VEC]) {
+  Pack<T, VEC> pk;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) pk.v[j] = from_f<T>(in[j]);
+  *reinterpret_cast<Pack<T, VEC>*>(p) = pk;
+}
+
+}  // namespace bertaccel
