@@ -12,7 +12,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from bertaccel.modules.last_layer import is_cls_only, last_layer_cls_only
 from bertaccel.modules.flops import bert_step_flops
-from tests.ops.conftest import capture_graph, rel_err
+from tests.ops.conftest import assert_within_twice, replayed_output_and_grads
 
 
 def _model(attn: str = "sdpa", layers: int = 2, dropout: float = 0.0, dtype=torch.float64, hidden: int = 32,
@@ -236,19 +236,9 @@ def test_bf16_swapped_graph_on_gpu_within_twice_the_whole_layers_error():
             out.loss.backward()
             return out.logits
 
-        graph, logits = capture_graph(step)
-        for p in model.parameters():
-            p.grad.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        results[name] = (logits.double(), {n: p.grad.double() for n, p in model.named_parameters()})
+        results[name] = replayed_output_and_grads(step, model)
 
-    assert rel_err(results["cls"][0], ref_logits) <= 2 * rel_err(results["whole"][0], ref_logits) + 1e-3
-    for n, g in ref_grads.items():
-        if g.abs().sum() == 0:
-            continue
-        e_cls, e_whole = rel_err(results["cls"][1][n], g), rel_err(results["whole"][1][n], g)
-        assert e_cls <= 2 * e_whole + 1e-3, (n, e_cls, e_whole)
+    assert_within_twice(results["cls"], results["whole"], ref_logits, ref_grads)
 
 
 def test_bf16_weight_copies_key_and_value_read_in_place():

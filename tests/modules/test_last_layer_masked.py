@@ -13,7 +13,7 @@ import torch
 
 from bertaccel.modules import BertMLM
 from bertaccel.modules.last_layer import last_layer_at_rows, masked_rows
-from tests.ops.conftest import capture_graph, rel_err
+from tests.ops.conftest import assert_within_twice, replayed_output_and_grads
 
 CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64)
@@ -222,19 +222,9 @@ def test_bf16_swapped_graph_on_gpu_within_twice_the_whole_layers_error():
             out["loss"].backward()
             return out["loss"]
 
-        graph, loss = capture_graph(step)
-        for p in model.parameters():
-            p.grad.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        results[name] = (loss.double(), {n: p.grad.double() for n, p in model.named_parameters()})
+        results[name] = replayed_output_and_grads(step, model)
 
-    assert rel_err(results["masked"][0], ref_out["loss"]) <= 2 * rel_err(results["whole"][0], ref_out["loss"]) + 1e-3
-    for n, g in ref_grads.items():
-        if g.abs().sum() == 0:
-            continue
-        e_masked, e_whole = rel_err(results["masked"][1][n], g), rel_err(results["whole"][1][n], g)
-        assert e_masked <= 2 * e_whole + 1e-3, (n, e_masked, e_whole)
+    assert_within_twice(results["masked"], results["whole"], ref_out["loss"], ref_grads)
 
 
 def test_a_deep_copy_runs_its_own_encoder():

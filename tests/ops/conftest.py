@@ -73,6 +73,28 @@ def capture_graph(step, *args):
     return graph, out
 
 
+def replayed_output_and_grads(step, model):
+    """`step()` (a forward + backward of `model` returning its output) captured in a CUDA graph, then replayed once on
+    zeroed gradients: (the output, {parameter name: gradient}), in float64. Every parameter needs a `.grad` buffer."""
+    graph, out = capture_graph(step)
+    for p in model.parameters():
+        p.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out.double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+def assert_within_twice(ours, theirs, ref_out, ref_grads, floor=1e-3):
+    """(output, {name: gradient}) pairs against the float64 reference: our output's and each nonzero reference
+    gradient's error at most twice theirs (plus `floor`)."""
+    assert rel_err(ours[0], ref_out) <= 2 * rel_err(theirs[0], ref_out) + floor
+    for n, g in ref_grads.items():
+        if g.abs().sum() == 0:
+            continue
+        e_ours, e_theirs = rel_err(ours[1][n], g), rel_err(theirs[1][n], g)
+        assert e_ours <= 2 * e_theirs + floor, (n, e_ours, e_theirs)
+
+
 def assert_replay_matches_eager(step, static_x, *static):
     """Capture `step(static_x, *static)` (-> (output, gradients)) in a CUDA graph after a warm-up on a
     side stream, give static_x new values, replay, and compare with an eager step on the same inputs."""
