@@ -235,6 +235,18 @@ torch.library.register_autograd(f"{NS}::varlen_attention_packed_fwd", _packed_ba
 
 
 # ------------------------------------------------------------------------------ public function
+def _extension_unavailable() -> str | None:
+    """Why the attention extension cannot run (None: it can): built and loaded on the first call; while torch.compile
+    traces, only whether it is loaded already (no build inside a trace)."""
+    from bertaccel.ops import build
+
+    if torch.compiler.is_compiling():
+        return None if build.attention_loaded() else (build.attention_reason() or "attention kernels not built")
+    if not build.load_attention():
+        return build.attention_reason()
+    return None
+
+
 def kernel_unavailable(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     """Why the CUDA kernel cannot take these packed q, k, v (None: it can). Builds the extension on
     the first CUDA call (never while torch.compile traces)."""
@@ -251,13 +263,7 @@ def kernel_unavailable(q: Tensor, k: Tensor, v: Tensor) -> str | None:
             return f"{name}'s strides {tuple(t.stride())} or alignment (needs a contiguous head dim, 16-byte rows)"
     if torch.are_deterministic_algorithms_enabled() and torch.is_grad_enabled() and q.requires_grad:
         return "deterministic algorithms are on (the backward adds dQ up with atomics)"
-    from bertaccel.ops import build
-
-    if torch.compiler.is_compiling():
-        return None if build.attention_loaded() else (build.attention_reason() or "attention kernels not built")
-    if not build.load_attention():
-        return build.attention_reason()
-    return None
+    return _extension_unavailable()
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
@@ -406,13 +412,7 @@ def query_rows_unavailable(q: Tensor, kv: Tensor, heads: int) -> str | None:
             return f"{name} does not start on a 16-byte boundary (the kernel reads its rows as vectors)"
     if q.shape[1] * -(-kv.shape[1] // 32) * 4 > 200 * 1024:
         return f"{q.shape[1]} queries x {kv.shape[1]} keys' dropout bits (more shared memory than a CTA has)"
-    from bertaccel.ops import build
-
-    if torch.compiler.is_compiling():
-        return None if build.attention_loaded() else (build.attention_reason() or "attention kernels not built")
-    if not build.load_attention():
-        return build.attention_reason()
-    return None
+    return _extension_unavailable()
 
 
 def query_rows_attention(q: Tensor, kv: Tensor, key_mask: Tensor, heads: int, dropout_p: float = 0.0,
