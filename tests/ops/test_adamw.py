@@ -138,3 +138,28 @@ def test_kernel_captures_and_reads_the_learning_rate_at_replay():
     graph.replay()
     assert all(not torch.equal(x, b) for x, b in zip(p, before))
     assert all(torch.equal(c, x.bfloat16()) for c, x in zip(copies, p))
+
+
+@cuda_test
+@pytest.mark.parametrize("with_copies", [True, False], ids=["adamw_bf16_copies_", "adamw_"])
+def test_chunk_size_does_not_change_a_bit(monkeypatch, with_copies):
+    """Blocks of 1,024 elements (BERTACCEL_ADAMW_CHUNK) and of 65,536 give the default's result bit for bit: the
+    chunks only split the work, and a tensor's last chunk (2 x 65,536 + 5 elements: a partial one) is complete."""
+    masters, grads = _case("cuda", SIZES, seed=3)
+    lr = torch.tensor(3e-3, device="cuda")
+    want = _ours(masters, grads, lr, 0.01, copies=with_copies)
+    for chunk in ("1024", "65536"):
+        monkeypatch.setenv("BERTACCEL_ADAMW_CHUNK", chunk)
+        got = _ours(masters, grads, lr, 0.01, copies=with_copies)
+        for a, b in zip(got, want):
+            if a is not None:
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), f"chunk {chunk}"
+
+
+@cuda_test
+@pytest.mark.parametrize("value", ["1000", "0", "-1024", "16k"])
+def test_a_bad_chunk_size_says_what_it_must_be(monkeypatch, value):
+    monkeypatch.setenv("BERTACCEL_ADAMW_CHUNK", value)
+    masters, grads = _case("cuda", [8])
+    with pytest.raises(RuntimeError, match="BERTACCEL_ADAMW_CHUNK must be a positive multiple of 1024"):
+        _ours(masters, grads, torch.tensor(1e-3, device="cuda"), 0.0)

@@ -18,13 +18,18 @@
 // written: what PyTorch's fused AdamW moves), so that the graphed step can update every parameter in this
 // kernel (the word embeddings, read in fp32 by the embedding kernel, have no copy).
 //
-// Launch: blocks walk (tensor, chunk) pairs of up to kMaxTensors tensors per launch, described in
+// Launch: one block per (tensor, chunk) pair, up to kMaxTensors tensors per launch, described in
 // the kernel's parameter struct (no host-to-device copy, so a CUDA graph can capture it); 4-wide
-// vectors where a tensor's pointers are 16-byte aligned and its size a multiple of 4.
+// vectors where a tensor's pointers are 16-byte aligned and its size a multiple of 4. Chunks of
+// kDefaultChunk elements (BERTACCEL_ADAMW_CHUNK, read at each call, sets another multiple of 1,024 for
+// comparing): with the 65,536 of the first version a MiniLM step's 22.7M parameters made ~360 blocks
+// of 256 threads, 2-3 per SM, too few loads in flight to stream the moments at the copy rate.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <cstdlib>
 
 #include "common.cuh"
 
@@ -33,7 +38,7 @@ namespace {
 
 constexpr int kMaxTensors = 48;  // 48 x 6 pointers + sizes + chunk starts < 4 KB of kernel parameters
 constexpr int kAdamThreads = 256;
-constexpr int64_t kChunk = 65536;
+constexpr int64_t kDefaultChunk = 16384;
 
 struct AdamWTensors {
   float* p[kMaxTensors];
@@ -45,6 +50,7 @@ struct AdamWTensors {
   int64_t n[kMaxTensors];
   int chunk_start[kMaxTensors + 1];
   int count;
+  int64_t chunk;  // elements per block
 };
 
 struct AdamWScalars {
@@ -72,8 +78,8 @@ __global__ void __launch_bounds__(kAdamThreads) adamw_kernel(AdamWTensors t, con
     if (t.chunk_start[mid] <= b) lo = mid; else hi = mid - 1;
   }
   const int i = lo;
-  const int64_t begin = (int64_t)(b - t.chunk_start[i]) * kChunk;
-  const int64_t end = min(t.n[i], begin + kChunk);
+  const int64_t begin = (int64_t)(b - t.chunk_start[i]) * t.chunk;
+  const int64_t end = min(t.n[i], begin + t.chunk);
   const float lr = *lr_ptr;
   const float step = *t.step[i];
   const float bc1 = 1.f - powf(s.beta1, step);
@@ -113,6 +119,19 @@ __global__ void __launch_bounds__(kAdamThreads) adamw_kernel(AdamWTensors t, con
   }
 }
 
+// Elements per block: kDefaultChunk, or BERTACCEL_ADAMW_CHUNK (a positive multiple of 1,024: one 4-wide
+// vector per thread and iteration), read at each call (one optimizer call per step; in a CUDA graph, at capture).
+int64_t adamw_chunk() {
+  const char* env = std::getenv("BERTACCEL_ADAMW_CHUNK");
+  if (env == nullptr || *env == '\0') return kDefaultChunk;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK(end != env && *end == '\0' && v > 0 && v % (4 * kAdamThreads) == 0 && v <= (1LL << 30),
+              "BERTACCEL_ADAMW_CHUNK must be a positive multiple of ", 4 * kAdamThreads, " (elements per block), got '",
+              env, "'");
+  return v;
+}
+
 // Both ops: checks, then one launch per kMaxTensors parameters. copies empty: adamw_ (fp32 gradients, no copies).
 void adamw_launch(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                   at::TensorList exp_avg_sqs, at::TensorList steps, at::TensorList copies, const at::Tensor& lr,
@@ -148,9 +167,11 @@ void adamw_launch(const char* op, at::TensorList params, at::TensorList grads, a
   c10::cuda::CUDAGuard guard(params[0].device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const AdamWScalars s{(float)beta1, (float)beta2, (float)weight_decay, (float)eps};
+  const int64_t chunk = adamw_chunk();
   size_t first = 0;
   while (first < n) {
     AdamWTensors t{};
+    t.chunk = chunk;
     int blocks = 0;
     int k = 0;
     for (; k < kMaxTensors && first + k < n; ++k) {
@@ -163,7 +184,7 @@ void adamw_launch(const char* op, at::TensorList params, at::TensorList grads, a
       t.c[k] = with_copies ? reinterpret_cast<__nv_bfloat16*>(copies[i].data_ptr()) : nullptr;
       t.n[k] = params[i].numel();
       t.chunk_start[k] = blocks;
-      const int64_t chunks = (t.n[k] + kChunk - 1) / kChunk;
+      const int64_t chunks = (t.n[k] + chunk - 1) / chunk;
       TORCH_CHECK(blocks + chunks < (1LL << 31), "bertaccel ", op, ": too many elements for one launch");
       blocks += (int)chunks;
     }
