@@ -106,6 +106,11 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench_results/adamw.json")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
+    if cuda:
+        from bertaccel.ops import build
+
+        if not build.load():
+            raise SystemExit(f"bench_adamw: the CUDA ops did not build or load: {build.unavailable_reason()}")
     ceiling = copy_bandwidth_gbs() if cuda else None
     if ceiling:
         print(f"device-to-device copy ceiling: {ceiling:.0f} GB/s")

@@ -136,6 +136,7 @@ int64_t adamw_chunk() {
 void adamw_launch(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                   at::TensorList exp_avg_sqs, at::TensorList steps, at::TensorList copies, const at::Tensor& lr,
                   double beta1, double beta2, double weight_decay, double eps, bool with_copies) {
+  const int64_t chunk = adamw_chunk();
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
                   (!with_copies || copies.size() == n),
@@ -167,7 +168,6 @@ void adamw_launch(const char* op, at::TensorList params, at::TensorList grads, a
   c10::cuda::CUDAGuard guard(params[0].device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const AdamWScalars s{(float)beta1, (float)beta2, (float)weight_decay, (float)eps};
-  const int64_t chunk = adamw_chunk();
   size_t first = 0;
   while (first < n) {
     AdamWTensors t{};
