@@ -157,9 +157,10 @@ def test_chunk_size_does_not_change_a_bit(monkeypatch, with_copies):
 
 
 @cuda_test
+@pytest.mark.parametrize("with_copies", [True, False], ids=["adamw_bf16_copies_", "adamw_"])
 @pytest.mark.parametrize("value", ["1000", "0", "-1024", "16k"])
-def test_a_bad_chunk_size_says_what_it_must_be(monkeypatch, value):
+def test_a_bad_chunk_size_says_what_it_must_be(monkeypatch, value, with_copies):
     monkeypatch.setenv("BERTACCEL_ADAMW_CHUNK", value)
     masters, grads = _case("cuda", [8])
     with pytest.raises(RuntimeError, match="BERTACCEL_ADAMW_CHUNK must be a positive multiple of 1024"):
-        _ours(masters, grads, torch.tensor(1e-3, device="cuda"), 0.0)
+        _ours(masters, grads, torch.tensor(1e-3, device="cuda"), 0.0, copies=with_copies)
