@@ -32,9 +32,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdio>
 #include <cstdlib>
-#include <string>
 
 #include "common.cuh"
 
@@ -125,24 +123,18 @@ __global__ void __launch_bounds__(kAdamThreads) adamw_kernel(AdamWTensors t, con
 }
 
 // Elements per block: kDefaultChunk, or BERTACCEL_ADAMW_CHUNK (a positive multiple of 1,024: one 4-wide
-// vector per thread and iteration), read at each call (one optimizer call per step; in a CUDA graph, at capture).
-// Any other value runs the default and says so on stderr (once per value), as switches.h's switches fall back. (A
-// TORCH_CHECK here segfaulted the process on the GPU host in session 57 - both ops, a fresh process, torch
-// 2.11 + CUDA 13 - where this file's tensor checks raise; the same code raised when built locally with nvcc 13
-// against torch 2.13. Not understood; gemm.cu's switch checks have the same form and no test of a bad value.)
+// vector per thread and iteration), read at each call (one optimizer call per step; in a CUDA graph, at capture);
+// any other value is an error. BERTACCEL_CHECK, not TORCH_CHECK: a TORCH_CHECK message with a number in it
+// segfaulted on the GPU host (check.h) - it did here too, in session 57's first version.
 int64_t adamw_chunk() {
   const char* env = std::getenv("BERTACCEL_ADAMW_CHUNK");
   if (env == nullptr || *env == '\0') return kDefaultChunk;
   char* end = nullptr;
   const long long v = std::strtoll(env, &end, 10);
-  if (end != env && *end == '\0' && v > 0 && v % (4 * kAdamThreads) == 0 && v <= (1LL << 30)) return v;
-  static std::string said;  // the last bad value reported: each one once, not at every step
-  if (said != env) {
-    said = env;
-    std::fprintf(stderr, "bertaccel adamw: BERTACCEL_ADAMW_CHUNK='%s' is not a positive multiple of %d (elements per "
-                 "block); running the default %lld\n", env, 4 * kAdamThreads, (long long)kDefaultChunk);
-  }
-  return kDefaultChunk;
+  BERTACCEL_CHECK(end != env && *end == '\0' && v > 0 && v % (4 * kAdamThreads) == 0 && v <= (1LL << 30),
+                  "BERTACCEL_ADAMW_CHUNK must be a positive multiple of %d (elements per block), got '%.64s'; unset "
+                  "it for the default %lld", 4 * kAdamThreads, env, (long long)kDefaultChunk);
+  return v;
 }
 
 // Both ops: checks, then one launch per kMaxTensors parameters. copies empty: adamw_ (fp32 gradients, no copies).

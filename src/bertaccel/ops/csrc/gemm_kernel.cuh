@@ -53,6 +53,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "check.h"
 #include "async_copy.cuh"
 #include "gelu_math.cuh"
 #include "pdl.cuh"
@@ -998,7 +999,7 @@ void launch(const Maps& m, const Params& p, int grid, cudaStream_t stream) {
     cfg.attrs = &attr, cfg.numAttrs = 1;
     int clusters = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-    TORCH_CHECK(clusters > 0, "bertaccel gemm: no cluster of ", CLU, " blocks of this GEMM kernel fits on the GPU");
+    BERTACCEL_CHECK(clusters > 0, "bertaccel gemm: no cluster of %d blocks of this GEMM kernel fits on the GPU", CLU);
     return clusters;
   }();
   cudaLaunchConfig_t cfg{};
