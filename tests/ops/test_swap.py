@@ -221,12 +221,36 @@ def test_registry_derives_build_sources_and_swap_order():
     others = {s for m in build._other_op_modules() for s in m.CUDA_SOURCES}
     assert "adamw.cu" in others
     assert set(build.sources()) == {s for m in registry.modules() for s in m.CUDA_SOURCES} | others | set(build.SHARED_SOURCES)
-    assert all((build.CSRC / s).exists() for s in build.sources() + build.HEADERS)
+    assert all((build.CSRC / s).exists() for s in build.sources() + build.included_headers(build.sources()))
     assert all(name in registry.describe() for name in ORDER)
     # every CUDA / C++ source belongs to exactly one of the three extensions
     extensions = [build.sources(), build.GEMM_SOURCES, build.attention_sources()]
     on_disk = {p.name for p in build.CSRC.iterdir() if p.suffix in (".cu", ".cpp")}
     assert sorted(s for e in extensions for s in e) == sorted(on_disk)
+
+
+def test_build_keys_hash_every_header_a_source_includes(tmp_path, monkeypatch):
+    """Each extension's build key covers the headers its sources include, directly or through other headers (found
+    by reading the includes, not kept by hand), so editing one rebuilds the extension."""
+    import shutil
+
+    from bertaccel.ops import build
+
+    ops, gemm, attention = build.sources(), build.GEMM_SOURCES, build.attention_sources()
+    assert {"common.cuh", "check.h", "vec.cuh", "switches.h"} <= set(build.included_headers(ops))
+    assert "check.h" in build.included_headers(["gemm_plain.cu"])  # only through gemm_kernel.cuh
+    assert "vec.cuh" in build.included_headers(attention)  # through query_rows_attention.cu
+    headers = {p.name for p in build.CSRC.iterdir() if p.suffix in (".h", ".cuh")}
+    used = set(build.included_headers(ops + gemm + attention))
+    assert used <= headers and used == headers, f"headers no source includes: {sorted(headers - used)}"
+    # editing a header that a source reaches only through another header changes the key
+    csrc = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, csrc)
+    monkeypatch.setattr(build, "CSRC", csrc)
+    files = ["gemm_plain.cu"] + build.included_headers(["gemm_plain.cu"])
+    before = build.build_key(files, arch="9.0a")
+    (csrc / "check.h").write_text((csrc / "check.h").read_text() + "\n// edited\n")
+    assert build.build_key(files, arch="9.0a") != before
 
 
 class _RecordingCache:

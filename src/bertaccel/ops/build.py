@@ -53,17 +53,28 @@ def sources() -> list[str]:
     return registry.cuda_sources() + [s for m in _other_op_modules() for s in m.CUDA_SOURCES] + SHARED_SOURCES
 
 
-HEADERS = ["check.h", "common.cuh", "dispatch.h", "erf_fast.cuh", "pdl.cuh", "philox.cuh", "layer_norm_bwd.cuh", "switches.h",
-           "vec.cuh"]
+
+def included_headers(srcs: list[str]) -> list[str]:
+    """The csrc headers that `srcs` include (`#include "..."`), directly or through other headers, sorted: hashed
+    with the sources into an extension's build key, so that editing any of them rebuilds it (found, not listed by
+    hand: a header left off a hand-kept list let a stale build serve edited code)."""
+    pattern = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+    seen: set[str] = set()
+    todo = list(srcs)
+    while todo:
+        for name in pattern.findall((CSRC / todo.pop()).read_text()):
+            if name not in seen and (CSRC / name).is_file():
+                seen.add(name)
+                todo.append(name)
+    return sorted(seen - set(srcs))
+
+
 # the GEMM extension: sm_90a only (wgmma, setmaxnreg); TORCH_CUDA_ARCH_LIST "9.0a" gives its -gencode
 GEMM_SOURCES = ["gemm.cu", "gemm_plain.cu", "gemm_bias.cu", "gemm_gelu.cu", "gemm_splitk.cu", "gemm_residual.cu", "gemm_cluster_cooperative.cu", "gemm_cluster_rows.cu", "gemm_fp32.cu"]
-GEMM_HEADERS = ["async_copy.cuh", "check.h", "erf_fast.cuh", "gelu_math.cuh", "gemm.h", "gemm_kernel.cuh", "pdl.cuh",
-                "switches.h", "tensor_map.h", "wgmma.cuh"]
 GEMM_ARCH = "9.0a"
 # the fused attention extension (mma.sync, sm_80+; its sources: bertaccel.ops.attention.CUDA_SOURCES),
 # built for the GPU's own arch and loaded by `load_attention()` when attention first needs it; a
 # failure there leaves the other ops running
-ATTENTION_HEADERS = ["async_copy.cuh", "check.h", "philox.cuh", "switches.h", "tensor_map.h", "vec.cuh", "wgmma.cuh"]
 # on a Hopper GPU it is built for sm_90a, with its warpgroup-MMA forward and backward
 ATTENTION_SM90A_FLAGS = ["-DBERTACCEL_ATTENTION_SM90A"]
 
@@ -107,7 +118,7 @@ def _arch() -> str:
 
 def build_key(files: list[str] | None = None, arch: str | None = None, extra_cuda_flags: list[str] | None = None) -> str:
     h = hashlib.sha256()
-    for name in files if files is not None else sources() + HEADERS:
+    for name in files if files is not None else sources() + included_headers(sources()):
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(CUDA_FLAGS + list(extra_cuda_flags or [])).encode())
@@ -221,7 +232,7 @@ def load_gemm(verbose: bool = False) -> bool:
     defines = gemm_defines()  # a malformed setting is an error, not a silent fallback to cuBLAS
 
     def build() -> None:
-        _build_and_load_extension("bertaccel_gemm", GEMM_SOURCES, GEMM_SOURCES + GEMM_HEADERS, GEMM_ARCH, verbose,
+        _build_and_load_extension("bertaccel_gemm", GEMM_SOURCES, GEMM_SOURCES + included_headers(GEMM_SOURCES), GEMM_ARCH, verbose,
                                   defines)
 
     return _settle(_gemm_state, reason, build, "GEMM kernels", "Linear layers use cuBLAS.")
@@ -264,7 +275,7 @@ def load_attention(verbose: bool = False) -> bool:
         srcs = attention_sources()
         arch = _attention_arch()
         flags = ATTENTION_SM90A_FLAGS if arch == "9.0a" else []
-        _build_and_load_extension("bertaccel_attention", srcs, srcs + ATTENTION_HEADERS, arch, verbose, flags)
+        _build_and_load_extension("bertaccel_attention", srcs, srcs + included_headers(srcs), arch, verbose, flags)
 
     return _settle(_attention_state, reason, build, "attention kernels",
                    "Attention uses PyTorch's (FlashAttention varlen or SDPA).")
@@ -288,7 +299,7 @@ def attention_reason() -> str:
 
 def _build_and_load(verbose: bool) -> None:
     global entry
-    library_file = _build_and_load_extension("bertaccel_ops", sources(), sources() + HEADERS, _arch(), verbose)
+    library_file = _build_and_load_extension("bertaccel_ops", sources(), sources() + included_headers(sources()), _arch(), verbose)
     entry = _import_entry(library_file)
 
 
