@@ -58,13 +58,11 @@ class Problem:
         self.steps = [torch.full((), 10.0, device=device) for _ in self.params]
         self.lr = torch.tensor(2e-5, device=device)
         self.numel = sum(p.numel() for p in self.params)
-        n = len(self.masters)
         # PyTorch's fused AdamW reads fp32 gradients: the same values widened
         self.fp32_grads = [x.float() for x in self.copy_grads] + self.other_grads
-        self._split = n
 
     def ours(self) -> None:
-        n = self._split
+        n = len(self.masters)
         torch.ops.bertaccel.adamw_bf16_copies_(self.masters, self.copy_grads, self.m[:n], self.v[:n], self.steps[:n],
                                                self.copies, self.lr, *BETAS, WD, EPS)
         torch.ops.bertaccel.adamw_(self.others, self.other_grads, self.m[n:], self.v[n:], self.steps[n:], self.lr,
