@@ -241,6 +241,49 @@ def test_bf16_swapped_graph_on_gpu_within_twice_the_whole_layers_error():
     assert_within_twice(results["cls"], results["whole"], ref_logits, ref_grads)
 
 
+@pytest.mark.cuda
+def test_unpadded_last_layer_reads_the_packed_keys_in_place_on_gpu(monkeypatch):
+    """On a GPU the unpadded encoder's [CLS]-only layer hands the packed K / V rows to the query-rows kernel's varlen
+    form (no padded copy of them): bf16 autocast, dropout, an empty row - the same logits as the re-padded path
+    (BERTACCEL_QUERY_ROWS_VARLEN=0) from the same seed, and the same gradients (within the fp32 atomics' order of the
+    other layers' attention and the embeddings)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from bertaccel.modules.unpadded import Unpadded, classifier_logits
+    from bertaccel.ops import attention, build
+
+    assert build.load_attention(), build.attention_reason()
+    model = _model("sdpa", layers=2, hidden=128, heads=4, dropout=0.1, dtype=torch.float32, device="cuda")  # d 32
+    last_layer_cls_only(model)
+    ids, mask, labels = _batch(device="cuda")
+    mask[3] = 0  # an empty row (a static-shape batch's padding row)
+    labels[3] = -100
+    layout = Unpadded.from_mask(mask)
+    calls = []
+    varlen = attention.query_rows_attention_varlen
+    monkeypatch.setattr(attention, "query_rows_attention_varlen",
+                        lambda *a, **k: calls.append(tuple(a[1].shape)) or varlen(*a, **k))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = classifier_logits(model, ids, mask, None, layout)
+        torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100).backward()
+        return logits.float().detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    got, got_grads = run()
+    assert calls == [(layout.tokens, 2 * 128)]
+    monkeypatch.setenv("BERTACCEL_QUERY_ROWS_VARLEN", "0")
+    ref, ref_grads = run()
+    assert len(calls) == 1  # the re-padded path did not call it
+    assert torch.equal(got, ref)
+    assert got_grads.keys() == ref_grads.keys()
+    for n, g in ref_grads.items():
+        assert torch.isfinite(got_grads[n]).all(), n
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-2, atol=1e-3, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_bf16_weight_copies_key_and_value_read_in_place():
     """Under the graphed steps' bf16 weight copies the K and V weights lie back to back (each attention's Q, K, V in
     one block): the [CLS]-only layer projects K and V in one GEMM reading them in place, with the same result as the

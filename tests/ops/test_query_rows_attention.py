@@ -1,7 +1,9 @@
 """`query_rows_attention`: a few query rows per sequence over all of its keys (the last layer at [CLS] only). CPU: the
 reference against float64 SDPA (forward and gradients), a row with no key, the dropout mask the kernel draws,
 gradcheck, opcheck. CUDA: the kernel against the reference with the same dropout mask, every dtype and head dim, odd
-key counts, masked and empty rows, error at most 2x SDPA's against float64, a CUDA graph drawing new masks per replay."""
+key counts, masked and empty rows, error at most 2x SDPA's against float64, a CUDA graph drawing new masks per replay.
+The varlen form (packed K / V rows, `cu_seqlens`): the padded form's values and gradients (CPU reference: exactly;
+kernel: bit for bit, dropout included), zero gradients at the rows past the last sequence, opcheck, CUDA graphs."""
 
 from __future__ import annotations
 
@@ -9,7 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bertaccel.ops.attention import query_rows_attention, query_rows_keep, query_rows_unavailable
+from bertaccel.ops.attention import (
+    query_rows_attention,
+    query_rows_attention_varlen,
+    query_rows_keep,
+    query_rows_unavailable,
+)
 from tests.ops.conftest import capture_graph, poison, rel_err
 
 
@@ -79,6 +86,61 @@ def test_cpu_dropout_uses_the_kernels_mask():
 def test_unavailable_says_why():
     q, kv, mask = _inputs()
     assert query_rows_unavailable(q, kv, 4) == "not a CUDA tensor"
+    assert query_rows_unavailable(q, kv.flatten(0, 1), 4, max_seqlen=11) == "not a CUDA tensor"
+
+
+def _packed(kv, mask, tail=3):
+    """The padded kv [B, S, 2H] / mask [B, S] (right-padded) as packed rows [T, 2H] with `tail` filler rows of garbage
+    after the last sequence, and cu_seqlens (int32)."""
+    lengths = mask.sum(1)
+    assert torch.equal(mask, torch.arange(mask.shape[1], device=mask.device) < lengths[:, None])
+    rows = kv[mask]
+    fill = torch.full((tail, kv.shape[2]), 7.0, dtype=kv.dtype, device=kv.device)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return torch.cat((rows, fill)), cu
+
+
+def _right_padded(B=4, Q=1, S=11, heads=4, d=8, dtype=torch.float64, device="cpu", seed=0):
+    q, kv, _ = _inputs(B=B, Q=Q, S=S, heads=heads, d=d, dtype=dtype, device=device, seed=seed)
+    lengths = torch.tensor([S, S // 2, 0, 1, 3, S - 1][:B])  # a full row, an empty one, [CLS] alone
+    return q, kv, (torch.arange(S) < lengths[:, None]).to(device)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_cpu_varlen_equals_the_padded_form_with_gradients(p):
+    heads, S = 4, 11
+    q, kv, mask = _right_padded(S=S)
+    packed, cu = _packed(kv, mask)
+    q1, kv1 = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    q2, packed2 = q.clone().requires_grad_(), packed.clone().requires_grad_()
+    out, lse, rng = torch.ops.bertaccel.query_rows_attention_fwd(q1, kv1, mask, heads, p, 0.3)
+    torch.manual_seed(0)  # (the CPU reference draws its seed from the default generator)
+    got, got_lse, got_rng = torch.ops.bertaccel.query_rows_attention_varlen_fwd(q2, packed2, cu, S, heads, p, 0.3)
+    if p > 0:  # the same draw needs the same seed: rerun the padded form with the varlen form's
+        torch.manual_seed(0)
+        out, lse, rng = torch.ops.bertaccel.query_rows_attention_fwd(q1, kv1, mask, heads, p, 0.3)
+    torch.testing.assert_close(got, out, rtol=0, atol=0)
+    torch.testing.assert_close(got_lse, lse, rtol=0, atol=0)
+    g = torch.randn_like(out)
+    dq, dkv = torch.autograd.grad(out, (q1, kv1), g)
+    dq2, dpacked = torch.autograd.grad(got, (q2, packed2), g)
+    torch.testing.assert_close(dq2, dq, rtol=0, atol=0)
+    torch.testing.assert_close(dpacked[:-3], dkv[mask], rtol=0, atol=0)
+    assert dpacked[-3:].abs().max() == 0  # the rows past the last sequence
+    assert got[2].abs().max() == 0 and dq2[2].abs().max() == 0  # the empty sequence
+
+
+def test_varlen_gradcheck_and_opcheck_on_cpu():
+    heads = 2
+    q, kv, mask = _right_padded(B=3, Q=2, S=5, heads=heads, d=4)
+    packed, cu = _packed(kv, mask, tail=2)
+    q.requires_grad_(), packed.requires_grad_()
+    torch.autograd.gradcheck(lambda q, kv: query_rows_attention_varlen(q, kv, cu, 5, heads), (q, packed))
+    q32, kv32 = q.detach().float(), packed.detach().float()
+    torch.library.opcheck(torch.ops.bertaccel.query_rows_attention_varlen_fwd.default, (q32, kv32, cu, 5, heads, 0.0, 0.5))
+    out, lse, rng = torch.ops.bertaccel.query_rows_attention_varlen_fwd(q32, kv32, cu, 5, heads, 0.0, 0.5)
+    torch.library.opcheck(torch.ops.bertaccel.query_rows_attention_varlen_bwd.default,
+                          (torch.randn_like(out), q32, kv32, cu, out, lse, 5, heads, 0.0, 0.5, rng))
 
 
 # ------------------------------------------------------------------------------ CUDA
@@ -162,3 +224,59 @@ def test_cuda_graph_replays_draw_new_masks():
     graph.replay()
     assert not torch.equal(first, static[0])
     assert all(torch.isfinite(t).all() for t in static)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("Q,S,p", [(1, 512, 0.0), (1, 37, 0.1), (3, 200, 0.1), (1, 1000, 0.0)])
+def test_kernel_varlen_equals_the_padded_kernel_bit_for_bit(dtype, d, Q, S, p):
+    """The varlen form reads the packed rows where the padded form reads the padded ones: from the same generator
+    state the same output, lse and rng, dq and dK / dV (at the packed rows) bit for bit, dropout included, and zero
+    dK / dV at the filler rows past the last sequence (poisoned memory beforehand)."""
+    _kernel_or_skip()
+    heads = 4
+    q, kv, mask = _right_padded(B=6, Q=Q, S=S, heads=heads, d=d, dtype=dtype, device="cuda", seed=d + S)
+    packed, cu = _packed(kv, mask, tail=5)
+    assert query_rows_unavailable(q, packed, heads, max_seqlen=S) is None
+    scale = d ** -0.5
+    state = torch.cuda.get_rng_state()
+    poison()
+    got, got_lse, rng = torch.ops.bertaccel.query_rows_attention_varlen_fwd(q, packed, cu, S, heads, p, scale)
+    torch.cuda.set_rng_state(state)
+    ref, ref_lse, ref_rng = torch.ops.bertaccel.query_rows_attention_fwd(q, kv, mask, heads, p, scale)
+    assert torch.equal(got, ref) and torch.equal(got_lse, ref_lse) and torch.equal(rng, ref_rng)
+    if p > 0:
+        free = torch.ops.bertaccel.query_rows_attention_varlen_fwd(q, packed, cu, S, heads, 0.0, scale)[0]
+        assert not torch.equal(got, free)
+    dout = torch.randn(q.shape, device="cuda", dtype=dtype)
+    poison()
+    dq, dpacked = torch.ops.bertaccel.query_rows_attention_varlen_bwd(dout, q, packed, cu, got, got_lse, S, heads, p,
+                                                                      scale, rng)
+    ref_dq, ref_dkv = torch.ops.bertaccel.query_rows_attention_bwd(dout, q, kv, mask, ref, ref_lse, heads, p, scale,
+                                                                   ref_rng)
+    assert torch.equal(dq, ref_dq)
+    assert torch.equal(dpacked[:-5], ref_dkv[mask])
+    assert dpacked[-5:].abs().max() == 0
+    assert got[2].abs().max() == 0 and dq[2].abs().max() == 0 and torch.isinf(got_lse[2]).all()
+
+
+@pytest.mark.cuda
+def test_kernel_varlen_in_a_cuda_graph():
+    _kernel_or_skip()
+    heads = 12
+    q, kv, mask = _right_padded(B=5, Q=1, S=128, heads=heads, d=32, dtype=torch.bfloat16, device="cuda")
+    packed, cu = _packed(kv, mask)
+    q.requires_grad_(), packed.requires_grad_()
+
+    def step():
+        out = query_rows_attention_varlen(q, packed, cu, 128, heads, 0.1)
+        return (out.detach(), *torch.autograd.grad(out.float().square().sum(), (q, packed)))
+
+    graph, static = capture_graph(step)
+    graph.replay()
+    first = static[0].clone()
+    graph.replay()
+    assert not torch.equal(first, static[0])
+    assert all(torch.isfinite(t).all() for t in static)
+    assert static[2][-3:].abs().max() == 0

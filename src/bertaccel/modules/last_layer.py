@@ -100,6 +100,21 @@ def _attend(sa: nn.Module, q: Tensor, kv: Tensor, mask: Tensor | None) -> Tensor
     return out.transpose(1, 2).reshape(B, Q, heads * d)
 
 
+def _attend_packed(sa: nn.Module, q: Tensor, kv: Tensor, layout) -> Tensor:
+    """q [B, Q, H], kv [T, 2H] the packed rows of `layout` (`bertaccel.modules.unpadded.Unpadded`) -> [B, Q, H]:
+    our kernel reads K and V in place on a GPU; elsewhere (or where it cannot run) `_attend` on the re-padded rows
+    (BERTACCEL_QUERY_ROWS_VARLEN=0: the re-padded rows on a GPU too, the path before the varlen form - for A/B runs)."""
+    if q.is_cuda and os.environ.get("BERTACCEL_QUERY_ROWS_ATTENTION", "1") != "0" and \
+            os.environ.get("BERTACCEL_QUERY_ROWS_VARLEN", "1") != "0":
+        from bertaccel.ops.attention import query_rows_attention_varlen, query_rows_unavailable
+
+        heads = sa.num_attention_heads
+        if query_rows_unavailable(q, kv, heads, layout.max_seqlen) is None:
+            return query_rows_attention_varlen(q, kv, layout.cu_seqlens, layout.max_seqlen, heads,
+                                               sa.dropout.p if sa.training else 0.0, sa.scaling)
+    return _attend(sa, q, layout.unpack(kv), layout.key_padding)
+
+
 def rows_attention(sa: nn.Module, rows: Tensor, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
     """Self-attention's output at the kept rows: rows [B, Q, H] (queries), hidden [B, S, H] (keys, values) ->
     [B, Q, H]. The module's own projection modules (nn.Linear, the kernel swap's, QK-norm's) make q, k, v."""
@@ -108,15 +123,15 @@ def rows_attention(sa: nn.Module, rows: Tensor, hidden: Tensor, attention_mask: 
 
 def cls_layer_forward_packed(layer: nn.Module, h: Tensor, layout, region=contextlib.nullcontext) -> Tensor:
     """The unpadded encoder's last layer (`model.unpadded`) at each sequence's [CLS] only: packed rows h [T, H] ->
-    [B, H] (zeros for empty rows, as `Unpadded.first_tokens` gives). K and V on the packed rows, put back in the
-    padded [B, S] order for SDPA with the key-padding mask (one query per sequence: small next to the GEMMs).
+    [B, H] (zeros for empty rows, as `Unpadded.first_tokens` gives). K and V on the packed rows, read there by our
+    query-rows kernel (`query_rows_attention_varlen`); where it cannot run (CPU, BERTACCEL_QUERY_ROWS_ATTENTION=0),
+    put back in the padded [B, S] order for SDPA with the key-padding mask.
     `region()`: the context the attention part runs in (the unpadded encoder's profiler label)."""
     attention = layer.attention
     sa = attention.self
     with region():
         cls = layout.first_tokens(h)  # [B, H]
-        kv = layout.unpack(_keys_values(sa, h))  # [B, S, 2H], zeros at the padding (masked)
-        a = attention.output(_attend(sa, sa.query(cls)[:, None], kv, layout.key_padding)[:, 0], cls)
+        a = attention.output(_attend_packed(sa, sa.query(cls)[:, None], _keys_values(sa, h), layout)[:, 0], cls)
     out = layer.feed_forward_chunk(a)  # (its modules' hooks label the feed-forward block)
     empty = (layout.cu_seqlens[1:] == layout.cu_seqlens[:-1])[:, None]
     return out.masked_fill(empty, 0)

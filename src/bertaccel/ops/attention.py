@@ -64,6 +64,15 @@ lib.define(
     "query_rows_attention_bwd(Tensor grad_out, Tensor q, Tensor kv, Tensor key_mask, Tensor out, Tensor lse, int heads,"
     " float dropout_p, float scale, Tensor rng) -> (Tensor, Tensor)"
 )
+lib.define(
+    "query_rows_attention_varlen_fwd(Tensor q, Tensor kv, Tensor cu_seqlens, int max_seqlen, int heads,"
+    " float dropout_p, float scale) -> (Tensor, Tensor, Tensor)",
+    tags=SEEDED,
+)
+lib.define(
+    "query_rows_attention_varlen_bwd(Tensor grad_out, Tensor q, Tensor kv, Tensor cu_seqlens, Tensor out, Tensor lse,"
+    " int max_seqlen, int heads, float dropout_p, float scale, Tensor rng) -> (Tensor, Tensor)"
+)
 
 # ------------------------------------------------------------------------------ the dropout draw
 # (philox4x32 and dropout_threshold: bertaccel.ops.registration, shared with the row ops' dropout)
@@ -394,14 +403,20 @@ torch.library.register_autograd(f"{NS}::query_rows_attention_fwd", _query_rows_b
                                 setup_context=_query_rows_setup)
 
 
-def query_rows_unavailable(q: Tensor, kv: Tensor, heads: int) -> str | None:
-    """Why the CUDA kernel cannot take these q [B, Q, H], kv [B, S, 2H] (None: it can). Builds the attention
-    extension on the first CUDA call (never while torch.compile traces)."""
+def query_rows_unavailable(q: Tensor, kv: Tensor, heads: int, max_seqlen: int | None = None) -> str | None:
+    """Why the CUDA kernel cannot take these q [B, Q, H], kv [B, S, 2H] - or, given `max_seqlen`, the packed kv
+    [T, 2H] of `query_rows_attention_varlen` - (None: it can). Builds the attention extension on the first CUDA call
+    (never while torch.compile traces)."""
     if not q.is_cuda:
         return "not a CUDA tensor"
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or kv.dtype != q.dtype:
         return f"{q.dtype} / {kv.dtype} (the kernel takes one of bfloat16, float16, float32)"
-    if q.dim() != 3 or kv.dim() != 3 or kv.shape[0] != q.shape[0] or kv.shape[2] != 2 * q.shape[2]:
+    if max_seqlen is not None:
+        if q.dim() != 3 or kv.dim() != 2 or kv.shape[1] != 2 * q.shape[2]:
+            return f"q {tuple(q.shape)} / kv {tuple(kv.shape)} are not [batch, queries, hidden] / [tokens, 2 x hidden]"
+        if max_seqlen >= 2 ** 31 or kv.shape[0] >= 2 ** 31:
+            return f"{max_seqlen} keys per sequence / {kv.shape[0]} tokens (the kernel counts in int32)"
+    elif q.dim() != 3 or kv.dim() != 3 or kv.shape[0] != q.shape[0] or kv.shape[2] != 2 * q.shape[2]:
         return f"q {tuple(q.shape)} / kv {tuple(kv.shape)} are not [batch, queries, hidden] / [batch, keys, 2 x hidden]"
     if not 1 <= q.shape[1] <= QUERY_ROWS_MAX:
         return f"{q.shape[1]} queries per sequence (the kernel takes 1 to {QUERY_ROWS_MAX})"
@@ -410,8 +425,9 @@ def query_rows_unavailable(q: Tensor, kv: Tensor, heads: int) -> str | None:
     for name, t in (("q", q), ("kv", kv)):
         if t.is_contiguous() and t.data_ptr() % 16:
             return f"{name} does not start on a 16-byte boundary (the kernel reads its rows as vectors)"
-    if q.shape[1] * -(-kv.shape[1] // 32) * 4 > 200 * 1024:
-        return f"{q.shape[1]} queries x {kv.shape[1]} keys' dropout bits (more shared memory than a CTA has)"
+    keys = kv.shape[1] if max_seqlen is None else max_seqlen
+    if q.shape[1] * -(-keys // 32) * 4 > 200 * 1024:
+        return f"{q.shape[1]} queries x {keys} keys' dropout bits (more shared memory than a CTA has)"
     return _extension_unavailable()
 
 
@@ -425,3 +441,82 @@ def query_rows_attention(q: Tensor, kv: Tensor, key_mask: Tensor, heads: int, dr
     scale = float(scale) if scale is not None else (q.shape[-1] // heads) ** -0.5
     return torch.ops.bertaccel.query_rows_attention_fwd(q.contiguous(), kv.contiguous(), key_mask.contiguous(),
                                                         int(heads), float(dropout_p), scale)[0]
+
+
+# The varlen form: the unpadded encoder's packed K / V rows read in place (no padded copy of them, forward or
+# backward). Sequence b's keys are kv rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1; its key j is its j-th row, as in
+# the padded form, so both forms draw the same dropout mask and the kernel gives them the same bits. The CPU reference
+# re-pads and runs the padded reference.
+def _varlen_rows(cu_seqlens: Tensor, max_seqlen: int) -> tuple[Tensor, Tensor]:
+    """Each sequence's packed row per key position [B, max_seqlen] (clamped into range) and which are keys."""
+    cu = cu_seqlens.long()
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    j = torch.arange(max_seqlen, device=cu.device)
+    return (starts[:, None] + j).clamp(max=max(int(cu[-1]) - 1, 0)), j < lengths[:, None]
+
+
+def _varlen_padded(kv: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> tuple[Tensor, Tensor]:
+    rows, mask = _varlen_rows(cu_seqlens, max_seqlen)
+    if kv.shape[0] == 0:
+        return kv.new_zeros(*rows.shape, kv.shape[1]), mask
+    return kv[rows].masked_fill(~mask[..., None], 0), mask
+
+
+@torch.library.impl(lib, "query_rows_attention_varlen_fwd", "CPU")
+def _query_rows_varlen_fwd_cpu(q, kv, cu_seqlens, max_seqlen, heads, dropout_p, scale):
+    padded, mask = _varlen_padded(kv, cu_seqlens, max_seqlen)
+    return _query_rows_fwd_cpu(q, padded, mask, heads, dropout_p, scale)
+
+
+@torch.library.impl(lib, "query_rows_attention_varlen_bwd", "CPU")
+def _query_rows_varlen_bwd_cpu(grad_out, q, kv, cu_seqlens, out, lse, max_seqlen, heads, dropout_p, scale, rng):
+    padded, mask = _varlen_padded(kv, cu_seqlens, max_seqlen)
+    dq, dpadded = _query_rows_bwd_cpu(grad_out, q, padded, mask, out, lse, heads, dropout_p, scale, rng)
+    rows, _ = _varlen_rows(cu_seqlens, max_seqlen)
+    dkv = kv.new_zeros(kv.shape)
+    dkv[rows[mask]] = dpadded[mask]  # the rows past the last sequence stay zero
+    return dq, dkv
+
+
+@torch.library.register_fake(f"{NS}::query_rows_attention_varlen_fwd")
+def _query_rows_varlen_fwd_fake(q, kv, cu_seqlens, max_seqlen, heads, dropout_p, scale):
+    return _query_rows_fwd_fake(q, kv, None, heads, dropout_p, scale)
+
+
+@torch.library.register_fake(f"{NS}::query_rows_attention_varlen_bwd")
+def _query_rows_varlen_bwd_fake(grad_out, q, kv, cu_seqlens, out, lse, max_seqlen, heads, dropout_p, scale, rng):
+    return q.new_empty(q.shape), kv.new_empty(kv.shape)
+
+
+def _query_rows_varlen_setup(ctx, inputs, output):
+    q, kv, cu_seqlens, max_seqlen, heads, dropout_p, scale = inputs
+    out, lse, rng = output
+    ctx.save_for_backward(q, kv, cu_seqlens, out, lse, rng)
+    ctx.max_seqlen, ctx.heads, ctx.dropout_p, ctx.scale = max_seqlen, heads, dropout_p, scale
+    ctx.set_materialize_grads(False)
+
+
+def _query_rows_varlen_backward(ctx, grad_out, grad_lse, grad_rng):
+    if grad_out is None:
+        return None, None, None, None, None, None, None
+    q, kv, cu_seqlens, out, lse, rng = ctx.saved_tensors
+    dq, dkv = torch.ops.bertaccel.query_rows_attention_varlen_bwd(
+        grad_out.contiguous(), q, kv, cu_seqlens, out, lse, ctx.max_seqlen, ctx.heads, ctx.dropout_p, ctx.scale, rng)
+    return dq, dkv, None, None, None, None, None
+
+
+torch.library.register_autograd(f"{NS}::query_rows_attention_varlen_fwd", _query_rows_varlen_backward,
+                                setup_context=_query_rows_varlen_setup)
+
+
+def query_rows_attention_varlen(q: Tensor, kv: Tensor, cu_seqlens: Tensor, max_seqlen: int, heads: int,
+                                dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
+    """Attention of q [B, Q, H] (Q <= 4 query rows per sequence) over the packed keys and values kv [T, 2H] (K then
+    V, heads x head_dim each): sequence b's keys are rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (int32 [B + 1]),
+    none longer than `max_seqlen` (the keys past it are not read); [B, Q, H], zeros for an empty sequence. The
+    gradient of kv is zero at the rows past cu_seqlens[B]. The caller checks `query_rows_unavailable(q, kv, heads,
+    max_seqlen)` on CUDA; on CPU this runs the reference."""
+    check_dropout(dropout_p)
+    scale = float(scale) if scale is not None else (q.shape[-1] // heads) ** -0.5
+    return torch.ops.bertaccel.query_rows_attention_varlen_fwd(q.contiguous(), kv.contiguous(), cu_seqlens.contiguous(),
+                                                               int(max_seqlen), int(heads), float(dropout_p), scale)[0]

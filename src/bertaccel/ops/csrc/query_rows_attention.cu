@@ -12,6 +12,11 @@
 // Layout: q [B, Q, H] and kv [B, S, 2H] (the K then V projections of every token: H = heads x D) contiguous,
 // key_mask [B, S] bool (true: attend), out [B, Q, H], lse [B, heads, Q] fp32 (natural log; -inf for a row with no
 // key, whose output and gradients are zero), dkv [B, S, 2H] written whole (zeros at masked keys).
+// Varlen (the unpadded encoder's packed rows, `query_rows_attention_varlen_*`): kv [T, 2H], sequence b's keys are
+// rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (int32 [B + 1], on the device; no mask, no padded copy of K and V),
+// max_seqlen bounds every length (the keys past it are not read); dkv [T, 2H] written whole (zeros at the rows past
+// cu_seqlens[B], which belong to no sequence). Key j of a sequence is its j-th row in either layout, so both layouts
+// draw the same dropout mask and give the same bits.
 //
 // Session 56's layout (the first, one warp per key row with 4-byte loads, a scores pass and then a V pass: 186 us
 // forward + backward at 32x1x512, ~0.8 TB/s): a key's row is read by a group of lanes, 16 bytes each (8 lanes at
@@ -48,7 +53,8 @@ constexpr int kQRMaxQueries = 4;
 struct QRParams {
   const void* q;
   const void* kv;
-  const bool* mask;
+  const bool* mask;  // padded layout: [B, S]
+  const int* cu;     // varlen layout: cu_seqlens [B + 1] (nullptr: padded)
   const void* dout;  // backward
   const void* out;   // backward: the forward's output
   void* o;           // forward: out; backward: dq
@@ -56,9 +62,24 @@ struct QRParams {
   float* lse;
   int64_t* rng;  // forward: (seed, offset) written; backward: read
   at::PhiloxCudaState philox;
-  int batch, queries, keys, heads;
+  int batch, queries, keys, heads;  // keys: S (padded) or max_seqlen (varlen)
+  int64_t tokens;                   // varlen: T, the rows of kv
   float scale, p;
 };
+
+// Where sequence b's keys are: its first row in kv and its key count (the layout's only difference).
+struct KeyRows {
+  int64_t first;
+  int count;
+  const bool* mask;  // nullptr: every key of the count is attended
+};
+__device__ __forceinline__ KeyRows key_rows(const QRParams& P, int b) {
+  if (P.cu != nullptr) {
+    const int first = P.cu[b];
+    return {first, max(0, min(P.cu[b + 1] - first, P.keys)), nullptr};
+  }
+  return {(int64_t)b * P.keys, P.keys, P.mask + (int64_t)b * P.keys};
+}
 
 __device__ __forceinline__ void dropout_state(const QRParams& P, bool from_rng, uint64_t& seed, uint64_t& offset) {
   seed = offset = 0;
@@ -113,8 +134,8 @@ __device__ __forceinline__ uint32_t keep_word(const QRParams& P, uint64_t seed, 
 
 // The CTA's dropout keep bits, [Q][ceil(S / 32)] words in shared memory (drawn once, read by every key's lanes).
 __device__ __forceinline__ void fill_keep_bits(const QRParams& P, uint64_t seed, uint64_t offset, int b, int h, int Q,
-                                               uint32_t* bits) {
-  const int W = (P.keys + 31) / 32;
+                                               int S, uint32_t* bits) {
+  const int W = (S + 31) / 32;
   for (int x = threadIdx.x; x < Q * W; x += kQRWarps * 32) bits[x] = keep_word(P, seed, offset, b, x / W, h, x % W);
   __syncthreads();
 }
@@ -135,7 +156,8 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_fwd
   __shared__ float stats[kQRWarps][NQ][2];  // (max, sum) of each warp
   const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / LK, sub = lane % LK;
-  const int Q = NQ == 1 ? 1 : P.queries, S = P.keys, H = P.heads * D, W = (S + 31) / 32;
+  const KeyRows rows = key_rows(P, b);
+  const int Q = NQ == 1 ? 1 : P.queries, S = rows.count, H = P.heads * D, W = (S + 31) / 32;
   uint64_t seed, offset;
   dropout_state(P, false, seed, offset);
   if (P.rng != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
@@ -144,11 +166,11 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_fwd
   }
   const bool dropout = P.p > 0.f;
   const float factor = dropout ? 1.f / (1.f - P.p) : 1.f;
-  if (dropout) fill_keep_bits(P, seed, offset, b, h, Q, keep_bits);
+  if (dropout) fill_keep_bits(P, seed, offset, b, h, Q, S, keep_bits);
   const T* q = static_cast<const T*>(P.q) + (int64_t)b * Q * H + h * D + sub * E;
-  const T* k = static_cast<const T*>(P.kv) + (int64_t)b * S * 2 * H + h * D + sub * E;
+  const T* k = static_cast<const T*>(P.kv) + rows.first * 2 * H + h * D + sub * E;
   const T* v = k + H;
-  const bool* mask = P.mask + (int64_t)b * S;
+  const bool* mask = rows.mask;
 
   float qf[NQ][E] = {}, m[NQ], l[NQ], acc[NQ][E] = {};
 #pragma unroll
@@ -165,7 +187,7 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_fwd
       load_f<T, E>(k + (int64_t)j * 2 * H, kf);
       load_f<T, E>(v + (int64_t)j * 2 * H, vf);
     }
-    const bool valid = in && mask[j];
+    const bool valid = in && (mask == nullptr || mask[j]);
 #pragma unroll
     for (int i = 0; i < NQ; ++i) {
       if (i >= Q) break;
@@ -239,22 +261,32 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_bwd
   __shared__ float partial[kQRWarps][NQ][D];
   const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / LK, sub = lane % LK;
-  const int Q = NQ == 1 ? 1 : P.queries, S = P.keys, H = P.heads * D, W = (S + 31) / 32;
+  const KeyRows rows = key_rows(P, b);
+  const int Q = NQ == 1 ? 1 : P.queries, S = rows.count, H = P.heads * D, W = (S + 31) / 32;
   uint64_t seed, offset;
   dropout_state(P, true, seed, offset);
   const bool dropout = P.p > 0.f;
   const float factor = dropout ? 1.f / (1.f - P.p) : 1.f;
-  if (dropout) fill_keep_bits(P, seed, offset, b, h, Q, keep_bits);
+  if (dropout) fill_keep_bits(P, seed, offset, b, h, Q, S, keep_bits);
   const int64_t qrow = (int64_t)b * Q * H + h * D + sub * E;
   const T* q = static_cast<const T*>(P.q) + qrow;
   const T* dout = static_cast<const T*>(P.dout) + qrow;
   const T* out = static_cast<const T*>(P.out) + qrow;
-  const int64_t krow = (int64_t)b * S * 2 * H + h * D + sub * E;
+  const int64_t krow = rows.first * 2 * H + h * D + sub * E;
   const T* k = static_cast<const T*>(P.kv) + krow;
   const T* v = k + H;
   T* dk = static_cast<T*>(P.dkv) + krow;
   T* dv = dk + H;
-  const bool* mask = P.mask + (int64_t)b * S;
+  const bool* mask = rows.mask;
+  if (P.cu != nullptr) {  // varlen: the rows past the last sequence get zeros, spread over the CTAs of head h
+    const float zeros[E] = {};
+    T* tail = static_cast<T*>(P.dkv) + h * D + sub * E;
+    for (int64_t r = P.cu[P.batch] + b + (int64_t)(warp * KPW + group) * P.batch; r < P.tokens;
+         r += (int64_t)kQRWarps * KPW * P.batch) {
+      store_f<T, E>(tail + r * 2 * H, zeros);
+      store_f<T, E>(tail + r * 2 * H + H, zeros);
+    }
+  }
 
   float qf[NQ][E] = {}, df[NQ][E] = {}, lse[NQ], delta[NQ];
 #pragma unroll
@@ -281,7 +313,7 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_bwd
       load_f<T, E>(k + (int64_t)j * 2 * H, kf);
       load_f<T, E>(v + (int64_t)j * 2 * H, vf);
     }
-    const bool valid = in && mask[j];
+    const bool valid = in && (mask == nullptr || mask[j]);
 #pragma unroll
     for (int i = 0; i < NQ; ++i) {
       if (i >= Q) break;
@@ -333,17 +365,15 @@ __global__ void __launch_bounds__(kQRWarps * 32, NQ == 1 ? 2 : 1) query_rows_bwd
   }
 }
 
-void check_inputs(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& mask, int64_t heads, double p) {
+// What both layouts ask of q and kv (kv's shape is checked by the layout's own function).
+void check_q_kv(const at::Tensor& q, const at::Tensor& kv, int64_t heads, double p) {
   BERTACCEL_CHECK(q.is_cuda() && q.dim() == 3 && q.is_contiguous(),
                   "bertaccel query_rows_attention: q must be a contiguous CUDA tensor [batch, queries, hidden]");
-  BERTACCEL_CHECK(kv.is_cuda() && kv.dim() == 3 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
-                  "bertaccel query_rows_attention: kv must be a contiguous CUDA tensor [batch, keys, 2 x hidden] of q's dtype");
-  BERTACCEL_CHECK(mask.is_cuda() && mask.dim() == 2 && mask.is_contiguous() && mask.scalar_type() == at::kBool,
-                  "bertaccel query_rows_attention: key_mask must be a contiguous CUDA bool tensor [batch, keys]");
-  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2);
-  BERTACCEL_CHECK(kv.size(0) == B && kv.size(2) == 2 * H && mask.size(0) == B && mask.size(1) == kv.size(1),
-                  "bertaccel query_rows_attention: q %s, kv %s and key_mask %s do not match", shape_str(q.sizes()).c_str(),
-                  shape_str(kv.sizes()).c_str(), shape_str(mask.sizes()).c_str());
+  BERTACCEL_CHECK(kv.is_cuda() && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
+                  "bertaccel query_rows_attention: kv must be a contiguous CUDA tensor of q's dtype");
+  const int64_t Q = q.size(1), H = q.size(2);
+  BERTACCEL_CHECK(kv.size(-1) == 2 * H, "bertaccel query_rows_attention: kv %s does not hold 2 x q's hidden (q %s)",
+                  shape_str(kv.sizes()).c_str(), shape_str(q.sizes()).c_str());
   BERTACCEL_CHECK(heads > 0 && H % heads == 0, "bertaccel query_rows_attention: hidden %lld is not a multiple of %lld heads",
                   (long long)H, (long long)heads);
   const int64_t D = H / heads;
@@ -355,6 +385,30 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& m
   BERTACCEL_CHECK(p >= 0 && p < 1, "bertaccel query_rows_attention: dropout_p must be in [0, 1)");
   BERTACCEL_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(kv.data_ptr()) % 16 == 0,
                   "bertaccel query_rows_attention: q and kv must start on 16-byte boundaries (the rows are read as vectors)");
+}
+
+// The padded layout: kv [B, S, 2H], key_mask [B, S] bool.
+void check_inputs(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& mask, int64_t heads, double p) {
+  check_q_kv(q, kv, heads, p);
+  BERTACCEL_CHECK(kv.dim() == 3, "bertaccel query_rows_attention: kv must be [batch, keys, 2 x hidden]");
+  BERTACCEL_CHECK(mask.is_cuda() && mask.dim() == 2 && mask.is_contiguous() && mask.scalar_type() == at::kBool,
+                  "bertaccel query_rows_attention: key_mask must be a contiguous CUDA bool tensor [batch, keys]");
+  BERTACCEL_CHECK(kv.size(0) == q.size(0) && mask.size(0) == q.size(0) && mask.size(1) == kv.size(1),
+                  "bertaccel query_rows_attention: q %s, kv %s and key_mask %s do not match", shape_str(q.sizes()).c_str(),
+                  shape_str(kv.sizes()).c_str(), shape_str(mask.sizes()).c_str());
+}
+
+// The varlen layout: kv [T, 2H], cu_seqlens int32 [B + 1].
+void check_varlen_inputs(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& cu, int64_t max_seqlen,
+                         int64_t heads, double p) {
+  check_q_kv(q, kv, heads, p);
+  BERTACCEL_CHECK(kv.dim() == 2, "bertaccel query_rows_attention_varlen: kv must be the packed rows [tokens, 2 x hidden]");
+  BERTACCEL_CHECK(cu.is_cuda() && cu.dim() == 1 && cu.is_contiguous() && cu.scalar_type() == at::kInt &&
+                      cu.numel() == q.size(0) + 1,
+                  "bertaccel query_rows_attention_varlen: cu_seqlens must be a contiguous CUDA int32 tensor [batch + 1] "
+                  "(q %s, cu_seqlens %s)", shape_str(q.sizes()).c_str(), shape_str(cu.sizes()).c_str());
+  BERTACCEL_CHECK(max_seqlen >= 0 && max_seqlen < (1LL << 31) && kv.size(0) < (1LL << 31),
+                  "bertaccel query_rows_attention_varlen: max_seqlen and the token count must fit in int32");
 }
 
 // Dynamic shared memory of both kernels: the dropout keep bits, [Q][ceil(S / 32)] 32-bit words (checked to fit a CTA).
@@ -387,13 +441,13 @@ void allow_smem(K kernel, size_t smem) {
   if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
 }
 
-// (out [B, Q, H], lse [B, heads, Q] fp32, rng (seed, offset) int64)
-std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_fwd(const at::Tensor& q, const at::Tensor& kv,
-                                                                        const at::Tensor& key_mask, int64_t heads,
-                                                                        double dropout_p, double scale) {
-  check_inputs(q, kv, key_mask, heads, dropout_p);
+// The forward of either layout (checked by the caller): S keys per sequence (max_seqlen with cu), out [B, Q, H],
+// lse [B, heads, Q] fp32, rng (seed, offset) int64.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& kv, const bool* mask,
+                                                       const int* cu, int64_t S, int64_t heads, double dropout_p,
+                                                       double scale) {
   c10::cuda::CUDAGuard guard(q.device());
-  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), S = kv.size(1), D = H / heads;
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), D = H / heads;
   const size_t smem = keep_bits_smem(Q, S, dropout_p);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({B, heads, Q}, q.options().dtype(at::kFloat));
@@ -406,11 +460,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_fwd(const at
   QRParams P{};
   P.q = q.data_ptr();
   P.kv = kv.data_ptr();
-  P.mask = key_mask.data_ptr<bool>();
+  P.mask = mask;
+  P.cu = cu;
   P.o = out.data_ptr();
   P.lse = lse.data_ptr<float>();
   P.rng = rng.data_ptr<int64_t>();
   P.batch = (int)B, P.queries = (int)Q, P.keys = (int)S, P.heads = (int)heads;
+  P.tokens = kv.dim() == 2 ? kv.size(0) : 0;
   P.scale = (float)scale, P.p = (float)dropout_p;
   if (dropout_p > 0) {
     auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());
@@ -427,13 +483,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_fwd(const at
   return {out, lse, rng};
 }
 
-// (dq [B, Q, H], dkv [B, S, 2H])
-std::tuple<at::Tensor, at::Tensor> query_rows_attention_bwd(const at::Tensor& dout, const at::Tensor& q,
-                                                            const at::Tensor& kv, const at::Tensor& key_mask,
-                                                            const at::Tensor& out, const at::Tensor& lse,
-                                                            int64_t heads, double dropout_p, double scale,
-                                                            const at::Tensor& rng) {
-  check_inputs(q, kv, key_mask, heads, dropout_p);
+void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
+                           int64_t heads, const at::Tensor& rng) {
   BERTACCEL_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && dout.is_contiguous() && out.is_contiguous() &&
                       dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
                   "bertaccel query_rows_attention: grad_out and out must be contiguous and shaped like q");
@@ -441,16 +492,24 @@ std::tuple<at::Tensor, at::Tensor> query_rows_attention_bwd(const at::Tensor& do
                   "bertaccel query_rows_attention: lse must be the forward's fp32 [batch, heads, queries]");
   BERTACCEL_CHECK(rng.is_cuda() && rng.scalar_type() == at::kLong && rng.numel() == 2,
                   "bertaccel query_rows_attention: rng must be the forward's int64 (seed, offset)");
+}
+
+// The backward of either layout (checked by the caller): dq [B, Q, H], dkv shaped like kv.
+std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv,
+                                            const bool* mask, const int* cu, int64_t S, const at::Tensor& out,
+                                            const at::Tensor& lse, int64_t heads, double dropout_p, double scale,
+                                            const at::Tensor& rng) {
   c10::cuda::CUDAGuard guard(q.device());
-  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), S = kv.size(1), D = H / heads;
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), D = H / heads;
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dkv = at::empty(kv.sizes(), kv.options());
-  if (B == 0) return {dq, dkv};
-  if (S == 0) return {dq.zero_(), dkv};
+  if (B == 0) return {dq, cu != nullptr ? dkv.zero_() : dkv};
+  if (S == 0) return {dq.zero_(), cu != nullptr ? dkv.zero_() : dkv};
   QRParams P{};
   P.q = q.data_ptr();
   P.kv = kv.data_ptr();
-  P.mask = key_mask.data_ptr<bool>();
+  P.mask = mask;
+  P.cu = cu;
   P.dout = dout.data_ptr();
   P.out = out.data_ptr();
   P.o = dq.data_ptr();
@@ -458,6 +517,7 @@ std::tuple<at::Tensor, at::Tensor> query_rows_attention_bwd(const at::Tensor& do
   P.lse = const_cast<float*>(lse.data_ptr<float>());
   P.rng = const_cast<int64_t*>(rng.data_ptr<int64_t>());
   P.batch = (int)B, P.queries = (int)Q, P.keys = (int)S, P.heads = (int)heads;
+  P.tokens = kv.dim() == 2 ? kv.size(0) : 0;
   P.scale = (float)scale, P.p = (float)dropout_p;
   auto stream = at::cuda::getCurrentCUDAStream();
   const size_t smem = keep_bits_smem(Q, S, dropout_p);
@@ -470,10 +530,49 @@ std::tuple<at::Tensor, at::Tensor> query_rows_attention_bwd(const at::Tensor& do
   return {dq, dkv};
 }
 
+// padded: kv [B, S, 2H], key_mask [B, S]
+std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_fwd(const at::Tensor& q, const at::Tensor& kv,
+                                                                        const at::Tensor& key_mask, int64_t heads,
+                                                                        double dropout_p, double scale) {
+  check_inputs(q, kv, key_mask, heads, dropout_p);
+  return forward(q, kv, key_mask.data_ptr<bool>(), nullptr, kv.size(1), heads, dropout_p, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> query_rows_attention_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                            const at::Tensor& kv, const at::Tensor& key_mask,
+                                                            const at::Tensor& out, const at::Tensor& lse,
+                                                            int64_t heads, double dropout_p, double scale,
+                                                            const at::Tensor& rng) {
+  check_inputs(q, kv, key_mask, heads, dropout_p);
+  check_backward_inputs(dout, q, out, lse, heads, rng);
+  return backward(dout, q, kv, key_mask.data_ptr<bool>(), nullptr, kv.size(1), out, lse, heads, dropout_p, scale, rng);
+}
+
+// varlen: kv [T, 2H], cu_seqlens int32 [B + 1]
+std::tuple<at::Tensor, at::Tensor, at::Tensor> query_rows_attention_varlen_fwd(const at::Tensor& q, const at::Tensor& kv,
+                                                                               const at::Tensor& cu_seqlens,
+                                                                               int64_t max_seqlen, int64_t heads,
+                                                                               double dropout_p, double scale) {
+  check_varlen_inputs(q, kv, cu_seqlens, max_seqlen, heads, dropout_p);
+  return forward(q, kv, nullptr, cu_seqlens.data_ptr<int>(), max_seqlen, heads, dropout_p, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> query_rows_attention_varlen_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                                   const at::Tensor& kv, const at::Tensor& cu_seqlens,
+                                                                   const at::Tensor& out, const at::Tensor& lse,
+                                                                   int64_t max_seqlen, int64_t heads, double dropout_p,
+                                                                   double scale, const at::Tensor& rng) {
+  check_varlen_inputs(q, kv, cu_seqlens, max_seqlen, heads, dropout_p);
+  check_backward_inputs(dout, q, out, lse, heads, rng);
+  return backward(dout, q, kv, nullptr, cu_seqlens.data_ptr<int>(), max_seqlen, out, lse, heads, dropout_p, scale, rng);
+}
+
 }  // namespace
 }  // namespace bertaccel
 
 TORCH_LIBRARY_IMPL(bertaccel, CUDA, m) {
   m.impl("query_rows_attention_fwd", &bertaccel::query_rows_attention_fwd);
   m.impl("query_rows_attention_bwd", &bertaccel::query_rows_attention_bwd);
+  m.impl("query_rows_attention_varlen_fwd", &bertaccel::query_rows_attention_varlen_fwd);
+  m.impl("query_rows_attention_varlen_bwd", &bertaccel::query_rows_attention_varlen_bwd);
 }
