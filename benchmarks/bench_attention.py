@@ -8,7 +8,8 @@ VARIANTS below) and PyTorch's FlashAttention-2 varlen; and ours on the padded ba
 
 Each cell: bf16 q/k/v of a [batch, seq] batch whose row lengths are given (`full`: every row seq;
 `imdb256`: the staged IMDB subset's lengths at max_length 256, 81% real; `uniform`: lengths uniform
-in [0.2, 1] x seq, ByteTransformer's setting). FLOPs count real tokens only: forward 4 * sum(len^2)
+in [0.2, 1] x seq, ByteTransformer's setting; `uniform-sorted`: the same lengths, longest row first - the order
+`group_by_length` batches come in, and the longest sequences' CTAs first in the kernels' batch-major grids). FLOPs count real tokens only: forward 4 * sum(len^2)
 * heads * d, backward 2.5x that. Times: GPU time per forward + backward from CUDA-graph replays.
 `sdpa-flash` cannot take a mask: it runs only on `full` cells. `fwd_ms`: the forward alone (no grad).
 The first four cells are issue 11's targets (16k tokens, seq 128 / 512, head dim 64 / 32).
@@ -54,8 +55,9 @@ BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBacke
 def lengths_for(kind: str, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
     if kind == "full":
         return torch.full((batch,), seq)
-    if kind == "uniform":
-        return (torch.rand(batch, generator=g) * 0.8 * seq + 0.2 * seq).long().clamp(1, seq)
+    if kind in ("uniform", "uniform-sorted"):
+        n = (torch.rand(batch, generator=g) * 0.8 * seq + 0.2 * seq).long().clamp(1, seq)
+        return n.sort(descending=True).values if kind == "uniform-sorted" else n
     if kind == "imdb256":  # 62% of rows fill 256 tokens, the rest spread below (81% real overall)
         full = torch.rand(batch, generator=g) < 0.62
         return torch.where(full, torch.full((batch,), seq), torch.randint(40, seq, (batch,), generator=g))

@@ -119,11 +119,15 @@ COLUMNS = ["model", "shape", "workload", "variant", "ms", "samples/s", "speedup_
 
 
 def batch_mask(batch: int, seq: int, lengths: str, device: str) -> torch.Tensor:
-    """The attention mask: all ones (`full`), or right-padded rows of lengths uniform in [0.2, 1] x seq."""
+    """The attention mask: all ones (`full`), or right-padded rows of lengths uniform in [0.2, 1] x seq (`uniform`;
+    `uniform-sorted`: the same lengths, longest row first - as `group_by_length`'s batches come - so the attention
+    kernels' batch-major grids start the longest sequences first)."""
     if lengths == "full":
         return torch.ones(batch, seq, dtype=torch.long, device=device)
     g = torch.Generator().manual_seed(0)
     n = (torch.rand(batch, generator=g) * 0.8 * seq + 0.2 * seq).long().clamp(1, seq)
+    if lengths == "uniform-sorted":
+        n = n.sort(descending=True).values
     return (torch.arange(seq)[None] < n[:, None]).long().to(device)
 
 
@@ -431,8 +435,9 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--lengths", default="full", choices=["full", "uniform"],
-                    help="uniform: row lengths uniform in [0.2, 1] x seq (ByteTransformer's setting)")
+    ap.add_argument("--lengths", default="full", choices=["full", "uniform", "uniform-sorted"],
+                    help="uniform: row lengths uniform in [0.2, 1] x seq (ByteTransformer's setting); uniform-sorted: "
+                         "the same lengths, longest row first")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke runs of the harness only")
     ap.add_argument("--profile", action="store_true", help="also list each variant's GPU time by kernel category")
     ap.add_argument("--profile-top", type=int, default=12,
