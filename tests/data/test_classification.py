@@ -303,3 +303,22 @@ def test_packed_static_batches_take_the_chosen_token_sizes(tiny_data, buckets):
         assert n >= real and (n in sizes or n == batch["input_ids"].numel())
         seen.add(n)
     assert seen <= set(sizes) | {4 * 32}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_rows_come_longest_first_with_their_labels_and_indices(packed):
+    """The collator orders a batch's rows longest first (stable for equal lengths; fillers stay padding rows at the
+    end): labels and dataset indices follow their rows, and the packed layout is that of the sorted rows."""
+    from bertaccel.data.collate import ClassificationCollator
+
+    lengths = [3, 7, 5, 7, 1]
+    rows = [{"input_ids": torch.arange(1, n + 1), "label": i % 2, "index": 10 + i} for i, n in enumerate(lengths)]
+    batch = ClassificationCollator(0, batch_size=8, buckets=[8], packed=packed)(rows + [{"filler": True}])
+    assert batch["index"].tolist() == [11, 13, 12, 10, 14, -1, -1, -1]
+    assert batch["labels"].tolist() == [1, 1, 0, 0, 0, -100, -100, -100]
+    assert batch["attention_mask"][:5].sum(1).tolist() == [7, 7, 5, 3, 1] and batch["num_rows"] == 5
+    for r, i in zip(batch["input_ids"][:5], batch["index"][:5]):
+        n = lengths[int(i) - 10]
+        assert r[:n].tolist() == list(range(1, n + 1))
+    if packed:
+        assert batch["cu_seqlens"][:6].tolist() == [0, 7, 14, 19, 22, 23]

@@ -36,11 +36,12 @@ def test_static_shape_collator_buckets_lengths_and_pads_the_last_batch():
     c = ClassificationCollator(pad_id=0, buckets=[64, 128, 192], batch_size=4)
     full = c(rows([10, 70, 3, 65]))
     assert full["input_ids"].shape == (4, 128) and full["num_rows"] == 4
-    assert full["attention_mask"][1].sum() == 70 and full["attention_mask"][2].sum() == 3
+    assert full["attention_mask"].sum(1).tolist() == [70, 65, 10, 3]  # longest first
+    assert full["index"].tolist() == [1, 3, 0, 2]
     short = c(rows([5, 9]))
     assert short["input_ids"].shape == (4, 64) and short["num_rows"] == 2
     assert short["labels"].tolist() == [1, 1, -100, -100]
-    assert short["index"].tolist() == [0, 1, -1, -1]
+    assert short["index"].tolist() == [1, 0, -1, -1]
     # a padding row attends to one token, so no attention row is fully masked (no NaN)
     assert short["attention_mask"][2:].sum(1).tolist() == [1, 1]
     with pytest.raises(ValueError, match="longer than the largest bucket"):

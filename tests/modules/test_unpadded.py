@@ -119,11 +119,12 @@ def test_collator_packs_static_and_dynamic_batches():
 
     rows = [{"input_ids": torch.arange(5, 5 + n), "label": 1, "index": i} for i, n in enumerate([10, 3, 7])]
     dynamic = ClassificationCollator(pad_id=0, packed=True)(rows)
-    assert dynamic["packed_indices"].numel() == 20 and dynamic["cu_seqlens"].tolist() == [0, 10, 13, 20]
+    # rows longest first (10, 7, 3)
+    assert dynamic["packed_indices"].numel() == 20 and dynamic["cu_seqlens"].tolist() == [0, 10, 17, 20]
     static = ClassificationCollator(pad_id=0, buckets=[16, 32], batch_size=4, packed=True, token_sizes=8)(rows)
     # 4 x 16 slots in 8 steps of 8: 20 real tokens + the padding row's one token = 21 -> 24
     assert static["input_ids"].shape == (4, 16) and static["packed_indices"].numel() == 24
-    assert static["cu_seqlens"].tolist() == [0, 10, 13, 20, 21]
+    assert static["cu_seqlens"].tolist() == [0, 10, 17, 20, 21]
     assert "packed_indices" not in ClassificationCollator(pad_id=0)(rows)
     # given sizes: the smallest that holds the 21 tokens; above the largest, the whole 4 x 16
     sized = ClassificationCollator(pad_id=0, buckets=[16], batch_size=4, packed=True, token_sizes=[32, 22, 40])

@@ -175,7 +175,8 @@ def choose_token_sizes(counts: torch.Tensor, buckets: int | str = "auto", steps:
 class ClassificationCollator:
     """Rows `{"input_ids", "label", "index"}` to a padded batch; a picklable class for workers.
 
-    Every batch carries `num_rows`, the number of real rows (a Python int). With `batch_size`
+    Rows come longest first (a stable sort: our attention kernels start the longest sequences first); every batch
+    carries each row's dataset `index`, and `num_rows`, the number of real rows (a Python int). With `batch_size`
     (static shapes), padding rows are added up to it: their `labels` are -100 and their `index`
     is -1, so losses, metrics and prediction writers skip them. A filler row (`{"filler": True}`,
     what the datasets return for `EvalShardSampler`'s FILLER index) becomes such a padding row too.
@@ -204,6 +205,11 @@ class ClassificationCollator:
         size = self.batch_size if self.batch_size is not None else len(rows)
         labelled = any(r.get("label") is not None for r in rows)
         rows = [r for r in rows if not r.get("filler")]
+        # the longest row first (stable): our attention kernels launch a batch's sequences in row order, so the
+        # longest ones start first and the short ones fill in behind them (H200, lengths uniform in [0.2, 1] x 512:
+        # attention forward + backward 5-7% faster, the MiniLM unpadded step 1.3%). Losses and metrics do not depend
+        # on the order; predictions carry each row's `index`.
+        rows.sort(key=lambda r: len(r["input_ids"]), reverse=True)
         ids, mask = pad_ids([r["input_ids"] for r in rows], self.pad_id, self.pad_to_multiple_of, self.buckets, size)
         n, b = len(rows), ids.shape[0]
         index = torch.full((b,), -1, dtype=torch.long)
