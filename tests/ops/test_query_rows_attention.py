@@ -143,6 +143,29 @@ def test_varlen_gradcheck_and_opcheck_on_cpu():
                           (torch.randn_like(out), q32, kv32, cu, out, lse, 5, heads, 0.0, 0.5, rng))
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_under_torch_compile_fullgraph(varlen):
+    """Both forms trace whole (their fake kernels give the shapes) and give eager's output and gradients."""
+    heads = 2
+    q, kv, mask = _right_padded(B=3, Q=1, S=6, heads=heads, d=4, dtype=torch.float32)
+    if varlen:
+        kv, cu = _packed(kv, mask)
+        fn = lambda q, kv: query_rows_attention_varlen(q, kv, cu, 6, heads)  # noqa: E731
+    else:
+        fn = lambda q, kv: query_rows_attention(q, kv, mask, heads)  # noqa: E731
+
+    def loss(q, kv):
+        return fn(q, kv).square().sum()
+
+    grads = []
+    for f in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out = f(qg, kvg)
+        grads.append((out.detach(), *torch.autograd.grad(out, (qg, kvg))))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
 # ------------------------------------------------------------------------------ CUDA
 def _kernel_or_skip():
     if not torch.cuda.is_available():
