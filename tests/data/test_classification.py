@@ -322,3 +322,23 @@ def test_rows_come_longest_first_with_their_labels_and_indices(packed):
         assert r[:n].tolist() == list(range(1, n + 1))
     if packed:
         assert batch["cu_seqlens"][:6].tolist() == [0, 7, 14, 19, 22, 23]
+
+
+def test_packed_layout_values_a_capture_from_the_models_hidden_size(tiny_data, monkeypatch):
+    """`use_packed_layout(hidden_size)` hands "auto" token buckets the model's capture cost (BERT-base's when not
+    given), and the sizes are chosen again for another cost."""
+    from bertaccel.data import classification
+    from bertaccel.data.collate import CAPTURE_COST_TOKENS, capture_cost_tokens
+
+    seen = []
+    choose = classification.choose_token_sizes
+    monkeypatch.setattr(classification, "choose_token_sizes",
+                        lambda *a, **k: seen.append(k["capture_cost"]) or choose(*a, **k))
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                      batch_size=4, val_size=0.2, static_shapes=True)
+    dm.setup("fit")
+    dm.use_packed_layout()
+    dm.token_sizes("test", 4)
+    dm.use_packed_layout(hidden_size=384)
+    dm.token_sizes("test", 4)
+    assert seen == [CAPTURE_COST_TOKENS, capture_cost_tokens(384)]

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from bertaccel.data.collate import CAPTURE_COST_TOKENS, batch_token_counts, choose_token_sizes
+from bertaccel.data.collate import CAPTURE_COST_TOKENS, batch_token_counts, capture_cost_tokens, choose_token_sizes
 
 
 def padding(counts: torch.Tensor, sizes: list[int]) -> int:
@@ -54,3 +54,16 @@ def test_bad_bucket_counts_are_refused():
     with pytest.raises(ValueError, match="whole number >= 1 or 'auto'"):
         choose_token_sizes(torch.tensor([10, 20]), 0)
     assert choose_token_sizes(torch.tensor([], dtype=torch.long)) == []
+
+
+def test_a_capture_is_worth_more_padding_tokens_for_a_narrower_model():
+    """A capture's cost in padding tokens falls with hidden^2 (a padding token's GEMM work grows with it; the host's
+    recording does not); BERT-base's is the default; a dearer capture never buys more sizes."""
+    assert CAPTURE_COST_TOKENS == capture_cost_tokens(768)
+    assert 240_000 < capture_cost_tokens(384) < 250_000 and 60_000 < capture_cost_tokens(768) < 62_000
+    assert capture_cost_tokens(384) == pytest.approx(4 * capture_cost_tokens(768), rel=1e-4)
+    g = torch.Generator().manual_seed(1)
+    counts = torch.randint(6000, 12000, (600,), generator=g)
+    by_width = [len(choose_token_sizes(counts, "auto", steps=200, capture_cost=capture_cost_tokens(h)))
+                for h in (1024, 768, 384)]
+    assert by_width == sorted(by_width, reverse=True) and by_width[0] > by_width[-1]

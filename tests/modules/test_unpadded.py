@@ -157,6 +157,10 @@ def test_unpadded_with_cuda_graphs_trains_like_eager_unpadded(tiny_data, tmp_pat
     eager, t_eager, dm = train(False)
     graph, t_graph, dm_graph = train(True)
     assert dm.packed and "packed_indices" in next(iter(dm.train_dataloader()))
+    from bertaccel.data.collate import capture_cost_tokens
+
+    # the model told the data module its width: a capture's cost in padding tokens for "auto" token buckets
+    assert dm_graph._capture_cost == capture_cost_tokens(graph.model.config.hidden_size)
     # static packed batches: one length (max_length), token counts among the 2 sizes chosen for the split
     shapes = {(b["input_ids"].shape, b["packed_indices"].numel()) for b in dm_graph.train_dataloader()}
     sizes = dm_graph.token_sizes("train", 16, dm_graph._sampler("train", 16, train=True))

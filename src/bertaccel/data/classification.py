@@ -12,7 +12,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from bertaccel.data.collate import ClassificationCollator, batch_token_counts, bucket_lengths, choose_token_sizes
+from bertaccel.data.collate import (
+    CAPTURE_COST_TOKENS,
+    ClassificationCollator,
+    batch_token_counts,
+    bucket_lengths,
+    capture_cost_tokens,
+    choose_token_sizes,
+)
 from bertaccel.data.masking import IGNORE_INDEX
 from bertaccel.data.loader import (DeviceLoader, ResumableDataLoader, check_worker_sharing, fit_progress,
                                    loader_device, set_worker_sharing)
@@ -85,10 +92,11 @@ class TextClassificationDataModule(pl.LightningDataModule):
             graph capture (~40 ms for MiniLM). The counts are chosen from the split's own batches (their
             real-token counts, from the sampler's order; `collate.choose_token_sizes`) to minimise the
             padding: "auto" (default) also picks how many, trading the padding of the run's planned
-            steps against the captures; a number fixes how many; a list gives the token counts. A batch
-            above the largest count is padded to batch x `max_length`. IMDB-512, batch 32: "auto"
-            picks 4 sizes for one epoch of 15,500 rows (padding 5.4% of the real tokens; 16 equal steps
-            of 1,024 tokens: 7 sizes, 5.7%).
+            steps against the captures (a capture valued in padding tokens from the model's hidden size,
+            `collate.capture_cost_tokens`: MiniLM ~245k, BERT-base ~61k); a number fixes how many; a list
+            gives the token counts. A batch above the largest count is padded to batch x `max_length`.
+            IMDB at 512 (24,000 training rows, one epoch, batch 32): "auto" picks 3 sizes for MiniLM
+            (padding 8.6% of the real tokens) and 5 for BERT-base (4.5%); at 256, 2 and 3.
         group_by_length: Batch training texts of similar length together (less padding).
         train_subset: Use only this many training rows (seeded random subset), e.g. for quick runs.
         test_subset: Use only this many test rows (seeded random subset).
@@ -150,6 +158,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         self.pad_to_multiple_of = pad_to_multiple_of
         self.static_shapes = static_shapes
         self.packed = False  # set by model.unpadded (use_packed_layout)
+        self._capture_cost = CAPTURE_COST_TOKENS  # (use_packed_layout: from the model's hidden size)
         self.length_buckets = length_buckets
         try:
             bucket_lengths(max_length, length_buckets)
@@ -354,9 +363,12 @@ class TextClassificationDataModule(pl.LightningDataModule):
         """Pad batches to bucketed lengths and full batch size from now on (see `static_shapes`)."""
         self.static_shapes = True
 
-    def use_packed_layout(self) -> None:
-        """Give every batch `packed_indices` and `cu_seqlens` for the unpadded encoder (`model.unpadded`)."""
+    def use_packed_layout(self, hidden_size: int | None = None) -> None:
+        """Give every batch `packed_indices` and `cu_seqlens` for the unpadded encoder (`model.unpadded`);
+        `hidden_size`: the encoder's, which sets what a graph capture costs against padding tokens when "auto"
+        `token_buckets` are chosen (`collate.capture_cost_tokens`; unknown: BERT-base's)."""
         self.packed = True
+        self._capture_cost = capture_cost_tokens(hidden_size) if hidden_size else CAPTURE_COST_TOKENS
 
     def collator(self, batch_size: int, split: str | None = None, sampler: EpochSampler | None = None) -> ClassificationCollator:
         pad_id = self.tokenizer.pad_token_id
@@ -381,7 +393,8 @@ class TextClassificationDataModule(pl.LightningDataModule):
         per_epoch = -(-len(ds) // batch_size)
         steps = per_epoch * (self._planned_epochs() if split in ("train", "validation") else 1)
         # the loaders are built more than once per run (Lightning, the epoch-length check): choose once
-        key = (split, batch_size, train, self.group_by_length, steps)
+        capture_cost = self._capture_cost
+        key = (split, batch_size, train, self.group_by_length, steps, capture_cost)
         if key in self._chosen_token_sizes:
             return self._chosen_token_sizes[key]
         sampler = sampler or self._sampler(split, batch_size, train=False)
@@ -389,7 +402,8 @@ class TextClassificationDataModule(pl.LightningDataModule):
         lengths = ds.lengths()
         counts = torch.cat([batch_token_counts(lengths, torch.as_tensor(sampler.order(e), dtype=torch.long), batch_size,
                                                self.max_length) for e in range(epochs)])
-        sizes = self._chosen_token_sizes[key] = choose_token_sizes(counts, self.token_buckets, steps=steps)
+        sizes = self._chosen_token_sizes[key] = choose_token_sizes(counts, self.token_buckets, steps=steps,
+                                                                   capture_cost=capture_cost)
         rank_zero_info(f"bertaccel: packed {split} batches padded to {len(sizes)} token counts {sizes} (data.token_buckets)")
         return sizes
 

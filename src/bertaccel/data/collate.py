@@ -98,12 +98,26 @@ def packed_layout(
     return indices, cu_seqlens
 
 
-# What one more CUDA-graph capture costs, in padded tokens computed (the trade `choose_token_sizes` makes
-# when it picks how many token counts to capture). Measured on the H100 for MiniLM at 32 x 512 (commit
-# beaa183): a capture records the step on the host in 27-62 ms (mean ~39), a graphed step costs ~0.48 us
-# per packed token (4.47 ms for ~9,300): ~80k tokens. BERT-base doubles the recording (12 layers) and
-# about quadruples the per-token cost: ~40k. The value in between; it moves the choice by one size at most.
-CAPTURE_COST_TOKENS = 64_000
+# What one more CUDA-graph capture costs, in padding tokens computed (the trade `choose_token_sizes` makes when it
+# picks how many token counts to capture). A capture records the step on the host: ~6.5 ms per encoder layer
+# (MiniLM's 6 layers: 21-62 ms, mean ~39, on the H100 at beaa183 and the H200 at 8644dd7 / 14fa132; a deeper model's
+# recording grows with its layers - BERT-base's is not measured). A padding token of a packed batch costs its share
+# of the GEMMs, LayerNorms and GELU - not attention (it belongs to no sequence), not the optimizer: ~1.8e-13 s x
+# layers x hidden^2 (H200, 32x512, lengths uniform in [0.2, 1] x 512: the padded step's time minus the unpadded
+# one's over the padding tokens - MiniLM 0.155 us a token, BERT-base 1.31 us). The layers cancel: a capture is worth
+# ~3.6e10 / hidden^2 padding tokens - MiniLM (384) ~245k, BERT-base (768) ~61k, BERT-large (1024) ~34k. (Sessions
+# 33-57 used 64k for every model, from MiniLM's mean cost per packed token, not a padding token's: for MiniLM it
+# picked a size more than paid - IMDB, 6,240 rows, 195 steps at max_length 512: 3 sizes where 2 cost ~25 ms less.)
+CAPTURE_SECONDS_PER_LAYER = 6.5e-3
+PADDING_TOKEN_SECONDS = 1.8e-13  # x layers x hidden^2
+
+
+def capture_cost_tokens(hidden_size: int) -> int:
+    """One CUDA-graph capture's cost in padding tokens of a packed batch, for an encoder of `hidden_size`."""
+    return round(CAPTURE_SECONDS_PER_LAYER / (PADDING_TOKEN_SECONDS * hidden_size ** 2))
+
+
+CAPTURE_COST_TOKENS = capture_cost_tokens(768)  # when the model is not known: BERT-base's
 
 
 def batch_token_counts(lengths: torch.Tensor, order: torch.Tensor, batch_size: int, max_length: int) -> torch.Tensor:
@@ -152,13 +166,14 @@ def _padding_by_sizes(counts: torch.Tensor, most: int, multiple: int, candidates
 
 
 def choose_token_sizes(counts: torch.Tensor, buckets: int | str = "auto", steps: int | None = None,
-                       multiple: int = 8, most: int = 16, candidates: int = 256) -> list[int]:
+                       multiple: int = 8, most: int = 16, candidates: int = 256,
+                       capture_cost: int = CAPTURE_COST_TOKENS) -> list[int]:
     """The token counts a packed batch is padded to (`packed_layout`'s `token_sizes`), chosen from the
     real-token counts of the batches a loader will make (`batch_token_counts`): the sizes that minimise
     the padding when every batch is padded to the smallest size holding it. Each size that occurs costs one
     CUDA-graph capture, so `buckets` is how many: a number, or "auto": the number that minimises
-    `steps` x padding per step + captures x `CAPTURE_COST_TOKENS` (`steps`: how many batches the run
-    will take; default: as many as `counts`). Sizes are multiples of `multiple`; the largest is the
+    `steps` x padding per step + captures x `capture_cost` (`steps`: how many batches the run will take;
+    default: as many as `counts`; `capture_cost`: `capture_cost_tokens(hidden size)`, BERT-base's by default). Sizes are multiples of `multiple`; the largest is the
     largest count (a batch above it is padded to batch x seq, one more capture)."""
     counts = torch.as_tensor(counts, dtype=torch.long)
     if counts.numel() == 0:
@@ -169,7 +184,7 @@ def choose_token_sizes(counts: torch.Tensor, buckets: int | str = "auto", steps:
     if buckets != "auto":
         return options[-1][1]
     steps = counts.numel() if steps is None else steps
-    return min(options, key=lambda o: steps * o[0] + len(o[1]) * CAPTURE_COST_TOKENS)[1]
+    return min(options, key=lambda o: steps * o[0] + len(o[1]) * capture_cost)[1]
 
 
 class ClassificationCollator:

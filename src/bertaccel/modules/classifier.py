@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Any, Literal
 
 import torch
@@ -127,7 +129,10 @@ class BertClassifier(BertModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if self.unpadded and dm is not None:
             if hasattr(dm, "use_packed_layout"):
-                dm.use_packed_layout()  # the collator says where the real tokens are: no host read per step
+                # the collator says where the real tokens are: no host read per step; the hidden size sets what a
+                # graph capture is worth in padding tokens (TextClassificationDataModule's token_buckets "auto")
+                takes_hidden = "hidden_size" in inspect.signature(dm.use_packed_layout).parameters
+                dm.use_packed_layout(**({"hidden_size": self.model.config.hidden_size} if takes_hidden else {}))
             elif self.cuda_graphs:
                 raise ConfigError(
                     f"model.unpadded with model.cuda_graphs needs a data module that packs batches "
