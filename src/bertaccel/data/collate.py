@@ -103,11 +103,13 @@ def packed_layout(
 # (MiniLM's 6 layers: 21-62 ms, mean ~39, on the H100 at beaa183 and the H200 at 8644dd7 / 14fa132; a deeper model's
 # recording grows with its layers - BERT-base's is not measured). A padding token of a packed batch costs its share
 # of the GEMMs, LayerNorms and GELU - not attention (it belongs to no sequence), not the optimizer: ~1.8e-13 s x
-# layers x hidden^2 (H200, 32x512, lengths uniform in [0.2, 1] x 512: the padded step's time minus the unpadded
-# one's over the padding tokens - MiniLM 0.155 us a token, BERT-base 1.31 us). The layers cancel: a capture is worth
-# ~3.6e10 / hidden^2 padding tokens - MiniLM (384) ~245k, BERT-base (768) ~61k, BERT-large (1024) ~34k. (Sessions
-# 33-57 used 64k for every model, from MiniLM's mean cost per packed token, not a padding token's: for MiniLM it
-# picked a size more than paid - IMDB, 6,240 rows, 195 steps at max_length 512: 3 sizes where 2 cost ~25 ms less.)
+# layers x hidden^2 (32x512, lengths uniform in [0.2, 1] x 512, the padded graphed step's time minus the unpadded
+# one's over the 6,554 padding tokens: MiniLM 0.156 us a token on the H200 - 4.147 / 4.124 vs 3.127 / 3.131 ms,
+# 8351f97 -, 1.8e-13; BERT-base 1.37 us on the H100 - 24.65 vs 15.63-15.71 ms, 5ecbdb3 / 196f64f -, 1.9e-13). The
+# layers cancel: a capture is worth ~3.6e10 / hidden^2 padding tokens - MiniLM (384) ~245k, BERT-base (768) ~61k,
+# BERT-large (1024) ~34k. (Before, one 64k for every model, from MiniLM's mean cost per packed token rather than a
+# padding token's: for MiniLM it bought a size more than pays - the staged IMDB rows, 195 steps at max_length 512: 3
+# sizes where, by this estimate, 2 cost ~25 ms less.)
 CAPTURE_SECONDS_PER_LAYER = 6.5e-3
 PADDING_TOKEN_SECONDS = 1.8e-13  # x layers x hidden^2
 
