@@ -455,24 +455,25 @@ def _varlen_rows(cu_seqlens: Tensor, max_seqlen: int) -> tuple[Tensor, Tensor]:
     return (starts[:, None] + j).clamp(max=max(int(cu[-1]) - 1, 0)), j < lengths[:, None]
 
 
-def _varlen_padded(kv: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> tuple[Tensor, Tensor]:
+def _varlen_padded(kv: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> tuple[Tensor, Tensor, Tensor]:
+    """kv [T, 2H] re-padded to [B, max_seqlen, 2H] (zeros past each sequence), its key mask, and `_varlen_rows`'s
+    rows (where each padded key came from)."""
     rows, mask = _varlen_rows(cu_seqlens, max_seqlen)
     if kv.shape[0] == 0:
-        return kv.new_zeros(*rows.shape, kv.shape[1]), mask
-    return kv[rows].masked_fill(~mask[..., None], 0), mask
+        return kv.new_zeros(*rows.shape, kv.shape[1]), mask, rows
+    return kv[rows].masked_fill(~mask[..., None], 0), mask, rows
 
 
 @torch.library.impl(lib, "query_rows_attention_varlen_fwd", "CPU")
 def _query_rows_varlen_fwd_cpu(q, kv, cu_seqlens, max_seqlen, heads, dropout_p, scale):
-    padded, mask = _varlen_padded(kv, cu_seqlens, max_seqlen)
+    padded, mask, _ = _varlen_padded(kv, cu_seqlens, max_seqlen)
     return _query_rows_fwd_cpu(q, padded, mask, heads, dropout_p, scale)
 
 
 @torch.library.impl(lib, "query_rows_attention_varlen_bwd", "CPU")
 def _query_rows_varlen_bwd_cpu(grad_out, q, kv, cu_seqlens, out, lse, max_seqlen, heads, dropout_p, scale, rng):
-    padded, mask = _varlen_padded(kv, cu_seqlens, max_seqlen)
+    padded, mask, rows = _varlen_padded(kv, cu_seqlens, max_seqlen)
     dq, dpadded = _query_rows_bwd_cpu(grad_out, q, padded, mask, out, lse, heads, dropout_p, scale, rng)
-    rows, _ = _varlen_rows(cu_seqlens, max_seqlen)
     dkv = kv.new_zeros(kv.shape)
     dkv[rows[mask]] = dpadded[mask]  # the rows past the last sequence stay zero
     return dq, dkv
