@@ -230,15 +230,13 @@ def test_kernel_dropout_mask_equals_the_reference(Q, S):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.cuda
-def test_cuda_graph_replays_draw_new_masks():
-    _kernel_or_skip()
-    heads = 12
-    q, kv, mask = _inputs(B=4, Q=1, S=128, heads=heads, d=64, dtype=torch.bfloat16, device="cuda")
+def _replays_draw_new_masks(attend, q, kv):
+    """`attend(q, kv)` with dropout, forward + backward captured in a CUDA graph: two replays give other outputs
+    (new dropout masks), everything finite. Returns the graph's (output, dq, dkv)."""
     q.requires_grad_(), kv.requires_grad_()
 
     def step():
-        out = query_rows_attention(q, kv, mask, heads, 0.1)
+        out = attend(q, kv)
         return (out.detach(), *torch.autograd.grad(out.float().square().sum(), (q, kv)))
 
     graph, static = capture_graph(step)
@@ -247,6 +245,15 @@ def test_cuda_graph_replays_draw_new_masks():
     graph.replay()
     assert not torch.equal(first, static[0])
     assert all(torch.isfinite(t).all() for t in static)
+    return static
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_draw_new_masks():
+    _kernel_or_skip()
+    heads = 12
+    q, kv, mask = _inputs(B=4, Q=1, S=128, heads=heads, d=64, dtype=torch.bfloat16, device="cuda")
+    _replays_draw_new_masks(lambda q, kv: query_rows_attention(q, kv, mask, heads, 0.1), q, kv)
 
 
 @pytest.mark.cuda
@@ -290,16 +297,5 @@ def test_kernel_varlen_in_a_cuda_graph():
     heads = 12
     q, kv, mask = _right_padded(B=5, Q=1, S=128, heads=heads, d=32, dtype=torch.bfloat16, device="cuda")
     packed, cu = _packed(kv, mask)
-    q.requires_grad_(), packed.requires_grad_()
-
-    def step():
-        out = query_rows_attention_varlen(q, packed, cu, 128, heads, 0.1)
-        return (out.detach(), *torch.autograd.grad(out.float().square().sum(), (q, packed)))
-
-    graph, static = capture_graph(step)
-    graph.replay()
-    first = static[0].clone()
-    graph.replay()
-    assert not torch.equal(first, static[0])
-    assert all(torch.isfinite(t).all() for t in static)
-    assert static[2][-3:].abs().max() == 0
+    static = _replays_draw_new_masks(lambda q, kv: query_rows_attention_varlen(q, kv, cu, 128, heads, 0.1), q, packed)
+    assert static[2][-3:].abs().max() == 0  # the filler rows' dK / dV
