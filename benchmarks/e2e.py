@@ -278,9 +278,12 @@ def step_times(variant: str, *args, **kwargs) -> list[float]:
 
 
 def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: str, warmup: int, steps: int,
-                device: str = "cuda", lengths: str = "full", profile: int = 0, sources: bool = False) -> list[float]:
+                device: str = "cuda", lengths: str = "full", profile: int = 0, sources: bool = False,
+                token_budget: int | None = None) -> list[float]:
     """profile > 0: also record this variant's kernel breakdown (PROFILES), keeping its `profile` top kernels;
-    sources: and which calls of one eager run of the step body launched its small kernels (profile_sources)."""
+    sources: and which calls of one eager run of the step body launched its small kernels (profile_sources);
+    token_budget: an unpadded variant's packed token count padded to this many (`packed_layout`'s fillers; the
+    collator's `data.token_buckets`), instead of the real tokens only."""
     import os
 
     attn, bf16, fused, compiled, graphed = VARIANTS[variant]
@@ -341,7 +344,9 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
         from bertaccel.data.collate import packed_layout
         from bertaccel.modules.unpadded import Unpadded, classifier_logits
 
-        indices, cu = packed_layout(mask.cpu())
+        if token_budget is not None and token_budget < int(mask.sum()):
+            raise ValueError(f"token budget {token_budget} is below the batch's {int(mask.sum())} real tokens")
+        indices, cu = packed_layout(mask.cpu(), token_sizes=[token_budget] if token_budget else None)
         layout = Unpadded.from_packed(indices.to(device), cu.to(device), mask)
 
         def logits_of(ids, mask):
@@ -448,6 +453,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant of a cell this many times, the variants interleaved (each round builds and "
                          "captures anew); a cell's time is the median of its rounds' medians, each round's kept in the JSON")
+    ap.add_argument("--token-budgets", nargs="+", type=int, default=[],
+                    help="the unpadded variants again with the packed token count padded to each of these (filler tokens "
+                         "through the encoder, as `data.token_buckets` pads a batch): the step's cost per padding token")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
     rows = []
@@ -456,28 +464,35 @@ def main() -> None:
         for shape in args.shapes:
             batch, seq = map(int, shape.split("x"))
             for workload in args.workloads:
-                per_round: dict[str, list[float]] = {v: [] for v in args.variants}
+                # (variant, token budget): every variant as it is, the unpadded ones also at each --token-budgets count
+                runs = [(v, None) for v in args.variants] + [
+                    (v, t) for t in args.token_budgets for v in args.variants if v in UNPADDED]
+                name = {(v, t): v if t is None else f"{v}@{t}" for v, t in runs}
+                per_round: dict[str, list[float]] = {name[k]: [] for k in runs}
                 for r in range(args.rounds):
-                    for variant in args.variants:
+                    for variant, budget in runs:
                         try:
                             t = step_times(variant, model_name, batch, seq, workload, args.warmup, args.steps, args.device,
-                                           args.lengths, args.profile_top if args.profile and r == 0 else 0,
-                                           args.profile and args.profile_sources and r == 0)
-                            per_round[variant].append(statistics.median(t))
+                                           args.lengths, args.profile_top if args.profile and r == 0 and budget is None else 0,
+                                           args.profile and args.profile_sources and r == 0 and budget is None,
+                                           token_budget=budget)
+                            per_round[name[variant, budget]].append(statistics.median(t))
                         except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
-                            print(f"{model_name} {shape} {workload} {variant}: FAILED {type(e).__name__}: {e}")
-                            per_round[variant].append(float("nan"))
+                            print(f"{model_name} {shape} {workload} {name[variant, budget]}: FAILED {type(e).__name__}: {e}")
+                            per_round[name[variant, budget]].append(float("nan"))
                 cell = {v: statistics.median(ts) for v, ts in per_round.items()}
                 base = cell.get(BASELINE)
-                for variant, ms in cell.items():
+                for key, (variant, budget) in zip(cell, runs):
+                    ms = cell[key]
                     flops = FLOPS.get((model_name, shape, workload, variant)) if workload == "mlm" else bert_step_flops(
                         cfg, batch, seq, training=workload == "train", cls_only_last_layer=variant in CLS_ONLY)
-                    extra = {"ms_rounds": [round(x, 3) for x in per_round[variant]]} if args.rounds > 1 else {}
+                    extra = {"ms_rounds": [round(x, 3) for x in per_round[key]]} if args.rounds > 1 else {}
                     rows.append({
-                        "model": model_name, "shape": shape, "lengths": args.lengths, "workload": workload, "variant": variant,
+                        "model": model_name, "shape": shape, "lengths": args.lengths, "workload": workload, "variant": key,
                         "ms": round(ms, 3), "samples/s": round(batch / ms * 1e3, 1) if ms == ms else "",
                         "speedup_vs_sdpa": round(base / ms, 2) if base and ms == ms else "",
                         "TFLOP/s": round(flops / ms / 1e9, 1) if ms == ms and flops else "", **extra,
+                        **({"token_budget": budget} if budget is not None else {}),
                     })
                 print_table([r for r in rows if r["model"] == model_name and r["shape"] == shape and r["workload"] == workload],
                             COLUMNS)

@@ -201,3 +201,22 @@ def test_kernel_times_sum_each_cuda_kernel_per_call(monkeypatch):
     runs = []
     assert common.kernel_times_us(lambda: runs.append(1), calls=4) == {"gemm": 20.0, "reduce": 2.0}
     assert runs == [1]
+
+
+def test_e2e_token_budgets_rerun_the_unpadded_variants(tmp_path, monkeypatch):
+    """--token-budgets: each unpadded variant again with its packed token count padded to each budget (a row
+    `variant@N` carrying `token_budget`); padded variants are not repeated, and a budget below the batch's real
+    tokens is refused (a FAILED row, nan)."""
+    out = tmp_path / "e2e.json"
+    monkeypatch.setattr(sys, "argv", ["e2e", "--device", "cpu", "--models", "tiny", "--shapes", "2x16", "--workloads",
+                                      "train", "--variants", "fused", "fused-unpadded-graphs-cls-only", "--lengths",
+                                      "uniform", "--token-budgets", "3", "32", "--warmup", "1", "--steps", "1",
+                                      "--out", str(out)])
+    e2e.main()
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fused", "fused-unpadded-graphs-cls-only", "fused-unpadded-graphs-cls-only@3",
+                         "fused-unpadded-graphs-cls-only@32"}
+    assert rows["fused-unpadded-graphs-cls-only@32"]["token_budget"] == 32
+    assert rows["fused-unpadded-graphs-cls-only@32"]["ms"] > 0
+    assert rows["fused-unpadded-graphs-cls-only@3"]["ms"] != rows["fused-unpadded-graphs-cls-only@3"]["ms"]  # nan
+    assert "token_budget" not in rows["fused-unpadded-graphs-cls-only"]
