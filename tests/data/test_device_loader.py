@@ -98,6 +98,27 @@ def test_one_buffer_batches_come_out_as_collated(tmp_path):
     assert unpack_batch({"x": 1}) == {"x": 1} and pack_batch([torch.ones(2)])[0].tolist() == [1.0, 1.0]
 
 
+def test_the_packed_layout_is_one_leaf_for_the_walks_over_a_batch():
+    """The layout travels as one object (pickled from the workers unchanged): the pin-memory thread's walk and
+    Lightning's `apply_to_collection` see it as a leaf, not ~30 nested items."""
+    import pickle
+
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+    from torch.utils.data import default_collate
+
+    from bertaccel.data.loader import LAYOUT_KEY, BatchLayout, pack_batch, unpack_batch
+
+    packed = pack_batch(default_collate([Mixed()[i] for i in range(4)]))
+    layout = packed[LAYOUT_KEY]
+    assert isinstance(layout, BatchLayout) and pickle.loads(pickle.dumps(layout)) == layout
+    # strings: the "tag" column's four; a walk descending into the layout would also meet its keys ("ids", ...)
+    seen = []
+    apply_to_collection(packed, str, lambda v: seen.append(v) or v)
+    assert seen == [f"row{i}" for i in range(4)], seen
+    unpacked = unpack_batch(pickle.loads(pickle.dumps(packed)))
+    assert torch.equal(unpacked["ids"], default_collate([Mixed()[i] for i in range(4)])["ids"])
+
+
 def test_lightning_rebuilds_do_not_wrap_the_collate_twice():
     from torch.utils.data import default_collate
 

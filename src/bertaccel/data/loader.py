@@ -78,10 +78,31 @@ BUFFER_KEY, LAYOUT_KEY = "_batch_buffer", "_batch_layout"
 _ALIGN = 16  # bytes: every field starts at a multiple, so any dtype can view its bytes
 
 
+class BatchLayout:
+    """Where a packed batch's tensors lie in its buffer: (key, byte offset, shape, dtype) for each tensor, (key,
+    None, None, None) for any other value, in the batch's key order. An object rather than a tuple so that the
+    walks over every batch (the pin-memory thread's, Lightning's transfer and `apply_to_collection`) take it as one
+    leaf instead of descending into its ~30 nested items (~50 us of the main process's time per walk, three walks
+    a step, against a 2.6 ms graphed MiniLM step at max_length 256)."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: tuple) -> None:
+        self.fields = fields
+
+    def __reduce__(self):  # pickled to the main process from the workers
+        return BatchLayout, (self.fields,)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BatchLayout) and self.fields == other.fields
+
+    def __repr__(self) -> str:
+        return f"BatchLayout({self.fields!r})"
+
+
 def pack_batch(batch: Any) -> Any:
     """A dict batch with its CPU tensors copied into one uint8 buffer (`BUFFER_KEY`) and their places
-    (`LAYOUT_KEY`: (key, byte offset, shape, dtype) for each tensor, None for any other value, in the
-    batch's key order); anything else, or a dict with fewer than two tensors, as it is."""
+    (`LAYOUT_KEY`: a `BatchLayout`); anything else, or a dict with fewer than two tensors, as it is."""
     if not isinstance(batch, dict) or BUFFER_KEY in batch:
         return batch
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"
@@ -101,7 +122,7 @@ def pack_batch(batch: Any) -> Any:
             v = tensors[k]
             buffer[at : at + v.numel() * v.element_size()].view(dtype).copy_(v.reshape(-1))
     out = {k: v for k, v in batch.items() if k not in tensors}
-    out[BUFFER_KEY], out[LAYOUT_KEY] = buffer, tuple(layout)
+    out[BUFFER_KEY], out[LAYOUT_KEY] = buffer, BatchLayout(tuple(layout))
     return out
 
 
@@ -111,7 +132,7 @@ def unpack_batch(batch: Any) -> Any:
         return batch
     buffer = batch[BUFFER_KEY]
     out = {}
-    for k, at, shape, dtype in batch[LAYOUT_KEY]:
+    for k, at, shape, dtype in batch[LAYOUT_KEY].fields:
         if at is None:
             out[k] = batch[k]
         else:
@@ -135,13 +156,20 @@ def prefetch_to_device(batches: Iterator[Any], device: torch.device) -> Iterator
 
     def send(batch: Any) -> tuple[Any, torch.cuda.Event]:
         with torch.cuda.stream(stream):
-            moved = move_data_to_device(batch, device)  # non_blocking from pinned memory
+            if isinstance(batch, dict) and BUFFER_KEY in batch:  # one tensor: no walk over the batch
+                moved = dict(batch)
+                moved[BUFFER_KEY] = batch[BUFFER_KEY].to(device, non_blocking=True)
+            else:
+                moved = move_data_to_device(batch, device)  # non_blocking from pinned memory
         return moved, stream.record_event()
 
     def receive(moved: Any, copied: torch.cuda.Event) -> Any:
         here = torch.cuda.current_stream(device)
         here.wait_event(copied)
-        apply_to_collection(moved, torch.Tensor, lambda t: t.record_stream(here) if t.is_cuda else None)
+        if isinstance(moved, dict) and BUFFER_KEY in moved:
+            moved[BUFFER_KEY].record_stream(here)
+        else:
+            apply_to_collection(moved, torch.Tensor, lambda t: t.record_stream(here) if t.is_cuda else None)
         return moved
 
     ahead = None
