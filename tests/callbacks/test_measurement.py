@@ -203,6 +203,26 @@ def test_meter_times_the_hosts_garbage_collection(tiny_data, tmp_path):
     assert meter._on_gc not in gc.callbacks
 
 
+def test_meter_counts_the_collators_real_tokens_on_the_host(tiny_data, tmp_path):
+    """Real tokens come from the batch's `num_tokens` (the collator's host count, no device work per step): the
+    meter's total equals the attention masks' ones of the real rows summed over the counted steps, and is a
+    Python int."""
+    import lightning.pytorch as pl
+
+    masks = []
+
+    class Masks(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            masks.append(int(batch["attention_mask"][: batch["num_rows"]].sum()))
+
+        def on_train_epoch_end(self, trainer, pl_module):  # the meter's stage, before its end of training
+            counted.append(trainer.callbacks[0].stages["train"].real)
+
+    counted = []
+    _fit_tiny_with_meter(tiny_data, tmp_path, [Masks()], 2, accelerator="cpu", max_epochs=1, limit_val_batches=0)
+    assert isinstance(counted[0], int) and counted[0] == sum(masks[2:]) > 0
+
+
 @pytest.mark.parametrize("freeze", ["1", "0"])
 def test_training_freezes_the_heap_and_teardown_unfreezes_it(tiny_data, tmp_path, monkeypatch, freeze):
     """The objects alive at train start are out of the collector's reach during the steps (a full

@@ -38,10 +38,12 @@ def test_static_shape_collator_buckets_lengths_and_pads_the_last_batch():
     assert full["input_ids"].shape == (4, 128) and full["num_rows"] == 4
     assert full["attention_mask"].sum(1).tolist() == [70, 65, 10, 3]  # longest first
     assert full["index"].tolist() == [1, 3, 0, 2]
+    assert full["num_tokens"] == 148 and "attention_pairs" not in full  # real tokens, counted on the host
     short = c(rows([5, 9]))
     assert short["input_ids"].shape == (4, 64) and short["num_rows"] == 2
     assert short["labels"].tolist() == [1, 1, -100, -100]
     assert short["index"].tolist() == [1, 0, -1, -1]
+    assert short["num_tokens"] == 14  # the padding rows' token not counted
     # a padding row attends to one token, so no attention row is fully masked (no NaN)
     assert short["attention_mask"][2:].sum(1).tolist() == [1, 1]
     with pytest.raises(ValueError, match="longer than the largest bucket"):
@@ -67,6 +69,29 @@ def test_classification_stats_match_torchmetrics_and_skip_padding_rows():
     torch.testing.assert_close(out["acc"], acc.compute())
     torch.testing.assert_close(out["f1"], f1.compute())
     torch.testing.assert_close(out["loss"], torch.tensor(8.0 / (4 * 29)))
+
+
+def test_the_classifier_step_counts_its_confusion_matrix_for_the_metrics():
+    """`step_outputs` returns the batch's confusion matrix (counted in the step - a CUDA graph's part when graphed);
+    the metric updated with it equals the metric counting from the logits itself, padding rows (-100) left out."""
+    from bertaccel.modules.metrics import confusion_counts
+
+    torch.manual_seed(1)
+    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=3).eval()
+    ids = torch.randint(5, 256, (6, 12))
+    labels = torch.tensor([0, 2, 1, 2, -100, -100])
+    out = model.step_outputs(ids, torch.ones_like(ids), labels=labels)
+    expected = torch.zeros(3, 3, dtype=torch.long)
+    for y, p in zip(labels[:4].tolist(), out["logits"][:4].argmax(-1).tolist()):
+        expected[y, p] += 1
+    assert out["confusion"].dtype == torch.long and torch.equal(out["confusion"], expected)
+    assert torch.equal(confusion_counts(out["logits"], labels, 3), expected)
+    given, counted = ClassificationStats(3), ClassificationStats(3)
+    given.update(out["logits"], labels, out["loss_sum"], counts=out["confusion"])
+    counted.update(out["logits"], labels, out["loss_sum"])
+    for k, v in counted.compute().items():
+        torch.testing.assert_close(given.compute()[k], v)
+    assert "confusion" not in model.step_outputs(ids, torch.ones_like(ids))  # no labels (prediction): no counts
 
 
 def _train(graph_loop: bool, tiny_data, tmp_path, model_kwargs=None, **trainer_kwargs):

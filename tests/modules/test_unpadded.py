@@ -125,6 +125,10 @@ def test_collator_packs_static_and_dynamic_batches():
     # 4 x 16 slots in 8 steps of 8: 20 real tokens + the padding row's one token = 21 -> 24
     assert static["input_ids"].shape == (4, 16) and static["packed_indices"].numel() == 24
     assert static["cu_seqlens"].tolist() == [0, 10, 17, 20, 21]
+    # the host's counts for the meters: real tokens, and the query-key pairs the varlen kernels run (cu_seqlens')
+    assert static["num_tokens"] == 20 and dynamic["num_tokens"] == 20
+    assert static["attention_pairs"] == int(static["cu_seqlens"].diff().square().sum()) == 100 + 49 + 9 + 1
+    assert dynamic["attention_pairs"] == 100 + 49 + 9
     assert "packed_indices" not in ClassificationCollator(pad_id=0)(rows)
     # given sizes: the smallest that holds the 21 tokens; above the largest, the whole 4 x 16
     sized = ClassificationCollator(pad_id=0, buckets=[16], batch_size=4, packed=True, token_sizes=[32, 22, 40])

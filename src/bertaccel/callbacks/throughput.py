@@ -7,7 +7,8 @@ How it stays honest:
 - wall-clock rates are taken between synchronized points (window boundaries), and count only the
   time a stage's loop runs: the training clock stops (synchronized) when validation starts or an
   epoch ends, so validation, checkpoint saving and epoch-end work are not charged to training;
-- real tokens are the attention mask's ones (padding excluded), summed on the device and read lazily;
+- real tokens are the attention mask's ones (padding excluded): the collator's count (`num_tokens`, a host
+  int), else summed on the device and read lazily;
 - the host's wait for the next batch (`data_wait_ms_mean`) is not the GPU's: with steps queued on the
   GPU the host may wait without the GPU waiting. `gpu_step_fraction` (the steps' GPU time over the
   wall time) says whether the GPU waited: ~1.0, it did not;
@@ -171,8 +172,11 @@ class ThroughputMeter(pl.Callback):
             rows = int(batch.get("num_rows", ids.shape[0]))  # static-shape batches: padding rows excluded
             st.samples += rows
             st.padded += ids.numel()
-            mask = batch.get("attention_mask")
-            st.real = st.real + (mask[:rows].sum() if mask is not None else ids[:rows].numel())
+            tokens = batch.get("num_tokens")  # counted by the collator on the host: no device work per step
+            if not isinstance(tokens, int):
+                mask = batch.get("attention_mask")
+                tokens = mask[:rows].sum() if mask is not None else ids[:rows].numel()
+            st.real = st.real + tokens
             if hasattr(pl_module, "flops_per_batch"):
                 st.flops = st.flops + pl_module.flops_per_batch(batch, training=stage == "train")
             st.step_gc_ms.append((self._gc_s - st.gc_at_start) * 1e3)

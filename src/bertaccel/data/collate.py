@@ -193,7 +193,9 @@ class ClassificationCollator:
     """Rows `{"input_ids", "label", "index"}` to a padded batch; a picklable class for workers.
 
     Rows come longest first (a stable sort: our attention kernels start the longest sequences first); every batch
-    carries each row's dataset `index`, and `num_rows`, the number of real rows (a Python int). With `batch_size`
+    carries each row's dataset `index`, `num_rows`, the number of real rows, and `num_tokens`, their real tokens
+    (Python ints; packed: also `attention_pairs`, the sum of the squared lengths, padding rows' one token each
+    included, as the varlen kernels run them). With `batch_size`
     (static shapes), padding rows are added up to it: their `labels` are -100 and their `index`
     is -1, so losses, metrics and prediction writers skip them. A filler row (`{"filler": True}`,
     what the datasets return for `EvalShardSampler`'s FILLER index) becomes such a padding row too.
@@ -231,8 +233,12 @@ class ClassificationCollator:
         n, b = len(rows), ids.shape[0]
         index = torch.full((b,), -1, dtype=torch.long)
         index[:n] = torch.tensor([r["index"] for r in rows], dtype=torch.long)
-        batch = {"input_ids": ids, "attention_mask": mask, "index": index, "num_rows": n}
+        # counted here on the host, so that the meters need no device work per step: the real tokens, and (packed)
+        # the sum of the squared lengths, the varlen attention's query-key pairs
+        lengths = [min(len(r["input_ids"]), ids.shape[1]) for r in rows]
+        batch = {"input_ids": ids, "attention_mask": mask, "index": index, "num_rows": n, "num_tokens": sum(lengths)}
         if self.packed:
+            batch["attention_pairs"] = sum(k * k for k in lengths) + (b - n)  # padding rows: one token each
             quantum, sizes = None, None
             if self.batch_size is not None:  # static shapes: a few token counts
                 if isinstance(self.token_sizes, int):

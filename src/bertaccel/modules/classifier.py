@@ -15,7 +15,7 @@ from bertaccel.errors import ConfigError
 from bertaccel.modules.base import BertModule
 from bertaccel.modules.bert import build_bert
 from bertaccel.modules.flops import bert_step_flops, bert_step_flops_unpadded
-from bertaccel.modules.metrics import ClassificationStats
+from bertaccel.modules.metrics import ClassificationStats, confusion_counts
 from bertaccel.modules.unpadded import Unpadded, classifier_logits
 
 
@@ -147,12 +147,14 @@ class BertClassifier(BertModule):
         packed = batch.get("packed_indices")
         rows = packed.numel() if isinstance(packed, torch.Tensor) else batch["attention_mask"].sum()
         # attention within each sequence on a GPU (the varlen kernels), on the re-padded batch on CPU;
-        # the lengths' squares summed on the device (a 0-d tensor: no host read per step)
+        # the lengths' squares: the collator's host count, else summed on the device (a 0-d tensor: no host read)
         pairs = None
         if batch["input_ids"].is_cuda:
-            cu = batch.get("cu_seqlens")
-            lengths = cu.diff() if isinstance(cu, torch.Tensor) else batch["attention_mask"].sum(1)
-            pairs = lengths.double().square().sum()
+            pairs = batch.get("attention_pairs")  # the collator's count (a host int)
+            if not isinstance(pairs, int):
+                cu = batch.get("cu_seqlens")
+                lengths = cu.diff() if isinstance(cu, torch.Tensor) else batch["attention_mask"].sum(1)
+                pairs = lengths.double().square().sum()
         return bert_step_flops_unpadded(self.model.config, B, S, rows, training, pairs, self.last_layer_cls_only)
 
     def step_outputs(self, input_ids, attention_mask, token_type_ids=None, labels=None, packed_indices=None,
@@ -163,10 +165,12 @@ class BertClassifier(BertModule):
         # summed over the labelled rows (padding rows carry -100), then the mean for backward
         loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
         rows = (labels != IGNORE_INDEX).sum().clamp(min=1)
-        return {"loss": loss_sum / rows, "loss_sum": loss_sum.detach(), "logits": logits}
+        # the metrics' counts here, in the step (a CUDA graph's part when graphed), not from the host after it
+        return {"loss": loss_sum / rows, "loss_sum": loss_sum.detach(), "logits": logits,
+                "confusion": confusion_counts(logits.detach(), labels, self.num_labels)}
 
     def update_metrics(self, stage: str, batch, out) -> None:
-        self.metrics[f"{stage}_metrics"].update(out["logits"], batch["labels"], out["loss_sum"])
+        self.metrics[f"{stage}_metrics"].update(out["logits"], batch["labels"], out["loss_sum"], counts=out.get("confusion"))
 
     def _log_epoch(self, stage: str) -> None:
         metric = self.metrics[f"{stage}_metrics"]
