@@ -26,7 +26,10 @@ Variants:
   ":flash" / ":sdpa" run unpadded attention on PyTorch's FlashAttention varlen / re-padded SDPA instead
   of our kernel (BERTACCEL_VARLEN_ATTENTION); ":nofreeze" leaves the garbage collector unfrozen
   (BERTACCEL_GC_FREEZE=0; see BertModule._freeze_heap); ":pN" redraws the progress bar N times a second
-  (the CLI's default 4; Lightning's 100, which the runs before session 45 used).
+  (the CLI's default 4; Lightning's 100, which the runs before session 45 used); ":nopin" turns
+  `data.pin_memory` off (no pin-memory thread taking the interpreter's lock beside the loop); ":gilN" sets the
+  interpreter's thread switch interval to N us (Python's default 5,000: a thread wanting the lock may wait that
+  long while another runs Python).
 
 Train samples/s excludes the first `--skip` steps in every variant (the CLI's throughput meter
 does the same with its warm-up steps; graph captures of lengths first seen later stay in the
@@ -144,6 +147,10 @@ def plain_loop(args, compiled: bool) -> dict:
 def cli_run(args, name: str, presets: list[str], workers: int, extra: list[str] = (), env: dict | None = None) -> dict:
     run_name = f"bench_{name.replace(':', '_')}"
     cmd = [sys.executable, "-m", "bertaccel", "fit", "-c", "configs/imdb_minilm.yaml"]
+    interval = (env or {}).get("BERTACCEL_BENCH_SWITCH_INTERVAL_US")
+    if interval:  # ":gilN": the CLI with the interpreter's thread switch interval set first
+        cmd[1:3] = ["-c", "import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1)) * 1e-6); "
+                    "runpy.run_module('bertaccel', run_name='__main__', alter_sys=True)", interval]
     for p in presets:
         cmd += ["-c", p]
     cmd += ["--data.init_args.dataset", str(args.data), "--model.init_args.pretrained", str(args.model),
@@ -189,6 +196,63 @@ def cli_run(args, name: str, presets: list[str], workers: int, extra: list[str] 
     return out
 
 
+def run_variant(args, v: str) -> dict:
+    """One run of variant `v` (see the module docstring): its numbers, or {"error": ...}."""
+    if v in ("plain", "plain-compile"):
+        return plain_loop(args, compiled=v == "plain-compile")
+    else:  # "cli-graphs:w0": with 0 DataLoader workers; ":b256": one length bucket of 256
+        base_name, *options = v.split(":")
+        workers, extra, env = args.workers, [], {}
+        for o in options:
+            if o[:1] == "w" and o[1:].isdigit():
+                workers = int(o[1:])
+            elif o[:1] == "b" and o[1:].isdigit():
+                extra += ["--data.init_args.length_buckets", o[1:]]
+            elif o[:1] == "t" and o[1:].isdigit():
+                extra += ["--data.init_args.token_buckets", o[1:]]
+            elif o == "cast":
+                extra += ["--model.init_args.bf16_weight_copies", "false"]
+            elif o == "attn":
+                extra += ["--model.init_args.attn_implementation", "bertaccel"]
+            elif o == "cls":  # the last layer at the [CLS] position only (bertaccel.modules.last_layer; the config's default)
+                extra += ["--model.init_args.last_layer_cls_only", "true"]
+            elif o == "full":  # the last layer at every position (the option off)
+                extra += ["--model.init_args.last_layer_cls_only", "false"]
+            elif o in ("flash", "sdpa"):
+                env["BERTACCEL_VARLEN_ATTENTION"] = o
+            elif o == "nofreeze":
+                env["BERTACCEL_GC_FREEZE"] = "0"
+            elif o[:1] == "p" and o[1:].isdigit():  # progress bar redraws per second (0: none; CLI default 4)
+                extra += ["--progress_bar.refresh_rate", o[1:]]
+            elif o == "nopin":  # batches from pageable memory: no pin-memory thread beside the loop's
+                extra += ["--data.init_args.pin_memory", "false"]
+            elif o[:3] == "gil" and o[3:].isdigit():  # the interpreter's thread switch interval, in us (default 5,000)
+                env["BERTACCEL_BENCH_SWITCH_INTERVAL_US"] = o[3:]
+            else:
+                raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
+                                 "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, cls / full: the last layer at [CLS] only / at every position, flash / sdpa: unpadded attention "
+                                 "by PyTorch's kernels, nofreeze: BERTACCEL_GC_FREEZE=0, pN: progress bar redrawn N times a second, "
+                                 "nopin: no pinned memory, gilN: thread switch interval N us)")
+        return cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
+
+
+ROUND_KEYS = ("train_samples_per_s", "test_samples_per_s", "train_step_ms_p50", "train_data_wait_ms_mean",
+              "train_gpu_step_fraction", "test_acc")
+
+
+def summarize_rounds(runs: list[dict]) -> dict:
+    """A variant's result over its rounds: the round with the median train samples/s (the lower middle one of an
+    even count), every round's main numbers under "rounds" when there was more than one."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[-1]
+    ranked = sorted(ok, key=lambda r: r.get("train_samples_per_s") or 0.0)
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        out["rounds"] = [{k: r.get(k) for k in ROUND_KEYS} if "error" not in r else {"error": r["error"]} for r in runs]
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True)
@@ -203,46 +267,26 @@ def main(argv=None) -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--runs", type=Path, default=Path("runs"))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every variant this many times, interleaved (a fresh process each); a variant's numbers are "
+                         "its median round's by train samples/s, every round's kept in the JSON (\"rounds\")")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     args.data, args.model, args.runs = args.data.resolve(), args.model.resolve(), args.runs.resolve()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
-    for v in args.variants:
-        t0 = time.perf_counter()
-        if v in ("plain", "plain-compile"):
-            results[v] = plain_loop(args, compiled=v == "plain-compile")
-        else:  # "cli-graphs:w0": with 0 DataLoader workers; ":b256": one length bucket of 256
-            base_name, *options = v.split(":")
-            workers, extra, env = args.workers, [], {}
-            for o in options:
-                if o[:1] == "w" and o[1:].isdigit():
-                    workers = int(o[1:])
-                elif o[:1] == "b" and o[1:].isdigit():
-                    extra += ["--data.init_args.length_buckets", o[1:]]
-                elif o[:1] == "t" and o[1:].isdigit():
-                    extra += ["--data.init_args.token_buckets", o[1:]]
-                elif o == "cast":
-                    extra += ["--model.init_args.bf16_weight_copies", "false"]
-                elif o == "attn":
-                    extra += ["--model.init_args.attn_implementation", "bertaccel"]
-                elif o == "cls":  # the last layer at the [CLS] position only (bertaccel.modules.last_layer; the config's default)
-                    extra += ["--model.init_args.last_layer_cls_only", "true"]
-                elif o == "full":  # the last layer at every position (the option off)
-                    extra += ["--model.init_args.last_layer_cls_only", "false"]
-                elif o in ("flash", "sdpa"):
-                    env["BERTACCEL_VARLEN_ATTENTION"] = o
-                elif o == "nofreeze":
-                    env["BERTACCEL_GC_FREEZE"] = "0"
-                elif o[:1] == "p" and o[1:].isdigit():  # progress bar redraws per second (0: none; CLI default 4)
-                    extra += ["--progress_bar.refresh_rate", o[1:]]
-                else:
-                    raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
-                                     "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, cls / full: the last layer at [CLS] only / at every position, flash / sdpa: unpadded attention "
-                                     "by PyTorch's kernels, nofreeze: BERTACCEL_GC_FREEZE=0, pN: progress bar redrawn N times a second)")
-            results[v] = cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
-        print(f"{v}: {results[v]} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        if args.out:
-            args.out.write_text(json.dumps(results, indent=1))
+    rounds: dict[str, list[dict]] = {v: [] for v in args.variants}
+    for r in range(args.rounds):
+        # every round runs each variant once (a fresh process), the order reversed every other round so that a drift
+        # of the machine over the run does not favour the variants that come first
+        for v in args.variants if r % 2 == 0 else reversed(args.variants):
+            t0 = time.perf_counter()
+            rounds[v].append(run_variant(args, v))
+            print(f"{v} (round {r + 1}): {rounds[v][-1]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            for name, runs in rounds.items():
+                if runs:
+                    results[name] = summarize_rounds(runs)
+            if args.out:
+                args.out.write_text(json.dumps(results, indent=1))
     base = results.get("plain", {}).get("train_samples_per_s")
     print(f"\n{results['device']}, IMDB rows from {args.data.name}, max_length {args.max_length}, batch {args.batch_size}")
     # step p50 / slowest: the CLI meter's median and slowest measured step (a graph capture of a token or length
@@ -260,6 +304,11 @@ def main(argv=None) -> None:
         p50, slowest = r.get("train_step_ms_p50"), (r.get("train_slowest_steps_ms") or [None])[0]
         print(f"{v:<18} {tr or 0:>16,.0f} {ratio:>8} {te or 0:>15,.0f} {acc * 100 if acc else 0:>8.2f}% "
               f"{f'{p50:.2f}' if p50 else '-':>12} {f'{slowest:.1f}' if slowest else '-':>11}")
+    if args.rounds > 1:  # the spread: every round's train samples/s, in the order the rounds ran
+        print("\ntrain samples/s by round (the table shows the median round)")
+        for v in args.variants:
+            per = [r.get("train_samples_per_s") for r in results[v].get("rounds", [])]
+            print(f"{v:<18} " + "  ".join(f"{x:,.0f}" if x else "failed" for x in per))
     if args.out:
         picture = plot(results, args.variants, args.out.with_suffix(".png"))
         if picture:

@@ -94,6 +94,34 @@ def test_the_classifier_step_counts_its_confusion_matrix_for_the_metrics():
     assert "confusion" not in model.step_outputs(ids, torch.ones_like(ids))  # no labels (prediction): no counts
 
 
+@pytest.mark.cuda
+def test_confusion_counts_replay_in_a_cuda_graph():
+    """The counts are device ops only: captured once in a CUDA graph, each replay counts the batch then in the
+    static inputs (no host read during capture, which would fail it)."""
+    from bertaccel.modules.metrics import confusion_counts
+
+    logits = torch.zeros(16, 4, device="cuda")
+    labels = torch.zeros(16, dtype=torch.long, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        confusion_counts(logits, labels, 4)  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        counts = confusion_counts(logits, labels, 4)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(3):
+        logits.copy_(torch.randn(16, 4, device="cuda", generator=g))
+        labels.copy_(torch.randint(0, 4, (16,), device="cuda", generator=g))
+        labels[-2:] = -100
+        graph.replay()
+        expected = torch.zeros(4, 4, dtype=torch.long)
+        for y, p in zip(labels[:-2].tolist(), logits[:-2].argmax(-1).tolist()):
+            expected[y, p] += 1
+        assert torch.equal(counts.cpu(), expected)
+
+
 def _train(graph_loop: bool, tiny_data, tmp_path, model_kwargs=None, **trainer_kwargs):
     pl.seed_everything(3)
     model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop,
