@@ -65,7 +65,7 @@ def test_e2e_rounds_interleave_the_variants_and_keep_each_rounds_time(tmp_path, 
     """--rounds 3: each variant timed three times, in the order a, b, a, b, a, b; the cell is the median."""
     calls = []
 
-    def fake_step_times(variant, *args):
+    def fake_step_times(variant, *args, **kwargs):
         calls.append(variant)
         return [float(len(calls))]  # this call's position: rounds' medians 1, 3, 5 (a) and 2, 4, 6 (b)
 

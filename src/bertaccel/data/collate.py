@@ -109,7 +109,11 @@ def packed_layout(
 # layers cancel: a capture is worth ~3.6e10 / hidden^2 padding tokens - MiniLM (384) ~245k, BERT-base (768) ~61k,
 # BERT-large (1024) ~34k. (Before, one 64k for every model, from MiniLM's mean cost per packed token rather than a
 # padding token's: for MiniLM it bought a size more than pays - the staged IMDB rows, 195 steps at max_length 512: 3
-# sizes where, by this estimate, 2 cost ~25 ms less.)
+# sizes where, by this estimate, 2 cost ~25 ms less.) Measured directly since (H200, da80fec, `benchmarks.e2e
+# --token-budgets`: the same rows, the packed token count padded to several budgets): MiniLM 0.148 us a padding token
+# at 32x256 (4,800 -> 8,192 tokens), 0.135 at 32x512 (9,600 -> 16,384) against this model's 0.159 - in steps, not
+# evenly (the GEMMs' waves of tiles). In the fine-tune the choice's effect is inside the run-to-run spread (at 256: 1
+# size 7,168 / 10,147 samples/s, 2 sizes 9,786 / 8,399 in two process orders).
 CAPTURE_SECONDS_PER_LAYER = 6.5e-3
 PADDING_TOKEN_SECONDS = 1.8e-13  # x layers x hidden^2
 
