@@ -35,6 +35,7 @@ the batches it already trained on.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -150,16 +151,24 @@ class OneBufferCollate:
         return pack_batch(self.collate(rows))
 
 
-def prefetch_to_device(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
-    """Yield `batches` moved to the CUDA `device`, each copied on a side stream one batch ahead."""
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
+
+
+def prefetch_to_device(batches: Iterator[Any], device: torch.device, pin: bool = False) -> Iterator[Any]:
+    """Yield `batches` moved to the CUDA `device`, each copied on a side stream one batch ahead; `pin`: the
+    batch's CPU tensors pinned here first (in the loop's thread, instead of PyTorch's pin-memory thread)."""
     stream = torch.cuda.Stream(device)
 
     def send(batch: Any) -> tuple[Any, torch.cuda.Event]:
         with torch.cuda.stream(stream):
             if isinstance(batch, dict) and BUFFER_KEY in batch:  # one tensor: no walk over the batch
                 moved = dict(batch)
-                moved[BUFFER_KEY] = batch[BUFFER_KEY].to(device, non_blocking=True)
+                buffer = _pinned(batch[BUFFER_KEY]) if pin else batch[BUFFER_KEY]
+                moved[BUFFER_KEY] = buffer.to(device, non_blocking=True)
             else:
+                if pin:
+                    batch = apply_to_collection(batch, torch.Tensor, _pinned)
                 moved = move_data_to_device(batch, device)  # non_blocking from pinned memory
         return moved, stream.record_event()
 
@@ -188,14 +197,25 @@ class DeviceLoader(DataLoader):
     (default) and a `collate_fn`, each dict batch travels as one buffer (`pack_batch`) and comes out
     as the collate function made it."""
 
-    def __init__(self, *args: Any, device: torch.device | str | None = None, one_buffer: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, device: torch.device | str | None = None, one_buffer: bool = True,
+                 pin_in_loop: bool | None = None, **kwargs: Any) -> None:
         collate = kwargs.get("collate_fn")
         if one_buffer and collate is not None and not isinstance(collate, OneBufferCollate):
             kwargs["collate_fn"] = OneBufferCollate(collate)
+        # pin_in_loop (default: BERTACCEL_PIN_IN_LOOP=1 when pin_memory): with a GPU to copy ahead to, pin each batch in the loop's
+        # own thread right before its copy instead of in PyTorch's pin-memory thread (one buffer a batch: a
+        # ~100 KB memcpy into the caching host allocator's pinned blocks), so that no second Python thread takes
+        # the interpreter's lock from the loop that launches the steps (under test: `benchmarks.finetune :pinloop`)
+        if pin_in_loop is None:  # the environment's choice, for loaders that pin at all
+            pin_in_loop = os.environ.get("BERTACCEL_PIN_IN_LOOP", "0") == "1" and bool(kwargs.get("pin_memory"))
+        cuda = device is not None and torch.device(device).type == "cuda"
+        pin_in_loop = bool(pin_in_loop and cuda)
+        if pin_in_loop:
+            kwargs["pin_memory"] = False
         super().__init__(*args, **kwargs)
         # attributes of these names: Lightning rebuilds loaders from their attributes (the collate_fn it
-        # finds is already wrapped, so a rebuilt loader does not wrap it again)
-        self.device, self.one_buffer = device, one_buffer
+        # finds is already wrapped, so a rebuilt loader does not wrap it again; pin_memory is False then)
+        self.device, self.one_buffer, self.pin_in_loop = device, one_buffer, pin_in_loop
 
     def host_batches(self) -> Iterator[Any]:
         return super().__iter__()
@@ -204,7 +224,7 @@ class DeviceLoader(DataLoader):
         it = self.host_batches()
         device = torch.device(self.device) if self.device is not None else None
         if device is not None and device.type == "cuda":
-            it = prefetch_to_device(it, device)
+            it = prefetch_to_device(it, device, pin=self.pin_in_loop)
         return map(unpack_batch, it)
 
 
