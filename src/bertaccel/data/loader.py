@@ -202,10 +202,11 @@ class DeviceLoader(DataLoader):
         collate = kwargs.get("collate_fn")
         if one_buffer and collate is not None and not isinstance(collate, OneBufferCollate):
             kwargs["collate_fn"] = OneBufferCollate(collate)
-        # pin_in_loop (default: BERTACCEL_PIN_IN_LOOP=1 when pin_memory): with a GPU to copy ahead to, pin each batch in the loop's
-        # own thread right before its copy instead of in PyTorch's pin-memory thread (one buffer a batch: a
-        # ~100 KB memcpy into the caching host allocator's pinned blocks), so that no second Python thread takes
-        # the interpreter's lock from the loop that launches the steps (under test: `benchmarks.finetune :pinloop`)
+        # pin_in_loop (default: BERTACCEL_PIN_IN_LOOP=1 for a loader with pin_memory): with a GPU to copy ahead to,
+        # pin each batch in the loop's own thread right before its copy instead of in PyTorch's pin-memory thread
+        # (one buffer a batch: a ~100 KB memcpy into the caching host allocator's pinned blocks), so that no second
+        # Python thread takes the interpreter's lock from the loop that launches the steps (not yet measured:
+        # `benchmarks.finetune` variant `:pinloop`)
         if pin_in_loop is None:  # the environment's choice, for loaders that pin at all
             pin_in_loop = os.environ.get("BERTACCEL_PIN_IN_LOOP", "0") == "1" and bool(kwargs.get("pin_memory"))
         cuda = device is not None and torch.device(device).type == "cuda"

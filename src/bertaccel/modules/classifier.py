@@ -170,7 +170,8 @@ class BertClassifier(BertModule):
                 "confusion": confusion_counts(logits.detach(), labels, self.num_labels)}
 
     def update_metrics(self, stage: str, batch, out) -> None:
-        self.metrics[f"{stage}_metrics"].update(out["logits"], batch["labels"], out["loss_sum"], counts=out.get("confusion"))
+        self.metrics[f"{stage}_metrics"].update(out["logits"], batch["labels"], out["loss_sum"],
+                                                counts=out.get("confusion"))
 
     def _log_epoch(self, stage: str) -> None:
         metric = self.metrics[f"{stage}_metrics"]
