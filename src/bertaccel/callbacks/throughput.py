@@ -9,8 +9,8 @@ How it stays honest:
   epoch ends, so validation, checkpoint saving and epoch-end work are not charged to training;
 - real tokens are the attention mask's ones (padding excluded): the collator's count (`num_tokens`, a host
   int), else summed on the device and read lazily;
-- the host's wait for the next batch (`data_wait_ms_mean`) is not the GPU's: with steps queued on the
-  GPU the host may wait without the GPU waiting. `gpu_step_fraction` (the steps' GPU time over the
+- the host's time between steps (`data_wait_ms_mean`: the step's remaining hooks, Lightning's bookkeeping and
+  the next batch's fetch) is not the GPU's: with steps queued on the GPU the host may wait without the GPU waiting. `gpu_step_fraction` (the steps' GPU time over the
   wall time) says whether the GPU waited: ~1.0, it did not;
 - the first `warmup_steps` of every stage (compilation, cuDNN autotune, allocator growth) are excluded;
 - under DDP the numbers are global: samples, tokens and FLOPs summed over ranks, over the slowest
