@@ -415,3 +415,24 @@ def test_unpadded_with_projections_that_cannot_fuse():
         got = classifier_logits(model, ids, mask, types)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     report.revert()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_collator_host_counts_match_the_batch(static):
+    """Random batches, fillers included: `num_tokens` is the real rows' attention-mask ones and `attention_pairs`
+    the packed sequences' squared lengths summed (padding rows' one token each), as the device would count them."""
+    from bertaccel.data.collate import ClassificationCollator
+
+    g = torch.Generator().manual_seed(5)
+    kwargs = {"buckets": [8, 16, 24], "batch_size": 6, "token_sizes": [40, 90]} if static else {"pad_to_multiple_of": 8}
+    collate = ClassificationCollator(pad_id=0, packed=True, **kwargs)
+    for trial in range(20):
+        n = int(torch.randint(1 if not static else 0, 7, (), generator=g))
+        rows = [{"input_ids": torch.arange(int(torch.randint(1, 25, (), generator=g))), "label": 0, "index": i}
+                for i in range(n)]
+        if static and trial % 3 == 0:
+            rows.append({"filler": True, "label": -100})
+        batch = collate(rows)
+        real = batch["num_rows"]
+        assert batch["num_tokens"] == int(batch["attention_mask"][:real].sum())
+        assert batch["attention_pairs"] == int(batch["cu_seqlens"].diff().square().sum())
