@@ -10,8 +10,9 @@ How it stays honest:
 - real tokens are the attention mask's ones (padding excluded): the collator's count (`num_tokens`, a host
   int), else summed on the device and read lazily;
 - the host's time between steps (`data_wait_ms_mean`: the step's remaining hooks, Lightning's bookkeeping and
-  the next batch's fetch) is not the GPU's: with steps queued on the GPU the host may wait without the GPU waiting. `gpu_step_fraction` (the steps' GPU time over the
-  wall time) says whether the GPU waited: ~1.0, it did not;
+  the next batch's fetch) is not the GPU's: with steps queued on the GPU the host may wait without the GPU
+  waiting. `gpu_step_fraction` (the steps' GPU time over the wall time) says whether the GPU waited: ~1.0, it
+  did not;
 - the first `warmup_steps` of every stage (compilation, cuDNN autotune, allocator growth) are excluded;
 - under DDP the numbers are global: samples, tokens and FLOPs summed over ranks, over the slowest
   rank's time; step times are each rank's own (`step_ms_p50_per_rank`);

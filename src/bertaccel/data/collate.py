@@ -239,7 +239,7 @@ class ClassificationCollator:
         index[:n] = torch.tensor([r["index"] for r in rows], dtype=torch.long)
         # counted here on the host, so that the meters need no device work per step: the real tokens, and (packed)
         # the sum of the squared lengths, the varlen attention's query-key pairs
-        lengths = [min(len(r["input_ids"]), ids.shape[1]) for r in rows]
+        lengths = [len(r["input_ids"]) for r in rows]  # (pad_ids refuses a row longer than the batch)
         batch = {"input_ids": ids, "attention_mask": mask, "index": index, "num_rows": n, "num_tokens": sum(lengths)}
         if self.packed:
             batch["attention_pairs"] = sum(k * k for k in lengths) + (b - n)  # padding rows: one token each

@@ -101,10 +101,15 @@ class BatchLayout:
         return f"BatchLayout({self.fields!r})"
 
 
+def is_packed(batch: Any) -> bool:
+    """Whether `batch` is one `pack_batch` made (its tensors in one buffer)."""
+    return isinstance(batch, dict) and BUFFER_KEY in batch
+
+
 def pack_batch(batch: Any) -> Any:
     """A dict batch with its CPU tensors copied into one uint8 buffer (`BUFFER_KEY`) and their places
     (`LAYOUT_KEY`: a `BatchLayout`); anything else, or a dict with fewer than two tensors, as it is."""
-    if not isinstance(batch, dict) or BUFFER_KEY in batch:
+    if not isinstance(batch, dict) or is_packed(batch):
         return batch
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"
                and not v.requires_grad}
@@ -129,7 +134,7 @@ def pack_batch(batch: Any) -> Any:
 
 def unpack_batch(batch: Any) -> Any:
     """The batch `pack_batch` packed, its tensors views of the buffer (wherever the buffer now is)."""
-    if not isinstance(batch, dict) or BUFFER_KEY not in batch:
+    if not is_packed(batch):
         return batch
     buffer = batch[BUFFER_KEY]
     out = {}
@@ -162,7 +167,7 @@ def prefetch_to_device(batches: Iterator[Any], device: torch.device, pin: bool =
 
     def send(batch: Any) -> tuple[Any, torch.cuda.Event]:
         with torch.cuda.stream(stream):
-            if isinstance(batch, dict) and BUFFER_KEY in batch:  # one tensor: no walk over the batch
+            if is_packed(batch):  # one tensor: no walk over the batch
                 moved = dict(batch)
                 buffer = _pinned(batch[BUFFER_KEY]) if pin else batch[BUFFER_KEY]
                 moved[BUFFER_KEY] = buffer.to(device, non_blocking=True)
@@ -175,7 +180,7 @@ def prefetch_to_device(batches: Iterator[Any], device: torch.device, pin: bool =
     def receive(moved: Any, copied: torch.cuda.Event) -> Any:
         here = torch.cuda.current_stream(device)
         here.wait_event(copied)
-        if isinstance(moved, dict) and BUFFER_KEY in moved:
+        if is_packed(moved):
             moved[BUFFER_KEY].record_stream(here)
         else:
             apply_to_collection(moved, torch.Tensor, lambda t: t.record_stream(here) if t.is_cuda else None)
