@@ -27,8 +27,7 @@ Variants:
   of our kernel (BERTACCEL_VARLEN_ATTENTION); ":nofreeze" leaves the garbage collector unfrozen
   (BERTACCEL_GC_FREEZE=0; see BertModule._freeze_heap); ":pN" redraws the progress bar N times a second
   (the CLI's default 4; Lightning's 100, which the runs before session 45 used); ":nopin" turns
-  `data.pin_memory` off (no pin-memory thread taking the interpreter's lock beside the loop); ":pinloop" pins each
-  batch in the loop's own thread before its copy (BERTACCEL_PIN_IN_LOOP=1, no pin-memory thread); ":gilN" sets the
+  `data.pin_memory` off (no pin-memory thread taking the interpreter's lock beside the loop); ":gilN" sets the
   interpreter's thread switch interval to N us (Python's default 5,000: a thread wanting the lock may wait that
   long while another runs Python).
 
@@ -227,15 +226,13 @@ def run_variant(args, v: str) -> dict:
                 extra += ["--progress_bar.refresh_rate", o[1:]]
             elif o == "nopin":  # batches from pageable memory: no pin-memory thread beside the loop's
                 extra += ["--data.init_args.pin_memory", "false"]
-            elif o == "pinloop":  # batches pinned in the loop's thread, no pin-memory thread (BERTACCEL_PIN_IN_LOOP)
-                env["BERTACCEL_PIN_IN_LOOP"] = "1"
             elif o[:3] == "gil" and o[3:].isdigit():  # the interpreter's thread switch interval, in us (default 5,000)
                 env["BERTACCEL_BENCH_SWITCH_INTERVAL_US"] = o[3:]
             else:
                 raise SystemExit(f"variant {v!r}: unknown option {o!r} (wN: N DataLoader workers, bN: buckets "
                                  "every N tokens, tN: N token sizes (unpadded), cast: no bf16 weight copies, attn: our attention on padded batches, cls / full: the last layer at [CLS] only / at every position, flash / sdpa: unpadded attention "
                                  "by PyTorch's kernels, nofreeze: BERTACCEL_GC_FREEZE=0, pN: progress bar redrawn N times a second, "
-                                 "nopin: no pinned memory, pinloop: pinned in the loop's thread, gilN: thread switch interval N us)")
+                                 "nopin: no pinned memory, gilN: thread switch interval N us)")
         return cli_run(args, v, CLI_PRESETS[base_name], workers, extra, env)
 
 

@@ -39,29 +39,12 @@ def test_lightning_rebuilds_keep_the_device():
     assert type(rebuilt) is ResumableDataLoader and rebuilt.device == "cuda:0" and rebuilt.progress is not None
 
 
-def test_pinning_in_the_loop_replaces_the_pin_memory_thread(monkeypatch):
-    """pin_in_loop (or BERTACCEL_PIN_IN_LOOP=1 for a pinning loader) with a GPU to copy to: the DataLoader starts no
-    pin-memory thread (its pin_memory off), and a Lightning rebuild keeps both; without a GPU device, or from the
-    environment for a loader that does not pin, nothing changes."""
-    loader = DeviceLoader(Rows(), batch_size=8, device="cuda:0", pin_memory=True, pin_in_loop=True)
-    assert loader.pin_in_loop and not loader.pin_memory
-    rebuilt = _update_dataloader(loader, DistributedSampler(Rows(), num_replicas=2, rank=0, shuffle=False))
-    assert rebuilt.pin_in_loop and not rebuilt.pin_memory and rebuilt.device == "cuda:0"
-    cpu = DeviceLoader(Rows(), batch_size=8, device="cpu", pin_memory=True, pin_in_loop=True)
-    assert not cpu.pin_in_loop and cpu.pin_memory
-    assert not DeviceLoader(Rows(), batch_size=8, device="cuda:0", pin_memory=True).pin_in_loop  # the default: off
-    monkeypatch.setenv("BERTACCEL_PIN_IN_LOOP", "1")
-    assert DeviceLoader(Rows(), batch_size=8, device="cuda:0", pin_memory=True).pin_in_loop
-    assert not DeviceLoader(Rows(), batch_size=8, device="cuda:0", pin_memory=False).pin_in_loop
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("pin_in_loop", [False, True])
-def test_batches_arrive_on_the_gpu_in_order_and_intact(pin_in_loop):
+def test_batches_arrive_on_the_gpu_in_order_and_intact():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     device = torch.device("cuda", torch.cuda.current_device())
-    loader = DeviceLoader(Rows(), batch_size=8, pin_memory=True, num_workers=2, device=device, pin_in_loop=pin_in_loop)
+    loader = DeviceLoader(Rows(), batch_size=8, pin_memory=True, num_workers=2, device=device)
     expected = list(torch.utils.data.DataLoader(Rows(), batch_size=8))
     for _ in range(2):  # two epochs, workers reused
         got = []
