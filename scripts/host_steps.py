@@ -4,11 +4,15 @@
 
 Runs the CLI in this process with one extra callback that, between training steps `START` and
 `STOP` (env, default 60 and 260), profiles the main thread with cProfile and times the window; with `PLAIN=N`,
-the N steps before `START` are timed without the profiler too (wall and the main thread's CPU time per step).
+the N steps before `START` are timed without the profiler too (wall and the main thread's CPU time per step), and
+split into the loop's phases (the next batch's fetch, Lightning's batch transfer, every callback's and the module's
+batch hooks, the training step, the logger connector, the LR schedulers; the rest is Lightning's loop between them)
+by timers wrapped around those calls for the window only.
 Writes `$OUT/host_steps.txt` (under DDP one `host_steps_rank<R>.txt` per rank): ms per step (wall), host ms per step spent inside Lightning's hooks,
 and the functions taking the host's time, by own and cumulative time.
 """
 import cProfile
+import functools
 import io
 import os
 import pstats
@@ -32,22 +36,93 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+class Phases:
+    """Wall and main-thread CPU seconds inside wrapped calls, summed by name while `on`."""
+
+    def __init__(self):
+        self.on = False
+        self.acc: dict[str, list[float]] = {}
+        self.inner: list[list[float]] = []  # per open call: the time of the wrapped calls inside it
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        """Time `obj.attr` under `name`, exclusive of the wrapped calls it makes (automatic optimization runs
+        training_step and backward inside the optimizer step)."""
+        fn = getattr(obj, attr)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            w, c = time.perf_counter(), time.thread_time()
+            self.inner.append([0.0, 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dw, dc = time.perf_counter() - w, time.thread_time() - c
+                inner = self.inner.pop()
+                acc = self.acc.setdefault(name, [0.0, 0.0])
+                acc[0] += dw - inner[0]
+                acc[1] += dc - inner[1]
+                if self.inner:
+                    self.inner[-1][0] += dw
+                    self.inner[-1][1] += dc
+
+        setattr(obj, attr, timed)
+
+    def install(self, trainer, pl_module) -> None:
+        loop = trainer.fit_loop
+        fetcher = type(loop._data_fetcher)
+        self.wrap(fetcher, "__next__", "fetch the next batch (DataLoader, copy ahead)")
+        self.wrap(trainer.strategy, "batch_to_device", "strategy.batch_to_device (transfer hooks)")
+        self.wrap(trainer.strategy, "training_step", "training_step")
+        self.wrap(trainer.strategy, "backward", "strategy.backward (automatic optimization)")
+        self.wrap(trainer.strategy, "optimizer_step", "strategy.optimizer_step (automatic optimization)")
+        for cb in trainer.callbacks:
+            if cb is self.owner:
+                continue
+            for hook in ("on_train_batch_start", "on_train_batch_end"):
+                if getattr(type(cb), hook) is not getattr(pl.Callback, hook):  # the callback has this hook
+                    self.wrap(cb, hook, f"{type(cb).__name__}.{hook}")
+        for hook in ("on_train_batch_start", "on_train_batch_end"):
+            self.wrap(pl_module, hook, f"module.{hook}")
+        self.wrap(trainer._logger_connector, "on_batch_end", "logger_connector.on_batch_end")
+        self.wrap(trainer._logger_connector, "update_train_step_metrics", "logger_connector.update_train_step_metrics")
+        self.wrap(loop.epoch_loop, "update_lr_schedulers", "update_lr_schedulers")
+
+    def table(self, steps: int, wall: float, cpu: float) -> str:
+        rows = sorted(self.acc.items(), key=lambda kv: -kv[1][0])
+        lines = [f"  {'phase':<58} {'wall ms':>8} {'cpu ms':>8}  (per step, mean of {steps})"]
+        for name, (w, c) in rows:
+            lines.append(f"  {name:<58} {1e3 * w / steps:8.3f} {1e3 * c / steps:8.3f}")
+        w_in = sum(w for w, _ in self.acc.values())
+        c_in = sum(c for _, c in self.acc.values())
+        lines.append(f"  {'the rest (Lightning between them, this script)':<58} {1e3 * (wall - w_in) / steps:8.3f} "
+                     f"{1e3 * (cpu - c_in) / steps:8.3f}")
+        return "\n".join(lines) + "\n"
+
+
 class HostSteps(pl.Callback):
     def __init__(self):
         self.prof = cProfile.Profile()
         self.t0 = None
         self.plain = None  # (wall, main thread's CPU time) at PLAIN steps before START
         self.plain_line = ""
+        self.phases = Phases()
+        self.phases.owner = self
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if PLAIN and trainer.global_step == START - PLAIN and self.plain is None:
             _sync()
+            self.phases.install(trainer, pl_module)
+            self.phases.on = True
             self.plain = (time.perf_counter(), time.thread_time())
         if trainer.global_step == START and self.plain is not None and not self.plain_line:
             _sync()
             wall, cpu = time.perf_counter() - self.plain[0], time.thread_time() - self.plain[1]
+            self.phases.on = False
             self.plain_line = (f"steps {START - PLAIN}..{START} without the profiler: {1e3 * wall / PLAIN:.3f} ms per step "
-                               f"wall, {1e3 * cpu / PLAIN:.3f} ms of the main thread's CPU time per step\n")
+                               f"wall, {1e3 * cpu / PLAIN:.3f} ms of the main thread's CPU time per step\n"
+                               + self.phases.table(PLAIN, wall, cpu))
         if trainer.global_step == START and self.t0 is None:
             _sync()
             self.t0 = time.perf_counter()

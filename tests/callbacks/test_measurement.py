@@ -223,6 +223,39 @@ def test_meter_counts_the_collators_real_tokens_on_the_host(tiny_data, tmp_path)
     assert isinstance(counted[0], int) and counted[0] == sum(masks[2:]) > 0
 
 
+def test_meter_logs_its_window_straight_to_the_loggers(tiny_data, tmp_path):
+    """Every `log_every_n_steps` training steps past warm-up the meter writes its running numbers to the loggers
+    (metrics.csv here) at the trainer's step, and they do not enter Lightning's per-epoch results, which the loop
+    walks after every batch."""
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from bertaccel.callbacks.throughput import ThroughputMeter
+    from bertaccel.data import TextClassificationDataModule
+    from bertaccel.modules import BertClassifier
+    from tests.conftest import TINY_BERT
+
+    pl.seed_everything(1)
+    meter = ThroughputMeter(enabled=True, warmup_steps=1, log_every_n_steps=2)
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                      batch_size=16, val_size=0.2)
+    trainer = pl.Trainer(logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[meter], accelerator="cpu", max_epochs=1,
+                         limit_val_batches=0, log_every_n_steps=1000)
+    trainer.fit(BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2), datamodule=dm)
+    steps = trainer.global_step
+    assert steps >= 4
+    with open(trainer.logger.log_dir + "/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("throughput/samples_per_s")]
+    # after training steps 2, 4, ... (1-based), at the step `self.log` in that batch would be written at (Lightning's
+    # count of stepped batches before the batch's own: 1, 3, ...), so these rows line up with train/loss's
+    assert [int(r["step"]) for r in rows] == list(range(1, steps, 2))
+    assert all(float(r["throughput/samples_per_s"]) > 0 and float(r["throughput/steps"]) >= 1 for r in rows)
+    assert not any(k.startswith("throughput/") for k in trainer.callback_metrics)
+
+
 @pytest.mark.parametrize("freeze", ["1", "0"])
 def test_training_freezes_the_heap_and_teardown_unfreezes_it(tiny_data, tmp_path, monkeypatch, freeze):
     """The objects alive at train start are out of the collector's reach during the steps (a full
