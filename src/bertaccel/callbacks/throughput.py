@@ -102,7 +102,7 @@ class ThroughputMeter(pl.Callback):
     Args:
         enabled: Turn the meter on (off by default: it adds a little bookkeeping per step).
         warmup_steps: Steps at the start of each stage left out of every number.
-        log_every_n_steps: Log the running numbers to the logger every N steps.
+        log_every_n_steps: Write the running numbers (`throughput/...`) to the trainer's loggers every N training steps.
         peak_tflops: Peak TFLOP/s for MFU; default from a table (H100/H200/A100/... bf16 or fp32).
         output_file: File name written in the run's log folder at the end of each stage.
     """
