@@ -253,6 +253,23 @@ def summarize_rounds(runs: list[dict]) -> dict:
     return out
 
 
+def round_lines(results: dict, variants: list[str]) -> list[str]:
+    """The spread: every round's train samples/s in the order the rounds ran and, with a plain loop among the
+    variants, each round's ratio against the plain loop of the same round (the table's ratio is of median rounds,
+    which may come from different rounds)."""
+    lines = ["train samples/s by round (the table shows the median round)"]
+    per = {v: [r.get("train_samples_per_s") for r in results[v].get("rounds", [])] for v in variants}
+    for v in variants:
+        lines.append(f"{v:<18} " + "  ".join(f"{x:,.0f}" if x else "failed" for x in per[v]))
+    plain = per.get("plain")
+    if plain:
+        lines += ["", "x plain by round (against the same round's plain loop)"]
+        for v in variants:
+            if v != "plain":
+                lines.append(f"{v:<18} " + "  ".join(f"{x / b:.2f}" if x and b else "-" for x, b in zip(per[v], plain)))
+    return lines
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True)
@@ -304,11 +321,8 @@ def main(argv=None) -> None:
         p50, slowest = r.get("train_step_ms_p50"), (r.get("train_slowest_steps_ms") or [None])[0]
         print(f"{v:<18} {tr or 0:>16,.0f} {ratio:>8} {te or 0:>15,.0f} {acc * 100 if acc else 0:>8.2f}% "
               f"{f'{p50:.2f}' if p50 else '-':>12} {f'{slowest:.1f}' if slowest else '-':>11}")
-    if args.rounds > 1:  # the spread: every round's train samples/s, in the order the rounds ran
-        print("\ntrain samples/s by round (the table shows the median round)")
-        for v in args.variants:
-            per = [r.get("train_samples_per_s") for r in results[v].get("rounds", [])]
-            print(f"{v:<18} " + "  ".join(f"{x:,.0f}" if x else "failed" for x in per))
+    if args.rounds > 1:
+        print("\n" + "\n".join(round_lines(results, args.variants)))
     if args.out:
         picture = plot(results, args.variants, args.out.with_suffix(".png"))
         if picture:

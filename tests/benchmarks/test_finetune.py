@@ -17,3 +17,15 @@ def test_a_variant_is_its_median_round_with_every_round_kept():
     one = summarize_rounds(runs[:1])
     assert one == runs[0] and "rounds" not in one
     assert summarize_rounds([{"error": "x"}]) == {"error": "x"}
+
+
+def test_round_lines_give_each_rounds_ratio_against_the_same_rounds_plain_loop():
+    """The table's ratio is of median rounds; the round lines pair each round with the plain loop of that round."""
+    from benchmarks.finetune import round_lines
+
+    results = {"plain": summarize_rounds([{"train_samples_per_s": 1000.0}, {"train_samples_per_s": 1500.0}]),
+               "fast": summarize_rounds([{"train_samples_per_s": 9000.0}, {"error": "rc=1"}])}
+    lines = round_lines(results, ["fast", "plain"])
+    assert lines[1].split() == ["fast", "9,000", "failed"] and lines[2].split() == ["plain", "1,000", "1,500"]
+    assert lines[-1].split() == ["fast", "9.00", "-"]  # 9,000 / round 1's 1,000; round 2 failed
+    assert not any("x plain" in line for line in round_lines({"fast": results["fast"]}, ["fast"]))
