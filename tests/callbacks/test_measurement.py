@@ -224,9 +224,10 @@ def test_meter_counts_the_collators_real_tokens_on_the_host(tiny_data, tmp_path)
 
 
 def test_meter_logs_its_window_straight_to_the_loggers(tiny_data, tmp_path):
-    """Every `log_every_n_steps` training steps past warm-up the meter writes its running numbers to the loggers
-    (metrics.csv here) at the trainer's step, and they do not enter Lightning's per-epoch results, which the loop
-    walks after every batch."""
+    """Every `log_every_n_steps` batches - on the batches where Lightning logs step metrics - the meter reads its
+    running numbers for the steps before the batch, before the batch's step runs, and writes them to the loggers
+    (metrics.csv here) at the trainer's step; they do not enter Lightning's per-epoch results, which the loop walks
+    after every batch."""
     import csv
 
     import lightning.pytorch as pl
@@ -249,10 +250,12 @@ def test_meter_logs_its_window_straight_to_the_loggers(tiny_data, tmp_path):
     assert steps >= 4
     with open(trainer.logger.log_dir + "/metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("throughput/samples_per_s")]
-    # after training steps 2, 4, ... (1-based), at the step `self.log` in that batch would be written at (Lightning's
-    # count of stepped batches before the batch's own: 1, 3, ...), so these rows line up with train/loss's
-    assert [int(r["step"]) for r in rows] == list(range(1, steps, 2))
-    assert all(float(r["throughput/samples_per_s"]) > 0 and float(r["throughput/steps"]) >= 1 for r in rows)
+    # batches 1, 3, 5, ... (0-based: Lightning's logging batches for an interval of 2), the first with a counted step
+    # before it (warm-up 1: batch 3), at the step `self.log` in that batch is written at, so they line up with train/loss
+    assert [int(r["step"]) for r in rows] == list(range(3, steps, 2))
+    assert all(float(r["throughput/samples_per_s"]) > 0 for r in rows)
+    # the counted steps before the batch: batches 1 .. n-1 (batch 0 is warm-up)
+    assert [float(r["throughput/steps"]) for r in rows] == [int(r["step"]) - 1 for r in rows]
     assert not any(k.startswith("throughput/") for k in trainer.callback_metrics)
 
 

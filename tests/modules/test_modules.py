@@ -179,8 +179,9 @@ def test_qk_norm_needs_a_model_trained_from_scratch_and_checkpoints_must_agree(t
 
 
 def test_logged_train_loss_is_the_mean_of_the_window(monkeypatch):
-    """`_log_train_loss` sums the step losses on the device (one add per step, the count on the host) and
-    logs their mean every `log_every_n_steps` batches, starting the next window from zero."""
+    """The step losses are summed on the device (one add per step, the count on the host); every
+    `log_every_n_steps` batches the mean of the steps before that batch is read (before its step, so a graphed
+    step is queued behind the read, not waited for) and logged after it, the next window starting from zero."""
     import types
 
     module = BertClassifier(num_labels=2, pretrained=None, config=TINY_BERT)
@@ -191,6 +192,9 @@ def test_logged_train_loss_is_the_mean_of_the_window(monkeypatch):
     monkeypatch.setattr(module, "log", lambda name, value, **kw: logged.append((name, float(value))))
     losses = [0.5, 1.25, 2.0, 4.0, 3.0, 0.25, 7.0]
     for i, x in enumerate(losses):
-        module._log_train_loss(torch.tensor(x, requires_grad=True) * 1.0)
+        window = module._take_train_loss_window()
+        assert (window is None) == (i not in (2, 5)), i
+        module._log_train_loss(torch.tensor(x, requires_grad=True) * 1.0, window)
         loop._batches_that_stepped = i + 1
-    assert logged == [("train/loss", pytest.approx(sum(losses[:3]) / 3)), ("train/loss", pytest.approx(sum(losses[3:6]) / 3))]
+    # batch 2 (the third) logs the two steps before it, batch 5 the three before it (2, 3, 4)
+    assert logged == [("train/loss", pytest.approx(sum(losses[:2]) / 2)), ("train/loss", pytest.approx(sum(losses[2:5]) / 3))]

@@ -3,7 +3,8 @@ memory and MFU, per stage, logged every N steps and written to `benchmark_stats.
 
 How it stays honest:
 - step times come from CUDA events recorded around each step (no host sync per step, so the CPU
-  keeps running ahead as in a normal run); events are read at the end of each logging window;
+  keeps running ahead as in a normal run); events are read at the end of each logging window (the start of the
+  batch where Lightning logs, before its step is queued);
 - wall-clock rates are taken between synchronized points (window boundaries), and count only the
   time a stage's loop runs: the training clock stops (synchronized) when validation starts or an
   epoch ends, so validation, checkpoint saving and epoch-end work are not charged to training;
@@ -93,7 +94,7 @@ class _Stage:
         self.t_start: float | None = None
         self.paused_at: float | None = None  # wall clock when the stage's clock was stopped
         self.paused_s = 0.0  # stopped time since t0 (validation inside fit, epoch ends)
-        self.window: dict[str, Any] = {}
+        self.window: dict[str, float] = {}  # the numbers read at this step's start, written at its end
 
 
 class ThroughputMeter(pl.Callback):
@@ -155,6 +156,11 @@ class ThroughputMeter(pl.Callback):
                 torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         if st.steps >= self.warmup_steps and st.t_last_end is not None:
             st.wait_s += now - st.t_last_end
+        if stage == "train" and st.steps > self.warmup_steps and (st.steps + 1) % self.log_every_n_steps == 0:
+            # the running numbers of the steps before this one, read (synchronized) before this step is queued - on
+            # the batch where Lightning's own step logging reads the device too, so the GPU's queue drains once
+            # there and idles only while this step launches; written to the loggers at this step's end
+            st.window = self._summary(trainer, stage)  # every rank (its collectives under DDP)
         st.t_start = now
         st.gc_at_start = self._gc_s
         if self._cuda(trainer) and st.steps >= self.warmup_steps:
@@ -188,13 +194,13 @@ class ThroughputMeter(pl.Callback):
             else:
                 st.step_ms.append((time.perf_counter() - st.t_start) * 1e3)
         st.t_last_end = time.perf_counter()
-        if counted and stage == "train" and st.steps % self.log_every_n_steps == 0:
-            stats = self._summary(trainer, stage)  # every rank (its collectives under DDP)
+        if st.window:
             # straight to the loggers (rank 0 writes; as Lightning's LearningRateMonitor and ThroughputMonitor do),
             # not through `self.log`: a logged key stays in the epoch's results, which Lightning walks after every
-            # batch (twice, with the progress bar) - 16 keys added ~0.12 ms a step to the loop's host time
+            # batch (twice, with the progress bar) - 16 keys added 0.15-0.2 ms a step to the loop's host time
             step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step `self.log` here would write at
-            metrics = {f"throughput/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
+            metrics = {f"throughput/{k}": v for k, v in st.window.items() if isinstance(v, (int, float))}
+            st.window = {}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 

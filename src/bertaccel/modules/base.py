@@ -475,9 +475,10 @@ class BertModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         if self.automatic_optimization:
+            window = self._take_train_loss_window()
             out = self.step_outputs(**self.step_inputs(batch))
             self.update_metrics("train", batch, out)
-            self._log_train_loss(out["loss"])
+            self._log_train_loss(out["loss"], window)
             return out["loss"]
         return self._graphed_training_step(batch, batch_idx)
 
@@ -538,6 +539,8 @@ class BertModule(pl.LightningModule):
         if last:
             self._micro = 0
         inputs = self.step_inputs(batch)
+        # a logging step reads the loss window before its step is queued: the GPU waits only for this launch
+        window = self._take_train_loss_window()
         lightning_optimizer = self.optimizers()
         if last:
             lightning_optimizer._on_before_step()  # Lightning's step counter (global_step), as opt.step() would
@@ -548,25 +551,37 @@ class BertModule(pl.LightningModule):
             for scheduler in schedulers if isinstance(schedulers, list) else [schedulers] if schedulers else []:
                 scheduler.step()
         self.update_metrics("train", batch, out)
-        self._log_train_loss(out["loss"])
+        self._log_train_loss(out["loss"], window)
         return None
 
-    def _log_train_loss(self, loss: torch.Tensor) -> None:
-        """Sum the step losses on the device; every `log_every_n_steps` batches read the window's mean
-        once (the only host read) and log it (as a CPU tensor, so the progress bar reads no device)."""
+    def _take_train_loss_window(self) -> float | None:
+        """On a batch where Lightning writes step metrics (every `log_every_n_steps`): the mean loss of the steps
+        since the previous such batch, read once from the device sum (the only host read) and the sum zeroed;
+        elsewhere None. Called before the batch's own step is queued, so the read waits for the steps already
+        queued and then the GPU idles only while this step launches (read after it, the GPU would idle through the
+        host's whole per-step work: ~2.3 ms every 50 steps, 1.7% of a MiniLM fine-tune at 256 on an H200). The
+        window is therefore the steps before this batch (the first one a step shorter)."""
+        loop = self.trainer.fit_loop.epoch_loop
+        done = getattr(loop, "_batches_that_stepped", self.global_step) + 1
+        if done % max(1, self.trainer.log_every_n_steps) or not self._train_loss_count:
+            return None
+        total, n = self._train_loss_window.item(), self._train_loss_count
+        self._train_loss_window.zero_()
+        self._train_loss_count = 0
+        return total / n
+
+    def _log_train_loss(self, loss: torch.Tensor, window: float | None) -> None:
+        """Add the step's loss to the device sum (one launch; the count is the host's) and log `window`, the mean
+        `_take_train_loss_window` read before the step (as a CPU tensor, so the progress bar reads no device) -
+        after the step was queued, so the GPU runs it while Lightning records the value."""
         loss = loss.detach()
         if self._train_loss_window is None or self._train_loss_window.device != loss.device:
             self._train_loss_window = torch.zeros((), dtype=torch.float64, device=loss.device)
             self._train_loss_count = 0
-        self._train_loss_window += loss  # one launch per step (the count is the host's)
+        self._train_loss_window += loss
         self._train_loss_count += 1
-        loop = self.trainer.fit_loop.epoch_loop
-        done = getattr(loop, "_batches_that_stepped", self.global_step) + 1
-        if done % max(1, self.trainer.log_every_n_steps) == 0:
-            total, n = self._train_loss_window.item(), self._train_loss_count
-            self._train_loss_window.zero_()
-            self._train_loss_count = 0
-            self.log("train/loss", torch.tensor(total / max(n, 1)), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        if window is not None:
+            self.log("train/loss", torch.tensor(window), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
 
     def _eval_fn(self):
         def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
