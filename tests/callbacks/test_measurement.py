@@ -257,6 +257,16 @@ def test_meter_logs_its_window_straight_to_the_loggers(tiny_data, tmp_path):
     # the counted steps before the batch: batches 1 .. n-1 (batch 0 is warm-up)
     assert [float(r["throughput/steps"]) for r in rows] == [int(r["step"]) - 1 for r in rows]
     assert not any(k.startswith("throughput/") for k in trainer.callback_metrics)
+    # 0: nothing written along the way, the stage's numbers only at its end
+    pl.seed_everything(1)
+    quiet = ThroughputMeter(enabled=True, warmup_steps=1, log_every_n_steps=0)
+    trainer = pl.Trainer(logger=CSVLogger(tmp_path / "quiet"), enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[quiet], accelerator="cpu", max_epochs=1,
+                         limit_val_batches=0, log_every_n_steps=1000, default_root_dir=tmp_path / "quiet")
+    trainer.fit(BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2), datamodule=dm)
+    assert quiet.results["train"]["samples_per_s"] > 0
+    metrics_csv = tmp_path / "quiet" / "lightning_logs" / "version_0" / "metrics.csv"
+    assert not metrics_csv.exists() or "throughput/" not in metrics_csv.read_text()
 
 
 @pytest.mark.parametrize("freeze", ["1", "0"])

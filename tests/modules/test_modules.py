@@ -198,3 +198,9 @@ def test_logged_train_loss_is_the_mean_of_the_window(monkeypatch):
         loop._batches_that_stepped = i + 1
     # batch 2 (the third) logs the two steps before it, batch 5 the three before it (2, 3, 4)
     assert logged == [("train/loss", pytest.approx(sum(losses[:2]) / 2)), ("train/loss", pytest.approx(sum(losses[2:5]) / 3))]
+    # log_every_n_steps 0 (Lightning writes no step metrics): the window is never read (no host read, no sync)
+    module._trainer.log_every_n_steps = 0
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("read the loss window"))
+    for done in range(8, 20):
+        loop._batches_that_stepped = done
+        assert module._take_train_loss_window() is None

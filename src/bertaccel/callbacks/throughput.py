@@ -103,7 +103,8 @@ class ThroughputMeter(pl.Callback):
     Args:
         enabled: Turn the meter on (off by default: it adds a little bookkeeping per step).
         warmup_steps: Steps at the start of each stage left out of every number.
-        log_every_n_steps: Write the running numbers (`throughput/...`) to the trainer's loggers every N training steps.
+        log_every_n_steps: Write the running numbers (`throughput/...`) to the trainer's loggers every N training steps
+            (0: only the file at the end of each stage).
         peak_tflops: Peak TFLOP/s for MFU; default from a table (H100/H200/A100/... bf16 or fp32).
         output_file: File name written in the run's log folder at the end of each stage.
     """
@@ -156,7 +157,8 @@ class ThroughputMeter(pl.Callback):
                 torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         if st.steps >= self.warmup_steps and st.t_last_end is not None:
             st.wait_s += now - st.t_last_end
-        if stage == "train" and st.steps > self.warmup_steps and (st.steps + 1) % self.log_every_n_steps == 0:
+        every = self.log_every_n_steps
+        if stage == "train" and every > 0 and st.steps > self.warmup_steps and (st.steps + 1) % every == 0:
             # the running numbers of the steps before this one, read (synchronized) before this step is queued - on
             # the batch where Lightning's own step logging reads the device too, so the GPU's queue drains once
             # there and idles only while this step launches; written to the loggers at this step's end

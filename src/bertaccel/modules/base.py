@@ -561,9 +561,11 @@ class BertModule(pl.LightningModule):
         queued and then the GPU idles only while this step launches (read after it, the GPU would idle through the
         host's whole per-step work: ~2.3 ms every 50 steps, 1.7% of a MiniLM fine-tune at 256 on an H200). The
         window is therefore the steps before this batch (the first one a step shorter)."""
+        every = self.trainer.log_every_n_steps
+        if every <= 0 or not self._train_loss_count:  # 0: Lightning writes no step metrics, so nothing is read
+            return None
         loop = self.trainer.fit_loop.epoch_loop
-        done = getattr(loop, "_batches_that_stepped", self.global_step) + 1
-        if done % max(1, self.trainer.log_every_n_steps) or not self._train_loss_count:
+        if (getattr(loop, "_batches_that_stepped", self.global_step) + 1) % every:
             return None
         total, n = self._train_loss_window.item(), self._train_loss_count
         self._train_loss_window.zero_()
