@@ -7,7 +7,9 @@ Runs the CLI in this process with one extra callback that, between training step
 the N steps before `START` are timed without the profiler too (wall and the main thread's CPU time per step), and
 split into the loop's phases (the next batch's fetch, Lightning's batch transfer, every callback's and the module's
 batch hooks, the training step, the logger connector, the LR schedulers; the rest is Lightning's loop between them)
-by timers wrapped around those calls for the window only.
+by timers wrapped around those calls for the window only. With `TRACE=N`, the N steps after `STOP` run under
+torch.profiler (CPU and CUDA activity) and `$OUT/host_steps_gpu.txt` gets the GPU's timeline: busy and idle time per
+step, and the kernels the CUDA graph replays ran against those launched outside them (by name).
 Writes `$OUT/host_steps.txt` (under DDP one `host_steps_rank<R>.txt` per rank): ms per step (wall), host ms per step spent inside Lightning's hooks,
 and the functions taking the host's time, by own and cumulative time.
 """
@@ -28,6 +30,7 @@ START, STOP = int(os.environ.get("START", 60)), int(os.environ.get("STOP", 260))
 # CPU time per step (`time.thread_time`: the host's work, waits excluded; a CUDA sync that spins counts, and the
 # window's only syncs are Lightning's every log_every_n_steps)
 PLAIN = int(os.environ.get("PLAIN", 0))
+TRACE = int(os.environ.get("TRACE", 0))
 OUT = os.environ.get("OUT", ".")
 
 
@@ -101,6 +104,42 @@ class Phases:
         return "\n".join(lines) + "\n"
 
 
+def gpu_timeline(events, wall_us: float, steps: int) -> str:
+    """The GPU's time in a profiled window of `steps` steps lasting `wall_us` (synchronized at both ends), from
+    torch.profiler `events`: busy (the union of its kernels, copies and sets) and idle per step, and the activities
+    launched by CUDA graph replays (`cudaGraphLaunch`) against those launched one by one outside the graphs, with their
+    exposed time (each activity's time no earlier one overlaps: the busy time, shared out)."""
+    from torch.autograd import DeviceType
+
+    from bertaccel.callbacks.profiler import activity_exposed_us, device_activities
+
+    acts = device_activities(events)
+    exposed = activity_exposed_us(acts)
+    # the CPU events that launched them: CUDA runtime calls, linked by correlation id
+    launcher = {e.id: e.name for e in events if getattr(e, "device_type", None) == DeviceType.CPU}
+    graph_n = graph_us = 0.0
+    outside: dict[str, list[float]] = {}
+    for e, us in zip(acts, exposed):
+        if "GraphLaunch" in launcher.get(getattr(e, "linked_correlation_id", None), ""):
+            graph_n += 1
+            graph_us += us
+        else:
+            row = outside.setdefault(e.name, [0.0, 0.0])
+            row[0] += 1
+            row[1] += us
+    busy = sum(exposed)
+    per = 1.0 / steps
+    lines = [f"GPU timeline over {steps} steps (torch.profiler, which adds host time): wall {wall_us * per / 1e3:.3f} ms "
+             f"a step, GPU busy {busy * per / 1e3:.3f} ms ({100 * busy / wall_us if wall_us else 0:.1f}%), idle "
+             f"{(wall_us - busy) * per / 1e3:.3f} ms",
+             f"  in CUDA graph replays: {graph_n * per:.1f} activities a step, {graph_us * per:.1f} us a step",
+             f"  launched outside the graphs: {sum(r[0] for r in outside.values()) * per:.1f} a step, "
+             f"{sum(r[1] for r in outside.values()) * per:.1f} us a step:"]
+    for name, (n, us) in sorted(outside.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"    {n * per:5.2f} x {us / n if n else 0:7.2f} us  {name[:110]}")
+    return "\n".join(lines) + "\n"
+
+
 class HostSteps(pl.Callback):
     def __init__(self):
         self.prof = cProfile.Profile()
@@ -142,18 +181,31 @@ class HostSteps(pl.Callback):
                 f.write(self.plain_line + head + s.getvalue())
             print(self.plain_line + head, flush=True)
             self.prof = None
+            if TRACE and torch.cuda.is_available() and trainer.world_size == 1:
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                self.trace = torch.profiler.profile(activities=activities)
+                self.trace.__enter__()
+                self.trace_t0 = time.perf_counter()
+        elif TRACE and trainer.global_step == STOP + TRACE and getattr(self, "trace", None) is not None:
+            _sync()
+            wall = time.perf_counter() - self.trace_t0
+            self.trace.__exit__(None, None, None)
+            text = gpu_timeline(self.trace.events(), wall * 1e6, TRACE)
+            with open(os.path.join(OUT, "host_steps_gpu.txt"), "w") as f:
+                f.write(text)
+            print(text, flush=True)
+            self.trace = None
 
 
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
+if __name__ == "__main__":
+    from lightning.pytorch.cli import LightningCLI
 
-_instantiate = LightningCLI._instantiate_trainer
+    _instantiate = LightningCLI._instantiate_trainer
 
+    def instantiate(self, config, callbacks):
+        return _instantiate(self, config, [*callbacks, HostSteps()])
 
-def instantiate(self, config, callbacks):
-    return _instantiate(self, config, [*callbacks, HostSteps()])
+    LightningCLI._instantiate_trainer = instantiate
+    from bertaccel.cli import main
 
-
-LightningCLI._instantiate_trainer = instantiate
-from bertaccel.cli import main  # noqa: E402
-
-main(sys.argv[1:])
+    main(sys.argv[1:])
