@@ -269,6 +269,47 @@ def test_meter_logs_its_window_straight_to_the_loggers(tiny_data, tmp_path):
     assert not metrics_csv.exists() or "throughput/" not in metrics_csv.read_text()
 
 
+def test_meter_and_loss_windows_follow_lightnings_step_count_after_a_resume(tiny_data, tmp_path):
+    """A fit resumed mid-epoch: the meter writes its window on the batches where Lightning writes train/loss (its
+    count of batches that stepped, restored from the checkpoint), not on batches of its own count since the resume -
+    so the two device reads of a logging batch stay on one batch."""
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from bertaccel.callbacks.throughput import ThroughputMeter
+    from bertaccel.data import TextClassificationDataModule
+    from bertaccel.modules import BertClassifier
+    from tests.conftest import TINY_BERT
+
+    def trainer(max_steps, name):
+        return pl.Trainer(logger=CSVLogger(tmp_path, name=name), enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                          max_steps=max_steps, limit_val_batches=0, log_every_n_steps=3,
+                          callbacks=[ThroughputMeter(enabled=True, warmup_steps=1, log_every_n_steps=3)])
+
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                      batch_size=4, val_size=0.2)
+    pl.seed_everything(1)
+    first = trainer(4, "first")
+    first.fit(BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2), datamodule=dm)
+    first.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = trainer(14, "resumed")
+    resumed.fit(BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2), datamodule=dm,
+                ckpt_path=tmp_path / "mid.ckpt")
+    assert resumed.global_step == 14
+    with open(resumed.logger.log_dir + "/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    loss_steps = [int(r["step"]) for r in rows if r.get("train/loss")]
+    meter_steps = [int(r["step"]) for r in rows if r.get("throughput/samples_per_s")]
+    # Lightning's logging batches after step 4: its count + 1 a multiple of 3 -> steps 5, 8, 11
+    assert loss_steps == [5, 8, 11]
+    # the meter's: the same batches once a counted step lies before them (the resumed run's first two batches,
+    # steps 4 and 5, are its warm-up and first counted step) - its own count would have given 6, 9, 12
+    assert meter_steps == [8, 11]
+
+
 @pytest.mark.parametrize("freeze", ["1", "0"])
 def test_training_freezes_the_heap_and_teardown_unfreezes_it(tiny_data, tmp_path, monkeypatch, freeze):
     """The objects alive at train start are out of the collector's reach during the steps (a full

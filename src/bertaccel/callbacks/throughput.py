@@ -40,6 +40,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from bertaccel.step_logging import logs_step_metrics
+
 log = logging.getLogger(__name__)
 
 # Dense peak FLOP/s by device name fragment: (bf16/fp16 tensor cores, fp32 without TF32).
@@ -104,7 +106,8 @@ class ThroughputMeter(pl.Callback):
         enabled: Turn the meter on (off by default: it adds a little bookkeeping per step).
         warmup_steps: Steps at the start of each stage left out of every number.
         log_every_n_steps: Write the running numbers (`throughput/...`) to the trainer's loggers every N training steps
-            (0: only the file at the end of each stage).
+            (0: only the file at the end of each stage), on the batches where Lightning would log with the same
+            interval (its step count, so a resumed fit keeps them), past the warm-up.
         peak_tflops: Peak TFLOP/s for MFU; default from a table (H100/H200/A100/... bf16 or fp32).
         output_file: File name written in the run's log folder at the end of each stage.
     """
@@ -157,8 +160,7 @@ class ThroughputMeter(pl.Callback):
                 torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         if st.steps >= self.warmup_steps and st.t_last_end is not None:
             st.wait_s += now - st.t_last_end
-        every = self.log_every_n_steps
-        if stage == "train" and every > 0 and st.steps > self.warmup_steps and (st.steps + 1) % every == 0:
+        if stage == "train" and st.steps > self.warmup_steps and logs_step_metrics(trainer, self.log_every_n_steps):
             # the running numbers of the steps before this one, read (synchronized) before this step is queued - on
             # the batch where Lightning's own step logging reads the device too, so the GPU's queue drains once
             # there and idles only while this step launches; written to the loggers at this step's end

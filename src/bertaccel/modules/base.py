@@ -39,6 +39,7 @@ from bertaccel.modules.bert import architecture_of
 from bertaccel.modules.graphs import StepGraphs
 from bertaccel.modules.train_step import all_reduce_grads, build_train_step, make_static_grads
 from bertaccel.modules.weight_copies import Bf16WeightCopies
+from bertaccel.step_logging import logs_step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -561,11 +562,8 @@ class BertModule(pl.LightningModule):
         queued and then the GPU idles only while this step launches (read after it, the GPU would idle through the
         host's whole per-step work: ~2.3 ms every 50 steps, 1.7% of a MiniLM fine-tune at 256 on an H200). The
         window is therefore the steps before this batch (the first one a step shorter)."""
-        every = self.trainer.log_every_n_steps
-        if every <= 0 or not self._train_loss_count:  # 0: Lightning writes no step metrics, so nothing is read
-            return None
-        loop = self.trainer.fit_loop.epoch_loop
-        if (getattr(loop, "_batches_that_stepped", self.global_step) + 1) % every:
+        # log_every_n_steps 0: Lightning writes no step metrics, so nothing is read
+        if not self._train_loss_count or not logs_step_metrics(self.trainer, self.trainer.log_every_n_steps):
             return None
         total, n = self._train_loss_window.item(), self._train_loss_count
         self._train_loss_window.zero_()
