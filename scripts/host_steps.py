@@ -115,12 +115,15 @@ def gpu_timeline(events, wall_us: float, steps: int) -> str:
 
     acts = device_activities(events)
     exposed = activity_exposed_us(acts)
-    # the CPU events that launched them: CUDA runtime calls, linked by correlation id
-    launcher = {e.id: e.name for e in events if getattr(e, "device_type", None) == DeviceType.CPU}
+    # the CPU events that launched them: the CUDA runtime / driver calls, which share the activity's (CUPTI)
+    # correlation id - its `id` here. (`linked_correlation_id` names the PyTorch op around the launch, none around a
+    # graph replay; and the ops' ids come from another counter, so only the runtime calls are looked up.)
+    launcher = {e.id: e.name for e in events
+                if getattr(e, "device_type", None) == DeviceType.CPU and e.name.startswith("cu")}
     graph_n = graph_us = 0.0
     outside: dict[str, list[float]] = {}
     for e, us in zip(acts, exposed):
-        if "GraphLaunch" in launcher.get(getattr(e, "linked_correlation_id", None), ""):
+        if "GraphLaunch" in launcher.get(e.id, ""):
             graph_n += 1
             graph_us += us
         else:
