@@ -190,6 +190,20 @@ def test_bf16_weight_copies_compute_what_autocast_casts_compute(options, tiny_da
         torch.testing.assert_close(t_copied.callback_metrics[key], t_cast.callback_metrics[key], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_graph_mode_steps_do_not_make_the_scheduler_warn_of_a_missing_optimizer_step(precision, tiny_data, tmp_path):
+    """The graph-mode step updates the weights with our AdamW kernels (bf16-mixed: from the weight copies), not
+    through `optimizer.step()`; PyTorch's LR scheduler must still see the optimizer as stepped, or every graphed fit
+    warns "Detected call of `lr_scheduler.step()` before `optimizer.step()`" at its first step."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, trainer, _ = _train(True, tiny_data, tmp_path, precision=precision)
+    assert trainer.global_step > 0
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
 def test_cuda_graphs_on_cpu_fall_back_to_eager_with_one_line(tiny_data, tmp_path, caplog):
     model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, cuda_graphs=True)
     dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48, batch_size=16)

@@ -548,6 +548,10 @@ class BertModule(pl.LightningModule):
         out = runner.run(self._key(inputs, "train", last), self._train_fn(last), inputs)
         if last:
             lightning_optimizer._on_after_step()
+            # the update ran inside the step (our AdamW kernels, not `optimizer.step()`): mark the optimizer as
+            # stepped, as the wrapper PyTorch's LR schedulers put on `optimizer.step` does, or the first
+            # `scheduler.step()` warns of a scheduler step before any optimizer step (every graphed fit did)
+            lightning_optimizer.optimizer._opt_called = True
             schedulers = self.lr_schedulers()
             for scheduler in schedulers if isinstance(schedulers, list) else [schedulers] if schedulers else []:
                 scheduler.step()
