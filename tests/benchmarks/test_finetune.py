@@ -29,3 +29,21 @@ def test_round_lines_give_each_rounds_ratio_against_the_same_rounds_plain_loop()
     assert lines[1].split() == ["fast", "9,000", "failed"] and lines[2].split() == ["plain", "1,000", "1,500"]
     assert lines[-1].split() == ["fast", "9.00", "-"]  # 9,000 / round 1's 1,000; round 2 failed
     assert not any("x plain" in line for line in round_lines({"fast": results["fast"]}, ["fast"]))
+
+
+def test_compile_stats_count_the_graphs_and_seconds_torch_compile_spends():
+    """The plain compiled loop's compile work inside its timed steps is the difference of two readings: a call with
+    a new shape compiles another graph and adds compile seconds; a call with a seen shape adds neither."""
+    import torch
+
+    from benchmarks.finetune import compile_stats
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: torch.sin(x) * 2, dynamic=False)
+    f(torch.randn(3))
+    graphs0, secs0 = compile_stats()
+    f(torch.randn(3))
+    assert compile_stats() == (graphs0, secs0)
+    f(torch.randn(5))
+    graphs1, secs1 = compile_stats()
+    assert graphs1 == graphs0 + 1 and secs1 > secs0
