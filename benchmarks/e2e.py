@@ -162,9 +162,10 @@ def breakdown_of(acts, steps: int, top: int = 12) -> dict:
     (bertaccel.callbacks.profiler.exposed_us: what a kernel ran past every kernel that began before it; they add up to
     `busy_ms`; before session 53 they held own times), `top_kernel_launches` their launches per step, `categories_own`
     by own time, `gemm_kernels` every GEMM kernel's own time with its template arguments (tile, layouts, schedule)."""
-    from bertaccel.callbacks.profiler import activity_exposed_us, categorize
+    from bertaccel.callbacks.profiler import activity_exposed_us, categorize, idle_gaps_us
 
     exposed = activity_exposed_us(acts)
+    gaps = sorted(idle_gaps_us([(e.device_index, e.time_range.start, e.time_range.end) for e in acts]))
     cats: dict[str, float] = {}
     own_cats: dict[str, float] = {}
     kernels: dict[str, float] = {}
@@ -182,6 +183,11 @@ def breakdown_of(acts, steps: int, top: int = 12) -> dict:
             gemms[short] = gemms.get(short, 0.0) + own
     by_value = lambda d: sorted(d.items(), key=lambda kv: -kv[1])  # noqa: E731
     return {"busy_ms": round(sum(cats.values()), 3), "total_ms": round(sum(own_cats.values()), 3),
+            # the GPU's idle time between its first and last activity, as gaps: many sub-microsecond ones are the
+            # launches between kernels (a replayed graph's nodes), a few long ones the host
+            "idle_gaps_ms": round(sum(gaps) / steps / 1e3, 3), "idle_gaps_per_step": round(len(gaps) / steps, 1),
+            "idle_gap_median_us": round(statistics.median(gaps), 2) if gaps else 0.0,
+            "idle_gaps_over_5us_per_step": round(sum(g > 5 for g in gaps) / steps, 1),
             "categories": {k: round(v, 3) for k, v in by_value(cats)},
             "categories_own": {k: round(v, 3) for k, v in by_value(own_cats)},
             "top_kernels": {k: round(v, 3) for k, v in by_value(kernels)[:top]},
@@ -505,6 +511,11 @@ def main() -> None:
         print(f"{'wall_ms (profiled pass)':24}" + "".join(f"{p.get('wall_ms', float('nan')):24.3f}" for p in profiles))
         print(f"{'busy_ms':24}" + "".join(f"{p['busy_ms']:24.3f}" for p in profiles))
         print(f"{'total_ms (own times)':24}" + "".join(f"{p['total_ms']:24.3f}" for p in profiles))
+        print(f"{'idle gaps ms':24}" + "".join(f"{p.get('idle_gaps_ms', float('nan')):24.3f}" for p in profiles))
+        print(f"{'idle gaps per step':24}" + "".join(f"{p.get('idle_gaps_per_step', float('nan')):24.1f}" for p in profiles))
+        print(f"{'  median gap us':24}" + "".join(f"{p.get('idle_gap_median_us', float('nan')):24.2f}" for p in profiles))
+        print(f"{'  gaps over 5 us':24}" + "".join(f"{p.get('idle_gaps_over_5us_per_step', float('nan')):24.1f}"
+                                                    for p in profiles))
         for c in cats:
             print(f"{c:24}" + "".join(f"{p['categories'].get(c, 0.0):24.3f}" for p in profiles))
         for p in profiles:

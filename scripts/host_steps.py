@@ -18,6 +18,7 @@ import functools
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -122,10 +123,12 @@ def gpu_timeline(events, wall_us: float, steps: int) -> str:
                 if getattr(e, "device_type", None) == DeviceType.CPU and e.name.startswith("cu")}
     graph_n = graph_us = 0.0
     outside: dict[str, list[float]] = {}
+    replays: dict[int, list[tuple[float, float]]] = {}  # a replay's activities share its launch's id
     for e, us in zip(acts, exposed):
         if "GraphLaunch" in launcher.get(e.id, ""):
             graph_n += 1
             graph_us += us
+            replays.setdefault(e.id, []).append((e.time_range.start, e.time_range.end))
         else:
             row = outside.setdefault(e.name, [0.0, 0.0])
             row[0] += 1
@@ -136,11 +139,31 @@ def gpu_timeline(events, wall_us: float, steps: int) -> str:
              f"a step, GPU busy {busy * per / 1e3:.3f} ms ({100 * busy / wall_us if wall_us else 0:.1f}%), idle "
              f"{(wall_us - busy) * per / 1e3:.3f} ms",
              f"  in CUDA graph replays: {graph_n * per:.1f} activities a step, {graph_us * per:.1f} us a step",
+             replay_gaps(replays, steps),
              f"  launched outside the graphs: {sum(r[0] for r in outside.values()) * per:.1f} a step, "
              f"{sum(r[1] for r in outside.values()) * per:.1f} us a step:"]
     for name, (n, us) in sorted(outside.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"    {n * per:5.2f} x {us / n if n else 0:7.2f} us  {name[:110]}")
     return "\n".join(lines) + "\n"
+
+
+def replay_gaps(replays: dict[int, list[tuple[float, float]]], steps: int) -> str:
+    """Inside each graph replay (its activities' (start, end) us), the time between its first start and last end
+    that none of its activities covers: the gaps between consecutive kernels, where the GPU front end launches the
+    next node. Summed per step, with the gaps' count and median (a gap a kernel waits at, not its own start-up)."""
+    gaps, span = [], 0.0
+    for ivs in replays.values():
+        ivs = sorted(ivs)
+        span += max(e for _, e in ivs) - ivs[0][0]
+        reach = ivs[0][1]
+        for start, end in ivs[1:]:
+            if start > reach:
+                gaps.append(start - reach)
+            reach = max(reach, end)
+    per = 1.0 / steps
+    med = statistics.median(gaps) if gaps else 0.0
+    return (f"    replays span {span * per:.1f} us a step, {sum(gaps) * per:.1f} us of it between their activities "
+            f"({len(gaps) * per:.1f} gaps a step, median {med:.2f} us, {sum(g > 5 for g in gaps) * per:.1f} over 5 us)")
 
 
 class HostSteps(pl.Callback):

@@ -347,6 +347,18 @@ def test_exposed_time_counts_overlapped_kernel_time_once():
     assert sum(exposed_us(chain)) == 9.0 + 1.0  # the union: [0, 9] and [20, 21]
 
 
+def test_idle_gaps_are_the_holes_in_the_union_per_gpu():
+    """The GPU's idle time between its first and last activity, as the gaps of the union on each device: overlapping
+    (programmatic dependent launch) or nested kernels leave none; before the first and after the last are not gaps."""
+    from bertaccel.callbacks.profiler import idle_gaps_us
+
+    chain = [(0, 0.0, 3.0), (0, 1.0, 7.0), (0, 6.0, 9.0), (0, 20.0, 21.0), (0, 21.5, 22.0)]
+    assert idle_gaps_us(chain) == [11.0, 0.5]
+    assert idle_gaps_us([(0, 5.0, 6.0), (0, 0.0, 10.0), (0, 12.0, 13.0)]) == [2.0]  # inside another: no gap
+    assert sorted(idle_gaps_us([(0, 0.0, 1.0), (1, 4.0, 5.0), (0, 3.0, 4.0), (1, 0.0, 2.0)])) == [2.0, 2.0]  # per GPU
+    assert idle_gaps_us([(0, 0.0, 1.0)]) == [] and idle_gaps_us([]) == []
+
+
 def test_exposed_by_name_skips_annotations_and_host_events():
     from types import SimpleNamespace
 

@@ -87,6 +87,24 @@ def exposed_us(intervals: list[tuple[int, float, float]]) -> list[float]:
     return out
 
 
+def idle_gaps_us(intervals: list[tuple[int, float, float]]) -> list[float]:
+    """For (device, start_us, end_us) intervals: the gaps inside their union on each device, between the first start
+    and the last end - where that device ran nothing: between kernels (a launch's latency, a graph node's start) or
+    waiting on the host."""
+    by_dev: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for dev, start, end in intervals:
+        by_dev[dev].append((start, end))
+    gaps = []
+    for ivs in by_dev.values():
+        ivs.sort()
+        reach = ivs[0][1]
+        for start, end in ivs[1:]:
+            if start > reach:
+                gaps.append(start - reach)
+            reach = max(reach, end)
+    return gaps
+
+
 def activity_exposed_us(acts) -> list[float]:
     """`exposed_us` of GPU activities (profiler FunctionEvents: device index and time range)."""
     return exposed_us([(e.device_index, e.time_range.start, e.time_range.end) for e in acts])
