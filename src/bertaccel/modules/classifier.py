@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 
 from typing import Any, Literal
 
@@ -131,12 +130,12 @@ class BertClassifier(BertModule):
             if hasattr(dm, "use_packed_layout"):
                 # the collator says where the real tokens are: no host read per step; the hidden size sets what a
                 # graph capture is worth in padding tokens (TextClassificationDataModule's token_buckets "auto")
-                takes_hidden = "hidden_size" in inspect.signature(dm.use_packed_layout).parameters
-                dm.use_packed_layout(**({"hidden_size": self.model.config.hidden_size} if takes_hidden else {}))
+                dm.use_packed_layout(hidden_size=self.model.config.hidden_size)
             elif self.cuda_graphs:
                 raise ConfigError(
                     f"model.unpadded with model.cuda_graphs needs a data module that packs batches "
-                    f"(`use_packed_layout`); {type(dm).__name__} does not. Use one of the two options."
+                    f"(a `use_packed_layout(hidden_size)` method, as TextClassificationDataModule has); {type(dm).__name__} "
+                    f"does not. Use one of the two options."
                 )
 
     def flops_per_batch(self, batch: dict[str, torch.Tensor], training: bool):
