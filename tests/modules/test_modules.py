@@ -181,7 +181,8 @@ def test_qk_norm_needs_a_model_trained_from_scratch_and_checkpoints_must_agree(t
 def test_logged_train_loss_is_the_mean_of_the_window(monkeypatch):
     """The step losses are summed on the device (one add per step, the count on the host); every
     `log_every_n_steps` batches the mean of the steps before that batch is read (before its step, so a graphed
-    step is queued behind the read, not waited for) and logged after it, the next window starting from zero."""
+    step is queued behind the read, not waited for) and logged after it, the next window starting from zero. The
+    fit's first step logs its own loss (a loss on the progress bar from the start)."""
     import types
 
     module = BertClassifier(num_labels=2, pretrained=None, config=TINY_BERT)
@@ -196,11 +197,14 @@ def test_logged_train_loss_is_the_mean_of_the_window(monkeypatch):
         assert (window is None) == (i not in (2, 5)), i
         module._log_train_loss(torch.tensor(x, requires_grad=True) * 1.0, window)
         loop._batches_that_stepped = i + 1
-    # batch 2 (the third) logs the two steps before it, batch 5 the three before it (2, 3, 4)
-    assert logged == [("train/loss", pytest.approx(sum(losses[:2]) / 2)), ("train/loss", pytest.approx(sum(losses[2:5]) / 3))]
+    # the first step logs its own loss (read after it); batch 2 (the third) the step since (1), batch 5 the three
+    # before it (2, 3, 4)
+    assert logged == [("train/loss", 0.5), ("train/loss", 1.25), ("train/loss", pytest.approx(sum(losses[2:5]) / 3))]
     # log_every_n_steps 0 (Lightning writes no step metrics): the window is never read (no host read, no sync)
     module._trainer.log_every_n_steps = 0
     monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("read the loss window"))
+    module._train_loss_logged = False  # nor the first step's loss
     for done in range(8, 20):
         loop._batches_that_stepped = done
         assert module._take_train_loss_window() is None
+        module._log_train_loss(torch.tensor(1.0), None)
