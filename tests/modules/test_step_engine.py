@@ -122,14 +122,15 @@ def test_confusion_counts_replay_in_a_cuda_graph():
         assert torch.equal(counts.cpu(), expected)
 
 
-def _train(graph_loop: bool, tiny_data, tmp_path, model_kwargs=None, **trainer_kwargs):
+def _train(graph_loop: bool, tiny_data, tmp_path, model_kwargs=None, module_class=BertClassifier, **trainer_kwargs):
     pl.seed_everything(3)
-    model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop,
-                           **(model_kwargs or {}))
+    model = module_class(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop,
+                         **(model_kwargs or {}))
     model._capture_without_gpu = graph_loop  # the graph-mode loop, run eagerly
     dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
                                       batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+    trainer_kwargs.setdefault("max_epochs", 2)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2,
                          default_root_dir=tmp_path, **trainer_kwargs)
     trainer.fit(model, datamodule=dm)
@@ -150,6 +151,45 @@ def test_graph_mode_loop_trains_like_automatic_optimization(options, tiny_data, 
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     for key in ("val/acc", "val/loss", "train/acc"):
         torch.testing.assert_close(t_graph.callback_metrics[key], t_eager.callback_metrics[key], rtol=1e-4, atol=1e-5)
+
+
+class _PlateauClassifier(BertClassifier):
+    """A user's own schedule: ReduceLROnPlateau on the validation loss, stepped at epoch ends (it needs the metric)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val/loss", "interval": "epoch"}}
+
+
+@pytest.mark.parametrize("schedule", ["swa", "plateau"])
+def test_graph_mode_steps_the_schedulers_as_lightning_does(schedule, tiny_data, tmp_path):
+    """Under graphs (manual optimization) Lightning steps no scheduler itself; the module has it step them as in
+    automatic optimization: an epoch scheduler a callback installs (StochasticWeightAveraging's SWALR - stepped every
+    batch, it annealed in ten steps instead of ten epochs) and ReduceLROnPlateau with its monitored metric (stepped
+    without it, it raised). Same learning rates and parameters as the eager loop."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    def run(graph_loop, path):
+        if schedule == "swa":
+            return _train(graph_loop, tiny_data, path, max_epochs=3,
+                          callbacks=[StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)])
+        return _train(graph_loop, tiny_data, path, module_class=_PlateauClassifier, max_epochs=3)
+
+    import warnings
+
+    eager, t_eager, lr_eager = run(False, tmp_path / "a")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph, t_graph, lr_graph = run(True, tmp_path / "b")
+    # the scheduler dict parsed as automatic optimization's: no "keys will be ignored" for its `monitor`
+    assert not [w for w in caught if "will be ignored" in str(w.message)]
+    assert not graph.automatic_optimization and t_graph.global_step == t_eager.global_step > 0
+    assert lr_graph == pytest.approx(lr_eager)
+    assert lr_eager[0] < 3e-3  # the schedule moved the rate
+    for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    assert "_update_learning_rates" not in vars(t_graph.fit_loop.epoch_loop)  # removed after the fit
 
 
 class _CheckWeightCopies(Callback):

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from transformers import get_linear_schedule_with_warmup
 
 from bertaccel.errors import CheckpointError, ConfigError
@@ -159,6 +160,7 @@ class BertModule(pl.LightningModule):
         self._train_loss_window: torch.Tensor | None = None  # the step losses' sum since the last log (fp64)
         self._train_loss_count = 0
         self._train_loss_logged = False  # since this fit's start: the first step logs its own loss
+        self._lightning_parsing_schedulers = False
         self._static_grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._rng_to_restore: dict[str, Any] | None = None
         self._saved_schedule: dict[str, int] | None = None
@@ -172,6 +174,10 @@ class BertModule(pl.LightningModule):
     # ----------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        # Lightning reads `configure_optimizers`' schedulers next (strategy setup), as automatic optimization's
+        # configs (their `monitor`, ReduceLROnPlateau) also when the steps will be graphed: Lightning steps them
+        # then too (`_schedule_by_lightning`); back to the truth at on_fit_start
+        self._lightning_parsing_schedulers = stage == "fit" and self.cuda_graphs
         if self.compile_mode and not getattr(self, "_compiled", False):
             # in place (nn.Module.compile): state_dict keys and Parameters unchanged
             # under whole-step graphs the batch shapes are static buckets: one specialised compile per
@@ -228,6 +234,8 @@ class BertModule(pl.LightningModule):
             t.val_check_interval = 1.0
 
     def teardown(self, stage: str) -> None:
+        if self._trainer is not None:
+            self._schedule_by_lightning(False)
         self.release_graphs()
         if self._heap_frozen:  # the run's objects become collectable again (a notebook's next run)
             gc.unfreeze()
@@ -249,8 +257,64 @@ class BertModule(pl.LightningModule):
         gc.freeze()
         self._heap_frozen = True
 
+    def on_fit_start(self) -> None:
+        self._lightning_parsing_schedulers = False  # the schedulers are parsed (`setup`)
+
     def on_train_end(self) -> None:
+        self._schedule_by_lightning(False)
         self.release_graphs("train")
+
+    def _schedule_by_lightning(self, on: bool) -> None:
+        """Graphed training is manual optimization (the module runs the optimizer inside the captured step), and
+        Lightning steps no learning-rate scheduler then. It should, as in automatic optimization: every scheduler
+        config (`interval` "step" or "epoch", `frequency`, ReduceLROnPlateau with its `monitor`), the ones callbacks
+        install too (StochasticWeightAveraging's SWALR, an epoch scheduler that stepping every batch annealed in
+        ten steps). So the fit loop's scheduler update is replaced, on this fit's epoch loop, by the same logic for
+        graphed steps (`_update_learning_rates`), where a "step" update skips the micro-batches that only
+        accumulate (the module's accumulation: Lightning's is 1 under graphs). `on`: install (an instance
+        attribute of the loop); False: remove."""
+        loop = self.trainer.fit_loop.epoch_loop
+        if not on:
+            loop.__dict__.pop("_update_learning_rates", None)
+            return
+        lightning_update = type(loop)._update_learning_rates.__get__(loop)
+
+        def update_learning_rates(interval: str, update_plateau_schedulers: bool) -> None:
+            if self._automatic_optimization_now():  # eager steps: Lightning's own path, untouched
+                return lightning_update(interval, update_plateau_schedulers)
+            if interval == "step" and self._micro != 0:  # mid-accumulation: no optimizer step yet
+                return None
+            return self._update_learning_rates(loop, interval, update_plateau_schedulers)
+
+        loop._update_learning_rates = update_learning_rates
+
+    def _update_learning_rates(self, loop, interval: str, update_plateau_schedulers: bool) -> None:
+        """Lightning's `_TrainingEpochLoop._update_learning_rates` for graphed steps (it returns at once under manual
+        optimization): the same configs, interval, frequency, plateau monitor, strictness and hook; written out
+        here, not run with the module reporting automatic optimization, because in there `trainer.global_step`
+        would then read the automatic loop's count (0 under graphs) for a `lr_scheduler_step` that asks."""
+        trainer = self.trainer
+        for config in trainer.lr_scheduler_configs:
+            if update_plateau_schedulers ^ config.reduce_on_plateau:
+                continue
+            index = (loop.batch_idx if interval == "step" else trainer.current_epoch) + 1
+            if config.interval != interval or index % config.frequency:
+                continue
+            monitor_value = None
+            if config.reduce_on_plateau:
+                monitor_value = trainer.callback_metrics.get(config.monitor)
+                if monitor_value is None:
+                    message = (f"ReduceLROnPlateau conditioned on metric {config.monitor} which is not available. "
+                               f"Available metrics are: {list(trainer.callback_metrics)}.")
+                    if config.strict:
+                        raise MisconfigurationException(
+                            message + " Condition can be set using `monitor` key in lr scheduler dict")
+                    rank_zero_warn(message + " (strict is False: skipping the learning rate update)",
+                                   category=RuntimeWarning)
+                    continue
+            loop.scheduler_progress.increment_ready()
+            self.lr_scheduler_step(config.scheduler, monitor_value)
+            loop.scheduler_progress.increment_completed()
 
     def release_graphs(self, which: str | None = None) -> None:
         """Free captured graphs (all, or "train" / "eval"); they are captured again when needed."""
@@ -324,6 +388,13 @@ class BertModule(pl.LightningModule):
 
     @property
     def automatic_optimization(self) -> bool:  # type: ignore[override]
+        if self._lightning_parsing_schedulers:  # Lightning reading the schedulers' configs (`setup`): as
+            return True  # automatic optimization's, which `_schedule_by_lightning` then steps
+        return self._automatic_optimization_now()
+
+    def _automatic_optimization_now(self) -> bool:
+        """Whether the optimizer runs outside the step (Lightning's automatic optimization): not in a graphed fit,
+        where the module runs it inside the captured step."""
         if self.cuda_graphs and self._trainer is not None and self.trainer.state.fn is not None \
                 and self.trainer.state.fn.value == "fit":
             return not self._graphs_on()
@@ -336,7 +407,7 @@ class BertModule(pl.LightningModule):
     # ------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self):
         groups = decay_groups(self.model, self.weight_decay)
-        graphed = not self.automatic_optimization
+        graphed = not self._automatic_optimization_now()  # (Lightning is told True while it parses this: `setup`)
         on_gpu = self.device.type == "cuda"
         if graphed:
             # capturable: step count and learning rate live on the device, so the step can be captured
@@ -553,9 +624,7 @@ class BertModule(pl.LightningModule):
             # stepped, as the wrapper PyTorch's LR schedulers put on `optimizer.step` does, or the first
             # `scheduler.step()` warns of a scheduler step before any optimizer step (every graphed fit did)
             lightning_optimizer.optimizer._opt_called = True
-            schedulers = self.lr_schedulers()
-            for scheduler in schedulers if isinstance(schedulers, list) else [schedulers] if schedulers else []:
-                scheduler.step()
+            # the learning-rate schedulers: Lightning steps them after the batch (`_schedule_by_lightning`)
         self.update_metrics("train", batch, out)
         self._log_train_loss(out["loss"], window)
         return None
@@ -665,6 +734,7 @@ class BertModule(pl.LightningModule):
         for logger in self.trainer.loggers:
             logger.experiment  # noqa: B018 - the property creates it (a dummy on ranks other than 0)
         self._train_loss_logged = False  # the first step logs its own loss (`_log_train_loss`)
+        self._schedule_by_lightning(True)
         # Under DDP Lightning reads a broadcast SIGTERM flag back every batch (a sync per step): read one batch
         # late instead (1.49x train samples/s on 2 H200s; BERTACCEL_LAGGED_SIGTERM=0 turns it off: modules/sigterm_check.py)
         sigterm_check.install(self.trainer)
