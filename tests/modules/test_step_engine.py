@@ -6,6 +6,7 @@ accumulation. The capture itself is tested on the GPU (test_graphs_cuda.py)."""
 from __future__ import annotations
 
 import logging
+import math
 
 import lightning.pytorch as pl
 from lightning.pytorch import Callback
@@ -129,8 +130,8 @@ def _train(graph_loop: bool, tiny_data, tmp_path, model_kwargs=None, module_clas
     model._capture_without_gpu = graph_loop  # the graph-mode loop, run eagerly
     dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
                                       batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
-    trainer_kwargs.setdefault("max_epochs", 2)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    trainer_kwargs = {"max_epochs": 2, "enable_checkpointing": False, **trainer_kwargs}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2,
                          default_root_dir=tmp_path, **trainer_kwargs)
     trainer.fit(model, datamodule=dm)
@@ -190,6 +191,49 @@ def test_graph_mode_steps_the_schedulers_as_lightning_does(schedule, tiny_data, 
     for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     assert "_update_learning_rates" not in vars(t_graph.fit_loop.epoch_loop)  # removed after the fit
+
+
+@pytest.mark.parametrize("every", ["steps", "time"])
+def test_graph_mode_checkpoints_like_the_eager_loop(every, tiny_data, tmp_path):
+    """Lightning's ModelCheckpoint branches on manual optimization (ignoring `train_time_interval`, warning at every
+    save about a pre-optimization state); a graphed fit is manual optimization only in name, so the product's
+    LatestCheckpoint saves at the eager loop's steps, without that warning."""
+    import datetime
+    import warnings
+
+    from bertaccel.callbacks.checkpoint import LatestCheckpoint
+
+    def run(graph_loop, path):
+        when = {"every_n_train_steps": 3} if every == "steps" else {"train_time_interval": datetime.timedelta(0)}
+        ckpt = LatestCheckpoint(dirpath=path / "ckpt", filename="{step}", save_top_k=-1, save_last=True, **when)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, trainer, _ = _train(graph_loop, tiny_data, path, callbacks=[ckpt], enable_checkpointing=True)
+        return sorted(p.name for p in (path / "ckpt").glob("step=*.ckpt")), caught, trainer
+
+    eager, _, t_eager = run(False, tmp_path / "a")
+    graph, caught, t_graph = run(True, tmp_path / "b")
+    assert t_graph.global_step == t_eager.global_step > 3 and not t_graph.lightning_module.automatic_optimization
+    assert graph == eager and len(eager) > 2, (graph, eager)
+    assert not [w for w in caught if "pre-optimization state" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", ["GradientAccumulationScheduler", "LearningRateFinder"])
+def test_callbacks_that_need_automatic_optimization_take_eager_steps_saying_why(name, tiny_data, tmp_path, caplog):
+    """Lightning's GradientAccumulationScheduler refuses manual optimization (a RuntimeError naming manual
+    optimization, which the user never chose) and its LearningRateFinder reads each step's loss from the step's
+    output (None from a graphed step: no suggestion); with either, the fit takes eager steps, saying why."""
+    from lightning.pytorch import callbacks
+
+    callback = (callbacks.GradientAccumulationScheduler({0: 1, 1: 2}) if name == "GradientAccumulationScheduler"
+                else callbacks.LearningRateFinder(num_training_steps=8))
+    with caplog.at_level(logging.INFO):
+        model, trainer, _ = _train(True, tiny_data, tmp_path, callbacks=[callback])
+    assert model.automatic_optimization and trainer.global_step > 0
+    assert any(f"runs eager steps: {name}" in r.getMessage() for r in caplog.records)
+    if name == "LearningRateFinder":  # a loss for every learning rate tried (NaN where a step's output was None)
+        losses = callback.optimal_lr.results["loss"]
+        assert len(losses) >= 4 and all(math.isfinite(x) for x in losses), losses
 
 
 class _CheckWeightCopies(Callback):

@@ -55,6 +55,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp.unlink(missing_ok=True)
 
 
+class _SavesAsAutomaticOptimization:
+    """Stands in for a module whose manual optimization is only its graphed step's (the optimizer runs inside the
+    captured step: `BertModule.optimizer_in_step`) when ModelCheckpoint decides on a mid-epoch save: Lightning's
+    manual-optimization branch ignores `train_time_interval`, defers differently and warns about a
+    pre-optimization state at every save; the same fit without graphs takes the automatic branch, which reads
+    nothing of the module but this flag (the trainer's `global_step` still reads the real module)."""
+
+    automatic_optimization = True
+
+
 class LatestCheckpoint(ModelCheckpoint):
     """`ModelCheckpoint` whose `last.ckpt` is always the latest state (see the module docstring)."""
 
@@ -92,7 +102,8 @@ class LatestCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        module = _SavesAsAutomaticOptimization() if getattr(pl_module, "optimizer_in_step", False) else pl_module
+        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
         every = self._every_n_train_steps
         if every and every > 0 and trainer.global_step % every == 0:
             # a mid-epoch save point: last.ckpt follows it even when the monitored metric is not there yet

@@ -344,6 +344,17 @@ class BertModule(pl.LightningModule):
             if not isinstance(trainer.strategy, DDPStrategy) or isinstance(trainer.strategy, DeepSpeedStrategy):
                 return (f"{trainer.world_size} processes under {type(trainer.strategy).__name__}: graphed steps take DDP "
                         "(`trainer.strategy: ddp`), whose ranks hold whole parameters")
+        state = getattr(trainer, "state", None)
+        if state is not None and state.fn is not None and state.fn.value == "fit":
+            from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler, LearningRateFinder
+
+            for cb in trainer.callbacks:
+                if isinstance(cb, GradientAccumulationScheduler):
+                    return ("GradientAccumulationScheduler changes the accumulation by epoch, which Lightning does only "
+                            "for eager steps; a fixed `trainer.accumulate_grad_batches` runs graphed")
+                if isinstance(cb, (LearningRateFinder, BatchSizeFinder)):
+                    return (f"{type(cb).__name__} tunes inside this fit, reading each step's loss from the training "
+                            "step's output (a graphed step keeps it on the device); tune in a fit of its own")
         if self._capture_without_gpu:
             return None
         if trainer.strategy.root_device.type != "cuda":
@@ -391,6 +402,13 @@ class BertModule(pl.LightningModule):
         if self._lightning_parsing_schedulers:  # Lightning reading the schedulers' configs (`setup`): as
             return True  # automatic optimization's, which `_schedule_by_lightning` then steps
         return self._automatic_optimization_now()
+
+    @property
+    def optimizer_in_step(self) -> bool:
+        """True in a graphed fit: the optimizer runs inside the captured step (manual optimization to Lightning,
+        though the fit is the automatic one's: same updates, schedules and checkpoints - callbacks that branch on
+        manual optimization can ask this; `LatestCheckpoint` does)."""
+        return not self._automatic_optimization_now() and self._automatic_optimization
 
     def _automatic_optimization_now(self) -> bool:
         """Whether the optimizer runs outside the step (Lightning's automatic optimization): not in a graphed fit,
