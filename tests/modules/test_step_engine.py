@@ -236,6 +236,25 @@ def test_callbacks_that_need_automatic_optimization_take_eager_steps_saying_why(
         assert len(losses) >= 4 and all(math.isfinite(x) for x in losses), losses
 
 
+def test_graph_mode_steps_hand_the_callbacks_their_loss(tiny_data, tmp_path):
+    """`outputs["loss"]` in on_train_batch_end, as the eager loop gives it (Lightning's SpikeDetection raised a
+    KeyError under graphs): the same values, step by step."""
+    from lightning.pytorch.callbacks import SpikeDetection
+
+    class Losses(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append(outputs["loss"])
+
+    eager, graph = Losses(), Losses()
+    _train(False, tiny_data, tmp_path / "a", callbacks=[eager, SpikeDetection()])
+    _train(True, tiny_data, tmp_path / "b", callbacks=[graph, SpikeDetection()])
+    assert len(graph.seen) == len(eager.seen) > 4
+    torch.testing.assert_close(torch.stack(graph.seen), torch.stack(eager.seen), rtol=1e-4, atol=1e-5)
+
+
 class _CheckWeightCopies(Callback):
     """After each training step: the Linear modules hold their fp32 masters again, and each bf16 copy
     equals its master rounded to bf16 (refreshed after the optimizer step)."""

@@ -645,7 +645,9 @@ class BertModule(pl.LightningModule):
             # the learning-rate schedulers: Lightning steps them after the batch (`_schedule_by_lightning`)
         self.update_metrics("train", batch, out)
         self._log_train_loss(out["loss"], window)
-        return None
+        # the step's loss as the callbacks' `outputs["loss"]` (SpikeDetection raised a KeyError without it): a copy,
+        # as the eager step's is its own tensor - the graph's output is overwritten by the next replay
+        return out["loss"].detach().clone()
 
     def _take_train_loss_window(self) -> float | None:
         """On a batch where Lightning writes step metrics (every `log_every_n_steps`): the mean loss of the steps
