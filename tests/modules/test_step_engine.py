@@ -255,6 +255,32 @@ def test_graph_mode_steps_hand_the_callbacks_their_loss(tiny_data, tmp_path):
     torch.testing.assert_close(torch.stack(graph.seen), torch.stack(eager.seen), rtol=1e-4, atol=1e-5)
 
 
+def test_a_second_fit_of_the_module_reads_its_own_trainer_settings(tiny_data, tmp_path):
+    """A graphed fit takes the trainer's clipping and accumulation over (Lightning applies them only in automatic
+    optimization) and hands them back at its end; a second fit of the same module - a notebook's next cell, with
+    another trainer - decides anew and takes its own (the first fit's decision was kept: Lightning refused the
+    second trainer's clipping for manual optimization). Same weights as the eager module after both fits."""
+    weights, settings = {}, {}
+    for graph_loop in (False, True):
+        pl.seed_everything(3)
+        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
+        model._capture_without_gpu = graph_loop
+        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
+                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
+        trainers = []
+        for i, options in enumerate([{}, {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}]):
+            trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_epochs=1,
+                                 enable_progress_bar=False, enable_model_summary=False,
+                                 default_root_dir=tmp_path / f"{graph_loop}{i}", **options)
+            trainer.fit(model, datamodule=dm)
+            trainers.append(trainer)
+        weights[graph_loop] = [p.detach().clone() for p in model.parameters()]
+        settings[graph_loop] = [(t.gradient_clip_val, t.accumulate_grad_batches, t.global_step) for t in trainers]
+    assert settings[True] == settings[False] == [(None, 1, 8), (0.05, 2, 4)]  # handed back after each fit
+    for a, b in zip(weights[False], weights[True]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 class _CheckWeightCopies(Callback):
     """After each training step: the Linear modules hold their fp32 masters again, and each bf16 copy
     equals its master rounded to bf16 (refreshed after the optimizer step)."""

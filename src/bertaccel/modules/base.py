@@ -31,6 +31,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from transformers import get_linear_schedule_with_warmup
 
@@ -149,6 +150,9 @@ class BertModule(pl.LightningModule):
         self._refresh_copies = False
         # graph-mode state: decided per trainer stage, see `graphs_unavailable`
         self._graph_decisions: dict[str, str | None] = {}
+        self._decided_with: dict[str, Any] = {}  # the trainer each stage's decision was made with
+        self._stale_decisions: set[str] = set()  # stages whose run has ended (teardown): decided again next run
+        self._adopted: tuple | None = None  # (trainer, clip value, clip algorithm, accumulation) taken over
         self._graphs: dict[str, StepGraphs] = {}
         self._heap_frozen = False
         self._released_stats: dict[str, dict[str, Any]] = {}
@@ -236,6 +240,9 @@ class BertModule(pl.LightningModule):
     def teardown(self, stage: str) -> None:
         if self._trainer is not None:
             self._schedule_by_lightning(False)
+            if stage == "fit":  # the trainer's own settings back (a next fit reads them)
+                self._hand_back_trainer_step_options()
+        self._stale_decisions.add(stage)
         self.release_graphs()
         if self._heap_frozen:  # the run's objects become collectable again (a notebook's next run)
             gc.unfreeze()
@@ -374,7 +381,13 @@ class BertModule(pl.LightningModule):
         if not self.cuda_graphs or self._trainer is None or self.trainer.state.fn is None:
             return False
         fn = self.trainer.state.fn.value
+        if fn in self._graph_decisions and self._decided_with.get(fn) is not self.trainer:
+            # another trainer (a fit after an interrupted one): its own settings, its own decision
+            self._forget_graph_decision(fn)
+        if fn in self._stale_decisions and self.trainer.state.status == TrainerStatus.RUNNING:
+            self._forget_graph_decision(fn)  # a new run of this stage: decide (and adopt its settings) again
         if fn not in self._graph_decisions:
+            self._decided_with[fn] = self.trainer
             reason = self.graphs_unavailable()
             self._graph_decisions[fn] = reason
             if reason:
@@ -385,11 +398,29 @@ class BertModule(pl.LightningModule):
                 rank_zero_info(f"bertaccel: `{fn}` steps run as CUDA graphs (captured once per batch shape, then replayed).")
         return self._graph_decisions[fn] is None
 
+    def _forget_graph_decision(self, fn: str) -> None:
+        """Drop a stage's graphs decision; for `fit`, hand the trainer back the clipping and accumulation it was
+        given (`_adopt_trainer_step_options` took them over), so a next fit - this trainer's or another's - reads the
+        user's settings, not None and 1."""
+        self._graph_decisions.pop(fn, None)
+        self._stale_decisions.discard(fn)
+        self._decided_with.pop(fn, None)
+        if fn == "fit":
+            self._hand_back_trainer_step_options()
+            self._clip, self._accumulate, self._micro = None, 1, 0
+
+    def _hand_back_trainer_step_options(self) -> None:
+        if self._adopted is not None:
+            t, clip_val, clip_algorithm, accumulate = self._adopted
+            t.gradient_clip_val, t.gradient_clip_algorithm, t.accumulate_grad_batches = clip_val, clip_algorithm, accumulate
+            self._adopted = None
+
     def _adopt_trainer_step_options(self) -> None:
         """Under graphs the module runs the optimizer (manual optimization): it takes over the
         trainer's gradient clipping and accumulation, which Lightning only applies itself in
-        automatic optimization."""
+        automatic optimization (handed back when the decision is dropped: `_forget_graph_decision`)."""
         t = self.trainer
+        self._adopted = (t, t.gradient_clip_val, t.gradient_clip_algorithm, t.accumulate_grad_batches)
         if t.gradient_clip_val:
             algorithm = t.gradient_clip_algorithm or "norm"
             self._clip = (float(t.gradient_clip_val), str(getattr(algorithm, "value", algorithm)))
