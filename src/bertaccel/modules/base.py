@@ -26,12 +26,13 @@ import logging
 import math
 import os
 import random
+import weakref
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from transformers import get_linear_schedule_with_warmup
 
@@ -150,7 +151,7 @@ class BertModule(pl.LightningModule):
         self._refresh_copies = False
         # graph-mode state: decided per trainer stage, see `graphs_unavailable`
         self._graph_decisions: dict[str, str | None] = {}
-        self._decided_with: dict[str, Any] = {}  # the trainer each stage's decision was made with
+        self._decided_with: dict[str, weakref.ref] = {}  # the trainer each stage's decision was made with
         self._stale_decisions: set[str] = set()  # stages whose run has ended (teardown): decided again next run
         self._adopted: tuple | None = None  # (trainer, clip value, clip algorithm, accumulation) taken over
         self._graphs: dict[str, StepGraphs] = {}
@@ -381,13 +382,14 @@ class BertModule(pl.LightningModule):
         if not self.cuda_graphs or self._trainer is None or self.trainer.state.fn is None:
             return False
         fn = self.trainer.state.fn.value
-        if fn in self._graph_decisions and self._decided_with.get(fn) is not self.trainer:
+        decided_with = self._decided_with.get(fn)
+        if fn in self._graph_decisions and (decided_with is None or decided_with() is not self.trainer):
             # another trainer (a fit after an interrupted one): its own settings, its own decision
             self._forget_graph_decision(fn)
         if fn in self._stale_decisions and self.trainer.state.status == TrainerStatus.RUNNING:
             self._forget_graph_decision(fn)  # a new run of this stage: decide (and adopt its settings) again
         if fn not in self._graph_decisions:
-            self._decided_with[fn] = self.trainer
+            self._decided_with[fn] = weakref.ref(self.trainer)
             reason = self.graphs_unavailable()
             self._graph_decisions[fn] = reason
             if reason:
