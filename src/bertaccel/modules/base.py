@@ -288,7 +288,8 @@ class BertModule(pl.LightningModule):
         lightning_update = type(loop)._update_learning_rates.__get__(loop)
 
         def update_learning_rates(interval: str, update_plateau_schedulers: bool) -> None:
-            if self._automatic_optimization_now():  # eager steps: Lightning's own path, untouched
+            # eager steps (or another module on this trainer, after a fit that raised): Lightning's own path
+            if loop.trainer.lightning_module is not self or self._automatic_optimization_now():
                 return lightning_update(interval, update_plateau_schedulers)
             if interval == "step" and self._micro != 0:  # mid-accumulation: no optimizer step yet
                 return None
