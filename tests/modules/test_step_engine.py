@@ -130,8 +130,8 @@ def _train(graph_loop: bool, tiny_data, tmp_path, model_kwargs=None, module_clas
     model._capture_without_gpu = graph_loop  # the graph-mode loop, run eagerly
     dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
                                       batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
-    trainer_kwargs = {"max_epochs": 2, "enable_checkpointing": False, **trainer_kwargs}
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
+    trainer_kwargs = {"max_epochs": 2, "enable_checkpointing": False, "logger": False, **trainer_kwargs}
+    trainer = pl.Trainer(accelerator="cpu", devices=1,
                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2,
                          default_root_dir=tmp_path, **trainer_kwargs)
     trainer.fit(model, datamodule=dm)
@@ -279,6 +279,28 @@ def test_a_second_fit_of_the_module_reads_its_own_trainer_settings(tiny_data, tm
     assert settings[True] == settings[False] == [(None, 1, 8), (0.05, 2, 4)]  # handed back after each fit
     for a, b in zip(weights[False], weights[True]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_graph_mode_logs_what_the_eager_loop_logs(tiny_data, tmp_path):
+    """The loggers' rows of a graphed fit - LearningRateMonitor's rates by step, train/loss, the epoch metrics - are
+    the eager fit's (the learning rates moved to Lightning's scheduler update after the batch, 21fd5fa)."""
+    import csv
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    rows = {}
+    for graph_loop in (False, True):
+        _, trainer, _ = _train(graph_loop, tiny_data, tmp_path / str(graph_loop), logger=CSVLogger(tmp_path / f"log{graph_loop}"),
+                               callbacks=[LearningRateMonitor(logging_interval="step")])
+        with open(trainer.logger.log_dir + "/metrics.csv") as f:
+            rows[graph_loop] = [{k: v for k, v in r.items() if v} for r in csv.DictReader(f)]
+    assert any("lr-AdamW/pg1" in r for r in rows[False]) and any("train/loss" in r for r in rows[False])
+    assert len(rows[True]) == len(rows[False])
+    for a, b in zip(rows[False], rows[True]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert float(a[k]) == pytest.approx(float(b[k]), rel=1e-4, abs=1e-6), k
 
 
 class _CheckWeightCopies(Callback):
