@@ -303,6 +303,23 @@ def test_graph_mode_logs_what_the_eager_loop_logs(tiny_data, tmp_path):
             assert float(a[k]) == pytest.approx(float(b[k]), rel=1e-4, abs=1e-6), k
 
 
+def test_weight_copies_follow_weights_a_callback_swaps_for_validation(tiny_data, tmp_path):
+    """EMAWeightAveraging swaps its averaged weights in for each validation and out after it, in place. The bf16
+    copies a graphed bf16-mixed step runs on were refreshed from the averaged weights for the validation and the
+    next training step ran on them (the graphed fit left the eager one by 7e-3); they are refreshed after each
+    validation and at each epoch's start. Same weights and validation loss as the eager fit."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    runs = {}
+    for graph_loop in (False, True):
+        model, trainer, _ = _train(graph_loop, tiny_data, tmp_path / str(graph_loop), precision="bf16-mixed",
+                                   max_epochs=3, callbacks=[EMAWeightAveraging(decay=0.5)])
+        runs[graph_loop] = (model, trainer)
+    for a, b in zip(runs[False][0].parameters(), runs[True][0].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert float(runs[True][1].callback_metrics["val/loss"]) == float(runs[False][1].callback_metrics["val/loss"])
+
+
 class _CheckWeightCopies(Callback):
     """After each training step: the Linear modules hold their fp32 masters again, and each bf16 copy
     equals its master rounded to bf16 (refreshed after the optimizer step)."""

@@ -574,6 +574,15 @@ class BertModule(pl.LightningModule):
         if self._trainer is not None and self.trainer.state.fn != "fit":
             self._freeze_heap()
 
+    def on_validation_end(self) -> None:
+        # Inside a fit the copies were refreshed from the masters the validation ran with - a callback's averaged
+        # weights, swapped in and out in place (EMAWeightAveraging, WeightAveraging): the next training step must
+        # not run on them (one step a validation did: the graphed fit left the eager one)
+        self._refresh_copies = True
+
+    def on_train_epoch_start(self) -> None:
+        self._refresh_copies = True  # callbacks change weights between epochs (in place): copies follow
+
     def on_test_start(self) -> None:
         self._refresh_copies = True
         self._freeze_heap()
@@ -656,6 +665,8 @@ class BertModule(pl.LightningModule):
             self._ensure_weight_copies()
             self._prepare_graphed_training()
         else:
+            if self._refresh_copies:  # after a validation or at an epoch's start (outside any capture)
+                self._ensure_weight_copies()
             self._restore_static_grads()
         runner = self._graph_runner("train")
         self._micro += 1
