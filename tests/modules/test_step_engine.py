@@ -320,6 +320,36 @@ def test_weight_copies_follow_weights_a_callback_swaps_for_validation(tiny_data,
     assert float(runs[True][1].callback_metrics["val/loss"]) == float(runs[False][1].callback_metrics["val/loss"])
 
 
+def test_fit_validate_fit_test_in_one_session(tiny_data, tmp_path):
+    """A notebook's sequence on one trainer - fit, validate, fit on, test - runs, with the eager loop's results and
+    step count. The validate's `reset()` of the metrics ran in inference mode and the next fit's first validation
+    step raised ("Inplace update to inference tensor"), eager or graphed; and after a graphed fit
+    `trainer.global_step` read 0 in validate / test (the steps are counted by Lightning's manual loop)."""
+    results = {}
+    for graph_loop in (False, True):
+        pl.seed_everything(3)
+        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
+        model._capture_without_gpu = graph_loop
+        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
+                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_epochs=1,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / str(graph_loop),
+                             gradient_clip_val=0.1, accumulate_grad_batches=2)
+        trainer.fit(model, datamodule=dm)
+        validated = trainer.validate(model, datamodule=dm, verbose=False)[0]
+        step_after_validate = trainer.global_step
+        trainer.fit_loop.max_epochs = 2
+        trainer.fit(model, datamodule=dm)
+        tested = trainer.test(model, datamodule=dm, verbose=False)[0]
+        results[graph_loop] = (validated, step_after_validate, tested, trainer.global_step,
+                               [p.detach().clone() for p in model.parameters()])
+    eager, graph = results[False], results[True]
+    assert eager[1] == graph[1] == 4 and eager[3] == graph[3] == 8
+    assert graph[0] == pytest.approx(eager[0]) and graph[2] == pytest.approx(eager[2])
+    for a, b in zip(eager[4], graph[4]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 class _CheckWeightCopies(Callback):
     """After each training step: the Linear modules hold their fp32 masters again, and each bf16 copy
     equals its master rounded to bf16 (refreshed after the optimizer step)."""

@@ -442,14 +442,23 @@ class BertModule(pl.LightningModule):
         """True in a graphed fit: the optimizer runs inside the captured step (manual optimization to Lightning,
         though the fit is the automatic one's: same updates, schedules and checkpoints - callbacks that branch on
         manual optimization can ask this; `LatestCheckpoint` does)."""
-        return not self._automatic_optimization_now() and self._automatic_optimization
+        t = self._trainer
+        return bool(self.cuda_graphs and t is not None and t.state.fn is not None and t.state.fn.value == "fit"
+                    and self._graphs_on())
 
     def _automatic_optimization_now(self) -> bool:
         """Whether the optimizer runs outside the step (Lightning's automatic optimization): not in a graphed fit,
         where the module runs it inside the captured step."""
-        if self.cuda_graphs and self._trainer is not None and self.trainer.state.fn is not None \
-                and self.trainer.state.fn.value == "fit":
-            return not self._graphs_on()
+        if self.cuda_graphs and self._trainer is not None and self.trainer.state.fn is not None:
+            if self.trainer.state.fn.value == "fit":
+                return not self._graphs_on()
+            # validate / test / predict after a graphed fit: its optimizer steps were counted by Lightning's manual
+            # loop, and `trainer.global_step` reads the loop this answer names (the automatic one held 0: the test
+            # after a graphed fit logged its metrics at step 0)
+            loop = self.trainer.fit_loop.epoch_loop
+            if loop.manual_optimization.optim_step_progress.total.completed > \
+                    loop.automatic_optimization.optim_progress.optimizer_steps:
+                return False
         return self._automatic_optimization
 
     @automatic_optimization.setter

@@ -54,9 +54,12 @@ class ClassificationStats(Metric):
         the counted rows (optional); `counts`: the batch's `confusion_counts`, when the step already counted them."""
         if counts is None:
             counts = confusion_counts(logits, labels, self.num_classes)
-        self.confmat += counts
+        # out of place: a `reset()` inside `trainer.validate` / `test` (inference mode) leaves inference tensors,
+        # which an in-place add outside inference mode refuses (a fit after a validate raised at its first
+        # validation step)
+        self.confmat = self.confmat + counts
         if loss_sum is not None:
-            self.loss_sum += loss_sum.detach()
+            self.loss_sum = self.loss_sum + loss_sum.detach()
 
     def compute(self) -> dict[str, torch.Tensor]:
         cm = self.confmat.double()
@@ -88,8 +91,8 @@ class WeightedMean(Metric):
     def update(self, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
         value = value.detach().to(torch.float64)
         weight = torch.as_tensor(weight, dtype=torch.float64, device=value.device)
-        self.total += (value * weight).sum()
-        self.weight += weight.sum()
+        self.total = self.total + (value * weight).sum()  # out of place, as in ClassificationStats.update
+        self.weight = self.weight + weight.sum()
 
     def compute(self) -> torch.Tensor:
         return (self.total / self.weight.clamp(min=1e-12)).float()
