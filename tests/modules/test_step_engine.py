@@ -350,6 +350,44 @@ def test_fit_validate_fit_test_in_one_session(tiny_data, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_a_fit_after_one_that_raised_trains_with_its_own_optimizer(tiny_data, tmp_path):
+    """A fit that raises mid-epoch gets no on_train_end or teardown: its training graphs and step functions (which
+    hold its optimizer) and the trainer's taken-over clipping stayed, and the next fit trained with the old
+    optimizer's state and rates. Released at each fit's start; the next fit's predictions equal the eager module's."""
+
+    class RaiseOnce(Callback):
+        def __init__(self):
+            self.armed = True
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.armed and trainer.global_step == 3:
+                self.armed = False
+                raise RuntimeError("stop")
+
+    probs, clips = {}, {}
+    for graph_loop in (False, True):
+        pl.seed_everything(3)
+        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
+        model._capture_without_gpu = graph_loop
+        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
+                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
+
+        def trainer(name, **options):
+            return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_epochs=1,
+                              enable_progress_bar=False, enable_model_summary=False,
+                              default_root_dir=tmp_path / f"{name}{graph_loop}", **options)
+
+        first = trainer("first", gradient_clip_val=0.1, callbacks=[RaiseOnce()])
+        with pytest.raises(RuntimeError, match="stop"):
+            first.fit(model, datamodule=dm)
+        second = trainer("second", accumulate_grad_batches=2)
+        second.fit(model, datamodule=dm)
+        probs[graph_loop] = torch.cat([p["probs"] for p in second.predict(model, datamodule=dm)])
+        clips[graph_loop] = first.gradient_clip_val
+    assert clips[True] == clips[False] == 0.1  # the first trainer's setting handed back
+    torch.testing.assert_close(probs[True], probs[False], rtol=1e-4, atol=1e-5)
+
+
 class _CheckWeightCopies(Callback):
     """After each training step: the Linear modules hold their fp32 masters again, and each bf16 copy
     equals its master rounded to bf16 (refreshed after the optimizer step)."""

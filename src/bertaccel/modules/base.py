@@ -809,6 +809,10 @@ class BertModule(pl.LightningModule):
             logger.experiment  # noqa: B018 - the property creates it (a dummy on ranks other than 0)
         self._train_loss_logged = False  # the first step logs its own loss (`_log_train_loss`)
         self._schedule_by_lightning(True)
+        # a fit that raised left its training graphs and step functions (no on_train_end, no teardown): they hold
+        # that fit's optimizer, and this fit has its own (the next fit trained with the old one's state and rates)
+        self.release_graphs("train")
+        self._micro = 0
         # Under DDP Lightning reads a broadcast SIGTERM flag back every batch (a sync per step): read one batch
         # late instead (1.49x train samples/s on 2 H200s; BERTACCEL_LAGGED_SIGTERM=0 turns it off: modules/sigterm_check.py)
         sigterm_check.install(self.trainer)
