@@ -388,6 +388,29 @@ def test_a_fit_after_one_that_raised_trains_with_its_own_optimizer(tiny_data, tm
     torch.testing.assert_close(probs[True], probs[False], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("written,resumed", [(True, False), (False, True)], ids=["graphed-to-eager", "eager-to-graphed"])
+def test_a_checkpoint_resumes_across_eager_and_graphed_steps(written, resumed, tiny_data, tmp_path):
+    """Lightning counts eager fits' optimizer steps in its automatic loop and graphed fits' in its manual loop; a
+    fit resumed from a checkpoint of the other mode started at global_step 0 and ran max_steps more steps (17
+    batches for max_steps 12 from step 5). The restored count is carried to this mode's loop."""
+
+    def fit(graph_loop, root, max_steps, ckpt=None):
+        pl.seed_everything(3)
+        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
+        model._capture_without_gpu = graph_loop
+        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
+                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=max_steps,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                             limit_val_batches=0)
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+        return trainer
+
+    fit(written, tmp_path / "a", 5).save_checkpoint(tmp_path / "mid.ckpt")
+    trainer = fit(resumed, tmp_path / "b", 12, ckpt=tmp_path / "mid.ckpt")
+    assert trainer.global_step == 12 and trainer.fit_loop.epoch_loop._batches_that_stepped == 12
+
+
 class _CheckWeightCopies(Callback):
     """After each training step: the Linear modules hold their fp32 masters again, and each bf16 copy
     equals its master rounded to bf16 (refreshed after the optimizer step)."""

@@ -272,6 +272,18 @@ class BertModule(pl.LightningModule):
         self._schedule_by_lightning(False)
         self.release_graphs("train")
 
+    def _carry_step_count_across_loops(self) -> None:
+        """Lightning counts optimizer steps in its automatic loop for eager fits and in its manual loop for graphed
+        ones, and `trainer.global_step` reads the loop of the current mode. A fit resumed from a checkpoint written
+        in the other mode (graphed on the GPU, resumed with graphs off - or the reverse) started at step 0 and ran
+        `max_steps` more steps (5 + 12 instead of 12). The count restored into the other loop is carried over."""
+        loop = self.trainer.fit_loop.epoch_loop
+        automatic = loop.automatic_optimization.optim_progress.optimizer.step
+        manual = loop.manual_optimization.optim_step_progress
+        here, other = (automatic, manual) if self._automatic_optimization_now() else (manual, automatic)
+        if other.total.completed > here.total.completed:
+            here.total.ready = here.total.completed = other.total.completed
+
     def _schedule_by_lightning(self, on: bool) -> None:
         """Graphed training is manual optimization (the module runs the optimizer inside the captured step), and
         Lightning steps no learning-rate scheduler then. It should, as in automatic optimization: every scheduler
@@ -813,6 +825,7 @@ class BertModule(pl.LightningModule):
         # that fit's optimizer, and this fit has its own (the next fit trained with the old one's state and rates)
         self.release_graphs("train")
         self._micro = 0
+        self._carry_step_count_across_loops()
         # Under DDP Lightning reads a broadcast SIGTERM flag back every batch (a sync per step): read one batch
         # late instead (1.49x train samples/s on 2 H200s; BERTACCEL_LAGGED_SIGTERM=0 turns it off: modules/sigterm_check.py)
         sigterm_check.install(self.trainer)
