@@ -151,15 +151,11 @@ def replay_gaps(replays: dict[int, list[tuple[float, float]]], steps: int) -> st
     """Inside each graph replay (its activities' (start, end) us), the time between its first start and last end
     that none of its activities covers: the gaps between consecutive kernels, where the GPU front end launches the
     next node. Summed per step, with the gaps' count and median (a gap a kernel waits at, not its own start-up)."""
-    gaps, span = [], 0.0
-    for ivs in replays.values():
-        ivs = sorted(ivs)
-        span += max(e for _, e in ivs) - ivs[0][0]
-        reach = ivs[0][1]
-        for start, end in ivs[1:]:
-            if start > reach:
-                gaps.append(start - reach)
-            reach = max(reach, end)
+    from bertaccel.callbacks.profiler import idle_gaps_us
+
+    # each replay its own timeline: the holes in the union of its activities
+    gaps = idle_gaps_us([(replay, start, end) for replay, ivs in replays.items() for start, end in ivs])
+    span = sum(max(e for _, e in ivs) - min(s for s, _ in ivs) for ivs in replays.values())
     per = 1.0 / steps
     med = statistics.median(gaps) if gaps else 0.0
     return (f"    replays span {span * per:.1f} us a step, {sum(gaps) * per:.1f} us of it between their activities "
