@@ -123,17 +123,27 @@ def test_confusion_counts_replay_in_a_cuda_graph():
         assert torch.equal(counts.cpu(), expected)
 
 
-def _train(graph_loop: bool, tiny_data, tmp_path, model_kwargs=None, module_class=BertClassifier, **trainer_kwargs):
+def _model_and_data(graph_loop: bool, tiny_data, model_kwargs=None, module_class=BertClassifier):
+    """A seeded tiny classifier (the graph-mode loop run eagerly when `graph_loop`) and its static-shape data."""
     pl.seed_everything(3)
     model = module_class(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop,
                          **(model_kwargs or {}))
     model._capture_without_gpu = graph_loop  # the graph-mode loop, run eagerly
     dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
                                       batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
-    trainer_kwargs = {"max_epochs": 2, "enable_checkpointing": False, "logger": False, **trainer_kwargs}
-    trainer = pl.Trainer(accelerator="cpu", devices=1,
-                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2,
-                         default_root_dir=tmp_path, **trainer_kwargs)
+    return model, dm
+
+
+def _trainer(root, **kwargs) -> pl.Trainer:
+    """A quiet CPU trainer: no logger, checkpoints, progress bar or summary unless `kwargs` say otherwise."""
+    kwargs = {"enable_checkpointing": False, "logger": False, **kwargs}
+    return pl.Trainer(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=root, **kwargs)
+
+
+def _train(graph_loop: bool, tiny_data, tmp_path, model_kwargs=None, module_class=BertClassifier, **trainer_kwargs):
+    model, dm = _model_and_data(graph_loop, tiny_data, model_kwargs, module_class)
+    trainer = _trainer(tmp_path, **{"max_epochs": 2, "log_every_n_steps": 2, **trainer_kwargs})
     trainer.fit(model, datamodule=dm)
     lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
     return model, trainer, lr
@@ -262,16 +272,10 @@ def test_a_second_fit_of_the_module_reads_its_own_trainer_settings(tiny_data, tm
     second trainer's clipping for manual optimization). Same weights as the eager module after both fits."""
     weights, settings = {}, {}
     for graph_loop in (False, True):
-        pl.seed_everything(3)
-        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
-        model._capture_without_gpu = graph_loop
-        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
-                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
+        model, dm = _model_and_data(graph_loop, tiny_data)
         trainers = []
         for i, options in enumerate([{}, {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}]):
-            trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_epochs=1,
-                                 enable_progress_bar=False, enable_model_summary=False,
-                                 default_root_dir=tmp_path / f"{graph_loop}{i}", **options)
+            trainer = _trainer(tmp_path / f"{graph_loop}{i}", max_epochs=1, **options)
             trainer.fit(model, datamodule=dm)
             trainers.append(trainer)
         weights[graph_loop] = [p.detach().clone() for p in model.parameters()]
@@ -327,14 +331,8 @@ def test_fit_validate_fit_test_in_one_session(tiny_data, tmp_path):
     `trainer.global_step` read 0 in validate / test (the steps are counted by Lightning's manual loop)."""
     results = {}
     for graph_loop in (False, True):
-        pl.seed_everything(3)
-        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
-        model._capture_without_gpu = graph_loop
-        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
-                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
-        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_epochs=1,
-                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / str(graph_loop),
-                             gradient_clip_val=0.1, accumulate_grad_batches=2)
+        model, dm = _model_and_data(graph_loop, tiny_data)
+        trainer = _trainer(tmp_path / str(graph_loop), max_epochs=1, gradient_clip_val=0.1, accumulate_grad_batches=2)
         trainer.fit(model, datamodule=dm)
         validated = trainer.validate(model, datamodule=dm, verbose=False)[0]
         step_after_validate = trainer.global_step
@@ -366,21 +364,11 @@ def test_a_fit_after_one_that_raised_trains_with_its_own_optimizer(tiny_data, tm
 
     probs, clips = {}, {}
     for graph_loop in (False, True):
-        pl.seed_everything(3)
-        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
-        model._capture_without_gpu = graph_loop
-        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
-                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
-
-        def trainer(name, **options):
-            return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_epochs=1,
-                              enable_progress_bar=False, enable_model_summary=False,
-                              default_root_dir=tmp_path / f"{name}{graph_loop}", **options)
-
-        first = trainer("first", gradient_clip_val=0.1, callbacks=[RaiseOnce()])
+        model, dm = _model_and_data(graph_loop, tiny_data)
+        first = _trainer(tmp_path / f"first{graph_loop}", max_epochs=1, gradient_clip_val=0.1, callbacks=[RaiseOnce()])
         with pytest.raises(RuntimeError, match="stop"):
             first.fit(model, datamodule=dm)
-        second = trainer("second", accumulate_grad_batches=2)
+        second = _trainer(tmp_path / f"second{graph_loop}", max_epochs=1, accumulate_grad_batches=2)
         second.fit(model, datamodule=dm)
         probs[graph_loop] = torch.cat([p["probs"] for p in second.predict(model, datamodule=dm)])
         clips[graph_loop] = first.gradient_clip_val
@@ -395,14 +383,8 @@ def test_a_checkpoint_resumes_across_eager_and_graphed_steps(written, resumed, t
     batches for max_steps 12 from step 5). The restored count is carried to this mode's loop."""
 
     def fit(graph_loop, root, max_steps, ckpt=None):
-        pl.seed_everything(3)
-        model = BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2, lr=3e-3, cuda_graphs=graph_loop)
-        model._capture_without_gpu = graph_loop
-        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=48,
-                                          batch_size=16, val_size=0.2, static_shapes=True, length_buckets=16)
-        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=max_steps,
-                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                             limit_val_batches=0)
+        model, dm = _model_and_data(graph_loop, tiny_data)
+        trainer = _trainer(root, max_steps=max_steps, limit_val_batches=0)
         trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
         return trainer
 
