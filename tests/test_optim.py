@@ -149,3 +149,72 @@ def test_model_option_puts_encoder_matrices_on_muon_and_trains(name, tiny_data, 
         assert (id(p) in muon) == expected, pname
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert float(trainer.callback_metrics["train/loss_epoch"]) < 0.75
+
+
+# ----------------------------------------------------------------------------- the learning-rate schedule
+def _schedule(groups=2, warmup=3, total=10, lr=1e-3):
+    from bertaccel.optim import LinearWarmupDecay
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(groups)]
+    opt = torch.optim.SGD([{"params": [p]} for p in params], lr=lr)
+    return opt, LinearWarmupDecay(opt, warmup, total)
+
+
+def test_schedule_matches_transformers_linear_warmup():
+    from transformers import get_linear_schedule_with_warmup
+
+    opt, ours = _schedule()
+    ref_opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))]} for _ in range(2)], lr=1e-3)
+    ref = get_linear_schedule_with_warmup(ref_opt, 3, 10)
+    for _ in range(14):  # through the warm-up, the decay and past its end
+        assert ours.get_last_lr() == pytest.approx(ref.get_last_lr(), abs=0)
+        opt.step(), ref_opt.step()
+        ours.step(), ref.step()
+
+
+def test_schedule_takes_a_group_added_mid_run():
+    """Lightning's BaseFinetuning adds a group when it unfreezes a backbone: transformers' LambdaLR raised at
+    its next step (one lambda per group, zipped strictly). The group keeps the rate it was added with, then
+    follows the schedule's shape."""
+    opt, sched = _schedule(warmup=2, total=10)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    factor_now = sched.factor(5)  # the others' factor at step 5
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 2e-5})
+    opt.step()
+    sched.step()
+    assert len(sched.get_last_lr()) == 3
+    assert sched.get_last_lr()[2] == pytest.approx(2e-5 * sched.factor(6) / factor_now)
+    assert sched.get_last_lr()[0] == pytest.approx(1e-3 * sched.factor(6))
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert sched.get_last_lr() == [0.0, 0.0, 0.0]
+
+
+def test_schedule_state_is_the_step_not_the_configuration():
+    """A resumed run follows its own schedule (other max_epochs / data) from the checkpoint's step; a checkpoint
+    written with transformers' LambdaLR loads."""
+    from transformers import get_linear_schedule_with_warmup
+
+    opt, sched = _schedule(warmup=2, total=10)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    assert state["last_epoch"] == 4 and "total_steps" not in state and "warmup_steps" not in state
+    opt2, resumed = _schedule(warmup=2, total=20)
+    resumed.load_state_dict(state)
+    assert resumed.total_steps == 20 and resumed.last_epoch == 4
+    old_opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))]} for _ in range(2)], lr=1e-3)
+    old = get_linear_schedule_with_warmup(old_opt, 2, 10)
+    for _ in range(3):
+        old_opt.step()
+        old.step()
+    opt3, from_old = _schedule(warmup=2, total=10)
+    from_old.load_state_dict(old.state_dict())
+    assert from_old.last_epoch == 3
+    opt3.step()
+    from_old.step()
+    assert from_old.get_last_lr() == pytest.approx([1e-3 * from_old.factor(4)] * 2)

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.cuda
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
+from lightning.pytorch.callbacks import BaseFinetuning  # noqa: E402
 
 from bertaccel.data import TextClassificationDataModule  # noqa: E402
 from bertaccel.modules import BertClassifier  # noqa: E402
@@ -334,3 +335,30 @@ def test_graphed_mlm_trains_like_eager(tmp_path):
     init = {k: v.detach().float().clone() for k, v in init_model.named_parameters()}
     assert_same_training(eager, graphed, init, tol=0.1)
     torch.testing.assert_close(tg.callback_metrics["val/loss"], te.callback_metrics["val/loss"], rtol=5e-2, atol=5e-2)
+
+
+class _UnfreezeEmbeddingsAtEpoch1(BaseFinetuning):
+    """Lightning's fine-tuning callback: embeddings frozen before training, unfrozen into their own parameter
+    group at epoch 1, when the first encoder layer is frozen."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.model.bert.embeddings)
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.bert.embeddings, optimizer, initial_denom_lr=4.0)
+            pl_module.model.bert.encoder.layer[0].requires_grad_(False)
+
+
+def test_graphed_fit_follows_parameters_frozen_and_unfrozen(tiny_data, tmp_path):
+    """A captured step replays the backward and update it was captured with: after BaseFinetuning unfroze the
+    embeddings (a new parameter group) and a layer was frozen, the graphs must be captured again, or the
+    embeddings never train and the frozen layer goes on training."""
+    init = initial_parameters()
+    eager, te = fit(tiny_data, tmp_path / "e", graphs=False, precision="32-true", callbacks=[_UnfreezeEmbeddingsAtEpoch1()])
+    graphed, tg = fit(tiny_data, tmp_path / "g", graphs=True, precision="32-true", callbacks=[_UnfreezeEmbeddingsAtEpoch1()])
+    assert not graphed.automatic_optimization and tg.global_step == te.global_step
+    assert graphed.graph_stats()["train"]["replays"] > 0
+    assert_same_training(eager, graphed, init)
+    emb = "model.bert.embeddings.word_embeddings.weight"
+    assert not torch.equal(dict(graphed.named_parameters())[emb].detach().float().cpu(), init[emb].cpu())

@@ -10,6 +10,7 @@ import math
 
 import lightning.pytorch as pl
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import BaseFinetuning
 import pytest
 import torch
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
@@ -565,3 +566,49 @@ def test_graphed_steps_take_ddp_but_not_fsdp():
     assert model.graphs_unavailable() is not None
     model._trainer = SimpleNamespace(world_size=2, strategy=DDPStrategy(), precision="bf16-mixed", callbacks=[])
     assert model.graphs_unavailable() is None
+
+
+class _UnfreezeEmbeddings(BaseFinetuning):
+    """Lightning's fine-tuning callback as its docs use it: the embeddings frozen before training, unfrozen
+    into a parameter group of their own at epoch 1."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.model.bert.embeddings)
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.bert.embeddings, optimizer, initial_denom_lr=4.0)
+
+
+class _FreezeEncoderLayer(Callback):
+    """Freezes the first encoder layer at epoch 1 (its parameters stay in their groups)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.model.bert.encoder.layer[0].requires_grad_(False)
+
+
+@pytest.mark.parametrize("callback", [_UnfreezeEmbeddings, _FreezeEncoderLayer], ids=["unfreeze", "freeze"])
+def test_graph_mode_loop_follows_parameters_frozen_and_unfrozen(callback, tiny_data, tmp_path):
+    """BaseFinetuning's added group made the schedule raise at the next step (transformers' LambdaLR, eager fits
+    too), and the graph-mode step, built for the parameters trainable at its first step, went on updating only
+    those: the unfrozen embeddings never trained. Both now follow the eager fit."""
+    fits = {}
+    for graph_loop in (False, True):
+        model, dm = _model_and_data(graph_loop, tiny_data)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = _trainer(tmp_path / str(graph_loop), max_epochs=3, callbacks=[callback()])
+        trainer.fit(model, datamodule=dm)
+        fits[graph_loop] = (model, trainer, before)
+    (eager, t_eager, before), (graph, t_graph, _) = fits[False], fits[True]
+    assert not graph.automatic_optimization and t_graph.global_step == t_eager.global_step > 0
+    for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    lrs = [t.optimizers[0].param_groups[-1]["lr"] for t in (t_eager, t_graph)]
+    assert float(lrs[1]) == pytest.approx(float(lrs[0]))
+    embeddings = dict(eager.named_parameters())["model.bert.embeddings.word_embeddings.weight"]
+    first_layer = dict(eager.named_parameters())["model.bert.encoder.layer.0.output.dense.weight"]
+    name = "model.bert.embeddings.word_embeddings.weight" if callback is _UnfreezeEmbeddings else \
+        "model.bert.encoder.layer.0.output.dense.weight"
+    changed = not torch.equal((embeddings if callback is _UnfreezeEmbeddings else first_layer), before[name])
+    assert changed  # unfrozen at epoch 1: trained after; frozen at epoch 1: trained before

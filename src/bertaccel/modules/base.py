@@ -34,7 +34,6 @@ import torch
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from transformers import get_linear_schedule_with_warmup
 
 from bertaccel.errors import CheckpointError, ConfigError
 from bertaccel.modules import sigterm_check
@@ -42,6 +41,7 @@ from bertaccel.modules.bert import architecture_of
 from bertaccel.modules.graphs import StepGraphs
 from bertaccel.modules.train_step import all_reduce_grads, build_train_step, make_static_grads
 from bertaccel.modules.weight_copies import Bf16WeightCopies
+from bertaccel.optim.schedule import LinearWarmupDecay
 from bertaccel.step_logging import logs_step_metrics
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,7 @@ class BertModule(pl.LightningModule):
         self._train_loss_logged = False  # since this fit's start: the first step logs its own loss
         self._lightning_parsing_schedulers = False
         self._static_grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._trainable: tuple = ()  # the captured step's parameter groups and trainable flags (`_trainable_now`)
         self._rng_to_restore: dict[str, Any] | None = None
         self._saved_schedule: dict[str, int] | None = None
         self.lr = lr
@@ -497,7 +498,7 @@ class BertModule(pl.LightningModule):
         if graphed and self._accumulate > 1 and self.trainer.max_steps == -1:
             total = math.ceil(total / self._accumulate)  # the trainer's accumulation was taken over
         warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total)
-        scheduler = get_linear_schedule_with_warmup(optimizer, warmup, max(total, 1))
+        scheduler = LinearWarmupDecay(optimizer, warmup, max(total, 1))
         self._schedule = {"total_steps": int(max(total, 1)), "warmup_steps": int(warmup)}
         saved = self._saved_schedule
         if saved and saved.get("total_steps") != self._schedule["total_steps"]:
@@ -600,9 +601,11 @@ class BertModule(pl.LightningModule):
         # weights, swapped in and out in place (EMAWeightAveraging, WeightAveraging): the next training step must
         # not run on them (one step a validation did: the graphed fit left the eager one)
         self._refresh_copies = True
+        self._follow_trainable_changes()
 
     def on_train_epoch_start(self) -> None:
         self._refresh_copies = True  # callbacks change weights between epochs (in place): copies follow
+        self._follow_trainable_changes()
 
     def on_test_start(self) -> None:
         self._refresh_copies = True
@@ -637,10 +640,33 @@ class BertModule(pl.LightningModule):
             return out["loss"]
         return self._graphed_training_step(batch, batch_idx)
 
+    @staticmethod
+    def _trainable_now(optimizer: torch.optim.Optimizer) -> tuple:
+        """The optimizer's parameter groups, their parameters and which of them train: what a captured step
+        (and the bf16 copies' `requires_grad`) is built for."""
+        return tuple(tuple((id(p), p.requires_grad) for p in group["params"]) for group in optimizer.param_groups)
+
+    def _follow_trainable_changes(self) -> None:
+        """At an epoch's start and after a validation inside a fit, where callbacks freeze, unfreeze or add
+        parameter groups (Lightning's BaseFinetuning, in `on_train_epoch_start`): if the captured training step
+        was built for other trainable parameters, release the graphs, the step functions and the copies, to be
+        built and captured again for the new set at the next step. (The captured step would go on updating only
+        the parameters it was built with: an unfrozen backbone would stay as it was.)"""
+        if not self._static_grads or self.trainer.state.fn != "fit":  # no graphed training step in this fit
+            return
+        if self._trainable_now(self.optimizers().optimizer) == self._trainable:
+            return
+        rank_zero_info("bertaccel: the trainable parameters changed (a callback froze, unfroze or added a "
+                       "parameter group): the training step is built and captured again.")
+        self.release_graphs()
+
     def _prepare_graphed_training(self) -> None:
         optimizer = self.optimizers().optimizer
         static_grads = []
         for group in optimizer.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:  # frozen (maybe since the last capture): not stepped, as in eager fits
+                    p.grad = None
             if not self._capture_without_gpu and not isinstance(group["lr"], torch.Tensor):
                 # the schedule fills this tensor in place; a float would be frozen into the graph
                 group["lr"] = torch.tensor(float(group["lr"]), device=self.device)
@@ -652,6 +678,7 @@ class BertModule(pl.LightningModule):
         # freed and reused by later allocations while the graph keeps writing to it: silent
         # corruption, then NaN. `_restore_static_grads` puts them back before each step.
         self._static_grads = static_grads
+        self._trainable = self._trainable_now(optimizer)
 
     def _restore_static_grads(self) -> None:
         for p, g in self._static_grads:

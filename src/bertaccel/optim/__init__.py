@@ -1,5 +1,7 @@
-"""Optimizers beyond torch's: Muon / NorMuon for the encoder's weight matrices, AdamW for the rest."""
+"""Optimizers beyond torch's: Muon / NorMuon for the encoder's weight matrices, AdamW for the rest; the fits'
+learning-rate schedule."""
 
 from bertaccel.optim.muon import MuonWithAdamW, orthogonalize
+from bertaccel.optim.schedule import LinearWarmupDecay
 
-__all__ = ["MuonWithAdamW", "orthogonalize"]
+__all__ = ["LinearWarmupDecay", "MuonWithAdamW", "orthogonalize"]
