@@ -362,3 +362,22 @@ def test_graphed_fit_follows_parameters_frozen_and_unfrozen(tiny_data, tmp_path)
     assert_same_training(eager, graphed, init)
     emb = "model.bert.embeddings.word_embeddings.weight"
     assert not torch.equal(dict(graphed.named_parameters())[emb].detach().float().cpu(), init[emb].cpu())
+
+
+def test_graphed_fit_follows_weights_a_callback_prunes(tiny_data, tmp_path):
+    """ModelPruning reparametrizes weights at each epoch's end (a forward pre-hook sets weight = weight_orig x
+    mask): the graphs and bf16 copies are built again for the new parameters (the copy swapped into the pruned
+    Linear made the hook raise), and the graphed bf16-mixed fit trains like the eager one."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    init = initial_parameters()
+    runs = {}
+    for graphs in (False, True):
+        pruning = ModelPruning("l1_unstructured", amount=0.3, make_pruning_permanent=True, verbose=0)
+        runs[graphs] = fit(tiny_data, tmp_path / str(graphs), graphs=graphs, callbacks=[pruning])
+    (eager, te), (graphed, tg) = runs[False], runs[True]
+    assert not graphed.automatic_optimization and tg.global_step == te.global_step
+    assert graphed.graph_stats()["train"]["replays"] > 0
+    assert_same_training(eager, graphed, init, tol=0.25)
+    weight = dict(graphed.named_parameters())["model.bert.encoder.layer.0.output.dense.weight"]
+    assert (weight == 0).float().mean() > 0.25

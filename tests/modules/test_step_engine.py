@@ -612,3 +612,27 @@ def test_graph_mode_loop_follows_parameters_frozen_and_unfrozen(callback, tiny_d
         "model.bert.encoder.layer.0.output.dense.weight"
     changed = not torch.equal((embeddings if callback is _UnfreezeEmbeddings else first_layer), before[name])
     assert changed  # unfrozen at epoch 1: trained after; frozen at epoch 1: trained before
+
+
+def test_graph_mode_loop_follows_weights_a_callback_prunes(tiny_data, tmp_path):
+    """Lightning's ModelPruning reparametrizes each pruned weight at an epoch's end (`weight_orig` x `weight_mask`,
+    set by a forward pre-hook) and makes it permanent at the fit's end. Under bf16-mixed the graph-mode step swapped
+    its bf16 copy into the pruned Linear's `weight` and the pruning hook's assignment raised (TypeError); the
+    copies and steps are now built again for the new parameters, and the fit equals the eager one."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    fits = {}
+    for graph_loop in (False, True):
+        model, dm = _model_and_data(graph_loop, tiny_data)
+        pruning = ModelPruning("l1_unstructured", amount=0.3, make_pruning_permanent=True, verbose=0)
+        trainer = _trainer(tmp_path / str(graph_loop), max_epochs=3, precision="bf16-mixed", callbacks=[pruning])
+        trainer.fit(model, datamodule=dm)
+        fits[graph_loop] = (model, trainer)
+    (eager, t_eager), (graph, t_graph) = fits[False], fits[True]
+    assert not graph.automatic_optimization and t_graph.global_step == t_eager.global_step > 0
+    a, b = eager.state_dict(), graph.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-4, msg=name)
+    weight = a["model.bert.encoder.layer.0.output.dense.weight"]
+    assert (weight == 0).float().mean() > 0.25  # pruned, then trained on

@@ -167,7 +167,9 @@ class BertModule(pl.LightningModule):
         self._train_loss_logged = False  # since this fit's start: the first step logs its own loss
         self._lightning_parsing_schedulers = False
         self._static_grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self._trainable: tuple = ()  # the captured step's parameter groups and trainable flags (`_trainable_now`)
+        # what the graphs, step functions and copies were built for (`_follow_parameter_changes`)
+        self._built_for_model: tuple | None = None
+        self._built_for_groups: tuple = ()
         self._rng_to_restore: dict[str, Any] | None = None
         self._saved_schedule: dict[str, int] | None = None
         self.lr = lr
@@ -345,6 +347,7 @@ class BertModule(pl.LightningModule):
             self._static_grads = []
         if which is None:  # the eval graphs read the copies too
             self._weight_copies = None
+            self._built_for_model = None
         for name in [which] if which else list(self._graphs):
             runner = self._graphs.pop(name, None)
             if runner is not None:
@@ -584,6 +587,8 @@ class BertModule(pl.LightningModule):
             return
         if self._weight_copies is None:
             self._weight_copies = Bf16WeightCopies(self.model)
+            if self._built_for_model is None:
+                self._built_for_model = self._model_parameters_now()
         elif self._refresh_copies:
             self._weight_copies.refresh()
         self._refresh_copies = False
@@ -593,6 +598,7 @@ class BertModule(pl.LightningModule):
 
     def on_validation_start(self) -> None:
         self._refresh_copies = True
+        self._follow_parameter_changes()
         if self._trainer is not None and self.trainer.state.fn != "fit":
             self._freeze_heap()
 
@@ -601,23 +607,27 @@ class BertModule(pl.LightningModule):
         # weights, swapped in and out in place (EMAWeightAveraging, WeightAveraging): the next training step must
         # not run on them (one step a validation did: the graphed fit left the eager one)
         self._refresh_copies = True
-        self._follow_trainable_changes()
+        self._follow_parameter_changes()
 
     def on_train_epoch_start(self) -> None:
         self._refresh_copies = True  # callbacks change weights between epochs (in place): copies follow
-        self._follow_trainable_changes()
+        self._follow_parameter_changes()
 
     def on_test_start(self) -> None:
         self._refresh_copies = True
+        self._follow_parameter_changes()
         self._freeze_heap()
 
     def on_predict_start(self) -> None:
         self._refresh_copies = True
+        self._follow_parameter_changes()
         self._freeze_heap()
 
     def _graph_runner(self, name: str) -> StepGraphs:
         runner = self._graphs.get(name)
         if runner is None:
+            if self._built_for_model is None:
+                self._built_for_model = self._model_parameters_now()
             # One memory pool per runner (train, eval), shared by that runner's graphs. A pool shared by
             # the train and eval runners gave NaN parameters in 1 of 2 tiny GPU fits (fp32 and bf16; see
             # scripts/debug_graph_nan.py); separate pools did not in the runs made so far.
@@ -640,25 +650,33 @@ class BertModule(pl.LightningModule):
             return out["loss"]
         return self._graphed_training_step(batch, batch_idx)
 
-    @staticmethod
-    def _trainable_now(optimizer: torch.optim.Optimizer) -> tuple:
-        """The optimizer's parameter groups, their parameters and which of them train: what a captured step
-        (and the bf16 copies' `requires_grad`) is built for."""
-        return tuple(tuple((id(p), p.requires_grad) for p in group["params"]) for group in optimizer.param_groups)
+    def _model_parameters_now(self) -> tuple:
+        """The model's parameters as the graphs, step functions and bf16 copies are built for: names, objects
+        and trainable flags (pruning renames `weight` to `weight_orig`; freezing flips `requires_grad`)."""
+        return tuple((name, id(p), p.requires_grad) for name, p in self.model.named_parameters())
 
-    def _follow_trainable_changes(self) -> None:
-        """At an epoch's start and after a validation inside a fit, where callbacks freeze, unfreeze or add
-        parameter groups (Lightning's BaseFinetuning, in `on_train_epoch_start`): if the captured training step
-        was built for other trainable parameters, release the graphs, the step functions and the copies, to be
-        built and captured again for the new set at the next step. (The captured step would go on updating only
-        the parameters it was built with: an unfrozen backbone would stay as it was.)"""
-        if not self._static_grads or self.trainer.state.fn != "fit":  # no graphed training step in this fit
+    @staticmethod
+    def _optimizer_groups_now(optimizer: torch.optim.Optimizer) -> tuple:
+        """The optimizer's parameter groups and their parameters, as a training step is built for."""
+        return tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups)
+
+    def _follow_parameter_changes(self) -> None:
+        """At each stage's start, each training epoch's start and after a validation inside a fit - where
+        callbacks freeze, unfreeze, add parameter groups (Lightning's BaseFinetuning, in `on_train_epoch_start`)
+        or reparametrize weights (ModelPruning, at epoch ends) -: if the graphs, step functions and bf16 copies
+        were built for other parameters, release them all, to be built and captured again at the next step. (A
+        captured step replays the backward and update it was captured with: an unfrozen backbone never trained,
+        a frozen layer went on training, and the copies of pruned weights were swapped in where the pruning
+        hook sets its masked weight - the step raised.)"""
+        if self._built_for_model is None:  # nothing built
             return
-        if self._trainable_now(self.optimizers().optimizer) == self._trainable:
-            return
-        rank_zero_info("bertaccel: the trainable parameters changed (a callback froze, unfroze or added a "
-                       "parameter group): the training step is built and captured again.")
-        self.release_graphs()
+        changed = self._model_parameters_now() != self._built_for_model
+        if not changed and self._static_grads and self.trainer.state.fn == "fit":
+            changed = self._optimizer_groups_now(self.optimizers().optimizer) != self._built_for_groups
+        if changed:
+            rank_zero_info("bertaccel: the model's parameters changed (frozen, unfrozen, added to the optimizer or "
+                           "reparametrized by a callback): the steps' graphs and weight copies are built again.")
+            self.release_graphs()
 
     def _prepare_graphed_training(self) -> None:
         optimizer = self.optimizers().optimizer
@@ -678,7 +696,7 @@ class BertModule(pl.LightningModule):
         # freed and reused by later allocations while the graph keeps writing to it: silent
         # corruption, then NaN. `_restore_static_grads` puts them back before each step.
         self._static_grads = static_grads
-        self._trainable = self._trainable_now(optimizer)
+        self._built_for_groups = self._optimizer_groups_now(optimizer)
 
     def _restore_static_grads(self) -> None:
         for p, g in self._static_grads:
