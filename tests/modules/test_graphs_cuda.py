@@ -381,3 +381,27 @@ def test_graphed_fit_follows_weights_a_callback_prunes(tiny_data, tmp_path):
     assert_same_training(eager, graphed, init, tol=0.25)
     weight = dict(graphed.named_parameters())["model.bert.encoder.layer.0.output.dense.weight"]
     assert (weight == 0).float().mean() > 0.25
+
+
+class _AssignLearningRates(Callback):
+    """Assigns each group's learning rate as a float at epoch 1 (as BackboneFinetuning does for the backbone's
+    group each epoch, or `group["lr"] = value` in a user's callback): harmless in an eager fit."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = float(group["lr"])
+
+
+def test_graphed_fit_follows_learning_rates_assigned_as_floats(tiny_data, tmp_path):
+    """The captured update reads each group's learning-rate tensor; a float assigned in its place (and the floats
+    the scheduler then assigns, having no tensor to fill) left the graph reading the old tensor: the rate frozen
+    for the rest of the fit. The tensors are put back, with the assigned value, before each step."""
+    init = initial_parameters()
+    eager, te = fit(tiny_data, tmp_path / "e", graphs=False, precision="32-true", callbacks=[_AssignLearningRates()])
+    graphed, tg = fit(tiny_data, tmp_path / "g", graphs=True, precision="32-true", callbacks=[_AssignLearningRates()])
+    assert not graphed.automatic_optimization and tg.global_step == te.global_step
+    assert all(isinstance(g["lr"], torch.Tensor) for g in tg.optimizers[0].param_groups)
+    assert [float(g["lr"]) for g in tg.optimizers[0].param_groups] == pytest.approx(
+        [float(g["lr"]) for g in te.optimizers[0].param_groups])
+    assert_same_training(eager, graphed, init)

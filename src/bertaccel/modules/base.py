@@ -170,6 +170,7 @@ class BertModule(pl.LightningModule):
         # what the graphs, step functions and copies were built for (`_follow_parameter_changes`)
         self._built_for_model: tuple | None = None
         self._built_for_groups: tuple = ()
+        self._lr_tensors: list[tuple[dict, torch.Tensor]] = []  # (group, the learning rate the captured update reads)
         self._rng_to_restore: dict[str, Any] | None = None
         self._saved_schedule: dict[str, int] | None = None
         self.lr = lr
@@ -345,6 +346,7 @@ class BertModule(pl.LightningModule):
         if which in (None, "train"):
             self._train_fns.clear()  # they hold the optimizer of this run
             self._static_grads = []
+            self._lr_tensors = []
         if which is None:  # the eval graphs read the copies too
             self._weight_copies = None
             self._built_for_model = None
@@ -697,6 +699,18 @@ class BertModule(pl.LightningModule):
         # corruption, then NaN. `_restore_static_grads` puts them back before each step.
         self._static_grads = static_grads
         self._built_for_groups = self._optimizer_groups_now(optimizer)
+        self._lr_tensors = [(g, g["lr"]) for g in optimizer.param_groups] if not self._capture_without_gpu else []
+
+    def _restore_lr_tensors(self) -> None:
+        """Put back the learning-rate tensors the captured update reads, with the value now in their groups: a
+        callback or user code that assigns a group's "lr" (BackboneFinetuning sets the backbone's rate each epoch;
+        `group["lr"] = 1e-5`) replaces the tensor with a float, and the scheduler then assigns floats too - the
+        graph went on reading the old tensor, its rate frozen for the rest of the fit."""
+        for group, tensor in self._lr_tensors:
+            lr = group["lr"]
+            if lr is not tensor:
+                tensor.fill_(lr.item() if isinstance(lr, torch.Tensor) else float(lr))
+                group["lr"] = tensor
 
     def _restore_static_grads(self) -> None:
         for p, g in self._static_grads:
@@ -734,6 +748,7 @@ class BertModule(pl.LightningModule):
             if self._refresh_copies:  # after a validation or at an epoch's start (outside any capture)
                 self._ensure_weight_copies()
             self._restore_static_grads()
+            self._restore_lr_tensors()
         runner = self._graph_runner("train")
         self._micro += 1
         n_batches = self.trainer.num_training_batches
