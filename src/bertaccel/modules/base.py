@@ -653,9 +653,11 @@ class BertModule(pl.LightningModule):
         return self._graphed_training_step(batch, batch_idx)
 
     def _model_parameters_now(self) -> tuple:
-        """The model's parameters as the graphs, step functions and bf16 copies are built for: names, objects
-        and trainable flags (pruning renames `weight` to `weight_orig`; freezing flips `requires_grad`)."""
-        return tuple((name, id(p), p.requires_grad) for name, p in self.model.named_parameters())
+        """The model's parameters and buffers as the graphs, step functions and bf16 copies are built for: names,
+        objects and trainable flags (pruning renames `weight` to `weight_orig` and registers a new mask buffer each
+        time it prunes - a graph would read the freed old one; freezing flips `requires_grad`)."""
+        return (tuple((name, id(p), p.requires_grad) for name, p in self.model.named_parameters()),
+                tuple((name, id(b)) for name, b in self.model.named_buffers()))
 
     @staticmethod
     def _optimizer_groups_now(optimizer: torch.optim.Optimizer) -> tuple:
