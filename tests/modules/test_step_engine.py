@@ -636,3 +636,32 @@ def test_graph_mode_loop_follows_weights_a_callback_prunes(tiny_data, tmp_path):
         torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-4, msg=name)
     weight = a["model.bert.encoder.layer.0.output.dense.weight"]
     assert (weight == 0).float().mean() > 0.25  # pruned, then trained on
+
+
+class _UnfreezeEmbeddingsFrom1(_UnfreezeEmbeddings):
+    """As `_UnfreezeEmbeddings`, written to resume: unfreezes at every epoch from 1 (BaseFinetuning restores the
+    added group on resume, not `requires_grad`; the call is a no-op, with Lightning's warning, once they train)."""
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch >= 1:
+            self.unfreeze_and_add_param_group(pl_module.model.bert.embeddings, optimizer, initial_denom_lr=4.0)
+
+
+@pytest.mark.parametrize("graph_loop", [False, True], ids=["eager", "graph-mode"])
+def test_a_fit_resumed_after_unfreezing_equals_the_straight_fit(graph_loop, tiny_data, tmp_path):
+    """The schedule's state holds the added group's base rate, the optimizer the added group (restored by
+    BaseFinetuning), the graph-mode step is built for the resumed groups: same weights as the uninterrupted fit."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model, dm = _model_and_data(graph_loop, tiny_data)
+    every_epoch = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    _trainer(tmp_path / "a", max_epochs=3, callbacks=[_UnfreezeEmbeddingsFrom1(), every_epoch],
+             enable_checkpointing=True).fit(model, datamodule=dm)
+    straight = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model, dm = _model_and_data(graph_loop, tiny_data)
+    trainer = _trainer(tmp_path / "b", max_epochs=3, callbacks=[_UnfreezeEmbeddingsFrom1()])
+    trainer.fit(model, datamodule=dm, ckpt_path=tmp_path / "ck" / "epoch=1.ckpt")
+    assert len(trainer.optimizers[0].param_groups) == 3
+    assert len(trainer.lr_scheduler_configs[0].scheduler.base_lrs) == 3
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, straight[name], rtol=1e-4, atol=1e-5, msg=name)
