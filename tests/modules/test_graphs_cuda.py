@@ -367,9 +367,9 @@ def test_graphed_fit_follows_parameters_frozen_and_unfrozen(tiny_data, tmp_path)
 def test_graphed_fit_follows_weights_a_callback_prunes(tiny_data, tmp_path):
     """ModelPruning reparametrizes weights at each epoch's end (a forward pre-hook sets weight = weight_orig x
     mask, a new mask buffer each time): the graphs and bf16 copies are built again for the new parameters and
-    buffers. The training step's capture then fails (the masked weight ModelPruning leaves on the module keeps an
-    autograd node of the default stream alive) and the training steps run eagerly, saying so; the evaluation steps
-    stay graphed. In fp32 the fit trains like the eager one; under bf16-mixed (the copy swapped into the pruned
+    buffers. The training step's capture failed at 6609195 (the masked weight ModelPruning leaves on the module kept
+    an autograd node of the default stream alive) and the training steps ran eagerly; the step is now built on the
+    pruned weights recomputed without autograd, and stays graphed. In fp32 the fit trains like the eager one; under bf16-mixed (the copy swapped into the pruned
     Linear made the hook raise) it runs, prunes and validates like it - not weight for weight: bf16 rounding moves
     which weights are the smallest 30%."""
     from lightning.pytorch.callbacks import ModelPruning
@@ -384,6 +384,7 @@ def test_graphed_fit_follows_weights_a_callback_prunes(tiny_data, tmp_path):
     (eager, te), (graphed, tg) = runs["32-true", False], runs["32-true", True]
     assert not graphed.automatic_optimization and tg.global_step == te.global_step
     assert graphed.graph_stats()["eval"]["disabled"] is None  # the evaluation steps stay graphed
+    assert graphed.graph_stats()["train"]["disabled"] is None  # and the training steps
     assert_same_training(eager, graphed, init)
     torch.testing.assert_close(tg.callback_metrics["val/loss"], te.callback_metrics["val/loss"], rtol=1e-3, atol=1e-4)
     (_, tbe), (bf16_graphed, tbg) = runs["bf16-mixed", False], runs["bf16-mixed", True]

@@ -665,3 +665,23 @@ def test_a_fit_resumed_after_unfreezing_equals_the_straight_fit(graph_loop, tiny
     assert len(trainer.lr_scheduler_configs[0].scheduler.base_lrs) == 3
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, straight[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_graph_mode_step_is_built_on_pruned_weights_without_their_pruning_autograd(tiny_data, tmp_path):
+    """The masked weight torch's pruning leaves on a module holds the autograd graph it was computed with (on the
+    GPU: a gradient-accumulation node of the default stream, and the training step's capture failed). The
+    graph-mode step recomputes it without autograd before it is built: same values, no graph."""
+    from torch.nn.utils import prune
+
+    model, dm = _model_and_data(True, tiny_data)
+    dense = model.model.bert.encoder.layer[0].output.dense
+    prune.l1_unstructured(dense, "weight", amount=0.3)
+    before = dense.weight.detach().clone()
+    assert dense.weight.grad_fn is not None
+    model._drop_pruning_autograd()
+    assert dense.weight.grad_fn is None and torch.equal(dense.weight, before)
+    orig = dense.weight_orig.detach().clone()
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(model, datamodule=dm)  # trains through the pruned weight (its hook recomputes it each forward)
+    assert not torch.equal(dense.weight_orig.detach(), orig)
+    assert torch.equal(dense.weight.detach() == 0, dense.weight_mask == 0)

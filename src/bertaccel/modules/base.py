@@ -682,8 +682,23 @@ class BertModule(pl.LightningModule):
                            "reparametrized by a callback): the steps' graphs and weight copies are built again.")
             self.release_graphs()
 
+    def _drop_pruning_autograd(self) -> None:
+        """Recompute each pruned weight (torch.nn.utils.prune: `weight = weight_orig * mask`, set by a forward
+        pre-hook) without autograd. ModelPruning computes it with autograd when it prunes, on the default stream,
+        and the tensor it leaves on the module keeps that graph - and `weight_orig`'s gradient-accumulation node -
+        alive; the captured backward then met a node of another stream, and the training step's capture failed
+        on the H200 (the fit ran eagerly). The hook computes the weight again in every forward: values unchanged."""
+        from torch.nn.utils import prune
+
+        with torch.no_grad():
+            for module in self.model.modules():
+                for hook in list(module._forward_pre_hooks.values()):
+                    if isinstance(hook, prune.BasePruningMethod):
+                        hook(module, None)
+
     def _prepare_graphed_training(self) -> None:
         optimizer = self.optimizers().optimizer
+        self._drop_pruning_autograd()
         static_grads = []
         for group in optimizer.param_groups:
             for p in group["params"]:
