@@ -685,3 +685,52 @@ def test_graph_mode_step_is_built_on_pruned_weights_without_their_pruning_autogr
     trainer.fit(model, datamodule=dm)  # trains through the pruned weight (its hook recomputes it each forward)
     assert not torch.equal(dense.weight_orig.detach(), orig)
     assert torch.equal(dense.weight.detach() == 0, dense.weight_mask == 0)
+
+
+class _GradientNormLogger(Callback):
+    """A user's gradient-norm logger where Lightning's docs put one (`on_before_optimizer_step`), counting the
+    other hooks Lightning calls between a step's forward and its update."""
+
+    def __init__(self):
+        self.calls = {"on_before_backward": 0, "on_after_backward": 0, "on_before_zero_grad": 0}
+        self.norms = []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.calls["on_before_backward"] += 1
+
+    def on_after_backward(self, trainer, pl_module):
+        self.calls["on_after_backward"] += 1
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.norms.append(float(sum(p.grad.norm() ** 2 for p in pl_module.parameters() if p.grad is not None)))
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        self.calls["on_before_zero_grad"] += 1
+
+
+class _HookedClassifier(BertClassifier):
+    def on_after_backward(self):
+        self.after_backward_calls = getattr(self, "after_backward_calls", 0) + 1
+
+
+def test_hooks_inside_the_step_take_eager_steps_saying_why(tiny_data, tmp_path, caplog):
+    """A graphed step runs backward and update inside one graph, so Lightning's hooks between them never ran: a
+    gradient-norm logger in `on_before_optimizer_step` logged nothing, silently. A callback or module that overrides
+    one of them now makes the fit take eager steps, saying which hook."""
+    logger = _GradientNormLogger()
+    with caplog.at_level(logging.INFO):
+        model, trainer, _ = _train(True, tiny_data, tmp_path / "cb", callbacks=[logger], max_epochs=1)
+    assert model.automatic_optimization and trainer.global_step == 8
+    assert len(logger.norms) == 8 and all(n > 0 for n in logger.norms)
+    assert logger.calls == {"on_before_backward": 8, "on_after_backward": 8, "on_before_zero_grad": 8}
+    assert any("runs eager steps: _GradientNormLogger.on_before_backward hooks into the step" in r.getMessage()
+               for r in caplog.records)
+    hooked, trainer, _ = _train(True, tiny_data, tmp_path / "module", module_class=_HookedClassifier, max_epochs=1)
+    assert hooked.automatic_optimization and hooked.after_backward_calls == 8
+    from bertaccel.callbacks.profiler import ProfilerCallback
+    from bertaccel.callbacks.throughput import ThroughputMeter
+
+    # the product's own callbacks (the profiler hooks into the step, off unless enabled, saying so itself): graphed
+    plain, _, _ = _train(True, tiny_data, tmp_path / "plain", max_epochs=1,
+                         callbacks=[ProfilerCallback(enabled=False), ThroughputMeter(enabled=True)])
+    assert not plain.automatic_optimization

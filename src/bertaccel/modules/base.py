@@ -382,6 +382,11 @@ class BertModule(pl.LightningModule):
                 if isinstance(cb, (LearningRateFinder, BatchSizeFinder)):
                     return (f"{type(cb).__name__} tunes inside this fit, reading each step's loss from the training "
                             "step's output (a graphed step keeps it on the device); tune in a fit of its own")
+            hooked = self._step_hooks_in_use()
+            if hooked:
+                return (f"{hooked} hooks into the step between its backward and its update (a graphed step runs both "
+                        "inside one graph: the hook would never run); log gradients from `on_train_batch_end` or "
+                        "`on_validation_end`, or turn `model.cuda_graphs` off to keep the hook")
         if self._capture_without_gpu:
             return None
         if trainer.strategy.root_device.type != "cuda":
@@ -394,6 +399,27 @@ class BertModule(pl.LightningModule):
             if reason:
                 return f"{type(cb).__name__} {reason}"
         return self.graphs_blocker()
+
+    _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+
+    def _step_hooks_in_use(self) -> str | None:
+        """Who (a callback, or this module's class) overrides a hook Lightning calls inside an automatic
+        optimization step - `on_before_backward`, `on_after_backward`, `on_before_optimizer_step` (a gradient-norm
+        logger's usual place), `on_before_zero_grad` - which a graphed step cannot call: "Name.hook", or None.
+        Callbacks that say how they run beside graphed steps (an `eager_steps_reason` attribute: the product's
+        profiler) are theirs to decide."""
+        from lightning.pytorch import Callback
+
+        for hook in self._STEP_HOOKS:
+            if getattr(type(self), hook) is not getattr(pl.LightningModule, hook):
+                return f"{type(self).__name__}.{hook}"
+        for cb in self.trainer.callbacks:
+            if hasattr(cb, "eager_steps_reason"):
+                continue
+            for hook in self._STEP_HOOKS:
+                if getattr(type(cb), hook, None) is not getattr(Callback, hook):
+                    return f"{type(cb).__name__}.{hook}"
+        return None
 
     def _graphs_on(self) -> bool:
         """Whether the steps of the current trainer stage run as CUDA graphs (decided once per stage,
