@@ -734,3 +734,25 @@ def test_hooks_inside_the_step_take_eager_steps_saying_why(tiny_data, tmp_path, 
     plain, _, _ = _train(True, tiny_data, tmp_path / "plain", max_epochs=1,
                          callbacks=[ProfilerCallback(enabled=False), ThroughputMeter(enabled=True)])
     assert not plain.automatic_optimization
+
+
+class _OwnTrainingStep(BertClassifier):
+    """A user's subclass with a training step of its own (not calling the module's)."""
+
+    def training_step(self, batch, batch_idx):
+        out = self.step_outputs(**self.step_inputs(batch))
+        self.log("own/loss", out["loss"])
+        return out["loss"]
+
+
+def test_an_overridden_training_step_takes_eager_steps_saying_why(tiny_data, tmp_path, caplog):
+    """A graphed fit is manual optimization to Lightning, the update inside the module's captured step: a subclass's
+    own training_step returned its loss and nothing stepped (global_step 0, weights unchanged, silently). It now runs
+    eagerly, saying why, and trains as in an eager fit."""
+    eager, t_eager, _ = _train(False, tiny_data, tmp_path / "e", module_class=_OwnTrainingStep, max_epochs=1)
+    with caplog.at_level(logging.INFO):
+        graph, t_graph, _ = _train(True, tiny_data, tmp_path / "g", module_class=_OwnTrainingStep, max_epochs=1)
+    assert graph.automatic_optimization and t_graph.global_step == t_eager.global_step == 8
+    assert any("runs eager steps: _OwnTrainingStep overrides training_step" in r.getMessage() for r in caplog.records)
+    for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
+        torch.testing.assert_close(b, a, msg=name)

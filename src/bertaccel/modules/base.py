@@ -382,6 +382,11 @@ class BertModule(pl.LightningModule):
                 if isinstance(cb, (LearningRateFinder, BatchSizeFinder)):
                     return (f"{type(cb).__name__} tunes inside this fit, reading each step's loss from the training "
                             "step's output (a graphed step keeps it on the device); tune in a fit of its own")
+            if type(self).training_step is not BertModule.training_step:
+                return (f"{type(self).__name__} overrides training_step (a graphed fit runs the module's own captured "
+                        "step in Lightning's manual optimization: an override that does not call it would never update "
+                        "the weights); put a custom loss in `step_outputs` and extra logging in `on_train_batch_end` "
+                        "to keep graphed steps")
             hooked = self._step_hooks_in_use()
             if hooked:
                 return (f"{hooked} hooks into the step between its backward and its update (a graphed step runs both "
