@@ -713,6 +713,14 @@ class _HookedClassifier(BertClassifier):
         self.after_backward_calls = getattr(self, "after_backward_calls", 0) + 1
 
 
+class _OwnOptimizerStep(BertClassifier):
+    """A manual learning-rate warm-up where Lightning's docs put one."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        self.optimizer_steps = getattr(self, "optimizer_steps", 0) + 1
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+
 def test_hooks_inside_the_step_take_eager_steps_saying_why(tiny_data, tmp_path, caplog):
     """A graphed step runs backward and update inside one graph, so Lightning's hooks between them never ran: a
     gradient-norm logger in `on_before_optimizer_step` logged nothing, silently. A callback or module that overrides
@@ -727,6 +735,8 @@ def test_hooks_inside_the_step_take_eager_steps_saying_why(tiny_data, tmp_path, 
                for r in caplog.records)
     hooked, trainer, _ = _train(True, tiny_data, tmp_path / "module", module_class=_HookedClassifier, max_epochs=1)
     assert hooked.automatic_optimization and hooked.after_backward_calls == 8
+    stepped, trainer, _ = _train(True, tiny_data, tmp_path / "step", module_class=_OwnOptimizerStep, max_epochs=1)
+    assert stepped.automatic_optimization and stepped.optimizer_steps == 8
     from bertaccel.callbacks.profiler import ProfilerCallback
     from bertaccel.callbacks.throughput import ThroughputMeter
 

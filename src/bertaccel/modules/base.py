@@ -406,16 +406,20 @@ class BertModule(pl.LightningModule):
         return self.graphs_blocker()
 
     _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+    # and the module's own parts of automatic optimization, which Lightning does not call in manual optimization
+    _MODULE_STEP_HOOKS = ("backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping")
 
     def _step_hooks_in_use(self) -> str | None:
         """Who (a callback, or this module's class) overrides a hook Lightning calls inside an automatic
         optimization step - `on_before_backward`, `on_after_backward`, `on_before_optimizer_step` (a gradient-norm
-        logger's usual place), `on_before_zero_grad` - which a graphed step cannot call: "Name.hook", or None.
+        logger's usual place), `on_before_zero_grad`; for the module also `backward`, `optimizer_step` (a manual
+        warm-up's usual place), `optimizer_zero_grad`, `configure_gradient_clipping` - which a graphed step cannot
+        call: "Name.hook", or None.
         Callbacks that say how they run beside graphed steps (an `eager_steps_reason` attribute: the product's
         profiler) are theirs to decide."""
         from lightning.pytorch import Callback
 
-        for hook in self._STEP_HOOKS:
+        for hook in self._STEP_HOOKS + self._MODULE_STEP_HOOKS:
             if getattr(type(self), hook) is not getattr(pl.LightningModule, hook):
                 return f"{type(self).__name__}.{hook}"
         for cb in self.trainer.callbacks:
