@@ -34,8 +34,10 @@ def fails(capsys, *args: str) -> str:
         ("--data.init_args.eval_batch_size", "-4", "data.eval_batch_size must be a positive integer, got -4"),
         ("--model.init_args.lr", "-0.1", "model.lr must be positive, got -0.1"),
         ("--model.init_args.weight_decay", "-1", "model.weight_decay must be at least 0"),
+        ("--model.init_args.warmup_steps", "-5", "model.warmup_steps must be at least 0"),
     ],
-    ids=["unknown-key", "not-an-int", "batch-size-0", "eval-batch-negative", "negative-lr", "negative-weight-decay"],
+    ids=["unknown-key", "not-an-int", "batch-size-0", "eval-batch-negative", "negative-lr", "negative-weight-decay",
+         "negative-warmup-steps"],
 )
 def test_bad_option_is_one_line(tiny_config, capsys, option, value, message):
     err = fails(capsys, "fit", "-c", tiny_config("bad"), *QUICK, option, value)

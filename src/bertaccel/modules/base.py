@@ -135,6 +135,8 @@ class BertModule(pl.LightningModule):
             raise ConfigError(f"model.weight_decay must be at least 0, got {weight_decay}.")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        if warmup_steps is not None and warmup_steps < 0:
+            raise ConfigError(f"model.warmup_steps must be at least 0 (or null: warmup_ratio decides), got {warmup_steps}.")
         if compile not in COMPILE_MODES:
             raise ConfigError(f"compile must be one of {COMPILE_MODES}, got {compile!r}.")
         if cuda_graphs and compile in SELF_GRAPHING_MODES:
