@@ -766,3 +766,37 @@ def test_an_overridden_training_step_takes_eager_steps_saying_why(tiny_data, tmp
     assert any("runs eager steps: _OwnTrainingStep overrides training_step" in r.getMessage() for r in caplog.records)
     for (name, a), b in zip(eager.named_parameters(), graph.parameters()):
         torch.testing.assert_close(b, a, msg=name)
+
+
+def _logged(root, key: str) -> list[tuple[int, float]]:
+    import csv
+
+    (path,) = list(root.rglob("metrics.csv"))
+    with open(path) as f:
+        return [(int(r["step"]), float(r[key])) for r in csv.DictReader(f) if r.get(key)]
+
+
+@pytest.mark.parametrize("options", [{}, {"accumulate_grad_batches": 2}, {"gradient_clip_val": 0.05}],
+                         ids=["plain", "accumulate", "clip"])
+def test_gradient_norm_is_logged_alike_by_eager_and_graphed_steps(options, tiny_data, tmp_path):
+    """`model.log_grad_norm`: graphed steps compute the norm inside the step (a hook in `on_before_optimizer_step`
+    would make them eager) and log the window's mean at the logging steps, as eager steps do from
+    `on_before_optimizer_step`: same steps, same values (before clipping, after accumulation). Under accumulation
+    the graphed fit's loggers counted every micro-batch as a step (steps 1, 3, ..., 15 for eager's 1, 3, 5, 7 at
+    accumulation 2, and a row at each micro-batch): the rows are now the eager fit's, train/loss too."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    logged = {}
+    for graph_loop in (False, True):
+        model, dm = _model_and_data(graph_loop, tiny_data, {"log_grad_norm": True})
+        root = tmp_path / str(graph_loop)
+        trainer = _trainer(root, max_epochs=2, log_every_n_steps=2, logger=CSVLogger(root), **options)
+        trainer.fit(model, datamodule=dm)
+        assert model.automatic_optimization is not graph_loop
+        logged[graph_loop] = {key: _logged(root, key) for key in ("train/grad_norm", "train/loss")}
+        assert trainer.fit_loop.epoch_loop._batches_that_stepped == trainer.global_step
+    for key in ("train/grad_norm", "train/loss"):
+        eager, graph = logged[False][key], logged[True][key]
+        assert len(eager) >= 3 and [s for s, _ in graph] == [s for s, _ in eager], key
+        assert all(v > 0 for _, v in eager)
+        assert [v for _, v in graph] == pytest.approx([v for _, v in eager], rel=1e-4), key

@@ -120,6 +120,7 @@ class BertModule(pl.LightningModule):
         muon_lr: float = 0.02,
         muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
         bf16_weight_copies: bool = True,
+        log_grad_norm: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -148,6 +149,9 @@ class BertModule(pl.LightningModule):
         self.cuda_graphs = cuda_graphs
         self.compile_mode = compile
         self.bf16_weight_copies = bf16_weight_copies
+        self.log_grad_norm = log_grad_norm
+        self._grad_norm_window: torch.Tensor | None = None  # the steps' gradient norms' sum since the last log (fp64)
+        self._grad_norm_count = 0
         # graphed bf16-mixed steps: bf16 copies of the Linear weights (see `_use_weight_copies`)
         self._weight_copies: Bf16WeightCopies | None = None
         self._refresh_copies = False
@@ -300,10 +304,34 @@ class BertModule(pl.LightningModule):
         accumulate (the module's accumulation: Lightning's is 1 under graphs). `on`: install (an instance
         attribute of the loop); False: remove."""
         loop = self.trainer.fit_loop.epoch_loop
+        connector = self.trainer._logger_connector
         if not on:
             loop.__dict__.pop("_update_learning_rates", None)
+            loop.__dict__.pop("_should_accumulate", None)
+            connector.__dict__.pop("update_train_step_metrics", None)
             return
+        lightning_write = type(connector).update_train_step_metrics.__get__(connector)
+
+        def update_train_step_metrics() -> None:
+            # as in automatic optimization: no step metrics written at a micro-batch that only accumulates (Lightning
+            # skips them only when the module reports automatic optimization)
+            if loop.trainer.lightning_module is self and not self._automatic_optimization_now() and self._micro != 0:
+                return None
+            return lightning_write()
+
+        connector.update_train_step_metrics = update_train_step_metrics
         lightning_update = type(loop)._update_learning_rates.__get__(loop)
+        lightning_should_accumulate = type(loop)._should_accumulate.__get__(loop)
+
+        def should_accumulate() -> bool:
+            # Lightning sees accumulation 1 under graphs (the module took it over) and so counted every micro-batch
+            # as a batch that stepped: the loggers' step axis ran in batches (twice the eager fit's at accumulation 2)
+            # and Lightning logged at micro-batches. Mid-accumulation is the module's own count here.
+            if loop.trainer.lightning_module is not self or self._automatic_optimization_now():
+                return lightning_should_accumulate()
+            return self._micro != 0
+
+        loop._should_accumulate = should_accumulate
 
         def update_learning_rates(interval: str, update_plateau_schedulers: bool) -> None:
             # eager steps (or another module on this trainer, after a fit that raised): Lightning's own path
@@ -422,7 +450,7 @@ class BertModule(pl.LightningModule):
         from lightning.pytorch import Callback
 
         for hook in self._STEP_HOOKS + self._MODULE_STEP_HOOKS:
-            if getattr(type(self), hook) is not getattr(pl.LightningModule, hook):
+            if getattr(type(self), hook) is not getattr(BertModule, hook):  # (its own: graph-aware)
                 return f"{type(self).__name__}.{hook}"
         for cb in self.trainer.callbacks:
             if hasattr(cb, "eager_steps_reason"):
@@ -683,6 +711,7 @@ class BertModule(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         if self.automatic_optimization:
             window = self._take_train_loss_window()
+            self._log_grad_norm(self._take_grad_norm_window())  # the steps before this one (`on_before_optimizer_step`)
             out = self.step_outputs(**self.step_inputs(batch))
             self.update_metrics("train", batch, out)
             self._log_train_loss(out["loss"], window)
@@ -790,7 +819,8 @@ class BertModule(pl.LightningModule):
         world = self.trainer.world_size
         step = build_train_step(self.step_outputs, self.optimizers().optimizer, copies=self._weight_copies,
                                 accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast,
-                                grad_sync=all_reduce_grads if world > 1 else None, world_size=world)
+                                grad_sync=all_reduce_grads if world > 1 else None, world_size=world,
+                                grad_norm=self.log_grad_norm)
         self._train_fns[last] = step
         return step
 
@@ -812,6 +842,7 @@ class BertModule(pl.LightningModule):
         inputs = self.step_inputs(batch)
         # a logging step reads the loss window before its step is queued: the GPU waits only for this launch
         window = self._take_train_loss_window()
+        norm_window = self._take_grad_norm_window()
         lightning_optimizer = self.optimizers()
         if last:
             lightning_optimizer._on_before_step()  # Lightning's step counter (global_step), as opt.step() would
@@ -824,7 +855,10 @@ class BertModule(pl.LightningModule):
             lightning_optimizer.optimizer._opt_called = True
             # the learning-rate schedulers: Lightning steps them after the batch (`_schedule_by_lightning`)
         self.update_metrics("train", batch, out)
+        if "grad_norm" in out:
+            self._add_grad_norm(out["grad_norm"])
         self._log_train_loss(out["loss"], window)
+        self._log_grad_norm(norm_window)
         # the step's loss as the callbacks' `outputs["loss"]` (SpikeDetection raised a KeyError without it): a copy,
         # as the eager step's is its own tensor - the graph's output is overwritten by the next replay
         return out["loss"].detach().clone()
@@ -866,6 +900,36 @@ class BertModule(pl.LightningModule):
         if window is not None:
             self._train_loss_logged = True
             self.log("train/loss", torch.tensor(window), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+
+    # ---------------------------------------------------------------------------- gradient norm
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Eager steps with `log_grad_norm`: the total gradient norm the update reads (after accumulation and
+        unscaling, before clipping), added to the device window; graphed steps compute it inside the step."""
+        if self.log_grad_norm and self.automatic_optimization:
+            from bertaccel.modules.train_step import total_grad_norm
+
+            self._add_grad_norm(total_grad_norm([p.grad for p in self.parameters() if p.grad is not None]))
+
+    def _add_grad_norm(self, norm: torch.Tensor) -> None:
+        if self._grad_norm_window is None or self._grad_norm_window.device != norm.device:
+            self._grad_norm_window = torch.zeros((), dtype=torch.float64, device=norm.device)
+            self._grad_norm_count = 0
+        self._grad_norm_window += norm.detach()
+        self._grad_norm_count += 1
+
+    def _take_grad_norm_window(self) -> float | None:
+        """On the batches where the loss window is read (`_take_train_loss_window`, same drain): the mean gradient
+        norm of the optimizer steps since the previous read; elsewhere None."""
+        if not self._grad_norm_count or not logs_step_metrics(self.trainer, self.trainer.log_every_n_steps):
+            return None
+        total, n = self._grad_norm_window.item(), self._grad_norm_count
+        self._grad_norm_window.zero_()
+        self._grad_norm_count = 0
+        return total / n
+
+    def _log_grad_norm(self, window: float | None) -> None:
+        if window is not None:
+            self.log("train/grad_norm", torch.tensor(window), on_step=True, on_epoch=False, batch_size=1)
 
     def _eval_fn(self):
         def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:

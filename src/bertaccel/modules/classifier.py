@@ -49,6 +49,10 @@ class BertClassifier(BertModule):
             beside its fp32 master, refreshed after each optimizer step, so the step casts nothing
             (the same values autocast computes; fewer kernels). false: autocast casts each weight
             in every forward and backward.
+        log_grad_norm: Log `train/grad_norm` at the logging steps: the mean over the optimizer steps since the
+            previous log of the total gradient norm the update reads (after accumulation, before clipping). Graphed
+            steps compute it inside the captured step and read it with the loss (no extra host sync); eager steps
+            in `on_before_optimizer_step`.
         qk_norm: "layernorm" or "rmsnorm" on each head's queries and keys (QK-norm), for models
             trained from scratch (it adds parameters a pretrained model lacks); null: none.
         unpadded: Run the embeddings, projections, feed-forward blocks and LayerNorms on the real
@@ -82,12 +86,13 @@ class BertClassifier(BertModule):
         muon_lr: float = 0.02,
         muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
         bf16_weight_copies: bool = True,
+        log_grad_norm: bool = False,
         qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
         unpadded: bool = False,
         last_layer_cls_only: bool = False,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
-                         optimizer, muon_lr, muon_orthogonalizer, bf16_weight_copies)
+                         optimizer, muon_lr, muon_orthogonalizer, bf16_weight_copies, log_grad_norm)
         # num_labels and vocab_size are filled in from the data: keep them out of the hyperparameters
         # the CLI restores from a checkpoint (a link target cannot be overridden), and check them on
         # load instead (`BertModule.on_load_checkpoint`).

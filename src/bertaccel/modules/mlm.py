@@ -67,6 +67,10 @@ class BertMLM(BertModule):
             beside its fp32 master, refreshed after each optimizer step, so the step casts nothing
             (the same values autocast computes; fewer kernels). false: autocast casts each weight
             in every forward and backward.
+        log_grad_norm: Log `train/grad_norm` at the logging steps: the mean over the optimizer steps since the
+            previous log of the total gradient norm the update reads (after accumulation, before clipping). Graphed
+            steps compute it inside the captured step and read it with the loss (no extra host sync); eager steps
+            in `on_before_optimizer_step`.
         qk_norm: "layernorm" or "rmsnorm" on each head's queries and keys (QK-norm), for models
             trained from scratch (it adds parameters a pretrained model lacks); null: none.
         lm_head_fp8: The LM head's vocabulary projection (forward and both backward matmuls) in FP8
@@ -98,12 +102,13 @@ class BertMLM(BertModule):
         muon_lr: float = 0.02,
         muon_orthogonalizer: Literal["newton-schulz", "polar-express"] = "newton-schulz",
         bf16_weight_copies: bool = True,
+        log_grad_norm: bool = False,
         qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
         lm_head_fp8: bool = False,
         last_layer_masked_only: bool = False,
     ) -> None:
         super().__init__(lr, weight_decay, warmup_ratio, warmup_steps, adam_betas, adam_eps, cuda_graphs, compile,
-                         optimizer, muon_lr, muon_orthogonalizer, bf16_weight_copies)
+                         optimizer, muon_lr, muon_orthogonalizer, bf16_weight_copies, log_grad_norm)
         self.save_hyperparameters(ignore=["vocab_size"])
         self.model = build_bert(
             BertForMaskedLM, pretrained, config, attn_implementation,

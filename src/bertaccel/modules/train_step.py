@@ -66,6 +66,7 @@ def build_train_step(
     fused_copies_update: bool = True,
     grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
     world_size: int = 1,
+    grad_norm: bool = False,
 ) -> Callable[..., dict[str, torch.Tensor]]:
     """A step function `step(**inputs) -> {name: detached tensor}` for `StepGraphs`.
 
@@ -81,6 +82,9 @@ def build_train_step(
         the module's docs; False: widen, PyTorch's AdamW, refresh).
     grad_sync: sums a list of gradients over the ranks in place (`all_reduce_grads`); None: one process.
     world_size: the ranks `grad_sync` sums over (the loss is scaled by its inverse).
+    grad_norm: also return "grad_norm" from a step that updates: the total 2-norm of the gradients the update
+        reads (summed over ranks and micro-batches, before clipping; fp32), as Lightning's `grad_norm` in
+        `on_before_optimizer_step` would see them.
 
     Every parameter of `optimizer` that requires grad must have its static `.grad` buffer already.
     """
@@ -117,6 +121,9 @@ def build_train_step(
         if fused:
             if grad_sync is not None:
                 grad_sync([p.grad for p in params if p.grad is not None] + [c.grad for c in copies.copies if c.grad is not None])
+            if grad_norm:  # the copies' bf16 gradients and the uncopied parameters' (the masters' are dropped here)
+                out = {**out, "grad_norm": total_grad_norm([c.grad for c in copies.copies if c.grad is not None]
+                                                           + [p.grad for p in params if p.grad is not None])}
             if not (all_ours and adamw_uncopied_step(optimizer, copied)):
                 optimizer.step()
             adamw_copies_step(optimizer, copies)
@@ -129,6 +136,8 @@ def build_train_step(
         if last and not fused:
             if grad_sync is not None:
                 grad_sync([p.grad for p in params if p.grad is not None])
+            if grad_norm:
+                out = {**out, "grad_norm": total_grad_norm([p.grad for p in params if p.grad is not None])}
             if clip is not None:
                 value, algorithm = clip
                 if algorithm == "value":
@@ -145,6 +154,14 @@ def build_train_step(
         return {k: v.detach() for k, v in out.items()}
 
     return step
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `grads` together, in fp32 (bf16 gradients' norms too), as a 0-d device tensor: two
+    launches (one multi-tensor norm, one norm of the norms), no host read - capturable."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
 def all_reduce_grads(grads: list[torch.Tensor], group: Any = None) -> None:
