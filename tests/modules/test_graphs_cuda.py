@@ -417,3 +417,21 @@ def test_graphed_fit_follows_learning_rates_assigned_as_floats(tiny_data, tmp_pa
     assert [float(g["lr"]) for g in tg.optimizers[0].param_groups] == pytest.approx(
         [float(g["lr"]) for g in te.optimizers[0].param_groups])
     assert_same_training(eager, graphed, init)
+
+
+def test_graphed_fit_logs_the_gradient_norm_the_eager_fit_logs(tiny_data, tmp_path):
+    """`model.log_grad_norm` computed inside the captured step (no host read) gives the eager fit's logged rows."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    rows = {}
+    for graphs in (False, True):
+        root = tmp_path / str(graphs)
+        fit(tiny_data, root, graphs=graphs, precision="32-true", model_kw={"log_grad_norm": True},
+            logger=CSVLogger(root), accumulate_grad_batches=2)
+        (path,) = list(root.rglob("metrics.csv"))
+        with open(path) as f:
+            rows[graphs] = [(int(r["step"]), float(r["train/grad_norm"])) for r in csv.DictReader(f) if r.get("train/grad_norm")]
+    assert len(rows[False]) >= 2 and [s for s, _ in rows[True]] == [s for s, _ in rows[False]]
+    assert [v for _, v in rows[True]] == pytest.approx([v for _, v in rows[False]], rel=2e-2)
