@@ -800,3 +800,46 @@ def test_gradient_norm_is_logged_alike_by_eager_and_graphed_steps(options, tiny_
         assert len(eager) >= 3 and [s for s, _ in graph] == [s for s, _ in eager], key
         assert all(v > 0 for _, v in eager)
         assert [v for _, v in graph] == pytest.approx([v for _, v in eager], rel=1e-4), key
+
+
+class _BatchLosses(Callback):
+    """Each training batch's loss, Lightning's count of batches that stepped when it began, and whether it updated."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        updated = trainer.fit_loop.epoch_loop._batches_that_stepped != self._stepped or not trainer.fit_loop._should_accumulate()
+        # Lightning hands over the loss it differentiates: divided by the accumulation (2 in the test below; a graphed
+        # fit's trainer reads 1 while the module runs it)
+        self.rows.append((self._stepped, float(outputs["loss"]) * 2, updated))
+
+
+@pytest.mark.parametrize("graph_loop", [False, True], ids=["eager", "graph-mode"])
+def test_logged_loss_under_accumulation_is_the_mean_of_the_window(graph_loop, tiny_data, tmp_path):
+    """Under gradient accumulation the loss window was read at each micro-batch of a logging step and Lightning
+    wrote the last read: the logged train/loss was the last micro-batch's loss alone. It is read at the batch that
+    updates: the mean of every batch since the previous log (the first step logs its own). And the callbacks'
+    `outputs["loss"]` is the loss divided by the accumulation in both modes (Lightning's automatic loop hands that
+    over; graphed steps handed the undivided loss)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    model, dm = _model_and_data(graph_loop, tiny_data)
+    spy = _BatchLosses()
+    trainer = _trainer(tmp_path, max_epochs=2, log_every_n_steps=2, logger=CSVLogger(tmp_path),
+                       accumulate_grad_batches=2, callbacks=[spy])
+    trainer.fit(model, datamodule=dm)
+    expected, window = [], []
+    for i, (stepped, loss, updated) in enumerate(spy.rows):
+        if window and updated and (stepped + 1) % 2 == 0:  # read before this batch's own loss joins
+            expected.append((stepped, sum(window) / len(window)))
+            window = []
+        window.append(loss)
+        if i == 0:  # the fit's first step reads its own loss (shown, not written: step 0 is no logging step)
+            window = []
+    logged = _logged(tmp_path, "train/loss")
+    assert len(logged) >= 3 and [s for s, _ in logged] == [s for s, _ in expected]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-5)

@@ -860,8 +860,10 @@ class BertModule(pl.LightningModule):
         self._log_train_loss(out["loss"], window)
         self._log_grad_norm(norm_window)
         # the step's loss as the callbacks' `outputs["loss"]` (SpikeDetection raised a KeyError without it): a copy,
-        # as the eager step's is its own tensor - the graph's output is overwritten by the next replay
-        return out["loss"].detach().clone()
+        # as the eager step's is its own tensor - the graph's output is overwritten by the next replay; divided by
+        # the accumulation, as Lightning's automatic loop hands it over (the loss it differentiates)
+        loss = out["loss"].detach()
+        return loss / self._accumulate if self._accumulate > 1 else loss.clone()
 
     def _take_train_loss_window(self) -> float | None:
         """On a batch where Lightning writes step metrics (every `log_every_n_steps`): the mean loss of the steps
@@ -871,8 +873,12 @@ class BertModule(pl.LightningModule):
         host's whole per-step work: ~2.3 ms every 50 steps, 1.7% of a MiniLM fine-tune at 256 on an H200). The
         window is therefore the steps before this batch since the previous read (the fit's first step logs its own
         loss: `_log_train_loss`)."""
-        # log_every_n_steps 0: Lightning writes no step metrics, so nothing is read
-        if not self._train_loss_count or not logs_step_metrics(self.trainer, self.trainer.log_every_n_steps):
+        # log_every_n_steps 0: Lightning writes no step metrics, so nothing is read. A micro-batch that only
+        # accumulates is not read either: Lightning writes step metrics at the batch that updates, and a window read
+        # at an earlier micro-batch of that step was overwritten by the next one's (the logged loss was the last
+        # micro-batch's alone)
+        if (not self._train_loss_count or not logs_step_metrics(self.trainer, self.trainer.log_every_n_steps)
+                or self.trainer.fit_loop._should_accumulate()):
             return None
         total, n = self._train_loss_window.item(), self._train_loss_count
         self._train_loss_window.zero_()
@@ -920,7 +926,8 @@ class BertModule(pl.LightningModule):
     def _take_grad_norm_window(self) -> float | None:
         """On the batches where the loss window is read (`_take_train_loss_window`, same drain): the mean gradient
         norm of the optimizer steps since the previous read; elsewhere None."""
-        if not self._grad_norm_count or not logs_step_metrics(self.trainer, self.trainer.log_every_n_steps):
+        if (not self._grad_norm_count or not logs_step_metrics(self.trainer, self.trainer.log_every_n_steps)
+                or self.trainer.fit_loop._should_accumulate()):
             return None
         total, n = self._grad_norm_window.item(), self._grad_norm_count
         self._grad_norm_window.zero_()
