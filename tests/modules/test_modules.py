@@ -187,8 +187,8 @@ def test_logged_train_loss_is_the_mean_of_the_window(monkeypatch):
 
     module = BertClassifier(num_labels=2, pretrained=None, config=TINY_BERT)
     loop = types.SimpleNamespace(_batches_that_stepped=0)
-    module._trainer = types.SimpleNamespace(fit_loop=types.SimpleNamespace(epoch_loop=loop), log_every_n_steps=3,
-                                            global_step=0)
+    fit_loop = types.SimpleNamespace(epoch_loop=loop, _should_accumulate=lambda: False)  # no accumulation
+    module._trainer = types.SimpleNamespace(fit_loop=fit_loop, log_every_n_steps=3, global_step=0)
     logged = []
     monkeypatch.setattr(module, "log", lambda name, value, **kw: logged.append((name, float(value))))
     losses = [0.5, 1.25, 2.0, 4.0, 3.0, 0.25, 7.0]
