@@ -3,6 +3,7 @@ batches (each read waits for the GPU's queued steps; two writers on different ba
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 
 
 def logs_step_metrics(trainer: pl.Trainer, every: int) -> bool:
@@ -15,3 +16,30 @@ def logs_step_metrics(trainer: pl.Trainer, every: int) -> bool:
     if every <= 0:
         return False
     return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
+
+
+class DeviceWindow:
+    """A sum of per-step values kept on the device (fp64; one add a step, no host read) and their count on the
+    host; `take` reads the mean once and starts the window again. The training loss and gradient-norm windows."""
+
+    def __init__(self) -> None:
+        self.sum: torch.Tensor | None = None
+        self.count = 0
+
+    def add(self, value: torch.Tensor) -> None:
+        value = value.detach()
+        if self.sum is None or self.sum.device != value.device:
+            self.sum = torch.zeros((), dtype=torch.float64, device=value.device)
+            self.count = 0
+        self.sum += value
+        self.count += 1
+
+    def take(self) -> float | None:
+        """The mean since the last take (None when empty; a host read of the sum, which waits for the queued
+        steps), and the window zeroed."""
+        if not self.count:
+            return None
+        mean = self.sum.item() / self.count
+        self.sum.zero_()
+        self.count = 0
+        return mean

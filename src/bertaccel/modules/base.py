@@ -42,7 +42,7 @@ from bertaccel.modules.graphs import StepGraphs
 from bertaccel.modules.train_step import all_reduce_grads, build_train_step, make_static_grads
 from bertaccel.modules.weight_copies import Bf16WeightCopies
 from bertaccel.optim.schedule import LinearWarmupDecay
-from bertaccel.step_logging import logs_step_metrics
+from bertaccel.step_logging import DeviceWindow, logs_step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +150,7 @@ class BertModule(pl.LightningModule):
         self.compile_mode = compile
         self.bf16_weight_copies = bf16_weight_copies
         self.log_grad_norm = log_grad_norm
-        self._grad_norm_window: torch.Tensor | None = None  # the steps' gradient norms' sum since the last log (fp64)
-        self._grad_norm_count = 0
+        self._grad_norms = DeviceWindow()  # the optimizer steps' gradient norms since the last log
         # graphed bf16-mixed steps: bf16 copies of the Linear weights (see `_use_weight_copies`)
         self._weight_copies: Bf16WeightCopies | None = None
         self._refresh_copies = False
@@ -168,8 +167,7 @@ class BertModule(pl.LightningModule):
         self._clip: tuple[float, str] | None = None
         self._accumulate = 1
         self._micro = 0
-        self._train_loss_window: torch.Tensor | None = None  # the step losses' sum since the last log (fp64)
-        self._train_loss_count = 0
+        self._train_losses = DeviceWindow()  # the step losses since the last log
         self._train_loss_logged = False  # since this fit's start: the first step logs its own loss
         self._lightning_parsing_schedulers = False
         self._static_grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -654,8 +652,6 @@ class BertModule(pl.LightningModule):
             return
         if self._weight_copies is None:
             self._weight_copies = Bf16WeightCopies(self.model)
-            if self._built_for_model is None:
-                self._built_for_model = self._model_parameters_now()
         elif self._refresh_copies:
             self._weight_copies.refresh()
         self._refresh_copies = False
@@ -693,7 +689,7 @@ class BertModule(pl.LightningModule):
     def _graph_runner(self, name: str) -> StepGraphs:
         runner = self._graphs.get(name)
         if runner is None:
-            if self._built_for_model is None:
+            if self._built_for_model is None:  # (the copies, made just before any runner, with them)
                 self._built_for_model = self._model_parameters_now()
             # One memory pool per runner (train, eval), shared by that runner's graphs. A pool shared by
             # the train and eval runners gave NaN parameters in 1 of 2 tiny GPU fits (fp32 and bf16; see
@@ -856,7 +852,7 @@ class BertModule(pl.LightningModule):
             # the learning-rate schedulers: Lightning steps them after the batch (`_schedule_by_lightning`)
         self.update_metrics("train", batch, out)
         if "grad_norm" in out:
-            self._add_grad_norm(out["grad_norm"])
+            self._grad_norms.add(out["grad_norm"])
         self._log_train_loss(out["loss"], window)
         self._log_grad_norm(norm_window)
         # the step's loss as the callbacks' `outputs["loss"]` (SpikeDetection raised a KeyError without it): a copy,
@@ -873,36 +869,27 @@ class BertModule(pl.LightningModule):
         host's whole per-step work: ~2.3 ms every 50 steps, 1.7% of a MiniLM fine-tune at 256 on an H200). The
         window is therefore the steps before this batch since the previous read (the fit's first step logs its own
         loss: `_log_train_loss`)."""
-        # log_every_n_steps 0: Lightning writes no step metrics, so nothing is read. A micro-batch that only
-        # accumulates is not read either: Lightning writes step metrics at the batch that updates, and a window read
-        # at an earlier micro-batch of that step was overwritten by the next one's (the logged loss was the last
-        # micro-batch's alone)
-        if (not self._train_loss_count or not logs_step_metrics(self.trainer, self.trainer.log_every_n_steps)
-                or self.trainer.fit_loop._should_accumulate()):
-            return None
-        total, n = self._train_loss_window.item(), self._train_loss_count
-        self._train_loss_window.zero_()
-        self._train_loss_count = 0
-        return total / n
+        return self._train_losses.take() if self._train_losses.count and self._windows_due() else None
+
+    def _windows_due(self) -> bool:
+        """Whether this batch reads the step windows (loss, gradient norm): one where Lightning writes step
+        metrics (log_every_n_steps 0: none), and not a micro-batch that only accumulates - Lightning writes at the
+        batch that updates, and a window read at an earlier micro-batch of that step was overwritten by the next
+        one's (the logged loss was the last micro-batch's alone)."""
+        return (logs_step_metrics(self.trainer, self.trainer.log_every_n_steps)
+                and not self.trainer.fit_loop._should_accumulate())
 
     def _log_train_loss(self, loss: torch.Tensor, window: float | None) -> None:
         """Add the step's loss to the device sum (one launch; the count is the host's) and log `window`, the mean
         `_take_train_loss_window` read before the step (as a CPU tensor, so the progress bar reads no device) -
         after the step was queued, so the GPU runs it while Lightning records the value."""
-        loss = loss.detach()
-        if self._train_loss_window is None or self._train_loss_window.device != loss.device:
-            self._train_loss_window = torch.zeros((), dtype=torch.float64, device=loss.device)
-            self._train_loss_count = 0
-        self._train_loss_window += loss
-        self._train_loss_count += 1
+        self._train_losses.add(loss)
         if window is None and not self._train_loss_logged and self.trainer.log_every_n_steps > 0:
             # the fit's first step: its own loss, read at once (the step is the warm-up's; a graphed one is its
             # capture). The progress bar shows a loss from the start, and Lightning's set-up for a key's first
             # `self.log` (5 ms on CPU against 0.45 at the next; cold isinstance caches) falls here, not on the
             # first logging batch, 49 steps into the timed ones. The next window starts after this step.
-            window = self._train_loss_window.item() / self._train_loss_count
-            self._train_loss_window.zero_()
-            self._train_loss_count = 0
+            window = self._train_losses.take()
         if window is not None:
             self._train_loss_logged = True
             self.log("train/loss", torch.tensor(window), on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
@@ -914,25 +901,12 @@ class BertModule(pl.LightningModule):
         if self.log_grad_norm and self.automatic_optimization:
             from bertaccel.modules.train_step import total_grad_norm
 
-            self._add_grad_norm(total_grad_norm([p.grad for p in self.parameters() if p.grad is not None]))
-
-    def _add_grad_norm(self, norm: torch.Tensor) -> None:
-        if self._grad_norm_window is None or self._grad_norm_window.device != norm.device:
-            self._grad_norm_window = torch.zeros((), dtype=torch.float64, device=norm.device)
-            self._grad_norm_count = 0
-        self._grad_norm_window += norm.detach()
-        self._grad_norm_count += 1
+            self._grad_norms.add(total_grad_norm([p.grad for p in self.parameters() if p.grad is not None]))
 
     def _take_grad_norm_window(self) -> float | None:
-        """On the batches where the loss window is read (`_take_train_loss_window`, same drain): the mean gradient
-        norm of the optimizer steps since the previous read; elsewhere None."""
-        if (not self._grad_norm_count or not logs_step_metrics(self.trainer, self.trainer.log_every_n_steps)
-                or self.trainer.fit_loop._should_accumulate()):
-            return None
-        total, n = self._grad_norm_window.item(), self._grad_norm_count
-        self._grad_norm_window.zero_()
-        self._grad_norm_count = 0
-        return total / n
+        """On the batches where the loss window is read (`_windows_due`, same drain): the mean gradient norm of the
+        optimizer steps since the previous read; elsewhere None."""
+        return self._grad_norms.take() if self._grad_norms.count and self._windows_due() else None
 
     def _log_grad_norm(self, window: float | None) -> None:
         if window is not None:

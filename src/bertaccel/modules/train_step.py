@@ -134,10 +134,11 @@ def build_train_step(
         elif copies:
             copies.grads_to_masters(accumulate=accumulate > 1)
         if last and not fused:
+            grads = [p.grad for p in params if p.grad is not None]
             if grad_sync is not None:
-                grad_sync([p.grad for p in params if p.grad is not None])
+                grad_sync(grads)
             if grad_norm:
-                out = {**out, "grad_norm": total_grad_norm([p.grad for p in params if p.grad is not None])}
+                out = {**out, "grad_norm": total_grad_norm(grads)}
             if clip is not None:
                 value, algorithm = clip
                 if algorithm == "value":
