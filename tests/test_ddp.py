@@ -325,7 +325,7 @@ def test_ddp_graphed_steps_on_two_gpus_train_and_log_as_eager_ddp(tmp_path):
         cfg = {
             "seed_everything": 7,
             "trainer": {"max_epochs": 3, "accelerator": "gpu", "devices": 2, "strategy": "ddp", "precision": "32-true",
-                        "log_every_n_steps": 1, "enable_model_summary": False, "enable_progress_bar": False,
+                        "log_every_n_steps": 1, "enable_model_summary": False,
                         "accumulate_grad_batches": 2, "gradient_clip_val": 0.5,
                         "callbacks": [{"class_path": "tests.test_ddp.RecordGraphStats"}],
                         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
