@@ -158,6 +158,47 @@ def test_ddp_graph_mode_steps_sync_gradients_like_ddp(tiny_config, tmp_path):
         torch.testing.assert_close(graph["state_dict"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
+class RecordRowLengths(Callback):
+    """Appends, per rank, each training batch's real row lengths (longest first) to ROW_LENGTHS_DIR/rank{r}.jsonl."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import os
+
+        lengths = sorted(batch["attention_mask"].sum(1).tolist(), reverse=True)
+        with (Path(os.environ["ROW_LENGTHS_DIR"]) / f"rank{trainer.global_rank}.jsonl").open("a") as f:
+            f.write(json.dumps(lengths) + "\n")
+
+
+@pytest.mark.slow
+def test_ddp_ranks_train_on_rows_of_one_length_group_at_each_step(tiny_config, tmp_path):
+    """With `data.group_by_length` under DDP (2 processes) each step's batches on the two ranks are the two
+    halves of one group of rows sorted by length, dealt alternately (Lightning's distributed sampler wrapper
+    gives rank r every second row): rank 0's longest row >= rank 1's longest >= rank 0's second longest, at
+    every step. Grouped per rank instead, a step's two batches come from differently long groups, and both
+    ranks wait for the longer one."""
+    import os
+
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", sample_rows("train", 320))
+    write_jsonl(data / "test.jsonl", sample_rows("test", 16))
+    marks = tmp_path / "lengths"
+    marks.mkdir()
+    cfg = tiny_config("ddp_grouped", epochs=1, dataset=str(data), val_size=64, group_by_length=True, batch_size=8)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+               ROW_LENGTHS_DIR=str(marks))
+    out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *DDP, "--test_after_fit", "false",
+                          "--trainer.callbacks", "tests.test_ddp.RecordRowLengths"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    steps = [[json.loads(line) for line in (marks / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert len(steps[0]) == len(steps[1]) == 16  # 256 training rows, 8 per rank and step
+    spread = 0
+    for k, (a, b) in enumerate(zip(*steps)):
+        assert a[0] >= b[0] >= a[1], (k, a, b)
+        spread += a[0] - a[-1]
+    assert spread > 0  # the rows' lengths differ: the check above means something
+
+
 class SigtermOnRank0(Callback):
     """Sends SIGTERM to rank 0's own process at its third training batch (as a scheduler's preemption
     notice would) and records, per rank, every training batch that started (SIGTERM_TEST_DIR). With

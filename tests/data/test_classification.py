@@ -156,6 +156,53 @@ def test_sampler_order_depends_on_seed_and_epoch_only():
     assert sorted(e0) == list(range(100)) and e0 != e1 and list(s2) == e1
 
 
+def test_sampler_deals_each_step_one_length_group_over_ranks():
+    """Under DDP Lightning gives rank r every W-th index of the sampler's order (r, r + W, ...). With `ranks=W`
+    each step's W batches are the W * batch_size rows of one length group (a global batch sorted by length),
+    so the ranks' batches at a step have about the same length; grouped by batch_size alone a rank's batch
+    mixes W batches of different lengths and is padded to the longest on every rank."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 512, (1000,), generator=g)
+    B, W = 8, 2
+
+    def steps(order: list[int]) -> list[list[list[int]]]:  # step -> rank -> the batch's rows
+        shares = [order[r::W] for r in range(W)]
+        return [[s[k * B:(k + 1) * B] for s in shares] for k in range(len(shares[0]) // B)]
+
+    order = EpochSampler(1000, seed=3, lengths=lengths, batch_size=B, ranks=W).order(0)
+    assert sorted(order) == list(range(1000))
+    for k, batches in enumerate(steps(order)):
+        rows = order[k * B * W:(k + 1) * B * W]  # the step's global batch
+        assert sorted(i for b in batches for i in b) == sorted(rows)
+        assert [int(lengths[i]) for i in rows] == sorted((int(lengths[i]) for i in rows), reverse=True)
+
+    def longest_per_step(order: list[int]) -> float:
+        return sum(max(int(lengths[b].max()) for b in batches) for batches in steps(order)) / len(steps(order))
+
+    dealt_by_batch = EpochSampler(1000, seed=3, lengths=lengths, batch_size=B).order(0)
+    assert longest_per_step(order) < 0.9 * longest_per_step(dealt_by_batch)
+    # one rank: each batch the loader cuts is one length group (the short group, if any, comes last)
+    for k in range(len(dealt_by_batch) // B):
+        rows = [int(lengths[i]) for i in dealt_by_batch[k * B:(k + 1) * B]]
+        assert rows == sorted(rows, reverse=True), k
+    with pytest.raises(ValueError, match="ranks"):
+        EpochSampler(10, seed=3, ranks=0)
+
+
+def test_train_ranks_is_the_world_lightning_shards_training_over():
+    from types import SimpleNamespace
+
+    from bertaccel.data.samplers import train_ranks
+
+    connector = SimpleNamespace(use_distributed_sampler=True)
+    assert train_ranks(None) == 1
+    assert train_ranks(SimpleNamespace(distributed_sampler_kwargs=None, _accelerator_connector=connector)) == 1
+    ddp = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 4, "rank": 1}, _accelerator_connector=connector)
+    assert train_ranks(ddp) == 4
+    ddp._accelerator_connector = SimpleNamespace(use_distributed_sampler=False)  # the user's sampler, as it is
+    assert train_ranks(ddp) == 1
+
+
 def test_train_subset(tiny_data):
     m = dm(tiny_data, train_subset=50, test_subset=20)
     m.setup("fit")

@@ -23,7 +23,7 @@ from bertaccel.data.collate import (
 from bertaccel.data.masking import IGNORE_INDEX
 from bertaccel.data.loader import (DeviceLoader, ResumableDataLoader, check_worker_sharing, fit_progress,
                                    loader_device, set_worker_sharing)
-from bertaccel.data.samplers import FILLER, EpochSampler, shard_for_ranks
+from bertaccel.data.samplers import FILLER, EpochSampler, shard_for_ranks, shard_training, train_ranks
 from bertaccel.data.sources import RawSplit, find_split_file, load_hub_dataset, looks_like_path, read_table
 from bertaccel.data.tokenized import TokenizedTexts, tokenize_texts
 from bertaccel.errors import DataError, check_batch_sizes
@@ -385,7 +385,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         """The token counts packed batches of `split` are padded to (`token_buckets`): given, or chosen
         from the real-token counts of the batches the split's sampler makes (training: its first epochs,
         at least 2,048 batches when the split is smaller; evaluation: its one fixed order). Every rank of
-        a DDP run computes the same sizes (from the whole order, not its share)."""
+        a DDP run computes the same sizes (from every rank's share of the whole order)."""
         if isinstance(self.token_buckets, list):
             return sorted(self.token_buckets)
         ds = self.datasets[split]
@@ -400,8 +400,11 @@ class TextClassificationDataModule(pl.LightningDataModule):
         sampler = sampler or self._sampler(split, batch_size, train=False)
         epochs = min(16, -(-2048 // max(per_epoch, 1))) if train else 1
         lengths = ds.lengths()
-        counts = torch.cat([batch_token_counts(lengths, torch.as_tensor(sampler.order(e), dtype=torch.long), batch_size,
-                                               self.max_length) for e in range(epochs)])
+        # each rank's batches: every `ranks`-th row of the order (Lightning's distributed sampler wrapper)
+        ranks = getattr(sampler, "ranks", 1)
+        orders = [torch.as_tensor(sampler.order(e), dtype=torch.long) for e in range(epochs)]
+        counts = torch.cat([batch_token_counts(lengths, order[r::ranks], batch_size, self.max_length)
+                            for order in orders for r in range(ranks)])
         sizes = self._chosen_token_sizes[key] = choose_token_sizes(counts, self.token_buckets, steps=steps,
                                                                    capture_cost=capture_cost)
         rank_zero_info(f"bertaccel: packed {split} batches padded to {len(sizes)} token counts {sizes} (data.token_buckets)")
@@ -421,6 +424,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
             lengths=ds.lengths() if train and self.group_by_length else None,
             batch_size=batch_size,
             fixed=not train,
+            ranks=train_ranks(self.trainer) if train else 1,  # one length group per step across DDP ranks
         )
 
     def _loader(self, split: str, batch_size: int, train: bool, loader_class: type[DeviceLoader] = DeviceLoader,
@@ -429,6 +433,8 @@ class TextClassificationDataModule(pl.LightningDataModule):
         sampler = base = sampler or self._sampler(split, batch_size, train)
         if not train:  # under DDP: every row on exactly one rank (no repeated rows in the metrics)
             sampler = shard_for_ranks(sampler, self.trainer)
+        else:  # under DDP: each rank its share of the one order, length groups kept (Lightning would reshuffle it)
+            sampler = shard_training(sampler, self.trainer)
         workers = self._workers()
         set_worker_sharing(self.worker_sharing, workers)
         return loader_class(
@@ -459,7 +465,6 @@ class TextClassificationDataModule(pl.LightningDataModule):
         trainer = self.trainer  # None outside a Trainer
         if trainer is None:
             return self._loader("train", self.batch_size, train=True)
-        # (under DDP Lightning rebuilds this loader around a distributed sampler: see ResumableDataLoader)
         sampler = self._sampler("train", self.batch_size, train=True)
         return self._loader("train", self.batch_size, train=True, loader_class=ResumableDataLoader, sampler=sampler,
                             progress=fit_progress(trainer), epoch_sampler=sampler)

@@ -25,8 +25,9 @@ commit beaa183) fetching a batch took ~1.9 ms of the host's ~4.5 ms per step, th
 buffer (`pack_batch`, in the worker) and hands out views of it again (`unpack_batch`: after the copy
 to the GPU, or at once without one): one of each of those per batch.
 
-Under DDP Lightning rebuilds the loader around a distributed sampler that wraps ours; `progress` and
-`epoch_sampler` are constructor arguments so the rebuilt loader keeps them. Every iterator sets the
+Under DDP the classification loaders shard their own training order (`samplers.TrainShardSampler`); other
+loaders Lightning rebuilds around a distributed sampler that wraps theirs. `progress` and `epoch_sampler` are
+constructor arguments so a rebuilt loader keeps them. Every iterator sets the
 epoch of the wrapped `EpochSampler` from the trainer's epoch (nothing else reaches it through the
 wrapper), so each rank reads the same shard of the same order as in the uninterrupted run, and skips
 the batches it already trained on.
