@@ -199,6 +199,38 @@ def test_ddp_ranks_train_on_rows_of_one_length_group_at_each_step(tiny_config, t
     assert spread > 0  # the rows' lengths differ: the check above means something
 
 
+@pytest.mark.slow
+def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_backward(tiny_config, tmp_path):
+    """2 processes, bf16-mixed (bf16 weight copies, our fused AdamW: the path `BERTACCEL_GRAD_SYNC_OVERLAP=1`
+    changes): the gradient all-reduce sent bucket by bucket from the backward's gradient hooks trains to the same
+    weights, bit for bit, as the one all-reduce after the backward (each gradient is summed once either way)."""
+    import os
+
+    data = tmp_path / "even"
+    write_jsonl(data / "train.jsonl", sample_rows("train", 320))
+    write_jsonl(data / "test.jsonl", sample_rows("test", 16))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    common = [*DDP, "--test_after_fit", "false", "--trainer.precision", "bf16-mixed",
+              "--data.init_args.static_shapes", "true", "--data.init_args.length_buckets", "16",
+              "--model.init_args.cuda_graphs", "true", "--trainer.callbacks", "tests.test_ddp.GraphLoopOnCPU",
+              "--model.init_args.config",
+              json.dumps({"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+                          "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})]
+
+    def fit(name: str, overlap: bool) -> dict:
+        cfg = tiny_config(name, epochs=1, dataset=str(data), val_size=64)
+        out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600,
+                             env=dict(env, BERTACCEL_GRAD_SYNC_OVERLAP="1" if overlap else "0"))
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        return torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
+
+    after, overlapped = fit("sync_after", False), fit("sync_overlapped", True)
+    assert overlapped["global_step"] == after["global_step"] == 8
+    for k, v in after["state_dict"].items():
+        torch.testing.assert_close(overlapped["state_dict"][k], v, rtol=0, atol=0, msg=k)
+
+
 class SigtermOnRank0(Callback):
     """Sends SIGTERM to rank 0's own process at its third training batch (as a scheduler's preemption
     notice would) and records, per rank, every training batch that started (SIGTERM_TEST_DIR). With
@@ -340,13 +372,10 @@ class RecordGraphStats(Callback):
         out.write_text(json.dumps(pl_module.graph_stats(), default=str))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_ddp_graphed_steps_on_two_gpus_train_and_log_as_eager_ddp(tmp_path):
-    """2 GPUs, NCCL: a DDP fit whose training steps replay CUDA graphs (the gradient all-reduce captured in the
-    step) ends with the weights of Lightning's eager DDP fit, and logs the same train/loss and train/grad_norm
-    rows at the same steps, under gradient accumulation (2 micro-batches; only the last one syncs) and
-    clipping. Both ranks really replay graphs (no silent fall-back to eager steps)."""
+def _two_gpu_fit(tmp_path: Path, name: str, graphs: bool, precision: str = "32-true", accumulate: int = 1,
+                 clip: float | None = None, env_extra: dict | None = None) -> tuple[dict, list[dict]]:
+    """A 3-epoch DDP fit of the tiny classifier on 2 GPUs (NCCL) through the CLI; its last checkpoint and its
+    CSV rows. Each rank's graph_stats and rank 0's initial weights go to tmp_path / "stats"."""
     import csv
     import os
 
@@ -355,46 +384,68 @@ def test_ddp_graphed_steps_on_two_gpus_train_and_log_as_eager_ddp(tmp_path):
     from tests.conftest import TINY_BERT
 
     data = tmp_path / "even"
-    write_jsonl(data / "train.jsonl", sample_rows("train", 320))  # 256 train rows: 8 micro-batches of 16 per rank
-    write_jsonl(data / "test.jsonl", sample_rows("test", 16))
+    if not data.exists():
+        write_jsonl(data / "train.jsonl", sample_rows("train", 320))  # 256 train rows: 8 micro-batches of 16 per rank
+        write_jsonl(data / "test.jsonl", sample_rows("test", 16))
     stats_dir = tmp_path / "stats"
-    stats_dir.mkdir()
+    stats_dir.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
-               GRAPH_STATS_DIR=str(stats_dir))
+               GRAPH_STATS_DIR=str(stats_dir), GRAPH_STATS_RUN=name, **(env_extra or {}))
+    cfg = {
+        "seed_everything": 7,
+        "trainer": {"max_epochs": 3, "accelerator": "gpu", "devices": 2, "strategy": "ddp", "precision": precision,
+                    "log_every_n_steps": 1, "enable_model_summary": False,
+                    "accumulate_grad_batches": accumulate, "gradient_clip_val": clip,
+                    "callbacks": [{"class_path": "tests.test_ddp.RecordGraphStats"}],
+                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                               "init_args": {"save_dir": str(tmp_path / "runs"), "name": name}}},
+        "model": {"class_path": "bertaccel.modules.BertClassifier",
+                  "init_args": {"config": {**TINY_BERT, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+                                "lr": 3e-3, "warmup_ratio": 0.1, "cuda_graphs": graphs, "log_grad_norm": True}},
+        "data": {"class_path": "bertaccel.data.TextClassificationDataModule",
+                 "init_args": {"dataset": str(data), "tokenizer": "sample:sentiment", "max_length": 48, "batch_size": 16,
+                               "val_size": 64, "static_shapes": True, "length_buckets": 16}},
+        "test_after_fit": False,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", str(path)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    ckpt = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    (metrics,) = (tmp_path / "runs" / name).rglob("metrics.csv")
+    with open(metrics) as f:
+        rows = list(csv.DictReader(f))
+    return ckpt, rows
 
-    def fit(name: str, graphs: bool) -> tuple[dict, list[dict]]:
-        cfg = {
-            "seed_everything": 7,
-            "trainer": {"max_epochs": 3, "accelerator": "gpu", "devices": 2, "strategy": "ddp", "precision": "32-true",
-                        "log_every_n_steps": 1, "enable_model_summary": False,
-                        "accumulate_grad_batches": 2, "gradient_clip_val": 0.5,
-                        "callbacks": [{"class_path": "tests.test_ddp.RecordGraphStats"}],
-                        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                                   "init_args": {"save_dir": str(tmp_path / "runs"), "name": name}}},
-            "model": {"class_path": "bertaccel.modules.BertClassifier",
-                      "init_args": {"config": {**TINY_BERT, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
-                                    "lr": 3e-3, "warmup_ratio": 0.1, "cuda_graphs": graphs, "log_grad_norm": True}},
-            "data": {"class_path": "bertaccel.data.TextClassificationDataModule",
-                     "init_args": {"dataset": str(data), "tokenizer": "sample:sentiment", "max_length": 48, "batch_size": 16,
-                                   "val_size": 64, "static_shapes": True, "length_buckets": 16}},
-            "test_after_fit": False,
-        }
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", str(path)], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600, env=dict(env, GRAPH_STATS_RUN=name))
-        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
-        ckpt = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
-        (metrics,) = (tmp_path / "runs" / name).rglob("metrics.csv")
-        with open(metrics) as f:
-            rows = list(csv.DictReader(f))
-        return ckpt, rows
 
-    eager, eager_rows = fit("eager", graphs=False)
-    graphed, graphed_rows = fit("graphed", graphs=True)
+def _replayed_on_both_ranks(tmp_path: Path, name: str) -> None:
     for rank in (0, 1):
-        train = json.loads((stats_dir / f"stats_graphed_rank{rank}.json").read_text())["train"]
-        assert train["disabled"] is None and train["captured"] and train["replays"] > 0, (rank, train)
+        train = json.loads((tmp_path / "stats" / f"stats_{name}_rank{rank}.json").read_text())["train"]
+        assert train["disabled"] is None and train["captured"] and train["replays"] > 0, (name, rank, train)
+
+
+def _assert_same_training(tmp_path: Path, init_run: str, a: dict, b: dict) -> None:
+    """a's weights equal b's within 5% of each parameter's update (Adam turns rounding noise into updates)."""
+    init = torch.load(tmp_path / "stats" / f"init_{init_run}.pt", weights_only=True)
+    for k, v in a["state_dict"].items():
+        if not v.is_floating_point() or k.endswith("attention.self.key.bias"):  # (its exact gradient is 0: noise)
+            continue
+        update = (v.float() - init[k]).norm()
+        diff = (b["state_dict"][k].float() - v.float()).norm()
+        assert diff <= 0.05 * update + 1e-6, f"{k}: |a - b| {diff:.3g} vs the update {update:.3g}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ddp_graphed_steps_on_two_gpus_train_and_log_as_eager_ddp(tmp_path):
+    """2 GPUs, NCCL: a DDP fit whose training steps replay CUDA graphs (the gradient all-reduce captured in the
+    step) ends with the weights of Lightning's eager DDP fit, and logs the same train/loss and train/grad_norm
+    rows at the same steps, under gradient accumulation (2 micro-batches; only the last one syncs) and
+    clipping. Both ranks really replay graphs (no silent fall-back to eager steps)."""
+    eager, eager_rows = _two_gpu_fit(tmp_path, "eager", graphs=False, accumulate=2, clip=0.5)
+    graphed, graphed_rows = _two_gpu_fit(tmp_path, "graphed", graphs=True, accumulate=2, clip=0.5)
+    _replayed_on_both_ranks(tmp_path, "graphed")
     assert graphed["global_step"] == eager["global_step"] == 12  # 3 epochs of 4 optimizer steps
 
     def logged(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -404,10 +455,20 @@ def test_ddp_graphed_steps_on_two_gpus_train_and_log_as_eager_ddp(tmp_path):
         e, g = logged(eager_rows, key), logged(graphed_rows, key)
         assert len(e) >= 6 and [s for s, _ in g] == [s for s, _ in e], (key, e, g)
         assert [v for _, v in g] == pytest.approx([v for _, v in e], rel=2e-2), key
-    init = torch.load(stats_dir / "init_eager.pt", weights_only=True)
-    for k, v in eager["state_dict"].items():
-        if not v.is_floating_point() or k.endswith("attention.self.key.bias"):  # (its exact gradient is 0: noise)
-            continue
-        update = (v.float() - init[k]).norm()
-        diff = (graphed["state_dict"][k].float() - v.float()).norm()
-        assert diff <= 0.05 * update + 1e-6, f"{k}: |graphed - eager| {diff:.3g} vs the update {update:.3g}"
+    _assert_same_training(tmp_path, "eager", eager, graphed)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ddp_graphed_bf16_steps_with_the_sync_overlapped_on_two_gpus(tmp_path):
+    """2 GPUs, bf16-mixed (bf16 weight copies, our fused AdamW): `BERTACCEL_GRAD_SYNC_OVERLAP=1` (the all-reduce
+    bucket by bucket on a side stream from the backward's gradient hooks, captured into the step's graph) trains
+    as the all-reduce after the backward does, both replaying graphs on both ranks."""
+    after, _ = _two_gpu_fit(tmp_path, "sync_after", graphs=True, precision="bf16-mixed",
+                            env_extra={"BERTACCEL_GRAD_SYNC_OVERLAP": "0"})
+    overlapped, _ = _two_gpu_fit(tmp_path, "sync_overlapped", graphs=True, precision="bf16-mixed",
+                                 env_extra={"BERTACCEL_GRAD_SYNC_OVERLAP": "1"})
+    for name in ("sync_after", "sync_overlapped"):
+        _replayed_on_both_ranks(tmp_path, name)
+    assert overlapped["global_step"] == after["global_step"] == 24
+    _assert_same_training(tmp_path, "sync_after", after, overlapped)

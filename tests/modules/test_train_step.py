@@ -129,3 +129,67 @@ def test_uncopied_parameters_in_our_kernel_update_as_pytorchs_adamw(monkeypatch)
     assert calls and all(n > 0 for n in calls), "the uncopied parameters did not go through adamw_"
     for (name, a), b in zip(theirs.named_parameters(), ours.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def _run_overlapped(overlap: bool, bucket_bytes: int = 64, steps: int = 4):
+    """Two-rank stand-in as in `_run_synced` (bf16 copies, fused AdamW), the sync bucket by bucket during the
+    backward when `overlap`; records each sync call's size and whether it ran inside the backward."""
+    from bertaccel.modules.weight_copies import Bf16WeightCopies
+
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    make_static_grads(net.parameters())
+    wc = Bf16WeightCopies(net)
+    calls: list[tuple[int, bool]] = []
+
+    def sync(grads):
+        calls.append((len(grads), torch._C._current_graph_task_id() != -1))
+        for g in grads:
+            g.mul_(2)
+
+    step = build_train_step(net, opt, copies=wc, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                            grad_sync=sync, world_size=2, overlap_order=list(net.parameters()) if overlap else None,
+                            bucket_bytes=bucket_bytes)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        step(x=torch.randn(8, 6, generator=g), y=torch.randint(0, 3, (8,), generator=g))
+    step.close()
+    return net, calls, step
+
+
+def test_overlapped_sync_sums_every_gradient_once_and_starts_inside_the_backward():
+    """The bucketed sync during the backward gives the one-call sync's update bit for bit (every gradient summed
+    once), and from the second step (the first shows that the unused layer gets no gradient: it would hold its
+    bucket and every later one back) buckets go while the backward still runs."""
+    one, one_calls, _ = _run_overlapped(False)
+    over, calls, step = _run_overlapped(True)
+    assert len(one_calls) == 4 and not any(inside for _, inside in one_calls)
+    per_step = len(calls) // 4
+    assert per_step > 2 and len(calls) == 4 * per_step
+    assert not any(inside for _, inside in calls[:per_step])  # step 1: the unused layer's bucket comes first
+    assert step.overlap.launched_in_backward > 0 and any(inside for _, inside in calls[-2:])  # later steps
+    assert all(sum(n for n, _ in calls[k * per_step:(k + 1) * per_step]) == one_calls[0][0] for k in range(4))
+    for (name, a), b in zip(one.named_parameters(), over.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    # close() removed the hooks: another backward sends nothing
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        over(torch.randn(2, 6), torch.tensor([0, 1]))["loss"].backward()
+    assert calls == []
+
+
+def test_overlapped_sync_buckets_one_dtype_each_in_reverse_registration_order():
+    from bertaccel.modules.train_step import OverlappedGradSync
+
+    a = torch.zeros(4, requires_grad=True)  # fp32, 16 bytes
+    b = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)  # 8 bytes
+    c = torch.zeros(4, requires_grad=True)
+    d = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)  # 16 bytes
+    sync = OverlappedGradSync([a, b, c, d], lambda grads: None, positions=[0, 1, 2, 3], bucket_bytes=40)
+    assert sync.buckets == [[3, 1], [2, 0]]  # d + b (bf16, 24 bytes), c + a (fp32, 32 bytes), last registered first
+    sync.start()
+    (a.sum() + b.float().sum() + d.float().sum()).backward()  # c gets no gradient
+    sync.finish()
+    assert sync.buckets == [[3, 1], [0]]  # made again without it
+    sync.close()

@@ -372,6 +372,8 @@ class BertModule(pl.LightningModule):
     def release_graphs(self, which: str | None = None) -> None:
         """Free captured graphs (all, or "train" / "eval"); they are captured again when needed."""
         if which in (None, "train"):
+            for fn in self._train_fns.values():
+                getattr(fn, "close", lambda: None)()  # their gradient hooks, if any
             self._train_fns.clear()  # they hold the optimizer of this run
             self._static_grads = []
             self._lr_tensors = []
@@ -813,10 +815,13 @@ class BertModule(pl.LightningModule):
         if cached is not None:
             return cached
         world = self.trainer.world_size
+        # BERTACCEL_GRAD_SYNC_OVERLAP=1: the gradient all-reduce bucket by bucket during the backward (train_step.py)
+        overlap = world > 1 and os.environ.get("BERTACCEL_GRAD_SYNC_OVERLAP", "0") == "1"
         step = build_train_step(self.step_outputs, self.optimizers().optimizer, copies=self._weight_copies,
                                 accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast,
                                 grad_sync=all_reduce_grads if world > 1 else None, world_size=world,
-                                grad_norm=self.log_grad_norm)
+                                grad_norm=self.log_grad_norm,
+                                overlap_order=list(self.parameters()) if overlap else None)
         self._train_fns[last] = step
         return step
 

@@ -67,6 +67,8 @@ def build_train_step(
     grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
     world_size: int = 1,
     grad_norm: bool = False,
+    overlap_order: list[torch.Tensor] | None = None,
+    bucket_bytes: int = 25 * 2**20,
 ) -> Callable[..., dict[str, torch.Tensor]]:
     """A step function `step(**inputs) -> {name: detached tensor}` for `StepGraphs`.
 
@@ -85,6 +87,11 @@ def build_train_step(
     grad_norm: also return "grad_norm" from a step that updates: the total 2-norm of the gradients the update
         reads (summed over ranks and micro-batches, before clipping; fp32), as Lightning's `grad_norm` in
         `on_before_optimizer_step` would see them.
+    overlap_order: the model's parameters in their registration order. Given, with `grad_sync`, on the
+        fused path (bf16 copies and `adamw_bf16_copies_`: no accumulation, no clipping), the gradients are
+        synced bucket by bucket while the backward still runs (`OverlappedGradSync`, buckets of
+        `bucket_bytes`) instead of in one call after it. The step function then has a `close()` that
+        removes the gradient hooks.
 
     Every parameter of `optimizer` that requires grad must have its static `.grad` buffer already.
     """
@@ -108,6 +115,13 @@ def build_train_step(
     handed_over = {id(p) for p in transient}
     to_zero = [p.grad for p in params if p.grad is not None and (accumulate > 1 or id(p) not in copied)
                and id(p) not in handed_over]
+    overlap = None
+    if fused and grad_sync is not None and overlap_order is not None:
+        # what the fused path syncs: the copies' bf16 gradients and the uncopied parameters' own
+        synced = [c for c in copies.copies if c.requires_grad] + [p for p in params if id(p) not in copied and p.requires_grad]
+        position = {id(p): i for i, p in enumerate(overlap_order)}
+        position.update({id(c): position.get(id(m), len(position)) for m, c in zip(copies.masters, copies.copies)})
+        overlap = OverlappedGradSync(synced, grad_sync, [position.get(id(t), len(position)) for t in synced], bucket_bytes)
 
     def step(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         for p in transient:
@@ -117,9 +131,13 @@ def build_train_step(
                 m.grad = None
         with copies.swapped_in() if copies else contextlib.nullcontext(), autocast():
             out = forward(**inputs)
+        if overlap is not None:
+            overlap.start()
         (out["loss"] * scale if scale != 1.0 else out["loss"]).backward()
         if fused:
-            if grad_sync is not None:
+            if overlap is not None:
+                overlap.finish()
+            elif grad_sync is not None:
                 grad_sync([p.grad for p in params if p.grad is not None] + [c.grad for c in copies.copies if c.grad is not None])
             if grad_norm:  # the copies' bf16 gradients and the uncopied parameters' (the masters' are dropped here)
                 out = {**out, "grad_norm": total_grad_norm([c.grad for c in copies.copies if c.grad is not None]
@@ -154,7 +172,123 @@ def build_train_step(
             p.grad = g
         return {k: v.detach() for k, v in out.items()}
 
+    step.close = overlap.close if overlap is not None else (lambda: None)  # type: ignore[attr-defined]
+    step.overlap = overlap  # type: ignore[attr-defined]
     return step
+
+
+class OverlappedGradSync:
+    """A DDP step's gradient sum over the ranks, started while the backward still runs, as DDP's reducer does.
+
+    `leaves` (the tensors whose `.grad` is synced) are cut into buckets of at most `bucket_bytes`, one dtype
+    each, in the reverse of `positions` (the parameters' registration order: the backward reaches the last
+    layers first). A hook on each leaf (`register_post_accumulate_grad_hook`) counts its gradient in; when a
+    bucket is complete and every bucket before it has gone, `reduce` (`all_reduce_grads`) runs on it - on a
+    side stream on a GPU, forked from and joined back into the backward's stream, so that the all-reduce of
+    the last layers overlaps the backward of the first (captured into the step's CUDA graph like the rest).
+    `finish()`, after the backward, sends what is left (in order) and joins the side stream; after the first
+    backward the buckets are made again without the leaves it gave no gradient. Buckets always go in the same order on every rank (NCCL needs it): a
+    bucket waits for the ones before it.
+
+    The word embeddings' gradient, most of a small model's gradient bytes, is ready only at the very end of
+    the backward: what can overlap is the rest.
+    """
+
+    def __init__(self, leaves: list[torch.Tensor], reduce: Callable[[list[torch.Tensor]], None], positions: list[int],
+                 bucket_bytes: int = 25 * 2**20) -> None:
+        self.reduce = reduce
+        self.leaves = leaves
+        self.bucket_bytes = bucket_bytes
+        self._order = sorted(range(len(leaves)), key=lambda i: -positions[i])
+        self._make_buckets(self._order)
+        self._learned = False  # whether a backward has shown which leaves get no gradient
+        self._seen: set[int] = set()
+        self._armed = False
+        self._stream: torch.cuda.Stream | None = None
+        self._main: torch.cuda.Stream | None = None
+        self.launched_in_backward = 0  # buckets sent by the hooks during the last backward (tests, benchmarks)
+        self._handles = [t.register_post_accumulate_grad_hook(self._hook(i)) for i, t in enumerate(leaves)]
+
+    def _make_buckets(self, order: list[int]) -> None:
+        leaves, bucket_bytes = self.leaves, self.bucket_bytes
+        open_bucket: dict[torch.dtype, list[int]] = {}
+        size: dict[torch.dtype, int] = {}
+        buckets: list[list[int]] = []
+        for i in order:
+            t = leaves[i]
+            b = open_bucket.get(t.dtype)
+            if b is None or size[t.dtype] + t.numel() * t.element_size() > bucket_bytes and b:
+                b = open_bucket[t.dtype] = []
+                size[t.dtype] = 0
+                buckets.append(b)
+            b.append(i)
+            size[t.dtype] += t.numel() * t.element_size()
+        self.buckets = [b for b in buckets if b]
+        self._bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+
+    def _hook(self, i: int):
+        def hook(_t: torch.Tensor) -> None:
+            if not self._armed:
+                return
+            self._seen.add(i)
+            k = self._bucket_of.get(i)
+            if k is None:
+                return
+            self._ready[k] += 1
+            while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
+                self._send(self._next)
+                self.launched_in_backward += 1
+                self._next += 1
+        return hook
+
+    def start(self) -> None:
+        """Before the backward of a step that syncs."""
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self.launched_in_backward = 0
+        self._main = None
+        self._seen = set()
+        self._armed = True
+
+    def _send(self, k: int) -> None:
+        grads = [self.leaves[i].grad for i in self.buckets[k] if self.leaves[i].grad is not None]
+        if not grads:
+            return
+        if not grads[0].is_cuda:
+            self.reduce(grads)
+            return
+        current = torch.cuda.current_stream(grads[0].device)
+        if self._main is None:
+            self._main = current
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(grads[0].device)
+        self._stream.wait_stream(current)  # the bucket's gradients are written
+        with torch.cuda.stream(self._stream):
+            self.reduce(grads)
+
+    def finish(self) -> None:
+        """After the backward: the buckets not sent yet, in order; the backward's stream waits for all of them."""
+        self._armed = False
+        while self._next < len(self.buckets):
+            self._send(self._next)
+            self._next += 1
+        if self._stream is not None and self._main is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        if not self._learned:
+            # A leaf the first backward gave no gradient (a layer the forward does not use) would hold its bucket,
+            # and every later one, back to the end of each backward: the buckets are made again without it. Which
+            # leaves get a gradient depends on the model, not the batch: the same on every rank and every step.
+            self._learned = True
+            if len(self._seen) < len(self.leaves):
+                self._make_buckets([i for i in self._order if i in self._seen])
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the step that made them is dropped)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
