@@ -193,3 +193,44 @@ def test_overlapped_sync_buckets_one_dtype_each_in_reverse_registration_order():
     sync.finish()
     assert sync.buckets == [[3, 1], [0]]  # made again without it
     sync.close()
+
+
+@pytest.mark.cuda
+def test_overlapped_sync_inside_a_captured_step_on_a_gpu():
+    """One GPU, the step captured and replayed by StepGraphs, a stand-in for the all-reduce (each gradient times 2
+    on the side stream, as a 2-rank sum of equal gradients): the buckets forked from the backward's hooks onto a
+    side stream and joined back are captured into the graph, and the replays train exactly as the step with the
+    one sync after the backward does (bf16 copies, our fused AdamW)."""
+    from bertaccel.modules.graphs import StepGraphs
+    from bertaccel.modules.weight_copies import Bf16WeightCopies
+
+    def run(overlap: bool):
+        torch.manual_seed(0)
+        net = _Net().cuda()
+        opt = torch.optim.AdamW(net.parameters(), lr=torch.tensor(1e-2, device="cuda"), weight_decay=0.1, fused=True)
+        make_static_grads(net.parameters())
+        wc = Bf16WeightCopies(net)
+        sent_from = []
+
+        def sync(grads):
+            sent_from.append(torch.cuda.current_stream().cuda_stream)
+            torch._foreach_mul_(grads, 2.0)
+
+        step = build_train_step(net, opt, copies=wc, autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16),
+                                grad_sync=sync, world_size=2, bucket_bytes=64,
+                                overlap_order=list(net.parameters()) if overlap else None)
+        runner = StepGraphs("t", warmup=2)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            runner.run("k", step, {"x": torch.randn(8, 6, generator=g).cuda(), "y": torch.randint(0, 3, (8,), generator=g).cuda()})
+        torch.cuda.synchronize()
+        assert runner.stats.replays >= 4 and runner.disabled_reason is None
+        step.close()
+        return net, step, set(sent_from)
+
+    after, _, _ = run(False)
+    over, step, streams = run(True)
+    # every bucket went on the overlap's own side stream, some of them from the backward's hooks
+    assert step.overlap.launched_in_backward > 0 and streams == {step.overlap._stream.cuda_stream}
+    for (name, a), b in zip(after.named_parameters(), over.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
