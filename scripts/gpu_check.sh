@@ -10,7 +10,8 @@
 # ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm_epilogue_sweep (each epilogue on every schedule / tile width), step_gemms (one BERT step's GEMM calls timed alone - warm, cold, rewarmed, alternating - and in the step's order), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
-# grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), anatomy (where a graphed step's
+# grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), ddp_scaling (2 GPUs:
+# recommended.yaml on 1 and 2 GPUs, MiniLM and BERT-base; SCALING_RUNS=, SCALING_ENV=), anatomy (where a graphed step's
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), hf_attention (cuda tests of attn_implementation bertaccel and graphed steps through it vs SDPA
 # and the unpadded encoder: HF_ATTN_CELLS="model:shape:lengths ..."), recommended (the MiniLM IMDB fine-tune as users compose
@@ -313,6 +314,24 @@ if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1
     --trainer.limit_train_batches 100 --trainer.limit_val_batches 10 --trainer.limit_test_batches 10 \
     --throughput.enabled true --trainer.logger.init_args.name fsdp_base > "$OUT/fsdp_base.log" 2>&1
   echo "fsdp bert-base rc=$?"; grep -E "test/acc|throughput \(|Error" "$OUT/fsdp_base.log" | cut -c1-300 | head -5; fi
+fi
+if has ddp_scaling; then  # 2 GPUs: recommended.yaml on 1 GPU and on 2 (DDP), MiniLM IMDB one epoch and BERT-base (random init, 512,
+  # grouped by length) 300 batches; SCALING_RUNS= picks (minilm1 minilm2 base1 base2), SCALING_ENV= e.g. "BERTACCEL_GRAD_SYNC_OVERLAP=1"
+  MI=(-c configs/imdb_minilm.yaml -c configs/presets/recommended.yaml --data.init_args.dataset .carry/imdb
+      --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500
+      --throughput.enabled true --trainer.max_epochs 1)
+  BB=(-c configs/imdb.yaml -c configs/presets/recommended.yaml --data.init_args.dataset .carry/imdb --data.init_args.tokenizer .carry/minilm
+      --model.init_args.pretrained null --model.init_args.config '{}' --data.init_args.val_size 500 --throughput.enabled true
+      --trainer.max_epochs 1 --trainer.limit_train_batches 300 --trainer.limit_val_batches 4 --test_after_fit false)
+  for run in ${SCALING_RUNS:-minilm1 minilm2 base1 base2}; do
+    n=${run: -1}; strategy=ddp; [ "$n" = 1 ] && strategy=auto
+    if [[ $run == minilm* ]]; then args=("${MI[@]}"); else args=("${BB[@]}"); fi
+    env ${SCALING_ENV:-} timeout ${MULTI_TIMEOUT:-200} python -m bertaccel fit "${args[@]}" --trainer.devices $n --trainer.strategy $strategy \
+      --trainer.logger.init_args.name scaling_$run > "$OUT/scaling_$run.log" 2>&1
+    echo "$run rc=$?"; cp runs/scaling_$run/version_0/benchmark_stats.json "$OUT/scaling_${run}_stats.json" 2>/dev/null
+    grep -E "test/acc|CUDA graphs off|Error" "$OUT/scaling_$run.log" | cut -c1-200 | head -3
+    train_stats "$OUT/scaling_${run}_stats.json" world_size samples_per_s step_ms_p50 step_ms_mean padding_fraction gpu_step_fraction data_wait_ms_mean
+  done
 fi
 if has grad_sync; then  # issue 12 (2+ GPUs): the graphed DDP step's gradient all-reduce, eager / graphed / NCCL floor
   timeout 300 python -m benchmarks.bench_grad_sync --out "$OUT/grad_sync.json" > "$OUT/grad_sync.log" 2>&1
