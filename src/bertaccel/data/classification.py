@@ -400,7 +400,7 @@ class TextClassificationDataModule(pl.LightningDataModule):
         sampler = sampler or self._sampler(split, batch_size, train=False)
         epochs = min(16, -(-2048 // max(per_epoch, 1))) if train else 1
         lengths = ds.lengths()
-        # each rank's batches: every `ranks`-th row of the order (Lightning's distributed sampler wrapper)
+        # each rank's batches: every `ranks`-th row of the order (`TrainShardSampler`)
         ranks = getattr(sampler, "ranks", 1)
         orders = [torch.as_tensor(sampler.order(e), dtype=torch.long) for e in range(epochs)]
         counts = torch.cat([batch_token_counts(lengths, order[r::ranks], batch_size, self.max_length)

@@ -600,7 +600,7 @@ class BertModule(pl.LightningModule):
         up the fit loop's training data on the spot, before a checkpoint's loop state is restored, and
         so before the loader could be told where in the epoch to resume; with a data module, count
         from our own loader instead (same rule: limit, accumulation, epochs, max_steps). Under DDP each
-        rank reads the shard of Lightning's distributed sampler: ceil(rows / ranks) rows, padded."""
+        rank reads its shard (`TrainShardSampler`, or Lightning's distributed sampler): ceil(rows / ranks) rows, padded."""
         t = self.trainer
         dm = getattr(t, "datamodule", None)
         if t.max_epochs == -1 or dm is None or t.train_dataloader is not None:
