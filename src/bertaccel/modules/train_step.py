@@ -187,8 +187,8 @@ class OverlappedGradSync:
     side stream on a GPU, forked from and joined back into the backward's stream, so that the all-reduce of
     the last layers overlaps the backward of the first (captured into the step's CUDA graph like the rest).
     `finish()`, after the backward, sends what is left (in order) and joins the side stream; after the first
-    backward the buckets are made again without the leaves it gave no gradient. Buckets always go in the same order on every rank (NCCL needs it): a
-    bucket waits for the ones before it.
+    backward the buckets are made again without the leaves it gave no gradient. Buckets always go in the same
+    order on every rank (NCCL needs it): a bucket waits for the ones before it.
 
     The word embeddings' gradient, most of a small model's gradient bytes, is ready only at the very end of
     the backward: what can overlap is the rest.
@@ -217,7 +217,7 @@ class OverlappedGradSync:
         for i in order:
             t = leaves[i]
             b = open_bucket.get(t.dtype)
-            if b is None or size[t.dtype] + t.numel() * t.element_size() > bucket_bytes and b:
+            if b is None or (b and size[t.dtype] + t.numel() * t.element_size() > bucket_bytes):
                 b = open_bucket[t.dtype] = []
                 size[t.dtype] = 0
                 buckets.append(b)
