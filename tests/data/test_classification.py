@@ -352,6 +352,32 @@ def test_packed_static_batches_take_the_chosen_token_sizes(tiny_data, buckets):
     assert seen <= set(sizes) | {4 * 32}
 
 
+def test_packed_batches_of_each_ddp_rank_take_the_chosen_token_sizes(tiny_data):
+    """Under DDP (2 ranks, grouped by length, the unpadded layout) the token sizes are chosen from the batches each
+    rank really gets (every second row of the order, `TrainShardSampler`), so every rank's batch fits one of them
+    and none falls back to the full padded size (a shape of its own to capture)."""
+    from types import SimpleNamespace
+
+    from bertaccel.data.samplers import TrainShardSampler
+
+    dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                      batch_size=4, val_size=0.2, static_shapes=True, token_buckets=3,
+                                      group_by_length=True, num_workers=0)
+    dm.setup("fit")
+    dm.use_packed_layout()
+    for rank in (0, 1):
+        dm.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": rank}, global_rank=rank,
+                                     _accelerator_connector=SimpleNamespace(use_distributed_sampler=True),
+                                     max_epochs=1, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+        sampler = dm._sampler("train", 4, train=True)
+        assert sampler.ranks == 2
+        sizes = dm.token_sizes("train", 4, sampler)
+        loader = dm._loader("train", 4, train=True, sampler=sampler)
+        assert isinstance(loader.sampler, TrainShardSampler) and loader.sampler.rank == rank
+        for batch in loader:
+            assert batch["packed_indices"].numel() in sizes, (rank, int(batch["attention_mask"].sum()), sizes)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_rows_come_longest_first_with_their_labels_and_indices(packed):
     """The collator orders a batch's rows longest first (stable for equal lengths; fillers stay padding rows at the
