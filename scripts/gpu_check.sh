@@ -10,7 +10,8 @@
 # ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm_epilogue_sweep (each epilogue on every schedule / tile width), step_gemms (one BERT step's GEMM calls timed alone - warm, cold, rewarmed, alternating - and in the step's order), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
-# grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), ddp_scaling (2 GPUs:
+# grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), ddp_tests (2 GPUs: the NCCL
+# cuda tests of tests/test_ddp.py), ddp_scaling (2 GPUs:
 # recommended.yaml on 1 and 2 GPUs, MiniLM and BERT-base; SCALING_RUNS=, SCALING_ENV=), anatomy (where a graphed step's
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), hf_attention (cuda tests of attn_implementation bertaccel and graphed steps through it vs SDPA
@@ -314,6 +315,10 @@ if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1
     --trainer.limit_train_batches 100 --trainer.limit_val_batches 10 --trainer.limit_test_batches 10 \
     --throughput.enabled true --trainer.logger.init_args.name fsdp_base > "$OUT/fsdp_base.log" 2>&1
   echo "fsdp bert-base rc=$?"; grep -E "test/acc|throughput \(|Error" "$OUT/fsdp_base.log" | cut -c1-300 | head -5; fi
+fi
+if has ddp_tests; then  # 2 GPUs: the NCCL cuda tests of tests/test_ddp.py (graphed DDP vs eager DDP; the overlapped sync)
+  BERTACCEL_FAILURE_LOG="$OUT/ddp_test_failures.log" timeout ${DDP_TESTS_TIMEOUT:-300} python -u -m pytest -m cuda tests/test_ddp.py -q -p no:cacheprovider --durations=4 > "$OUT/ddp_tests.log" 2>&1
+  echo "ddp tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|s call" "$OUT/ddp_tests.log" | head -20
 fi
 if has ddp_scaling; then  # 2 GPUs: recommended.yaml on 1 GPU and on 2 (DDP), MiniLM IMDB one epoch and BERT-base (random init, 512,
   # grouped by length) 300 batches; SCALING_RUNS= picks (minilm1 minilm2 base1 base2), SCALING_ENV= e.g. "BERTACCEL_GRAD_SYNC_OVERLAP=1"
