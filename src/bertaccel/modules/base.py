@@ -482,6 +482,13 @@ class BertModule(pl.LightningModule):
                 if fn == "fit":
                     self._adopt_trainer_step_options()
                 rank_zero_info(f"bertaccel: `{fn}` steps run as CUDA graphs (captured once per batch shape, then replayed).")
+                world = self.trainer.world_size if self._trainer is not None else 1
+                if fn == "fit" and world > 1:
+                    overlap = os.environ.get("BERTACCEL_GRAD_SYNC_OVERLAP", "0") == "1"
+                    rank_zero_info(f"bertaccel: the graphed step sums the gradients over the {world} ranks itself "
+                                   + ("bucket by bucket during the backward where it updates from bf16 weight copies "
+                                      "without clipping or accumulation (BERTACCEL_GRAD_SYNC_OVERLAP=1), else after it."
+                                      if overlap else "in one all-reduce per dtype after the backward."))
         return self._graph_decisions[fn] is None
 
     def _forget_graph_decision(self, fn: str) -> None:
