@@ -11,7 +11,7 @@
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
 # grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), ddp_tests (2 GPUs: the NCCL
-# cuda tests of tests/test_ddp.py), ddp_scaling (2 GPUs:
+# cuda tests of tests/test_ddp.py), ddp_step (2 GPUs: benchmarks/bench_ddp_step.py; DDP_STEP_ARGS=), ddp_scaling (2 GPUs:
 # recommended.yaml on 1 and 2 GPUs, MiniLM and BERT-base; SCALING_RUNS=, SCALING_ENV=), anatomy (where a graphed step's
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
 # attention and the unpadded model), hf_attention (cuda tests of attn_implementation bertaccel and graphed steps through it vs SDPA
@@ -319,6 +319,10 @@ fi
 if has ddp_tests; then  # 2 GPUs: the NCCL cuda tests of tests/test_ddp.py (graphed DDP vs eager DDP; the overlapped sync)
   BERTACCEL_FAILURE_LOG="$OUT/ddp_test_failures.log" timeout ${DDP_TESTS_TIMEOUT:-300} python -u -m pytest -m cuda tests/test_ddp.py -q -p no:cacheprovider --durations=4 > "$OUT/ddp_tests.log" 2>&1
   echo "ddp tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|s call" "$OUT/ddp_tests.log" | head -20
+fi
+if has ddp_step; then  # 2 GPUs: the graphed step with no sync / the sync after the backward / the overlapped sync (benchmarks/bench_ddp_step.py)
+  timeout ${DDP_STEP_TIMEOUT:-300} python -m benchmarks.bench_ddp_step ${DDP_STEP_ARGS:-} --out "$OUT/ddp_step.json" > "$OUT/ddp_step.log" 2>&1
+  echo "ddp step rc=$?"; grep -E "^(model|minilm|base)" "$OUT/ddp_step.log"
 fi
 if has ddp_scaling; then  # 2 GPUs: recommended.yaml on 1 GPU and on 2 (DDP), MiniLM IMDB one epoch and BERT-base (random init, 512,
   # grouped by length) 300 batches; SCALING_RUNS= picks (minilm1 minilm2 base1 base2), SCALING_ENV= e.g. "BERTACCEL_GRAD_SYNC_OVERLAP=1"

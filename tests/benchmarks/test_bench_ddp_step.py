@@ -1,0 +1,25 @@
+"""The graphed DDP step benchmark on CPU (2 gloo processes, the reference ops): the harness runs all three
+variants, and the overlapped one sends its buckets from the backward's hooks."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_cpu_run_times_every_variant(tmp_path):
+    out = tmp_path / "ddp_step.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_ddp_step", "--device", "cpu", "--models", "tiny",
+                           "--shapes", "4x16", "--steps", "2", "--warmup", "2", "--rounds", "1", "--out", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": f"{root / 'src'}:{root}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["no-sync", "sync-after", "sync-overlapped"]
+    assert all(r["step_ms_p50"] > 0 and r["world"] == 2 for r in rows)
+    overlapped = rows[2]
+    assert overlapped["buckets"] >= 1 and overlapped["buckets_sent_in_backward"] >= 1
