@@ -6,6 +6,7 @@
 Rows are tokenized as the data module does (truncated at max_length) and each step's batch is padded to the next
 multiple of `--multiple` (the static-shape length buckets), the step costing its longest batch over the ranks. Orders:
 - current, 1 process and W ranks (`EpochSampler(ranks=W)` dealt by `TrainShardSampler`: rank r every W-th row);
+- groups of one rank's batch (`ranks=1`) dealt to W ranks in turn: a rank's batch mixes W groups;
 - "short group anywhere": the order before 48ca7da, whose one short group could sit mid-epoch and shift every later batch;
 - "reshuffled under DDP": what Lightning's DistributedSamplerWrapper (shuffle on) did to it before 48ca7da.
 """
@@ -71,6 +72,7 @@ def main() -> None:
         "1 process, current": padded_per_step(EpochSampler(n, args.seed, lengths=lengths, batch_size=B).order(0), lengths, B, 1, args.multiple, args.max_length),
         "1 process, short group anywhere (before 48ca7da)": padded_per_step(old, lengths, B, 1, args.multiple, args.max_length),
         f"{W} ranks, current": padded_per_step(EpochSampler(n, args.seed, lengths=lengths, batch_size=B, ranks=W).order(0), lengths, B, W, args.multiple, args.max_length),
+        f"{W} ranks, groups of one rank's batch dealt in turn": padded_per_step(EpochSampler(n, args.seed, lengths=lengths, batch_size=B).order(0), lengths, B, W, args.multiple, args.max_length),
         f"{W} ranks, reshuffled under DDP (before 48ca7da)": padded_per_step([old[i] for i in torch.randperm(n, generator=generator).tolist()], lengths, B, W, args.multiple, args.max_length),
         f"{W} ranks, ungrouped (random order)": padded_per_step(torch.randperm(n, generator=generator).tolist(), lengths, B, W, args.multiple, args.max_length),
     }
