@@ -325,6 +325,30 @@ def test_weight_copies_follow_weights_a_callback_swaps_for_validation(tiny_data,
     assert float(runs[True][1].callback_metrics["val/loss"]) == float(runs[False][1].callback_metrics["val/loss"])
 
 
+class _ClampLinearWeights(pl.Callback):
+    """A max-norm-style constraint: after every training batch, each Linear weight clamped in place."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with torch.no_grad():
+            for m in pl_module.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.weight.clamp_(-0.02, 0.02)
+
+
+def test_weight_copies_follow_weights_a_callback_changes_between_steps(tiny_data, tmp_path):
+    """A callback that changes weights in place between two training steps (a clamp in `on_train_batch_end`): the
+    next graphed bf16-mixed step's forward ran on bf16 copies of the unclamped weights (the copies are refreshed by
+    the update, before the callback), one step behind the eager fit at every step. The step now sees the masters'
+    version counters move and refreshes the copies first: the eager fit's weights, bit for bit."""
+    runs = {}
+    for graph_loop in (False, True):
+        model, trainer, _ = _train(graph_loop, tiny_data, tmp_path / str(graph_loop), precision="bf16-mixed",
+                                   max_epochs=2, callbacks=[_ClampLinearWeights()])
+        runs[graph_loop] = model
+    for (name, a), b in zip(runs[False].named_parameters(), runs[True].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 def test_fit_validate_fit_test_in_one_session(tiny_data, tmp_path):
     """A notebook's sequence on one trainer - fit, validate, fit on, test - runs, with the eager loop's results and
     step count. The validate's `reset()` of the metrics ran in inference mode and the next fit's first validation

@@ -175,6 +175,7 @@ class BertModule(pl.LightningModule):
         self._built_for_model: tuple | None = None
         self._built_for_groups: tuple = ()
         self._lr_tensors: list[tuple[dict, torch.Tensor]] = []  # (group, the learning rate the captured update reads)
+        self._masters_version: int | None = None  # the copies' masters' version counters after the last graphed step
         self._rng_to_restore: dict[str, Any] | None = None
         self._saved_schedule: dict[str, int] | None = None
         self.lr = lr
@@ -839,6 +840,9 @@ class BertModule(pl.LightningModule):
         else:
             if self._refresh_copies:  # after a validation or at an epoch's start (outside any capture)
                 self._ensure_weight_copies()
+            elif self._weight_copies is not None and self._weight_copies.masters_version() != self._masters_version:
+                # a callback changed weights in place since the last step (the update refreshed the copies before it)
+                self._weight_copies.refresh()
             self._restore_static_grads()
             self._restore_lr_tensors()
         runner = self._graph_runner("train")
@@ -855,6 +859,8 @@ class BertModule(pl.LightningModule):
         if last:
             lightning_optimizer._on_before_step()  # Lightning's step counter (global_step), as opt.step() would
         out = runner.run(self._key(inputs, "train", last), self._train_fn(last), inputs)
+        if self._weight_copies is not None:  # (an eager step's own update moves the counters; a replay does not)
+            self._masters_version = self._weight_copies.masters_version()
         if last:
             lightning_optimizer._on_after_step()
             # the update ran inside the step (our AdamW kernels, not `optimizer.step()`): mark the optimizer as

@@ -71,6 +71,12 @@ class Bf16WeightCopies:
             with torch.inference_mode(False), torch.no_grad():
                 torch._foreach_copy_(self.copies, self.masters)
 
+    def masters_version(self) -> int:
+        """The sum of the masters' version counters: it moves with every in-place change made to them through
+        autograd-visible ops (an optimizer's step, a `clamp_` under no_grad; not through `.data`), and not with a
+        CUDA graph's replay, which no counter sees."""
+        return sum(m._version for m in self.masters)
+
     @contextlib.contextmanager
     def swapped_in(self):
         """Inside: the Linear modules hold the bf16 copies in place of their fp32 weights."""
