@@ -435,3 +435,19 @@ def test_graphed_fit_logs_the_gradient_norm_the_eager_fit_logs(tiny_data, tmp_pa
             rows[graphs] = [(int(r["step"]), float(r["train/grad_norm"])) for r in csv.DictReader(f) if r.get("train/grad_norm")]
     assert len(rows[False]) >= 2 and [s for s, _ in rows[True]] == [s for s, _ in rows[False]]
     assert [v for _, v in rows[True]] == pytest.approx([v for _, v in rows[False]], rel=2e-2)
+
+
+def test_graphed_bf16_fit_follows_weights_a_callback_clamps_between_steps(tiny_data, tmp_path):
+    """A callback clamping every Linear weight in place after each training batch: the graphed bf16-mixed fit's
+    steps see the clamped weights (the bf16 copies are refreshed when the masters' version counters moved), so it
+    trains like the eager fit, both clamped; the training steps stay graphed."""
+    from tests.modules.test_step_engine import _ClampLinearWeights
+
+    init = initial_parameters()
+    (eager, te), (graphed, tg) = (fit(tiny_data, tmp_path / str(g), graphs=g, callbacks=[_ClampLinearWeights()])
+                                  for g in (False, True))
+    assert graphed.graph_stats()["train"]["disabled"] is None and graphed.graph_stats()["train"]["replays"] > 0
+    assert tg.global_step == te.global_step
+    for model in (eager, graphed):
+        assert float(model.model.bert.encoder.layer[0].output.dense.weight.abs().max()) <= 0.02
+    assert_same_training(eager, graphed, init)
