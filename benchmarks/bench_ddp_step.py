@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,24 +34,18 @@ VARIANTS = ("no-sync", "sync-after", "sync-overlapped")
 
 
 def time_step(one_step, device: torch.device, steps: int, warmup: int) -> list[float]:
+    from benchmarks.common import step_times_ms
+
     for _ in range(warmup):
         one_step()
-    times = []
-    for _ in range(steps):
+    cuda = device.type == "cuda"
+
+    def line_up() -> None:  # every rank starts the timed step together, its GPU idle
         dist.barrier()
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            one_step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            one_step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+
+    return step_times_ms(one_step, steps, cuda, before=line_up)
 
 
 def run_variant(model_name: str, batch: int, seq: int, variant: str, device: torch.device, world: int, steps: int,

@@ -54,6 +54,30 @@ def cuda_time_ms(fn, inputs: list, warmup: int = 10, repeats: int = 50) -> float
     return statistics.median(times)
 
 
+def step_times_ms(step, steps: int, cuda: bool, before=None) -> list[float]:
+    """The time of each of `steps` calls of `step()` in ms: CUDA events around each call on a GPU (after one
+    synchronize), the host clock on CPU. `before()`, if given, runs before each call, outside its time (a
+    barrier between ranks)."""
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+    for _ in range(steps):
+        if before is not None:
+            before()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def rotations(bytes_per_set: int, l2_bytes: int = 50 * 2**20) -> int:
     """How many input sets to rotate through so that their total exceeds 4x the L2 cache."""
     return max(2, min(64, -(-4 * l2_bytes // max(bytes_per_set, 1))))

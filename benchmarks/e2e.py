@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import time
 
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from benchmarks.plots import plot_file
-from benchmarks.common import environment, print_table, write_json
+from benchmarks.common import environment, print_table, step_times_ms, write_json
 from bertaccel.modules.flops import bert_step_flops
 from bertaccel.ops.swap import DEFAULT, swap
 
@@ -407,21 +406,7 @@ def _step_times(variant: str, model_name: str, batch: int, seq: int, workload: s
 
     for _ in range(warmup):
         one_step()
-    times = []
-    if cuda:
-        torch.cuda.synchronize()
-        for _ in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            one_step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    else:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            one_step()
-            times.append((time.perf_counter() - t0) * 1e3)
+    times = step_times_ms(one_step, steps, cuda)
     if profile and cuda:
         key = (model_name, f"{batch}x{seq}", workload, variant)
         PROFILES[key] = kernel_breakdown(one_step, top=profile)

@@ -93,7 +93,22 @@ class EpochSampler(Sampler[int]):
         return self.n
 
 
-class EvalShardSampler(DistributedSampler):
+class _RankShare(DistributedSampler):
+    """One rank's share of the order of `base`, ceil(len(base) / num_replicas) indices on every rank. A
+    DistributedSampler, so Lightning keeps it as it is (it wraps any other sampler in its own, which reshuffles a
+    training order). The subclasses say which indices and how the epoch is followed."""
+
+    def __init__(self, base: Sampler, num_replicas: int, rank: int) -> None:
+        super().__init__(base, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)  # type: ignore[arg-type]
+        self.base = base
+        self.num_samples = -(-len(base) // num_replicas)  # type: ignore[arg-type]
+        self.total_size = self.num_samples * num_replicas
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class EvalShardSampler(_RankShare):
     """One rank's share of an evaluation order (`base`: a fixed EpochSampler), every row on exactly one
     rank: rank r takes rows r, r + W, r + 2W, ... of the order, and the shorter shares end with
     `FILLER` indices so that every rank runs the same number of batches (collectives stay matched).
@@ -105,26 +120,17 @@ class EvalShardSampler(DistributedSampler):
     loader's sampler when it is a DistributedSampler, so this one is used as it is.
     """
 
-    def __init__(self, base: Sampler, num_replicas: int, rank: int) -> None:
-        super().__init__(base, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)  # type: ignore[arg-type]
-        self.base = base
-        self.num_samples = -(-len(base) // num_replicas)  # type: ignore[arg-type]
-        self.total_size = self.num_samples * num_replicas
-
     def __iter__(self) -> Iterator:
         share = list(self.base)[self.rank :: self.num_replicas]
         # the masked-LM's epoch-tagged sampler yields (epoch, index) pairs
         filler = (self.base.epoch, FILLER) if getattr(self.base, "yields_epoch", False) else FILLER
         return iter(share + [filler] * (self.num_samples - len(share)))
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def set_epoch(self, epoch: int) -> None:  # evaluation orders are fixed
         self.epoch = epoch
 
 
-class TrainShardSampler(DistributedSampler):
+class TrainShardSampler(_RankShare):
     """One rank's share of a training order (`base`: an `EpochSampler` made with `ranks=num_replicas`):
     rows r, r + W, r + 2W, ... of the epoch's order, the order first filled up with its own first rows to a
     multiple of W (as PyTorch's DistributedSampler does), so every rank runs the same number of batches.
@@ -135,19 +141,10 @@ class TrainShardSampler(DistributedSampler):
     this one is kept as it is: the ranks deal the order that one process would run, group by group, and
     `set_epoch` (which Lightning calls on it) reaches `base`."""
 
-    def __init__(self, base: Sampler, num_replicas: int, rank: int) -> None:
-        super().__init__(base, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)  # type: ignore[arg-type]
-        self.base = base
-        self.num_samples = -(-len(base) // num_replicas)  # type: ignore[arg-type]
-        self.total_size = self.num_samples * num_replicas
-
     def __iter__(self) -> Iterator:
         order = list(self.base)
         order += order[: self.total_size - len(order)]
         return iter(order[self.rank :: self.num_replicas])
-
-    def __len__(self) -> int:
-        return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

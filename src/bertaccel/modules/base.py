@@ -39,7 +39,7 @@ from bertaccel.errors import CheckpointError, ConfigError
 from bertaccel.modules import sigterm_check
 from bertaccel.modules.bert import architecture_of
 from bertaccel.modules.graphs import StepGraphs
-from bertaccel.modules.train_step import all_reduce_grads, build_train_step, make_static_grads
+from bertaccel.modules.train_step import all_reduce_grads, build_train_step, grad_sync_overlap_wanted, make_static_grads
 from bertaccel.modules.weight_copies import Bf16WeightCopies
 from bertaccel.optim.schedule import LinearWarmupDecay
 from bertaccel.step_logging import DeviceWindow, logs_step_metrics
@@ -485,11 +485,10 @@ class BertModule(pl.LightningModule):
                 rank_zero_info(f"bertaccel: `{fn}` steps run as CUDA graphs (captured once per batch shape, then replayed).")
                 world = self.trainer.world_size if self._trainer is not None else 1
                 if fn == "fit" and world > 1:
-                    overlap = os.environ.get("BERTACCEL_GRAD_SYNC_OVERLAP", "0") == "1"
                     rank_zero_info(f"bertaccel: the graphed step sums the gradients over the {world} ranks itself "
                                    + ("bucket by bucket during the backward where it updates from bf16 weight copies "
                                       "without clipping or accumulation (BERTACCEL_GRAD_SYNC_OVERLAP=1), else after it."
-                                      if overlap else "in one all-reduce per dtype after the backward."))
+                                      if grad_sync_overlap_wanted() else "in one all-reduce per dtype after the backward."))
         return self._graph_decisions[fn] is None
 
     def _forget_graph_decision(self, fn: str) -> None:
@@ -823,8 +822,7 @@ class BertModule(pl.LightningModule):
         if cached is not None:
             return cached
         world = self.trainer.world_size
-        # BERTACCEL_GRAD_SYNC_OVERLAP=1: the gradient all-reduce bucket by bucket during the backward (train_step.py)
-        overlap = world > 1 and os.environ.get("BERTACCEL_GRAD_SYNC_OVERLAP", "0") == "1"
+        overlap = world > 1 and grad_sync_overlap_wanted()
         step = build_train_step(self.step_outputs, self.optimizers().optimizer, copies=self._weight_copies,
                                 accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast,
                                 grad_sync=all_reduce_grads if world > 1 else None, world_size=world,

@@ -177,6 +177,12 @@ def build_train_step(
     return step
 
 
+def grad_sync_overlap_wanted() -> bool:
+    """BERTACCEL_GRAD_SYNC_OVERLAP=1: a DDP step syncs its gradients bucket by bucket during the backward
+    (`OverlappedGradSync`); off by default until measured on 2 GPUs."""
+    return os.environ.get("BERTACCEL_GRAD_SYNC_OVERLAP", "0") == "1"
+
+
 class OverlappedGradSync:
     """A DDP step's gradient sum over the ranks, started while the backward still runs, as DDP's reducer does.
 
