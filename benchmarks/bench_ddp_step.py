@@ -49,7 +49,7 @@ def time_step(one_step, device: torch.device, steps: int, warmup: int) -> list[f
 
 
 def run_variant(model_name: str, batch: int, seq: int, variant: str, device: torch.device, world: int, steps: int,
-                warmup: int) -> dict:
+                warmup: int, bucket_mb: float = 25.0) -> dict:
     from transformers import BertConfig, BertForSequenceClassification
 
     from bertaccel.modules.graphs import StepGraphs
@@ -77,13 +77,14 @@ def run_variant(model_name: str, batch: int, seq: int, variant: str, device: tor
     step = build_train_step(forward, opt, copies=copies,
                             autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False),
                             grad_sync=all_reduce_grads if synced else None, world_size=world if synced else 1,
-                            overlap_order=list(model.parameters()) if variant == "sync-overlapped" else None)
+                            overlap_order=list(model.parameters()) if variant == "sync-overlapped" else None,
+                            bucket_bytes=int(bucket_mb * 2**20))
     runner = StepGraphs(variant, capture=cuda)
     times = time_step(lambda: runner.run("step", step, {"ids": ids, "mask": mask, "labels": labels}), device, steps, warmup)
     overlap = getattr(step, "overlap", None)
     row = {"model": model_name, "shape": f"{batch}x{seq}", "variant": variant, "world": world,
            "step_ms_p50": statistics.median(times), "step_ms_min": min(times), "replays": runner.stats.replays,
-           "buckets": len(overlap.buckets) if overlap else None,
+           "bucket_mb": bucket_mb if overlap else None, "buckets": len(overlap.buckets) if overlap else None,
            "buckets_sent_in_backward": overlap.launched_in_backward if overlap else None}
     step.close()
     return row
@@ -105,13 +106,17 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
             batch, seq = (int(x) for x in shape.split("x"))
             for _ in range(args.rounds):
                 for variant in VARIANTS:
-                    rows.append(run_variant(model_name, batch, seq, variant, device, world, args.steps, args.warmup))
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    for bucket_mb in (args.bucket_mb if variant == "sync-overlapped" else [args.bucket_mb[0]]):
+                        rows.append(run_variant(model_name, batch, seq, variant, device, world, args.steps, args.warmup,
+                                                bucket_mb))
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
     if rank == 0:
-        print(f"{'model':7} {'shape':7} {'variant':16} {'step ms p50':>11} {'min':>7} {'buckets':>7} {'in backward':>11}")
+        print(f"{'model':7} {'shape':7} {'variant':16} {'step ms p50':>11} {'min':>7} {'bucket MiB':>10} {'buckets':>7} "
+              f"{'in backward':>11}  (NCCL_MAX_NCHANNELS={os.environ.get('NCCL_MAX_NCHANNELS', 'unset')})")
         for r in rows:
             print(f"{r['model']:7} {r['shape']:7} {r['variant']:16} {r['step_ms_p50']:11.3f} {r['step_ms_min']:7.3f} "
+                  f"{r['bucket_mb'] if r['bucket_mb'] is not None else '-':>10} "
                   f"{r['buckets'] if r['buckets'] is not None else '-':>7} "
                   f"{r['buckets_sent_in_backward'] if r['buckets_sent_in_backward'] is not None else '-':>11}")
         if args.out:
@@ -129,6 +134,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2, help="the three variants this many times, interleaved")
+    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0],
+                        help="the overlapped sync's bucket size(s) in MiB, each timed (default 25, DDP's)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--world", type=int, default=None, help="processes (default: every GPU; 2 on CPU)")
     parser.add_argument("--out")

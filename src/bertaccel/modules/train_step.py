@@ -179,7 +179,8 @@ def build_train_step(
 
 def grad_sync_overlap_wanted() -> bool:
     """BERTACCEL_GRAD_SYNC_OVERLAP=1: a DDP step syncs its gradients bucket by bucket during the backward
-    (`OverlappedGradSync`); off by default until measured on 2 GPUs."""
+    (`OverlappedGradSync`). Off by default: on 2 H200s it made MiniLM's graphed DDP step 0.06-0.17 ms faster and
+    BERT-base's 0.24-0.38 ms slower (`benchmarks/bench_ddp_step.py`; README, "Several GPUs")."""
     return os.environ.get("BERTACCEL_GRAD_SYNC_OVERLAP", "0") == "1"
 
 
