@@ -8,7 +8,9 @@ in the same run, each step with CUDA events after a barrier (median over `--step
 
 - `no-sync`: the step without any all-reduce (what one GPU runs);
 - `sync-after`: one all-reduce per dtype after the backward (the default);
-- `sync-overlapped`: bucket by bucket from the backward's gradient hooks, on a side stream.
+- `sync-overlapped`: bucket by bucket from the backward's gradient hooks, on a side stream;
+- `sync-embedding-rows`: after the backward, the word embeddings' gradient summed by the rows the batch's ids touch
+  (`train_step.EmbeddingRowSync`, `BERTACCEL_EMBEDDING_ROW_SYNC=1`), the rest in one all-reduce per dtype.
 
     python -m benchmarks.bench_ddp_step [--models minilm base] [--shapes 32x256 16x512] [--out ddp_step.json]
 
@@ -30,7 +32,7 @@ MODELS = {
     "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536, vocab_size=30522),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522),
 }
-VARIANTS = ("no-sync", "sync-after", "sync-overlapped")
+VARIANTS = ("no-sync", "sync-after", "sync-overlapped", "sync-embedding-rows")
 
 
 def time_step(one_step, device: torch.device, steps: int, warmup: int) -> list[float]:
@@ -53,7 +55,7 @@ def run_variant(model_name: str, batch: int, seq: int, variant: str, device: tor
     from transformers import BertConfig, BertForSequenceClassification
 
     from bertaccel.modules.graphs import StepGraphs
-    from bertaccel.modules.train_step import all_reduce_grads, build_train_step, make_static_grads
+    from bertaccel.modules.train_step import EmbeddingRowSync, all_reduce_grads, build_train_step, make_static_grads
     from bertaccel.modules.weight_copies import Bf16WeightCopies
 
     torch.manual_seed(0)
@@ -74,9 +76,12 @@ def run_variant(model_name: str, batch: int, seq: int, variant: str, device: tor
         return {"loss": torch.nn.functional.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels)}
 
     synced = variant != "no-sync"
+    grad_sync = all_reduce_grads if synced else None
+    if variant == "sync-embedding-rows":
+        grad_sync = EmbeddingRowSync(model.get_input_embeddings().weight, batch * seq)
     step = build_train_step(forward, opt, copies=copies,
                             autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False),
-                            grad_sync=all_reduce_grads if synced else None, world_size=world if synced else 1,
+                            grad_sync=grad_sync, world_size=world if synced else 1, row_ids_input="ids",
                             overlap_order=list(model.parameters()) if variant == "sync-overlapped" else None,
                             bucket_bytes=int(bucket_mb * 2**20))
     runner = StepGraphs(variant, capture=cuda)
@@ -85,7 +90,8 @@ def run_variant(model_name: str, batch: int, seq: int, variant: str, device: tor
     row = {"model": model_name, "shape": f"{batch}x{seq}", "variant": variant, "world": world,
            "step_ms_p50": statistics.median(times), "step_ms_min": min(times), "replays": runner.stats.replays,
            "bucket_mb": bucket_mb if overlap else None, "buckets": len(overlap.buckets) if overlap else None,
-           "buckets_sent_in_backward": overlap.launched_in_backward if overlap else None}
+           "buckets_sent_in_backward": overlap.launched_in_backward if overlap else None,
+           "embedding_rows_only": grad_sync.rows_only if isinstance(grad_sync, EmbeddingRowSync) else None}
     step.close()
     return row
 
@@ -112,10 +118,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
     if rank == 0:
-        print(f"{'model':7} {'shape':7} {'variant':16} {'step ms p50':>11} {'min':>7} {'bucket MiB':>10} {'buckets':>7} "
+        print(f"{'model':7} {'shape':7} {'variant':19} {'step ms p50':>11} {'min':>7} {'bucket MiB':>10} {'buckets':>7} "
               f"{'in backward':>11}  (NCCL_MAX_NCHANNELS={os.environ.get('NCCL_MAX_NCHANNELS', 'unset')})")
         for r in rows:
-            print(f"{r['model']:7} {r['shape']:7} {r['variant']:16} {r['step_ms_p50']:11.3f} {r['step_ms_min']:7.3f} "
+            print(f"{r['model']:7} {r['shape']:7} {r['variant']:19} {r['step_ms_p50']:11.3f} {r['step_ms_min']:7.3f} "
                   f"{r['bucket_mb'] if r['bucket_mb'] is not None else '-':>10} "
                   f"{r['buckets'] if r['buckets'] is not None else '-':>7} "
                   f"{r['buckets_sent_in_backward'] if r['buckets_sent_in_backward'] is not None else '-':>11}")

@@ -200,10 +200,16 @@ def test_ddp_ranks_train_on_rows_of_one_length_group_at_each_step(tiny_config, t
 
 
 @pytest.mark.slow
-def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_backward(tiny_config, tmp_path):
+@pytest.mark.parametrize("switch, said", [("BERTACCEL_GRAD_SYNC_OVERLAP", "bucket by bucket during the backward"),
+                                          ("BERTACCEL_EMBEDDING_ROW_SYNC", "by the rows of the batch's token ids")],
+                         ids=["overlapped", "embedding-rows"])
+def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_backward(tiny_config, tmp_path, switch,
+                                                                                         said):
     """2 processes, bf16-mixed (bf16 weight copies, our fused AdamW: the path `BERTACCEL_GRAD_SYNC_OVERLAP=1`
     changes): the gradient all-reduce sent bucket by bucket from the backward's gradient hooks trains to the same
-    weights, bit for bit, as the one all-reduce after the backward (each gradient is summed once either way)."""
+    weights, bit for bit, as the one all-reduce after the backward (each gradient is summed once either way). So
+    does `BERTACCEL_EMBEDDING_ROW_SYNC=1`: the word embeddings' gradient summed by the rows the ranks' ids touch
+    (on 2 ranks each row's sum is a + b either way; the ranks' batches have different lengths)."""
     import os
 
     data = tmp_path / "even"
@@ -220,9 +226,9 @@ def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_
     def fit(name: str, overlap: bool) -> dict:
         cfg = tiny_config(name, epochs=1, dataset=str(data), val_size=64)
         out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600,
-                             env=dict(env, BERTACCEL_GRAD_SYNC_OVERLAP="1" if overlap else "0"))
+                             capture_output=True, text=True, timeout=600, env={**env, switch: "1" if overlap else "0"})
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        assert (said in out.stdout + out.stderr) == overlap, (out.stdout[-2000:], out.stderr[-3000:])
         return torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
 
     after, overlapped = fit("sync_after", False), fit("sync_overlapped", True)
@@ -412,6 +418,7 @@ def _two_gpu_fit(tmp_path: Path, name: str, graphs: bool, precision: str = "32-t
     out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", str(path)], cwd=tmp_path, capture_output=True,
                          text=True, timeout=600, env=env)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    (tmp_path / f"{name}.log").write_text(out.stdout + out.stderr)
     ckpt = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     (metrics,) = (tmp_path / "runs" / name).rglob("metrics.csv")
     with open(metrics) as f:
@@ -472,3 +479,21 @@ def test_ddp_graphed_bf16_steps_with_the_sync_overlapped_on_two_gpus(tmp_path):
         _replayed_on_both_ranks(tmp_path, name)
     assert overlapped["global_step"] == after["global_step"] == 24
     _assert_same_training(tmp_path, "sync_after", after, overlapped)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ddp_graphed_bf16_steps_with_the_embedding_rows_sync_on_two_gpus(tmp_path):
+    """2 GPUs, bf16-mixed: `BERTACCEL_EMBEDDING_ROW_SYNC=1` (the word embeddings' gradient summed by the rows the
+    ranks' ids touch: two all-gathers captured into the step's graph) trains as the whole-table all-reduce does, both
+    replaying graphs on both ranks."""
+    whole, _ = _two_gpu_fit(tmp_path, "table_whole", graphs=True, precision="bf16-mixed",
+                            env_extra={"BERTACCEL_EMBEDDING_ROW_SYNC": "0"})
+    rows, _ = _two_gpu_fit(tmp_path, "table_rows", graphs=True, precision="bf16-mixed",
+                           env_extra={"BERTACCEL_EMBEDDING_ROW_SYNC": "1"})
+    for name in ("table_whole", "table_rows"):
+        _replayed_on_both_ranks(tmp_path, name)
+    said = "summed over the ranks by the rows of the batch's token ids"
+    assert said in (tmp_path / "table_rows.log").read_text() and said not in (tmp_path / "table_whole.log").read_text()
+    assert rows["global_step"] == whole["global_step"] == 24
+    _assert_same_training(tmp_path, "table_whole", whole, rows)

@@ -39,7 +39,8 @@ from bertaccel.errors import CheckpointError, ConfigError
 from bertaccel.modules import sigterm_check
 from bertaccel.modules.bert import architecture_of
 from bertaccel.modules.graphs import StepGraphs
-from bertaccel.modules.train_step import all_reduce_grads, build_train_step, grad_sync_overlap_wanted, make_static_grads
+from bertaccel.modules.train_step import (EmbeddingRowSync, all_reduce_grads, build_train_step, embedding_row_sync_wanted,
+                                          grad_sync_overlap_wanted, make_static_grads)
 from bertaccel.modules.weight_copies import Bf16WeightCopies
 from bertaccel.optim.schedule import LinearWarmupDecay
 from bertaccel.step_logging import DeviceWindow, logs_step_metrics
@@ -823,13 +824,31 @@ class BertModule(pl.LightningModule):
             return cached
         world = self.trainer.world_size
         overlap = world > 1 and grad_sync_overlap_wanted()
+        grad_sync = all_reduce_grads if world > 1 else None
+        if world > 1 and self._accumulate == 1 and embedding_row_sync_wanted():
+            row_sync = self._embedding_row_sync()
+            grad_sync = row_sync or grad_sync
         step = build_train_step(self.step_outputs, self.optimizers().optimizer, copies=self._weight_copies,
                                 accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast,
-                                grad_sync=all_reduce_grads if world > 1 else None, world_size=world,
+                                grad_sync=grad_sync, world_size=world,
                                 grad_norm=self.log_grad_norm,
                                 overlap_order=list(self.parameters()) if overlap else None)
         self._train_fns[last] = step
         return step
+
+    def _embedding_row_sync(self) -> EmbeddingRowSync | None:
+        """The word embeddings' gradient summed by the batch's rows (BERTACCEL_EMBEDDING_ROW_SYNC=1), sized by the
+        datamodule's batch size x max length (block size); None where either is unknown or the table is frozen."""
+        dm = getattr(self.trainer, "datamodule", None)
+        batch = getattr(dm, "batch_size", None)
+        length = getattr(dm, "max_length", None) or getattr(dm, "block_size", None)
+        weight = self.model.get_input_embeddings().weight
+        if not (isinstance(batch, int) and isinstance(length, int)) or not weight.requires_grad:
+            rank_zero_info("bertaccel: BERTACCEL_EMBEDDING_ROW_SYNC=1 but the datamodule's batch_size and max_length "
+                           "(block_size) are not known, or the word embeddings are frozen: their gradient is "
+                           "all-reduced whole.")
+            return None
+        return EmbeddingRowSync(weight, batch * length)
 
     def _graphed_training_step(self, batch, batch_idx):
         if "train" not in self._graphs:

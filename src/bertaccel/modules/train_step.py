@@ -69,6 +69,7 @@ def build_train_step(
     grad_norm: bool = False,
     overlap_order: list[torch.Tensor] | None = None,
     bucket_bytes: int = 25 * 2**20,
+    row_ids_input: str | None = "input_ids",
 ) -> Callable[..., dict[str, torch.Tensor]]:
     """A step function `step(**inputs) -> {name: detached tensor}` for `StepGraphs`.
 
@@ -92,6 +93,8 @@ def build_train_step(
         synced bucket by bucket while the backward still runs (`OverlappedGradSync`, buckets of
         `bucket_bytes`) instead of in one call after it. The step function then has a `close()` that
         removes the gradient hooks.
+    row_ids_input: the input holding the batch's token ids, handed to a `grad_sync` that is an `EmbeddingRowSync`
+        before each backward.
 
     Every parameter of `optimizer` that requires grad must have its static `.grad` buffer already.
     """
@@ -100,6 +103,9 @@ def build_train_step(
     if missing:
         raise RuntimeError(f"build_train_step: {missing} parameters have no static .grad buffer; "
                            "make them (zeros) before building the step")
+    if accumulate > 1 and isinstance(grad_sync, EmbeddingRowSync):
+        raise ValueError("EmbeddingRowSync needs accumulate == 1: the table's gradient would hold the rows of every "
+                         "micro-batch, the ids only the last one's")
     scale = 1.0 / (accumulate * world_size)
     fused = fused_copies_update and copies and accumulate == 1 and clip is None and fusable_adamw(optimizer, copies)
     copied = {id(m) for m in copies.masters} if copies else set()
@@ -133,6 +139,8 @@ def build_train_step(
             out = forward(**inputs)
         if overlap is not None:
             overlap.start()
+        if row_ids_input is not None and isinstance(grad_sync, EmbeddingRowSync):
+            grad_sync.ids = inputs[row_ids_input]
         (out["loss"] * scale if scale != 1.0 else out["loss"]).backward()
         if fused:
             if overlap is not None:
@@ -320,6 +328,91 @@ def all_reduce_grads(grads: list[torch.Tensor], group: Any = None) -> None:
         flat = torch.cat([g.reshape(-1) for g in same])
         dist.all_reduce(flat, group=group)
         torch._foreach_copy_(same, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in same]), same)])
+
+
+def embedding_row_sync_wanted() -> bool:
+    """BERTACCEL_EMBEDDING_ROW_SYNC=1: a graphed DDP step sums the word embeddings' gradient over the ranks by the
+    rows its batch's token ids touch (`EmbeddingRowSync`) instead of all-reducing the whole table."""
+    return os.environ.get("BERTACCEL_EMBEDDING_ROW_SYNC", "0") == "1"
+
+
+class EmbeddingRowSync:
+    """`all_reduce_grads` for a step whose largest gradient is an embedding table's: the table's gradient is summed
+    over the ranks by the rows the batch's token ids touch; the other gradients go to `reduce` as before.
+
+    A rank's gradient of a word-embedding table that only the embedding lookup reads is zero outside the rows of
+    its batch's ids: 8,192 ids (32 x 256) touch at most 8,192 of BERT's 30,522 rows, and the table's fp32 gradient
+    is most of a small model's gradient bytes (47 of MiniLM's 69 MB). Each rank gathers every rank's ids and those
+    rows (two all-gathers of `max_ids` ids and rows: the same sizes on every rank and at every step, as a captured
+    collective needs; a shorter batch's ids are padded with its first id, whose row is then sent twice and written
+    twice with the same value), zeroes its own rows, and adds the ranks' rows in rank order: the same fp32 sums on
+    every rank, each row summed once.
+
+    Whether the table's gradient really is zero outside the ids (a table tied to an output layer, as a masked-LM's
+    decoder, gets a gradient in every row) is checked on the first sync outside a CUDA-graph capture, the ranks
+    agreeing (one all-reduce, one host read); where it is not, or where that first sync is a capture, every later
+    sync all-reduces the whole table as before. `ids` is set by the step before each sync (the batch's token ids).
+    """
+
+    def __init__(self, weight: torch.Tensor, max_ids: int, reduce: Callable[[list[torch.Tensor]], None] | None = None,
+                 group: Any = None) -> None:
+        self.weight, self.max_ids, self.group = weight, int(max_ids), group
+        self.reduce = reduce or (lambda grads: all_reduce_grads(grads, group))
+        self.ids: torch.Tensor | None = None
+        self.rows_only: bool | None = None  # decided at the first sync (None: not yet)
+
+    def __call__(self, grads: list[torch.Tensor]) -> None:
+        g = self.weight.grad
+        rest = [x for x in grads if x is not g]
+        if g is None or self.ids is None or len(rest) == len(grads) or self.rows_only is False:
+            self.reduce(grads)
+            return
+        ids = self.ids.reshape(-1)
+        if ids.numel() > self.max_ids:
+            raise RuntimeError(f"EmbeddingRowSync: a batch of {ids.numel()} token ids, more than the {self.max_ids} "
+                               "the step was built for (batch size x max length); every rank must send the same count")
+        if self.rows_only is None:
+            self.rows_only = self._decide(g, ids)
+            if not self.rows_only:
+                self.reduce(grads)
+                return
+        if rest:
+            self.reduce(rest)
+        self._sum_rows(g, ids)
+
+    def _decide(self, g: torch.Tensor, ids: torch.Tensor) -> bool:
+        import torch.distributed as dist
+
+        if g.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        outside = torch.ones(g.shape[0], dtype=torch.bool, device=g.device)
+        outside[ids] = False
+        ok = torch.tensor([float(g.dim() == 2 and not bool(g[outside].any()))], device=g.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        rows_only = bool(ok.item())
+        if dist.get_rank(self.group) == 0:
+            print("bertaccel: the word embeddings' gradient is summed over the ranks by the rows of the batch's token "
+                  f"ids ({self.max_ids} a rank)" if rows_only else "bertaccel: the word embeddings' gradient has rows "
+                  "outside the batch's token ids (a tied output layer?): it is all-reduced whole", flush=True)
+        return rows_only
+
+    def _sum_rows(self, g: torch.Tensor, ids: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size(self.group)
+        n = self.max_ids
+        if ids.numel() < n:  # pad with the first id: its row is sent again and written again with the same sum
+            ids = torch.cat([ids, ids[:1].expand(n - ids.numel())])
+        ids = ids.contiguous()
+        rows = g.index_select(0, ids)
+        all_ids = torch.empty(world * n, dtype=ids.dtype, device=ids.device)
+        all_rows = torch.empty(world * n, g.shape[1], dtype=g.dtype, device=g.device)
+        dist.all_gather_into_tensor(all_ids, ids, group=self.group)
+        dist.all_gather_into_tensor(all_rows, rows, group=self.group)
+        g.index_fill_(0, ids, 0)
+        for r in range(world):  # rank order on every rank: the same sums everywhere
+            i = all_ids[r * n:(r + 1) * n]
+            g.index_copy_(0, i, g.index_select(0, i) + all_rows[r * n:(r + 1) * n])
 
 
 def make_static_grads(params) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:

@@ -1,0 +1,83 @@
+"""The word embeddings' gradient summed over the ranks by the rows the batch's ids touch (train_step.EmbeddingRowSync),
+on 2 gloo processes: the same sums as the whole-table all-reduce, bit for bit, on every rank; whole-table where the
+gradient has rows outside the ids (a tied output layer); a batch with more ids than built for is an error."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bertaccel.modules.train_step import EmbeddingRowSync, all_reduce_grads
+
+VOCAB, HIDDEN, MAX_IDS = 50, 6, 24
+
+
+def _rank_grads(rank: int, n_ids: int, dense: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s batch ids (repeats included), its table gradient (zero outside the ids unless `dense`), and a
+    second gradient that is not the table's."""
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, VOCAB // 2 + 10 * rank, (n_ids,), generator=g)  # overlapping, not equal, sets
+    ids[3] = ids[0]  # a repeated id
+    table = torch.zeros(VOCAB, HIDDEN)
+    table.index_add_(0, ids, torch.randn(n_ids, HIDDEN, generator=g))
+    if dense:
+        table += torch.randn(VOCAB, HIDDEN, generator=g) * 1e-3
+    return ids.view(2, -1), table, torch.randn(7, generator=g)
+
+
+def _worker(rank: int, world: int, init: str, out: str, dense: bool) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    n_ids = MAX_IDS - 4 * rank  # ranks with different batch shapes
+    ids, table, other = _rank_grads(rank, n_ids, dense)
+    weight = torch.nn.Parameter(torch.zeros(VOCAB, HIDDEN))
+    results = {}
+    for name in ("rows", "whole"):
+        weight.grad = table.clone()
+        second = other.clone()
+        if name == "rows":
+            sync = EmbeddingRowSync(weight, MAX_IDS)
+            for _ in range(2):  # the first call decides, the second runs as decided (on fresh copies)
+                weight.grad, second = table.clone(), other.clone()
+                sync.ids = ids
+                sync([second, weight.grad])
+            results["rows_only"] = sync.rows_only
+        else:
+            all_reduce_grads([second, weight.grad])
+        results[name] = (weight.grad.clone(), second)
+    too_many = EmbeddingRowSync(weight, 4)
+    too_many.ids = ids
+    try:
+        too_many([weight.grad])
+        results["too_many"] = None
+    except RuntimeError as e:
+        results["too_many"] = str(e)
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, dense: bool) -> list[dict]:
+    out = str(tmp_path / "out")
+    mp.start_processes(_worker, args=(2, f"file://{tmp_path / 'pg'}", out, dense), nprocs=2, start_method="spawn")
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+
+
+def test_rows_of_the_ids_sum_as_the_whole_table_all_reduce_on_every_rank(tmp_path):
+    ranks = _run(tmp_path, dense=False)
+    expected = sum(_rank_grads(r, MAX_IDS - 4 * r, False)[1] for r in range(2))
+    for res in ranks:
+        assert res["rows_only"] is True
+        rows, second = res["rows"]
+        whole, whole_second = res["whole"]
+        torch.testing.assert_close(rows, whole, rtol=0, atol=0)  # 2 ranks: a + b either way
+        torch.testing.assert_close(rows, expected, rtol=0, atol=0)
+        torch.testing.assert_close(second, whole_second, rtol=0, atol=0)  # the other gradients all-reduced as before
+        assert "more than the 4" in res["too_many"]
+    torch.testing.assert_close(ranks[0]["rows"][0], ranks[1]["rows"][0], rtol=0, atol=0)
+
+
+def test_a_gradient_outside_the_ids_is_all_reduced_whole(tmp_path):
+    ranks = _run(tmp_path, dense=True)
+    for res in ranks:
+        assert res["rows_only"] is False
+        torch.testing.assert_close(res["rows"][0], res["whole"][0], rtol=0, atol=0)
