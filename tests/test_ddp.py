@@ -200,16 +200,19 @@ def test_ddp_ranks_train_on_rows_of_one_length_group_at_each_step(tiny_config, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("switch, said", [("BERTACCEL_GRAD_SYNC_OVERLAP", "bucket by bucket during the backward"),
-                                          ("BERTACCEL_EMBEDDING_ROW_SYNC", "by the rows of the batch's token ids")],
-                         ids=["overlapped", "embedding-rows"])
-def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_backward(tiny_config, tmp_path, switch,
+@pytest.mark.parametrize("switches, said", [
+    (["BERTACCEL_GRAD_SYNC_OVERLAP"], "bucket by bucket during the backward"),
+    (["BERTACCEL_EMBEDDING_ROW_SYNC"], "by the rows of the batch's token ids"),
+    (["BERTACCEL_GRAD_SYNC_OVERLAP", "BERTACCEL_EMBEDDING_ROW_SYNC"], "by the rows of the batch's token ids"),
+], ids=["overlapped", "embedding-rows", "overlapped-embedding-rows"])
+def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_backward(tiny_config, tmp_path, switches,
                                                                                          said):
     """2 processes, bf16-mixed (bf16 weight copies, our fused AdamW: the path `BERTACCEL_GRAD_SYNC_OVERLAP=1`
     changes): the gradient all-reduce sent bucket by bucket from the backward's gradient hooks trains to the same
     weights, bit for bit, as the one all-reduce after the backward (each gradient is summed once either way). So
     does `BERTACCEL_EMBEDDING_ROW_SYNC=1`: the word embeddings' gradient summed by the rows the ranks' ids touch
-    (on 2 ranks each row's sum is a + b either way; the ranks' batches have different lengths)."""
+    (on 2 ranks each row's sum is a + b either way; the ranks' batches have different lengths), and both together
+    (the table's bucket, the last, summed by its rows from the backward's hooks)."""
     import os
 
     data = tmp_path / "even"
@@ -226,7 +229,7 @@ def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_
     def fit(name: str, overlap: bool) -> dict:
         cfg = tiny_config(name, epochs=1, dataset=str(data), val_size=64)
         out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600, env={**env, switch: "1" if overlap else "0"})
+                             capture_output=True, text=True, timeout=600, env={**env, **{k: "1" if overlap else "0" for k in switches}})
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
         assert (said in out.stdout + out.stderr) == overlap, (out.stdout[-2000:], out.stderr[-3000:])
         return torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
