@@ -326,6 +326,7 @@ if has ddp_step; then  # 2 GPUs: the graphed step with no sync / the sync after 
 fi
 if has ddp_scaling; then  # 2 GPUs: recommended.yaml on 1 GPU and on 2 (DDP), MiniLM IMDB one epoch and BERT-base (random init, 512,
   # grouped by length) 300 batches; SCALING_RUNS= picks (minilm1 minilm2 base1 base2), SCALING_ENV= e.g. "BERTACCEL_GRAD_SYNC_OVERLAP=1"
+  # or "BERTACCEL_EMBEDDING_ROW_SYNC=1", SCALING_TAG= a suffix for the runs' names (else a rerun replaces the first's files)
   MI=(-c configs/imdb_minilm.yaml -c configs/presets/recommended.yaml --data.init_args.dataset .carry/imdb
       --model.init_args.pretrained .carry/minilm --data.init_args.tokenizer .carry/minilm --data.init_args.val_size 500
       --throughput.enabled true --trainer.max_epochs 1)
@@ -335,11 +336,13 @@ if has ddp_scaling; then  # 2 GPUs: recommended.yaml on 1 GPU and on 2 (DDP), Mi
   for run in ${SCALING_RUNS:-minilm1 minilm2 base1 base2}; do
     n=${run: -1}; strategy=ddp; [ "$n" = 1 ] && strategy=auto
     if [[ $run == minilm* ]]; then args=("${MI[@]}"); else args=("${BB[@]}"); fi
+    name=scaling_$run${SCALING_TAG:+_$SCALING_TAG}  # SCALING_TAG= names a second set of runs (e.g. one under SCALING_ENV)
+    rm -rf runs/$name  # this run's stats, not an earlier run's of the same name (version_0 would be the first one's)
     env ${SCALING_ENV:-} timeout ${MULTI_TIMEOUT:-200} python -m bertaccel fit "${args[@]}" --trainer.devices $n --trainer.strategy $strategy \
-      --trainer.logger.init_args.name scaling_$run > "$OUT/scaling_$run.log" 2>&1
-    echo "$run rc=$?"; cp runs/scaling_$run/version_0/benchmark_stats.json "$OUT/scaling_${run}_stats.json" 2>/dev/null
-    grep -E "test/acc|CUDA graphs off|Error" "$OUT/scaling_$run.log" | cut -c1-200 | head -3
-    train_stats "$OUT/scaling_${run}_stats.json" world_size samples_per_s step_ms_p50 step_ms_mean padding_fraction gpu_step_fraction data_wait_ms_mean
+      --trainer.logger.init_args.name $name > "$OUT/$name.log" 2>&1
+    echo "$run ${SCALING_ENV:-} rc=$?"; cp runs/$name/version_0/benchmark_stats.json "$OUT/${name}_stats.json" 2>/dev/null
+    grep -E "test/acc|CUDA graphs off|Error|summed over the ranks" "$OUT/$name.log" | cut -c1-200 | head -4
+    train_stats "$OUT/${name}_stats.json" world_size samples_per_s step_ms_p50 step_ms_mean padding_fraction gpu_step_fraction data_wait_ms_mean
   done
 fi
 if has grad_sync; then  # issue 12 (2+ GPUs): the graphed DDP step's gradient all-reduce, eager / graphed / NCCL floor
