@@ -3,14 +3,15 @@
 
 One process per GPU (NCCL). Each rank runs the graphed step body `bertaccel fit` runs
 (`train_step.build_train_step`: bf16 weight copies, our AdamW, captured by `StepGraphs` and replayed) of an HF
-BERT classifier (random init, SDPA, the same seeded batch on every rank, full length), in three variants timed
+BERT classifier (random init, SDPA, the same seeded batch on every rank, full length), in five variants timed
 in the same run, each step with CUDA events after a barrier (median over `--steps`):
 
 - `no-sync`: the step without any all-reduce (what one GPU runs);
 - `sync-after`: one all-reduce per dtype after the backward (the default);
 - `sync-overlapped`: bucket by bucket from the backward's gradient hooks, on a side stream;
 - `sync-embedding-rows`: after the backward, the word embeddings' gradient summed by the rows the batch's ids touch
-  (`train_step.EmbeddingRowSync`, `BERTACCEL_EMBEDDING_ROW_SYNC=1`), the rest in one all-reduce per dtype.
+  (`train_step.EmbeddingRowSync`, `BERTACCEL_EMBEDDING_ROW_SYNC=1`), the rest in one all-reduce per dtype;
+- `sync-overlapped-embedding-rows`: both (the table's bucket, ready last, summed by its rows).
 
     python -m benchmarks.bench_ddp_step [--models minilm base] [--shapes 32x256 16x512] [--out ddp_step.json]
 
@@ -32,7 +33,7 @@ MODELS = {
     "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536, vocab_size=30522),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522),
 }
-VARIANTS = ("no-sync", "sync-after", "sync-overlapped", "sync-embedding-rows")
+VARIANTS = ("no-sync", "sync-after", "sync-overlapped", "sync-embedding-rows", "sync-overlapped-embedding-rows")
 
 
 def time_step(one_step, device: torch.device, steps: int, warmup: int) -> list[float]:
@@ -77,12 +78,12 @@ def run_variant(model_name: str, batch: int, seq: int, variant: str, device: tor
 
     synced = variant != "no-sync"
     grad_sync = all_reduce_grads if synced else None
-    if variant == "sync-embedding-rows":
+    if variant.endswith("embedding-rows"):
         grad_sync = EmbeddingRowSync(model.get_input_embeddings().weight, batch * seq)
     step = build_train_step(forward, opt, copies=copies,
                             autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False),
                             grad_sync=grad_sync, world_size=world if synced else 1, row_ids_input="ids",
-                            overlap_order=list(model.parameters()) if variant == "sync-overlapped" else None,
+                            overlap_order=list(model.parameters()) if variant.startswith("sync-overlapped") else None,
                             bucket_bytes=int(bucket_mb * 2**20))
     runner = StepGraphs(variant, capture=cuda)
     times = time_step(lambda: runner.run("step", step, {"ids": ids, "mask": mask, "labels": labels}), device, steps, warmup)
@@ -112,16 +113,16 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
             batch, seq = (int(x) for x in shape.split("x"))
             for _ in range(args.rounds):
                 for variant in VARIANTS:
-                    for bucket_mb in (args.bucket_mb if variant == "sync-overlapped" else [args.bucket_mb[0]]):
+                    for bucket_mb in (args.bucket_mb if variant.startswith("sync-overlapped") else [args.bucket_mb[0]]):
                         rows.append(run_variant(model_name, batch, seq, variant, device, world, args.steps, args.warmup,
                                                 bucket_mb))
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
     if rank == 0:
-        print(f"{'model':7} {'shape':7} {'variant':19} {'step ms p50':>11} {'min':>7} {'bucket MiB':>10} {'buckets':>7} "
+        print(f"{'model':7} {'shape':7} {'variant':30} {'step ms p50':>11} {'min':>7} {'bucket MiB':>10} {'buckets':>7} "
               f"{'in backward':>11}  (NCCL_MAX_NCHANNELS={os.environ.get('NCCL_MAX_NCHANNELS', 'unset')})")
         for r in rows:
-            print(f"{r['model']:7} {r['shape']:7} {r['variant']:19} {r['step_ms_p50']:11.3f} {r['step_ms_min']:7.3f} "
+            print(f"{r['model']:7} {r['shape']:7} {r['variant']:30} {r['step_ms_p50']:11.3f} {r['step_ms_min']:7.3f} "
                   f"{r['bucket_mb'] if r['bucket_mb'] is not None else '-':>10} "
                   f"{r['buckets'] if r['buckets'] is not None else '-':>7} "
                   f"{r['buckets_sent_in_backward'] if r['buckets_sent_in_backward'] is not None else '-':>11}")
@@ -139,7 +140,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["32x256", "16x512"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2, help="the three variants this many times, interleaved")
+    parser.add_argument("--rounds", type=int, default=2, help="the variants this many times, interleaved")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0],
                         help="the overlapped sync's bucket size(s) in MiB, each timed (default 25, DDP's)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

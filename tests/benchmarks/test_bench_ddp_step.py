@@ -19,8 +19,9 @@ def test_cpu_run_times_every_variant(tmp_path):
                           env={**__import__("os").environ, "PYTHONPATH": f"{root / 'src'}:{root}"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["no-sync", "sync-after", "sync-overlapped", "sync-embedding-rows"]
+    assert [r["variant"] for r in rows] == ["no-sync", "sync-after", "sync-overlapped", "sync-embedding-rows",
+                                               "sync-overlapped-embedding-rows"]
     assert all(r["step_ms_p50"] > 0 and r["world"] == 2 for r in rows)
     overlapped = rows[2]
     assert overlapped["buckets"] >= 1 and overlapped["buckets_sent_in_backward"] >= 1
-    assert rows[3]["embedding_rows_only"] is True  # the classifier's word embeddings: a gradient in the batch's rows only
+    assert rows[3]["embedding_rows_only"] is rows[4]["embedding_rows_only"] is True  # the classifier's word embeddings: a gradient in the batch's rows only
