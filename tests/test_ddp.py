@@ -240,6 +240,51 @@ def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_
         torch.testing.assert_close(overlapped["state_dict"][k], v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.slow
+def test_ddp_masked_lm_with_the_embedding_rows_sync_all_reduces_the_tied_table_whole(tmp_path):
+    """A masked-LM's word embeddings are tied to its decoder, whose gradient reaches every row: with
+    `BERTACCEL_EMBEDDING_ROW_SYNC=1` the first sync finds rows outside the batch's ids, says so, and all-reduces the
+    table whole - the graph-mode DDP fit (2 processes) ends with the weights of the fit without the switch, bit for bit
+    (summing only the batch's rows would have dropped the decoder's gradient elsewhere)."""
+    import os
+
+    import yaml
+
+    from tests.conftest import TINY_BERT
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"the film number {i} was {'good' if i % 2 else 'bad'} and long, said the critic"
+                                for i in range(400)))
+    cfg = {
+        "seed_everything": 5,
+        "trainer": {"max_epochs": 1, "log_every_n_steps": 1, "enable_model_summary": False, "limit_train_batches": 6,
+                    "limit_val_batches": 0, "callbacks": [{"class_path": "tests.test_ddp.GraphLoopOnCPU"}]},
+        "model": {"class_path": "bertaccel.modules.BertMLM",
+                  "init_args": {"config": TINY_BERT, "lr": 3e-3, "warmup_ratio": 0.1, "cuda_graphs": True}},
+        "data": {"class_path": "bertaccel.data.MLMDataModule",
+                 "init_args": {"train_files": [str(corpus)], "tokenizer": "sample:sentiment", "block_size": 32,
+                               "batch_size": 8, "val_size": 0.1}},
+    }
+    path = tmp_path / "mlm.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    states, said = {}, {}
+    for rows in ("0", "1"):
+        name = f"mlm_rows{rows}"
+        out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", str(path), *DDP,
+                              "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+                              "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+                              "--trainer.logger.init_args.name", name], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600, env={**env, "BERTACCEL_EMBEDDING_ROW_SYNC": rows})
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        said[rows] = out.stdout + out.stderr
+        states[rows] = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
+    assert "all-reduced whole" in said["1"] and "all-reduced whole" not in said["0"]
+    assert states["1"]["global_step"] == states["0"]["global_step"] > 0
+    for k, v in states["0"]["state_dict"].items():
+        torch.testing.assert_close(states["1"]["state_dict"][k], v, rtol=0, atol=0, msg=k)
+
+
 class SigtermOnRank0(Callback):
     """Sends SIGTERM to rank 0's own process at its third training batch (as a scheduler's preemption
     notice would) and records, per rank, every training batch that started (SIGTERM_TEST_DIR). With
