@@ -25,7 +25,10 @@ all-reduce per gradient dtype of one flat buffer, captured with the rest of the 
 after the backward and before clipping and the update; the loss is scaled by 1 / world size first, so
 the sum is the mean DDP would hand the optimizer. Under accumulation only the last micro-step syncs.
 The gradients are reduced in the dtype they have: the bf16 copies' gradients in bf16 (as DDP's
-`bf16_compress_hook` does), the rest in fp32.
+`bf16_compress_hook` does), the rest in fp32. Two opt-in variants (read when the step is built):
+BERTACCEL_GRAD_SYNC_OVERLAP=1 sends the fused path's gradients bucket by bucket from the backward's
+gradient hooks (`OverlappedGradSync`), and BERTACCEL_EMBEDDING_ROW_SYNC=1 sums the word embeddings'
+gradient by the rows the ranks' token ids touch instead of the whole table (`EmbeddingRowSync`).
 
 AdamW on the copied weights in one pass (`fused_copies_update`): with bf16 copies, no accumulation,
 no clipping and PyTorch's AdamW (no amsgrad, not maximize), the masters are updated by
