@@ -4,6 +4,7 @@ gradient has rows outside the ids (a tied output layer); a batch with more ids t
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -81,3 +82,45 @@ def test_a_gradient_outside_the_ids_is_all_reduced_whole(tmp_path):
     for res in ranks:
         assert res["rows_only"] is False
         torch.testing.assert_close(res["rows"][0], res["whole"][0], rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_rows_sum_captures_into_a_cuda_graph(tmp_path):
+    """One GPU, an NCCL group of one rank: the first sync (eager) decides, the second is captured - two all-gathers and
+    the row updates - and each replay sums the table's rows of the ids in the static buffers as they are then (one rank:
+    the sum is its own gradient, every row written back through the gathered copy)."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        weight = torch.nn.Parameter(torch.zeros(VOCAB, HIDDEN, device="cuda"))
+        ids = torch.randint(0, VOCAB, (2, 10), device="cuda")
+        weight.grad = torch.zeros(VOCAB, HIDDEN, device="cuda")
+        other = torch.randn(5, device="cuda")
+        sync = EmbeddingRowSync(weight, MAX_IDS)
+        sync.ids = ids
+
+        def fill(seed: int) -> torch.Tensor:
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            ids.copy_(torch.randint(0, VOCAB, ids.shape, device="cuda", generator=g))
+            weight.grad.zero_().index_add_(0, ids.view(-1), torch.randn(ids.numel(), HIDDEN, device="cuda", generator=g))
+            return weight.grad.clone()
+
+        fill(0)
+        sync([other, weight.grad])
+        assert sync.rows_only is True
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            sync([other, weight.grad])  # a warm-up on the capture's stream
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            sync([other, weight.grad])
+        for seed in (1, 2):
+            expected = fill(seed)
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(weight.grad, expected, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
