@@ -317,7 +317,7 @@ if has multi_gpu; then  # issue 12 (nvidia-h200-x2): MiniLM IMDB fit + test on 1
   echo "fsdp bert-base rc=$?"; grep -E "test/acc|throughput \(|Error" "$OUT/fsdp_base.log" | cut -c1-300 | head -5; fi
 fi
 if has ddp_tests; then  # 2 GPUs: the NCCL cuda tests of tests/test_ddp.py (graphed DDP vs eager DDP; the overlapped sync)
-  BERTACCEL_FAILURE_LOG="$OUT/ddp_test_failures.log" timeout ${DDP_TESTS_TIMEOUT:-300} python -u -m pytest -m cuda tests/test_ddp.py tests/modules/test_embedding_row_sync.py -q -p no:cacheprovider --durations=4 > "$OUT/ddp_tests.log" 2>&1
+  BERTACCEL_FAILURE_LOG="$OUT/ddp_test_failures.log" timeout ${DDP_TESTS_TIMEOUT:-420} python -u -m pytest -m cuda tests/test_ddp.py tests/modules/test_embedding_row_sync.py -q -p no:cacheprovider --durations=4 > "$OUT/ddp_tests.log" 2>&1
   echo "ddp tests rc=$?"; grep -E "^FAILED|^E  |passed|failed|s call" "$OUT/ddp_tests.log" | head -20
 fi
 if has ddp_step; then  # 2 GPUs: the graphed step with no sync / the sync after the backward / the overlapped sync (benchmarks/bench_ddp_step.py)
