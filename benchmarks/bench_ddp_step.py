@@ -103,7 +103,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     if args.device == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        options = None
+        if args.nccl_high_priority:  # the process group's NCCL stream at high priority (its kernels' blocks go first)
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device, pg_options=options)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -120,7 +124,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                             torch.cuda.empty_cache()
     if rank == 0:
         print(f"{'model':7} {'shape':7} {'variant':30} {'step ms p50':>11} {'min':>7} {'bucket MiB':>10} {'buckets':>7} "
-              f"{'in backward':>11}  (NCCL_MAX_NCHANNELS={os.environ.get('NCCL_MAX_NCHANNELS', 'unset')})")
+              f"{'in backward':>11}  (NCCL_MAX_NCHANNELS={os.environ.get('NCCL_MAX_NCHANNELS', 'unset')}, "
+              f"high-priority stream: {args.nccl_high_priority})")
         for r in rows:
             print(f"{r['model']:7} {r['shape']:7} {r['variant']:30} {r['step_ms_p50']:11.3f} {r['step_ms_min']:7.3f} "
                   f"{r['bucket_mb'] if r['bucket_mb'] is not None else '-':>10} "
@@ -143,6 +148,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="the variants this many times, interleaved")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0],
                         help="the overlapped sync's bucket size(s) in MiB, each timed (default 25, DDP's)")
+    parser.add_argument("--nccl-high-priority", action="store_true",
+                        help="NCCL's stream at high priority (ProcessGroupNCCL.Options.is_high_priority_stream)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--world", type=int, default=None, help="processes (default: every GPU; 2 on CPU)")
     parser.add_argument("--out")
