@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bertaccel.modules.train_step import EmbeddingRowSync, all_reduce_grads
+from bertaccel.modules.train_step import EmbeddingRowSync, all_reduce_grads, embedding_rows_pay
 
 VOCAB, HIDDEN, MAX_IDS = 50, 6, 24
 
@@ -75,6 +75,12 @@ def test_rows_of_the_ids_sum_as_the_whole_table_all_reduce_on_every_rank(tmp_pat
         torch.testing.assert_close(second, whole_second, rtol=0, atol=0)  # the other gradients all-reduced as before
         assert "more than the 4" in res["too_many"]
     torch.testing.assert_close(ranks[0]["rows"][0], ranks[1]["rows"][0], rtol=0, atol=0)
+
+
+def test_the_rows_pay_while_the_ranks_gather_fewer_bytes_than_the_all_reduce_moves():
+    assert embedding_rows_pay(2, 8192, 30522) and embedding_rows_pay(7, 8192, 30522)  # 57,344 < 61,044
+    assert not embedding_rows_pay(8, 8192, 30522)  # 65,536 rows gathered a rank > 2 tables' worth
+    assert embedding_rows_pay(2, 16384, 30522) and not embedding_rows_pay(4, 16384, 30522)  # 32 x 512 a rank
 
 
 def test_a_gradient_outside_the_ids_is_all_reduced_whole(tmp_path):

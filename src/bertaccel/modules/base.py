@@ -40,7 +40,7 @@ from bertaccel.modules import sigterm_check
 from bertaccel.modules.bert import architecture_of
 from bertaccel.modules.graphs import StepGraphs
 from bertaccel.modules.train_step import (EmbeddingRowSync, all_reduce_grads, build_train_step, embedding_row_sync_wanted,
-                                          grad_sync_overlap_wanted, make_static_grads)
+                                          embedding_rows_pay, grad_sync_overlap_wanted, make_static_grads)
 from bertaccel.modules.weight_copies import Bf16WeightCopies
 from bertaccel.optim.schedule import LinearWarmupDecay
 from bertaccel.step_logging import DeviceWindow, logs_step_metrics
@@ -848,7 +848,13 @@ class BertModule(pl.LightningModule):
                            "(block_size) are not known, or the word embeddings are frozen: their gradient is "
                            "all-reduced whole.")
             return None
-        return EmbeddingRowSync(weight, batch * length)
+        world, rows = self.trainer.world_size, batch * length
+        if not embedding_rows_pay(world, rows, weight.shape[0]):
+            rank_zero_info(f"bertaccel: BERTACCEL_EMBEDDING_ROW_SYNC=1, but {world} ranks x {rows} ids a rank would "
+                           f"gather more bytes than the all-reduce of the {weight.shape[0]}-row table moves: it is "
+                           "all-reduced whole.")
+            return None
+        return EmbeddingRowSync(weight, rows)
 
     def _graphed_training_step(self, batch, batch_idx):
         if "train" not in self._graphs:

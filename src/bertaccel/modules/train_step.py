@@ -339,6 +339,13 @@ def embedding_row_sync_wanted() -> bool:
     return os.environ.get("BERTACCEL_EMBEDDING_ROW_SYNC", "0") == "1"
 
 
+def embedding_rows_pay(world: int, rows: int, vocab: int) -> bool:
+    """Whether gathering `rows` ids' rows from each of `world` ranks moves fewer bytes than all-reducing the
+    `vocab`-row table: a ring all-reduce sends 2 (W - 1) / W tables a rank, the all-gather (W - 1) x rows rows, so the
+    rows pay while W x rows < 2 x vocab (BERT's 30,522 rows, 8,192 ids a rank: up to 7 ranks)."""
+    return world * rows < 2 * vocab
+
+
 class EmbeddingRowSync:
     """`all_reduce_grads` for a step whose largest gradient is an embedding table's: the table's gradient is summed
     over the ranks by the rows the batch's token ids touch; the other gradients go to `reduce` as before.
