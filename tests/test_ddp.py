@@ -113,8 +113,10 @@ class GraphLoopOnCPU(Callback):
         from bertaccel.modules.sigterm_check import LaggedSigtermCheck
 
         steps = pl_module.graph_stats().get("train", {}).get("eager_steps")
-        if pl_module.automatic_optimization or steps != trainer.global_step:
-            raise RuntimeError(f"the graph-mode loop did not run every step ({steps} of {trainer.global_step})")
+        # one step function call a batch: the optimizer steps, or under accumulation the micro-batches
+        expected = trainer.global_step if pl_module._accumulate == 1 else trainer.fit_loop.epoch_loop.total_batch_idx + 1
+        if pl_module.automatic_optimization or steps != expected:
+            raise RuntimeError(f"the graph-mode loop did not run every step ({steps} of {expected})")
         lagged = isinstance(trainer.fit_loop.epoch_loop.__dict__.get("_broadcast_sigterm_tensor"), LaggedSigtermCheck)
         if lagged != (os.environ.get("BERTACCEL_LAGGED_SIGTERM", "1") != "0"):
             raise RuntimeError(f"the lagged SIGTERM check installed: {lagged}, asked for: {not lagged}")
@@ -200,19 +202,21 @@ def test_ddp_ranks_train_on_rows_of_one_length_group_at_each_step(tiny_config, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("switches, said", [
-    (["BERTACCEL_GRAD_SYNC_OVERLAP"], "bucket by bucket during the backward"),
-    (["BERTACCEL_EMBEDDING_ROW_SYNC"], "by the rows of the batch's token ids"),
-    (["BERTACCEL_GRAD_SYNC_OVERLAP", "BERTACCEL_EMBEDDING_ROW_SYNC"], "by the rows of the batch's token ids"),
-], ids=["overlapped", "embedding-rows", "overlapped-embedding-rows"])
+@pytest.mark.parametrize("switches, said, accumulate", [
+    (["BERTACCEL_GRAD_SYNC_OVERLAP"], "bucket by bucket during the backward", 1),
+    (["BERTACCEL_EMBEDDING_ROW_SYNC"], "by the rows of the batch's token ids", 1),
+    (["BERTACCEL_GRAD_SYNC_OVERLAP", "BERTACCEL_EMBEDDING_ROW_SYNC"], "by the rows of the batch's token ids", 1),
+    (["BERTACCEL_EMBEDDING_ROW_SYNC"], "by the rows of the batch's token ids", 3),
+], ids=["overlapped", "embedding-rows", "overlapped-embedding-rows", "embedding-rows-accumulate-3"])
 def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_backward(tiny_config, tmp_path, switches,
-                                                                                         said):
+                                                                                         said, accumulate):
     """2 processes, bf16-mixed (bf16 weight copies, our fused AdamW: the path `BERTACCEL_GRAD_SYNC_OVERLAP=1`
     changes): the gradient all-reduce sent bucket by bucket from the backward's gradient hooks trains to the same
     weights, bit for bit, as the one all-reduce after the backward (each gradient is summed once either way). So
     does `BERTACCEL_EMBEDDING_ROW_SYNC=1`: the word embeddings' gradient summed by the rows the ranks' ids touch
     (on 2 ranks each row's sum is a + b either way; the ranks' batches have different lengths), and both together
-    (the table's bucket, the last, summed by its rows from the backward's hooks)."""
+    (the table's bucket, the last, summed by its rows from the backward's hooks), and the rows sync under gradient
+    accumulation (3 micro-batches an update, the epoch's 8 ending in a short one: the rows of every micro-batch)."""
     import os
 
     data = tmp_path / "even"
@@ -228,14 +232,16 @@ def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_
 
     def fit(name: str, overlap: bool) -> dict:
         cfg = tiny_config(name, epochs=1, dataset=str(data), val_size=64)
-        out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600, env={**env, **{k: "1" if overlap else "0" for k in switches}})
+        out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common,
+                              "--trainer.accumulate_grad_batches", str(accumulate)], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600, env={**env, **{k: ("always" if k == "BERTACCEL_EMBEDDING_ROW_SYNC" else "1") if overlap else "0"
+                                                for k in switches}})
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
         assert (said in out.stdout + out.stderr) == overlap, (out.stdout[-2000:], out.stderr[-3000:])
         return torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
 
     after, overlapped = fit("sync_after", False), fit("sync_overlapped", True)
-    assert overlapped["global_step"] == after["global_step"] == 8
+    assert overlapped["global_step"] == after["global_step"] == (8 if accumulate == 1 else 3)
     for k, v in after["state_dict"].items():
         torch.testing.assert_close(overlapped["state_dict"][k], v, rtol=0, atol=0, msg=k)
 
@@ -243,7 +249,7 @@ def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_
 @pytest.mark.slow
 def test_ddp_masked_lm_with_the_embedding_rows_sync_all_reduces_the_tied_table_whole(tmp_path):
     """A masked-LM's word embeddings are tied to its decoder, whose gradient reaches every row: with
-    `BERTACCEL_EMBEDDING_ROW_SYNC=1` the first sync finds rows outside the batch's ids, says so, and all-reduces the
+    `BERTACCEL_EMBEDDING_ROW_SYNC=always` (the tiny vocabulary would otherwise keep the whole table) the first sync finds rows outside the batch's ids, says so, and all-reduces the
     table whole - the graph-mode DDP fit (2 processes) ends with the weights of the fit without the switch, bit for bit
     (summing only the batch's rows would have dropped the decoder's gradient elsewhere)."""
     import os
@@ -275,7 +281,7 @@ def test_ddp_masked_lm_with_the_embedding_rows_sync_all_reduces_the_tied_table_w
                               "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
                               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
                               "--trainer.logger.init_args.name", name], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600, env={**env, "BERTACCEL_EMBEDDING_ROW_SYNC": rows})
+                             timeout=600, env={**env, "BERTACCEL_EMBEDDING_ROW_SYNC": "always" if rows == "1" else "0"})
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
         said[rows] = out.stdout + out.stderr
         states[rows] = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
@@ -538,7 +544,7 @@ def test_ddp_graphed_bf16_steps_with_the_embedding_rows_sync_on_two_gpus(tmp_pat
     whole, _ = _two_gpu_fit(tmp_path, "table_whole", graphs=True, precision="bf16-mixed",
                             env_extra={"BERTACCEL_EMBEDDING_ROW_SYNC": "0"})
     rows, _ = _two_gpu_fit(tmp_path, "table_rows", graphs=True, precision="bf16-mixed",
-                           env_extra={"BERTACCEL_EMBEDDING_ROW_SYNC": "1"})
+                           env_extra={"BERTACCEL_EMBEDDING_ROW_SYNC": "always"})
     for name in ("table_whole", "table_rows"):
         _replayed_on_both_ranks(tmp_path, name)
     said = "summed over the ranks by the rows of the batch's token ids"

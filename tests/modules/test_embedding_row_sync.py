@@ -14,10 +14,10 @@ from bertaccel.modules.train_step import EmbeddingRowSync, all_reduce_grads, emb
 VOCAB, HIDDEN, MAX_IDS = 50, 6, 24
 
 
-def _rank_grads(rank: int, n_ids: int, dense: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rank_grads(rank: int, n_ids: int, dense: bool, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank `rank`'s batch ids (repeats included), its table gradient (zero outside the ids unless `dense`), and a
     second gradient that is not the table's."""
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(rank if seed is None else seed)
     ids = torch.randint(0, VOCAB // 2 + 10 * rank, (n_ids,), generator=g)  # overlapping, not equal, sets
     ids[3] = ids[0]  # a repeated id
     table = torch.zeros(VOCAB, HIDDEN)
@@ -40,21 +40,51 @@ def _worker(rank: int, world: int, init: str, out: str, dense: bool) -> None:
             sync = EmbeddingRowSync(weight, MAX_IDS)
             for _ in range(2):  # the first call decides, the second runs as decided (on fresh copies)
                 weight.grad, second = table.clone(), other.clone()
-                sync.ids = ids
+                sync.record(ids)
                 sync([second, weight.grad])
             results["rows_only"] = sync.rows_only
         else:
             all_reduce_grads([second, weight.grad])
         results[name] = (weight.grad.clone(), second)
     too_many = EmbeddingRowSync(weight, 4)
-    too_many.ids = ids
     try:
-        too_many([weight.grad])
+        too_many.record(ids)
         results["too_many"] = None
     except RuntimeError as e:
         results["too_many"] = str(e)
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
+
+
+def _accumulating_worker(rank: int, world: int, init: str, out: str) -> None:
+    """Three updates of 3 micro-batches each, the last one cut short after 2 (an epoch's end): the table's gradient
+    accumulates the micro-batches' rows, the sync at each update's end sums them as the whole all-reduce does."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    weight = torch.nn.Parameter(torch.zeros(VOCAB, HIDDEN))
+    sync = EmbeddingRowSync(weight, MAX_IDS, micro_batches=3)
+    results = []
+    for update, micro in enumerate((3, 3, 2)):
+        weight.grad = torch.zeros(VOCAB, HIDDEN)
+        for k in range(micro):
+            ids, table, _ = _rank_grads(rank, MAX_IDS - 4 * rank, False, seed=100 * rank + 10 * update + k)
+            sync.record(ids)
+            weight.grad += table
+        whole = weight.grad.clone()
+        all_reduce_grads([whole])
+        sync([weight.grad])
+        results.append((weight.grad.clone(), whole))
+    torch.save({"results": results, "rows_only": sync.rows_only}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_under_accumulation_the_rows_of_every_micro_batch_are_summed(tmp_path):
+    out = str(tmp_path / "acc")
+    mp.start_processes(_accumulating_worker, args=(2, f"file://{tmp_path / 'pg'}", out), nprocs=2, start_method="spawn")
+    for r in range(2):
+        res = torch.load(f"{out}.{r}", weights_only=False)
+        assert res["rows_only"] is True
+        for rows, whole in res["results"]:
+            torch.testing.assert_close(rows, whole, rtol=0, atol=0)
 
 
 def _run(tmp_path, dense: bool) -> list[dict]:
@@ -104,7 +134,6 @@ def test_the_rows_sum_captures_into_a_cuda_graph(tmp_path):
         weight.grad = torch.zeros(VOCAB, HIDDEN, device="cuda")
         other = torch.randn(5, device="cuda")
         sync = EmbeddingRowSync(weight, MAX_IDS)
-        sync.ids = ids
 
         def fill(seed: int) -> torch.Tensor:
             g = torch.Generator(device="cuda").manual_seed(seed)
@@ -112,17 +141,21 @@ def test_the_rows_sum_captures_into_a_cuda_graph(tmp_path):
             weight.grad.zero_().index_add_(0, ids.view(-1), torch.randn(ids.numel(), HIDDEN, device="cuda", generator=g))
             return weight.grad.clone()
 
+        def step() -> None:
+            sync.record(ids)
+            sync([other, weight.grad])
+
         fill(0)
-        sync([other, weight.grad])
+        step()
         assert sync.rows_only is True
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            sync([other, weight.grad])  # a warm-up on the capture's stream
+            step()  # a warm-up on the capture's stream
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            sync([other, weight.grad])
+            step()
         for seed in (1, 2):
             expected = fill(seed)
             graph.replay()

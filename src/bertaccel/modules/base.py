@@ -164,6 +164,7 @@ class BertModule(pl.LightningModule):
         self._heap_frozen = False
         self._released_stats: dict[str, dict[str, Any]] = {}
         self._train_fns: dict[bool, Any] = {}
+        self._row_sync_choice: tuple[EmbeddingRowSync | None] | None = None  # (the row sync or None) once chosen
         self._capture_without_gpu = False  # tests: run the graph-mode loop eagerly on CPU
         self._clip: tuple[float, str] | None = None
         self._accumulate = 1
@@ -377,6 +378,7 @@ class BertModule(pl.LightningModule):
             for fn in self._train_fns.values():
                 getattr(fn, "close", lambda: None)()  # their gradient hooks, if any
             self._train_fns.clear()  # they hold the optimizer of this run
+            self._row_sync_choice = None
             self._static_grads = []
             self._lr_tensors = []
         if which is None:  # the eval graphs read the copies too
@@ -825,9 +827,11 @@ class BertModule(pl.LightningModule):
         world = self.trainer.world_size
         overlap = world > 1 and grad_sync_overlap_wanted()
         grad_sync = all_reduce_grads if world > 1 else None
-        if world > 1 and self._accumulate == 1 and embedding_row_sync_wanted():
-            row_sync = self._embedding_row_sync()
-            grad_sync = row_sync or grad_sync
+        if world > 1 and embedding_row_sync_wanted():
+            # one instance for the step functions of an update (under accumulation each records its micro-batch)
+            if self._row_sync_choice is None:
+                self._row_sync_choice = (self._embedding_row_sync(),)
+            grad_sync = self._row_sync_choice[0] or grad_sync
         step = build_train_step(self.step_outputs, self.optimizers().optimizer, copies=self._weight_copies,
                                 accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast,
                                 grad_sync=grad_sync, world_size=world,
@@ -849,12 +853,14 @@ class BertModule(pl.LightningModule):
                            "all-reduced whole.")
             return None
         world, rows = self.trainer.world_size, batch * length
-        if not embedding_rows_pay(world, rows, weight.shape[0]):
-            rank_zero_info(f"bertaccel: BERTACCEL_EMBEDDING_ROW_SYNC=1, but {world} ranks x {rows} ids a rank would "
+        always = os.environ.get("BERTACCEL_EMBEDDING_ROW_SYNC") == "always"
+        if not always and not embedding_rows_pay(world, rows * self._accumulate, weight.shape[0]):
+            rank_zero_info(f"bertaccel: BERTACCEL_EMBEDDING_ROW_SYNC=1, but {world} ranks x {rows * self._accumulate} "
+                           "ids a rank (batch x max length x accumulation) would "
                            f"gather more bytes than the all-reduce of the {weight.shape[0]}-row table moves: it is "
-                           "all-reduced whole.")
+                           "all-reduced whole (=always sums the rows anyway).")
             return None
-        return EmbeddingRowSync(weight, rows)
+        return EmbeddingRowSync(weight, rows, micro_batches=self._accumulate)
 
     def _graphed_training_step(self, batch, batch_idx):
         if "train" not in self._graphs:

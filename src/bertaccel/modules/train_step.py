@@ -96,8 +96,8 @@ def build_train_step(
         synced bucket by bucket while the backward still runs (`OverlappedGradSync`, buckets of
         `bucket_bytes`) instead of in one call after it. The step function then has a `close()` that
         removes the gradient hooks.
-    row_ids_input: the input holding the batch's token ids, handed to a `grad_sync` that is an `EmbeddingRowSync`
-        before each backward.
+    row_ids_input: the input holding the batch's token ids, recorded by a `grad_sync` that is an `EmbeddingRowSync`
+        before each micro-batch's backward (one instance shared by the step functions of one update).
 
     Every parameter of `optimizer` that requires grad must have its static `.grad` buffer already.
     """
@@ -106,9 +106,9 @@ def build_train_step(
     if missing:
         raise RuntimeError(f"build_train_step: {missing} parameters have no static .grad buffer; "
                            "make them (zeros) before building the step")
-    if accumulate > 1 and isinstance(grad_sync, EmbeddingRowSync):
-        raise ValueError("EmbeddingRowSync needs accumulate == 1: the table's gradient would hold the rows of every "
-                         "micro-batch, the ids only the last one's")
+    if isinstance(grad_sync, EmbeddingRowSync) and grad_sync.micro_batches != accumulate:
+        raise ValueError(f"EmbeddingRowSync built for {grad_sync.micro_batches} micro-batches an update, the step "
+                         f"accumulates {accumulate}: the table's gradient would hold rows the ids do not name")
     scale = 1.0 / (accumulate * world_size)
     fused = fused_copies_update and copies and accumulate == 1 and clip is None and fusable_adamw(optimizer, copies)
     copied = {id(m) for m in copies.masters} if copies else set()
@@ -143,7 +143,7 @@ def build_train_step(
         if overlap is not None:
             overlap.start()
         if row_ids_input is not None and isinstance(grad_sync, EmbeddingRowSync):
-            grad_sync.ids = inputs[row_ids_input]
+            grad_sync.record(inputs[row_ids_input])
         (out["loss"] * scale if scale != 1.0 else out["loss"]).backward()
         if fused:
             if overlap is not None:
@@ -335,8 +335,9 @@ def all_reduce_grads(grads: list[torch.Tensor], group: Any = None) -> None:
 
 def embedding_row_sync_wanted() -> bool:
     """BERTACCEL_EMBEDDING_ROW_SYNC=1: a graphed DDP step sums the word embeddings' gradient over the ranks by the
-    rows its batch's token ids touch (`EmbeddingRowSync`) instead of all-reducing the whole table."""
-    return os.environ.get("BERTACCEL_EMBEDDING_ROW_SYNC", "0") == "1"
+    rows its batch's token ids touch (`EmbeddingRowSync`) instead of all-reducing the whole table, where that moves
+    fewer bytes (`embedding_rows_pay`); =always: also where it does not (tests with a tiny vocabulary)."""
+    return os.environ.get("BERTACCEL_EMBEDDING_ROW_SYNC", "0") in ("1", "always")
 
 
 def embedding_rows_pay(world: int, rows: int, vocab: int) -> bool:
@@ -353,42 +354,66 @@ class EmbeddingRowSync:
     A rank's gradient of a word-embedding table that only the embedding lookup reads is zero outside the rows of
     its batch's ids: 8,192 ids (32 x 256) touch at most 8,192 of BERT's 30,522 rows, and the table's fp32 gradient
     is most of a small model's gradient bytes (47 of MiniLM's 69 MB). Each rank gathers every rank's ids and those
-    rows (two all-gathers of `max_ids` ids and rows: the same sizes on every rank and at every step, as a captured
-    collective needs; a shorter batch's ids are padded with its first id, whose row is then sent twice and written
-    twice with the same value), zeroes its own rows, and adds the ranks' rows in rank order: the same fp32 sums on
-    every rank, each row summed once.
+    rows (two all-gathers of `max_ids` x `micro_batches` ids and rows: the same sizes on every rank and at every
+    step, as a captured collective needs; a shorter batch's ids are padded with its first id, whose row is then sent
+    twice and written twice with the same value), zeroes its own rows, and adds the ranks' rows in rank order: the
+    same fp32 sums on every rank, each row summed once.
+
+    The step calls `record(ids)` before each micro-batch's backward. Under gradient accumulation (`micro_batches`
+    > 1) the table's gradient holds the rows of every micro-batch since the last update, so each micro-batch's ids
+    go into its own slot (a device counter picks it: the same captured step serves every non-last micro-batch) and
+    the sync sends all the slots; a slot not written since the last update (an epoch's short last accumulation)
+    still holds earlier ids - rows sent in addition, whose sums are as correct as any other row's.
 
     Whether the table's gradient really is zero outside the ids (a table tied to an output layer, as a masked-LM's
     decoder, gets a gradient in every row) is checked on the first sync outside a CUDA-graph capture, the ranks
     agreeing (one all-reduce, one host read); where it is not, or where that first sync is a capture, every later
-    sync all-reduces the whole table as before. `ids` is set by the step before each sync (the batch's token ids).
+    sync all-reduces the whole table as before.
     """
 
     def __init__(self, weight: torch.Tensor, max_ids: int, reduce: Callable[[list[torch.Tensor]], None] | None = None,
-                 group: Any = None) -> None:
-        self.weight, self.max_ids, self.group = weight, int(max_ids), group
+                 group: Any = None, micro_batches: int = 1) -> None:
+        self.weight, self.max_ids, self.group, self.micro_batches = weight, int(max_ids), group, int(micro_batches)
         self.reduce = reduce or (lambda grads: all_reduce_grads(grads, group))
-        self.ids: torch.Tensor | None = None
+        self.ids: torch.Tensor | None = None  # what the next sync sends: micro_batches x max_ids ids
+        self._slot: torch.Tensor | None = None  # the next micro-batch's slot (device counter; micro_batches > 1)
         self.rows_only: bool | None = None  # decided at the first sync (None: not yet)
+
+    def record(self, ids: torch.Tensor) -> None:
+        """A micro-batch's token ids, before its backward."""
+        if self.rows_only is False:
+            return
+        ids = ids.reshape(-1)
+        if ids.numel() > self.max_ids:
+            raise RuntimeError(f"EmbeddingRowSync: a batch of {ids.numel()} token ids, more than the {self.max_ids} "
+                               "the step was built for (batch size x max length); every rank must send the same count")
+        if ids.numel() < self.max_ids:  # pad with the first id: its row is sent again and written again with the same sum
+            ids = torch.cat([ids, ids[:1].expand(self.max_ids - ids.numel())])
+        if self.micro_batches == 1:
+            self.ids = ids.contiguous()
+            return
+        if self.ids is None:  # made on the first (eager) step, kept: the captured steps write into it
+            self.ids = ids.new_zeros(self.micro_batches * self.max_ids)
+            self._slot = torch.zeros(1, dtype=torch.long, device=ids.device)
+        self.ids.view(self.micro_batches, self.max_ids).index_copy_(0, self._slot, ids.view(1, -1))
+        self._slot.add_(1)
 
     def __call__(self, grads: list[torch.Tensor]) -> None:
         g = self.weight.grad
         rest = [x for x in grads if x is not g]
+        if self._slot is not None:
+            self._slot.zero_()  # the next update's first micro-batch writes slot 0
         if g is None or self.ids is None or len(rest) == len(grads) or self.rows_only is False:
             self.reduce(grads)
             return
-        ids = self.ids.reshape(-1)
-        if ids.numel() > self.max_ids:
-            raise RuntimeError(f"EmbeddingRowSync: a batch of {ids.numel()} token ids, more than the {self.max_ids} "
-                               "the step was built for (batch size x max length); every rank must send the same count")
         if self.rows_only is None:
-            self.rows_only = self._decide(g, ids)
+            self.rows_only = self._decide(g, self.ids)
             if not self.rows_only:
                 self.reduce(grads)
                 return
         if rest:
             self.reduce(rest)
-        self._sum_rows(g, ids)
+        self._sum_rows(g, self.ids)
 
     def _decide(self, g: torch.Tensor, ids: torch.Tensor) -> bool:
         import torch.distributed as dist
@@ -402,7 +427,7 @@ class EmbeddingRowSync:
         rows_only = bool(ok.item())
         if dist.get_rank(self.group) == 0:
             print("bertaccel: the word embeddings' gradient is summed over the ranks by the rows of the batch's token "
-                  f"ids ({self.max_ids} a rank)" if rows_only else "bertaccel: the word embeddings' gradient has rows "
+                  f"ids ({ids.numel()} a rank)" if rows_only else "bertaccel: the word embeddings' gradient has rows "
                   "outside the batch's token ids (a tied output layer?): it is all-reduced whole", flush=True)
         return rows_only
 
@@ -410,10 +435,7 @@ class EmbeddingRowSync:
         import torch.distributed as dist
 
         world = dist.get_world_size(self.group)
-        n = self.max_ids
-        if ids.numel() < n:  # pad with the first id: its row is sent again and written again with the same sum
-            ids = torch.cat([ids, ids[:1].expand(n - ids.numel())])
-        ids = ids.contiguous()
+        n = ids.numel()
         rows = g.index_select(0, ids)
         all_ids = torch.empty(world * n, dtype=ids.dtype, device=ids.device)
         all_rows = torch.empty(world * n, g.shape[1], dtype=g.dtype, device=g.device)
