@@ -827,10 +827,11 @@ class BertModule(pl.LightningModule):
         world = self.trainer.world_size
         overlap = world > 1 and grad_sync_overlap_wanted()
         grad_sync = all_reduce_grads if world > 1 else None
-        if world > 1 and embedding_row_sync_wanted():
+        row_sync = embedding_row_sync_wanted() if world > 1 else None
+        if row_sync:
             # one instance for the step functions of an update (under accumulation each records its micro-batch)
             if self._row_sync_choice is None:
-                self._row_sync_choice = (self._embedding_row_sync(),)
+                self._row_sync_choice = (self._embedding_row_sync(always=row_sync == "always"),)
             grad_sync = self._row_sync_choice[0] or grad_sync
         step = build_train_step(self.step_outputs, self.optimizers().optimizer, copies=self._weight_copies,
                                 accumulate=self._accumulate, last=last, clip=self._clip, autocast=self._autocast,
@@ -840,9 +841,10 @@ class BertModule(pl.LightningModule):
         self._train_fns[last] = step
         return step
 
-    def _embedding_row_sync(self) -> EmbeddingRowSync | None:
+    def _embedding_row_sync(self, always: bool = False) -> EmbeddingRowSync | None:
         """The word embeddings' gradient summed by the batch's rows (BERTACCEL_EMBEDDING_ROW_SYNC=1), sized by the
-        datamodule's batch size x max length (block size); None where either is unknown or the table is frozen."""
+        datamodule's batch size x max length (block size); None where either is unknown, the table is frozen or
+        (unless `always`) the rows would move more bytes than the whole table's all-reduce."""
         dm = getattr(self.trainer, "datamodule", None)
         batch = getattr(dm, "batch_size", None)
         length = getattr(dm, "max_length", None) or getattr(dm, "block_size", None)
@@ -853,7 +855,6 @@ class BertModule(pl.LightningModule):
                            "all-reduced whole.")
             return None
         world, rows = self.trainer.world_size, batch * length
-        always = os.environ.get("BERTACCEL_EMBEDDING_ROW_SYNC") == "always"
         if not always and not embedding_rows_pay(world, rows * self._accumulate, weight.shape[0]):
             rank_zero_info(f"bertaccel: BERTACCEL_EMBEDDING_ROW_SYNC=1, but {world} ranks x {rows * self._accumulate} "
                            "ids a rank (batch x max length x accumulation) would "

@@ -333,11 +333,13 @@ def all_reduce_grads(grads: list[torch.Tensor], group: Any = None) -> None:
         torch._foreach_copy_(same, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in same]), same)])
 
 
-def embedding_row_sync_wanted() -> bool:
-    """BERTACCEL_EMBEDDING_ROW_SYNC=1: a graphed DDP step sums the word embeddings' gradient over the ranks by the
-    rows its batch's token ids touch (`EmbeddingRowSync`) instead of all-reducing the whole table, where that moves
-    fewer bytes (`embedding_rows_pay`); =always: also where it does not (tests with a tiny vocabulary)."""
-    return os.environ.get("BERTACCEL_EMBEDDING_ROW_SYNC", "0") in ("1", "always")
+def embedding_row_sync_wanted() -> str | None:
+    """BERTACCEL_EMBEDDING_ROW_SYNC=1 ("1"): a graphed DDP step sums the word embeddings' gradient over the ranks by
+    the rows its batch's token ids touch (`EmbeddingRowSync`) instead of all-reducing the whole table, where that moves
+    fewer bytes (`embedding_rows_pay`); =always ("always"): also where it does not (tests with a tiny vocabulary);
+    else None."""
+    value = os.environ.get("BERTACCEL_EMBEDDING_ROW_SYNC", "0")
+    return value if value in ("1", "always") else None
 
 
 def embedding_rows_pay(world: int, rows: int, vocab: int) -> bool:
