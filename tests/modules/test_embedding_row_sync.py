@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bertaccel.modules.train_step import EmbeddingRowSync, all_reduce_grads, embedding_rows_pay
+from bertaccel.modules.train_step import EmbeddingRowSync, all_reduce_grads, embedding_row_sync_wanted, embedding_rows_pay
 
 VOCAB, HIDDEN, MAX_IDS = 50, 6, 24
 
@@ -111,6 +111,22 @@ def test_the_rows_pay_while_the_ranks_gather_fewer_bytes_than_the_all_reduce_mov
     assert embedding_rows_pay(2, 8192, 30522) and embedding_rows_pay(7, 8192, 30522)  # 57,344 < 61,044
     assert not embedding_rows_pay(8, 8192, 30522)  # 65,536 rows gathered a rank > 2 tables' worth
     assert embedding_rows_pay(2, 16384, 30522) and not embedding_rows_pay(4, 16384, 30522)  # 32 x 512 a rank
+
+
+@pytest.mark.parametrize("value, mode", [(None, "1"), ("1", "1"), ("0", None), ("off", None), ("always", "always"),
+                                         (" Always ", "always")])
+def test_the_rows_sync_is_on_by_default_and_the_switch_turns_it_off_or_forces_it(monkeypatch, value, mode):
+    if value is None:
+        monkeypatch.delenv("BERTACCEL_EMBEDDING_ROW_SYNC", raising=False)
+    else:
+        monkeypatch.setenv("BERTACCEL_EMBEDDING_ROW_SYNC", value)
+    assert embedding_row_sync_wanted() == mode
+
+
+def test_an_unknown_rows_sync_setting_is_an_error_naming_the_values(monkeypatch):
+    monkeypatch.setenv("BERTACCEL_EMBEDDING_ROW_SYNC", "2")
+    with pytest.raises(ValueError, match=r"BERTACCEL_EMBEDDING_ROW_SYNC='2'.*expected 1 .*0 .*always"):
+        embedding_row_sync_wanted()
 
 
 def test_a_gradient_outside_the_ids_is_all_reduced_whole(tmp_path):

@@ -842,7 +842,7 @@ class BertModule(pl.LightningModule):
         return step
 
     def _embedding_row_sync(self, always: bool = False) -> EmbeddingRowSync | None:
-        """The word embeddings' gradient summed by the batch's rows (BERTACCEL_EMBEDDING_ROW_SYNC=1), sized by the
+        """The word embeddings' gradient summed by the batch's rows (on by default; BERTACCEL_EMBEDDING_ROW_SYNC), sized by the
         datamodule's batch size x max length (block size); None where either is unknown, the table is frozen or
         (unless `always`) the rows would move more bytes than the whole table's all-reduce."""
         dm = getattr(self.trainer, "datamodule", None)
@@ -850,16 +850,16 @@ class BertModule(pl.LightningModule):
         length = getattr(dm, "max_length", None) or getattr(dm, "block_size", None)
         weight = self.model.get_input_embeddings().weight
         if not (isinstance(batch, int) and isinstance(length, int)) or not weight.requires_grad:
-            rank_zero_info("bertaccel: BERTACCEL_EMBEDDING_ROW_SYNC=1 but the datamodule's batch_size and max_length "
-                           "(block_size) are not known, or the word embeddings are frozen: their gradient is "
-                           "all-reduced whole.")
+            rank_zero_info("bertaccel: the word embeddings' gradient is all-reduced whole, not by the batch's rows: "
+                           "the datamodule's batch_size and max_length (block_size) are not known, or the embeddings "
+                           "are frozen.")
             return None
         world, rows = self.trainer.world_size, batch * length
         if not always and not embedding_rows_pay(world, rows * self._accumulate, weight.shape[0]):
-            rank_zero_info(f"bertaccel: BERTACCEL_EMBEDDING_ROW_SYNC=1, but {world} ranks x {rows * self._accumulate} "
-                           "ids a rank (batch x max length x accumulation) would "
-                           f"gather more bytes than the all-reduce of the {weight.shape[0]}-row table moves: it is "
-                           "all-reduced whole (=always sums the rows anyway).")
+            rank_zero_info(f"bertaccel: the word embeddings' gradient is all-reduced whole: {world} ranks x "
+                           f"{rows * self._accumulate} ids a rank (batch x max length x accumulation) would gather more "
+                           f"bytes than the all-reduce of the {weight.shape[0]}-row table moves "
+                           "(BERTACCEL_EMBEDDING_ROW_SYNC=always sums the rows anyway).")
             return None
         return EmbeddingRowSync(weight, rows, micro_batches=self._accumulate)
 
