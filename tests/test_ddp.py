@@ -521,20 +521,25 @@ def test_ddp_graphed_steps_on_two_gpus_train_and_log_as_eager_ddp(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("switch, value, said", [
-    ("BERTACCEL_GRAD_SYNC_OVERLAP", "1", "bucket by bucket during the backward"),
-    ("BERTACCEL_EMBEDDING_ROW_SYNC", "always", "summed over the ranks by the rows of the batch's token ids"),
-], ids=["overlapped", "embedding-rows"])
-def test_ddp_graphed_bf16_steps_with_a_sync_variant_on_two_gpus(tmp_path, switch, value, said):
-    """2 GPUs, bf16-mixed (bf16 weight copies, our fused AdamW): each opt-in gradient sync trains as the one all-reduce
-    after the backward does, both replaying graphs on both ranks - `BERTACCEL_GRAD_SYNC_OVERLAP=1` (the all-reduce
-    bucket by bucket on a side stream from the backward's gradient hooks, captured into the step's graph) and
-    `BERTACCEL_EMBEDDING_ROW_SYNC` (the word embeddings' gradient summed by the rows the ranks' ids touch: two
-    all-gathers captured into the step's graph; `always`: the tiny vocabulary would keep the whole table)."""
-    plain, _ = _two_gpu_fit(tmp_path, "sync_plain", graphs=True, precision="bf16-mixed", env_extra={switch: "0"})
-    variant, _ = _two_gpu_fit(tmp_path, "sync_variant", graphs=True, precision="bf16-mixed", env_extra={switch: value})
+@pytest.mark.parametrize("switch, value, said, accumulate", [
+    ("BERTACCEL_GRAD_SYNC_OVERLAP", "1", "bucket by bucket during the backward", 1),
+    ("BERTACCEL_EMBEDDING_ROW_SYNC", "always", "summed over the ranks by the rows of the batch's token ids", 1),
+    ("BERTACCEL_EMBEDDING_ROW_SYNC", "always", "summed over the ranks by the rows of the batch's token ids", 2),
+], ids=["overlapped", "embedding-rows", "embedding-rows-accumulate-2"])
+def test_ddp_graphed_bf16_steps_with_a_sync_variant_on_two_gpus(tmp_path, switch, value, said, accumulate):
+    """2 GPUs, bf16-mixed (bf16 weight copies, our fused AdamW): each gradient sync variant trains as the one
+    all-reduce after the backward does, both replaying graphs on both ranks - `BERTACCEL_GRAD_SYNC_OVERLAP=1` (the
+    all-reduce bucket by bucket on a side stream from the backward's gradient hooks, captured into the step's graph)
+    and the word embeddings' gradient summed by the rows the ranks' ids touch (`BERTACCEL_EMBEDDING_ROW_SYNC`, on by
+    default; two all-gathers captured into the step's graph; `always`: the tiny vocabulary would keep the whole table),
+    also under gradient accumulation (2 micro-batches an update: the ids of both, in slots a captured device counter
+    picks)."""
+    plain, _ = _two_gpu_fit(tmp_path, "sync_plain", graphs=True, precision="bf16-mixed", accumulate=accumulate,
+                            env_extra={switch: "0"})
+    variant, _ = _two_gpu_fit(tmp_path, "sync_variant", graphs=True, precision="bf16-mixed", accumulate=accumulate,
+                              env_extra={switch: value})
     for name in ("sync_plain", "sync_variant"):
         _replayed_on_both_ranks(tmp_path, name)
     assert said in (tmp_path / "sync_variant.log").read_text() and said not in (tmp_path / "sync_plain.log").read_text()
-    assert variant["global_step"] == plain["global_step"] == 24
+    assert variant["global_step"] == plain["global_step"] == 24 // accumulate
     _assert_same_training(tmp_path, "sync_plain", plain, variant)
