@@ -7,10 +7,10 @@ BERT classifier (random init, SDPA, the same seeded batch on every rank, full le
 in the same run, each step with CUDA events after a barrier (median over `--steps`):
 
 - `no-sync`: the step without any all-reduce (what one GPU runs);
-- `sync-after`: one all-reduce per dtype after the backward (the default);
+- `sync-after`: one all-reduce per dtype after the backward (`BERTACCEL_EMBEDDING_ROW_SYNC=0`);
 - `sync-overlapped`: bucket by bucket from the backward's gradient hooks, on a side stream;
 - `sync-embedding-rows`: after the backward, the word embeddings' gradient summed by the rows the batch's ids touch
-  (`train_step.EmbeddingRowSync`, `BERTACCEL_EMBEDDING_ROW_SYNC=1`), the rest in one all-reduce per dtype;
+  (`train_step.EmbeddingRowSync`; the default since session 65), the rest in one all-reduce per dtype;
 - `sync-overlapped-embedding-rows`: both (the table's bucket, ready last, summed by its rows).
 
     python -m benchmarks.bench_ddp_step [--models minilm base] [--shapes 32x256 16x512] [--out ddp_step.json]
