@@ -247,6 +247,45 @@ def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_
 
 
 @pytest.mark.slow
+def test_ddp_graph_mode_sums_the_embedding_rows_by_default_where_they_pay(tiny_config, tmp_path):
+    """With BERTACCEL_EMBEDDING_ROW_SYNC unset, a graph-mode DDP fit (2 processes, bf16-mixed) whose ranks' ids are
+    few against the vocabulary (4 x 16 ids a rank, 2 ranks: 128 < 2 x the tokenizer's 253 rows) sums the word
+    embeddings' gradient by its rows without being asked, says so, and trains to the weights of the fit with it off
+    (=0), bit for bit; with 16 x 48 ids a rank (1,536 > 506) it keeps the whole table, saying why."""
+    import os
+
+    data = tmp_path / "even"
+    write_jsonl(data / "train.jsonl", sample_rows("train", 320))
+    write_jsonl(data / "test.jsonl", sample_rows("test", 16))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env.pop("BERTACCEL_EMBEDDING_ROW_SYNC", None)
+    common = [*DDP, "--test_after_fit", "false", "--trainer.precision", "bf16-mixed", "--trainer.limit_train_batches", "6",
+              "--data.init_args.static_shapes", "true", "--model.init_args.cuda_graphs", "true",
+              "--trainer.callbacks", "tests.test_ddp.GraphLoopOnCPU"]
+
+    def fit(name: str, rows: str | None, batch: int, length: int) -> tuple[dict, str]:
+        cfg = tiny_config(name, epochs=1, dataset=str(data), val_size=64, batch_size=batch, max_length=length,
+                          length_buckets=length)
+        out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600,
+                             env=env if rows is None else {**env, "BERTACCEL_EMBEDDING_ROW_SYNC": rows})
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        return (torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True),
+                out.stdout + out.stderr)
+
+    rows_said = "summed over the ranks by the rows of the batch's token ids (64 a rank)"
+    default, said = fit("default", None, 4, 16)
+    assert rows_said in said, said[-3000:]
+    off, said_off = fit("off", "0", 4, 16)
+    assert "by the rows" not in said_off, said_off[-3000:]
+    assert default["global_step"] == off["global_step"] == 6
+    for k, v in off["state_dict"].items():
+        torch.testing.assert_close(default["state_dict"][k], v, rtol=0, atol=0, msg=k)
+    _, said_wide = fit("wide", None, 16, 48)
+    assert "all-reduced whole: 2 ranks x 768 ids a rank" in said_wide and rows_said not in said_wide, said_wide[-3000:]
+
+
+@pytest.mark.slow
 def test_ddp_masked_lm_with_the_embedding_rows_sync_all_reduces_the_tied_table_whole(tmp_path):
     """A masked-LM's word embeddings are tied to its decoder, whose gradient reaches every row: with
     `BERTACCEL_EMBEDDING_ROW_SYNC=always` (the tiny vocabulary would otherwise keep the whole table) the first sync finds rows outside the batch's ids, says so, and all-reduces the
