@@ -6,9 +6,17 @@ gradients in bf16 (their bf16 copies'), every other parameter's in fp32. Timed w
 
 - `all_reduce_grads` eager, and captured in a CUDA graph and replayed (what the graphed step runs);
 - NCCL alone: one all-reduce per dtype of preallocated flat buffers (the floor for this volume);
-- every gradient in fp32 (the volume Lightning's DDP all-reduces for the same model).
+- every gradient in fp32 (the volume Lightning's DDP all-reduces for the same model);
+- the parts `all_reduce_grads` adds to NCCL's own time, alone: the cat into the flat buffers (`cat_ms`) and the copy
+  back (`copy_back_ms`), and what gradients kept in the flat buffers would cost instead (`flat_views_ms`: zero the
+  buffers, then add each new gradient into its view, as autograd's in-place accumulation would, since it could no
+  longer hand its fresh tensor over).
 
-    python -m benchmarks.bench_grad_sync [--models minilm base] [--out grad_sync.json]
+`--without-word-embeddings` leaves the word embeddings' table out of the all-reduce, as a graphed step does where it
+sums that gradient by the batch's rows (`EmbeddingRowSync`, the default since session 65; its gather is timed in
+`bench_ddp_step`).
+
+    python -m benchmarks.bench_grad_sync [--models minilm base] [--without-word-embeddings] [--out grad_sync.json]
 """
 
 from __future__ import annotations
@@ -27,13 +35,44 @@ MODELS = {
 }
 
 
-def gradient_shapes(name: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def gradient_shapes(name: str, word_embeddings: bool = True) -> list[tuple[tuple[int, ...], torch.dtype]]:
     from transformers import BertConfig, BertForSequenceClassification
 
     with torch.device("meta"):
         model = BertForSequenceClassification(BertConfig(vocab_size=30522, num_labels=2, **MODELS[name]))
     linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    return [(tuple(p.shape), torch.bfloat16 if id(p) in linear else torch.float32) for p in model.parameters()]
+    table = model.get_input_embeddings().weight
+    return [(tuple(p.shape), torch.bfloat16 if id(p) in linear else torch.float32) for p in model.parameters()
+            if word_embeddings or p is not table]
+
+
+def sync_parts(grads: list[torch.Tensor]) -> dict:
+    """`all_reduce_grads`'s steps around NCCL, each a function: `cat` (the gradients into one flat buffer per dtype),
+    `copy_back` (the flat buffers' values back into the gradients) and `flat_views` (the alternative: gradients as
+    views of preallocated flat buffers - zero them, then add a fresh gradient into each view)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    groups = list(by_dtype.values())
+    flats = [torch.cat([g.reshape(-1) for g in same]) for same in groups]
+    views = [list(f.split([g.numel() for g in same])) for f, same in zip(flats, groups)]
+    fresh = [[g.reshape(-1).clone() for g in same] for same in groups]
+
+    def cat():
+        for same in groups:
+            torch.cat([g.reshape(-1) for g in same])
+
+    def copy_back():
+        for f, same, v in zip(flats, groups, views):
+            torch._foreach_copy_(same, [x.view_as(g) for x, g in zip(v, same)])
+
+    def flat_views():
+        for f, v, new in zip(flats, views, fresh):
+            f.zero_()
+            torch._foreach_add_(v, new)
+
+    flat_views.views = views  # type: ignore[attr-defined]  (for the tests)
+    return {"cat": cat, "copy_back": copy_back, "flat_views": flat_views}
 
 
 def timed(fn, repeats: int = 30, warmup: int = 5) -> float:
@@ -53,7 +92,7 @@ def timed(fn, repeats: int = 30, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def worker(rank: int, world: int, models: list[str], out: str | None) -> None:
+def worker(rank: int, world: int, models: list[str], out: str | None, word_embeddings: bool = True) -> None:
     from bertaccel.modules.train_step import all_reduce_grads
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -62,7 +101,7 @@ def worker(rank: int, world: int, models: list[str], out: str | None) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     rows = []
     for name in models:
-        shapes = gradient_shapes(name)
+        shapes = gradient_shapes(name, word_embeddings)
         grads = [torch.randn(s, device="cuda").to(d) for s, d in shapes]
         nbytes = sum(g.numel() * g.element_size() for g in grads)
         fp32 = [g.float() for g in grads]
@@ -73,7 +112,7 @@ def worker(rank: int, world: int, models: list[str], out: str | None) -> None:
             for f in flats:
                 dist.all_reduce(f)
 
-        row = {"model": name, "world": world, "tensors": len(grads), "mbytes": nbytes / 1e6,
+        row = {"model": name, "world": world, "word_embeddings": word_embeddings, "tensors": len(grads), "mbytes": nbytes / 1e6,
                "mbytes_all_fp32": sum(g.numel() * 4 for g in grads) / 1e6,
                "all_reduce_grads_ms": timed(lambda: all_reduce_grads(grads)),
                "nccl_flat_ms": timed(nccl_only),
@@ -89,15 +128,19 @@ def worker(rank: int, world: int, models: list[str], out: str | None) -> None:
             all_reduce_grads(grads)
         row["graphed_ms"] = timed(graph.replay)
         row["graphed_gbs"] = nbytes / row["graphed_ms"] / 1e6
+        for part, fn in sync_parts(grads).items():  # eager, as the bench times all_reduce_grads eager too
+            row[f"{part}_ms"] = timed(fn)
         rows.append(row)
         del graph
     if rank == 0:
         from benchmarks.common import environment
 
-        print(f"{'model':8} {'MB':>7} {'eager ms':>9} {'graphed ms':>10} {'GB/s':>6} {'NCCL flat':>9} {'all fp32 ms':>11}")
+        print(f"{'model':8} {'MB':>7} {'eager ms':>9} {'graphed ms':>10} {'GB/s':>6} {'NCCL flat':>9} {'all fp32 ms':>11} "
+              f"{'cat ms':>7} {'copy back':>9} {'flat views':>10}  (word embeddings {'in' if word_embeddings else 'out'})")
         for r in rows:
             print(f"{r['model']:8} {r['mbytes']:7.1f} {r['all_reduce_grads_ms']:9.3f} {r['graphed_ms']:10.3f} "
-                  f"{r['graphed_gbs']:6.0f} {r['nccl_flat_ms']:9.3f} {r['all_fp32_ms']:11.3f}")
+                  f"{r['graphed_gbs']:6.0f} {r['nccl_flat_ms']:9.3f} {r['all_fp32_ms']:11.3f} {r['cat_ms']:7.3f} "
+                  f"{r['copy_back_ms']:9.3f} {r['flat_views_ms']:10.3f}")
         if out:
             with open(out, "w") as f:
                 json.dump({"environment": environment() | {"gpus": world}, "rows": rows}, f, indent=1)
@@ -107,12 +150,14 @@ def worker(rank: int, world: int, models: list[str], out: str | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--without-word-embeddings", action="store_true",
+                        help="leave the word embeddings' table out (summed by its rows in a graphed step, the default)")
     parser.add_argument("--out")
     args = parser.parse_args()
     world = torch.cuda.device_count()
     if world < 2:
         raise SystemExit("bench_grad_sync needs at least 2 GPUs (one process per GPU)")
-    torch.multiprocessing.spawn(worker, args=(world, args.models, args.out), nprocs=world)
+    torch.multiprocessing.spawn(worker, args=(world, args.models, args.out, not args.without_word_embeddings), nprocs=world)
 
 
 if __name__ == "__main__":

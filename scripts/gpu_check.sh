@@ -10,7 +10,7 @@
 # ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm_epilogue_sweep (each epilogue on every schedule / tile width), step_gemms (one BERT step's GEMM calls timed alone - warm, cold, rewarmed, alternating - and in the step's order), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
-# grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce, benchmarks/bench_grad_sync.py), ddp_tests (2 GPUs: the NCCL
+# grad_sync (2+ GPUs: the graphed DDP step's gradient all-reduce and its parts, benchmarks/bench_grad_sync.py; GRAD_SYNC_ARGS="--without-word-embeddings"), ddp_tests (2 GPUs: the NCCL
 # cuda tests of tests/test_ddp.py), ddp_step (2 GPUs: benchmarks/bench_ddp_step.py; DDP_STEP_ARGS=), ddp_scaling (2 GPUs:
 # recommended.yaml on 1 and 2 GPUs, MiniLM and BERT-base; SCALING_RUNS=, SCALING_ENV=), anatomy (where a graphed step's
 # GPU time goes), attention (benchmarks/bench_attention.py), attn_tests (build + cuda tests of the fused
@@ -346,7 +346,7 @@ if has ddp_scaling; then  # 2 GPUs: recommended.yaml on 1 GPU and on 2 (DDP), Mi
   done
 fi
 if has grad_sync; then  # issue 12 (2+ GPUs): the graphed DDP step's gradient all-reduce, eager / graphed / NCCL floor
-  timeout 300 python -m benchmarks.bench_grad_sync --out "$OUT/grad_sync.json" > "$OUT/grad_sync.log" 2>&1
+  timeout 300 python -m benchmarks.bench_grad_sync ${GRAD_SYNC_ARGS:-} --out "$OUT/grad_sync.json" > "$OUT/grad_sync.log" 2>&1
   echo "grad_sync rc=$?"; tail -4 "$OUT/grad_sync.log"
 fi
 if has fsdp_test; then  # issue 12 (nvidia-h200-x2): an FSDP fit's checkpoint tested in a new process; predict under DDP
