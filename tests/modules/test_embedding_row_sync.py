@@ -179,3 +179,37 @@ def test_the_rows_sum_captures_into_a_cuda_graph(tmp_path):
             torch.testing.assert_close(weight.grad, expected, rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_first_sync_inside_a_capture_keeps_the_whole_table_and_says_so(tmp_path, capsys):
+    """One GPU, an NCCL group of one rank: where the first sync is itself captured (the check that the gradient has
+    no rows outside the ids cannot read the device there), the table is all-reduced whole from then on, said once, and
+    the replays sum it whole (one rank: the gradient itself)."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        weight = torch.nn.Parameter(torch.zeros(VOCAB, HIDDEN, device="cuda"))
+        weight.grad = torch.randn(VOCAB, HIDDEN, device="cuda")
+        other = torch.randn(5, device="cuda")
+        ids = torch.randint(0, VOCAB, (2, 10), device="cuda")
+        sync = EmbeddingRowSync(weight, MAX_IDS)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            all_reduce_grads([other, weight.grad])  # NCCL warmed for these sizes, without deciding anything
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            sync.record(ids)
+            sync([other, weight.grad])
+        assert sync.rows_only is False
+        assert "first sync ran inside a CUDA-graph capture" in capsys.readouterr().out
+        expected = torch.randn(VOCAB, HIDDEN, device="cuda")
+        weight.grad.copy_(expected)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(weight.grad, expected, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()

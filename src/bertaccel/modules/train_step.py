@@ -430,6 +430,9 @@ class EmbeddingRowSync:
         import torch.distributed as dist
 
         if g.is_cuda and torch.cuda.is_current_stream_capturing():
+            if dist.get_rank(self.group) == 0:  # (a step runs eagerly before its capture: not seen in our loop)
+                print("bertaccel: the word embeddings' gradient is all-reduced whole: its first sync ran inside a "
+                      "CUDA-graph capture, where whether it has rows outside the batch's ids cannot be checked", flush=True)
             return False
         outside = torch.ones(g.shape[0], dtype=torch.bool, device=g.device)
         outside[ids] = False
