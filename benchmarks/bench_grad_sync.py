@@ -50,10 +50,9 @@ def sync_parts(grads: list[torch.Tensor]) -> dict:
     """`all_reduce_grads`'s steps around NCCL, each a function: `cat` (the gradients into one flat buffer per dtype),
     `copy_back` (the flat buffers' values back into the gradients) and `flat_views` (the alternative: gradients as
     views of preallocated flat buffers - zero them, then add a fresh gradient into each view)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    groups = list(by_dtype.values())
+    from bertaccel.modules.train_step import grads_by_dtype
+
+    groups = grads_by_dtype(grads)
     flats = [torch.cat([g.reshape(-1) for g in same]) for same in groups]
     views = [list(f.split([g.numel() for g in same])) for f, same in zip(flats, groups)]
     fresh = [[g.reshape(-1).clone() for g in same] for same in groups]
@@ -63,7 +62,7 @@ def sync_parts(grads: list[torch.Tensor]) -> dict:
             torch.cat([g.reshape(-1) for g in same])
 
     def copy_back():
-        for f, same, v in zip(flats, groups, views):
+        for same, v in zip(groups, views):
             torch._foreach_copy_(same, [x.view_as(g) for x, g in zip(v, same)])
 
     def flat_views():

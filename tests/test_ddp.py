@@ -24,6 +24,15 @@ def bertaccel(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return out
 
 
+def _subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a `bertaccel` subprocess that imports the tests' callbacks (the repository on
+    PYTHONPATH), plus `extra`."""
+    import os
+
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]), **extra)
+
+
 def printed_metrics(stdout: str) -> dict[str, float]:
     """The metrics of Lightning's printed results table (`test/acc  0.51...`)."""
     import re
@@ -70,14 +79,12 @@ def test_ddp_resume_in_the_middle_of_an_epoch_equals_an_uninterrupted_run(tiny_c
     """Two processes: a fit that crashes in the middle of epoch 0 (checkpoint at step 5 of 8), resumed
     with `--ckpt_path last`, ends with the weights of an uninterrupted 2-epoch fit (dropout on): each
     rank continues its own shard of the same order with the batch after the checkpoint."""
-    import os
-
     import torch
 
     data = tmp_path / "even"
     write_jsonl(data / "train.jsonl", sample_rows("train", 320))  # 256 train rows: 8 steps of 16 per rank
     write_jsonl(data / "test.jsonl", sample_rows("test", 16))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = _subprocess_env()
     common = [*DDP, "--test_after_fit", "false", "--model.init_args.config",
               json.dumps({"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
                           "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})]
@@ -129,14 +136,12 @@ def test_ddp_graph_mode_steps_sync_gradients_like_ddp(tiny_config, tmp_path):
     gradient clipping (which must see the global gradients). Without the step's all-reduce each rank
     would train on its own shard alone. The graph-mode fit runs with the lagged SIGTERM check
     (BERTACCEL_LAGGED_SIGTERM=1: the ranks' per-batch broadcast read one batch late)."""
-    import os
-
     import torch
 
     data = tmp_path / "even"
     write_jsonl(data / "train.jsonl", sample_rows("train", 320))  # 256 train rows: 8 steps of 16 per rank
     write_jsonl(data / "test.jsonl", sample_rows("test", 16))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = _subprocess_env()
     common = [*DDP, "--test_after_fit", "false", "--trainer.gradient_clip_val", "0.5",
               "--data.init_args.static_shapes", "true", "--data.init_args.length_buckets", "16",
               "--model.init_args.config",
@@ -178,16 +183,13 @@ def test_ddp_ranks_train_on_rows_of_one_length_group_at_each_step(tiny_config, t
     gives rank r every second row): rank 0's longest row >= rank 1's longest >= rank 0's second longest, at
     every step. Grouped per rank instead, a step's two batches come from differently long groups, and both
     ranks wait for the longer one."""
-    import os
-
     data = tmp_path / "data"
     write_jsonl(data / "train.jsonl", sample_rows("train", 320))
     write_jsonl(data / "test.jsonl", sample_rows("test", 16))
     marks = tmp_path / "lengths"
     marks.mkdir()
     cfg = tiny_config("ddp_grouped", epochs=1, dataset=str(data), val_size=64, group_by_length=True, batch_size=8)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
-               ROW_LENGTHS_DIR=str(marks))
+    env = _subprocess_env(ROW_LENGTHS_DIR=str(marks))
     out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *DDP, "--test_after_fit", "false",
                           "--trainer.callbacks", "tests.test_ddp.RecordRowLengths"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
@@ -217,12 +219,10 @@ def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_
     (on 2 ranks each row's sum is a + b either way; the ranks' batches have different lengths), and both together
     (the table's bucket, the last, summed by its rows from the backward's hooks), and the rows sync under gradient
     accumulation (3 micro-batches an update, the epoch's 8 ending in a short one: the rows of every micro-batch)."""
-    import os
-
     data = tmp_path / "even"
     write_jsonl(data / "train.jsonl", sample_rows("train", 320))
     write_jsonl(data / "test.jsonl", sample_rows("test", 16))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = _subprocess_env()
     common = [*DDP, "--test_after_fit", "false", "--trainer.precision", "bf16-mixed",
               "--data.init_args.static_shapes", "true", "--data.init_args.length_buckets", "16",
               "--model.init_args.cuda_graphs", "true", "--trainer.callbacks", "tests.test_ddp.GraphLoopOnCPU",
@@ -252,12 +252,10 @@ def test_ddp_graph_mode_sums_the_embedding_rows_by_default_where_they_pay(tiny_c
     few against the vocabulary (4 x 16 ids a rank, 2 ranks: 128 < 2 x the tokenizer's 253 rows) sums the word
     embeddings' gradient by its rows without being asked, says so, and trains to the weights of the fit with it off
     (=0), bit for bit; with 16 x 48 ids a rank (1,536 > 506) it keeps the whole table, saying why."""
-    import os
-
     data = tmp_path / "even"
     write_jsonl(data / "train.jsonl", sample_rows("train", 320))
     write_jsonl(data / "test.jsonl", sample_rows("test", 16))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = _subprocess_env()
     env.pop("BERTACCEL_EMBEDDING_ROW_SYNC", None)
     common = [*DDP, "--test_after_fit", "false", "--trainer.precision", "bf16-mixed", "--trainer.limit_train_batches", "6",
               "--data.init_args.static_shapes", "true", "--model.init_args.cuda_graphs", "true",
@@ -291,8 +289,6 @@ def test_ddp_masked_lm_with_the_embedding_rows_sync_all_reduces_the_tied_table_w
     `BERTACCEL_EMBEDDING_ROW_SYNC=always` (the tiny vocabulary would otherwise keep the whole table) the first sync finds rows outside the batch's ids, says so, and all-reduces the
     table whole - the graph-mode DDP fit (2 processes) ends with the weights of the fit without the switch, bit for bit
     (summing only the batch's rows would have dropped the decoder's gradient elsewhere)."""
-    import os
-
     import yaml
 
     from tests.conftest import TINY_BERT
@@ -312,7 +308,7 @@ def test_ddp_masked_lm_with_the_embedding_rows_sync_all_reduces_the_tied_table_w
     }
     path = tmp_path / "mlm.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = _subprocess_env()
     states, said = {}, {}
     for rows in ("0", "1"):
         name = f"mlm_rows{rows}"
@@ -359,16 +355,13 @@ def test_ddp_sigterm_on_rank_0_stops_every_rank_at_the_same_batch(tiny_config, t
     epoch. With the lagged check (the default, modules/sigterm_check.py) also where the signal reaches rank
     0 alone; Lightning's own handling hangs there (its handler broadcasts from inside the signal handler), so
     that case is run with the lagged check only."""
-    import os
-
     data = tmp_path / "even"
     write_jsonl(data / "train.jsonl", sample_rows("train", 640))  # 512 train rows: 16 steps of 16 per rank
     write_jsonl(data / "test.jsonl", sample_rows("test", 16))
     marks = tmp_path / "marks"
     marks.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
-               SIGTERM_TEST_DIR=str(marks), BERTACCEL_LAGGED_SIGTERM="1" if lagged else "0",
-               SIGTERM_RANK0_ONLY="1" if rank0_only else "0")
+    env = _subprocess_env(SIGTERM_TEST_DIR=str(marks), BERTACCEL_LAGGED_SIGTERM="1" if lagged else "0",
+                          SIGTERM_RANK0_ONLY="1" if rank0_only else "0")
     cfg = tiny_config("ddp_sigterm", epochs=1, dataset=str(data), val_size=128)
     out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *DDP, "--test_after_fit", "false",
                           "--trainer.callbacks", "tests.test_ddp.SigtermOnRank0"],
@@ -476,7 +469,6 @@ def _two_gpu_fit(tmp_path: Path, name: str, graphs: bool, precision: str = "32-t
     """A 3-epoch DDP fit of the tiny classifier on 2 GPUs (NCCL) through the CLI; its last checkpoint and its
     CSV rows. Each rank's graph_stats and rank 0's initial weights go to tmp_path / "stats"."""
     import csv
-    import os
 
     import yaml
 
@@ -488,8 +480,7 @@ def _two_gpu_fit(tmp_path: Path, name: str, graphs: bool, precision: str = "32-t
         write_jsonl(data / "test.jsonl", sample_rows("test", 16))
     stats_dir = tmp_path / "stats"
     stats_dir.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
-               GRAPH_STATS_DIR=str(stats_dir), GRAPH_STATS_RUN=name, **(env_extra or {}))
+    env = _subprocess_env(GRAPH_STATS_DIR=str(stats_dir), GRAPH_STATS_RUN=name, **(env_extra or {}))
     cfg = {
         "seed_everything": 7,
         "trainer": {"max_epochs": 3, "accelerator": "gpu", "devices": 2, "strategy": "ddp", "precision": precision,

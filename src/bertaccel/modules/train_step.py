@@ -317,6 +317,15 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
+def grads_by_dtype(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`grads` in one list per dtype, in the order of each dtype's first gradient (what `all_reduce_grads` flattens
+    into one buffer each)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    return list(by_dtype.values())
+
+
 def all_reduce_grads(grads: list[torch.Tensor], group: Any = None) -> None:
     """Sum `grads` over the ranks of `group` (None: all) in place: per dtype, the gradients are copied
     into one flat buffer, all-reduced in one call and copied back (one NCCL kernel per dtype instead of
@@ -324,10 +333,7 @@ def all_reduce_grads(grads: list[torch.Tensor], group: Any = None) -> None:
     order, which the step guarantees: which parameters get a gradient depends on the model, not the batch."""
     import torch.distributed as dist
 
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
+    for same in grads_by_dtype(grads):
         flat = torch.cat([g.reshape(-1) for g in same])
         dist.all_reduce(flat, group=group)
         torch._foreach_copy_(same, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in same]), same)])
