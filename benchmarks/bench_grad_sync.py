@@ -10,7 +10,10 @@ gradients in bf16 (their bf16 copies'), every other parameter's in fp32. Timed w
 - the parts `all_reduce_grads` adds to NCCL's own time, alone: the cat into the flat buffers (`cat_ms`) and the copy
   back (`copy_back_ms`), and what gradients kept in the flat buffers would cost instead (`flat_views_ms`: zero the
   buffers, then add each new gradient into its view, as autograd's in-place accumulation would, since it could no
-  longer hand its fresh tensor over).
+  longer hand its fresh tensor over), each timed eager (host launches included) and captured in a CUDA graph and replayed
+  (`*_graphed_ms`: the GPU's own time, what a graphed step pays);
+- NCCL coalesced (`coalesced_ms`, `coalesced_graphed_ms`): every gradient all-reduced in place, the calls of a dtype
+  coalesced into one NCCL group (`dist._coalescing_manager`, as FSDP2 does): no flat buffer, no cat, no copy back.
 
 `--without-word-embeddings` leaves the word embeddings' table out of the all-reduce, as a graphed step does where it
 sums that gradient by the batch's rows (`EmbeddingRowSync`, the default since session 65; its gather is timed in
@@ -74,6 +77,33 @@ def sync_parts(grads: list[torch.Tensor]) -> dict:
     return {"cat": cat, "copy_back": copy_back, "flat_views": flat_views}
 
 
+def all_reduce_coalesced(grads: list[torch.Tensor], group=None) -> None:
+    """Sum `grads` over the ranks in place, each gradient its own all-reduce, those of one dtype in one coalesced NCCL
+    group (no flat buffer: what `all_reduce_grads` would be without its cat and copy back)."""
+    from bertaccel.modules.train_step import grads_by_dtype
+
+    for same in grads_by_dtype(grads):
+        with dist.distributed_c10d._coalescing_manager(group=group):
+            for g in same:
+                dist.all_reduce(g, group=group)
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    """`fn` captured into a CUDA graph (run once on the capture stream first: NCCL's connections and the caching
+    allocator's blocks exist before the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
 def timed(fn, repeats: int = 30, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
@@ -116,30 +146,32 @@ def worker(rank: int, world: int, models: list[str], out: str | None, word_embed
                "all_reduce_grads_ms": timed(lambda: all_reduce_grads(grads)),
                "nccl_flat_ms": timed(nccl_only),
                "all_fp32_ms": timed(lambda: all_reduce_grads(fp32))}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            all_reduce_grads(grads)  # warm: NCCL connections for these sizes exist before the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            all_reduce_grads(grads)
+        graph = graph_of(lambda: all_reduce_grads(grads))
         row["graphed_ms"] = timed(graph.replay)
         row["graphed_gbs"] = nbytes / row["graphed_ms"] / 1e6
-        for part, fn in sync_parts(grads).items():  # eager, as the bench times all_reduce_grads eager too
+        graphs = [graph]
+        for part, fn in sync_parts(grads).items():  # eager (as all_reduce_grads above), then graphed (its GPU time)
             row[f"{part}_ms"] = timed(fn)
+            graphs.append(graph_of(fn))
+            row[f"{part}_graphed_ms"] = timed(graphs[-1].replay)
+        row["coalesced_ms"] = timed(lambda: all_reduce_coalesced(grads))
+        graphs.append(graph_of(lambda: all_reduce_coalesced(grads)))
+        row["coalesced_graphed_ms"] = timed(graphs[-1].replay)
         rows.append(row)
-        del graph
+        del graphs
     if rank == 0:
         from benchmarks.common import environment
 
-        print(f"{'model':8} {'MB':>7} {'eager ms':>9} {'graphed ms':>10} {'GB/s':>6} {'NCCL flat':>9} {'all fp32 ms':>11} "
-              f"{'cat ms':>7} {'copy back':>9} {'flat views':>10}  (word embeddings {'in' if word_embeddings else 'out'})")
+        print(f"{'model':8} {'MB':>7} {'eager ms':>9} {'graphed ms':>10} {'GB/s':>6} {'NCCL flat':>9} {'coalesced':>9} "
+              f"{'graphed':>7} {'all fp32 ms':>11}  (word embeddings {'in' if word_embeddings else 'out'})")
         for r in rows:
             print(f"{r['model']:8} {r['mbytes']:7.1f} {r['all_reduce_grads_ms']:9.3f} {r['graphed_ms']:10.3f} "
-                  f"{r['graphed_gbs']:6.0f} {r['nccl_flat_ms']:9.3f} {r['all_fp32_ms']:11.3f} {r['cat_ms']:7.3f} "
-                  f"{r['copy_back_ms']:9.3f} {r['flat_views_ms']:10.3f}")
+                  f"{r['graphed_gbs']:6.0f} {r['nccl_flat_ms']:9.3f} {r['coalesced_ms']:9.3f} {r['coalesced_graphed_ms']:7.3f} "
+                  f"{r['all_fp32_ms']:11.3f}")
+        print(f"{'parts, ms':8} {'cat':>7} {'graphed':>7} {'copy back':>9} {'graphed':>7} {'flat views':>10} {'graphed':>7}")
+        for r in rows:
+            print(f"{r['model']:8} {r['cat_ms']:7.3f} {r['cat_graphed_ms']:7.3f} {r['copy_back_ms']:9.3f} "
+                  f"{r['copy_back_graphed_ms']:7.3f} {r['flat_views_ms']:10.3f} {r['flat_views_graphed_ms']:7.3f}")
         if out:
             with open(out, "w") as f:
                 json.dump({"environment": environment() | {"gpus": world}, "rows": rows}, f, indent=1)
