@@ -11,7 +11,9 @@ in the same run, each step with CUDA events after a barrier (median over `--step
 - `sync-overlapped`: bucket by bucket from the backward's gradient hooks, on a side stream;
 - `sync-embedding-rows`: after the backward, the word embeddings' gradient summed by the rows the batch's ids touch
   (`train_step.EmbeddingRowSync`; the default since session 65), the rest in one all-reduce per dtype;
-- `sync-overlapped-embedding-rows`: both (the table's bucket, ready last, summed by its rows).
+- `sync-overlapped-embedding-rows`: both (the table's bucket, ready last, summed by its rows);
+- `sync-embedding-rows-bf16-in-place`: as `sync-embedding-rows`, the bf16 Linear weights' gradients all-reduced in place
+  (coalesced, `all_reduce_grads(in_place=(bf16,))`) instead of through a flat buffer (not in the default `--variants`).
 
     python -m benchmarks.bench_ddp_step [--models minilm base] [--shapes 32x256 16x512] [--out ddp_step.json]
 
@@ -34,6 +36,7 @@ MODELS = {
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522),
 }
 VARIANTS = ("no-sync", "sync-after", "sync-overlapped", "sync-embedding-rows", "sync-overlapped-embedding-rows")
+EXTRA_VARIANTS = ("sync-embedding-rows-bf16-in-place",)
 
 
 def time_step(one_step, device: torch.device, steps: int, warmup: int) -> list[float]:
@@ -78,8 +81,9 @@ def run_variant(model_name: str, batch: int, seq: int, variant: str, device: tor
 
     synced = variant != "no-sync"
     grad_sync = all_reduce_grads if synced else None
-    if variant.endswith("embedding-rows"):
-        grad_sync = EmbeddingRowSync(model.get_input_embeddings().weight, batch * seq)
+    if "embedding-rows" in variant:
+        reduce = (lambda grads: all_reduce_grads(grads, in_place=(torch.bfloat16,))) if variant.endswith("in-place") else None
+        grad_sync = EmbeddingRowSync(model.get_input_embeddings().weight, batch * seq, reduce=reduce)
     step = build_train_step(forward, opt, copies=copies,
                             autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False),
                             grad_sync=grad_sync, world_size=world if synced else 1, row_ids_input="ids",
@@ -116,7 +120,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         for shape in args.shapes:
             batch, seq = (int(x) for x in shape.split("x"))
             for _ in range(args.rounds):
-                for variant in VARIANTS:
+                for variant in args.variants:
                     for bucket_mb in (args.bucket_mb if variant.startswith("sync-overlapped") else [args.bucket_mb[0]]):
                         rows.append(run_variant(model_name, batch, seq, variant, device, world, args.steps, args.warmup,
                                                 bucket_mb))
@@ -145,6 +149,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["32x256", "16x512"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS + EXTRA_VARIANTS))
     parser.add_argument("--rounds", type=int, default=2, help="the variants this many times, interleaved")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0],
                         help="the overlapped sync's bucket size(s) in MiB, each timed (default 25, DDP's)")

@@ -12,8 +12,10 @@ gradients in bf16 (their bf16 copies'), every other parameter's in fp32. Timed w
   buffers, then add each new gradient into its view, as autograd's in-place accumulation would, since it could no
   longer hand its fresh tensor over), each timed eager (host launches included) and captured in a CUDA graph and replayed
   (`*_graphed_ms`: the GPU's own time, what a graphed step pays);
-- NCCL coalesced (`coalesced_ms`, `coalesced_graphed_ms`): every gradient all-reduced in place, the calls of a dtype
-  coalesced into one NCCL group (`dist._coalescing_manager`, as FSDP2 does): no flat buffer, no cat, no copy back.
+- NCCL coalesced (`coalesced_ms`, `coalesced_graphed_ms`; `all_reduce_grads(in_place=(bf16, fp32))`): every gradient
+  all-reduced in place, the calls of a dtype coalesced into one NCCL group (`dist._coalescing_manager`, as FSDP2
+  does): no flat buffer, no cat, no copy back; and the mixed form (`bf16_in_place_*`): the bf16 Linear weights'
+  gradients in place, the fp32 ones (word table, norms, biases) through the flat buffer.
 
 `--without-word-embeddings` leaves the word embeddings' table out of the all-reduce, as a graphed step does where it
 sums that gradient by the batch's rows (`EmbeddingRowSync`, the default since session 65; its gather is timed in
@@ -75,17 +77,6 @@ def sync_parts(grads: list[torch.Tensor]) -> dict:
 
     flat_views.views = views  # type: ignore[attr-defined]  (for the tests)
     return {"cat": cat, "copy_back": copy_back, "flat_views": flat_views}
-
-
-def all_reduce_coalesced(grads: list[torch.Tensor], group=None) -> None:
-    """Sum `grads` over the ranks in place, each gradient its own all-reduce, those of one dtype in one coalesced NCCL
-    group (no flat buffer: what `all_reduce_grads` would be without its cat and copy back)."""
-    from bertaccel.modules.train_step import grads_by_dtype
-
-    for same in grads_by_dtype(grads):
-        with dist.distributed_c10d._coalescing_manager(group=group):
-            for g in same:
-                dist.all_reduce(g, group=group)
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -154,20 +145,21 @@ def worker(rank: int, world: int, models: list[str], out: str | None, word_embed
             row[f"{part}_ms"] = timed(fn)
             graphs.append(graph_of(fn))
             row[f"{part}_graphed_ms"] = timed(graphs[-1].replay)
-        row["coalesced_ms"] = timed(lambda: all_reduce_coalesced(grads))
-        graphs.append(graph_of(lambda: all_reduce_coalesced(grads)))
-        row["coalesced_graphed_ms"] = timed(graphs[-1].replay)
+        for key, in_place in (("coalesced", (torch.bfloat16, torch.float32)), ("bf16_in_place", (torch.bfloat16,))):
+            row[f"{key}_ms"] = timed(lambda: all_reduce_grads(grads, in_place=in_place))
+            graphs.append(graph_of(lambda: all_reduce_grads(grads, in_place=in_place)))
+            row[f"{key}_graphed_ms"] = timed(graphs[-1].replay)
         rows.append(row)
         del graphs
     if rank == 0:
         from benchmarks.common import environment
 
         print(f"{'model':8} {'MB':>7} {'eager ms':>9} {'graphed ms':>10} {'GB/s':>6} {'NCCL flat':>9} {'coalesced':>9} "
-              f"{'graphed':>7} {'all fp32 ms':>11}  (word embeddings {'in' if word_embeddings else 'out'})")
+              f"{'graphed':>7} {'bf16 in place':>13} {'graphed':>7} {'all fp32 ms':>11}  (word embeddings {'in' if word_embeddings else 'out'})")
         for r in rows:
             print(f"{r['model']:8} {r['mbytes']:7.1f} {r['all_reduce_grads_ms']:9.3f} {r['graphed_ms']:10.3f} "
                   f"{r['graphed_gbs']:6.0f} {r['nccl_flat_ms']:9.3f} {r['coalesced_ms']:9.3f} {r['coalesced_graphed_ms']:7.3f} "
-                  f"{r['all_fp32_ms']:11.3f}")
+                  f"{r['bf16_in_place_ms']:13.3f} {r['bf16_in_place_graphed_ms']:7.3f} {r['all_fp32_ms']:11.3f}")
         print(f"{'parts, ms':8} {'cat':>7} {'graphed':>7} {'copy back':>9} {'graphed':>7} {'flat views':>10} {'graphed':>7}")
         for r in rows:
             print(f"{r['model']:8} {r['cat_ms']:7.3f} {r['cat_graphed_ms']:7.3f} {r['copy_back_ms']:9.3f} "
@@ -175,6 +167,8 @@ def worker(rank: int, world: int, models: list[str], out: str | None, word_embed
         if out:
             with open(out, "w") as f:
                 json.dump({"environment": environment() | {"gpus": world}, "rows": rows}, f, indent=1)
+    torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
 
 

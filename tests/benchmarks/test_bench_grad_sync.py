@@ -36,26 +36,3 @@ def test_the_timed_parts_round_trip_the_gradients_and_the_views_hold_the_fresh_g
     for v, x in zip(views, by_dtype):
         torch.testing.assert_close(v, x.reshape(-1), rtol=0, atol=0)
 
-
-def _coalesced_worker(rank: int, world: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-
-    from benchmarks.bench_grad_sync import all_reduce_coalesced
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    grads = [torch.full((5, 3), rank + 1.0).bfloat16(), torch.arange(7.0) * (rank + 1), torch.full((4,), 10.0 ** rank).bfloat16()]
-    all_reduce_coalesced(grads)
-    torch.save(grads, f"{out}.{rank}")
-    dist.destroy_process_group()
-
-
-def test_the_coalesced_all_reduce_sums_every_gradient_in_place_on_two_gloo_processes(tmp_path):
-    world = 2
-    torch.multiprocessing.spawn(_coalesced_worker, args=(world, f"file://{tmp_path / 'store'}", str(tmp_path / "grads")),
-                                nprocs=world)
-    expected = [torch.full((5, 3), 3.0).bfloat16(), torch.arange(7.0) * 3, torch.full((4,), 11.0).bfloat16()]
-    for rank in range(world):
-        got = torch.load(f"{tmp_path / 'grads'}.{rank}")
-        for x, y in zip(got, expected):
-            assert x.dtype == y.dtype
-            torch.testing.assert_close(x, y, rtol=0, atol=0)

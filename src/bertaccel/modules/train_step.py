@@ -326,14 +326,21 @@ def grads_by_dtype(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(by_dtype.values())
 
 
-def all_reduce_grads(grads: list[torch.Tensor], group: Any = None) -> None:
+def all_reduce_grads(grads: list[torch.Tensor], group: Any = None, in_place: tuple[torch.dtype, ...] = ()) -> None:
     """Sum `grads` over the ranks of `group` (None: all) in place: per dtype, the gradients are copied
     into one flat buffer, all-reduced in one call and copied back (one NCCL kernel per dtype instead of
-    one per parameter; capturable in a CUDA graph). Every rank must pass the same shapes in the same
-    order, which the step guarantees: which parameters get a gradient depends on the model, not the batch."""
+    one per parameter; capturable in a CUDA graph). The gradients of a dtype in `in_place` are instead all-reduced
+    where they are, one call each, coalesced into one NCCL group (no flat buffer, no copies). Every rank must pass the
+    same shapes in the same order, which the step guarantees: which parameters get a gradient depends on the model,
+    not the batch."""
     import torch.distributed as dist
 
     for same in grads_by_dtype(grads):
+        if same[0].dtype in in_place:
+            with dist.distributed_c10d._coalescing_manager(group=group):
+                for g in same:
+                    dist.all_reduce(g, group=group)
+            continue
         flat = torch.cat([g.reshape(-1) for g in same])
         dist.all_reduce(flat, group=group)
         torch._foreach_copy_(same, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in same]), same)])
