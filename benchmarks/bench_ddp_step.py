@@ -7,13 +7,14 @@ BERT classifier (random init, SDPA, the same seeded batch on every rank, full le
 in the same run, each step with CUDA events after a barrier (median over `--steps`):
 
 - `no-sync`: the step without any all-reduce (what one GPU runs);
-- `sync-after`: one all-reduce per dtype after the backward (`BERTACCEL_EMBEDDING_ROW_SYNC=0`);
+- `sync-after`: one NCCL launch per dtype after the backward, the word table whole (`BERTACCEL_EMBEDDING_ROW_SYNC=0`);
 - `sync-overlapped`: bucket by bucket from the backward's gradient hooks, on a side stream;
 - `sync-embedding-rows`: after the backward, the word embeddings' gradient summed by the rows the batch's ids touch
   (`train_step.EmbeddingRowSync`; the default since session 65), the rest in one all-reduce per dtype;
 - `sync-overlapped-embedding-rows`: both (the table's bucket, ready last, summed by its rows);
-- `sync-embedding-rows-bf16-in-place`: as `sync-embedding-rows`, the bf16 Linear weights' gradients all-reduced in place
-  (coalesced, `all_reduce_grads(in_place=(bf16,))`) instead of through a flat buffer (not in the default `--variants`).
+- `sync-embedding-rows-flat`: as `sync-embedding-rows` with every other gradient through a flat buffer per dtype
+  (`all_reduce_grads(in_place=())`, the form before session 66; not in the default `--variants`); the default
+  all-reduces the bf16 Linear weights' gradients in place, coalesced.
 
     python -m benchmarks.bench_ddp_step [--models minilm base] [--shapes 32x256 16x512] [--out ddp_step.json]
 
@@ -36,7 +37,7 @@ MODELS = {
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522),
 }
 VARIANTS = ("no-sync", "sync-after", "sync-overlapped", "sync-embedding-rows", "sync-overlapped-embedding-rows")
-EXTRA_VARIANTS = ("sync-embedding-rows-bf16-in-place",)
+EXTRA_VARIANTS = ("sync-embedding-rows-flat",)
 
 
 def time_step(one_step, device: torch.device, steps: int, warmup: int) -> list[float]:
@@ -82,7 +83,7 @@ def run_variant(model_name: str, batch: int, seq: int, variant: str, device: tor
     synced = variant != "no-sync"
     grad_sync = all_reduce_grads if synced else None
     if "embedding-rows" in variant:
-        reduce = (lambda grads: all_reduce_grads(grads, in_place=(torch.bfloat16,))) if variant.endswith("in-place") else None
+        reduce = (lambda grads: all_reduce_grads(grads, in_place=())) if variant.endswith("-flat") else None
         grad_sync = EmbeddingRowSync(model.get_input_embeddings().weight, batch * seq, reduce=reduce)
     step = build_train_step(forward, opt, copies=copies,
                             autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False),

@@ -4,7 +4,8 @@ One process per GPU (NCCL). The gradients are those of a graphed bf16-mixed step
 gradients in bf16 (their bf16 copies'), every other parameter's in fp32. Timed with CUDA events
 (median), each row in the same run:
 
-- `all_reduce_grads` eager, and captured in a CUDA graph and replayed (what the graphed step runs);
+- `all_reduce_grads` with every gradient through the flat buffers (`in_place=()`, the graphed step's sum before
+  session 66), eager, and captured in a CUDA graph and replayed;
 - NCCL alone: one all-reduce per dtype of preallocated flat buffers (the floor for this volume);
 - every gradient in fp32 (the volume Lightning's DDP all-reduces for the same model);
 - the parts `all_reduce_grads` adds to NCCL's own time, alone: the cat into the flat buffers (`cat_ms`) and the copy
@@ -14,8 +15,9 @@ gradients in bf16 (their bf16 copies'), every other parameter's in fp32. Timed w
   (`*_graphed_ms`: the GPU's own time, what a graphed step pays);
 - NCCL coalesced (`coalesced_ms`, `coalesced_graphed_ms`; `all_reduce_grads(in_place=(bf16, fp32))`): every gradient
   all-reduced in place, the calls of a dtype coalesced into one NCCL group (`dist._coalescing_manager`, as FSDP2
-  does): no flat buffer, no cat, no copy back; and the mixed form (`bf16_in_place_*`): the bf16 Linear weights'
-  gradients in place, the fp32 ones (word table, norms, biases) through the flat buffer.
+  does): no flat buffer, no cat, no copy back; and the mixed form (`bf16_in_place_*`; `all_reduce_grads`' default since
+  session 66): the bf16 Linear weights' gradients in place, the fp32 ones (word table, norms, biases) through the flat
+  buffer.
 
 `--without-word-embeddings` leaves the word embeddings' table out of the all-reduce, as a graphed step does where it
 sums that gradient by the batch's rows (`EmbeddingRowSync`, the default since session 65; its gather is timed in
@@ -134,13 +136,12 @@ def worker(rank: int, world: int, models: list[str], out: str | None, word_embed
 
         row = {"model": name, "world": world, "word_embeddings": word_embeddings, "tensors": len(grads), "mbytes": nbytes / 1e6,
                "mbytes_all_fp32": sum(g.numel() * 4 for g in grads) / 1e6,
-               "all_reduce_grads_ms": timed(lambda: all_reduce_grads(grads)),
+               "all_reduce_grads_ms": timed(lambda: all_reduce_grads(grads, in_place=())),
                "nccl_flat_ms": timed(nccl_only),
-               "all_fp32_ms": timed(lambda: all_reduce_grads(fp32))}
-        graph = graph_of(lambda: all_reduce_grads(grads))
-        row["graphed_ms"] = timed(graph.replay)
+               "all_fp32_ms": timed(lambda: all_reduce_grads(fp32, in_place=()))}
+        graphs = [graph_of(lambda: all_reduce_grads(grads, in_place=()))]  # all freed before the process group
+        row["graphed_ms"] = timed(graphs[-1].replay)
         row["graphed_gbs"] = nbytes / row["graphed_ms"] / 1e6
-        graphs = [graph]
         for part, fn in sync_parts(grads).items():  # eager (as all_reduce_grads above), then graphed (its GPU time)
             row[f"{part}_ms"] = timed(fn)
             graphs.append(graph_of(fn))

@@ -28,15 +28,15 @@ def test_cpu_run_times_every_variant(tmp_path):
 
 
 @pytest.mark.slow
-def test_cpu_run_times_the_in_place_variant_when_asked(tmp_path):
+def test_cpu_run_times_the_flat_variant_when_asked(tmp_path):
     out = tmp_path / "ddp_step.json"
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_ddp_step", "--device", "cpu", "--models", "tiny",
                            "--shapes", "4x16", "--steps", "2", "--warmup", "2", "--rounds", "1", "--out", str(out),
-                           "--variants", "sync-embedding-rows", "sync-embedding-rows-bf16-in-place"],
+                           "--variants", "sync-embedding-rows", "sync-embedding-rows-flat"],
                           cwd=root, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "PYTHONPATH": f"{root / 'src'}:{root}"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["sync-embedding-rows", "sync-embedding-rows-bf16-in-place"]
+    assert [r["variant"] for r in rows] == ["sync-embedding-rows", "sync-embedding-rows-flat"]
     assert all(r["embedding_rows_only"] is True and r["step_ms_p50"] > 0 for r in rows)
