@@ -337,13 +337,15 @@ def all_reduce_grads(grads: list[torch.Tensor], group: Any = None,
     sync leaves it) from 0.945 to 0.701 ms (NCCL alone on flat buffers: 0.688) and its graphed 32x256 step from
     19.46 / 19.39 to 19.14 / 19.20 ms; MiniLM's did not move (session 66, `benchmarks.bench_grad_sync`,
     `bench_ddp_step`). Coalescing the fp32 ones too was slower with the word table in (1.71 against 1.60 ms).
-    Every rank must pass the same shapes in the same order, which the step guarantees: which parameters get a
-    gradient depends on the model, not the batch."""
+    A dtype with a non-contiguous gradient (NCCL takes contiguous tensors only), or a torch without the (private)
+    coalescing manager, goes through the flat buffer. Every rank must pass the same shapes in the same order, which the
+    step guarantees: which parameters get a gradient depends on the model, not the batch."""
     import torch.distributed as dist
 
+    coalescing = getattr(dist.distributed_c10d, "_coalescing_manager", None)
     for same in grads_by_dtype(grads):
-        if same[0].dtype in in_place:
-            with dist.distributed_c10d._coalescing_manager(group=group):
+        if coalescing is not None and same[0].dtype in in_place and all(g.is_contiguous() for g in same):
+            with coalescing(group=group):
                 for g in same:
                     dist.all_reduce(g, group=group)
             continue
