@@ -17,7 +17,8 @@ gradients in bf16 (their bf16 copies'), every other parameter's in fp32. Timed w
   all-reduced in place, the calls of a dtype coalesced into one NCCL group (`dist._coalescing_manager`, as FSDP2
   does): no flat buffer, no cat, no copy back; and the mixed form (`bf16_in_place_*`; `all_reduce_grads`' default since
   session 66): the bf16 Linear weights' gradients in place, the fp32 ones (word table, norms, biases) through the flat
-  buffer.
+  buffer; and that plus every gradient of at least 2^20 elements in place whatever its dtype (`large_in_place_*`:
+  `in_place_numel`; in BERT only the fp32 word table).
 
 `--without-word-embeddings` leaves the word embeddings' table out of the all-reduce, as a graphed step does where it
 sums that gradient by the batch's rows (`EmbeddingRowSync`, the default since session 65; its gather is timed in
@@ -35,6 +36,8 @@ import statistics
 
 import torch
 import torch.distributed as dist
+
+LARGE = 1 << 20  # `large_in_place`: fp32 gradients of at least this many elements (the word table) in place too
 
 MODELS = {
     "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
@@ -146,9 +149,11 @@ def worker(rank: int, world: int, models: list[str], out: str | None, word_embed
             row[f"{part}_ms"] = timed(fn)
             graphs.append(graph_of(fn))
             row[f"{part}_graphed_ms"] = timed(graphs[-1].replay)
-        for key, in_place in (("coalesced", (torch.bfloat16, torch.float32)), ("bf16_in_place", (torch.bfloat16,))):
-            row[f"{key}_ms"] = timed(lambda: all_reduce_grads(grads, in_place=in_place))
-            graphs.append(graph_of(lambda: all_reduce_grads(grads, in_place=in_place)))
+        for key, in_place, numel in (("coalesced", (torch.bfloat16, torch.float32), None),
+                                     ("bf16_in_place", (torch.bfloat16,), None),
+                                     ("large_in_place", (torch.bfloat16,), LARGE)):
+            row[f"{key}_ms"] = timed(lambda: all_reduce_grads(grads, in_place=in_place, in_place_numel=numel))
+            graphs.append(graph_of(lambda: all_reduce_grads(grads, in_place=in_place, in_place_numel=numel)))
             row[f"{key}_graphed_ms"] = timed(graphs[-1].replay)
         rows.append(row)
         del graphs
@@ -156,11 +161,12 @@ def worker(rank: int, world: int, models: list[str], out: str | None, word_embed
         from benchmarks.common import environment
 
         print(f"{'model':8} {'MB':>7} {'eager ms':>9} {'graphed ms':>10} {'GB/s':>6} {'NCCL flat':>9} {'coalesced':>9} "
-              f"{'graphed':>7} {'bf16 in place':>13} {'graphed':>7} {'all fp32 ms':>11}  (word embeddings {'in' if word_embeddings else 'out'})")
+              f"{'graphed':>7} {'bf16 in place':>13} {'graphed':>7} {'+ large':>7} {'graphed':>7} {'all fp32 ms':>11}  (word embeddings {'in' if word_embeddings else 'out'})")
         for r in rows:
             print(f"{r['model']:8} {r['mbytes']:7.1f} {r['all_reduce_grads_ms']:9.3f} {r['graphed_ms']:10.3f} "
                   f"{r['graphed_gbs']:6.0f} {r['nccl_flat_ms']:9.3f} {r['coalesced_ms']:9.3f} {r['coalesced_graphed_ms']:7.3f} "
-                  f"{r['bf16_in_place_ms']:13.3f} {r['bf16_in_place_graphed_ms']:7.3f} {r['all_fp32_ms']:11.3f}")
+                  f"{r['bf16_in_place_ms']:13.3f} {r['bf16_in_place_graphed_ms']:7.3f} {r['large_in_place_ms']:7.3f} "
+                  f"{r['large_in_place_graphed_ms']:7.3f} {r['all_fp32_ms']:11.3f}")
         print(f"{'parts, ms':8} {'cat':>7} {'graphed':>7} {'copy back':>9} {'graphed':>7} {'flat views':>10} {'graphed':>7}")
         for r in rows:
             print(f"{r['model']:8} {r['cat_ms']:7.3f} {r['cat_graphed_ms']:7.3f} {r['copy_back_ms']:9.3f} "

@@ -328,7 +328,7 @@ def grads_by_dtype(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def all_reduce_grads(grads: list[torch.Tensor], group: Any = None,
-                     in_place: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> None:
+                     in_place: tuple[torch.dtype, ...] = (torch.bfloat16,), in_place_numel: int | None = None) -> None:
     """Sum `grads` over the ranks of `group` (None: all) in place, one NCCL launch per dtype, capturable in a CUDA
     graph. The gradients of a dtype in `in_place` (default: the bf16 weight copies' - BERT's Linear weights, most of
     the bytes) are all-reduced where they are, one call each, coalesced into one NCCL group; those of any other dtype
@@ -337,6 +337,8 @@ def all_reduce_grads(grads: list[torch.Tensor], group: Any = None,
     sync leaves it) from 0.945 to 0.701 ms (NCCL alone on flat buffers: 0.688) and its graphed 32x256 step from
     19.46 / 19.39 to 19.14 / 19.20 ms; MiniLM's did not move (session 66, `benchmarks.bench_grad_sync`,
     `bench_ddp_step`). Coalescing the fp32 ones too was slower with the word table in (1.71 against 1.60 ms).
+    `in_place_numel`: a gradient of any dtype with at least this many elements is all-reduced in place as well (a
+    whole fp32 word table, as a tied masked-LM head makes it, without its copies into and out of the flat buffer).
     A dtype with a non-contiguous gradient (NCCL takes contiguous tensors only), or a torch without the (private)
     coalescing manager, goes through the flat buffer. Every rank must pass the same shapes in the same order, which the
     step guarantees: which parameters get a gradient depends on the model, not the batch."""
@@ -344,14 +346,24 @@ def all_reduce_grads(grads: list[torch.Tensor], group: Any = None,
 
     coalescing = getattr(dist.distributed_c10d, "_coalescing_manager", None)
     for same in grads_by_dtype(grads):
-        if coalescing is not None and same[0].dtype in in_place and all(g.is_contiguous() for g in same):
+        if coalescing is None or not all(g.is_contiguous() for g in same):
+            where, flat_grads = [], same
+        elif same[0].dtype in in_place:
+            where, flat_grads = same, []
+        elif in_place_numel is not None:
+            where = [g for g in same if g.numel() >= in_place_numel]
+            flat_grads = [g for g in same if g.numel() < in_place_numel]
+        else:
+            where, flat_grads = [], same
+        if where:
             with coalescing(group=group):
-                for g in same:
+                for g in where:
                     dist.all_reduce(g, group=group)
-            continue
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(same, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in same]), same)])
+        if flat_grads:
+            flat = torch.cat([g.reshape(-1) for g in flat_grads])
+            dist.all_reduce(flat, group=group)
+            torch._foreach_copy_(flat_grads, [v.view_as(g) for v, g in
+                                              zip(flat.split([g.numel() for g in flat_grads]), flat_grads)])
 
 
 def embedding_row_sync_wanted() -> str | None:
