@@ -14,7 +14,10 @@ in the same run, each step with CUDA events after a barrier (median over `--step
 - `sync-overlapped-embedding-rows`: both (the table's bucket, ready last, summed by its rows);
 - `sync-embedding-rows-flat`: as `sync-embedding-rows` with every other gradient through a flat buffer per dtype
   (`all_reduce_grads(in_place=())`, the form before session 66; not in the default `--variants`); the default
-  all-reduces the bf16 Linear weights' gradients in place, coalesced.
+  all-reduces the bf16 Linear weights' gradients in place, coalesced;
+- `sync-after-table-flat`: as `sync-after` with the whole fp32 word table through the flat buffer
+  (`all_reduce_grads(in_place_numel=None)`, the form of session 66; not in the default `--variants`); the default
+  all-reduces every gradient of 2^20 elements or more in place, the table included.
 
     python -m benchmarks.bench_ddp_step [--models minilm base] [--shapes 32x256 16x512] [--out ddp_step.json]
 
@@ -37,7 +40,7 @@ MODELS = {
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522),
 }
 VARIANTS = ("no-sync", "sync-after", "sync-overlapped", "sync-embedding-rows", "sync-overlapped-embedding-rows")
-EXTRA_VARIANTS = ("sync-embedding-rows-flat",)
+EXTRA_VARIANTS = ("sync-embedding-rows-flat", "sync-after-table-flat")
 
 
 def time_step(one_step, device: torch.device, steps: int, warmup: int) -> list[float]:
@@ -82,6 +85,8 @@ def run_variant(model_name: str, batch: int, seq: int, variant: str, device: tor
 
     synced = variant != "no-sync"
     grad_sync = all_reduce_grads if synced else None
+    if variant == "sync-after-table-flat":
+        grad_sync = lambda grads: all_reduce_grads(grads, in_place_numel=None)  # noqa: E731
     if "embedding-rows" in variant:
         reduce = (lambda grads: all_reduce_grads(grads, in_place=())) if variant.endswith("-flat") else None
         grad_sync = EmbeddingRowSync(model.get_input_embeddings().weight, batch * seq, reduce=reduce)

@@ -1,9 +1,10 @@
-"""`train_step.all_reduce_grads` on two gloo processes: every gradient summed over the ranks, in place (the same
+"""`train_step.all_reduce_grads` on two gloo processes (and, captured in a CUDA graph, on two GPUs): every gradient summed over the ranks, in place (the same
 tensors), through the flat buffer per dtype, coalesced in place for the dtypes in `in_place` (and the gradients of
 at least `in_place_numel` elements: the fp32 one of 7 in place, the one of 3 through the flat buffer), or mixed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -54,3 +55,66 @@ def test_all_reduce_grads_sums_every_gradient_flat_coalesced_by_dtype_or_size_or
             for x, y in zip(grads, expected):
                 assert x.dtype == y.dtype
                 torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def _nccl_graph_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Captures `all_reduce_grads` in a CUDA graph on each rank (flat, the default, and everything of 7+ elements in
+    place), then replays it on new values twice: what a graphed DDP step does."""
+    import os
+
+    import torch.distributed as dist
+
+    from bertaccel.modules.train_step import all_reduce_grads
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    results = {}
+    for key, numel in (("flat", None), ("default", "default"), ("large", 7)):
+        grads = [torch.zeros(5, 3, dtype=torch.bfloat16, device="cuda"), torch.zeros(7, device="cuda"),
+                 torch.zeros(4, dtype=torch.bfloat16, device="cuda"), torch.zeros(3, device="cuda")]
+        kwargs = {} if numel == "default" else {"in_place_numel": numel}
+        if key == "flat":
+            kwargs["in_place"] = ()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # NCCL's communicators and the allocator's blocks before the capture
+            all_reduce_grads(grads, **kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            all_reduce_grads(grads, **kwargs)
+        sums = []
+        for round_ in range(2):
+            for i, g in enumerate(grads):
+                g.copy_(torch.arange(g.numel(), device="cuda").view_as(g) * (rank + 1) + 10 * round_ + i)
+            graph.replay()
+            torch.cuda.synchronize()
+            sums.append([g.float().cpu() for g in grads])
+        results[key] = sums
+        del graph
+    torch.save(results, f"{out}.{rank}")
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_all_reduce_grads_captured_in_a_cuda_graph_sums_new_values_at_each_replay_on_two_gpus(tmp_path):
+    import random
+
+    world = 2
+    torch.multiprocessing.spawn(_nccl_graph_worker, args=(world, random.randint(20000, 40000), str(tmp_path / "g")),
+                                nprocs=world)
+    shapes = [(5, 3), (7,), (4,), (3,)]
+    for rank in range(world):
+        got = torch.load(f"{tmp_path / 'g'}.{rank}")
+        assert set(got) == {"flat", "default", "large"}
+        for key, rounds in got.items():
+            for round_, grads in enumerate(rounds):
+                for i, (g, shape) in enumerate(zip(grads, shapes)):
+                    n = torch.tensor(shape).prod().item()
+                    # rank 0 holds a * 1 + c, rank 1 a * 2 + c: the sum a * 3 + 2c (small integers: exact in bf16)
+                    want = (torch.arange(n).view(shape) * 3 + 2 * (10 * round_ + i)).float()
+                    torch.testing.assert_close(g, want, rtol=0, atol=0, msg=f"{key} round {round_} gradient {i}")
