@@ -21,7 +21,8 @@ capture, kept for the whole fit: a captured kernel writes to fixed addresses). I
   (the loss is scaled by 1 / accumulate), and the last micro-step zeroes them after the update.
 
 Several processes (DDP): the step sums the gradients over the ranks itself (`grad_sync`, `all_reduce_grads`: one
-NCCL launch per gradient dtype - the bf16 gradients in place, coalesced, the fp32 ones through one flat buffer -
+NCCL launch per gradient dtype - the bf16 gradients and any of 2^20+ elements (a whole word table) in place, coalesced,
+the small fp32 ones through one flat buffer -
 captured with the rest of the step as NCCL kernels),
 after the backward and before clipping and the update; the loss is scaled by 1 / world size first, so
 the sum is the mean DDP would hand the optimizer. Under accumulation only the last micro-step syncs.
