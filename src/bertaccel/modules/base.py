@@ -491,7 +491,7 @@ class BertModule(pl.LightningModule):
                     rank_zero_info(f"bertaccel: the graphed step sums the gradients over the {world} ranks itself "
                                    + ("bucket by bucket during the backward where it updates from bf16 weight copies "
                                       "without clipping or accumulation (BERTACCEL_GRAD_SYNC_OVERLAP=1), else after it."
-                                      if grad_sync_overlap_wanted() else "in one NCCL call per dtype after the backward.")
+                                      if grad_sync_overlap_wanted() else "after the backward, in place (the small fp32 ones through one flat buffer).")
                                    + (" The word embeddings' gradient goes by the rows the batches touch where that "
                                       "moves fewer bytes (BERTACCEL_EMBEDDING_ROW_SYNC=0: whole)."
                                       if embedding_row_sync_wanted() else ""))

@@ -20,9 +20,9 @@ capture, kept for the whole fit: a captured kernel writes to fixed addresses). I
 - With accumulation (`accumulate > 1`) the static buffers collect the micro-batches' gradients
   (the loss is scaled by 1 / accumulate), and the last micro-step zeroes them after the update.
 
-Several processes (DDP): the step sums the gradients over the ranks itself (`grad_sync`, `all_reduce_grads`: one
-NCCL launch per gradient dtype - the bf16 gradients and any of 2^20+ elements (a whole word table) in place, coalesced,
-the small fp32 ones through one flat buffer -
+Several processes (DDP): the step sums the gradients over the ranks itself (`grad_sync`, `all_reduce_grads`: the
+bf16 gradients and any of 2^20+ elements (a whole word table) all-reduced in place, coalesced into one NCCL group a
+dtype, the small fp32 ones through one flat buffer -
 captured with the rest of the step as NCCL kernels),
 after the backward and before clipping and the update; the loss is scaled by 1 / world size first, so
 the sum is the mean DDP would hand the optimizer. Under accumulation only the last micro-step syncs.
@@ -334,10 +334,11 @@ IN_PLACE_NUMEL = 1 << 20  # `all_reduce_grads`: gradients this large go in place
 def all_reduce_grads(grads: list[torch.Tensor], group: Any = None,
                      in_place: tuple[torch.dtype, ...] = (torch.bfloat16,),
                      in_place_numel: int | None = IN_PLACE_NUMEL) -> None:
-    """Sum `grads` over the ranks of `group` (None: all) in place, one NCCL launch per dtype, capturable in a CUDA
-    graph. The gradients of a dtype in `in_place` (default: the bf16 weight copies' - BERT's Linear weights, most of
-    the bytes) are all-reduced where they are, one call each, coalesced into one NCCL group; those of any other dtype
-    (fp32: norms, biases, embeddings) are copied into one flat buffer, all-reduced in one call and copied back. On 2
+    """Sum `grads` over the ranks of `group` (None: all) in place, capturable in a CUDA graph: one coalesced NCCL
+    group for a dtype's gradients all-reduced where they are, one NCCL call for those through its flat buffer. The
+    gradients of a dtype in `in_place` (default: the bf16 weight copies' - BERT's Linear weights, most of the bytes)
+    are all-reduced where they are, one call each, coalesced into one NCCL group; those of any other dtype (fp32:
+    norms, biases, embeddings) are copied into one flat buffer, all-reduced in one call and copied back. On 2
     H200s the bf16 gradients in place took the graphed sum of BERT-base's gradients (word table left out, as the rows
     sync leaves it) from 0.945 to 0.701 ms (NCCL alone on flat buffers: 0.688) and its graphed 32x256 step from
     19.46 / 19.39 to 19.14 / 19.20 ms; MiniLM's did not move (session 66, `benchmarks.bench_grad_sync`,
@@ -355,17 +356,17 @@ def all_reduce_grads(grads: list[torch.Tensor], group: Any = None,
     coalescing = getattr(dist.distributed_c10d, "_coalescing_manager", None)
     for same in grads_by_dtype(grads):
         if coalescing is None or not all(g.is_contiguous() for g in same):
-            where, flat_grads = [], same
+            where_they_are, flat_grads = [], same
         elif same[0].dtype in in_place:
-            where, flat_grads = same, []
+            where_they_are, flat_grads = same, []
         elif in_place_numel is not None:
-            where = [g for g in same if g.numel() >= in_place_numel]
+            where_they_are = [g for g in same if g.numel() >= in_place_numel]
             flat_grads = [g for g in same if g.numel() < in_place_numel]
         else:
-            where, flat_grads = [], same
-        if where:
+            where_they_are, flat_grads = [], same
+        if where_they_are:
             with coalescing(group=group):
-                for g in where:
+                for g in where_they_are:
                     dist.all_reduce(g, group=group)
         if flat_grads:
             flat = torch.cat([g.reshape(-1) for g in flat_grads])
