@@ -193,7 +193,7 @@ def build_train_step(
 def grad_sync_overlap_wanted() -> bool:
     """BERTACCEL_GRAD_SYNC_OVERLAP=1: a DDP step syncs its gradients bucket by bucket during the backward
     (`OverlappedGradSync`). Off by default: on 2 H200s it made MiniLM's graphed DDP step 0.06-0.17 ms faster and
-    BERT-base's 0.24-0.38 ms slower (`benchmarks/bench_ddp_step.py`; README, "Several GPUs")."""
+    BERT-base's 0.24-0.38 ms slower (`benchmarks/bench_ddp_step.py`; docs/multi-gpu.md)."""
     return os.environ.get("BERTACCEL_GRAD_SYNC_OVERLAP", "0") == "1"
 
 
@@ -380,7 +380,7 @@ def embedding_row_sync_wanted() -> str | None:
     touch (`EmbeddingRowSync`) instead of all-reducing the whole table: on by default ("1": where that moves fewer
     bytes, `embedding_rows_pay`), BERTACCEL_EMBEDDING_ROW_SYNC=0 turns it off (None), =always ("always") uses it also
     where it moves more (tests with a tiny vocabulary). On 2 H200s it made MiniLM's 2-GPU fit 5.6% and BERT-base's
-    4.0% faster (session 65; README, "Several GPUs")."""
+    4.0% faster (session 65; docs/multi-gpu.md)."""
     value = os.environ.get("BERTACCEL_EMBEDDING_ROW_SYNC", "1").strip().lower()
     if value in ("0", "off", "false"):
         return None
