@@ -7,7 +7,8 @@ BERT classifier (random init, SDPA, the same seeded batch on every rank, full le
 in the same run, each step with CUDA events after a barrier (median over `--steps`):
 
 - `no-sync`: the step without any all-reduce (what one GPU runs);
-- `sync-after`: one NCCL launch per dtype after the backward, the word table whole (`BERTACCEL_EMBEDDING_ROW_SYNC=0`);
+- `sync-after`: `all_reduce_grads` after the backward, the word table whole (`BERTACCEL_EMBEDDING_ROW_SYNC=0`): the
+  bf16 gradients and the table in place, coalesced, the small fp32 ones through one flat buffer;
 - `sync-overlapped`: bucket by bucket from the backward's gradient hooks, on a side stream;
 - `sync-embedding-rows`: after the backward, the word embeddings' gradient summed by the rows the batch's ids touch
   (`train_step.EmbeddingRowSync`; the default since session 65), the rest in one all-reduce per dtype;
