@@ -35,4 +35,3 @@ def test_the_timed_parts_round_trip_the_gradients_and_the_views_hold_the_fresh_g
     assert len(views) == len(by_dtype)
     for v, x in zip(views, by_dtype):
         torch.testing.assert_close(v, x.reshape(-1), rtol=0, atol=0)
-

@@ -64,6 +64,7 @@ def _nccl_graph_worker(rank: int, world: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
+    from benchmarks.bench_grad_sync import graph_of
     from bertaccel.modules.train_step import all_reduce_grads
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
@@ -76,14 +77,7 @@ def _nccl_graph_worker(rank: int, world: int, port: int, out: str) -> None:
         kwargs = {} if numel == "default" else {"in_place_numel": numel}
         if key == "flat":
             kwargs["in_place"] = ()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # NCCL's communicators and the allocator's blocks before the capture
-            all_reduce_grads(grads, **kwargs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            all_reduce_grads(grads, **kwargs)
+        graph = graph_of(lambda: all_reduce_grads(grads, **kwargs))  # run once on the capture stream, then captured
         sums = []
         for round_ in range(2):
             for i, g in enumerate(grads):

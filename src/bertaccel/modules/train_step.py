@@ -355,15 +355,11 @@ def all_reduce_grads(grads: list[torch.Tensor], group: Any = None,
 
     coalescing = getattr(dist.distributed_c10d, "_coalescing_manager", None)
     for same in grads_by_dtype(grads):
-        if coalescing is None or not all(g.is_contiguous() for g in same):
-            where_they_are, flat_grads = [], same
-        elif same[0].dtype in in_place:
-            where_they_are, flat_grads = same, []
-        elif in_place_numel is not None:
-            where_they_are = [g for g in same if g.numel() >= in_place_numel]
-            flat_grads = [g for g in same if g.numel() < in_place_numel]
-        else:
-            where_they_are, flat_grads = [], same
+        coalescable = coalescing is not None and all(g.is_contiguous() for g in same)
+        stays = [coalescable and (g.dtype in in_place or (in_place_numel is not None and g.numel() >= in_place_numel))
+                 for g in same]
+        where_they_are = [g for g, s in zip(same, stays) if s]
+        flat_grads = [g for g, s in zip(same, stays) if not s]
         if where_they_are:
             with coalescing(group=group):
                 for g in where_they_are:
