@@ -746,12 +746,7 @@ inline unsigned* cluster_sums_counter(cudaStream_t stream, int device) {
   const auto key = std::make_pair(device, stream);
   if (auto it = counters.find(key); it != counters.end()) return it->second;
   unsigned* counter = nullptr;
-  // kept for the process (a graph may hold it); allowed under a capture as PyTorch's allocator does it (relaxed mode)
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-  const cudaError_t made = cudaMalloc(&counter, sizeof(unsigned));
-  C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-  C10_CUDA_CHECK(made);
+  C10_CUDA_CHECK(cudaMalloc(&counter, sizeof(unsigned)));  // kept for the process (a graph may hold it)
   C10_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned), stream));
   counters.emplace(key, counter);
   return counter;
