@@ -69,8 +69,7 @@ def check_cluster_sums() -> None:
                 for a, a2 in zip(ours, again):
                     assert torch.equal(a, a2), f"{op} {rows}x{H}: a second call gave other bits"
 
-    # captured once (on torch.cuda.graph's own stream, which makes its counter under capture), replayed on new
-    # gradients: each replay equals an eager call on them
+    # captured once, replayed on new gradients: each replay equals an eager call on them
     x = torch.randn(2048, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w, b = torch.randn(768, device="cuda", requires_grad=True), torch.randn(768, device="cuda", requires_grad=True)
     dy = torch.randn(2048, 768, device="cuda", dtype=torch.bfloat16)

@@ -737,14 +737,17 @@ inline int bwd_cluster_sums_blocks() {
   return n;
 }
 
-// The ticket counter of cluster_column_sums for `stream` on `device`: zeroed where it is made (on a stream being
-// captured, a memset node of that graph: every replay starts from zero), reset by each call's last cluster.
+// The ticket counter of cluster_column_sums for `stream` on `device` (zeroed once; each call's last cluster resets
+// it). nullptr while the stream is being captured and has none yet: that call takes the two-kernel sums.
 inline unsigned* cluster_sums_counter(cudaStream_t stream, int device) {
   static std::mutex mu;
   static std::map<std::pair<int, cudaStream_t>, unsigned*> counters;
   std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_pair(device, stream);
   if (auto it = counters.find(key); it != counters.end()) return it->second;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) return nullptr;
   unsigned* counter = nullptr;
   C10_CUDA_CHECK(cudaMalloc(&counter, sizeof(unsigned)));  // kept for the process (a graph may hold it)
   C10_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned), stream));
