@@ -21,11 +21,6 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <algorithm>
-#include <map>
-#include <mutex>
-#include <utility>
-
 #include "common.cuh"
 
 namespace bertaccel {
@@ -44,9 +39,7 @@ enum Mode : int { kPlain = 0, kFused = 1, kRms = 2, kEmb = 3 };
 // threads sum the slots of strided columns and write one coalesced partial row per block. Two
 // barriers per accumulator. A macro, not a function taking the arrays: every index stays
 // compile-time, so the accumulators stay in registers.
-#define BA_PARK_AND_SUM(ACC, PART, PARK) BA_PARK_AND_SUM_TO(ACC, PART + (int64_t)blockIdx.x * H, PARK)
-// The same, the block's sums written to DST[0, H) (shared memory: the cluster column sums below).
-#define BA_PARK_AND_SUM_TO(ACC, DST, PARK)                                                                  \
+#define BA_PARK_AND_SUM(ACC, PART, PARK)                                                                    \
 do {                                                                                                  \
   __syncthreads();                                                                                    \
   _Pragma("unroll") for (int k = 0; k < ITEMS; ++k) {                                                 \
@@ -65,7 +58,7 @@ do {                                                                            
   for (int col = threadIdx.x; col < H; col += kBwdThreads) {                                          \
     float s = 0.f;                                                                                    \
     for (int r = 0; r < rpb; ++r) s += PARK[r * H + col];                                             \
-    (DST)[col] = s;                                                                                   \
+    PART[(int64_t)blockIdx.x * H + col] = s;                                                          \
   }                                                                                                   \
 } while (0)
 
@@ -123,127 +116,12 @@ __device__ __forceinline__ void bwd_second_pass(const Pack<T, VEC>& dv, const Pa
   }
 }
 
-// ------------------------------------------ the column sums in the backward's own grid, through clusters
-// BERTACCEL_LN_BWD_SUMS=cluster (ln_bwd_kernel; Hopper, hidden size a multiple of 4 up to 1024): instead of one
-// partial row per block and `column_sums_kernel` adding them up in a second launch, the blocks run in clusters of
-// kSumCluster. Each block leaves its sums in its own shared memory; the cluster adds them through distributed
-// shared memory (each block a slice of the columns, in rank order) and writes one partial row per cluster; each
-// cluster then takes a ticket, and the last cluster to take one (every other partial row written) adds the
-// clusters' rows up, in cluster order - deterministic, no atomics on the sums, no second launch. The ticket
-// counter is reset by that last cluster (no memset per call); one counter per device and stream
-// (`cluster_sums_counter`), so two such backwards on one stream never overlap (each waits for the grid before it).
-// Tried against the two-kernel sums because the earlier single-kernel forms lost (see ln_bwd_prefetch_kernel's
-// notes): there the last block summed one partial row per *block* (264 at 16,384 rows), serially; here the last
-// cluster's 8 blocks sum one row per *cluster* (8x fewer), split between them.
-constexpr int kSumCluster = 8;  // the largest cluster (BERTACCEL_LN_BWD_SUMS=cluster4 / cluster2: smaller ones)
-constexpr int kSumClusterMaxFloats = 3 * 1024;  // kAccs x H of the largest form it takes
-
-struct ClusterSums {
-  float* part;      // [clusters][accs x H]: one partial row per cluster, the accumulators side by side
-  float* out[3];    // dgamma, dbeta (not kRms), dbias (kFused)
-  unsigned* counter;
-};
-
-// blk: this block's sums (shared memory, accs x H floats, 16-byte aligned); scratch: kBwdThreads float4s of shared
-// memory no other block reads. Every thread of the block calls it.
-template <int kAccs>
-__device__ __forceinline__ void cluster_column_sums(float* blk, float* scratch, const ClusterSums& cs, int H) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ unsigned last_flag;
-  float4* red = reinterpret_cast<float4*>(scratch);
-  uint32_t rank, nrank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(nrank));
-  const int C = (int)nrank;  // blocks per cluster, at most kSumCluster
-  auto cluster_sync = [] {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-  };
-  // the address of `p` (this block's shared memory) in block `r` of the cluster
-  auto remote = [](const void* p, uint32_t r) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(p), out;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(a), "r"(r));
-    return out;
-  };
-  const int cid = blockIdx.x / C, ncl = gridDim.x / C;
-  const int nq = kAccs * H / 4;  // float4s of the block's sums
-  float4* part = reinterpret_cast<float4*>(cs.part);
-  cluster_sync();  // every block's sums in its shared memory
-  for (int q = (int)rank * kBwdThreads + threadIdx.x; q < nq; q += C * kBwdThreads) {
-    float4 v[kSumCluster];
-#pragma unroll
-    for (int r = 0; r < kSumCluster; ++r) {
-      v[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (r < C) {
-        const uint32_t a = remote(reinterpret_cast<const float4*>(blk) + q, (uint32_t)r);
-        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=f"(v[r].x), "=f"(v[r].y), "=f"(v[r].z), "=f"(v[r].w) : "r"(a));
-      }
-    }
-    float4 s = v[0];
-#pragma unroll
-    for (int r = 1; r < kSumCluster; ++r) s = make_float4(s.x + v[r].x, s.y + v[r].y, s.z + v[r].z, s.w + v[r].w);
-    part[(int64_t)cid * nq + q] = s;
-  }
-  __threadfence();  // this block's slice of the cluster's row, visible to the GPU before the ticket
-  cluster_sync();   // every slice written; no block reads another's shared memory after this
-  if (rank == 0 && threadIdx.x == 0) {
-    const unsigned ticket = atomicAdd(cs.counter, 1u);
-    const unsigned last = ticket == (unsigned)ncl - 1 ? 1u : 0u;
-    if (last) atomicExch(cs.counter, 0u);  // every cluster has taken its ticket: ready for the next call
-    for (int r = 0; r < C; ++r) {          // tell every block of the cluster (its own copy: none reads ours)
-      const uint32_t a = remote(&last_flag, (uint32_t)r);
-      asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(a), "r"(last) : "memory");
-    }
-  }
-  cluster_sync();
-  if (!last_flag) return;
-  __threadfence();
-  // The last cluster: block `rank` takes float4 columns [rank * per_block, ...); its threads split them into
-  // `cols` columns a pass and `lanes` partial-row lanes each, the lanes summed in order through `red`.
-  const int per_block = (nq + C - 1) / C;
-  const int cols = per_block < kBwdThreads ? per_block : kBwdThreads;
-  const int lanes = kBwdThreads / cols;
-  const int lane = threadIdx.x / cols;
-  for (int q0 = 0; q0 < per_block; q0 += cols) {
-    const int qi = q0 + (int)threadIdx.x % cols, q = (int)rank * per_block + qi;
-    const bool mine = lane < lanes && qi < per_block && q < nq;
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (mine) {
-      for (int c0 = lane; c0 < ncl; c0 += 8 * lanes) {
-        float4 v[8];  // every load issued before the first add
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const int c = c0 + k * lanes;
-          v[k] = c < ncl ? __ldcg(part + (int64_t)c * nq + q) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) s = make_float4(s.x + v[k].x, s.y + v[k].y, s.z + v[k].z, s.w + v[k].w);
-      }
-    }
-    red[threadIdx.x] = s;
-    __syncthreads();
-    if (mine && lane == 0) {
-      float4 t = red[threadIdx.x];
-      for (int l = 1; l < lanes; ++l) {
-        const float4 u = red[l * cols + threadIdx.x];
-        t = make_float4(t.x + u.x, t.y + u.y, t.z + u.z, t.w + u.w);
-      }
-      const int a = q * 4 / H, col = q * 4 % H;
-      *reinterpret_cast<float4*>(cs.out[a] + col) = t;
-    }
-    __syncthreads();
-  }
-#endif
-}
-
-// CLUSTER_SUMS: launched in clusters of kSumCluster, it finishes dgamma / dbeta / dbias itself (cluster_column_sums,
-// `cs`); otherwise it writes one partial row per block into *_part for column_sums_kernel.
-template <typename T, typename W, int VEC, int ITEMS, int MODE, bool CLUSTER_SUMS = false>
+template <typename T, typename W, int VEC, int ITEMS, int MODE>
 __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
-    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng, ClusterSums cs) {
+    int64_t rows, int H, int tpr, float p, const int64_t* __restrict__ rng) {
   constexpr bool kBeta = MODE != kRms;
   constexpr bool kDh = MODE == kFused;
   constexpr bool kCentre = MODE != kRms;
@@ -326,18 +204,9 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
   }
   // The column partials of the block's row slots -> one partial row per block (rpb x H <= 256 x 32 floats).
   __shared__ __align__(16) float park[kBwdThreads * kMaxElemsPerThread];
-  if constexpr (CLUSTER_SUMS) {
-    constexpr int kAccs = 1 + kBeta + kDh;
-    __shared__ __align__(16) float blk[kSumClusterMaxFloats];  // the block's sums, accumulator after accumulator
-    BA_PARK_AND_SUM_TO(acc_g, blk, park);
-    if constexpr (kBeta) BA_PARK_AND_SUM_TO(acc_b, blk + H, park);
-    if constexpr (kDh) BA_PARK_AND_SUM_TO(acc_h, blk + (kAccs - 1) * H, park);
-    cluster_column_sums<kAccs>(blk, park, cs, H);  // (park is free once the sums are in blk)
-  } else {
-    BA_PARK_AND_SUM(acc_g, dgamma_part, park);
-    if constexpr (kBeta) BA_PARK_AND_SUM(acc_b, dbeta_part, park);
-    if constexpr (kDh) BA_PARK_AND_SUM(acc_h, dbias_part, park);
-  }
+  BA_PARK_AND_SUM(acc_g, dgamma_part, park);
+  if constexpr (kBeta) BA_PARK_AND_SUM(acc_b, dbeta_part, park);
+  if constexpr (kDh) BA_PARK_AND_SUM(acc_h, dbias_part, park);
 }
 
 // ------------------------------------------------------------------------ the row ring (persistent)
@@ -723,38 +592,6 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
   }
 }
 
-// BERTACCEL_LN_BWD_SUMS=cluster: ln_bwd_kernel sums its columns in clusters (cluster_column_sums), on a Hopper or
-// later; read once per process.
-// cluster4 / cluster2: clusters of 4 / 2 blocks instead of kSumCluster. 0: off.
-inline int bwd_cluster_sums_blocks() {
-  static const int n = [] {
-    if (at::cuda::getCurrentDeviceProperties()->major < 9) return 0;
-    if (env_is("BERTACCEL_LN_BWD_SUMS", "cluster")) return kSumCluster;
-    if (env_is("BERTACCEL_LN_BWD_SUMS", "cluster4")) return 4;
-    if (env_is("BERTACCEL_LN_BWD_SUMS", "cluster2")) return 2;
-    return 0;
-  }();
-  return n;
-}
-
-// The ticket counter of cluster_column_sums for `stream` on `device` (zeroed once; each call's last cluster resets
-// it). nullptr while the stream is being captured and has none yet: that call takes the two-kernel sums.
-inline unsigned* cluster_sums_counter(cudaStream_t stream, int device) {
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, unsigned*> counters;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(device, stream);
-  if (auto it = counters.find(key); it != counters.end()) return it->second;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  if (status != cudaStreamCaptureStatusNone) return nullptr;
-  unsigned* counter = nullptr;
-  C10_CUDA_CHECK(cudaMalloc(&counter, sizeof(unsigned)));  // kept for the process (a graph may hold it)
-  C10_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned), stream));
-  counters.emplace(key, counter);
-  return counter;
-}
-
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
 // dy2 (defined: layer_norm_bwd2, the fused form): a second part of the output's gradient, summed into dy as the
 // prefetching kernel loads it, or added to dy first where another kernel runs.
@@ -805,39 +642,6 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  // ln_bwd_kernel in clusters (BERTACCEL_LN_BWD_SUMS=cluster): as many clusters as fit at once, each block
-  // looping over row groups as above; one partial row per cluster, summed by the kernel itself.
-  // max_clusters: the caller's cache of cudaOccupancyMaxActiveClusters per device (one per kernel instantiation:
-  // kernels of one signature share a function-pointer type, so a static here would serve them all)
-  auto run_cluster_sums = [&](auto kernel, int accs, int64_t groups, unsigned* counter, int (&max_clusters)[64]) {
-    cudaLaunchConfig_t config{};
-    config.blockDim = dim3(kBwdThreads);
-    config.stream = stream;
-    cudaLaunchAttribute attributes[2]{};
-    attributes[0].id = cudaLaunchAttributeClusterDimension;
-    const int cluster = bwd_cluster_sums_blocks();
-    attributes[0].val.clusterDim.x = cluster;
-    attributes[0].val.clusterDim.y = 1;
-    attributes[0].val.clusterDim.z = 1;
-    config.attrs = attributes;
-    config.numAttrs = 1;
-    config.gridDim = dim3(cluster);
-    int& fit = max_clusters[std::clamp((int)z.get_device(), 0, 63)];
-    if (fit == 0) {
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&fit, kernel, &config));
-      fit = std::max(fit, 1);
-    }
-    config.numAttrs = 1 + (dependent_launch_attribute(attributes[1]) ? 1 : 0);
-    const int64_t clusters = std::min<int64_t>((groups + cluster - 1) / cluster, fit);
-    config.gridDim = dim3((unsigned)(clusters * cluster));
-    at::Tensor part = at::empty({clusters, accs * H}, opts);
-    ClusterSums cs{part.data_ptr<float>(), {dgamma.data_ptr<float>(), dbeta.defined() ? dbeta.data_ptr<float>() : nullptr,
-                                            dbias.defined() ? dbias.data_ptr<float>() : nullptr}, counter};
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, (const T*)dy.data_ptr(), (const T*)z.data_ptr(),
-                                      (const W*)gamma.data_ptr(), meanp, rstd.data_ptr<float>(), (T*)dz.data_ptr(), dhp,
-                                      (float*)nullptr, (float*)nullptr, (float*)nullptr, rows, (int)H, tpr, (float)p, rngp,
-                                      cs));
   };
   // The prefetching kernel where it measured faster (H100, 16384 rows, bf16, same run, 528e565): the
   // fused residual form at 384 and 768 wide, 32.7 vs 34.5 us and 53.0 vs 55.9 (the ring). Plain
@@ -892,24 +696,15 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       return;
     }
   }
-  constexpr int kAccs = 1 + (MODE != kRms) + (MODE == kFused);
-  unsigned* counter = H % 4 == 0 && kAccs * H <= kSumClusterMaxFloats && bwd_cluster_sums_blocks() > 0
-                          ? cluster_sums_counter(stream, z.get_device()) : nullptr;
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
-    if (counter != nullptr) {                                                                             \
-      static int max_clusters[64] = {};                                                                   \
-      run_cluster_sums(ln_bwd_kernel<T, W, V, I, MODE, true>, kAccs, groups, counter, max_clusters);      \
-      break;                                                                                              \
-    }                                                                                                     \
     static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */     \
       int n = 1;                                                                                          \
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ln_bwd_kernel<T, W, V, I, MODE>,   \
                                                                    kBwdThreads, 0));                      \
       return n;                                                                                           \
     }();                                                                                                  \
-    run(ln_bwd_kernel<T, W, V, I, MODE>, 0, (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1)), \
-        ClusterSums{});                                                                                   \
+    run(ln_bwd_kernel<T, W, V, I, MODE>, 0, (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1))); \
   } while (0)
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
 #undef BA_LN_BWD
@@ -949,4 +744,3 @@ inline at::Tensor checked_grad(const at::Tensor& dy_in, const at::Tensor& z) {
 }  // namespace bertaccel
 
 #undef BA_PARK_AND_SUM
-#undef BA_PARK_AND_SUM_TO
