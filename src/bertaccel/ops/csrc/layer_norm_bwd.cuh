@@ -372,7 +372,9 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_ring_min_blocks<MODE, VEC, IT
 // last blocks to take a ticket sum the partial rows in block order, the counter zeroed by a memset
 // node): LayerNorm 25.6 / 41.9 / 51.5 us against 23.5 / 40.8 / 51.3 with the column-sums launch -
 // the memset (0.7-1.1 us) and the wait for the last block cost more than the launch saves, as the
-// cooperative-launch version did (column_sums_kernel, common.cuh). The sweep's fit of time against
+// cooperative-launch version did (column_sums_kernel, common.cuh); (3) the sums in thread-block clusters, one partial
+// row per cluster through distributed shared memory, the last cluster adding those (session 68, H200): 2.5-5 us more
+// per call, 20% more at 1024 wide (docs/row-ops.md, docs/tried/ln-bwd-cluster-sums.patch). The sweep's fit of time against
 // rows gives the backward a per-call cost of 6-17 us (LayerNorm 8 / 14 / 14 at 384 / 768 / 1024)
 // beside a streaming rate of 80-96% of copy: the first loads, the last rows' two passes and the
 // column sums, which more bytes in flight do not shorten.
