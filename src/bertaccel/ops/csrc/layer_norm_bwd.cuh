@@ -116,8 +116,10 @@ __device__ __forceinline__ void bwd_second_pass(const Pack<T, VEC>& dv, const Pa
   }
 }
 
-template <typename T, typename W, int VEC, int ITEMS, int MODE>
-__global__ void __launch_bounds__(kBwdThreads) ln_bwd_kernel(
+// MIN_BLOCKS: blocks per SM the registers must allow (2: at most 128 registers; BERTACCEL_LN_BWD_TWO_BLOCKS=1, 32
+// elements per thread - 1024-wide bf16 rows - which otherwise take 170-188 registers and one block per SM).
+template <typename T, typename W, int VEC, int ITEMS, int MODE, int MIN_BLOCKS = 1>
+__global__ void __launch_bounds__(kBwdThreads, MIN_BLOCKS) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
@@ -594,6 +596,13 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
   }
 }
 
+// BERTACCEL_LN_BWD_TWO_BLOCKS=1: ln_bwd_kernel at 32 elements per thread held to 128 registers (two blocks per SM);
+// read once per process.
+inline bool bwd_two_blocks_enabled() {
+  static const bool on = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS", 0) != 0;
+  return on;
+}
+
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
 // dy2 (defined: layer_norm_bwd2, the fused form): a second part of the output's gradient, summed into dy as the
 // prefetching kernel loads it, or added to dy first where another kernel runs.
@@ -700,6 +709,19 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   }
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
+    if constexpr (I * V == 32 && MODE != kFused) {                                                        \
+      if (bwd_two_blocks_enabled()) {                                                                     \
+        static const int per_sm2 = [] {                                                                   \
+          int n = 1;                                                                                      \
+          C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(                                   \
+              &n, ln_bwd_kernel<T, W, V, I, MODE, 2>, kBwdThreads, 0));                                   \
+          return n;                                                                                       \
+        }();                                                                                              \
+        run(ln_bwd_kernel<T, W, V, I, MODE, 2>, 0,                                                        \
+            (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm2, 1)));                        \
+        break;                                                                                            \
+      }                                                                                                   \
+    }                                                                                                     \
     static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */     \
       int n = 1;                                                                                          \
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ln_bwd_kernel<T, W, V, I, MODE>,   \
