@@ -116,8 +116,8 @@ __device__ __forceinline__ void bwd_second_pass(const Pack<T, VEC>& dv, const Pa
   }
 }
 
-// MIN_BLOCKS: blocks per SM the registers must allow (2: at most 128 registers; BERTACCEL_LN_BWD_TWO_BLOCKS=1, 32
-// elements per thread - 1024-wide bf16 rows - which otherwise take 170-188 registers and one block per SM).
+// MIN_BLOCKS: blocks per SM the registers must allow (2: at most 128 registers, for rows of 32 elements per thread,
+// which otherwise take 142-188 registers and one block per SM; see bwd_two_blocks).
 template <typename T, typename W, int VEC, int ITEMS, int MODE, int MIN_BLOCKS = 1>
 __global__ void __launch_bounds__(kBwdThreads, MIN_BLOCKS) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
@@ -596,11 +596,17 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
   }
 }
 
-// BERTACCEL_LN_BWD_TWO_BLOCKS=1: ln_bwd_kernel at 32 elements per thread held to 128 registers (two blocks per SM);
-// read once per process.
-inline bool bwd_two_blocks_enabled() {
-  static const bool on = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS", 0) != 0;
-  return on;
+// Whether ln_bwd_kernel at 32 elements per thread runs held to 128 registers, two blocks per SM. By default the
+// RMSNorm backward of bf16 rows of 8-element vectors within one warp (776-1024 wide), which fits them without
+// spilling: 16384x1024, H200, two alternated rounds, 42.1 / 42.0 -> 38.1 / 38.3 us (streaming rate 76% -> 87% of copy;
+// session 68, benchmarks/results/h200/ln_bwd_sweep_two_blocks_89462a8.log). LayerNorm there spills 322 bytes at 128
+// registers and lost (46.1 / 46.0 -> 56.2 / 56.0 us), as the embeddings' form would (352 bytes): those keep one block.
+// BERTACCEL_LN_BWD_TWO_BLOCKS=1: every form with 32 elements per thread (for comparing); =0: none. Read once per process.
+template <int MODE, typename T>
+inline bool bwd_two_blocks(int vec, int items, int tpr) {
+  static const int setting = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS", -1);
+  if (setting >= 0) return setting != 0 && vec * items == 32 && MODE != kFused;
+  return MODE == kRms && sizeof(T) == 2 && vec == 8 && items == 4 && tpr <= 32;
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
@@ -710,7 +716,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
     if constexpr (I * V == 32 && MODE != kFused) {                                                        \
-      if (bwd_two_blocks_enabled()) {                                                                     \
+      if (bwd_two_blocks<MODE, T>(V, I, tpr)) {                                                           \
         static const int per_sm2 = [] {                                                                   \
           int n = 1;                                                                                      \
           C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(                                   \
