@@ -428,7 +428,10 @@ __device__ __forceinline__ Pack<T, VEC> add_packs(const Pack<T, VEC>& a, const P
 // DY2 (the fused form, layer_norm_bwd2): the output's gradient comes in two parts, dy + dy2 (the LayerNorm output's
 // two consumers: the next sub-layer and the next residual), summed as each row is used - the add kernel autograd
 // would run before the backward, folded into its loads (the same bits: the sum is rounded to T as the add rounds it).
-template <typename T, typename W, int VEC, int ITEMS, int MODE, bool DY2 = false>
+// NEXT = false: the accumulators in shared memory as above, but no next rows held: each group is loaded where it is
+// used (the register kernel's loads with this kernel's register budget: two blocks per SM where the register kernel
+// fits one - the 1024-wide LayerNorm, 185-188 registers there; BERTACCEL_LN_BWD_SMEM_ACC=1, see launch_bwd).
+template <typename T, typename W, int VEC, int ITEMS, int MODE, bool DY2 = false, bool NEXT = true>
 __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEMS>()) ln_bwd_prefetch_kernel(
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
@@ -515,9 +518,10 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
     }
   };
 
+  static_assert(NEXT || !DY2, "dy2 is staged a group ahead");
   Pack<T, VEC> dcur[ITEMS], zcur[ITEMS];
   float mu = 0.f, rs = 0.f;
-  load(first, dcur, zcur, mu, rs);
+  if constexpr (NEXT) load(first, dcur, zcur, mu, rs);
   if constexpr (DY2) {
     stage_dy2(first);
     fold(first, dcur);
@@ -525,9 +529,10 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
   for (int64_t grp = first; grp < groups; grp += stride) {
     const int64_t row = grp * rpw + slot;
     const bool active = row < rows;
-    Pack<T, VEC> dnext[ITEMS], znext[ITEMS];
+    if constexpr (!NEXT) load(grp, dcur, zcur, mu, rs);
+    Pack<T, VEC> dnext[NEXT ? ITEMS : 1], znext[NEXT ? ITEMS : 1];
     float mu_next = 0.f, rs_next = 0.f;
-    load(grp + stride, dnext, znext, mu_next, rs_next);  // in flight through this group's two passes
+    if constexpr (NEXT) load(grp + stride, dnext, znext, mu_next, rs_next);  // in flight through this group's two passes
     if constexpr (DY2) stage_dy2(grp + stride);
     uint32_t kept = 0xffffffffu;  // with dropout: bit k * VEC + j set where column (k, j) is kept
     if constexpr (MODE == kEmb || MODE == kFused) {
@@ -571,13 +576,15 @@ __global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEM
       }
     }
     if constexpr (DY2) fold(grp + stride, dnext);
+    if constexpr (NEXT) {
 #pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      dcur[k] = dnext[k];
-      zcur[k] = znext[k];
+      for (int k = 0; k < ITEMS; ++k) {
+        dcur[k] = dnext[k];
+        zcur[k] = znext[k];
+      }
+      mu = mu_next;
+      rs = rs_next;
     }
-    mu = mu_next;
-    rs = rs_next;
   }
   // One partial row per block and accumulator: the sum over the block's row slots (thread s * tpr + t
   // holds columns (t + k * tpr) * VEC + j of slot s).
@@ -607,6 +614,13 @@ inline bool bwd_two_blocks(int vec, int items, int tpr) {
   static const int setting = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS", -1);
   if (setting >= 0) return setting != 0 && vec * items == 32 && MODE != kFused;
   return MODE == kRms && sizeof(T) == 2 && vec == 8 && items == 4 && tpr <= 32;
+}
+
+// BERTACCEL_LN_BWD_SMEM_ACC=1: the 1024-wide plain LayerNorm backward with its accumulators in shared memory (two
+// blocks per SM; ln_bwd_prefetch_kernel's NEXT = false). Off by default: not measured yet. Read once per process.
+inline bool bwd_smem_acc_enabled() {
+  static const bool on = env_switch("BERTACCEL_LN_BWD_SMEM_ACC", 0) != 0;
+  return on;
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
@@ -687,6 +701,27 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_PREFETCH);
 #undef BA_LN_BWD_PREFETCH
 #undef BA_LN_BWD_PREFETCH_K
+      return;
+    }
+  }
+  // BERTACCEL_LN_BWD_SMEM_ACC=1: the plain LayerNorm's 1024-wide bf16 rows (32 elements a thread, one warp a row)
+  // through the prefetching kernel without its next rows (NEXT = false): the accumulators in shared memory, two
+  // blocks per SM at <= 128 registers where the register kernel below holds one. Not measured yet (session 68).
+  if constexpr (MODE == kPlain && sizeof(T) == 2) {
+    if (vec == max_vec && items * vec == 32 && tpr == 32 && bwd_smem_acc_enabled()) {
+      const int device = z.get_device();
+#define BA_LN_BWD_SMEM_ACC(V, I)                                                                          \
+  do {                                                                                                    \
+    if constexpr (V == max_vec && I * V == 32) {                                                          \
+      auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, false, false>;                               \
+      constexpr int smem = bwd_prefetch_smem<MODE, V, I, false>();                                        \
+      static int per_sm[64] = {};                                                                         \
+      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);  \
+      run(kernel, smem, (int)std::min<int64_t>((rows + kBwdRingWarps - 1) / kBwdRingWarps, fit), (const T*)nullptr); \
+    }                                                                                                     \
+  } while (0)
+      BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_SMEM_ACC);
+#undef BA_LN_BWD_SMEM_ACC
       return;
     }
   }

@@ -1,0 +1,63 @@
+"""The 1024-wide LayerNorm backward with its accumulators in shared memory (`BERTACCEL_LN_BWD_SMEM_ACC=1`:
+layer_norm_bwd.cuh's ln_bwd_prefetch_kernel with NEXT = false, two blocks per SM). The switch is read once per
+process, so the check runs in a child process: that kernel must be the one that ran, its gradients within twice
+PyTorch's error of the float64 reference (1 to 16,384 rows, bf16 activations with fp32 and bf16 weights), the same
+bits on a second call, and other widths untouched (the register kernel)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves, poison
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def check_smem_accumulators() -> None:
+    """Run in a child process with BERTACCEL_LN_BWD_SMEM_ACC=1 (see the test below)."""
+    import bertaccel.ops.swap  # noqa: F401 - imports every op family
+    from bertaccel.ops import build
+    from bertaccel.ops.layer_norm import layer_norm
+
+    assert build.load(), build.unavailable_reason()
+    for rows, H, wdtype in [(1, 1024, torch.float32), (7, 1024, torch.float32), (1023, 1024, torch.bfloat16),
+                            (16384, 1024, torch.float32), (4099, 1024, torch.bfloat16), (300, 768, torch.float32)]:
+        x = torch.randn(rows, H, device="cuda") * 3 + 1
+        w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+        dy = torch.randn(rows, H, device="cuda")
+        # the float64 reference from the inputs as the kernel sees them (bf16 activations, weights in wdtype)
+        ref_in = leaves(x.bfloat16().double(), w.to(wdtype).double(), b.to(wdtype).double())
+        ref = torch.autograd.grad(F.layer_norm(ref_in[0], (H,), ref_in[1], ref_in[2], 1e-5), ref_in,
+                                  dy.bfloat16().double())
+        th_in = leaves(x.bfloat16(), w.bfloat16(), b.bfloat16())
+        th = torch.autograd.grad(F.layer_norm(th_in[0], (H,), th_in[1], th_in[2], 1e-5), th_in, dy.bfloat16())
+        poison()
+        ins = leaves(x.bfloat16(), w.to(wdtype), b.to(wdtype))
+
+        def ours():
+            return torch.autograd.grad(layer_norm(ins[0], ins[1], ins[2], 1e-5), ins, dy.bfloat16())
+
+        names = cuda_kernel_names(ours)
+        smem = [n for n in names if "ln_bwd_prefetch_kernel" in n and "false, false>" in n]
+        assert bool(smem) == (H == 1024), (rows, H, names)
+        got = ours()
+        for name, a, t, r in zip(("dx", "dweight", "dbias"), got, th, ref):
+            check(a, t, r, torch.bfloat16, f"{rows}x{H} weights {wdtype} {name}")
+        for a, a2 in zip(got, ours()):
+            assert torch.equal(a, a2), f"{rows}x{H}: a second call gave other bits"
+    print("smem accumulators ok")
+
+
+@cuda_test
+def test_layer_norm_backward_with_the_accumulators_in_shared_memory():
+    env = dict(os.environ, BERTACCEL_LN_BWD_SMEM_ACC="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    code = "from tests.ops.test_ln_bwd_smem_acc import check_smem_accumulators; check_smem_accumulators()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "smem accumulators ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
