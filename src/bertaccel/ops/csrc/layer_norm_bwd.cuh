@@ -429,10 +429,11 @@ __device__ __forceinline__ Pack<T, VEC> add_packs(const Pack<T, VEC>& a, const P
 // two consumers: the next sub-layer and the next residual), summed as each row is used - the add kernel autograd
 // would run before the backward, folded into its loads (the same bits: the sum is rounded to T as the add rounds it).
 // NEXT = false: the accumulators in shared memory as above, but no next rows held: each group is loaded where it is
-// used (the register kernel's loads with this kernel's register budget: two blocks per SM where the register kernel
-// fits one - the 1024-wide LayerNorm, 185-188 registers there; BERTACCEL_LN_BWD_SMEM_ACC=1, see launch_bwd).
+// used (the register kernel's loads with fewer registers: at 1024 wide 123-127, two blocks per SM where the register
+// kernel's 185-188 fit one; at 768 wide 80 (16 bytes spilled), three blocks where it fits two at 128;
+// BERTACCEL_LN_BWD_SMEM_ACC=1, see launch_bwd).
 template <typename T, typename W, int VEC, int ITEMS, int MODE, bool DY2 = false, bool NEXT = true>
-__global__ void __launch_bounds__(kBwdThreads, bwd_prefetch_min_blocks<VEC, ITEMS>()) ln_bwd_prefetch_kernel(
+__global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VEC, ITEMS>() : (ITEMS * VEC <= 24 ? 3 : 2)) ln_bwd_prefetch_kernel(
     const T* __restrict__ dy, const T* __restrict__ z, const W* __restrict__ gamma,
     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dz, T* __restrict__ dh,
     float* __restrict__ dgamma_part, float* __restrict__ dbeta_part, float* __restrict__ dbias_part,
@@ -616,8 +617,8 @@ inline bool bwd_two_blocks(int vec, int items, int tpr) {
   return MODE == kRms && sizeof(T) == 2 && vec == 8 && items == 4 && tpr <= 32;
 }
 
-// BERTACCEL_LN_BWD_SMEM_ACC=1: the 1024-wide plain LayerNorm backward with its accumulators in shared memory (two
-// blocks per SM; ln_bwd_prefetch_kernel's NEXT = false). Off by default: not measured yet. Read once per process.
+// BERTACCEL_LN_BWD_SMEM_ACC=1: the 768-1024-wide plain LayerNorm backward with its accumulators in shared memory (three
+// / two blocks per SM; ln_bwd_prefetch_kernel's NEXT = false). Off by default: not measured yet. Read once per process.
 inline bool bwd_smem_acc_enabled() {
   static const bool on = env_switch("BERTACCEL_LN_BWD_SMEM_ACC", 0) != 0;
   return on;
@@ -704,15 +705,16 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       return;
     }
   }
-  // BERTACCEL_LN_BWD_SMEM_ACC=1: the plain LayerNorm's 1024-wide bf16 rows (32 elements a thread, one warp a row)
-  // through the prefetching kernel without its next rows (NEXT = false): the accumulators in shared memory, two
-  // blocks per SM at <= 128 registers where the register kernel below holds one. Not measured yet (session 68).
+  // BERTACCEL_LN_BWD_SMEM_ACC=1: the plain LayerNorm's 768-1024-wide bf16 rows (24-32 elements a thread, one warp a
+  // row) through the prefetching kernel without its next rows (NEXT = false): the accumulators in shared memory,
+  // three blocks per SM at 768 wide and two at 1024 where the register kernel below holds two and one. Not measured
+  // yet (session 68).
   if constexpr (MODE == kPlain && sizeof(T) == 2) {
-    if (vec == max_vec && items * vec == 32 && tpr == 32 && bwd_smem_acc_enabled()) {
+    if (vec == max_vec && items * vec >= 24 && tpr == 32 && bwd_smem_acc_enabled()) {
       const int device = z.get_device();
 #define BA_LN_BWD_SMEM_ACC(V, I)                                                                          \
   do {                                                                                                    \
-    if constexpr (V == max_vec && I * V == 32) {                                                          \
+    if constexpr (V == max_vec && I * V >= 24) {                                                          \
       auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, false, false>;                               \
       constexpr int smem = bwd_prefetch_smem<MODE, V, I, false>();                                        \
       static int per_sm[64] = {};                                                                         \
