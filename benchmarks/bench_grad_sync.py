@@ -37,8 +37,6 @@ import statistics
 import torch
 import torch.distributed as dist
 
-LARGE = 1 << 20  # `large_in_place`: fp32 gradients of at least this many elements (the word table) in place too
-
 MODELS = {
     "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
@@ -118,7 +116,7 @@ def timed(fn, repeats: int = 30, warmup: int = 5) -> float:
 
 
 def worker(rank: int, world: int, models: list[str], out: str | None, word_embeddings: bool = True) -> None:
-    from bertaccel.modules.train_step import all_reduce_grads
+    from bertaccel.modules.train_step import IN_PLACE_NUMEL, all_reduce_grads
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -151,7 +149,7 @@ def worker(rank: int, world: int, models: list[str], out: str | None, word_embed
             row[f"{part}_graphed_ms"] = timed(graphs[-1].replay)
         for key, in_place, numel in (("coalesced", (torch.bfloat16, torch.float32), None),
                                      ("bf16_in_place", (torch.bfloat16,), None),
-                                     ("large_in_place", (torch.bfloat16,), LARGE)):
+                                     ("large_in_place", (torch.bfloat16,), IN_PLACE_NUMEL)):
             row[f"{key}_ms"] = timed(lambda: all_reduce_grads(grads, in_place=in_place, in_place_numel=numel))
             graphs.append(graph_of(lambda: all_reduce_grads(grads, in_place=in_place, in_place_numel=numel)))
             row[f"{key}_graphed_ms"] = timed(graphs[-1].replay)

@@ -610,11 +610,12 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
 // session 68, benchmarks/results/h200/ln_bwd_sweep_two_blocks_89462a8.log). LayerNorm there spills 322 bytes at 128
 // registers and lost (46.1 / 46.0 -> 56.2 / 56.0 us), as the embeddings' form would (352 bytes): those keep one block.
 // BERTACCEL_LN_BWD_TWO_BLOCKS=1: every form with 32 elements per thread (for comparing); =0: none. Read once per process.
+// Asked only for 32 elements per thread outside the fused form (launch_bwd's BA_LN_BWD).
 template <int MODE, typename T>
-inline bool bwd_two_blocks(int vec, int items, int tpr) {
+inline bool bwd_two_blocks(int vec, int tpr) {
   static const int setting = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS", -1);
-  if (setting >= 0) return setting != 0 && vec * items == 32 && MODE != kFused;
-  return MODE == kRms && sizeof(T) == 2 && vec == 8 && items == 4 && tpr <= 32;
+  if (setting >= 0) return setting != 0;
+  return MODE == kRms && sizeof(T) == 2 && vec == 8 && tpr <= 32;
 }
 
 // BERTACCEL_LN_BWD_SMEM_ACC=1: the 768-1024-wide plain LayerNorm backward with its accumulators in shared memory (three
@@ -750,31 +751,29 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       return;
     }
   }
+// the register kernel KERNEL on as many blocks as are resident at once (its own static: one per expansion)
+#define BA_LN_BWD_RESIDENT(KERNEL)                                                                        \
+  do {                                                                                                    \
+    static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */     \
+      int n = 1;                                                                                          \
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KERNEL, kBwdThreads, 0));          \
+      return n;                                                                                           \
+    }();                                                                                                  \
+    run(KERNEL, 0, (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1)));                 \
+  } while (0)
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
     if constexpr (I * V == 32 && MODE != kFused) {                                                        \
-      if (bwd_two_blocks<MODE, T>(V, I, tpr)) {                                                           \
-        static const int per_sm2 = [] {                                                                   \
-          int n = 1;                                                                                      \
-          C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(                                   \
-              &n, ln_bwd_kernel<T, W, V, I, MODE, 2>, kBwdThreads, 0));                                   \
-          return n;                                                                                       \
-        }();                                                                                              \
-        run(ln_bwd_kernel<T, W, V, I, MODE, 2>, 0,                                                        \
-            (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm2, 1)));                        \
+      if (bwd_two_blocks<MODE, T>(V, tpr)) {                                                              \
+        BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE, 2>));                                         \
         break;                                                                                            \
       }                                                                                                   \
     }                                                                                                     \
-    static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */     \
-      int n = 1;                                                                                          \
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ln_bwd_kernel<T, W, V, I, MODE>,   \
-                                                                   kBwdThreads, 0));                      \
-      return n;                                                                                           \
-    }();                                                                                                  \
-    run(ln_bwd_kernel<T, W, V, I, MODE>, 0, (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1))); \
+    BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE>));                                                \
   } while (0)
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
 #undef BA_LN_BWD
+#undef BA_LN_BWD_RESIDENT
 }
 
 // gamma's dtype (float32, or bf16 beside bf16 activations) picks W. kEmb takes float32 only.
