@@ -12,10 +12,11 @@ import os
 import torch
 
 from benchmarks.common import copy_bandwidth_gbs, graph_time_ms, kernel_times_us
-from bertaccel.ops import build, layer_norm, rms_norm  # noqa: F401 - the modules define the ops
+from bertaccel.ops import build, embeddings, layer_norm, rms_norm  # noqa: F401 - the modules define the ops
 
 ap = argparse.ArgumentParser(description=__doc__)
-ap.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "residual_layer_norm"])
+ap.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "residual_layer_norm"],
+                choices=["layer_norm", "rms_norm", "residual_layer_norm", "embeddings"])
 ap.add_argument("--widths", nargs="+", type=int, default=[384, 768, 1024])
 ap.add_argument("--rows", nargs="+", type=int, default=[2048, 8192, 16384, 32768, 65536])
 args = ap.parse_args()
@@ -37,6 +38,15 @@ def backward_call(op: str, n: int, h: int):
     if op == "rms_norm":
         _, rstd = ops.rms_norm_fwd(x, w, 1e-6)
         return (lambda: ops.rms_norm_bwd(dy, x, w, rstd)), 3 * n * h * 2
+    if op == "embeddings":  # the LayerNorm part of the embeddings' backward (dropout 0.1; the tables' scatter not timed)
+        seq = min(n, 512)
+        ids = torch.randint(0, 30522, (n // seq, seq), device="cuda")
+        pos = torch.arange(seq, device="cuda").expand(n // seq, seq)
+        tables = [torch.randn(rows, h, device="cuda") for rows in (30522, 512, 2)]
+        _, z, mean, rstd, rng = ops.embedding_layer_norm_fwd(ids, pos, torch.zeros_like(ids), *tables, w, b, 0.1, 1e-12,
+                                                             True, 0)
+        dy = dy.view(z.shape)
+        return (lambda: ops.embedding_layer_norm_bwd(dy, z, w, mean, rstd, rng, 0.1)), 3 * n * h * 2
     fused = op == "residual_layer_norm"
     p = 0.1 if fused else 0.0
     _, z, mean, rstd, rng = ops.layer_norm_fwd(x, lb if fused else None, r if fused else None, w, b, p, 1e-12)
