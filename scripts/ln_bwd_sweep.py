@@ -41,7 +41,7 @@ def backward_call(op: str, n: int, h: int):
     if op == "embeddings":  # the LayerNorm part of the embeddings' backward (dropout 0.1; the tables' scatter not timed)
         seq = min(n, 512)
         ids = torch.randint(0, 30522, (n // seq, seq), device="cuda")
-        pos = torch.arange(seq, device="cuda").expand(n // seq, seq)
+        pos = torch.arange(seq, device="cuda").expand(n // seq, seq).contiguous()
         tables = [torch.randn(rows, h, device="cuda") for rows in (30522, 512, 2)]
         _, z, mean, rstd, rng = ops.embedding_layer_norm_fwd(ids, pos, torch.zeros_like(ids), *tables, w, b, 0.1, 1e-12,
                                                              True, 0)
