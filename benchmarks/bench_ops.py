@@ -14,7 +14,7 @@ import torch
 import torch._functorch.config
 
 from benchmarks.plots import plot_file
-from benchmarks.common import copy_bandwidth_gbs, environment, print_table, write_json
+from benchmarks.common import copy_bandwidth_gbs, environment, prime_backward_capture, print_table, write_json
 from bertaccel.ops import build, registry
 
 # one benchmarks/bench_<family>.py per op family of the registry, and the ops other ops call
@@ -34,6 +34,7 @@ def main() -> None:
         raise SystemExit(f"the CUDA ops are unavailable: {build.unavailable_reason()}")
     ceiling = copy_bandwidth_gbs()
     print(f"device-to-device copy ceiling: {ceiling:.0f} GB/s")
+    print(f"priming backward capture: {'captured' if prime_backward_capture() else 'failed, as the first one does'}")
     rows = []
     dtypes = [torch.bfloat16] + ([torch.float32] if args.fp32 else [])
     for op in args.ops:

@@ -184,6 +184,24 @@ def graph_time_ms(fn, inputs: list, calls: int = 20, replays: int = 10) -> float
     return statistics.median(times)
 
 
+def prime_backward_capture() -> bool:
+    """Capture one throwaway autograd backward, so that the benchmark's first real one captures: in a fresh process the
+    first CUDA-graph capture of an autograd backward fails ("operation failed due to a previous error during capture",
+    cudaErrorStreamCaptureInvalidated; H200, torch 2.11, global and thread-local capture modes alike, with or without
+    the extension loaded) and the later ones capture (scripts/capture_probe.py, session 69:
+    benchmarks/results/h200/capture_probe_030bdab.log). Without this, bench_ops' first PyTorch row was timed eagerly.
+    Returns whether the priming capture itself went through."""
+    x = torch.randn(256, 64, device="cuda", requires_grad=True)
+    y = torch.nn.functional.layer_norm(x, (64,))
+    dy = torch.randn_like(y)
+    try:
+        graph_time_ms(lambda: torch.autograd.grad(y, [x], dy, retain_graph=True), [()], calls=1, replays=1)
+        return True
+    except Exception:  # noqa: BLE001 - the failure this absorbs (graph_time_ms has reset the generator)
+        torch.cuda.synchronize()
+        return False
+
+
 def measure_op(op: str, shape: str, impls: dict, make_args, grad_args: tuple[int, ...],
                fwd_bytes: int, bwd_bytes: int, ceiling_gbs: float, train_fwd_bytes: int | None = None) -> list[dict]:
     """Forward and backward of every implementation of one op on the same inputs.

@@ -1,7 +1,7 @@
 """The 768-1024-wide LayerNorm backward with its accumulators in shared memory (layer_norm_bwd.cuh's
-ln_bwd_prefetch_kernel with NEXT = false, three blocks per SM at 768 wide, two at 1024): by default at 1024 wide and
-at 768 wide from 12,288 rows, `BERTACCEL_LN_BWD_SMEM_ACC=1` everywhere in that range, `=0` never. The switch is read
-once per process, so each setting runs in a child process: the kernel the rule names must be the one that ran, its
+ln_bwd_prefetch_kernel with NEXT = false, three blocks per SM at 768 wide, two at 1024; the plain LayerNorm's and the
+embeddings' form): by default at 1024 wide and at 768 wide from 12,288 rows, `BERTACCEL_LN_BWD_SMEM_ACC=1` everywhere
+in that range, `=0` never. The switch is read once per process, so each setting runs in a child process: the kernel the rule names must be the one that ran, its
 gradients within twice PyTorch's error of the float64 reference (1 to 16,384 rows, bf16 activations with fp32 and
 bf16 weights), the same bits on a second call, and narrower rows untouched (the register kernel)."""
 
@@ -21,12 +21,12 @@ from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves, pois
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def expect_smem_accumulators(setting: str | None, rows: int, H: int, embeddings: bool = False) -> bool:
-    """Whether the shared-memory-accumulator kernel should run for bf16 rows x H under that switch setting (the
-    embeddings' form only under the switch: not measured yet)."""
+def expect_smem_accumulators(setting: str | None, rows: int, H: int) -> bool:
+    """Whether the shared-memory-accumulator kernel should run for bf16 rows x H under that switch setting (the plain
+    LayerNorm's and the embeddings' backward alike)."""
     if H < 768 or setting == "0":
         return False
-    return setting == "1" or (not embeddings and (H > 768 or rows >= 12288))
+    return setting == "1" or H > 768 or rows >= 12288
 
 
 def check_smem_accumulators() -> None:
@@ -86,7 +86,7 @@ def check_smem_accumulators() -> None:
 
         names = cuda_kernel_names(ours_emb)
         smem = [n for n in names if "ln_bwd_prefetch_kernel" in n and "false, false>" in n]
-        assert bool(smem) == expect_smem_accumulators(setting, rows, H, embeddings=True), (setting, rows, H, names)
+        assert bool(smem) == expect_smem_accumulators(setting, rows, H), (setting, rows, H, names)
         for name, a, t, r in zip(("dz", "dweight", "dbias"), ours_emb(), th, ref):
             check(a, t, r, torch.bfloat16, f"embeddings {rows}x{H} {name}")
     print("smem accumulators ok")

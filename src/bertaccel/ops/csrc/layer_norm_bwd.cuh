@@ -618,23 +618,26 @@ inline bool bwd_two_blocks(int vec, int tpr) {
   return MODE == kRms && sizeof(T) == 2 && vec == 8 && tpr <= 32;
 }
 
-// Whether the plain LayerNorm backward of 768-1024-wide bf16 rows (24-32 elements a thread, one warp a row) keeps its
-// accumulators in shared memory (ln_bwd_prefetch_kernel with NEXT = false: three blocks per SM at 768 wide, two at
-// 1024, where the register kernel holds two and one). Its streaming rate is higher (H200, 8192-32768 rows, two
-// alternated rounds: 2,446-2,458 -> 3,199-3,299 GB/s at 768 wide, 2,946-2,968 -> 3,413-3,450 at 1024) and its per-call
-// part too (8.3-8.7 -> 13.3-13.9 us at 768; 12.3-12.6 -> 13.9-14.2 at 1024: more partial rows to add, every block's
-// accumulators zeroed and written back), so by default: 32 elements a thread (776-1024 wide) at every row count
-// (16384x1024 47.2 / 46.9 -> 44.0 / 43.8 us, 8192 rows 29.3 / 28.8 -> 28.4 / 28.4, 2048 rows 13.7 -> 13.9), 24
-// (768 wide) from 12,288 rows, past the crossover (8192 rows 23.7 / 23.4 -> 25.0 / 25.1 us, 16384 rows 40.3 / 39.3 ->
-// 37.2 / 37.3, 32768 rows 70.2 / 69.6 -> 60.5 / 59.6; session 69, benchmarks/results/h200/ln_bwd_sweep_smem_acc_454918c.log).
-// The embeddings' form (kEmb, the gradient masked by the dropout; 127 registers at 1024 wide, 80 and 26 bytes spilled
-// at 768) only under the switch: not measured yet. BERTACCEL_LN_BWD_SMEM_ACC=1: both forms at every row count (for
-// comparing); =0: never. Read once per process.
-template <int MODE>
+// Whether the plain LayerNorm and the embeddings' backward of 768-1024-wide bf16 rows (24-32 elements a thread, one
+// warp a row) keep their accumulators in shared memory (ln_bwd_prefetch_kernel with NEXT = false: three blocks per SM
+// at 768 wide, two at 1024, where the register kernel holds two and one). Its streaming rate is higher and its
+// per-call part too (more partial rows to add, every block's accumulators zeroed and written back). H200, bf16, same
+// calls, alternated rounds (session 69, benchmarks/results/h200/ln_bwd_sweep_smem_acc_454918c.log and
+// ln_bwd_sweep_emb_030bdab.log), register kernel -> shared-memory accumulators, us:
+//   LayerNorm 768 wide: 8192 rows 23.7 / 23.4 -> 25.0 / 25.1, 16384 40.3 / 39.3 -> 37.2 / 37.3, 32768 70.2 / 69.6 ->
+//     60.5 / 59.6 (rate 2,446-2,458 -> 3,199-3,299 GB/s, per-call part 8.3-8.7 -> 13.3-13.9 us);
+//   LayerNorm 1024 wide: 2048 rows 13.7 -> 13.9 (bench_ops), 8192 29.3 / 28.8 -> 28.4 / 28.4, 16384 47.2 / 46.9 ->
+//     44.0 / 43.8, 32768 80.7 / 79.9 -> 72.4 / 72.7;
+//   embeddings (dropout 0.1) 768 wide: 2048 rows 11.1 / 11.1 -> 13.6 / 13.7, 8192 26.6 / 26.5 -> 28.3 / 28.5, 12288
+//     36.7 / 36.8 -> 34.8 / 35.0, 16384 46.2 / 45.9 -> 40.8 / 40.7; 1024 wide: 2048 rows 14.1 / 14.2 -> 13.8 / 14.4,
+//     8192 37.3 / 37.5 -> 32.6 / 32.8, 16384 64.2 / 64.6 -> 53.1 / 54.2.
+// So by default: 32 elements a thread (776-1024 wide) at every row count, 24 (768 wide) from 12,288 rows, past the
+// crossover. (RMSNorm's register kernel already streams at 85-91% of copy: not taken.) BERTACCEL_LN_BWD_SMEM_ACC=1:
+// at every row count (for comparing); =0: never. Read once per process.
 inline bool bwd_smem_acc(int elems_per_thread, int64_t rows) {
   static const int setting = env_switch("BERTACCEL_LN_BWD_SMEM_ACC", -1);
   if (setting >= 0) return setting != 0;
-  return MODE == kPlain && (elems_per_thread >= 32 || rows >= 12288);
+  return elems_per_thread >= 32 || rows >= 12288;
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
@@ -723,7 +726,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   // blocks per SM at 768 wide and two at 1024 where the register kernel below holds two and one; where bwd_smem_acc
   // says (measured there).
   if constexpr ((MODE == kPlain || MODE == kEmb) && sizeof(T) == 2) {
-    if (vec == max_vec && items * vec >= 24 && tpr == 32 && bwd_smem_acc<MODE>(items * vec, rows)) {
+    if (vec == max_vec && items * vec >= 24 && tpr == 32 && bwd_smem_acc(items * vec, rows)) {
       const int device = z.get_device();
 #define BA_LN_BWD_SMEM_ACC(V, I)                                                                          \
   do {                                                                                                    \
