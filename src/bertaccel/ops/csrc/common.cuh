@@ -193,8 +193,9 @@ struct ColumnSums {
 };
 
 constexpr int kColSumRows = 32;
-constexpr int kColSumBatch = 12;  // loads in flight per thread: one round for up to 384 partial rows
 
+// BATCH: loads in flight per thread, one trip to L2 per batch: one round for up to BATCH * 32 partial rows.
+template <int BATCH>
 static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(ColumnSums m, int parts, int cols) {
   __shared__ float red[kColSumRows][33];
   begin_dependent_kernel();  // the partial rows are the previous kernel's output
@@ -202,15 +203,15 @@ static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(Co
   const int c = blockIdx.x * 32 + threadIdx.x;
   float s = 0.f;
   if (c < cols) {
-    for (int r0 = threadIdx.y; r0 < parts; r0 += kColSumBatch * kColSumRows) {
-      float v[kColSumBatch];  // every load issued before the first add: one trip to L2 per batch
+    for (int r0 = threadIdx.y; r0 < parts; r0 += BATCH * kColSumRows) {
+      float v[BATCH];  // every load issued before the first add
 #pragma unroll
-      for (int k = 0; k < kColSumBatch; ++k) {
+      for (int k = 0; k < BATCH; ++k) {
         const int r = r0 + k * kColSumRows;
         v[k] = r < parts ? part[(int64_t)r * cols + c] : 0.f;
       }
 #pragma unroll
-      for (int k = 0; k < kColSumBatch; ++k) s += v[k];
+      for (int k = 0; k < BATCH; ++k) s += v[k];
     }
   }
   red[threadIdx.y][threadIdx.x] = s;
@@ -222,7 +223,10 @@ static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(Co
   if (threadIdx.y == 0 && c < cols) m.out[blockIdx.y][c] = red[0][threadIdx.x];
 }
 
-// The column sums of the defined (part, out) pairs, on `stream`.
+// The column sums of the defined (part, out) pairs, on `stream`. Up to 384 partial rows (two blocks per SM of a
+// 132-SM GPU, 264) take 12 loads a thread in one round; more (the 768-wide LayerNorm backward with its accumulators in
+// shared memory: three blocks per SM, 396) take 16, one round up to 512 instead of a second trip to L2.
+// BERTACCEL_COLSUM_BATCH=12: 12 at every count (for comparing). Read once per process.
 inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int parts,
                                int cols, cudaStream_t stream) {
   ColumnSums m{};
@@ -234,8 +238,10 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  launch_dependent(column_sums_kernel, dim3((unsigned)((cols + 31) / 32), (unsigned)n), dim3(32, kColSumRows), 0, stream,
-                   m, parts, cols);
+  static const bool batch12 = env_switch("BERTACCEL_COLSUM_BATCH", 0) == 12;
+  const dim3 grid((unsigned)((cols + 31) / 32), (unsigned)n), block(32, kColSumRows);
+  if (parts <= 12 * kColSumRows || batch12) launch_dependent(column_sums_kernel<12>, grid, block, 0, stream, m, parts, cols);
+  else launch_dependent(column_sums_kernel<16>, grid, block, 0, stream, m, parts, cols);
 }
 
 // ------------------------------------------------------------------------- host-side launch helpers
