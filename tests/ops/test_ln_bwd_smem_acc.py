@@ -1,6 +1,6 @@
 """The 768-1024-wide LayerNorm backward with its accumulators in shared memory (layer_norm_bwd.cuh's
 ln_bwd_prefetch_kernel with NEXT = false, three blocks per SM at 768 wide, two at 1024; the plain LayerNorm's and the
-embeddings' form): by default at 1024 wide and at 768 wide from 12,288 rows, `BERTACCEL_LN_BWD_SMEM_ACC=1` everywhere
+embeddings' form): by default at 1024 wide and at 768 wide from 10,240 rows, `BERTACCEL_LN_BWD_SMEM_ACC=1` everywhere
 in that range, `=0` never. The switch is read once per process, so each setting runs in a child process: the kernel the rule names must be the one that ran, its
 gradients within twice PyTorch's error of the float64 reference (1 to 16,384 rows, bf16 activations with fp32 and
 bf16 weights), the same bits on a second call, and narrower rows untouched (the register kernel)."""
@@ -26,7 +26,7 @@ def expect_smem_accumulators(setting: str | None, rows: int, H: int) -> bool:
     LayerNorm's and the embeddings' backward alike)."""
     if H < 768 or setting == "0":
         return False
-    return setting == "1" or H > 768 or rows >= 12288
+    return setting == "1" or H > 768 or rows >= 10240
 
 
 def check_smem_accumulators() -> None:
@@ -39,7 +39,7 @@ def check_smem_accumulators() -> None:
     assert build.load(), build.unavailable_reason()
     for rows, H, wdtype in [(1, 1024, torch.float32), (7, 1024, torch.float32), (1023, 1024, torch.bfloat16),
                             (16384, 1024, torch.float32), (4099, 1024, torch.bfloat16), (300, 768, torch.float32),
-                            (16384, 768, torch.float32), (12287, 768, torch.bfloat16), (12288, 768, torch.bfloat16),
+                            (16384, 768, torch.float32), (10239, 768, torch.bfloat16), (10240, 768, torch.bfloat16),
                             (5, 768, torch.bfloat16), (300, 384, torch.float32)]:
         x = torch.randn(rows, H, device="cuda") * 3 + 1
         w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")

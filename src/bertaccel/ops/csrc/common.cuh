@@ -225,7 +225,8 @@ static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(Co
 
 // The column sums of the defined (part, out) pairs, on `stream`. Up to 384 partial rows (two blocks per SM of a
 // 132-SM GPU, 264) take 12 loads a thread in one round; more (the 768-wide LayerNorm backward with its accumulators in
-// shared memory: three blocks per SM, 396) take 16, one round up to 512 instead of a second trip to L2.
+// shared memory: three blocks per SM, 396) take 16, one round up to 512 instead of a second trip to L2 (H200, same
+// call: that backward 0.1-1.3 us faster at 12288-16384 rows, about the spread between rounds; docs/row-ops.md).
 // BERTACCEL_COLSUM_BATCH=12: 12 at every count (for comparing). Read once per process.
 inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int parts,
                                int cols, cudaStream_t stream) {

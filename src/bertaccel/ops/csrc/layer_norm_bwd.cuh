@@ -631,13 +631,15 @@ inline bool bwd_two_blocks(int vec, int tpr) {
 //   embeddings (dropout 0.1) 768 wide: 2048 rows 11.1 / 11.1 -> 13.6 / 13.7, 8192 26.6 / 26.5 -> 28.3 / 28.5, 12288
 //     36.7 / 36.8 -> 34.8 / 35.0, 16384 46.2 / 45.9 -> 40.8 / 40.7; 1024 wide: 2048 rows 14.1 / 14.2 -> 13.8 / 14.4,
 //     8192 37.3 / 37.5 -> 32.6 / 32.8, 16384 64.2 / 64.6 -> 53.1 / 54.2.
-// So by default: 32 elements a thread (776-1024 wide) at every row count, 24 (768 wide) from 12,288 rows, past the
-// crossover. (RMSNorm's register kernel already streams at 85-91% of copy: not taken.) BERTACCEL_LN_BWD_SMEM_ACC=1:
-// at every row count (for comparing); =0: never. Read once per process.
+// So by default: 32 elements a thread (776-1024 wide) at every row count, 24 (768 wide) from 10,240 rows, past the
+// crossover (a second call, b2b23e2, rows between: LayerNorm 10240x768 28.5 / 29.3 -> 28.1 / 28.5, embeddings 32.7 /
+// 34.2 -> 29.9 / 29.9; at 8192 the register kernel still led, 24.2 / 24.0 against 24.9 / 25.3 and 27.4 / 28.7 against
+// 28.8 / 28.7; ln_bwd_sweep_colsum_b2b23e2.log). RMSNorm's register kernel already streams at 85-91% of copy: not
+// taken. BERTACCEL_LN_BWD_SMEM_ACC=1: at every row count (for comparing); =0: never. Read once per process.
 inline bool bwd_smem_acc(int elems_per_thread, int64_t rows) {
   static const int setting = env_switch("BERTACCEL_LN_BWD_SMEM_ACC", -1);
   if (setting >= 0) return setting != 0;
-  return elems_per_thread >= 32 || rows >= 12288;
+  return elems_per_thread >= 32 || rows >= 10240;
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
