@@ -223,11 +223,60 @@ static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(Co
   if (threadIdx.y == 0 && c < cols) m.out[blockIdx.y][c] = red[0][threadIdx.x];
 }
 
+// The same sums on 8 columns a block (64 row slices, 512 threads): 96 blocks a matrix at 768 columns where the kernel
+// above has 24, so the few hundred partial rows are read by (nearly) every SM instead of 48-72 of them - the sums
+// run after the backward's last block, in every LayerNorm-family backward's per-call part. A warp reads 4 rows x 32
+// bytes (one sector each); 8 loads a thread before the adds (one round up to 512 partial rows); the 64 slices meet
+// through shuffles (the 4 of a warp) and shared memory (the 16 warps). BERTACCEL_COLSUM=narrow; built in session 69
+// after the last device call: not measured, so not the default.
+constexpr int kColSumNarrowCols = 8;
+constexpr int kColSumNarrowSlices = 64;
+constexpr int kColSumNarrowBatch = 8;
+
+static __global__ void __launch_bounds__(kColSumNarrowCols * kColSumNarrowSlices)
+column_sums_narrow_kernel(ColumnSums m, int parts, int cols) {
+  constexpr int kWarps = kColSumNarrowCols * kColSumNarrowSlices / 32;
+  __shared__ float red[kWarps][kColSumNarrowCols];
+  begin_dependent_kernel();  // the partial rows are the previous kernel's output
+  const float* __restrict__ part = m.part[blockIdx.y];
+  const int x = threadIdx.x % kColSumNarrowCols, y = threadIdx.x / kColSumNarrowCols;
+  const int c = blockIdx.x * kColSumNarrowCols + x;
+  float s = 0.f;
+  if (c < cols) {
+    for (int r0 = y; r0 < parts; r0 += kColSumNarrowBatch * kColSumNarrowSlices) {
+      float v[kColSumNarrowBatch];  // every load issued before the first add
+#pragma unroll
+      for (int k = 0; k < kColSumNarrowBatch; ++k) {
+        const int r = r0 + k * kColSumNarrowSlices;
+        v[k] = r < parts ? part[(int64_t)r * cols + c] : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < kColSumNarrowBatch; ++k) s += v[k];
+    }
+  }
+  // lane = (y % 4) * 8 + x: the warp's 4 slices of column x meet at lanes x (every lane takes part)
+  s += __shfl_xor_sync(0xffffffffu, s, 8);
+  s += __shfl_xor_sync(0xffffffffu, s, 16);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane < kColSumNarrowCols) red[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0) {  // lane = j * 8 + x sums warps j, j + 4, j + 8, j + 12 of column x, then the 4 meet at lanes x
+    float t = 0.f;
+#pragma unroll
+    for (int w = lane / kColSumNarrowCols; w < kWarps; w += 32 / kColSumNarrowCols) t += red[w][lane % kColSumNarrowCols];
+    t += __shfl_xor_sync(0xffffffffu, t, 8);
+    t += __shfl_xor_sync(0xffffffffu, t, 16);
+    const int col = blockIdx.x * kColSumNarrowCols + lane;
+    if (lane < kColSumNarrowCols && col < cols) m.out[blockIdx.y][col] = t;
+  }
+}
+
 // The column sums of the defined (part, out) pairs, on `stream`. Up to 384 partial rows (two blocks per SM of a
 // 132-SM GPU, 264) take 12 loads a thread in one round; more (the 768-wide LayerNorm backward with its accumulators in
 // shared memory: three blocks per SM, 396) take 16, one round up to 512 instead of a second trip to L2 (H200, same
 // call: that backward 0.1-1.3 us faster at 12288-16384 rows, about the spread between rounds; docs/row-ops.md).
-// BERTACCEL_COLSUM_BATCH=12: 12 at every count (for comparing). Read once per process.
+// BERTACCEL_COLSUM_BATCH=12: 12 at every count (for comparing); BERTACCEL_COLSUM=narrow: column_sums_narrow_kernel.
+// Read once per process.
 inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int parts,
                                int cols, cudaStream_t stream) {
   ColumnSums m{};
@@ -239,6 +288,12 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
+  static const bool narrow = env_value("BERTACCEL_COLSUM") == "narrow";
+  if (narrow) {
+    launch_dependent(column_sums_narrow_kernel, dim3((unsigned)((cols + kColSumNarrowCols - 1) / kColSumNarrowCols), (unsigned)n),
+                     dim3(kColSumNarrowCols * kColSumNarrowSlices), 0, stream, m, parts, cols);
+    return;
+  }
   static const bool batch12 = env_switch("BERTACCEL_COLSUM_BATCH", 0) == 12;
   const dim3 grid((unsigned)((cols + 31) / 32), (unsigned)n), block(32, kColSumRows);
   if (parts <= 12 * kColSumRows || batch12) launch_dependent(column_sums_kernel<12>, grid, block, 0, stream, m, parts, cols);

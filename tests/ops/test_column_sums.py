@@ -1,0 +1,72 @@
+"""The column sums of the partial rows (common.cuh's `launch_column_sums`: every LayerNorm-family backward's weight
+gradients, the bias gradients of bias + GELU and `column_sum`), under each kernel setting: the default
+(`column_sums_kernel`, 12 or 16 loads a thread), `BERTACCEL_COLSUM_BATCH=12` and `BERTACCEL_COLSUM=narrow`
+(`column_sums_narrow_kernel`, 8 columns a block). The switches are read once per process, so each setting runs in a
+child process: the kernel the setting names must be the one that ran, and `column_sum` (a few to ~800 partial rows,
+column counts that are not multiples of 8 or 32) and the LayerNorm backward's dweight / dbias within twice PyTorch's
+error of the float64 sums, the same bits on a second call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = {"default": {}, "batch12": {"BERTACCEL_COLSUM_BATCH": "12"}, "narrow": {"BERTACCEL_COLSUM": "narrow"}}
+
+
+def check_column_sums() -> None:
+    """Run in a child process under one setting (see the test below)."""
+    import bertaccel.ops.swap  # noqa: F401 - imports every op family
+    from bertaccel.ops import build
+    from bertaccel.ops.layer_norm import layer_norm
+
+    assert build.load(), build.unavailable_reason()
+    narrow = os.environ.get("BERTACCEL_COLSUM") == "narrow"
+    want = "column_sums_narrow_kernel" if narrow else "column_sums_kernel<"
+    ops = torch.ops.bertaccel
+    for rows, cols, dtype in [(16384, 768, torch.bfloat16), (200000, 8, torch.float32), (65536, 37, torch.float32),
+                              (4099, 1000, torch.bfloat16), (100000, 3, torch.bfloat16)]:
+        x = torch.randn(rows, cols, device="cuda").to(dtype)
+        names = cuda_kernel_names(lambda: ops.column_sum(x))
+        sums = [n for n in names if "column_sums" in n]
+        assert all(want in n for n in sums), (rows, cols, names)
+        got = ops.column_sum(x)
+        check(got, x.float().sum(0), x.double().sum(0), torch.float32, f"column_sum {rows}x{cols}")
+        assert torch.equal(got, ops.column_sum(x)), f"{rows}x{cols}: a second call gave other bits"
+    for rows, H in [(16384, 768), (16384, 1024), (300, 384), (7, 1000)]:
+        x, dy = torch.randn(rows, H, device="cuda").bfloat16(), torch.randn(rows, H, device="cuda").bfloat16()
+        w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+        ref_in = leaves(x.double(), w.double(), b.double())
+        ref = torch.autograd.grad(F.layer_norm(ref_in[0], (H,), ref_in[1], ref_in[2], 1e-5), ref_in, dy.double())
+        th_in = leaves(x, w.bfloat16(), b.bfloat16())
+        th = torch.autograd.grad(F.layer_norm(th_in[0], (H,), th_in[1], th_in[2], 1e-5), th_in, dy)
+        ins = leaves(x, w, b)
+
+        def ours():
+            return torch.autograd.grad(layer_norm(ins[0], ins[1], ins[2], 1e-5), ins, dy)
+
+        names = cuda_kernel_names(ours)
+        assert any(want in n for n in names), (rows, H, names)
+        got = ours()
+        for name, a, t, r in list(zip(("dx", "dweight", "dbias"), got, th, ref))[1:]:
+            check(a, t, r, torch.bfloat16, f"layer_norm {rows}x{H} {name}")
+    print("column sums ok")
+
+
+@cuda_test
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_column_sums_under_each_kernel_setting(setting):
+    env = {k: v for k, v in os.environ.items() if k not in ("BERTACCEL_COLSUM", "BERTACCEL_COLSUM_BATCH")}
+    env.update(SETTINGS[setting], PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    code = "from tests.ops.test_column_sums import check_column_sums; check_column_sums()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "column sums ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
