@@ -6,6 +6,8 @@ import gzip
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,25 @@ import torch
 import yaml
 
 from bertaccel.ops.build import cache_root
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_in_child(code: str, env: dict[str, str | None] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python process, from the repository root, with the package (src layout) and `tests` importable
+    without installing: for what a process reads once (the kernels' environment switches) and for what ends a CUDA
+    context or crashes a process (device-side asserts, error paths). `env`: variables set on top of this process's
+    (a None value removes one). Returns the completed process, stdout and stderr as text."""
+    full = dict(os.environ)
+    for name, value in (env or {}).items():
+        if value is None:
+            full.pop(name, None)
+        else:
+            full[name] = value
+    full["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=timeout)
+
 
 SAMPLE = Path(__file__).resolve().parents[1] / "src" / "bertaccel" / "data" / "samples" / "sentiment"
 TINY_BERT = {

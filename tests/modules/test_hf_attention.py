@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from bertaccel.modules.hf_attention import attention_forward, padded_layout
 from bertaccel.ops import eligibility
-from tests.conftest import TINY_BERT
+from tests.conftest import TINY_BERT, run_in_child
 from tests.ops.conftest import capture_graph
 
 
@@ -449,9 +449,6 @@ def test_the_layout_is_computed_once_per_forward_mask_and_never_kept_on_a_given_
 def test_a_left_padded_mask_stops_the_gpu_kernel_with_the_reason():
     """On the GPU the check is a device-side assert (no host sync): it ends the process's CUDA context, so it
     runs in a child process, whose error output must name the problem and the fix."""
-    import subprocess
-    import sys
-
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     code = (
@@ -462,14 +459,7 @@ def test_a_left_padded_mask_stops_the_gpu_kernel_with_the_reason():
         "out = attention_forward(None, q, k, v, mask, scaling=0.125)[0]\n"
         "torch.cuda.synchronize()\n"
     )
-    import os
-    from pathlib import Path
-
-    import bertaccel
-
-    src = str(Path(bertaccel.__file__).resolve().parents[1])  # the package without installing it (src layout)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    run = run_in_child(code, timeout=300)
     assert run.returncode != 0, "a left-padded mask ran"
     assert "not right-padded" in run.stderr and "padding_side='right'" in run.stderr, run.stderr[-2000:]
 

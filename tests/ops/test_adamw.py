@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bertaccel.ops.adamw  # noqa: F401 - the op
+from tests.conftest import run_in_child
 from tests.ops.conftest import cuda_test
 
 SIZES = [1000, 37, 2 * 65536 + 5, 4, 1]
@@ -177,12 +178,7 @@ else:
 def test_a_bad_chunk_size_says_what_it_must_be(value):
     """In a child process: the first version's TORCH_CHECK with a number in its message segfaulted on the GPU host
     (csrc/check.h); a crash fails this test instead of ending the run."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "BERTACCEL_ADAMW_CHUNK": value}
-    r = subprocess.run([sys.executable, "-c", BAD_CHUNK], env=env, capture_output=True, text=True, timeout=300)
+    r = run_in_child(BAD_CHUNK, {"BERTACCEL_ADAMW_CHUNK": value}, timeout=300)
     assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
     assert f"raised: BERTACCEL_ADAMW_CHUNK must be a positive multiple of 1024 (elements per block), got '{value}'" \
         in r.stdout, r.stdout + r.stderr[-2000:]

@@ -9,17 +9,14 @@ error of the float64 sums, the same bits on a second call."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import run_in_child
 from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves
 
-ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"default": {}, "batch12": {"BERTACCEL_COLSUM_BATCH": "12"}, "narrow": {"BERTACCEL_COLSUM": "narrow"}}
 
 
@@ -65,8 +62,6 @@ def check_column_sums() -> None:
 @cuda_test
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_column_sums_under_each_kernel_setting(setting):
-    env = {k: v for k, v in os.environ.items() if k not in ("BERTACCEL_COLSUM", "BERTACCEL_COLSUM_BATCH")}
-    env.update(SETTINGS[setting], PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     code = "from tests.ops.test_column_sums import check_column_sums; check_column_sums()"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = run_in_child(code, {"BERTACCEL_COLSUM": None, "BERTACCEL_COLSUM_BATCH": None, **SETTINGS[setting]})
     assert r.returncode == 0 and "column sums ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]

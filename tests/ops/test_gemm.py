@@ -11,8 +11,6 @@ against the same reference; fallback for shapes the copy engine cannot take; gra
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +26,7 @@ from bertaccel.ops.gemm import (
     linear,
     linear_gelu,
 )
+from tests.conftest import run_in_child
 from tests.ops.conftest import assert_replay_matches_eager, check_vs_cublas, cuda_kernel_names, hopper_test, poison
 
 GEMM = torch.ops.bertaccel.gemm.default
@@ -596,13 +595,8 @@ print("ok")
 def test_clear_errors_for_bad_operands(gemm_kernel):
     """The C++ entry point's error paths, in a child process: a crash there (a segfault was seen on
     the inner-dimension check, session 4) fails this test instead of ending the whole run."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ)  # the child loads the extensions already built, not a fresh build in this test's cache
-    env.pop("BERTACCEL_CACHE") if gemm_kernel is None else env.update(BERTACCEL_CACHE=gemm_kernel)
-    proc = subprocess.run([sys.executable, "-c", ERROR_PATHS], capture_output=True, text=True, timeout=600, env=env,
-                          check=False)
+    # the child loads the extensions already built, not a fresh build in this test's cache
+    proc = run_in_child(ERROR_PATHS, {"BERTACCEL_CACHE": gemm_kernel}, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 

@@ -8,18 +8,13 @@ bf16 weights), the same bits on a second call, and narrower rows untouched (the 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import run_in_child
 from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves, poison
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def expect_smem_accumulators(setting: str | None, rows: int, H: int) -> bool:
     """Whether the shared-memory-accumulator kernel should run for bf16 rows x H under that switch setting (the plain
@@ -95,10 +90,6 @@ def check_smem_accumulators() -> None:
 @cuda_test
 @pytest.mark.parametrize("setting", [None, "1", "0"], ids=["default", "always", "never"])
 def test_layer_norm_backward_with_the_accumulators_in_shared_memory(setting):
-    env = {k: v for k, v in os.environ.items() if k != "BERTACCEL_LN_BWD_SMEM_ACC"}
-    if setting is not None:
-        env["BERTACCEL_LN_BWD_SMEM_ACC"] = setting
-    env = dict(env, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     code = "from tests.ops.test_ln_bwd_smem_acc import check_smem_accumulators; check_smem_accumulators()"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = run_in_child(code, {"BERTACCEL_LN_BWD_SMEM_ACC": setting})
     assert r.returncode == 0 and "smem accumulators ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
