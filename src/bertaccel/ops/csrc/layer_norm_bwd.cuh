@@ -642,6 +642,22 @@ inline bool bwd_smem_acc(int elems_per_thread, int64_t rows) {
   return elems_per_thread >= 32 || rows >= 10240;
 }
 
+// Blocks for a backward kernel's grid-stride loop over `units` work units (a warp's row group, or the register kernel's
+// block row group), `per_block` units a block takes a step, on at most `fit` resident blocks. By default as many as
+// fit: at 16384 rows, 768 wide, the shared-memory-accumulator kernel runs 396 blocks, 3,168 warps, and 536 of them take
+// a sixth row after the rest have finished. BERTACCEL_LN_BWD_BALANCED=1: the fewest blocks with the same number of steps
+// (342 there: every warp takes six rows and the grid ends together; 54 fewer partial rows to sum) - at the price of
+// fewer warps in flight. Built in session 69 after the last device call: not measured, so off. Read once per process.
+inline int64_t bwd_blocks(int64_t units, int64_t fit, int per_block) {
+  static const bool balanced = env_switch("BERTACCEL_LN_BWD_BALANCED", 0) != 0;
+  fit = std::max<int64_t>(fit, 1);
+  const int64_t plain = std::min<int64_t>((units + per_block - 1) / per_block, fit);
+  if (!balanced || units <= fit * per_block) return plain;
+  const int64_t steps = (units + fit * per_block - 1) / (fit * per_block);
+  const int64_t per_step = (units + steps - 1) / steps;  // units the grid takes a step
+  return std::min<int64_t>((per_step + per_block - 1) / per_block, fit);
+}
+
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
 // dy2 (defined: layer_norm_bwd2, the fused form): a second part of the output's gradient, summed into dy as the
 // prefetching kernel loads it, or added to dy first where another kernel runs.
@@ -707,7 +723,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     static int per_sm[64] = {};                                                                           \
     const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);    \
     const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                       \
-    run(kernel, smem, (int)std::min<int64_t>((warp_groups + kBwdRingWarps - 1) / kBwdRingWarps, fit),    \
+    run(kernel, smem, (int)bwd_blocks(warp_groups, fit, kBwdRingWarps),                                  \
         DY2 ? (const T*)dy2.data_ptr() : (const T*)nullptr);                                              \
   } while (0)
 #define BA_LN_BWD_PREFETCH(V, I)                                                                          \
@@ -737,7 +753,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       constexpr int smem = bwd_prefetch_smem<MODE, V, I, false>();                                        \
       static int per_sm[64] = {};                                                                         \
       const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);  \
-      run(kernel, smem, (int)std::min<int64_t>((rows + kBwdRingWarps - 1) / kBwdRingWarps, fit), (const T*)nullptr); \
+      run(kernel, smem, (int)bwd_blocks(rows, fit, kBwdRingWarps), (const T*)nullptr);                    \
     }                                                                                                     \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_SMEM_ACC);
@@ -760,7 +776,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       static_assert(smem >= kBwdThreads * I * V * 4, "the column partials are parked in the ring");      \
       static int per_sm[64] = {};                                                                         \
       const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);  \
-      run(kernel, smem, (int)std::min<int64_t>((rows * tpr + kBwdThreads - 1) / kBwdThreads, fit));      \
+      run(kernel, smem, (int)bwd_blocks(rows, fit, kBwdRingWarps)); /* one row a warp (tpr == 32) */     \
     }                                                                                                     \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_RING);
@@ -776,7 +792,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KERNEL, kBwdThreads, 0));          \
       return n;                                                                                           \
     }();                                                                                                  \
-    run(KERNEL, 0, (int)std::min<int64_t>(groups, (int64_t)sms * std::max(per_sm, 1)));                 \
+    run(KERNEL, 0, (int)bwd_blocks(groups, (int64_t)sms * std::max(per_sm, 1), 1));                      \
   } while (0)
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
