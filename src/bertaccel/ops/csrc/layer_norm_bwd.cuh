@@ -709,22 +709,26 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     launch_column_sums({{&pg, &dgamma}, {&pb, &dbeta}, {&ph, &dbias}}, blocks, (int)H, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+// KERNEL, with SMEM bytes of dynamic shared memory, over UNITS warp row groups on as many blocks as are resident at once
+// (bwd_blocks; its own occupancy cache: one per expansion); the rest: the kernel's arguments after the common ones
+#define BA_LN_BWD_RUN_SMEM(KERNEL, SMEM, UNITS, ...)                                                      \
+  do {                                                                                                    \
+    static int per_sm[64] = {};                                                                           \
+    const int64_t fit = (int64_t)sms * ring_blocks_per_sm(KERNEL, kBwdThreads, SMEM, z.get_device(), per_sm); \
+    run(KERNEL, SMEM, (int)bwd_blocks(UNITS, fit, kBwdRingWarps), ##__VA_ARGS__);                         \
+  } while (0)
   // The prefetching kernel where it measured faster (H100, 16384 rows, bf16, same run, 528e565): the
   // fused residual form at 384 and 768 wide, 32.7 vs 34.5 us and 53.0 vs 55.9 (the ring). Plain
   // LayerNorm and RMSNorm measured even (23.1 vs 23.3, 40.7 vs 40.3; 36.6 vs 36.3) and keep the
   // kernels below; at 1024 wide (4 vectors per thread) it spilled at 128 registers and lost (75.4 vs 70.2).
   if constexpr (MODE == kFused && sizeof(T) == 2) {  // bf16 rows with full 16-byte vectors, a row within a warp
     if (prefetching) {
-      const int device = z.get_device();
 #define BA_LN_BWD_PREFETCH_K(V, I, DY2)                                                                   \
   do {                                                                                                    \
     auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, DY2>;                                          \
     constexpr int smem = bwd_prefetch_smem<MODE, V, I, DY2>();                                            \
-    static int per_sm[64] = {};                                                                           \
-    const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);    \
     const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                       \
-    run(kernel, smem, (int)bwd_blocks(warp_groups, fit, kBwdRingWarps),                                  \
-        DY2 ? (const T*)dy2.data_ptr() : (const T*)nullptr);                                              \
+    BA_LN_BWD_RUN_SMEM(kernel, smem, warp_groups, DY2 ? (const T*)dy2.data_ptr() : (const T*)nullptr);   \
   } while (0)
 #define BA_LN_BWD_PREFETCH(V, I)                                                                          \
   do {                                                                                                    \
@@ -745,15 +749,12 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   // says (measured there).
   if constexpr ((MODE == kPlain || MODE == kEmb) && sizeof(T) == 2) {
     if (vec == max_vec && items * vec >= 24 && tpr == 32 && bwd_smem_acc(items * vec, rows)) {
-      const int device = z.get_device();
 #define BA_LN_BWD_SMEM_ACC(V, I)                                                                          \
   do {                                                                                                    \
     if constexpr (V == max_vec && I * V >= 24) {                                                          \
       auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, false, false>;                               \
       constexpr int smem = bwd_prefetch_smem<MODE, V, I, false>();                                        \
-      static int per_sm[64] = {};                                                                         \
-      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);  \
-      run(kernel, smem, (int)bwd_blocks(rows, fit, kBwdRingWarps), (const T*)nullptr);                    \
+      BA_LN_BWD_RUN_SMEM(kernel, smem, rows, (const T*)nullptr); /* one row a warp (tpr == 32) */         \
     }                                                                                                     \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_SMEM_ACC);
@@ -767,16 +768,13 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   // the kernel above, which holds the row in registers instead of reading it twice from shared memory.
   if constexpr (MODE == kFused && sizeof(T) == 2) {  // (only these forms are instantiated)
     if (vec == max_vec && tpr == 32 && items * vec >= 24 && ring_enabled()) {  // one 768-1024-wide row per warp
-      const int device = z.get_device();
 #define BA_LN_BWD_RING(V, I)                                                                              \
   do {                                                                                                    \
     if constexpr (V == max_vec && I * V >= 24) {                                                          \
       auto kernel = ln_bwd_ring_kernel<T, W, V, I, MODE>;                                                 \
       constexpr int smem = bwd_ring_stages<I>() * bwd_ring_stage_bytes<I>();                              \
       static_assert(smem >= kBwdThreads * I * V * 4, "the column partials are parked in the ring");      \
-      static int per_sm[64] = {};                                                                         \
-      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kBwdThreads, smem, device, per_sm);  \
-      run(kernel, smem, (int)bwd_blocks(rows, fit, kBwdRingWarps)); /* one row a warp (tpr == 32) */     \
+      BA_LN_BWD_RUN_SMEM(kernel, smem, rows); /* one row a warp (tpr == 32) */                            \
     }                                                                                                     \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_RING);
@@ -807,6 +805,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
 #undef BA_LN_BWD
 #undef BA_LN_BWD_RESIDENT
+#undef BA_LN_BWD_RUN_SMEM
 }
 
 // gamma's dtype (float32, or bf16 beside bf16 activations) picks W. kEmb takes float32 only.
