@@ -1,8 +1,7 @@
 """The column sums of the partial rows (common.cuh's `launch_column_sums`: every LayerNorm-family backward's weight
-gradients, the bias gradients of bias + GELU and `column_sum`), under each kernel setting: the default
-(`column_sums_kernel`, 12 or 16 loads a thread), `BERTACCEL_COLSUM_BATCH=12` and `BERTACCEL_COLSUM=narrow`
-(`column_sums_narrow_kernel`, 8 columns a block). The switches are read once per process, so each setting runs in a
-child process: the kernel the setting names must be the one that ran, and `column_sum` (a few to ~800 partial rows,
+gradients, the bias gradients of bias + GELU and `column_sum`), under each block shape of
+`column_sums_kernel<COLS, SLICES, BATCH>`: the default (8 columns x 64 row slices) and the comparison shapes
+`BERTACCEL_COLSUM=wide|4x128|8x128`. The switch is read once per process, so each setting runs in a child process: the kernel the setting names must be the one that ran, and `column_sum` (a few to ~800 partial rows,
 column counts that are not multiples of 8 or 32) and the LayerNorm backward's dweight / dbias within twice PyTorch's
 error of the float64 sums, the same bits on a second call."""
 
@@ -17,7 +16,11 @@ import torch.nn.functional as F
 from tests.conftest import run_in_child
 from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves
 
-SETTINGS = {"default": {}, "batch12": {"BERTACCEL_COLSUM_BATCH": "12"}, "narrow": {"BERTACCEL_COLSUM": "narrow"}}
+SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"}, "4x128": {"BERTACCEL_COLSUM": "4x128"},
+            "8x128": {"BERTACCEL_COLSUM": "8x128"}}
+# the template arguments each setting must launch (the wide shape takes 12 or 16 loads by the partial-row count)
+KERNELS = {"": ("column_sums_kernel<8, 64, 8>",), "wide": ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>"),
+           "4x128": ("column_sums_kernel<4, 128, 4>",), "8x128": ("column_sums_kernel<8, 128, 4>",)}
 
 
 def check_column_sums() -> None:
@@ -27,15 +30,14 @@ def check_column_sums() -> None:
     from bertaccel.ops.layer_norm import layer_norm
 
     assert build.load(), build.unavailable_reason()
-    narrow = os.environ.get("BERTACCEL_COLSUM") == "narrow"
-    want = "column_sums_narrow_kernel" if narrow else "column_sums_kernel<"
+    want = KERNELS[os.environ.get("BERTACCEL_COLSUM", "")]
     ops = torch.ops.bertaccel
     for rows, cols, dtype in [(16384, 768, torch.bfloat16), (200000, 8, torch.float32), (65536, 37, torch.float32),
                               (4099, 1000, torch.bfloat16), (100000, 3, torch.bfloat16)]:
         x = torch.randn(rows, cols, device="cuda").to(dtype)
         names = cuda_kernel_names(lambda: ops.column_sum(x))
         sums = [n for n in names if "column_sums" in n]
-        assert all(want in n for n in sums), (rows, cols, names)
+        assert sums and all(any(k in n for k in want) for n in sums), (rows, cols, names)
         got = ops.column_sum(x)
         check(got, x.float().sum(0), x.double().sum(0), torch.float32, f"column_sum {rows}x{cols}")
         assert torch.equal(got, ops.column_sum(x)), f"{rows}x{cols}: a second call gave other bits"
@@ -52,7 +54,7 @@ def check_column_sums() -> None:
             return torch.autograd.grad(layer_norm(ins[0], ins[1], ins[2], 1e-5), ins, dy)
 
         names = cuda_kernel_names(ours)
-        assert any(want in n for n in names), (rows, H, names)
+        assert any(k in n for n in names for k in want), (rows, H, names)
         got = ours()
         for name, a, t, r in list(zip(("dx", "dweight", "dbias"), got, th, ref))[1:]:
             check(a, t, r, torch.bfloat16, f"layer_norm {rows}x{H} {name}")
@@ -63,5 +65,5 @@ def check_column_sums() -> None:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_column_sums_under_each_kernel_setting(setting):
     code = "from tests.ops.test_column_sums import check_column_sums; check_column_sums()"
-    r = run_in_child(code, {"BERTACCEL_COLSUM": None, "BERTACCEL_COLSUM_BATCH": None, **SETTINGS[setting]})
+    r = run_in_child(code, {"BERTACCEL_COLSUM": None, **SETTINGS[setting]})
     assert r.returncode == 0 and "column sums ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]

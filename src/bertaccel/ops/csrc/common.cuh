@@ -178,105 +178,73 @@ __device__ __forceinline__ DropoutSeed launch_dropout_seed(float p, const at::Ph
 }
 
 // out[m][c] = sum_r part[m][r, c] for up to 3 (parts, cols) fp32 matrices of one shape (a LayerNorm
-// backward's dgamma, dbeta and dbias partials) in one launch: grid (cols / 32, matrices), block 32
-// columns x 32 row slices; each thread sums every 32nd row of its column (independent loads, a few
-// per thread for the few hundred partial rows of a backward), then the slices meet in shared memory.
-// (One launch of 1,024-thread blocks instead of one 256-thread launch per matrix: the sums were
-// latency-bound, ~4 us each, 44 per MiniLM training step.) Tried and measured slower (H100, 16384
-// rows, bf16, same run): the sums inside the backward's own grid, launched cooperatively, one grid
-// barrier, each warp summing a 4-column slice - LayerNorm backward 26.3 / 43.1 / 54.9 us at 384 / 768
-// / 1024 wide against 24.3 / 40.1 / 54.5 with this second launch (residual form 37.2 / 57.7 / 69.0
-// against 34.1 / 55.9 / 65.6): the cooperative launch and the barrier cost more than the launch they save.
+// backward's dgamma, dbeta and dbias partials; the bias gradients' chunk sums) in one launch: grid
+// (cols / COLS, matrices), COLS columns x SLICES row slices a block; each thread sums every SLICES-th row of
+// its column (BATCH independent loads before the adds: one trip to L2 for up to BATCH * SLICES rows), then the
+// slices meet through shuffles (those of a warp) and shared memory (the warps). The sums run after the
+// backward's last block, in every LayerNorm-family backward's per-call part, and are latency-bound.
+// Measured (H200, session 70, `ln_bwd_sweep.py`, two rounds): 8 columns x 64 slices (96 blocks a matrix at 768
+// wide, so the few hundred partial rows are read by nearly every SM) against 32 x 32 (24 blocks): LayerNorm
+// backward 2048x768 10.2 / 10.4 -> 9.2 / 9.2 us, 16384x768 36.9 / 37.2 -> 35.8 / 35.7, 16384x1024 44.9 / 45.2 ->
+// 43.2 / 43.0, RMSNorm 2048x768 9.3 / 9.2 -> 8.6 / 8.0 (docs/row-ops.md).
+// (One launch of all the matrices instead of one per matrix: the sums were ~4 us each, 44 per MiniLM training
+// step.) Tried and measured slower (H100, 16384 rows, bf16, same run): the sums inside the backward's own grid,
+// launched cooperatively, one grid barrier, each warp summing a 4-column slice - LayerNorm backward 26.3 / 43.1 /
+// 54.9 us at 384 / 768 / 1024 wide against 24.3 / 40.1 / 54.5 with this second launch (residual form 37.2 / 57.7 /
+// 69.0 against 34.1 / 55.9 / 65.6): the cooperative launch and the barrier cost more than the launch they save.
 struct ColumnSums {
   const float* part[3];
   float* out[3];
 };
 
-constexpr int kColSumRows = 32;
+// v summed over the lanes of a warp that hold the same column (lane % COLS), the result in each of them.
+template <int COLS>
+__device__ __forceinline__ float sum_column_lanes(float v) {
+#pragma unroll
+  for (int o = COLS; o < 32; o *= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 
-// BATCH: loads in flight per thread, one trip to L2 per batch: one round for up to BATCH * 32 partial rows.
-template <int BATCH>
-static __global__ void __launch_bounds__(32 * kColSumRows) column_sums_kernel(ColumnSums m, int parts, int cols) {
-  __shared__ float red[kColSumRows][33];
+template <int COLS, int SLICES, int BATCH>
+static __global__ void __launch_bounds__(COLS * SLICES) column_sums_kernel(ColumnSums m, int parts, int cols) {
+  static_assert(32 % COLS == 0 && COLS * SLICES % 32 == 0 && COLS * SLICES <= 1024, "whole warps, a column per lane group");
+  constexpr int kWarps = COLS * SLICES / 32;
+  __shared__ float red[kWarps][COLS];
   begin_dependent_kernel();  // the partial rows are the previous kernel's output
   const float* __restrict__ part = m.part[blockIdx.y];
-  const int c = blockIdx.x * 32 + threadIdx.x;
+  const int x = threadIdx.x % COLS, y = threadIdx.x / COLS;  // lane = (y % (32 / COLS)) * COLS + x
+  const int c = blockIdx.x * COLS + x;
   float s = 0.f;
   if (c < cols) {
-    for (int r0 = threadIdx.y; r0 < parts; r0 += BATCH * kColSumRows) {
+    for (int r0 = y; r0 < parts; r0 += BATCH * SLICES) {
       float v[BATCH];  // every load issued before the first add
 #pragma unroll
       for (int k = 0; k < BATCH; ++k) {
-        const int r = r0 + k * kColSumRows;
+        const int r = r0 + k * SLICES;
         v[k] = r < parts ? part[(int64_t)r * cols + c] : 0.f;
       }
 #pragma unroll
       for (int k = 0; k < BATCH; ++k) s += v[k];
     }
   }
-  red[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  for (int h = kColSumRows / 2; h > 0; h >>= 1) {
-    if (threadIdx.y < h) red[threadIdx.y][threadIdx.x] += red[threadIdx.y + h][threadIdx.x];
-    __syncthreads();
-  }
-  if (threadIdx.y == 0 && c < cols) m.out[blockIdx.y][c] = red[0][threadIdx.x];
-}
-
-// The same sums on 8 columns a block (64 row slices, 512 threads): 96 blocks a matrix at 768 columns where the kernel
-// above has 24, so the few hundred partial rows are read by (nearly) every SM instead of 48-72 of them - the sums
-// run after the backward's last block, in every LayerNorm-family backward's per-call part. A warp reads 4 rows x 32
-// bytes (one sector each); 8 loads a thread before the adds (one round up to 512 partial rows); the 64 slices meet
-// through shuffles (the 4 of a warp) and shared memory (the 16 warps). BERTACCEL_COLSUM=narrow; built in session 69
-// after the last device call: not measured, so not the default.
-constexpr int kColSumNarrowCols = 8;
-constexpr int kColSumNarrowSlices = 64;
-constexpr int kColSumNarrowBatch = 8;
-
-static __global__ void __launch_bounds__(kColSumNarrowCols * kColSumNarrowSlices)
-column_sums_narrow_kernel(ColumnSums m, int parts, int cols) {
-  constexpr int kWarps = kColSumNarrowCols * kColSumNarrowSlices / 32;
-  __shared__ float red[kWarps][kColSumNarrowCols];
-  begin_dependent_kernel();  // the partial rows are the previous kernel's output
-  const float* __restrict__ part = m.part[blockIdx.y];
-  const int x = threadIdx.x % kColSumNarrowCols, y = threadIdx.x / kColSumNarrowCols;
-  const int c = blockIdx.x * kColSumNarrowCols + x;
-  float s = 0.f;
-  if (c < cols) {
-    for (int r0 = y; r0 < parts; r0 += kColSumNarrowBatch * kColSumNarrowSlices) {
-      float v[kColSumNarrowBatch];  // every load issued before the first add
-#pragma unroll
-      for (int k = 0; k < kColSumNarrowBatch; ++k) {
-        const int r = r0 + k * kColSumNarrowSlices;
-        v[k] = r < parts ? part[(int64_t)r * cols + c] : 0.f;
-      }
-#pragma unroll
-      for (int k = 0; k < kColSumNarrowBatch; ++k) s += v[k];
-    }
-  }
-  // lane = (y % 4) * 8 + x: the warp's 4 slices of column x meet at lanes x (every lane takes part)
-  s += __shfl_xor_sync(0xffffffffu, s, 8);
-  s += __shfl_xor_sync(0xffffffffu, s, 16);
+  s = sum_column_lanes<COLS>(s);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane < kColSumNarrowCols) red[warp][lane] = s;
+  if (lane < COLS) red[warp][lane] = s;
   __syncthreads();
-  if (warp == 0) {  // lane = j * 8 + x sums warps j, j + 4, j + 8, j + 12 of column x, then the 4 meet at lanes x
+  if (warp == 0) {  // lane = j * COLS + x sums warps j, j + 32 / COLS, ... of column x, then the lane groups meet
     float t = 0.f;
 #pragma unroll
-    for (int w = lane / kColSumNarrowCols; w < kWarps; w += 32 / kColSumNarrowCols) t += red[w][lane % kColSumNarrowCols];
-    t += __shfl_xor_sync(0xffffffffu, t, 8);
-    t += __shfl_xor_sync(0xffffffffu, t, 16);
-    const int col = blockIdx.x * kColSumNarrowCols + lane;
-    if (lane < kColSumNarrowCols && col < cols) m.out[blockIdx.y][col] = t;
+    for (int w = lane / COLS; w < kWarps; w += 32 / COLS) t += red[w][lane % COLS];
+    t = sum_column_lanes<COLS>(t);
+    const int col = blockIdx.x * COLS + lane;
+    if (lane < COLS && col < cols) m.out[blockIdx.y][col] = t;
   }
 }
 
-// The column sums of the defined (part, out) pairs, on `stream`. Up to 384 partial rows (two blocks per SM of a
-// 132-SM GPU, 264) take 12 loads a thread in one round; more (the 768-wide LayerNorm backward with its accumulators in
-// shared memory: three blocks per SM, 396) take 16, one round up to 512 instead of a second trip to L2 (H200, same
-// call: that backward 0.1-1.3 us faster at 12288-16384 rows, about the spread between rounds; docs/row-ops.md).
-// BERTACCEL_COLSUM_BATCH=12: 12 at every count (for comparing); BERTACCEL_COLSUM=narrow: column_sums_narrow_kernel.
-// Read once per process.
+// The column sums of the defined (part, out) pairs, on `stream`: 8 columns x 64 slices a block, 8 loads a thread (one
+// round up to 512 partial rows). BERTACCEL_COLSUM picks another shape for comparing (read once per process): `wide`
+// (32 x 32, the default before session 70: 12 loads a thread up to 384 partial rows, 16 above), `4x128` (4 loads),
+// `8x128` (4 loads).
 inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int parts,
                                int cols, cudaStream_t stream) {
   ColumnSums m{};
@@ -288,16 +256,18 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  static const bool narrow = env_value("BERTACCEL_COLSUM") == "narrow";
-  if (narrow) {
-    launch_dependent(column_sums_narrow_kernel, dim3((unsigned)((cols + kColSumNarrowCols - 1) / kColSumNarrowCols), (unsigned)n),
-                     dim3(kColSumNarrowCols * kColSumNarrowSlices), 0, stream, m, parts, cols);
-    return;
-  }
-  static const bool batch12 = env_switch("BERTACCEL_COLSUM_BATCH", 0) == 12;
-  const dim3 grid((unsigned)((cols + 31) / 32), (unsigned)n), block(32, kColSumRows);
-  if (parts <= 12 * kColSumRows || batch12) launch_dependent(column_sums_kernel<12>, grid, block, 0, stream, m, parts, cols);
-  else launch_dependent(column_sums_kernel<16>, grid, block, 0, stream, m, parts, cols);
+  static const std::string shape = env_value("BERTACCEL_COLSUM");
+  TORCH_CHECK(shape.empty() || shape == "narrow" || shape == "wide" || shape == "4x128" || shape == "8x128",
+              "BERTACCEL_COLSUM=", shape, " is not a column-sums shape: unset it, or set narrow, wide, 4x128 or 8x128");
+#define BA_COLSUM_RUN(COLS, SLICES, BATCH)                                                                           \
+  launch_dependent(column_sums_kernel<COLS, SLICES, BATCH>, dim3((unsigned)((cols + COLS - 1) / COLS), (unsigned)n), \
+                   dim3(COLS * SLICES), 0, stream, m, parts, cols)
+  if (shape == "wide" && parts <= 12 * 32) BA_COLSUM_RUN(32, 32, 12);
+  else if (shape == "wide") BA_COLSUM_RUN(32, 32, 16);
+  else if (shape == "4x128") BA_COLSUM_RUN(4, 128, 4);
+  else if (shape == "8x128") BA_COLSUM_RUN(8, 128, 4);
+  else BA_COLSUM_RUN(8, 64, 8);
+#undef BA_COLSUM_RUN
 }
 
 // ------------------------------------------------------------------------- host-side launch helpers

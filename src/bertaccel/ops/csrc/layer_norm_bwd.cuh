@@ -643,19 +643,13 @@ inline bool bwd_smem_acc(int elems_per_thread, int64_t rows) {
 }
 
 // Blocks for a backward kernel's grid-stride loop over `units` work units (a warp's row group, or the register kernel's
-// block row group), `per_block` units a block takes a step, on at most `fit` resident blocks. By default as many as
-// fit: at 16384 rows, 768 wide, the shared-memory-accumulator kernel runs 396 blocks, 3,168 warps, and 536 of them take
-// a sixth row after the rest have finished. BERTACCEL_LN_BWD_BALANCED=1: the fewest blocks with the same number of steps
-// (342 there: every warp takes six rows and the grid ends together; 54 fewer partial rows to sum) - at the price of
-// fewer warps in flight. Built in session 69 after the last device call: not measured, so off. Read once per process.
+// block row group), `per_block` units a block takes a step: as many as fit (`fit` resident blocks). Tried (session 70,
+// H200, docs/tried/ln-bwd-balanced-grid.patch): the fewest blocks with the same number of steps (16384x768 shared-
+// memory kernel: 342 blocks, every warp six rows, instead of 396 where 536 warps take a sixth row alone) - the
+// embeddings' backward 16384x768 41.9 / 41.1 -> 44.9 / 46.1 us, the rest within the spread: fewer warps in flight
+// cost more than the ragged last step.
 inline int64_t bwd_blocks(int64_t units, int64_t fit, int per_block) {
-  static const bool balanced = env_switch("BERTACCEL_LN_BWD_BALANCED", 0) != 0;
-  fit = std::max<int64_t>(fit, 1);
-  const int64_t plain = std::min<int64_t>((units + per_block - 1) / per_block, fit);
-  if (!balanced || units <= fit * per_block) return plain;
-  const int64_t steps = (units + fit * per_block - 1) / (fit * per_block);
-  const int64_t per_step = (units + steps - 1) / steps;  // units the grid takes a step
-  return std::min<int64_t>((per_step + per_block - 1) / per_block, fit);
+  return std::min<int64_t>((units + per_block - 1) / per_block, std::max<int64_t>(fit, 1));
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
