@@ -147,9 +147,10 @@ def kernel_times_us(work, calls: int) -> dict[str, float]:
     return per
 
 
-def graph_time_ms(fn, inputs: list, calls: int = 20, replays: int = 10) -> float:
+def graph_time_ms(fn, inputs: list, calls: int = 20, replays: int = 10, capture_error_mode: str = "global") -> float:
     """GPU time per call of fn(*inputs[i % len(inputs)]), from replays of a CUDA graph holding
-    `calls` calls: launch and Python overhead are gone, only the kernels' time remains."""
+    `calls` calls: launch and Python overhead are gone, only the kernels' time remains.
+    `capture_error_mode`: torch.cuda.graph's (global / thread_local / relaxed)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (compilation, autotuning, lazy init) off the capture
@@ -159,7 +160,7 @@ def graph_time_ms(fn, inputs: list, calls: int = 20, replays: int = 10) -> float
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, capture_error_mode=capture_error_mode):
             for i in range(calls):
                 fn(*inputs[i % len(inputs)])
     except Exception:
