@@ -16,16 +16,20 @@ with gzip.open(path, "wt", encoding="utf-8") as f:
     f.write("\n".join(rows) + "\n")
 PY
 rm -f .carry/minilm/data_config.json
+# MiniLM's tokenizer.json (466 KB) is rebuilt from its vocab.txt by AutoTokenizer: the same BertTokenizer, the same ids
+# for the first 2,000 staged test rows at max_length 256 (checked in session 70).
+rm -f .carry/minilm/tokenizer.json
 # `datasets` (and its dill, multiprocess) is only imported for Hub datasets; the GPU runs read .carry/imdb. Without them
 # checkout + .carry fits the device tool's 64 MiB (session 63: 68.1 MB with them, over). jsonargparse's typeshed_client and
 # importlib_resources stay: Lightning's CLI requires jsonargparse[signatures].
 rm -f .carry/wheels/datasets-*.whl .carry/wheels/dill-*.whl .carry/wheels/multiprocess-*.whl
-carry=$(du -sb .carry | cut -f1)
-tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-echo "carry $((carry / 1024)) KiB + tracked $((tracked / 1024)) KiB = $(((carry + tracked) / 1000)) kB"
-# The device tool refused 66,408,960 bytes by this count and took 65,206,172 (session 63): it counts more than
-# these files' bytes. Stay under 65.8 MB.
-if [ $((carry + tracked)) -gt 65800000 ]; then
-  echo "stage_gpu.sh: $((carry + tracked)) bytes: over the 65.8 MB this script allows (refused at 66.4); carry less (TRAIN_ROWS, TEST_ROWS)" >&2
+# The device tool counts more than the files' bytes (session 63 refused 66,408,960 and took 65,206,172 of them). A tar's
+# count - every file rounded up to 512-byte blocks, plus a 512-byte header - explains session 70's refusal: 67,120,128
+# bytes by it (64.01 MiB), 66,097,243 of files; 63cdff5's tree, a few hundred KB smaller, was taken. Estimate that way.
+# Stay 256 KiB under 64 MiB; the run scripts kept in .carry count too.
+size=$( (git ls-files -z | xargs -0 stat -c %s; find .carry -type f -printf "%s\n") | awk '{t += int(($1 + 511) / 512) * 512 + 512} END {print t}')
+echo "checkout + .carry as a tar: $((size / 1024)) KiB of the device tool's 65,536"
+if [ "$size" -gt $((64 * 1048576 - 262144)) ]; then
+  echo "stage_gpu.sh: $size bytes as a tar: within 256 KiB of the device tool's 64 MiB; carry less (TRAIN_ROWS, TEST_ROWS)" >&2
   exit 1
 fi
