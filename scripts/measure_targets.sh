@@ -48,8 +48,9 @@ has ops && stage ops 150 python -m benchmarks.bench_ops --ops layer_norm residua
   --out "$OUT/ops.json"
 # The LayerNorm / embeddings backward at 768-1024 wide: the shared-memory accumulators (the default since session 69,
 # measured on an H200 only) against the register kernel (BERTACCEL_LN_BWD_SMEM_ACC=0), which streamed at 87-93% of
-# copy on the H100 with a longer per-call part - which one the H100 should take by default (docs/row-ops.md)
-has ops && stage ln_bwd 60 bash -c 'for s in "" BERTACCEL_LN_BWD_SMEM_ACC=0 "" BERTACCEL_LN_BWD_SMEM_ACC=0; do
+# copy on the H100 with a longer per-call part - which one the H100 should take by default (docs/row-ops.md); and the
+# column sums on 8 x 64 blocks (the default since session 70, H200 only) against 32 x 32 (BERTACCEL_COLSUM=wide)
+has ops && stage ln_bwd 90 bash -c 'for s in "" BERTACCEL_LN_BWD_SMEM_ACC=0 BERTACCEL_COLSUM=wide "" BERTACCEL_LN_BWD_SMEM_ACC=0 BERTACCEL_COLSUM=wide; do
   env $s python scripts/ln_bwd_sweep.py --ops layer_norm embeddings --widths 768 1024 --rows 2048 8192 10240 16384 32768; done'
 has attention && stage attention 90 python -m benchmarks.bench_attention --no-variants \
   --cells 128x128x12x64:full 128x128x12x32:full 32x512x12x64:full 32x512x12x32:full --out "$OUT/attention.json"

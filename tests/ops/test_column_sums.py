@@ -1,7 +1,7 @@
 """The column sums of the partial rows (common.cuh's `launch_column_sums`: every LayerNorm-family backward's weight
 gradients, the bias gradients of bias + GELU and `column_sum`), under each block shape of
-`column_sums_kernel<COLS, SLICES, BATCH>`: the default (8 columns x 64 row slices) and the comparison shapes
-`BERTACCEL_COLSUM=wide|4x128|8x128`. The switch is read once per process, so each setting runs in a child process: the kernel the setting names must be the one that ran, and `column_sum` (a few to ~800 partial rows,
+`column_sums_kernel<COLS, SLICES, BATCH>`: the default (8 columns x 64 row slices) and the comparison shape
+`BERTACCEL_COLSUM=wide` (32 x 32). The switch is read once per process, so each setting runs in a child process: the kernel the setting names must be the one that ran, and `column_sum` (a few to ~800 partial rows,
 column counts that are not multiples of 8 or 32) and the LayerNorm backward's dweight / dbias within twice PyTorch's
 error of the float64 sums, the same bits on a second call."""
 
@@ -16,11 +16,9 @@ import torch.nn.functional as F
 from tests.conftest import run_in_child
 from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves
 
-SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"}, "4x128": {"BERTACCEL_COLSUM": "4x128"},
-            "8x128": {"BERTACCEL_COLSUM": "8x128"}}
+SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"}}
 # the template arguments each setting must launch (the wide shape takes 12 or 16 loads by the partial-row count)
-KERNELS = {"": ("column_sums_kernel<8, 64, 8>",), "wide": ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>"),
-           "4x128": ("column_sums_kernel<4, 128, 4>",), "8x128": ("column_sums_kernel<8, 128, 4>",)}
+KERNELS = {"": ("column_sums_kernel<8, 64, 8>",), "wide": ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")}
 
 
 def check_column_sums() -> None:
@@ -67,3 +65,13 @@ def test_column_sums_under_each_kernel_setting(setting):
     code = "from tests.ops.test_column_sums import check_column_sums; check_column_sums()"
     r = run_in_child(code, {"BERTACCEL_COLSUM": None, **SETTINGS[setting]})
     assert r.returncode == 0 and "column sums ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+@cuda_test
+def test_an_unknown_column_sums_shape_is_refused_with_the_values_it_takes():
+    code = ("import torch, bertaccel.ops.swap; from bertaccel.ops import build; assert build.load()\n"
+            "try:\n    torch.ops.bertaccel.column_sum(torch.randn(4096, 64, device='cuda'))\n"
+            "except RuntimeError as e:\n    print('refused:', e)\n")
+    r = run_in_child(code, {"BERTACCEL_COLSUM": "8x128"})
+    assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "BERTACCEL_COLSUM=8x128 is not a column-sums shape" in r.stdout and "wide" in r.stdout, r.stdout[-3000:]

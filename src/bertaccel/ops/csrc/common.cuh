@@ -242,9 +242,9 @@ static __global__ void __launch_bounds__(COLS * SLICES) column_sums_kernel(Colum
 }
 
 // The column sums of the defined (part, out) pairs, on `stream`: 8 columns x 64 slices a block, 8 loads a thread (one
-// round up to 512 partial rows). BERTACCEL_COLSUM picks another shape for comparing (read once per process): `wide`
-// (32 x 32, the default before session 70: 12 loads a thread up to 384 partial rows, 16 above), `4x128` (4 loads),
-// `8x128` (4 loads).
+// round up to 512 partial rows). BERTACCEL_COLSUM=wide (read once per process) runs the shape before session 70 for
+// comparing: 32 x 32, 12 loads a thread up to 384 partial rows, 16 above. (4 x 128 and 8 x 128, 4 loads a thread, were
+// slower than both nearly everywhere in session 70's sweep and were taken out.)
 inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int parts,
                                int cols, cudaStream_t stream) {
   ColumnSums m{};
@@ -257,15 +257,13 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
     }
   if (n == 0 || cols == 0) return;
   static const std::string shape = env_value("BERTACCEL_COLSUM");
-  TORCH_CHECK(shape.empty() || shape == "narrow" || shape == "wide" || shape == "4x128" || shape == "8x128",
-              "BERTACCEL_COLSUM=", shape, " is not a column-sums shape: unset it, or set narrow, wide, 4x128 or 8x128");
+  TORCH_CHECK(shape.empty() || shape == "narrow" || shape == "wide",
+              "BERTACCEL_COLSUM=", shape, " is not a column-sums shape: unset it or set narrow (8 x 64, the default), or set wide (32 x 32)");
 #define BA_COLSUM_RUN(COLS, SLICES, BATCH)                                                                           \
   launch_dependent(column_sums_kernel<COLS, SLICES, BATCH>, dim3((unsigned)((cols + COLS - 1) / COLS), (unsigned)n), \
                    dim3(COLS * SLICES), 0, stream, m, parts, cols)
   if (shape == "wide" && parts <= 12 * 32) BA_COLSUM_RUN(32, 32, 12);
   else if (shape == "wide") BA_COLSUM_RUN(32, 32, 16);
-  else if (shape == "4x128") BA_COLSUM_RUN(4, 128, 4);
-  else if (shape == "8x128") BA_COLSUM_RUN(8, 128, 4);
   else BA_COLSUM_RUN(8, 64, 8);
 #undef BA_COLSUM_RUN
 }
