@@ -257,8 +257,9 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
     }
   if (n == 0 || cols == 0) return;
   static const std::string shape = env_value("BERTACCEL_COLSUM");
-  TORCH_CHECK(shape.empty() || shape == "narrow" || shape == "wide",
-              "BERTACCEL_COLSUM=", shape, " is not a column-sums shape: unset it or set narrow (8 x 64, the default), or set wide (32 x 32)");
+  BERTACCEL_CHECK(shape.empty() || shape == "narrow" || shape == "wide",
+                  "BERTACCEL_COLSUM=%s is not a column-sums shape: unset it or set narrow (8 x 64, the default), or set wide "
+                  "(32 x 32)", shape.c_str());
 #define BA_COLSUM_RUN(COLS, SLICES, BATCH)                                                                           \
   launch_dependent(column_sums_kernel<COLS, SLICES, BATCH>, dim3((unsigned)((cols + COLS - 1) / COLS), (unsigned)n), \
                    dim3(COLS * SLICES), 0, stream, m, parts, cols)
