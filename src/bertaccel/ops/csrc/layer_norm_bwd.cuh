@@ -22,6 +22,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common.cuh"
+#include <algorithm>
 
 namespace bertaccel {
 namespace {
@@ -648,8 +649,13 @@ inline bool bwd_smem_acc(int elems_per_thread, int64_t rows) {
 // memory kernel: 342 blocks, every warp six rows, instead of 396 where 536 warps take a sixth row alone) - the
 // embeddings' backward 16384x768 41.9 / 41.1 -> 44.9 / 46.1 us, the rest within the spread: fewer warps in flight
 // cost more than the ragged last step.
+// BERTACCEL_LN_BWD_GRID_PERCENT=N (read once per process; for measuring): at most N% of the resident blocks - fewer
+// partial rows for the column sums against fewer rows in flight, at the row counts (2,048-8,192) where the per-call
+// part is most of the backward.
 inline int64_t bwd_blocks(int64_t units, int64_t fit, int per_block) {
-  return std::min<int64_t>((units + per_block - 1) / per_block, std::max<int64_t>(fit, 1));
+  static const int percent = std::clamp(env_switch("BERTACCEL_LN_BWD_GRID_PERCENT", 100), 1, 100);
+  fit = std::max<int64_t>(fit * percent / 100, 1);
+  return std::min<int64_t>((units + per_block - 1) / per_block, fit);
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
