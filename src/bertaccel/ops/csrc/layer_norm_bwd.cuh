@@ -22,7 +22,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common.cuh"
-#include <algorithm>
 
 namespace bertaccel {
 namespace {
@@ -649,13 +648,11 @@ inline bool bwd_smem_acc(int elems_per_thread, int64_t rows) {
 // memory kernel: 342 blocks, every warp six rows, instead of 396 where 536 warps take a sixth row alone) - the
 // embeddings' backward 16384x768 41.9 / 41.1 -> 44.9 / 46.1 us, the rest within the spread: fewer warps in flight
 // cost more than the ragged last step.
-// BERTACCEL_LN_BWD_GRID_PERCENT=N (read once per process; for measuring): at most N% of the resident blocks - fewer
-// partial rows for the column sums against fewer rows in flight, at the row counts (2,048-8,192) where the per-call
-// part is most of the backward.
+// Also tried (session 70, docs/tried/ln-bwd-grid-percent.patch): half or a quarter of the resident blocks at
+// 2,048-16,384 rows, for fewer partial rows to sum where the per-call part is most of the call - slower nearly
+// everywhere (LayerNorm 2048x768 9.7 / 10.2 -> 11.6 at half, 16384x768 36.9 / 37.6 -> 50.7): rows in flight win.
 inline int64_t bwd_blocks(int64_t units, int64_t fit, int per_block) {
-  static const int percent = std::clamp(env_switch("BERTACCEL_LN_BWD_GRID_PERCENT", 100), 1, 100);
-  fit = std::max<int64_t>(fit * percent / 100, 1);
-  return std::min<int64_t>((units + per_block - 1) / per_block, fit);
+  return std::min<int64_t>((units + per_block - 1) / per_block, std::max<int64_t>(fit, 1));
 }
 
 // dz (and dh: kFused), dgamma, dbeta (not kRms), dbias (kFused).
