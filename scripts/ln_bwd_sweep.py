@@ -5,7 +5,8 @@ backward is graph-timed at several row counts and a line time = fixed + bytes / 
 the counts >= 8,192: `fixed_us` and `rate` (GB/s) say which part a change moved. The kernels of one
 16384-row backward are listed with their GPU times (torch.profiler). Settings are environment
 variables read once per process, so run once per setting:
-`for s in "" BERTACCEL_LN_BWD_PREFETCH=0; do env $s python scripts/ln_bwd_sweep.py; done`"""
+`for s in "" BERTACCEL_LN_BWD_PREFETCH=0; do env $s python scripts/ln_bwd_sweep.py; done > sweep.log`, then
+`python scripts/sweep_table.py sweep.log` for one table with a column per setting."""
 import argparse
 import os
 
