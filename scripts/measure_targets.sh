@@ -59,5 +59,6 @@ has e2e && stage e2e 180 python -m benchmarks.e2e --models bert-base --shapes 32
   --out "$OUT/e2e.json"
 has gemm && stage gemm 200 python -m benchmarks.bench_gemm --no-epilogues --rounds 2 --out "$OUT/gemm.json"
 
+[ -s "$OUT/ln_bwd.log" ] && python scripts/sweep_table.py "$OUT/ln_bwd.log" > "$OUT/ln_bwd_table.md" 2>&1 && tail -1 "$OUT/ln_bwd_table.md"
 python scripts/targets_table.py "$OUT" > "$OUT/targets.txt" 2>&1
 python scripts/targets_table.py "$OUT" --unmet
