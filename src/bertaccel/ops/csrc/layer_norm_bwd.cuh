@@ -636,15 +636,11 @@ inline bool bwd_two_blocks(int vec, int tpr) {
 // 34.2 -> 29.9 / 29.9; at 8192 the register kernel still led, 24.2 / 24.0 against 24.9 / 25.3 and 27.4 / 28.7 against
 // 28.8 / 28.7; ln_bwd_sweep_colsum_b2b23e2.log). RMSNorm's register kernel already streams at 85-91% of copy: not
 // taken. BERTACCEL_LN_BWD_SMEM_ACC=1: at every row count (for comparing); =0: never. Read once per process.
-// Rows held by fewer than 32 threads (tpr < 32: two rows a warp at 384 wide, MiniLM's width) are asked separately:
-// there the register kernel (LayerNorm 185 registers, one block per SM) streamed at 43% of copy on the H200
-// (16384x384 21.2-21.4 us, session 70 sweeps); BERTACCEL_LN_BWD_SMEM_ACC_384=1 takes the shared-memory accumulators
-// there (three blocks per SM) - built in session 70, not yet the default: off until measured.
-inline bool bwd_smem_acc(int elems_per_thread, int64_t rows, int tpr) {
-  if (tpr < 32) {
-    static const bool narrow_rows = env_switch("BERTACCEL_LN_BWD_SMEM_ACC_384", 0) != 0;
-    return narrow_rows;
-  }
+// Tried for 384-wide rows too (two a warp, where the register kernel holds one block per SM at 185 registers and
+// streams at 43% of copy; session 70, docs/tried/ln-bwd-smem-acc-384.patch, h200/ln_bwd_sweep_smem_acc_384_744b3b0.log):
+// the rate rose to 46-52% and the per-call part by 4.5-6 us - LayerNorm 16384x384 21.4 / 21.1 -> 21.9 / 21.8 us,
+// 8192x384 10.7 / 10.5 -> 13.2 / 13.2, embeddings 24.8 / 25.2 -> 26.0 / 25.7. Not kept.
+inline bool bwd_smem_acc(int elems_per_thread, int64_t rows) {
   static const int setting = env_switch("BERTACCEL_LN_BWD_SMEM_ACC", -1);
   if (setting >= 0) return setting != 0;
   return elems_per_thread >= 32 || rows >= 10240;
@@ -751,17 +747,15 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   // The plain LayerNorm's (and the embeddings') 768-1024-wide bf16 rows (24-32 elements a thread, one warp a row)
   // through the prefetching kernel without its next rows (NEXT = false): the accumulators in shared memory, three
   // blocks per SM at 768 wide and two at 1024 where the register kernel below holds two and one; where bwd_smem_acc
-  // says (measured there). With BERTACCEL_LN_BWD_SMEM_ACC_384=1 the 384-wide rows too (24 elements a thread, two rows
-  // a warp: the kernel walks warp row groups, as the fused form's prefetching kernel does at that width).
+  // says (measured there).
   if constexpr ((MODE == kPlain || MODE == kEmb) && sizeof(T) == 2) {
-    if (vec == max_vec && items * vec >= 24 && tpr <= 32 && bwd_smem_acc(items * vec, rows, tpr)) {
+    if (vec == max_vec && items * vec >= 24 && tpr == 32 && bwd_smem_acc(items * vec, rows)) {
 #define BA_LN_BWD_SMEM_ACC(V, I)                                                                          \
   do {                                                                                                    \
     if constexpr (V == max_vec && I * V >= 24) {                                                          \
       auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, false, false>;                               \
       constexpr int smem = bwd_prefetch_smem<MODE, V, I, false>();                                        \
-      const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr); /* 32 / tpr rows a warp */          \
-      BA_LN_BWD_RUN_SMEM(kernel, smem, warp_groups, (const T*)nullptr);                                   \
+      BA_LN_BWD_RUN_SMEM(kernel, smem, rows, (const T*)nullptr); /* one row a warp (tpr == 32) */         \
     }                                                                                                     \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_SMEM_ACC);
