@@ -618,6 +618,17 @@ inline bool bwd_two_blocks(int vec, int tpr) {
   return MODE == kRms && sizeof(T) == 2 && vec == 8 && tpr <= 32;
 }
 
+// Whether the plain LayerNorm's and the embeddings' register kernel at 24 elements a thread (bf16 rows of 384 wide,
+// two a warp, and 768 wide below bwd_smem_acc's 10,240 rows) runs held to 128 registers, two blocks per SM. Offline
+// ptxas (session 70): LayerNorm 146 -> 128 registers without spilling (one block per SM -> two: the 384-wide backward
+// streamed at 43-44% of copy on the H200, where RMSNorm's kernel, 125 registers and two blocks, streams at ~66%);
+// the embeddings' form 181 -> 128 with 52 bytes spilled. BERTACCEL_LN_BWD_TWO_BLOCKS_24=1 takes it; built in session
+// 70 after its last device call: not measured, so off. Read once per process.
+inline bool bwd_two_blocks_24() {
+  static const bool on = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS_24", 0) != 0;
+  return on;
+}
+
 // Whether the plain LayerNorm and the embeddings' backward of 768-1024-wide bf16 rows (24-32 elements a thread, one
 // warp a row) keep their accumulators in shared memory (ln_bwd_prefetch_kernel with NEXT = false: three blocks per SM
 // at 768 wide, two at 1024, where the register kernel holds two and one). Its streaming rate is higher and its
@@ -797,6 +808,12 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   do {                                                                                                    \
     if constexpr (I * V == 32 && MODE != kFused) {                                                        \
       if (bwd_two_blocks<MODE, T>(V, tpr)) {                                                              \
+        BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE, 2>));                                         \
+        break;                                                                                            \
+      }                                                                                                   \
+    }                                                                                                     \
+    if constexpr (I * V == 24 && (MODE == kPlain || MODE == kEmb) && sizeof(T) == 2) {                    \
+      if (bwd_two_blocks_24()) {                                                                          \
         BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE, 2>));                                         \
         break;                                                                                            \
       }                                                                                                   \
