@@ -256,15 +256,18 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  static const std::string shape = env_value("BERTACCEL_COLSUM");
-  BERTACCEL_CHECK(shape.empty() || shape == "narrow" || shape == "wide",
-                  "BERTACCEL_COLSUM=%s is not a column-sums shape: unset it or set narrow (8 x 64, the default), or set wide "
-                  "(32 x 32)", shape.c_str());
+  static const bool wide = [] {  // (a refusal leaves it unset: every call is refused)
+    const std::string shape = env_value("BERTACCEL_COLSUM");
+    BERTACCEL_CHECK(shape.empty() || shape == "narrow" || shape == "wide",
+                    "BERTACCEL_COLSUM=%s is not a column-sums shape: unset it or set narrow (8 x 64, the default), or set "
+                    "wide (32 x 32)", shape.c_str());
+    return shape == "wide";
+  }();
 #define BA_COLSUM_RUN(COLS, SLICES, BATCH)                                                                           \
   launch_dependent(column_sums_kernel<COLS, SLICES, BATCH>, dim3((unsigned)((cols + COLS - 1) / COLS), (unsigned)n), \
                    dim3(COLS * SLICES), 0, stream, m, parts, cols)
-  if (shape == "wide" && parts <= 12 * 32) BA_COLSUM_RUN(32, 32, 12);
-  else if (shape == "wide") BA_COLSUM_RUN(32, 32, 16);
+  if (wide && parts <= 12 * 32) BA_COLSUM_RUN(32, 32, 12);
+  else if (wide) BA_COLSUM_RUN(32, 32, 16);
   else BA_COLSUM_RUN(8, 64, 8);
 #undef BA_COLSUM_RUN
 }
