@@ -647,7 +647,7 @@ inline bool bwd_two_blocks_24() {
 // 34.2 -> 29.9 / 29.9; at 8192 the register kernel still led, 24.2 / 24.0 against 24.9 / 25.3 and 27.4 / 28.7 against
 // 28.8 / 28.7; ln_bwd_sweep_colsum_b2b23e2.log). RMSNorm's register kernel already streams at 85-91% of copy: not
 // taken. BERTACCEL_LN_BWD_SMEM_ACC=1: at every row count (for comparing); =0: never. Read once per process.
-// Tried for 384-wide rows too (two a warp, where the register kernel holds one block per SM at 185 registers and
+// Tried for 384-wide rows too (two a warp, where the register kernel holds one block per SM at 146 registers and
 // streams at 43% of copy; session 70, docs/tried/ln-bwd-smem-acc-384.patch, h200/ln_bwd_sweep_smem_acc_384_744b3b0.log):
 // the rate rose to 46-52% and the per-call part by 4.5-6 us - LayerNorm 16384x384 21.4 / 21.1 -> 21.9 / 21.8 us,
 // 8192x384 10.7 / 10.5 -> 13.2 / 13.2, embeddings 24.8 / 25.2 -> 26.0 / 25.7. Not kept.
