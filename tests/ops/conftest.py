@@ -140,6 +140,63 @@ def leaves(*ts):
     return [t.detach().clone().requires_grad_(True) for t in ts]
 
 
+def check_layer_norm_backward(rows: int, H: int, wdtype: torch.dtype, assert_kernels) -> None:
+    """The plain LayerNorm's backward at rows x H (bf16 activations, weights in wdtype), for the tests that run it under
+    a kernel switch: `assert_kernels(names)` on the CUDA kernels it launched, its gradients within twice PyTorch's bf16
+    error of the float64 reference built from the inputs as the kernel sees them, the same bits on a second call."""
+    import torch.nn.functional as F
+
+    from bertaccel.ops.layer_norm import layer_norm
+
+    x = torch.randn(rows, H, device="cuda") * 3 + 1
+    w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    dy = torch.randn(rows, H, device="cuda")
+    ref_in = leaves(x.bfloat16().double(), w.to(wdtype).double(), b.to(wdtype).double())
+    ref = torch.autograd.grad(F.layer_norm(ref_in[0], (H,), ref_in[1], ref_in[2], 1e-5), ref_in, dy.bfloat16().double())
+    th_in = leaves(x.bfloat16(), w.bfloat16(), b.bfloat16())
+    th = torch.autograd.grad(F.layer_norm(th_in[0], (H,), th_in[1], th_in[2], 1e-5), th_in, dy.bfloat16())
+    poison()
+    ins = leaves(x.bfloat16(), w.to(wdtype), b.to(wdtype))
+
+    def ours():
+        return torch.autograd.grad(layer_norm(ins[0], ins[1], ins[2], 1e-5), ins, dy.bfloat16())
+
+    assert_kernels(cuda_kernel_names(ours))
+    got = ours()
+    for name, a, t, r in zip(("dx", "dweight", "dbias"), got, th, ref):
+        check(a, t, r, torch.bfloat16, f"{rows}x{H} weights {wdtype} {name}")
+    for a, a2 in zip(got, ours()):
+        assert torch.equal(a, a2), f"{rows}x{H}: a second call gave other bits"
+
+
+def check_embeddings_layer_norm_backward(rows: int, H: int, assert_kernels) -> None:
+    """The embeddings' form (kEmb) of the LayerNorm backward at rows x H without dropout (test_embeddings.py covers the
+    dropout and the tables): `assert_kernels(names)` on the CUDA kernels it launched, its gradients within twice
+    PyTorch's bf16 error of the float64 LayerNorm backward."""
+    import torch.nn.functional as F
+
+    ops = torch.ops.bertaccel
+    seq = 256 if rows % 256 == 0 else rows
+    ids = torch.randint(0, 1000, (rows // seq, seq), device="cuda")
+    pos = torch.arange(seq, device="cuda").expand(rows // seq, seq) % 512
+    tables = [torch.randn(n, H, device="cuda") for n in (1000, 512, 2)]
+    w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    _, z, mean, rstd, rng = ops.embedding_layer_norm_fwd(ids, pos, torch.zeros_like(ids), *tables, w, b, 0.0, 1e-12,
+                                                         True, -1)
+    dy = torch.randn(z.shape, device="cuda").bfloat16()
+    ref_in = leaves(z.double(), w.double(), b.double())
+    ref = torch.autograd.grad(F.layer_norm(ref_in[0], (H,), ref_in[1], ref_in[2], 1e-12), ref_in, dy.double())
+    th_in = leaves(z, w.bfloat16(), b.bfloat16())
+    th = torch.autograd.grad(F.layer_norm(th_in[0], (H,), th_in[1], th_in[2], 1e-12), th_in, dy)
+
+    def ours():
+        return ops.embedding_layer_norm_bwd(dy, z, w, mean, rstd, rng, 0.0)
+
+    assert_kernels(cuda_kernel_names(ours))
+    for name, a, t, r in zip(("dz", "dweight", "dbias"), ours(), th, ref):
+        check(a, t, r, torch.bfloat16, f"embeddings {rows}x{H} {name}")
+
+
 # the small CPU model (the ops' references) and the BERT-base-wide GPU model of the residual fan-out tests
 FANOUT_CPU_BERT = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                        attn_implementation="eager")

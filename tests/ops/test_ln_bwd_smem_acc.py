@@ -11,10 +11,9 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.conftest import run_in_child
-from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves, poison
+from tests.ops.conftest import check_embeddings_layer_norm_backward, check_layer_norm_backward, cuda_test
 
 def expect_smem_accumulators(setting: str | None, rows: int, H: int) -> bool:
     """Whether the shared-memory-accumulator kernel should run for bf16 rows x H under that switch setting (the plain
@@ -29,61 +28,24 @@ def check_smem_accumulators() -> None:
     setting = os.environ.get("BERTACCEL_LN_BWD_SMEM_ACC")
     import bertaccel.ops.swap  # noqa: F401 - imports every op family
     from bertaccel.ops import build
-    from bertaccel.ops.layer_norm import layer_norm
 
     assert build.load(), build.unavailable_reason()
+
+    def expect(rows: int, H: int):
+        def assert_kernels(names: list[str]) -> None:
+            smem = [n for n in names if "ln_bwd_prefetch_kernel" in n and "false, false>" in n]
+            assert bool(smem) == expect_smem_accumulators(setting, rows, H), (setting, rows, H, names)
+        return assert_kernels
+
     for rows, H, wdtype in [(1, 1024, torch.float32), (7, 1024, torch.float32), (1023, 1024, torch.bfloat16),
                             (16384, 1024, torch.float32), (4099, 1024, torch.bfloat16), (300, 768, torch.float32),
                             (16384, 768, torch.float32), (10239, 768, torch.bfloat16), (10240, 768, torch.bfloat16),
                             (5, 768, torch.bfloat16), (300, 384, torch.float32)]:
-        x = torch.randn(rows, H, device="cuda") * 3 + 1
-        w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-        dy = torch.randn(rows, H, device="cuda")
-        # the float64 reference from the inputs as the kernel sees them (bf16 activations, weights in wdtype)
-        ref_in = leaves(x.bfloat16().double(), w.to(wdtype).double(), b.to(wdtype).double())
-        ref = torch.autograd.grad(F.layer_norm(ref_in[0], (H,), ref_in[1], ref_in[2], 1e-5), ref_in,
-                                  dy.bfloat16().double())
-        th_in = leaves(x.bfloat16(), w.bfloat16(), b.bfloat16())
-        th = torch.autograd.grad(F.layer_norm(th_in[0], (H,), th_in[1], th_in[2], 1e-5), th_in, dy.bfloat16())
-        poison()
-        ins = leaves(x.bfloat16(), w.to(wdtype), b.to(wdtype))
-
-        def ours():
-            return torch.autograd.grad(layer_norm(ins[0], ins[1], ins[2], 1e-5), ins, dy.bfloat16())
-
-        names = cuda_kernel_names(ours)
-        smem = [n for n in names if "ln_bwd_prefetch_kernel" in n and "false, false>" in n]
-        assert bool(smem) == expect_smem_accumulators(setting, rows, H), (setting, rows, H, names)
-        got = ours()
-        for name, a, t, r in zip(("dx", "dweight", "dbias"), got, th, ref):
-            check(a, t, r, torch.bfloat16, f"{rows}x{H} weights {wdtype} {name}")
-        for a, a2 in zip(got, ours()):
-            assert torch.equal(a, a2), f"{rows}x{H}: a second call gave other bits"
-    # the embeddings' form (kEmb) without dropout: its LayerNorm backward against the float64 one (test_embeddings.py,
-    # run under the switch by the GPU check, covers the dropout and the tables)
-    ops = torch.ops.bertaccel
+        check_layer_norm_backward(rows, H, wdtype, expect(rows, H))
+    # the embeddings' form (kEmb) without dropout (test_embeddings.py, run under the switch by the GPU check, covers the
+    # dropout and the tables)
     for rows, H in [(4096, 768), (16384, 768), (300, 1024), (16384, 1024)]:
-        seq = 256 if rows % 256 == 0 else rows
-        ids = torch.randint(0, 1000, (rows // seq, seq), device="cuda")
-        pos = torch.arange(seq, device="cuda").expand(rows // seq, seq) % 512
-        tables = [torch.randn(n, H, device="cuda") for n in (1000, 512, 2)]
-        w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-        _, z, mean, rstd, rng = ops.embedding_layer_norm_fwd(ids, pos, torch.zeros_like(ids), *tables, w, b, 0.0, 1e-12,
-                                                             True, -1)
-        dy = torch.randn(z.shape, device="cuda").bfloat16()
-        ref_in = leaves(z.double(), w.double(), b.double())
-        ref = torch.autograd.grad(F.layer_norm(ref_in[0], (H,), ref_in[1], ref_in[2], 1e-12), ref_in, dy.double())
-        th_in = leaves(z, w.bfloat16(), b.bfloat16())
-        th = torch.autograd.grad(F.layer_norm(th_in[0], (H,), th_in[1], th_in[2], 1e-12), th_in, dy)
-
-        def ours_emb():
-            return ops.embedding_layer_norm_bwd(dy, z, w, mean, rstd, rng, 0.0)
-
-        names = cuda_kernel_names(ours_emb)
-        smem = [n for n in names if "ln_bwd_prefetch_kernel" in n and "false, false>" in n]
-        assert bool(smem) == expect_smem_accumulators(setting, rows, H), (setting, rows, H, names)
-        for name, a, t, r in zip(("dz", "dweight", "dbias"), ours_emb(), th, ref):
-            check(a, t, r, torch.bfloat16, f"embeddings {rows}x{H} {name}")
+        check_embeddings_layer_norm_backward(rows, H, expect(rows, H))
     print("smem accumulators ok")
 
 
