@@ -604,29 +604,32 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
   }
 }
 
-// Whether ln_bwd_kernel at 32 elements per thread runs held to 128 registers, two blocks per SM. By default the
-// RMSNorm backward of bf16 rows of 8-element vectors within one warp (776-1024 wide), which fits them without
-// spilling: 16384x1024, H200, two alternated rounds, 42.1 / 42.0 -> 38.1 / 38.3 us (streaming rate 76% -> 87% of copy;
-// session 68, benchmarks/results/h200/ln_bwd_sweep_two_blocks_89462a8.log). LayerNorm there spills 322 bytes at 128
-// registers and lost (46.1 / 46.0 -> 56.2 / 56.0 us), as the embeddings' form would (352 bytes): those keep one block.
-// BERTACCEL_LN_BWD_TWO_BLOCKS=1: every form with 32 elements per thread (for comparing); =0: none. Read once per process.
-// Asked only for 32 elements per thread outside the fused form (launch_bwd's BA_LN_BWD).
+// Whether ln_bwd_kernel at `elems` (24 or 32) elements per thread runs held to 128 registers, two blocks per SM.
+// - 32 elements: by default the RMSNorm backward of bf16 rows of 8-element vectors within one warp (776-1024 wide),
+//   which fits them without spilling: 16384x1024, H200, two alternated rounds, 42.1 / 42.0 -> 38.1 / 38.3 us
+//   (streaming rate 76% -> 87% of copy; session 68, benchmarks/results/h200/ln_bwd_sweep_two_blocks_89462a8.log).
+//   LayerNorm there spills 322 bytes at 128 registers and lost (46.1 / 46.0 -> 56.2 / 56.0 us), as the embeddings'
+//   form would (352 bytes): those keep one block. BERTACCEL_LN_BWD_TWO_BLOCKS=1: every form with 32 elements per
+//   thread (for comparing); =0: none.
+// - 24 elements (bf16 rows 384 wide, two a warp, and 768 wide below bwd_smem_acc's 10,240 rows), the plain LayerNorm's
+//   and the embeddings' form: offline ptxas (session 70) LayerNorm 146 -> 128 registers without spilling (one block per
+//   SM -> two: the 384-wide backward streamed at 43-44% of copy on the H200, where RMSNorm's kernel, 125 registers and
+//   two blocks, streams at ~66%); the embeddings' form 181 -> 128 with 52 bytes spilled. BERTACCEL_LN_BWD_TWO_BLOCKS_24=1
+//   takes it; built in session 70 after its last device call: not measured, so off.
+// Read once per process. Asked only where launch_bwd's BA_LN_BWD instantiates the two-block kernel (bwd_two_blocks_form).
 template <int MODE, typename T>
-inline bool bwd_two_blocks(int vec, int tpr) {
+constexpr bool bwd_two_blocks_form(int elems) {
+  return (elems == 32 && MODE != kFused) || (elems == 24 && (MODE == kPlain || MODE == kEmb) && sizeof(T) == 2);
+}
+template <int MODE, typename T>
+inline bool bwd_two_blocks(int elems, int vec, int tpr) {
+  if (elems == 24) {
+    static const bool on = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS_24", 0) != 0;
+    return on;
+  }
   static const int setting = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS", -1);
   if (setting >= 0) return setting != 0;
   return MODE == kRms && sizeof(T) == 2 && vec == 8 && tpr <= 32;
-}
-
-// Whether the plain LayerNorm's and the embeddings' register kernel at 24 elements a thread (bf16 rows of 384 wide,
-// two a warp, and 768 wide below bwd_smem_acc's 10,240 rows) runs held to 128 registers, two blocks per SM. Offline
-// ptxas (session 70): LayerNorm 146 -> 128 registers without spilling (one block per SM -> two: the 384-wide backward
-// streamed at 43-44% of copy on the H200, where RMSNorm's kernel, 125 registers and two blocks, streams at ~66%);
-// the embeddings' form 181 -> 128 with 52 bytes spilled. BERTACCEL_LN_BWD_TWO_BLOCKS_24=1 takes it; built in session
-// 70 after its last device call: not measured, so off. Read once per process.
-inline bool bwd_two_blocks_24() {
-  static const bool on = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS_24", 0) != 0;
-  return on;
 }
 
 // Whether the plain LayerNorm and the embeddings' backward of 768-1024-wide bf16 rows (24-32 elements a thread, one
@@ -806,14 +809,8 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   } while (0)
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
-    if constexpr (I * V == 32 && MODE != kFused) {                                                        \
-      if (bwd_two_blocks<MODE, T>(V, tpr)) {                                                              \
-        BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE, 2>));                                         \
-        break;                                                                                            \
-      }                                                                                                   \
-    }                                                                                                     \
-    if constexpr (I * V == 24 && (MODE == kPlain || MODE == kEmb) && sizeof(T) == 2) {                    \
-      if (bwd_two_blocks_24()) {                                                                          \
+    if constexpr (bwd_two_blocks_form<MODE, T>(I * V)) {                                                  \
+      if (bwd_two_blocks<MODE, T>(I * V, V, tpr)) {                                                       \
         BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE, 2>));                                         \
         break;                                                                                            \
       }                                                                                                   \
