@@ -1,8 +1,9 @@
 """The plain LayerNorm's and the embeddings' register backward kernel at 24 elements a thread (bf16 rows 384 wide, two a
-warp, and 768 wide below the shared-memory accumulators' 10,240 rows) held to 128 registers, two blocks per SM
-(`BERTACCEL_LN_BWD_TWO_BLOCKS_24=1`; off by default). The switch is read once per process, so each setting runs in a
-child process: the kernel instantiation the setting names must be the one that ran (`ln_bwd_kernel<..., 2>` with it,
-`<..., 1>` without), its gradients within twice PyTorch's error of the float64 reference (bf16 activations, fp32 and
+warp, and 768 wide below the shared-memory accumulators' 10,240 rows) held to 128 registers, two blocks per SM: by
+default from 12,288 rows at 384 wide and from 3,072 at 768 (layer_norm_bwd.cuh, bwd_two_blocks);
+`BERTACCEL_LN_BWD_TWO_BLOCKS_24=1` at every row count, `=0` never. The switch is read once per process, so each setting
+runs in a child process: the kernel instantiation the setting names must be the one that ran (`ln_bwd_kernel<..., 2>`
+for two blocks, `<..., 1>` for one), its gradients within twice PyTorch's error of the float64 reference (bf16 activations, fp32 and
 bf16 weights), the same bits on a second call; the embeddings' form (kEmb) likewise without dropout."""
 
 from __future__ import annotations
@@ -16,27 +17,34 @@ from tests.conftest import run_in_child
 from tests.ops.conftest import check_embeddings_layer_norm_backward, check_layer_norm_backward, cuda_test
 
 
+# the default's row thresholds (layer_norm_bwd.cuh: kTwoBlocks24Rows384, kTwoBlocks24Rows768)
+TWO_BLOCKS_ROWS_384, TWO_BLOCKS_ROWS_768 = 12288, 3072
+
+
 def register_kernels(names: list[str]) -> list[str]:
     return [n for n in names if "ln_bwd_kernel<" in n]
 
 
 def check_two_blocks_24() -> None:
     """Run in a child process with BERTACCEL_LN_BWD_TWO_BLOCKS_24 set or not (see the test below)."""
-    want = ", 2>(" if os.environ.get("BERTACCEL_LN_BWD_TWO_BLOCKS_24") == "1" else ", 1>("
+    setting = os.environ.get("BERTACCEL_LN_BWD_TWO_BLOCKS_24")
     import bertaccel.ops.swap  # noqa: F401 - imports every op family
     from bertaccel.ops import build
 
     assert build.load(), build.unavailable_reason()
 
     def expect(rows: int, H: int):
+        two = setting == "1" if setting is not None else rows >= (TWO_BLOCKS_ROWS_384 if H == 384 else TWO_BLOCKS_ROWS_768)
+        want = ", 2>(" if two else ", 1>("
+
         def assert_kernels(names: list[str]) -> None:
             ran = register_kernels(names)
             assert ran and all(want in n for n in ran), (rows, H, want, ran)
         return assert_kernels
 
     for rows, H, wdtype in [(1, 384, torch.float32), (7, 384, torch.bfloat16), (2048, 384, torch.float32),
-                            (16384, 384, torch.float32), (4097, 384, torch.bfloat16), (2048, 768, torch.float32),
-                            (8191, 768, torch.bfloat16)]:
+                            (16384, 384, torch.float32), (4097, 384, torch.bfloat16), (12288, 384, torch.bfloat16),
+                            (2048, 768, torch.float32), (3071, 768, torch.bfloat16), (8191, 768, torch.bfloat16)]:
         check_layer_norm_backward(rows, H, wdtype, expect(rows, H))
     for rows, H in [(16384, 384), (300, 384), (4096, 768)]:
         check_embeddings_layer_norm_backward(rows, H, expect(rows, H))
@@ -44,7 +52,7 @@ def check_two_blocks_24() -> None:
 
 
 @cuda_test
-@pytest.mark.parametrize("setting", [None, "1"], ids=["default", "two-blocks"])
+@pytest.mark.parametrize("setting", [None, "1", "0"], ids=["default", "two-blocks", "one-block"])
 def test_layer_norm_backward_at_24_elements_a_thread_on_two_blocks_per_sm(setting):
     code = "from tests.ops.test_ln_bwd_two_blocks_24 import check_two_blocks_24; check_two_blocks_24()"
     r = run_in_child(code, {"BERTACCEL_LN_BWD_TWO_BLOCKS_24": setting, "BERTACCEL_LN_BWD_SMEM_ACC": None})

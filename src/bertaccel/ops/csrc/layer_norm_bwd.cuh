@@ -612,20 +612,28 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
 //   form would (352 bytes): those keep one block. BERTACCEL_LN_BWD_TWO_BLOCKS=1: every form with 32 elements per
 //   thread (for comparing); =0: none.
 // - 24 elements (bf16 rows 384 wide, two a warp, and 768 wide below bwd_smem_acc's 10,240 rows), the plain LayerNorm's
-//   and the embeddings' form: offline ptxas (session 70) LayerNorm 146 -> 128 registers without spilling (one block per
-//   SM -> two: the 384-wide backward streamed at 43-44% of copy on the H200, where RMSNorm's kernel, 125 registers and
-//   two blocks, streams at ~66%); the embeddings' form 181 -> 128 with 52 bytes spilled. BERTACCEL_LN_BWD_TWO_BLOCKS_24=1
-//   takes it; built in session 70 after its last device call: not measured, so off.
+//   and the embeddings' form: LayerNorm 146 -> 128 registers without spilling, the embeddings' form 181 -> 128 with 52
+//   bytes spilled (offline ptxas, session 70). Its streaming rate is higher and its per-call part too: H200, bf16, two
+//   alternated rounds, one block -> two (session 71, benchmarks/results/h200/ln_bwd_sweep_two_blocks_24_f8d014b.log), us:
+//     LayerNorm 384 wide: 4096 rows 7.7 / 7.7 -> 9.1 / 9.1, 8192 10.6 / 10.6 -> 11.6 / 11.6, 16384 21.2 / 21.0 -> 19.2 /
+//       19.2 (rate 42-43% -> 59% of copy, per-call part 0-0.2 -> 3.9-4.0 us); embeddings (dropout 0.1) 8192x384 13.4 /
+//       13.3 -> 14.1 / 14.1, 16384x384 24.9 / 24.7 -> 22.3 / 22.3;
+//     768 wide: LayerNorm 2048 rows 9.7 / 9.6 -> 10.4 / 10.4, 4096 13.5 / 13.3 -> 13.0 / 13.1, 8192 23.6 / 23.4 -> 21.0 /
+//       21.1; embeddings 2048 10.3 / 10.3 -> 11.3 / 11.3, 4096 15.1 / 15.0 -> 14.8 / 14.8, 8192 26.9 / 26.5 -> 23.7 / 23.7.
+//   So by default two blocks from kTwoBlocks24Rows384 rows at 384 wide (tpr 16) and from kTwoBlocks24Rows768 at 768
+//   (tpr 32), the crossovers. BERTACCEL_LN_BWD_TWO_BLOCKS_24=1: at every row count (for comparing); =0: never.
 // Read once per process. Asked only where launch_bwd's BA_LN_BWD instantiates the two-block kernel (bwd_two_blocks_form).
 template <int MODE, typename T>
 constexpr bool bwd_two_blocks_form(int elems) {
   return (elems == 32 && MODE != kFused) || (elems == 24 && (MODE == kPlain || MODE == kEmb) && sizeof(T) == 2);
 }
+constexpr int64_t kTwoBlocks24Rows384 = 12288, kTwoBlocks24Rows768 = 3072;
 template <int MODE, typename T>
-inline bool bwd_two_blocks(int elems, int vec, int tpr) {
+inline bool bwd_two_blocks(int elems, int vec, int tpr, int64_t rows) {
   if (elems == 24) {
-    static const bool on = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS_24", 0) != 0;
-    return on;
+    static const int setting = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS_24", -1);
+    if (setting >= 0) return setting != 0;
+    return rows >= (tpr == 32 ? kTwoBlocks24Rows768 : kTwoBlocks24Rows384);
   }
   static const int setting = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS", -1);
   if (setting >= 0) return setting != 0;
@@ -810,7 +818,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
     if constexpr (bwd_two_blocks_form<MODE, T>(I * V)) {                                                  \
-      if (bwd_two_blocks<MODE, T>(I * V, V, tpr)) {                                                       \
+      if (bwd_two_blocks<MODE, T>(I * V, V, tpr, rows)) {                                                 \
         BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE, 2>));                                         \
         break;                                                                                            \
       }                                                                                                   \
