@@ -620,14 +620,20 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
 //       13.3 -> 14.1 / 14.1, 16384x384 24.9 / 24.7 -> 22.3 / 22.3;
 //     768 wide: LayerNorm 2048 rows 9.7 / 9.6 -> 10.4 / 10.4, 4096 13.5 / 13.3 -> 13.0 / 13.1, 8192 23.6 / 23.4 -> 21.0 /
 //       21.1; embeddings 2048 10.3 / 10.3 -> 11.3 / 11.3, 4096 15.1 / 15.0 -> 14.8 / 14.8, 8192 26.9 / 26.5 -> 23.7 / 23.7.
-//   So by default two blocks from kTwoBlocks24Rows384 rows at 384 wide (tpr 16) and from kTwoBlocks24Rows768 at 768
-//   (tpr 32), the crossovers. BERTACCEL_LN_BWD_TWO_BLOCKS_24=1: at every row count (for comparing); =0: never.
+//   A second call (700c458, ln_bwd_sweep_two_blocks_24_rule_700c458.log; =0 -> =1, rows between): LayerNorm 384 wide
+//   10240 rows 13.0 / 13.1 -> 13.8 / 13.9, 12288 16.0 / 16.0 -> 15.8 / 15.8, 14336 18.8 / 18.9 -> 18.3 / 18.3, 24576
+//   30.7 / 30.9 -> 26.6 / 26.2; embeddings 10240x384 15.6 / 15.6 -> 17.0 / 17.0, 12288x384 19.3 / 19.2 -> 18.5 / 18.5;
+//   768 wide: LayerNorm 3072 rows 11.3 / 11.4 -> 11.8 / 11.8, 4096 13.4 / 13.5 -> 13.1 / 13.1, 6144 18.6 / 18.8 -> 17.8
+//   / 17.8; embeddings 3072x768 12.5 / 13.0 -> 13.9 / 14.0, 4096 15.3 / 15.2 -> 14.9 / 15.0, 6144 21.1 / 21.3 -> 19.5 /
+//   19.6. So by default two blocks from kTwoBlocks24Rows384 rows at 384 wide (tpr 16) and from kTwoBlocks24Rows768 at
+//   768 (tpr 32), the first row counts where they led in both forms. BERTACCEL_LN_BWD_TWO_BLOCKS_24=1: at every row
+//   count (for comparing); =0: never.
 // Read once per process. Asked only where launch_bwd's BA_LN_BWD instantiates the two-block kernel (bwd_two_blocks_form).
 template <int MODE, typename T>
 constexpr bool bwd_two_blocks_form(int elems) {
   return (elems == 32 && MODE != kFused) || (elems == 24 && (MODE == kPlain || MODE == kEmb) && sizeof(T) == 2);
 }
-constexpr int64_t kTwoBlocks24Rows384 = 12288, kTwoBlocks24Rows768 = 3072;
+constexpr int64_t kTwoBlocks24Rows384 = 12288, kTwoBlocks24Rows768 = 4096;
 template <int MODE, typename T>
 inline bool bwd_two_blocks(int elems, int vec, int tpr, int64_t rows) {
   if (elems == 24) {
