@@ -1,10 +1,10 @@
 """The plain LayerNorm's and the embeddings' register backward kernel at 24 elements a thread (bf16 rows 384 wide, two a
-warp, and 768 wide below the shared-memory accumulators' 10,240 rows) held to 128 registers, two blocks per SM: by
-default from 12,288 rows at 384 wide and from 4,096 at 768 (layer_norm_bwd.cuh, bwd_two_blocks);
-`BERTACCEL_LN_BWD_TWO_BLOCKS_24=1` at every row count, `=0` never. The switch is read once per process, so each setting
-runs in a child process: the kernel instantiation the setting names must be the one that ran (`ln_bwd_kernel<..., 2>`
-for two blocks, `<..., 1>` for one), its gradients within twice PyTorch's error of the float64 reference (bf16 activations, fp32 and
-bf16 weights), the same bits on a second call; the embeddings' form (kEmb) likewise without dropout."""
+warp, and 768 wide, one a warp) held to 128 registers, two blocks per SM: by default from 12,288 rows at 384 wide and
+from 4,096 at 768 (layer_norm_bwd.cuh, bwd_two_blocks); `BERTACCEL_LN_BWD_TWO_BLOCKS_24=1` at every row count, `=0`
+never. The switch is read once per process, so each setting runs in a child process: the kernel instantiation the
+setting names must be the one that ran (`ln_bwd_kernel<..., 2>` for two blocks, `<..., 1>` for one), its gradients
+within twice PyTorch's error of the float64 reference (bf16 activations, fp32 and bf16 weights), the same bits on a
+second call; the embeddings' form (kEmb) likewise without dropout."""
 
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def check_two_blocks_24() -> None:
     for rows, H, wdtype in [(1, 384, torch.float32), (7, 384, torch.bfloat16), (2048, 384, torch.float32),
                             (16384, 384, torch.float32), (4097, 384, torch.bfloat16), (12288, 384, torch.bfloat16),
                             (2048, 768, torch.float32), (4095, 768, torch.bfloat16), (4096, 768, torch.float32),
-                            (8191, 768, torch.bfloat16)]:
+                            (8191, 768, torch.bfloat16), (10240, 768, torch.bfloat16), (16384, 768, torch.float32)]:
         check_layer_norm_backward(rows, H, wdtype, expect(rows, H))
-    for rows, H in [(16384, 384), (300, 384), (4096, 768)]:
+    for rows, H in [(16384, 384), (300, 384), (4096, 768), (16384, 768)]:
         check_embeddings_layer_norm_backward(rows, H, expect(rows, H))
     print("two blocks at 24 elements ok")
 

@@ -611,7 +611,7 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
 //   LayerNorm there spills 322 bytes at 128 registers and lost (46.1 / 46.0 -> 56.2 / 56.0 us), as the embeddings'
 //   form would (352 bytes): those keep one block. BERTACCEL_LN_BWD_TWO_BLOCKS=1: every form with 32 elements per
 //   thread (for comparing); =0: none.
-// - 24 elements (bf16 rows 384 wide, two a warp, and 768 wide below bwd_smem_acc's 10,240 rows), the plain LayerNorm's
+// - 24 elements (bf16 rows 384 wide, two a warp, and 768 wide, one a warp), the plain LayerNorm's
 //   and the embeddings' form: LayerNorm 146 -> 128 registers without spilling, the embeddings' form 181 -> 128 with 52
 //   bytes spilled (offline ptxas, session 70). Its streaming rate is higher and its per-call part too: H200, bf16, two
 //   alternated rounds, one block -> two (session 71, benchmarks/results/h200/ln_bwd_sweep_two_blocks_24_f8d014b.log), us:
@@ -659,19 +659,25 @@ inline bool bwd_two_blocks(int elems, int vec, int tpr, int64_t rows) {
 //   embeddings (dropout 0.1) 768 wide: 2048 rows 11.1 / 11.1 -> 13.6 / 13.7, 8192 26.6 / 26.5 -> 28.3 / 28.5, 12288
 //     36.7 / 36.8 -> 34.8 / 35.0, 16384 46.2 / 45.9 -> 40.8 / 40.7; 1024 wide: 2048 rows 14.1 / 14.2 -> 13.8 / 14.4,
 //     8192 37.3 / 37.5 -> 32.6 / 32.8, 16384 64.2 / 64.6 -> 53.1 / 54.2.
-// So by default: 32 elements a thread (776-1024 wide) at every row count, 24 (768 wide) from 10,240 rows, past the
-// crossover (a second call, b2b23e2, rows between: LayerNorm 10240x768 28.5 / 29.3 -> 28.1 / 28.5, embeddings 32.7 /
-// 34.2 -> 29.9 / 29.9; at 8192 the register kernel still led, 24.2 / 24.0 against 24.9 / 25.3 and 27.4 / 28.7 against
-// 28.8 / 28.7; ln_bwd_sweep_colsum_b2b23e2.log). RMSNorm's register kernel already streams at 85-91% of copy: not
-// taken. BERTACCEL_LN_BWD_SMEM_ACC=1: at every row count (for comparing); =0: never. Read once per process.
+// So by default from session 69: 32 elements a thread (776-1024 wide) at every row count, 24 (768 wide) from 10,240
+// rows (a second call, b2b23e2, rows between: LayerNorm 10240x768 28.5 / 29.3 -> 28.1 / 28.5, embeddings 32.7 / 34.2 ->
+// 29.9 / 29.9; ln_bwd_sweep_colsum_b2b23e2.log). At 768 wide the register kernel on two blocks per SM (bwd_two_blocks,
+// session 71) then beat it at every row count from 8,192 to 32,768: H200, three alternated rounds, shared-memory
+// accumulators -> two-block register kernel (ln_bwd_sweep_smem_acc_vs_two_blocks_b2b1adc.log), us: LayerNorm 10240x768
+// 27.5 / 27.8 / 27.4 -> 23.9 / 23.9 / 23.9, 16384 36.2 / 36.2 / 35.6 -> 32.9 / 32.7 / 32.7, 32768 58.0 / 59.2 / 58.1 ->
+// 54.8 / 55.0 / 55.0 (rate 3,060-3,166 -> 3,278-3,314 GB/s, per-call part 11.3-11.6 -> 9.7-9.9 us); embeddings
+// (dropout 0.1) 10240x768 32.3 / 32.4 / 31.5 -> 27.9 / 27.7 / 27.8, 16384 42.0 / 42.7 / 41.6 -> 38.2 / 38.3 / 38.4,
+// 32768 72.1 / 72.4 / 71.2 -> 64.2 / 64.4 / 64.4. So by default now at 32 elements a thread only (776-1024 wide, every
+// row count). RMSNorm's register kernel already streams at 85-91% of copy: not taken. BERTACCEL_LN_BWD_SMEM_ACC=1: at
+// 24 elements too (for comparing); =0: never. Read once per process.
 // Tried for 384-wide rows too (two a warp, where the register kernel holds one block per SM at 146 registers and
 // streams at 43% of copy; session 70, docs/tried/ln-bwd-smem-acc-384.patch, h200/ln_bwd_sweep_smem_acc_384_744b3b0.log):
 // the rate rose to 46-52% and the per-call part by 4.5-6 us - LayerNorm 16384x384 21.4 / 21.1 -> 21.9 / 21.8 us,
 // 8192x384 10.7 / 10.5 -> 13.2 / 13.2, embeddings 24.8 / 25.2 -> 26.0 / 25.7. Not kept.
-inline bool bwd_smem_acc(int elems_per_thread, int64_t rows) {
+inline bool bwd_smem_acc(int elems_per_thread) {
   static const int setting = env_switch("BERTACCEL_LN_BWD_SMEM_ACC", -1);
   if (setting >= 0) return setting != 0;
-  return elems_per_thread >= 32 || rows >= 10240;
+  return elems_per_thread >= 32;
 }
 
 // Blocks for a backward kernel's grid-stride loop over `units` work units (a warp's row group, or the register kernel's
@@ -773,11 +779,11 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     }
   }
   // The plain LayerNorm's (and the embeddings') 768-1024-wide bf16 rows (24-32 elements a thread, one warp a row)
-  // through the prefetching kernel without its next rows (NEXT = false): the accumulators in shared memory, three
-  // blocks per SM at 768 wide and two at 1024 where the register kernel below holds two and one; where bwd_smem_acc
-  // says (measured there).
+  // through the prefetching kernel without its next rows (NEXT = false): the accumulators in shared memory, two blocks
+  // per SM at 1024 wide where the register kernel below holds one (three at 768, where the two-block register kernel
+  // measured faster); where bwd_smem_acc says (measured there).
   if constexpr ((MODE == kPlain || MODE == kEmb) && sizeof(T) == 2) {
-    if (vec == max_vec && items * vec >= 24 && tpr == 32 && bwd_smem_acc(items * vec, rows)) {
+    if (vec == max_vec && items * vec >= 24 && tpr == 32 && bwd_smem_acc(items * vec)) {
 #define BA_LN_BWD_SMEM_ACC(V, I)                                                                          \
   do {                                                                                                    \
     if constexpr (V == max_vec && I * V >= 24) {                                                          \
