@@ -17,7 +17,9 @@ from bertaccel.ops import build, embeddings, layer_norm, rms_norm  # noqa: F401 
 
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "residual_layer_norm"],
-                choices=["layer_norm", "rms_norm", "residual_layer_norm", "embeddings"])
+                choices=["layer_norm", "rms_norm", "residual_layer_norm", "residual_layer_norm2", "embeddings"],
+                help="residual_layer_norm2: the fused residual form with the output's gradient in two parts (dy + dy2, "
+                     "layer_norm_bwd2), as BERT's blocks run it")
 ap.add_argument("--widths", nargs="+", type=int, default=[384, 768, 1024])
 ap.add_argument("--rows", nargs="+", type=int, default=[2048, 8192, 16384, 32768, 65536])
 args = ap.parse_args()
@@ -48,10 +50,13 @@ def backward_call(op: str, n: int, h: int):
                                                              True, 0)
         dy = dy.view(z.shape)
         return (lambda: ops.embedding_layer_norm_bwd(dy, z, w, mean, rstd, rng, 0.1)), 3 * n * h * 2
-    fused = op == "residual_layer_norm"
+    fused = op.startswith("residual_layer_norm")
     p = 0.1 if fused else 0.0
     _, z, mean, rstd, rng = ops.layer_norm_fwd(x, lb if fused else None, r if fused else None, w, b, p, 1e-12)
     z = z if z.numel() else x  # the plain form saves its input
+    if op == "residual_layer_norm2":  # dy2 read too
+        dy2 = torch.randn(n, h, **bf)
+        return (lambda: ops.layer_norm_bwd2(dy, dy2, z, w, mean, rstd, rng, p)), 5 * n * h * 2
     # bytes: dy and the saved input read, dx written (+ dh for the residual form)
     return (lambda: ops.layer_norm_bwd(dy, z, w, mean, rstd, rng, p, fused)), (4 if fused else 3) * n * h * 2
 
