@@ -387,14 +387,6 @@ template <int MODE, int VEC, int ITEMS, bool DY2 = false>
 constexpr int bwd_prefetch_smem() { return bwd_prefetch_accs<MODE>() * kBwdThreads * ITEMS * VEC * 4 + (DY2 ? ITEMS * kBwdThreads * 16 : 0); }
 template <int VEC, int ITEMS>
 constexpr int bwd_prefetch_min_blocks() { return 2; }
-// The fused residual form's backward on the same kernel without its next group held (NEXT = false: dy, z and dy2 loaded
-// where they are used, the accumulators in shared memory), three blocks per SM at 24 elements a thread where the
-// prefetching kernel holds two at 128 registers. BERTACCEL_LN_BWD_FUSED_THREE_BLOCKS=1 takes it (session 71, not yet
-// measured: off). Read once per process.
-inline bool bwd_fused_three_blocks() {
-  static const bool on = env_switch("BERTACCEL_LN_BWD_FUSED_THREE_BLOCKS", 0) != 0;
-  return on;
-}
 inline bool bwd_prefetch_enabled() {
   static const bool on = env_switch("BERTACCEL_LN_BWD_PREFETCH", 1) != 0;
   return on;
@@ -490,8 +482,6 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
           const int64_t off = row * H + (int64_t)c * VEC;
           zp[k] = *reinterpret_cast<const Pack<T, VEC>*>(z + off);
           dp[k] = *reinterpret_cast<const Pack<T, VEC>*>(dy + off);
-          if constexpr (DY2 && !NEXT)  // (no group ahead: the second gradient loaded and added where dy is)
-            dp[k] = add_packs<T, VEC>(dp[k], *reinterpret_cast<const Pack<T, VEC>*>(dy2 + off));
         }
       }
       if constexpr (kCentre) mu = mean[row];
@@ -529,11 +519,11 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
     }
   };
 
-  constexpr bool kStageDy2 = DY2 && NEXT;  // (without NEXT, load adds dy2)
+  static_assert(NEXT || !DY2, "dy2 is staged a group ahead");
   Pack<T, VEC> dcur[ITEMS], zcur[ITEMS];
   float mu = 0.f, rs = 0.f;
   if constexpr (NEXT) load(first, dcur, zcur, mu, rs);
-  if constexpr (kStageDy2) {
+  if constexpr (DY2) {
     stage_dy2(first);
     fold(first, dcur);
   }
@@ -544,7 +534,7 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
     Pack<T, VEC> dnext[NEXT ? ITEMS : 1], znext[NEXT ? ITEMS : 1];
     float mu_next = 0.f, rs_next = 0.f;
     if constexpr (NEXT) load(grp + stride, dnext, znext, mu_next, rs_next);  // in flight through this group's two passes
-    if constexpr (kStageDy2) stage_dy2(grp + stride);
+    if constexpr (DY2) stage_dy2(grp + stride);
     uint32_t kept = 0xffffffffu;  // with dropout: bit k * VEC + j set where column (k, j) is kept
     if constexpr (MODE == kEmb || MODE == kFused) {
       if (p > 0.f && active) {
@@ -586,7 +576,7 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
         if constexpr (kDh) add_to(kAccs - 1, k, ph);
       }
     }
-    if constexpr (kStageDy2) fold(grp + stride, dnext);
+    if constexpr (DY2) fold(grp + stride, dnext);
     if constexpr (NEXT) {
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k) {
@@ -770,17 +760,10 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     if (prefetching) {
 #define BA_LN_BWD_PREFETCH_K(V, I, DY2)                                                                   \
   do {                                                                                                    \
-    const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                       \
-    const T* dy2p = DY2 ? (const T*)dy2.data_ptr() : (const T*)nullptr;                                   \
-    if (bwd_fused_three_blocks()) {                                                                       \
-      auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, DY2, false>;                                 \
-      constexpr int smem = bwd_prefetch_smem<MODE, V, I, false>(); /* (no dy2 slots without NEXT) */      \
-      BA_LN_BWD_RUN_SMEM(kernel, smem, warp_groups, dy2p);                                                \
-      break;                                                                                              \
-    }                                                                                                     \
     auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, DY2>;                                          \
     constexpr int smem = bwd_prefetch_smem<MODE, V, I, DY2>();                                            \
-    BA_LN_BWD_RUN_SMEM(kernel, smem, warp_groups, dy2p);                                                  \
+    const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                       \
+    BA_LN_BWD_RUN_SMEM(kernel, smem, warp_groups, DY2 ? (const T*)dy2.data_ptr() : (const T*)nullptr);   \
   } while (0)
 #define BA_LN_BWD_PREFETCH(V, I)                                                                          \
   do {                                                                                                    \
