@@ -22,10 +22,13 @@ ap.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "residual
                      "layer_norm_bwd2), as BERT's blocks run it")
 ap.add_argument("--widths", nargs="+", type=int, default=[384, 768, 1024])
 ap.add_argument("--rows", nargs="+", type=int, default=[2048, 8192, 16384, 32768, 65536])
+ap.add_argument("--p", type=float, default=0.1, help="dropout of the residual and embeddings forms (their backward "
+                "regenerates the mask); a value other than 0.1 is named in the setting")
 args = ap.parse_args()
 if not build.load():
     raise SystemExit(f"the CUDA ops are unavailable: {build.unavailable_reason()}")
-setting = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("BERTACCEL_") and k not in ("BERTACCEL_CACHE", "BERTACCEL_COMMIT")) or "default"
+setting = " ".join([f"{k}={v}" for k, v in os.environ.items() if k.startswith("BERTACCEL_") and k not in ("BERTACCEL_CACHE", "BERTACCEL_COMMIT")]
+                   + ([f"p={args.p}"] if args.p != 0.1 else [])) or "default"
 ceil = copy_bandwidth_gbs()
 print(f"copy ceiling {ceil:.0f} GB/s; setting: {setting}")
 bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -41,17 +44,17 @@ def backward_call(op: str, n: int, h: int):
     if op == "rms_norm":
         _, rstd = ops.rms_norm_fwd(x, w, 1e-6)
         return (lambda: ops.rms_norm_bwd(dy, x, w, rstd)), 3 * n * h * 2
-    if op == "embeddings":  # the LayerNorm part of the embeddings' backward (dropout 0.1; the tables' scatter not timed)
+    if op == "embeddings":  # the LayerNorm part of the embeddings' backward (dropout --p; the tables' scatter not timed)
         seq = min(n, 512)
         ids = torch.randint(0, 30522, (n // seq, seq), device="cuda")
         pos = torch.arange(seq, device="cuda").expand(n // seq, seq).contiguous()
         tables = [torch.randn(rows, h, device="cuda") for rows in (30522, 512, 2)]
-        _, z, mean, rstd, rng = ops.embedding_layer_norm_fwd(ids, pos, torch.zeros_like(ids), *tables, w, b, 0.1, 1e-12,
+        _, z, mean, rstd, rng = ops.embedding_layer_norm_fwd(ids, pos, torch.zeros_like(ids), *tables, w, b, args.p, 1e-12,
                                                              True, 0)
         dy = dy.view(z.shape)
-        return (lambda: ops.embedding_layer_norm_bwd(dy, z, w, mean, rstd, rng, 0.1)), 3 * n * h * 2
+        return (lambda: ops.embedding_layer_norm_bwd(dy, z, w, mean, rstd, rng, args.p)), 3 * n * h * 2
     fused = op.startswith("residual_layer_norm")
-    p = 0.1 if fused else 0.0
+    p = args.p if fused else 0.0
     _, z, mean, rstd, rng = ops.layer_norm_fwd(x, lb if fused else None, r if fused else None, w, b, p, 1e-12)
     z = z if z.numel() else x  # the plain form saves its input
     if op == "residual_layer_norm2":  # dy2 read too
