@@ -143,7 +143,9 @@ def main_loop(lines: list[str]) -> list[str]:
     kernels' main loops; unrolled inner loops leave no branch). Empty when there is no backward branch.
     The out-of-line retry blocks of an mbarrier wait (try_wait, a branch back to itself, a branch back to
     where the wait was) are not loops: ptxas places them after the function's body, so the branch that
-    resumes would otherwise make the span from the wait to the function's end look like the largest loop."""
+    resumes would otherwise make the span from the wait to the function's end look like the largest loop.
+    Nor is any other block placed after the body that branches back into it (e.g. a divergent shuffle's
+    BRA.DIV fallback): a span holding an unpredicated EXIT is skipped."""
     instructions, label_at, pending = [], {}, []
     for line in lines:
         m = re.match(r"\s*\.?(L_x_\d+|\$L\w+):", line)
@@ -162,6 +164,8 @@ def main_loop(lines: list[str]) -> list[str]:
         if not m or m.group(1) not in label_at or label_at[m.group(1)] > i:
             continue
         if any("SYNCS.PHASECHK" in x for x in instructions[max(0, i - 2):i]):  # an mbarrier wait's retry block
+            continue
+        if any(x.split()[0] == "EXIT" for x in instructions[label_at[m.group(1)]:i]):  # placed after the body's end
             continue
         if i - label_at[m.group(1)] > best[1] - best[0]:
             best = (label_at[m.group(1)], i)

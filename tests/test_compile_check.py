@@ -119,6 +119,25 @@ def test_main_loop_is_the_largest_backward_branch_range_and_compare_loops_prints
     ]) + "\n"
     loop = cc.main_loop(cc.sass_listings(waits)["_ZN9bertaccel4waitEv"])
     assert [i.split()[0] for i in loop] == ["SYNCS.PHASECHK.TRANS64.TRYWAIT", "@!P0", "FADD", "FMUL", "@P1"]
+    # nor is a divergent shuffle's fallback block after the body's EXIT that resumes inside the loop
+    divergent = "\n".join([
+        "\t.text._ZN9bertaccel3divEv:",
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_3:",
+        "        /*0010*/                   FADD R2, R2, R3 ;",
+        "        /*0020*/                   BRA.DIV UR4, `(.L_x_5) ;",
+        "        /*0030*/                   SHFL.BFLY PT, R4, R2, 0x1, 0x1f ;",
+        ".L_x_4:",
+        "        /*0040*/                   FMUL R2, R2, R4 ;",
+        "        /*0050*/              @P1 BRA `(.L_x_3) ;",
+        "        /*0060*/              @P2 EXIT ;",
+        "        /*0070*/                   EXIT ;",
+        ".L_x_5:",
+        "        /*0080*/                   WARPSYNC.ALL ;",
+        "        /*0090*/                   BRA `(.L_x_4) ;",
+    ]) + "\n"
+    loop = cc.main_loop(cc.sass_listings(divergent)["_ZN9bertaccel3divEv"])
+    assert [i.split()[0] for i in loop] == ["FADD", "BRA.DIV", "SHFL.BFLY", "FMUL", "@P1"]
     (tmp_path / "a.sass").write_text(listing(before))
     (tmp_path / "b.sass").write_text(listing(after))
     assert cc.compare_loops(tmp_path / "a.sass", tmp_path / "b.sass", "") == 0
