@@ -14,7 +14,7 @@ dropouts draw from their own Philox4x32 (`csrc/philox.cuh`).
 `--ptx DIR` also writes each source's PTX to DIR/<source>.ptx with what does not change what the GPU
 runs taken out (debug line records, the per-translation-unit hashes in internal names), so that a
 refactor meant to change no instruction can be checked without a GPU: identical files after the
-change mean identical kernels. `--loads-in-flight` (needs nvdisasm: on PATH, or $NVDISASM; the `nvidia-cuda-nvdisasm` wheel has one)
+change mean identical kernels. `--loads-in-flight` (needs nvdisasm: $NVDISASM, on PATH, or the `nvidia-cuda-nvdisasm` wheel's, found by itself)
 also builds a cubin and prints, per kernel, how many 16-byte global loads a thread has in flight at
 most (a load counts from its issue until an instruction reads or overwrites one of its registers): a
 row kernel meant to issue all of a row's loads before using any should show that many.
@@ -224,11 +224,23 @@ def loads_in_flight(instructions: list[str]) -> int:
     return most
 
 
+def wheel_nvdisasm() -> str | None:
+    """nvdisasm from the `nvidia-cuda-nvdisasm` wheel (nvidia/cu*/bin/nvdisasm in site-packages), if installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(Path(root).glob("cu*/bin/nvdisasm")) + sorted(Path(root).glob("cuda_nvdisasm/bin/nvdisasm")):
+            if os.access(path, os.X_OK):
+                return str(path)
+    return None
+
+
 def disassemble(cubin: Path) -> str | None:
     """The cubin's SASS (`nvdisasm -c`), or None (with a message) when there is no nvdisasm."""
-    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or wheel_nvdisasm()
     if nvdisasm is None:
-        print("  (no nvdisasm: set NVDISASM or put it on PATH)")
+        print("  (no nvdisasm: `pip install nvidia-cuda-nvdisasm`, set NVDISASM or put it on PATH)")
         return None
     return subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True).stdout
 
