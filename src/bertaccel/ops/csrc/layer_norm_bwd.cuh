@@ -107,13 +107,12 @@ __device__ __forceinline__ void bwd_second_pass(const Pack<T, VEC>& dv, const Pa
 #pragma unroll
       for (int j = 0; j < VEC; ++j) o[j] = kept_bit(kept, bit0 + j) ? o[j] * scale : 0.f;
     }
-    Pack<T, VEC> h;  // rounded once: the stored values, and what dbias sums
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      h.v[j] = from_f<T>(o[j]);
-      acc_h[j] += to_f(h.v[j]);
+      o[j] = to_f(from_f<T>(o[j]));
+      acc_h[j] += o[j];
     }
-    *reinterpret_cast<Pack<T, VEC>*>(dh + off) = h;
+    store_f<T, VEC>(dh + off, o);
   }
 }
 
@@ -417,16 +416,6 @@ __device__ __forceinline__ void load_weight_in_loop(const W* p, float (&out)[VEC
   for (int j = 0; j < VEC; ++j) out[j] = to_f(v[j]);
 }
 
-// Per-row partials that bwd_first_pass / bwd_second_pass add into start at -0, not +0: -0 + x is x for every x, so the
-// compiler drops the first add, where +0 + x (which turns a -0 into +0) cost an FADD per element and partial - two
-// FADDs an element in the fused form's row loop (SASS, session 71). The sums are the same bits: the shared-memory
-// accumulators they go into start at +0, and +0 + -0 is +0.
-template <int N>
-__device__ __forceinline__ void fill_negative_zero(float (&a)[N]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) a[j] = -0.f;
-}
-
 // the sum of two gradient packs, rounded to T: what adding the two tensors first (PyTorch's add) would hand over
 template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> add_packs(const Pack<T, VEC>& a, const Pack<T, VEC>& b) {
@@ -567,9 +556,7 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
       if (active && c < nvec) {
-        float g[VEC], pg[VEC], pb[VEC];
-        fill_negative_zero(pg);  // (see fill_negative_zero)
-        fill_negative_zero(pb);
+        float g[VEC], pg[VEC] = {}, pb[VEC] = {};
         load_weight_in_loop<W, VEC>(gamma + c * VEC, g);
         bwd_first_pass<MODE>(dcur[k], zcur[k], g, mu, rs, kept, k * VEC, scale, s1, s2, pg, pb);
         add_to(0, k, pg);
@@ -582,8 +569,7 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
       if (active && c < nvec) {
-        float g[VEC], ph[VEC];
-        fill_negative_zero(ph);
+        float g[VEC], ph[VEC] = {};
         load_weight_in_loop<W, VEC>(gamma + c * VEC, g);
         bwd_second_pass<MODE>(dcur[k], zcur[k], g, mu, rs, s1, s2, kept, k * VEC, scale, p, dz, dh,
                               row * H + (int64_t)c * VEC, ph);
