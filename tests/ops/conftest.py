@@ -136,6 +136,25 @@ def cuda_kernel_names(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def cuda_kernel_grids(fn) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, grid) of each CUDA kernel fn() launches, in launch order: torch.profiler's Chrome trace (its kernel
+    events carry the launch's grid as args.grid)."""
+    import json
+    import tempfile
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    assert kernels and all("grid" in e.get("args", {}) for e in kernels), "the trace's kernel events carry no grid"
+    return [(e["name"], tuple(e["args"]["grid"])) for e in kernels]
+
+
 def leaves(*ts):
     return [t.detach().clone().requires_grad_(True) for t in ts]
 

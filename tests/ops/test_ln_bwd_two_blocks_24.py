@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import run_in_child
-from tests.ops.conftest import check_embeddings_layer_norm_backward, check_layer_norm_backward, cuda_test
+from tests.ops.conftest import (check_embeddings_layer_norm_backward, check_layer_norm_backward, cuda_kernel_grids,
+                                cuda_test)
 
 
 # the default's row thresholds (layer_norm_bwd.cuh: kTwoBlocks24Rows384, kTwoBlocks24Rows768)
@@ -50,6 +51,23 @@ def check_two_blocks_24() -> None:
         check_layer_norm_backward(rows, H, wdtype, expect(rows, H))
     for rows, H in [(16384, 384), (300, 384), (4096, 768), (16384, 768)]:
         check_embeddings_layer_norm_backward(rows, H, expect(rows, H))
+    # Blocks per SM, not only the instantiation: the plain LayerNorm's one-block instantiation fits two blocks by its
+    # registers (120), so the launch must cap its grid at one block per SM where the rule says one.
+    from bertaccel.ops.layer_norm import layer_norm
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows, H in [(4097, 384), (12288, 384), (16384, 384), (2048, 768), (4096, 768), (16384, 768)]:
+        threshold = TWO_BLOCKS_ROWS_384 if H == 384 else TWO_BLOCKS_ROWS_768
+        per_sm = 2 if (setting == "1" if setting is not None else rows >= threshold) else 1
+        x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+        y = layer_norm(x, w, b, 1e-5)
+        dy = torch.randn_like(y)
+        grids = [g for n, g in cuda_kernel_grids(lambda: torch.autograd.grad(y, x, dy, retain_graph=True))
+                 if "ln_bwd_kernel<" in n]
+        rows_a_block = 8 * 32 // (H // 24)  # 8 warps, H / 24 threads a row
+        want = min(-(-rows // rows_a_block), sms * per_sm)
+        assert grids and all(g[0] == want for g in grids), (rows, H, per_sm, want, grids)
     print("two blocks at 24 elements ok")
 
 

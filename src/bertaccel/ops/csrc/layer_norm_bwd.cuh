@@ -72,10 +72,13 @@ template <int MODE, typename T, int VEC>
 __device__ __forceinline__ void bwd_first_pass(const Pack<T, VEC>& dv, const Pack<T, VEC>& zv, const float (&g)[VEC],
                                                float mu, float rs, uint32_t kept, int bit0, float scale, float& s1,
                                                float& s2, float (&acc_g)[VEC], float (&acc_b)[VEC]) {
+  float zf[VEC], df[VEC];
+  unpack_f(zv, zf);
+  unpack_f(dv, df);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const float xh = (to_f(zv.v[j]) - mu) * rs;
-    float d = to_f(dv.v[j]);
+    const float xh = (zf[j] - mu) * rs;
+    float d = df[j];
     if constexpr (MODE == kEmb) d = kept_bit(kept, bit0 + j) ? d * scale : 0.f;
     const float gd = g[j] * d;
     s1 += gd;
@@ -93,11 +96,13 @@ __device__ __forceinline__ void bwd_second_pass(const Pack<T, VEC>& dv, const Pa
                                                 float mu, float rs, float s1, float s2, uint32_t kept, int bit0,
                                                 float scale, float p, T* __restrict__ dz, T* __restrict__ dh,
                                                 int64_t off, float (&acc_h)[VEC]) {
-  float o[VEC];
+  float o[VEC], zf[VEC], df[VEC];
+  unpack_f(zv, zf);
+  unpack_f(dv, df);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const float xh = (to_f(zv.v[j]) - mu) * rs;
-    float d = to_f(dv.v[j]);
+    const float xh = (zf[j] - mu) * rs;
+    float d = df[j];
     if constexpr (MODE == kEmb) d = kept_bit(kept, bit0 + j) ? d * scale : 0.f;
     o[j] = rs * (g[j] * d - s1 - xh * s2);
   }
@@ -107,12 +112,13 @@ __device__ __forceinline__ void bwd_second_pass(const Pack<T, VEC>& dv, const Pa
 #pragma unroll
       for (int j = 0; j < VEC; ++j) o[j] = kept_bit(kept, bit0 + j) ? o[j] * scale : 0.f;
     }
+    Pack<T, VEC> h;  // rounded once: the stored values, and what dbias sums
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      o[j] = to_f(from_f<T>(o[j]));
-      acc_h[j] += o[j];
-    }
-    store_f<T, VEC>(dh + off, o);
+    for (int j = 0; j < VEC; ++j) h.v[j] = from_f<T>(o[j]);
+    unpack_f(h, o);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc_h[j] += o[j];
+    *reinterpret_cast<Pack<T, VEC>*>(dh + off) = h;
   }
 }
 
@@ -416,12 +422,25 @@ __device__ __forceinline__ void load_weight_in_loop(const W* p, float (&out)[VEC
   for (int j = 0; j < VEC; ++j) out[j] = to_f(v[j]);
 }
 
+// Per-row partials that bwd_first_pass / bwd_second_pass add into start at -0, not +0: -0 + x is x for every x, so the
+// compiler drops the first add, where +0 + x (which turns a -0 into +0) cost an FADD per element and partial - two
+// FADDs an element in the fused form's row loop (SASS, session 71). The sums are the same bits: the shared-memory
+// accumulators they go into start at +0, and +0 + -0 is +0.
+template <int N>
+__device__ __forceinline__ void fill_negative_zero(float (&a)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) a[j] = -0.f;
+}
+
 // the sum of two gradient packs, rounded to T: what adding the two tensors first (PyTorch's add) would hand over
 template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> add_packs(const Pack<T, VEC>& a, const Pack<T, VEC>& b) {
   Pack<T, VEC> o;
+  float fa[VEC], fb[VEC];
+  unpack_f(a, fa);
+  unpack_f(b, fb);
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(to_f(a.v[j]) + to_f(b.v[j]));
+  for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(fa[j] + fb[j]);
   return o;
 }
 
@@ -556,7 +575,9 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
       if (active && c < nvec) {
-        float g[VEC], pg[VEC] = {}, pb[VEC] = {};
+        float g[VEC], pg[VEC], pb[VEC];
+        fill_negative_zero(pg);  // (see fill_negative_zero)
+        fill_negative_zero(pb);
         load_weight_in_loop<W, VEC>(gamma + c * VEC, g);
         bwd_first_pass<MODE>(dcur[k], zcur[k], g, mu, rs, kept, k * VEC, scale, s1, s2, pg, pb);
         add_to(0, k, pg);
@@ -569,7 +590,8 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
       if (active && c < nvec) {
-        float g[VEC], ph[VEC] = {};
+        float g[VEC], ph[VEC];
+        fill_negative_zero(ph);
         load_weight_in_loop<W, VEC>(gamma + c * VEC, g);
         bwd_second_pass<MODE>(dcur[k], zcur[k], g, mu, rs, s1, s2, kept, k * VEC, scale, p, dz, dh,
                               row * H + (int64_t)c * VEC, ph);
@@ -817,25 +839,31 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       return;
     }
   }
-// the register kernel KERNEL on as many blocks as are resident at once (its own static: one per expansion)
-#define BA_LN_BWD_RESIDENT(KERNEL)                                                                        \
+// the register kernel KERNEL on as many blocks as are resident at once, at most MAX_PER_SM a SM (its own static:
+// one per expansion)
+#define BA_LN_BWD_RESIDENT(KERNEL, MAX_PER_SM)                                                            \
   do {                                                                                                    \
     static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */     \
       int n = 1;                                                                                          \
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KERNEL, kBwdThreads, 0));          \
       return n;                                                                                           \
     }();                                                                                                  \
-    run(KERNEL, 0, (int)bwd_blocks(groups, (int64_t)sms * std::max(per_sm, 1), 1));                      \
+    run(KERNEL, 0, (int)bwd_blocks(groups, (int64_t)sms * std::min(std::max(per_sm, 1), MAX_PER_SM), 1)); \
   } while (0)
+  // Where bwd_two_blocks decides (bwd_two_blocks_form), it decides blocks per SM, not only registers: the plain
+  // LayerNorm's one-block instantiation at 24 elements fits two blocks by itself since the bf16 words are unpacked
+  // whole (120 registers), and below the two-block thresholds one block per SM is what measured faster (session 72).
 #define BA_LN_BWD(V, I)                                                                                   \
   do {                                                                                                    \
     if constexpr (bwd_two_blocks_form<MODE, T>(I * V)) {                                                  \
       if (bwd_two_blocks<MODE, T>(I * V, V, tpr, rows)) {                                                 \
-        BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE, 2>));                                         \
-        break;                                                                                            \
+        BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE, 2>), 2);                                      \
+      } else {                                                                                            \
+        BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE>), 1);                                         \
       }                                                                                                   \
+      break;                                                                                              \
     }                                                                                                     \
-    BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE>));                                                \
+    BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE>), 1 << 30);                                       \
   } while (0)
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
 #undef BA_LN_BWD

@@ -27,6 +27,25 @@ __device__ __forceinline__ void load_f(const T* p, float (&out)[VEC]) {
   for (int j = 0; j < VEC; ++j) out[j] = to_f(pk.v[j]);
 }
 
+// A pack's elements widened to fp32. bf16 pairs are read as the 32-bit words they arrive in (low element: the word
+// shifted up 16 bits; high: the word with its low half cleared - one instruction each, exact): read element by element,
+// ptxas moved each half into a register of its own first (PRMT) and shifted it at every use, and copied packs half by
+// half (session 71, SASS of the LayerNorm backward).
+template <typename T, int VEC>
+__device__ __forceinline__ void unpack_f(const Pack<T, VEC>& p, float (&out)[VEC]) {
+  if constexpr (__is_same(T, __nv_bfloat16) && VEC % 2 == 0) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&p);
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = to_f(p.v[j]);
+  }
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ void store_f(T* p, const float (&in)[VEC]) {
   Pack<T, VEC> pk;
