@@ -1,10 +1,12 @@
 """The plain LayerNorm's and the embeddings' register backward kernel at 24 elements a thread (bf16 rows 384 wide, two a
-warp, and 768 wide, one a warp) held to 128 registers, two blocks per SM: by default from 12,288 rows at 384 wide and
-from 4,096 at 768 (layer_norm_bwd.cuh, bwd_two_blocks); `BERTACCEL_LN_BWD_TWO_BLOCKS_24=1` at every row count, `=0`
-never. The switch is read once per process, so each setting runs in a child process: the kernel instantiation the
-setting names must be the one that ran (`ln_bwd_kernel<..., 2>` for two blocks, `<..., 1>` for one), its gradients
-within twice PyTorch's error of the float64 reference (bf16 activations, fp32 and bf16 weights), the same bits on a
-second call; the embeddings' form (kEmb) likewise without dropout."""
+warp, and 768 wide, one a warp) held to 128 registers, two blocks per SM: by default from 8,192 rows at 384 wide (the
+embeddings' form from 12,288) and from 4,096 at 768 (layer_norm_bwd.cuh, bwd_two_blocks);
+`BERTACCEL_LN_BWD_TWO_BLOCKS_24=1` at every row count, `=0` never. The switch is read once per process, so each setting
+runs in a child process: the kernel instantiation the setting names must be the one that ran (`ln_bwd_kernel<..., 2>`
+for two blocks, `<..., 1>` for one) on as many blocks as that many per SM allow (the one-block instantiation of the
+plain LayerNorm fits two by its registers, so the launch caps it), its gradients within twice PyTorch's error of the
+float64 reference (bf16 activations, fp32 and bf16 weights), the same bits on a second call; the embeddings' form
+(kEmb) likewise without dropout."""
 
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ from tests.ops.conftest import (check_embeddings_layer_norm_backward, check_laye
                                 cuda_test)
 
 
-# the default's row thresholds (layer_norm_bwd.cuh: kTwoBlocks24Rows384, kTwoBlocks24Rows768)
-TWO_BLOCKS_ROWS_384, TWO_BLOCKS_ROWS_768 = 12288, 4096
+# the default's row thresholds (layer_norm_bwd.cuh: kTwoBlocks24Rows384, kTwoBlocks24Rows384Emb, kTwoBlocks24Rows768)
+TWO_BLOCKS_ROWS_384, TWO_BLOCKS_ROWS_384_EMB, TWO_BLOCKS_ROWS_768 = 8192, 12288, 4096
+
+
+def threshold(H: int, embeddings: bool = False) -> int:
+    return TWO_BLOCKS_ROWS_768 if H == 768 else TWO_BLOCKS_ROWS_384_EMB if embeddings else TWO_BLOCKS_ROWS_384
 
 
 def register_kernels(names: list[str]) -> list[str]:
@@ -34,9 +40,8 @@ def check_two_blocks_24() -> None:
 
     assert build.load(), build.unavailable_reason()
 
-    def expect(rows: int, H: int):
-        threshold = TWO_BLOCKS_ROWS_384 if H == 384 else TWO_BLOCKS_ROWS_768
-        two = setting == "1" if setting is not None else rows >= threshold
+    def expect(rows: int, H: int, embeddings: bool = False):
+        two = setting == "1" if setting is not None else rows >= threshold(H, embeddings)
         want = ", 2>(" if two else ", 1>("
 
         def assert_kernels(names: list[str]) -> None:
@@ -45,20 +50,20 @@ def check_two_blocks_24() -> None:
         return assert_kernels
 
     for rows, H, wdtype in [(1, 384, torch.float32), (7, 384, torch.bfloat16), (2048, 384, torch.float32),
-                            (16384, 384, torch.float32), (4097, 384, torch.bfloat16), (12288, 384, torch.bfloat16),
+                            (16384, 384, torch.float32), (4097, 384, torch.bfloat16), (8191, 384, torch.float32),
+                            (8192, 384, torch.bfloat16), (12288, 384, torch.bfloat16),
                             (2048, 768, torch.float32), (4095, 768, torch.bfloat16), (4096, 768, torch.float32),
                             (8191, 768, torch.bfloat16), (10240, 768, torch.bfloat16), (16384, 768, torch.float32)]:
         check_layer_norm_backward(rows, H, wdtype, expect(rows, H))
-    for rows, H in [(16384, 384), (300, 384), (4096, 768), (16384, 768)]:
-        check_embeddings_layer_norm_backward(rows, H, expect(rows, H))
+    for rows, H in [(16384, 384), (300, 384), (8192, 384), (12288, 384), (4096, 768), (16384, 768)]:
+        check_embeddings_layer_norm_backward(rows, H, expect(rows, H, embeddings=True))
     # Blocks per SM, not only the instantiation: the plain LayerNorm's one-block instantiation fits two blocks by its
     # registers (120), so the launch must cap its grid at one block per SM where the rule says one.
     from bertaccel.ops.layer_norm import layer_norm
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for rows, H in [(4097, 384), (12288, 384), (16384, 384), (2048, 768), (4096, 768), (16384, 768)]:
-        threshold = TWO_BLOCKS_ROWS_384 if H == 384 else TWO_BLOCKS_ROWS_768
-        per_sm = 2 if (setting == "1" if setting is not None else rows >= threshold) else 1
+    for rows, H in [(4097, 384), (8192, 384), (16384, 384), (2048, 768), (4096, 768), (16384, 768)]:
+        per_sm = 2 if (setting == "1" if setting is not None else rows >= threshold(H)) else 1
         x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
         y = layer_norm(x, w, b, 1e-5)

@@ -655,17 +655,29 @@ template <int MODE, typename T>
 constexpr bool bwd_two_blocks_form(int elems) {
   return (elems == 32 && MODE != kFused) || (elems == 24 && (MODE == kPlain || MODE == kEmb) && sizeof(T) == 2);
 }
-constexpr int64_t kTwoBlocks24Rows384 = 12288, kTwoBlocks24Rows768 = 4096;
+// Session 72 (with the bf16 words unpacked whole, 27b06ef; h200/ln_bwd_sweep_27b06ef.log, two rounds, one block ->
+// two): the plain LayerNorm 384 wide 4096 rows 7.6 / 7.7 -> 8.8 / 8.8 us, 8192 13.3 / 12.9 -> 11.3 / 11.3, 16384 23.5 /
+// 23.7 -> 18.8 / 18.6; the embeddings' form 8192x384 13.0 / 12.8 -> 13.2 / 13.6, 16384 23.5 / 23.0 -> 20.8 / 21.2. So
+// the LayerNorm's threshold at 384 wide fell to 8,192 rows (kTwoBlocks24Rows384); the embeddings' stays at 12,288.
+constexpr int64_t kTwoBlocks24Rows384 = 8192, kTwoBlocks24Rows384Emb = 12288, kTwoBlocks24Rows768 = 4096;
+// The plain LayerNorm's register kernel at 32 elements a thread (776-1024-wide bf16 rows) held to 128 registers, two
+// blocks per SM, in place of the shared-memory accumulators (bwd_smem_acc) from this many rows: it spilled 322 bytes
+// there before session 72's word unpacking and none after (h200/ln_bwd_sweep_27b06ef.log, two rounds, shared-memory
+// accumulators -> two-block register kernel, us: 2048x1024 11.4 / 12.0 -> 12.9 / 12.5, 4096 17.2 / 18.0 -> 17.9 / 17.5,
+// 8192 27.2 / 28.0 -> 27.0 / 26.7, 16384 42.6 / 43.4 -> 41.6 / 40.9, 32768 69.9 / 71.4 -> 67.1 / 66.2). The
+// embeddings' form (84 bytes spilled) lost or tied there below 32,768 rows and keeps the accumulators.
+constexpr int64_t kTwoBlocks32RowsPlain = 8192;
 template <int MODE, typename T>
 inline bool bwd_two_blocks(int elems, int vec, int tpr, int64_t rows) {
   if (elems == 24) {
     static const int setting = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS_24", -1);
     if (setting >= 0) return setting != 0;
-    return rows >= (tpr == 32 ? kTwoBlocks24Rows768 : kTwoBlocks24Rows384);
+    return rows >= (tpr == 32 ? kTwoBlocks24Rows768 : MODE == kEmb ? kTwoBlocks24Rows384Emb : kTwoBlocks24Rows384);
   }
   static const int setting = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS", -1);
   if (setting >= 0) return setting != 0;
-  return MODE == kRms && sizeof(T) == 2 && vec == 8 && tpr <= 32;
+  if (sizeof(T) != 2 || vec != 8 || tpr > 32) return false;
+  return MODE == kRms || (MODE == kPlain && rows >= kTwoBlocks32RowsPlain);
 }
 
 // Whether the plain LayerNorm and the embeddings' backward of 768-1024-wide bf16 rows (24-32 elements a thread, one
@@ -696,10 +708,13 @@ inline bool bwd_two_blocks(int elems, int vec, int tpr, int64_t rows) {
 // streams at 43% of copy; session 70, docs/tried/ln-bwd-smem-acc-384.patch, h200/ln_bwd_sweep_smem_acc_384_744b3b0.log):
 // the rate rose to 46-52% and the per-call part by 4.5-6 us - LayerNorm 16384x384 21.4 / 21.1 -> 21.9 / 21.8 us,
 // 8192x384 10.7 / 10.5 -> 13.2 / 13.2, embeddings 24.8 / 25.2 -> 26.0 / 25.7. Not kept.
-inline bool bwd_smem_acc(int elems_per_thread) {
+// From session 72 the plain LayerNorm's rows of 32 elements a thread take the two-block register kernel instead from
+// kTwoBlocks32RowsPlain rows (see there).
+template <int MODE>
+inline bool bwd_smem_acc(int elems_per_thread, int64_t rows) {
   static const int setting = env_switch("BERTACCEL_LN_BWD_SMEM_ACC", -1);
   if (setting >= 0) return setting != 0;
-  return elems_per_thread >= 32;
+  return elems_per_thread >= 32 && !(MODE == kPlain && rows >= kTwoBlocks32RowsPlain);
 }
 
 // Blocks for a backward kernel's grid-stride loop over `units` work units (a warp's row group, or the register kernel's
@@ -805,7 +820,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   // per SM at 1024 wide where the register kernel below holds one (three at 768, where the two-block register kernel
   // measured faster); where bwd_smem_acc says (measured there).
   if constexpr ((MODE == kPlain || MODE == kEmb) && sizeof(T) == 2) {
-    if (vec == max_vec && items * vec >= 24 && tpr == 32 && bwd_smem_acc(items * vec)) {
+    if (vec == max_vec && items * vec >= 24 && tpr == 32 && bwd_smem_acc<MODE>(items * vec, rows)) {
 #define BA_LN_BWD_SMEM_ACC(V, I)                                                                          \
   do {                                                                                                    \
     if constexpr (V == max_vec && I * V >= 24) {                                                          \
