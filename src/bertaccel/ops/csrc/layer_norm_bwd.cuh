@@ -657,15 +657,22 @@ constexpr bool bwd_two_blocks_form(int elems) {
 }
 // Session 72 (with the bf16 words unpacked whole, 27b06ef; h200/ln_bwd_sweep_27b06ef.log, two rounds, one block ->
 // two): the plain LayerNorm 384 wide 4096 rows 7.6 / 7.7 -> 8.8 / 8.8 us, 8192 13.3 / 12.9 -> 11.3 / 11.3, 16384 23.5 /
-// 23.7 -> 18.8 / 18.6; the embeddings' form 8192x384 13.0 / 12.8 -> 13.2 / 13.6, 16384 23.5 / 23.0 -> 20.8 / 21.2. So
-// the LayerNorm's threshold at 384 wide fell to 8,192 rows (kTwoBlocks24Rows384); the embeddings' stays at 12,288.
-constexpr int64_t kTwoBlocks24Rows384 = 8192, kTwoBlocks24Rows384Emb = 12288, kTwoBlocks24Rows768 = 4096;
+// 23.7 -> 18.8 / 18.6; the embeddings' form 8192x384 13.0 / 12.8 -> 13.2 / 13.6, 16384 23.5 / 23.0 -> 20.8 / 21.2.
+// Rows between (30df3a8, h200/ln_bwd_sweep_thresholds_30df3a8.log, three rounds, one block -> two): LayerNorm 384 wide
+// 5120 rows 9.0 / 9.0 / 9.0 -> 9.9 / 10.0 / 10.0, 6144 11.3 / 11.3 / 11.4 -> 10.5 / 10.7 / 10.6, 7168 12.4 / 12.4 / 12.4
+// -> 10.7 / 11.0 / 10.8; embeddings 10240x384 14.1 / 14.2 / 14.2 -> 14.9 / 14.9 / 15.1, 12288 17.0 / 17.1 / 17.0 ->
+// 16.4 / 16.5 / 16.6. So the LayerNorm's threshold at 384 wide fell to 6,144 rows (kTwoBlocks24Rows384); the
+// embeddings' stays at 12,288.
+constexpr int64_t kTwoBlocks24Rows384 = 6144, kTwoBlocks24Rows384Emb = 12288, kTwoBlocks24Rows768 = 4096;
 // The plain LayerNorm's register kernel at 32 elements a thread (776-1024-wide bf16 rows) held to 128 registers, two
 // blocks per SM, in place of the shared-memory accumulators (bwd_smem_acc) from this many rows: it spilled 322 bytes
 // there before session 72's word unpacking and none after (h200/ln_bwd_sweep_27b06ef.log, two rounds, shared-memory
 // accumulators -> two-block register kernel, us: 2048x1024 11.4 / 12.0 -> 12.9 / 12.5, 4096 17.2 / 18.0 -> 17.9 / 17.5,
-// 8192 27.2 / 28.0 -> 27.0 / 26.7, 16384 42.6 / 43.4 -> 41.6 / 40.9, 32768 69.9 / 71.4 -> 67.1 / 66.2). The
-// embeddings' form (84 bytes spilled) lost or tied there below 32,768 rows and keeps the accumulators.
+// 8192 27.2 / 28.0 -> 27.0 / 26.7, 16384 42.6 / 43.4 -> 41.6 / 40.9, 32768 69.9 / 71.4 -> 67.1 / 66.2). Three rounds
+// at 30df3a8 (h200/ln_bwd_sweep_thresholds_30df3a8.log; BERTACCEL_LN_BWD_SMEM_ACC=1 -> this rule): 8192x1024 26.8 / 26.7
+// / 26.7 -> 26.2 / 26.0 / 26.4, 12288 34.6 / 34.5 / 34.5 -> 34.0 / 34.1 / 34.0, 16384 41.6 / 41.5 / 42.0 -> 40.5 / 40.8
+// / 40.7 (a 2-3% gain). The embeddings' form (84 bytes spilled) lost or tied there below 32,768 rows and keeps the
+// accumulators.
 constexpr int64_t kTwoBlocks32RowsPlain = 8192;
 template <int MODE, typename T>
 inline bool bwd_two_blocks(int elems, int vec, int tpr, int64_t rows) {
