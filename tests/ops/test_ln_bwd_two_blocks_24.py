@@ -1,5 +1,5 @@
 """The plain LayerNorm's and the embeddings' register backward kernel at 24 elements a thread (bf16 rows 384 wide, two a
-warp, and 768 wide, one a warp) held to 128 registers, two blocks per SM: by default from 6,144 rows at 384 wide (the
+warp, and 768 wide, one a warp) held to 128 registers, two blocks per SM: by default from 7,168 rows at 384 wide (the
 embeddings' form from 12,288) and from 4,096 at 768 (layer_norm_bwd.cuh, bwd_two_blocks);
 `BERTACCEL_LN_BWD_TWO_BLOCKS_24=1` at every row count, `=0` never. The switch is read once per process, so each setting
 runs in a child process: the kernel instantiation the setting names must be the one that ran (`ln_bwd_kernel<..., 2>`
@@ -21,7 +21,7 @@ from tests.ops.conftest import (check_embeddings_layer_norm_backward, check_laye
 
 
 # the default's row thresholds (layer_norm_bwd.cuh: kTwoBlocks24Rows384, kTwoBlocks24Rows384Emb, kTwoBlocks24Rows768)
-TWO_BLOCKS_ROWS_384, TWO_BLOCKS_ROWS_384_EMB, TWO_BLOCKS_ROWS_768 = 6144, 12288, 4096
+TWO_BLOCKS_ROWS_384, TWO_BLOCKS_ROWS_384_EMB, TWO_BLOCKS_ROWS_768 = 7168, 12288, 4096
 
 
 def threshold(H: int, embeddings: bool = False) -> int:
@@ -50,8 +50,8 @@ def check_two_blocks_24() -> None:
         return assert_kernels
 
     for rows, H, wdtype in [(1, 384, torch.float32), (7, 384, torch.bfloat16), (2048, 384, torch.float32),
-                            (16384, 384, torch.float32), (4097, 384, torch.bfloat16), (6143, 384, torch.float32),
-                            (6144, 384, torch.bfloat16), (12288, 384, torch.bfloat16),
+                            (16384, 384, torch.float32), (4097, 384, torch.bfloat16), (7167, 384, torch.float32),
+                            (7168, 384, torch.bfloat16), (12288, 384, torch.bfloat16),
                             (2048, 768, torch.float32), (4095, 768, torch.bfloat16), (4096, 768, torch.float32),
                             (8191, 768, torch.bfloat16), (10240, 768, torch.bfloat16), (16384, 768, torch.float32)]:
         check_layer_norm_backward(rows, H, wdtype, expect(rows, H))
@@ -62,7 +62,7 @@ def check_two_blocks_24() -> None:
     from bertaccel.ops.layer_norm import layer_norm
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for rows, H in [(6143, 384), (6144, 384), (16384, 384), (2048, 768), (4096, 768), (16384, 768)]:
+    for rows, H in [(7167, 384), (7168, 384), (16384, 384), (2048, 768), (4096, 768), (16384, 768)]:
         per_sm = 2 if (setting == "1" if setting is not None else rows >= threshold(H)) else 1
         x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")

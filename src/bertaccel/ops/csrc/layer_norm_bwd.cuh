@@ -661,9 +661,13 @@ constexpr bool bwd_two_blocks_form(int elems) {
 // Rows between (30df3a8, h200/ln_bwd_sweep_thresholds_30df3a8.log, three rounds, one block -> two): LayerNorm 384 wide
 // 5120 rows 9.0 / 9.0 / 9.0 -> 9.9 / 10.0 / 10.0, 6144 11.3 / 11.3 / 11.4 -> 10.5 / 10.7 / 10.6, 7168 12.4 / 12.4 / 12.4
 // -> 10.7 / 11.0 / 10.8; embeddings 10240x384 14.1 / 14.2 / 14.2 -> 14.9 / 14.9 / 15.1, 12288 17.0 / 17.1 / 17.0 ->
-// 16.4 / 16.5 / 16.6. So the LayerNorm's threshold at 384 wide fell to 6,144 rows (kTwoBlocks24Rows384); the
-// embeddings' stays at 12,288.
-constexpr int64_t kTwoBlocks24Rows384 = 6144, kTwoBlocks24Rows384Emb = 12288, kTwoBlocks24Rows768 = 4096;
+// 16.4 / 16.5 / 16.6. Two more calls at 87f8180 on other machines (h200/ln_bwd_sweep_384_threshold_{a,b}_87f8180.log,
+// one round, then two) disagreed at 6,144 rows only: one block 9.4, 9.1 / 9.2 against two blocks 10.5, 10.5 / 10.4
+// (one block at 6,144 rows is bimodal, 9.1-9.4 or 11.3-11.4 us, two blocks 10.4-10.7 on all three machines); 5120
+// 9.2, 9.0 / 9.0 -> 10.0, 10.1 / 9.8; 7168 12.4 / 12.6 -> 10.8 / 10.7; 8192 12.6 / 12.5 -> 11.5 / 11.2. So the
+// LayerNorm's threshold at 384 wide fell to 7,168 rows (kTwoBlocks24Rows384), the first row count where two blocks led
+// on every machine; the embeddings' stays at 12,288.
+constexpr int64_t kTwoBlocks24Rows384 = 7168, kTwoBlocks24Rows384Emb = 12288, kTwoBlocks24Rows768 = 4096;
 // The plain LayerNorm's register kernel at 32 elements a thread (776-1024-wide bf16 rows) held to 128 registers, two
 // blocks per SM, in place of the shared-memory accumulators (bwd_smem_acc) from this many rows: it spilled 322 bytes
 // there before session 72's word unpacking and none after (h200/ln_bwd_sweep_27b06ef.log, two rounds, shared-memory
