@@ -630,9 +630,10 @@ __global__ void __launch_bounds__(kBwdThreads, NEXT ? bwd_prefetch_min_blocks<VE
 // - 32 elements: by default the RMSNorm backward of bf16 rows of 8-element vectors within one warp (776-1024 wide),
 //   which fits them without spilling: 16384x1024, H200, two alternated rounds, 42.1 / 42.0 -> 38.1 / 38.3 us
 //   (streaming rate 76% -> 87% of copy; session 68, benchmarks/results/h200/ln_bwd_sweep_two_blocks_89462a8.log).
-//   LayerNorm there spills 322 bytes at 128 registers and lost (46.1 / 46.0 -> 56.2 / 56.0 us), as the embeddings'
-//   form would (352 bytes): those keep one block. BERTACCEL_LN_BWD_TWO_BLOCKS=1: every form with 32 elements per
-//   thread (for comparing); =0: none.
+//   LayerNorm there spilled 322 bytes at 128 registers and lost (46.1 / 46.0 -> 56.2 / 56.0 us), as the embeddings'
+//   form would (352 bytes). Since session 72's word unpacking LayerNorm fits 128 registers without spilling and runs
+//   there from kTwoBlocks32RowsPlain rows (below); the embeddings' form (84 bytes) keeps one block.
+//   BERTACCEL_LN_BWD_TWO_BLOCKS=1: every form with 32 elements per thread (for comparing); =0: none.
 // - 24 elements (bf16 rows 384 wide, two a warp, and 768 wide, one a warp), the plain LayerNorm's
 //   and the embeddings' form: LayerNorm 146 -> 128 registers without spilling, the embeddings' form 181 -> 128 with 52
 //   bytes spilled (offline ptxas, session 70). Its streaming rate is higher and its per-call part too: H200, bf16, two
