@@ -80,19 +80,26 @@ def test_sass_functions_reads_nvdisasm_listings():
     assert functions == {"_Z1kv": ["LDC R1, c[0x0][0x28]", "LDG.E.128 R4, desc[UR4][R2.64]"], "_Z1jv": ["EXIT"]}
 
 
+def nvdisasm_listing(function: str, body: list[str]) -> str:
+    """An `nvdisasm -c` listing of one function: `body` holds labels (ending in ':') and instructions, which get
+    consecutive addresses."""
+    lines, addr = [f"\t.text.{function}:"], 0
+    for item in body:
+        if item.endswith(":"):
+            lines.append(item)
+        else:
+            lines.append(f"        /*{addr:04x}*/                   {item} ;")
+            addr += 0x10
+    return "\n".join(lines) + "\n"
+
+
 def test_main_loop_is_the_largest_backward_branch_range_and_compare_loops_prints_it(tmp_path, capsys):
     def listing(body_ops: list[str]) -> str:
-        lines = ["\t.text._ZN9bertaccel6kernelEv:", "        /*0000*/                   MOV R1, c[0x0][0x28] ;"]
-        addr = 0x10
-        lines.append(".L_x_1:")
-        for op in body_ops:
-            lines.append(f"        /*{addr:04x}*/                   {op} ;")
-            addr += 0x10
-        lines.append(f"        /*{addr:04x}*/              @P0 BRA `(.L_x_1) ;")
-        lines += [".L_x_2:", f"        /*{addr + 0x10:04x}*/                   FADD R2, R2, R3 ;",
-                  f"        /*{addr + 0x20:04x}*/              @P1 BRA `(.L_x_2) ;",  # a smaller loop
-                  f"        /*{addr + 0x30:04x}*/                   EXIT ;"]
-        return "\n".join(lines) + "\n"
+        return nvdisasm_listing("_ZN9bertaccel6kernelEv", [
+            "MOV R1, c[0x0][0x28]", ".L_x_1:", *body_ops, "@P0 BRA `(.L_x_1)",
+            ".L_x_2:", "FADD R2, R2, R3", "@P1 BRA `(.L_x_2)",  # a smaller loop
+            "EXIT",
+        ])
 
     before = ["ISETP.GE.AND P2, PT, R4, UR5, PT", "FSEL R5, R5, -INF, !P2", "MUFU.EX2 R6, R5", "FADD R7, R7, R6"]
     after = ["MUFU.EX2 R6, R5", "FADD R7, R7, R6"]
@@ -101,41 +108,20 @@ def test_main_loop_is_the_largest_backward_branch_range_and_compare_loops_prints
     assert [i.split()[0] for i in loop] == ["ISETP.GE.AND", "FSEL", "MUFU.EX2", "FADD", "@P0"]
     assert cc.main_loop(["        /*0000*/ EXIT ;"]) == []
     # an mbarrier wait's out-of-line retry block (after the body, resuming inside the loop) is not the loop
-    waits = "\n".join([
-        "\t.text._ZN9bertaccel4waitEv:",
-        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
-        ".L_x_7:",
-        "        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;",
-        "        /*0020*/              @!P0 BRA `(.L_x_9) ;",
-        ".L_x_8:",
-        "        /*0030*/                   FADD R2, R2, R3 ;",
-        "        /*0040*/                   FMUL R2, R2, R3 ;",
-        "        /*0050*/              @P1 BRA `(.L_x_7) ;",
-        "        /*0060*/                   EXIT ;",
-        ".L_x_9:",
-        "        /*0070*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;",
-        "        /*0080*/              @!P0 BRA `(.L_x_9) ;",
-        "        /*0090*/                   BRA `(.L_x_8) ;",
-    ]) + "\n"
+    waits = nvdisasm_listing("_ZN9bertaccel4waitEv", [
+        "MOV R1, c[0x0][0x28]", ".L_x_7:", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2", "@!P0 BRA `(.L_x_9)",
+        ".L_x_8:", "FADD R2, R2, R3", "FMUL R2, R2, R3", "@P1 BRA `(.L_x_7)", "EXIT",
+        ".L_x_9:", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2", "@!P0 BRA `(.L_x_9)", "BRA `(.L_x_8)",
+    ])
     loop = cc.main_loop(cc.sass_listings(waits)["_ZN9bertaccel4waitEv"])
     assert [i.split()[0] for i in loop] == ["SYNCS.PHASECHK.TRANS64.TRYWAIT", "@!P0", "FADD", "FMUL", "@P1"]
     # nor is a divergent shuffle's fallback block after the body's EXIT that resumes inside the loop
-    divergent = "\n".join([
-        "\t.text._ZN9bertaccel3divEv:",
-        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
-        ".L_x_3:",
-        "        /*0010*/                   FADD R2, R2, R3 ;",
-        "        /*0020*/                   BRA.DIV UR4, `(.L_x_5) ;",
-        "        /*0030*/                   SHFL.BFLY PT, R4, R2, 0x1, 0x1f ;",
-        ".L_x_4:",
-        "        /*0040*/                   FMUL R2, R2, R4 ;",
-        "        /*0050*/              @P1 BRA `(.L_x_3) ;",
-        "        /*0060*/              @P2 EXIT ;",
-        "        /*0070*/                   EXIT ;",
-        ".L_x_5:",
-        "        /*0080*/                   WARPSYNC.ALL ;",
-        "        /*0090*/                   BRA `(.L_x_4) ;",
-    ]) + "\n"
+    divergent = nvdisasm_listing("_ZN9bertaccel3divEv", [
+        "MOV R1, c[0x0][0x28]", ".L_x_3:", "FADD R2, R2, R3", "BRA.DIV UR4, `(.L_x_5)",
+        "SHFL.BFLY PT, R4, R2, 0x1, 0x1f",
+        ".L_x_4:", "FMUL R2, R2, R4", "@P1 BRA `(.L_x_3)", "@P2 EXIT", "EXIT",
+        ".L_x_5:", "WARPSYNC.ALL", "BRA `(.L_x_4)",
+    ])
     loop = cc.main_loop(cc.sass_listings(divergent)["_ZN9bertaccel3divEv"])
     assert [i.split()[0] for i in loop] == ["FADD", "BRA.DIV", "SHFL.BFLY", "FMUL", "@P1"]
     (tmp_path / "a.sass").write_text(listing(before))

@@ -40,9 +40,11 @@ def check_two_blocks_24() -> None:
 
     assert build.load(), build.unavailable_reason()
 
+    def two_blocks(rows: int, H: int, embeddings: bool = False) -> bool:  # what the setting (or the default) says
+        return setting == "1" if setting is not None else rows >= threshold(H, embeddings)
+
     def expect(rows: int, H: int, embeddings: bool = False):
-        two = setting == "1" if setting is not None else rows >= threshold(H, embeddings)
-        want = ", 2>(" if two else ", 1>("
+        want = ", 2>(" if two_blocks(rows, H, embeddings) else ", 1>("
 
         def assert_kernels(names: list[str]) -> None:
             ran = register_kernels(names)
@@ -63,7 +65,7 @@ def check_two_blocks_24() -> None:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows, H in [(7167, 384), (7168, 384), (16384, 384), (2048, 768), (4096, 768), (16384, 768)]:
-        per_sm = 2 if (setting == "1" if setting is not None else rows >= threshold(H)) else 1
+        per_sm = 2 if two_blocks(rows, H) else 1
         x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w, b = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
         y = layer_norm(x, w, b, 1e-5)
