@@ -47,9 +47,10 @@ stage() {  # name, seconds at most (and within the deadline), command...
 has ops && stage ops 150 python -m benchmarks.bench_ops --ops layer_norm residual_layer_norm rms_norm softmax gelu \
   --out "$OUT/ops.json"
 # The LayerNorm / embeddings backward at 384-1024 wide, each default against its alternative (all set on an H200 only;
-# docs/row-ops.md): the register kernel on two blocks per SM at 24 elements a thread (from 12,288 rows at 384 wide and
-# 4,096 at 768, session 71) against one block (BERTACCEL_LN_BWD_TWO_BLOCKS_24=0); the shared-memory accumulators (1024
-# wide; at 768 until session 71) against them at 768 too (BERTACCEL_LN_BWD_SMEM_ACC=1); the column sums on 8 x 64 blocks
+# docs/row-ops.md): the register kernel on two blocks per SM at 24 elements a thread (from 7,168 rows at 384 wide - the
+# embeddings' form from 12,288 - and 4,096 at 768; sessions 71-72) against one block (BERTACCEL_LN_BWD_TWO_BLOCKS_24=0);
+# the shared-memory accumulators (1024 wide, the plain LayerNorm's below 8,192 rows only since session 72; at 768 until
+# session 71) against them everywhere in that range (BERTACCEL_LN_BWD_SMEM_ACC=1); the column sums on 8 x 64 blocks
 # (session 70) against 32 x 32 (BERTACCEL_COLSUM=wide) - which of each the H100 should take by default
 has ops && stage ln_bwd 120 bash -c 'for round in 1 2; do for s in "" BERTACCEL_LN_BWD_TWO_BLOCKS_24=0 BERTACCEL_LN_BWD_SMEM_ACC=1 BERTACCEL_COLSUM=wide; do
   env $s python scripts/ln_bwd_sweep.py --ops layer_norm embeddings --widths 384 768 1024 --rows 2048 4096 8192 16384 32768; done; done'

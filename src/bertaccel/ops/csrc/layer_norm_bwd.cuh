@@ -715,7 +715,7 @@ inline bool bwd_two_blocks(int elems, int vec, int tpr, int64_t rows) {
 // (dropout 0.1) 10240x768 32.3 / 32.4 / 31.5 -> 27.9 / 27.7 / 27.8, 16384 42.0 / 42.7 / 41.6 -> 38.2 / 38.3 / 38.4,
 // 32768 72.1 / 72.4 / 71.2 -> 64.2 / 64.4 / 64.4. So by default now at 32 elements a thread only (776-1024 wide, every
 // row count). RMSNorm's register kernel already streams at 85-91% of copy: not taken. BERTACCEL_LN_BWD_SMEM_ACC=1: at
-// 24 elements too (for comparing); =0: never. Read once per process.
+// 24 elements too and at every row count (for comparing); =0: never. Read once per process.
 // Tried for 384-wide rows too (two a warp, where the register kernel holds one block per SM at 146 registers and
 // streams at 43% of copy; session 70, docs/tried/ln-bwd-smem-acc-384.patch, h200/ln_bwd_sweep_smem_acc_384_744b3b0.log):
 // the rate rose to 46-52% and the per-call part by 4.5-6 us - LayerNorm 16384x384 21.4 / 21.1 -> 21.9 / 21.8 us,
