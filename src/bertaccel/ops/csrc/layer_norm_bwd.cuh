@@ -14,7 +14,8 @@
 // registers for z and 12 for dy, against 48 for the fp32 values), and the second pass recomputes
 // x-hat and weight * dy from them, re-reading the weight from L1. Holding fp32 values took 212-255
 // registers (one block of 256 threads per SM); the packs keep the plain LayerNorm form near 128.
-// The fused form at 768-1024 wide (bf16) runs the row ring below instead (ln_bwd_ring_kernel).
+// The fused form's bf16 rows up to 1024 wide run the prefetching kernel below (ln_bwd_prefetch_kernel; at 776-1024
+// wide the one-gradient form below kPrefetch1024Rows rows runs the row ring, ln_bwd_ring_kernel).
 #pragma once
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -391,11 +392,33 @@ constexpr int bwd_prefetch_accs() { return 1 + (MODE != kRms) + (MODE == kFused)
 // the accumulators, and with DY2 a 16-byte slot per thread and vector where the next group's second gradient lands
 template <int MODE, int VEC, int ITEMS, bool DY2 = false>
 constexpr int bwd_prefetch_smem() { return bwd_prefetch_accs<MODE>() * kBwdThreads * ITEMS * VEC * 4 + (DY2 ? ITEMS * kBwdThreads * 16 : 0); }
+// (Also at 32 elements a thread, 776-1024 wide: 128 registers without spilling, offline ptxas, sm_90, session 72 -
+// 142-146 unheld - and two blocks' shared memory fits an SM's 228 KiB: 2 x (96 KiB of accumulators + 16 KiB of dy2
+// slots + 1 KiB the runtime reserves a block) = 226 KiB.)
 template <int VEC, int ITEMS>
 constexpr int bwd_prefetch_min_blocks() { return 2; }
 inline bool bwd_prefetch_enabled() {
   static const bool on = env_switch("BERTACCEL_LN_BWD_PREFETCH", 1) != 0;
   return on;
+}
+// The fused form's bf16 rows 776-1024 wide (one a warp) through the prefetching kernel too, two blocks per SM, in place
+// of the ring kernel (one block per SM at 180-185 registers), which takes one gradient only - the two-gradient form
+// there (layer_norm_bwd2, BERT-large's) adds dy + dy2 in a kernel of its own first, a pass over three tensors the
+// prefetching kernel folds into its loads. Built in session 72 (128 registers, no spill), measured in session 73 (H200,
+// bf16, two alternated rounds, ring -> prefetching, us; h200/ln_bwd_sweep_prefetch_1024_pending.log):
+//   two gradients 800 wide: 2048 rows 18.8 / 19.1 -> 16.4 / 16.7, 8192 45.8 / 46.1 -> 37.4 / 38.3, 32768 137.5 /
+//     138.4 -> 105.1 / 106.0; 1024 wide: 2048 21.4 / 20.8 -> 18.1 / 18.5, 16384 84.7 / 85.1 -> 66.4 / 66.2 (rate 61 ->
+//     81% of copy);
+//   one gradient 800 wide: 2048 13.1 / 13.1 -> 13.8 / 13.7, 4096 20.5 / 20.4 -> 20.1 / 20.0, 16384 57.7 / 57.9 -> 51.2
+//     / 51.1; 1024 wide: 2048 15.3 / 14.9 -> 16.1 / 16.4, 4096 24.0 / 23.5 -> 23.3 / 23.9, 16384 59.6 / 58.8 -> 55.7 /
+//     57.2, 32768 102.0 / 102.8 -> 95.1 / 96.3 (its per-call part is 1-2 us larger: two blocks' grid of row groups).
+// So by default: the two-gradient form at every row count, the one-gradient form from kPrefetch1024Rows rows.
+// BERTACCEL_LN_BWD_PREFETCH_1024=1: always (at 776-1024 wide); =0: never (the ring kernel). Read once per process.
+constexpr int64_t kPrefetch1024Rows = 4096;
+inline bool bwd_prefetch_1024(bool two_gradients, int64_t rows) {
+  static const int setting = env_switch("BERTACCEL_LN_BWD_PREFETCH_1024", -1);
+  if (setting >= 0) return setting != 0;
+  return two_gradients || rows >= kPrefetch1024Rows;
 }
 
 // The weight's VEC values (as floats) at p, read where they are used, every row: a volatile load the
@@ -760,12 +783,13 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   const int vec = pick_vec(H, max_vec, {&dy, &z, &dz, &dh, &gamma, &dy2});  // (dy2 read by 16-byte copies too)
   // The fused form's register-held accumulators took the fewest vectors per thread (see pick_items);
   // the prefetching kernel keeps them in shared memory and takes the usual rule.
-  const bool prefetch = MODE == kFused && sizeof(T) == 2 && vec == max_vec && H <= 768 && bwd_prefetch_enabled();
+  const bool prefetch = MODE == kFused && sizeof(T) == 2 && vec == max_vec &&
+                        H <= (bwd_prefetch_1024(dy2.defined(), rows) ? 1024 : 768) && bwd_prefetch_enabled();
   const int items = pick_items((int)(H / vec), vec, max_vec, MODE == kFused && !prefetch);
   const int tpr = pick_tpr((int)(H / vec), items);
   BERTACCEL_CHECK(tpr <= kBwdThreads, "bertaccel layer_norm: hidden size %lld is above %d", (long long)H,
                   (int)(kBwdThreads * kMaxElemsPerThread));
-  const bool prefetching = prefetch && tpr <= 32 && items <= 3;  // the prefetching kernel runs (below)
+  const bool prefetching = prefetch && tpr <= 32 && items <= 4;  // the prefetching kernel runs (below)
   if (dy2.defined() && !prefetching) {  // (only it sums dy2 as it loads)
     launch_bwd<MODE, T, W>(dy.add(dy2), z, gamma, mean, rstd, dz, dh, dgamma, dbeta, dbias, p, rng);
     return;
@@ -816,7 +840,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   } while (0)
 #define BA_LN_BWD_PREFETCH(V, I)                                                                          \
   do {                                                                                                    \
-    if constexpr (V == max_vec && I <= 3) {                                                               \
+    if constexpr (V == max_vec && I <= 4) {                                                               \
       if (dy2.defined()) BA_LN_BWD_PREFETCH_K(V, I, true);                                                \
       else BA_LN_BWD_PREFETCH_K(V, I, false);                                                             \
     }                                                                                                     \
