@@ -4,7 +4,9 @@ two-gradient form layer_norm_bwd2, of the add kernel before it): by default for 
 for one from kPrefetch1024Rows (4,096) rows; `BERTACCEL_LN_BWD_PREFETCH_1024=1` always, `=0` never. The switch is read
 once per process, so each setting runs in a child process: the kernel the rule names must be the one that ran, the
 one-gradient backward's gradients within twice PyTorch's error of the float64 reference (bf16 activations, fp32 and
-bf16 weights), and layer_norm_bwd2 the same bits as layer_norm_bwd on the added gradient, with dropout and without."""
+bf16 weights), and layer_norm_bwd2 the same bits as layer_norm_bwd on the added gradient where the two run the same
+kernel, with dropout and without (by default below 4,096 rows they do not: the two-gradient form takes the prefetching
+kernel and the one-gradient form the ring, whose sums run in another order - there within a bf16 rounding)."""
 
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def check_prefetch_1024() -> None:
         assert_kernels(cuda_kernel_names(lambda: torch.autograd.grad(out, ins, dy.bfloat16(), retain_graph=True)), rows,
                        H, False)
 
-    # the two-gradient form: layer_norm_bwd's bits on dy + dy2, dropout on and off
+    # the two-gradient form: layer_norm_bwd's bits on dy + dy2 (same kernel), dropout on and off
     for rows, H, p in [(2053, 1024, 0.1), (16384, 1024, 0.0), (5, 1000, 0.1), (4099, 800, 0.0)]:
         for wdtype in (torch.float32, torch.bfloat16):
             x, res, bias = (rand(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((rows, H), (rows, H), (H,)))
@@ -79,8 +81,14 @@ def check_prefetch_1024() -> None:
             poison()
             two = ops.layer_norm_bwd2(dy, dy2, z, w, mean, rstd, rng, p)
             one = ops.layer_norm_bwd(dy + dy2, z, w, mean, rstd, rng, p, True)
+            same_kernel = H <= 768 or expect_prefetch(rows, True) == expect_prefetch(rows, False)
             for name, a, c in zip(["dz", "dh", "dweight", "dln_bias", "dbias"], two, one):
-                assert torch.equal(a, c), f"{name} {rows}x{H} weights {wdtype} p={p}"
+                if same_kernel:
+                    assert torch.equal(a, c), f"{name} {rows}x{H} weights {wdtype} p={p}"
+                else:  # each kernel is checked against float64 above; here they agree to a bf16 rounding
+                    tol = 2**-8 * c.float().abs().max().item()
+                    torch.testing.assert_close(a.float(), c.float(), rtol=2**-7, atol=tol,
+                                               msg=lambda m: f"{name} {rows}x{H} weights {wdtype} p={p}: {m}")
             assert_kernels(cuda_kernel_names(lambda: ops.layer_norm_bwd2(dy, dy2, z, w, mean, rstd, rng, p)), rows, H,
                            True)
             if expect_prefetch(rows, True) and rows >= 16384:  # two blocks a SM: 128 registers, 2 x 113 KiB of smem
