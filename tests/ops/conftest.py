@@ -128,12 +128,17 @@ def check(ours, torch_same_dtype, ref, dtype, name):
     assert e_ours <= 2 * e_torch + FLOOR[dtype], f"{name}: error {e_ours:.2e} vs PyTorch {e_torch:.2e}"
 
 
-def cuda_kernel_names(fn) -> list[str]:
-    """The names of the CUDA kernels fn() launches, in launch order (torch.profiler, synchronized)."""
+def _cuda_profile(fn) -> torch.profiler.profile:
+    """torch.profiler's CUDA activity over fn(), synchronized."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return prof
+
+
+def cuda_kernel_names(fn) -> list[str]:
+    """The names of the CUDA kernels fn() launches, in launch order (torch.profiler, synchronized)."""
+    return [e.name for e in _cuda_profile(fn).events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def cuda_kernel_grids(fn) -> list[tuple[str, tuple[int, ...]]]:
@@ -142,9 +147,7 @@ def cuda_kernel_grids(fn) -> list[tuple[str, tuple[int, ...]]]:
     import json
     import tempfile
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    prof = _cuda_profile(fn)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)

@@ -891,7 +891,8 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
     }
   }
 // the register kernel KERNEL on as many blocks as are resident at once, at most MAX_PER_SM a SM (its own static:
-// one per expansion)
+// one per expansion; kAnyBlocksPerSm: no cap)
+  constexpr int kAnyBlocksPerSm = 1 << 30;
 #define BA_LN_BWD_RESIDENT(KERNEL, MAX_PER_SM)                                                            \
   do {                                                                                                    \
     static const int per_sm = [] { /* resident blocks per SM: registers and shared memory decide */     \
@@ -914,7 +915,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       }                                                                                                   \
       break;                                                                                              \
     }                                                                                                     \
-    BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE>), 1 << 30);                                       \
+    BA_LN_BWD_RESIDENT((ln_bwd_kernel<T, W, V, I, MODE>), kAnyBlocksPerSm);                               \
   } while (0)
   BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD);
 #undef BA_LN_BWD
