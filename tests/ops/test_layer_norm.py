@@ -549,12 +549,14 @@ def test_fanout_under_gradient_checkpointing_trains_like_autograds_add(monkeypat
 
 @cuda_test
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("H", [384, 768, 1024, 1002])  # the prefetching kernel (bf16 <= 768); elsewhere an add first
+@pytest.mark.parametrize("H", [384, 768, 1024, 1002])  # the prefetching kernel (bf16, 16-byte rows); else an add first
 @pytest.mark.parametrize("p", [0.0, 0.1])
 def test_layer_norm_bwd2_kernel_gives_the_backward_of_the_added_gradients_bits(dtype, H, p):
     """The kernel summing dy + dy2 as it loads the rows gives layer_norm_bwd's bits on the added gradient (PyTorch's
-    add rounds the sum to the dtype once, as the kernel does), with and without dropout, fp32 and bf16 weights."""
-    rows = 2053
+    add rounds the sum to the dtype once, as the kernel does), with and without dropout, fp32 and bf16 weights.
+    4,099 rows: from kPrefetch1024Rows (4,096) both forms run the prefetching kernel at 1024 wide by default too (below
+    it the one-gradient form runs the ring, whose sums run in another order: test_ln_bwd_prefetch_1024.py)."""
+    rows = 4099
     for wdtype in {torch.float32, dtype}:
         x, res = rand(rows, H, device="cuda", dtype=dtype), rand(rows, H, device="cuda", dtype=dtype)
         bias = rand(H, device="cuda", dtype=dtype)
