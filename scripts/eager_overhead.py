@@ -78,6 +78,7 @@ def cases(shape: tuple[int, ...], grad: bool, device: str) -> dict:
     # F.rms_norm computes in fp32); ours take the fp32 master weights, as a swapped model under autocast passes them
     wb, bb = (torch.randn(H, device=device, dtype=torch.bfloat16, requires_grad=grad) for _ in range(2))
     hb = torch.randn(H, device=device, dtype=torch.bfloat16, requires_grad=grad)
+    hb32 = torch.randn(H, device=device, requires_grad=grad)  # ours: the fp32 master linear bias, as the swap passes it
     r = torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=grad)
     gb = torch.randn(4 * H, device=device, dtype=torch.bfloat16, requires_grad=grad)
     g = torch.randn(*shape[:-1], 4 * H, device=device, dtype=torch.bfloat16, requires_grad=grad)
@@ -97,9 +98,9 @@ def cases(shape: tuple[int, ...], grad: bool, device: str) -> dict:
         },
         "residual_ln": {  # BertSelfOutput / BertOutput's tail: LayerNorm(dropout(h + bias) + residual), p = 0.1
             "pytorch": lambda: F.layer_norm(F.dropout(x + hb, 0.1) + r, (H,), wb, bb, 1e-12),
-            "bertaccel": lambda: bias_dropout_add_layer_norm(x, hb, r, w, b, 0.1, 1e-12),
+            "bertaccel": lambda: bias_dropout_add_layer_norm(x, hb32, r, w, b, 0.1, 1e-12),
             # what a training forward runs by default (the fan-out: a Python autograd.Function, y and its alias)
-            "fanout": lambda: bias_dropout_add_layer_norm_fanout(x, hb, r, w, b, 0.1, 1e-12),
+            "fanout": lambda: bias_dropout_add_layer_norm_fanout(x, hb32, r, w, b, 0.1, 1e-12),
         },
         "bias_gelu": {
             "pytorch": lambda: F.gelu(g + gb),

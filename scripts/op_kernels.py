@@ -33,7 +33,7 @@ for name, fn in ops.items():
     cols = 4 * h if wide else h
     x = torch.randn(n, cols, **bf, requires_grad=True)
     r = torch.randn(n, cols, **bf, requires_grad=True)
-    lb = torch.randn(cols, **bf, requires_grad=True)
+    lb = torch.randn(cols, device="cuda", requires_grad=True)  # the fp32 master linear bias, as the swap passes it
     call = (lambda: bias_gelu(x, lb)) if wide else (lambda: fn(x, r, lb))
     dy = torch.randn(n, cols, **bf)
     leaves = {"layer_norm": (x, w, b), "rms_norm": (x, w)}.get(name, (x, lb) if wide else (x, r, lb, w, b))

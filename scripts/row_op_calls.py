@@ -2,7 +2,7 @@
 inside cudaProfilerStart/Stop: the driver for reading the kernels' hardware counters with Nsight
 Compute (gpu_check stage `ncu_rows`):
 `ncu --profile-from-start off --clock-control none --section SpeedOfLight ... python scripts/row_op_calls.py`
-`--ops layer_norm residual_layer_norm rms_norm --shapes 16384x384 16384x768` (bf16, fp32 weights)."""
+`--ops layer_norm residual_layer_norm rms_norm --shapes 16384x384 16384x768` (bf16, fp32 weights and linear bias)."""
 import argparse
 
 import torch
@@ -21,7 +21,7 @@ for shape in args.shapes:
     n, h = (int(v) for v in shape.split("x"))
     w, b = (torch.randn(h, device="cuda", requires_grad=True) for _ in range(2))
     x, r = (torch.randn(n, h, **bf, requires_grad=True) for _ in range(2))
-    lb = torch.randn(h, **bf, requires_grad=True)
+    lb = torch.randn(h, device="cuda", requires_grad=True)  # the fp32 master linear bias, as the swap passes it
     dy = torch.randn(n, h, **bf)
     for op in args.ops:
         call, leaves = {
