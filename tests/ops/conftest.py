@@ -158,6 +158,15 @@ def cuda_kernel_grids(fn) -> list[tuple[str, tuple[int, ...]]]:
     return [(e["name"], tuple(e["args"]["grid"])) for e in kernels]
 
 
+def assert_passes_in_child(check, env: dict[str, str | None], ok_line: str) -> None:
+    """check() - a module-level function of a test module - in a fresh process with `env` on top of this one's (the
+    kernels' switches are read once per process): it must exit 0 having printed ok_line."""
+    from tests.conftest import run_in_child
+
+    r = run_in_child(f"from {check.__module__} import {check.__name__}; {check.__name__}()", env)
+    assert r.returncode == 0 and ok_line in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
 def leaves(*ts):
     return [t.detach().clone().requires_grad_(True) for t in ts]
 

@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import run_in_child
-from tests.ops.conftest import check, cuda_kernel_grids, cuda_kernel_names, cuda_test, leaves, poison, rand
+from tests.ops.conftest import (assert_passes_in_child, check, cuda_kernel_grids, cuda_kernel_names, cuda_test, leaves,
+                                poison, rand)
 
 
 def check_prefetch_1024() -> None:
@@ -102,6 +102,4 @@ def check_prefetch_1024() -> None:
 @cuda_test
 @pytest.mark.parametrize("setting", [None, "1", "0"], ids=["default", "always", "never"])
 def test_fused_backward_at_1024_wide_through_the_prefetching_kernel(setting):
-    code = "from tests.ops.test_ln_bwd_prefetch_1024 import check_prefetch_1024; check_prefetch_1024()"
-    r = run_in_child(code, {"BERTACCEL_LN_BWD_PREFETCH_1024": setting})
-    assert r.returncode == 0 and "prefetch 1024 ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    assert_passes_in_child(check_prefetch_1024, {"BERTACCEL_LN_BWD_PREFETCH_1024": setting}, "prefetch 1024 ok")

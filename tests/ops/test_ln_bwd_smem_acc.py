@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import run_in_child
-from tests.ops.conftest import check_embeddings_layer_norm_backward, check_layer_norm_backward, cuda_test
+from tests.ops.conftest import (assert_passes_in_child, check_embeddings_layer_norm_backward, check_layer_norm_backward,
+                                cuda_test)
 
 # the default's row count from which the plain LayerNorm's 1024-wide rows take the two-block register kernel instead
 # (layer_norm_bwd.cuh: kTwoBlocks32RowsPlain; the embeddings' form keeps the accumulators)
@@ -64,6 +64,4 @@ def check_smem_accumulators() -> None:
 @cuda_test
 @pytest.mark.parametrize("setting", [None, "1", "0"], ids=["default", "always", "never"])
 def test_layer_norm_backward_with_the_accumulators_in_shared_memory(setting):
-    code = "from tests.ops.test_ln_bwd_smem_acc import check_smem_accumulators; check_smem_accumulators()"
-    r = run_in_child(code, {"BERTACCEL_LN_BWD_SMEM_ACC": setting})
-    assert r.returncode == 0 and "smem accumulators ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    assert_passes_in_child(check_smem_accumulators, {"BERTACCEL_LN_BWD_SMEM_ACC": setting}, "smem accumulators ok")

@@ -15,9 +15,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import run_in_child
-from tests.ops.conftest import (check_embeddings_layer_norm_backward, check_layer_norm_backward, cuda_kernel_grids,
-                                cuda_test)
+from tests.ops.conftest import (assert_passes_in_child, check_embeddings_layer_norm_backward, check_layer_norm_backward,
+                                cuda_kernel_grids, cuda_test)
 
 
 # the default's row thresholds (layer_norm_bwd.cuh: kTwoBlocks24Rows384, kTwoBlocks24Rows384Emb, kTwoBlocks24Rows768)
@@ -81,6 +80,5 @@ def check_two_blocks_24() -> None:
 @cuda_test
 @pytest.mark.parametrize("setting", [None, "1", "0"], ids=["default", "two-blocks", "one-block"])
 def test_layer_norm_backward_at_24_elements_a_thread_on_two_blocks_per_sm(setting):
-    code = "from tests.ops.test_ln_bwd_two_blocks_24 import check_two_blocks_24; check_two_blocks_24()"
-    r = run_in_child(code, {"BERTACCEL_LN_BWD_TWO_BLOCKS_24": setting, "BERTACCEL_LN_BWD_SMEM_ACC": None})
-    assert r.returncode == 0 and "two blocks at 24 elements ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    env = {"BERTACCEL_LN_BWD_TWO_BLOCKS_24": setting, "BERTACCEL_LN_BWD_SMEM_ACC": None}
+    assert_passes_in_child(check_two_blocks_24, env, "two blocks at 24 elements ok")
