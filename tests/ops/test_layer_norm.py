@@ -195,7 +195,8 @@ def test_residual_layer_norm_without_dropout(rows, hidden, dtype):
 
 @cuda_test
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("H", [768, 1001, 1002])  # 16-byte vectors, scalar and 2-wide paths (odd sizes)
+# 16-byte vectors (384: bf16 rows on half a warp in the forward), scalar and 2-wide paths (odd sizes)
+@pytest.mark.parametrize("H", [384, 768, 1001, 1002])
 def test_residual_layer_norm_dropout_is_consistent_and_seeded(dtype, H):
     rows, p = 2048, 0.1
     x = torch.randn(rows, H, device="cuda", dtype=dtype)
@@ -238,13 +239,16 @@ def test_residual_layer_norm_dropout_is_consistent_and_seeded(dtype, H):
 
 @cuda_test
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("H", [200, 392, 1024])  # partly filled warps (25 and 49 vectors of 8) and a full one
+# partly filled warps (25 and 49 vectors of 8) and a full one; in bf16 the forward's half-warp rows, full (384: 48
+# vectors, 3 a lane on 16 lanes) and partly filled (328: 41)
+@pytest.mark.parametrize("H", [200, 328, 384, 392, 1024])
 def test_the_row_ring_keeps_every_row_in_order(dtype, H):
     """The persistent ring kernels (rows <= 1024 wide, forward and backward) walk many rows per warp:
-    40,000 rows is ~19 per warp of a full H100 grid, so every ring stage is refilled several times.
+    40,001 rows is ~19 per warp of a full H100 grid, so every ring stage is refilled several times.
     Each row must come out as its own LayerNorm (a stage mix-up would swap or repeat rows), with the
-    saved sum and statistics, and its own gradients; the column sums gather every row once."""
-    rows = 40000
+    saved sum and statistics, and its own gradients; the column sums gather every row once. The odd
+    row count leaves the forward's last half-warp row slot without a row (it must write nothing)."""
+    rows = 40001
     x = (torch.randn(rows, H, device="cuda") * 2 + torch.arange(rows, device="cuda")[:, None] % 7).to(dtype)
     r = torch.randn(rows, H, device="cuda", dtype=dtype)
     bias = torch.randn(H, device="cuda", dtype=dtype)

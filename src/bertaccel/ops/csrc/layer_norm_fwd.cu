@@ -212,6 +212,11 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 // an H100 SM for a 768-wide bf16 row, against one row per warp in the one-row-per-thread-group
 // kernel above). Weight and bias are read into registers once per warp, before the row loop. Each
 // lane reads back only the 16-byte slots it copied itself: no barrier anywhere, warps run free.
+// TPR: lanes per row, 32 or 16. With 16 each half-warp owns its own rows (a warp works on two at a
+// time, the shuffles of both reductions in the same instructions): a 384-wide bf16 row is 48 vectors,
+// 3 per lane on 16 lanes against 2 on 32 with a quarter of them idle, and each row's chain of
+// reductions is one shuffle shorter. Both halves run every trip of the loop (the reductions' shuffles
+// need the whole warp); a half past the last row copies and stores nothing.
 constexpr int kRingWarps = kThreads / 32;
 
 template <int ITEMS, bool RES>
@@ -219,21 +224,25 @@ constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes * 
 template <int ITEMS, bool RES>
 constexpr int ring_stages() { return ring_stages_for(ring_stage_bytes<ITEMS, RES>()); }
 
-template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES>
+template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     const T* __restrict__ x, const W* __restrict__ bias, const T* __restrict__ residual,
     const W* __restrict__ gamma, const W* __restrict__ beta, T* __restrict__ y, T* __restrict__ z,
     float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int H, float eps,
     float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
+  static_assert(TPR == 32 || TPR == 16, "a row on a warp or on half of one");
+  constexpr int kRowsPerWarp = 32 / TPR;
   constexpr int S = ring_stages<ITEMS, RES>();
-  constexpr int kStage = ITEMS * kRingItemBytes * (RES ? 2 : 1);  // one warp's row (and residual row)
+  constexpr int kStage = ITEMS * kRingItemBytes * (RES ? 2 : 1);  // one warp's rows (and residual rows)
   extern __shared__ __align__(16) unsigned char ring_smem[];
   begin_dependent_kernel();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int li = lane % TPR, sub = lane / TPR;  // lane within the row, the warp's row slot
   unsigned char* ring = ring_smem + warp * S * kStage + lane * 16;
   const int nvec = H / VEC;
-  const int64_t first = (int64_t)blockIdx.x * kRingWarps + warp, stride = (int64_t)gridDim.x * kRingWarps;
+  const int64_t first = ((int64_t)blockIdx.x * kRingWarps + warp) * kRowsPerWarp + sub;
+  const int64_t stride = (int64_t)gridDim.x * kRingWarps * kRowsPerWarp;
   const DropoutSeed rng = launch_dropout_seed(p, philox, rng_out);
   const uint64_t seed = rng.seed, offset = rng.offset;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
@@ -243,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
       unsigned char* dst = ring + stage * kStage;
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k) {
-        const int c = lane + k * 32;
+        const int c = li + k * TPR;
         if (c < nvec) {
           cp_async16(dst + k * kRingItemBytes, x + row * H + (int64_t)c * VEC);
           if constexpr (RES) cp_async16(dst + (ITEMS + k) * kRingItemBytes, residual + row * H + (int64_t)c * VEC);
@@ -258,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   float g[ITEMS][VEC], b[RMS ? 1 : ITEMS][VEC];  // weights: once per warp, while the first rows arrive
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
-    const int c = lane + k * 32;
+    const int c = li + k * TPR;
     if (c < nvec) {
       load_f<W, VEC>(gamma + c * VEC, g[k]);
       if constexpr (!RMS) load_f<W, VEC>(beta + c * VEC, b[k]);
@@ -267,7 +276,9 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   const float inv_h = 1.f / (float)H;
   int stage = 0;
   const uint32_t threshold = dropout_threshold(p);
-  for (int64_t row = first; row < rows; row += stride) {
+  // The loop runs while the warp's first slot has a row (the second's row is one more, or none).
+  for (int64_t row = first; row - sub < rows; row += stride) {
+    const bool active = kRowsPerWarp == 1 || row < rows;
     // The row's dropout draws depend on no data: make them while the row is still landing. Vector k's VEC
     // draws are 16-bit halves of one Philox call's words (dropout_keep's). Up to 3 vectors per lane (768-wide
     // bf16 rows, 384-wide fp32) the words are kept and each element's half compared where the element is used
@@ -280,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     if (p > 0.f) {
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k) {
-        const int c = lane + k * 32;
+        const int c = li + k * TPR;
         if (c < nvec) {
           const int64_t i0 = row * H + (int64_t)c * VEC;
           if constexpr (kDrawWords) {
@@ -304,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      const int c = lane + k * 32;
+      const int c = li + k * TPR;
       if (c >= nvec) continue;
       const int64_t off = row * H + (int64_t)c * VEC;
       load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kRingItemBytes), v[k]);
@@ -331,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
       if (z != nullptr || p > 0.f) {  // normalise exactly what is saved (with dropout also without z: see above)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] = to_f(from_f<T>(v[k][j]));
-        if (z != nullptr) store_f<T, VEC>(z + off, v[k]);
+        if (z != nullptr && active) store_f<T, VEC>(z + off, v[k]);
       }
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum += v[k][j];
@@ -339,25 +350,25 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     // The stage is free once its values are consumed (the sum depends on all of them): refill it.
     issue(row + S * stride, stage);
     stage = stage + 1 == S ? 0 : stage + 1;
-    const float mean = RMS ? 0.f : row_reduce(sum, 32, nullptr, 0, SumOp()) * inv_h;
+    const float mean = RMS ? 0.f : row_reduce(sum, TPR, nullptr, 0, SumOp()) * inv_h;
     float sq = 0.f;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
-      if (lane + k * 32 < nvec)
+      if (li + k * TPR < nvec)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const float d = v[k][j] - mean;
           sq += d * d;
         }
-    const float rstd = rsqrtf(row_reduce(sq, 32, nullptr, 0, SumOp()) * inv_h + eps);
-    if (lane == 0) {
+    const float rstd = rsqrtf(row_reduce(sq, TPR, nullptr, 0, SumOp()) * inv_h + eps);
+    if (li == 0 && active) {
       if (mean_out != nullptr) mean_out[row] = mean;
       if (rstd_out != nullptr) rstd_out[row] = rstd;
     }
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      const int c = lane + k * 32;
-      if (c < nvec) {
+      const int c = li + k * TPR;
+      if (c < nvec && active) {
         float o[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -373,17 +384,18 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   cp_async_wait<0>();
 }
 
-template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES>
+template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR>
 void launch_ring(const at::Tensor& x, const W* bp, const T* rp, const at::Tensor& gamma, const W* betap, at::Tensor& y,
                  T* zp, float* mp, float* rsp, int64_t rows, int H, double eps, double p,
                  const at::PhiloxCudaState& philox, int64_t* rngp, cudaStream_t stream) {
-  auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES>;
+  auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, TPR>;
   constexpr int smem = ring_stages<ITEMS, RES>() * ring_stage_bytes<ITEMS, RES>();
   const int device = x.get_device();
   const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
   static int blocks_per_sm[64] = {};  // this instantiation's, per device
   const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, blocks_per_sm);
-  const int64_t blocks = std::min<int64_t>((rows + kRingWarps - 1) / kRingWarps, fit);
+  constexpr int kRowsPerBlock = kRingWarps * (32 / TPR);
+  const int64_t blocks = std::min<int64_t>((rows + kRowsPerBlock - 1) / kRowsPerBlock, fit);
   launch_dependent(kernel, dim3((unsigned)blocks), dim3(kThreads), smem, stream, (const T*)x.data_ptr(), bp, rp,
                    (const W*)gamma.data_ptr(), betap, (T*)y.data_ptr(), zp, mp, rsp, rows, H, (float)eps, (float)p, philox,
                    rngp);
@@ -396,6 +408,12 @@ void launch_ring(const at::Tensor& x, const W* bp, const T* rp, const at::Tensor
 int pick_rows() {
   static const int rows = env_switch("BERTACCEL_LN_ROWS", 1) == 2 ? 2 : 1;
   return rows;
+}
+
+// BERTACCEL_LN_RING_HALF_WARP=0: the ring gives every row a whole warp (for comparing; read once per process).
+bool ring_half_warp_enabled() {
+  static const bool on = env_switch("BERTACCEL_LN_RING_HALF_WARP", 1) != 0;
+  return on;
 }
 
 // -------------------------------------------------------------------------------- dispatch
@@ -439,17 +457,25 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
   const int64_t nvec = H / vec;
   if (vec == max_vec && nvec <= 32 * (kMaxElemsPerThread / max_vec) && nrows == 1 && ring_enabled()) {
     const int need = (int)((nvec + 31) / 32);  // vectors per lane
-#define BA_LN_RING(I, RES)                                                                                       \
-  launch_ring<T, W, max_vec, I, RMS, RES>(x, bp, rp, gamma, betap, y, zp, mp, rsp, rows, (int)H, eps, p, philox, \
-                                          rngp, stream)
+    // A row on half a warp where that leaves fewer lanes idle and takes at most 3 vectors a lane: 384-wide
+    // bf16 rows (48 vectors: 3 on 16 lanes, not 2 on 32 with 16 of the 64 slots empty), 128 and 320 wide.
+    const int half_need = (int)((nvec + 15) / 16);
+    const bool half = half_need <= 3 && half_need * 16 < need * 32 && ring_half_warp_enabled();
+#define BA_LN_RING(I, RES, TPR)                                                                                  \
+  launch_ring<T, W, max_vec, I, RMS, RES, TPR>(x, bp, rp, gamma, betap, y, zp, mp, rsp, rows, (int)H, eps, p,    \
+                                               philox, rngp, stream)
 #define BA_LN_RING_ITEMS(RES)                                                                                    \
   do {                                                                                                           \
-    if (need == 1) BA_LN_RING(1, RES);                                                                           \
-    else if (need == 2) BA_LN_RING(2, RES);                                                                      \
-    else if (need == 3) BA_LN_RING(3, RES);                                                                      \
-    else if (need == 4 || max_vec == 8) BA_LN_RING(4, RES);                                                      \
+    if (half) {                                                                                                  \
+      if (half_need == 1) BA_LN_RING(1, RES, 16);                                                                \
+      else if (half_need == 2) BA_LN_RING(2, RES, 16);                                                           \
+      else BA_LN_RING(3, RES, 16);                                                                               \
+    } else if (need == 1) BA_LN_RING(1, RES, 32);                                                                \
+    else if (need == 2) BA_LN_RING(2, RES, 32);                                                                  \
+    else if (need == 3) BA_LN_RING(3, RES, 32);                                                                  \
+    else if (need == 4 || max_vec == 8) BA_LN_RING(4, RES, 32);                                                  \
     else if constexpr (max_vec == 4) {                                                                           \
-      if (need <= 6) BA_LN_RING(6, RES); else BA_LN_RING(8, RES);                                                \
+      if (need <= 6) BA_LN_RING(6, RES, 32); else BA_LN_RING(8, RES, 32);                                        \
     }                                                                                                            \
   } while (0)
     if constexpr (!RMS) {
