@@ -5,7 +5,8 @@ session 73 this script passed one). Settings are environment
 variables read once per process, so run once per setting:
   BERTACCEL_LN_RING=0  the one-row-per-thread-group kernel for every width (the ring off)
   BERTACCEL_LN_ROWS=2  two rows per thread group in that kernel (turns the ring off too)
-  BERTACCEL_LN_RING_HALF_WARP=0  the ring gives every row a whole warp (by default a 384-wide bf16 row has half)
+  BERTACCEL_LN_RING_HALF_WARP=0|1  the ring gives every row a whole warp / the residual form half-warp rows at every
+                       row count (by default a 384-wide bf16 row has half a warp, the residual form's from 4,096 rows)
   (neither)            the default: the persistent ring kernel for rows up to 1024 wide
 `for s in "" BERTACCEL_LN_RING=0; do env $s python scripts/ln_fwd_sweep.py; done`"""
 import os
@@ -19,7 +20,7 @@ from bertaccel.ops.rms_norm import rms_norm
 
 ceil = copy_bandwidth_gbs()
 setting = " ".join(f"{k}={os.environ[k]}" for k in ("BERTACCEL_LN_RING", "BERTACCEL_LN_ROWS", "BERTACCEL_LN_RING_HALF_WARP") if k in os.environ) or "default"
-for n, h in [(2048, 384), (2048, 768), (16384, 384), (16384, 768), (16384, 1024)]:
+for n, h in [(2048, 384), (4096, 384), (8192, 384), (2048, 768), (16384, 384), (16384, 768), (16384, 1024)]:
     sets = [(torch.randn(n, h, device="cuda", dtype=torch.bfloat16), torch.randn(h, device="cuda"),
              torch.randn(h, device="cuda"), torch.randn(h, device="cuda"),
              torch.randn(n, h, device="cuda", dtype=torch.bfloat16))

@@ -195,10 +195,11 @@ def test_residual_layer_norm_without_dropout(rows, hidden, dtype):
 
 @cuda_test
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-# 16-byte vectors (384: a bf16 row's second vector on half the lanes), scalar and 2-wide paths (odd sizes)
+# 16-byte vectors (384: bf16 rows on half a warp in the forward ring, from 4,096 rows), scalar and 2-wide paths
+# (odd sizes); an odd row count: the ring's last half-warp row slot has no row
 @pytest.mark.parametrize("H", [384, 768, 1001, 1002])
 def test_residual_layer_norm_dropout_is_consistent_and_seeded(dtype, H):
-    rows, p = 2048, 0.1
+    rows, p = 4101, 0.1
     x = torch.randn(rows, H, device="cuda", dtype=dtype)
     zero = torch.zeros(rows, H, device="cuda", dtype=dtype)
     w, b = torch.ones(H, device="cuda"), torch.zeros(H, device="cuda")
@@ -239,8 +240,8 @@ def test_residual_layer_norm_dropout_is_consistent_and_seeded(dtype, H):
 
 @cuda_test
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-# partly filled warps (25 and 49 vectors of 8) and a full one; in bf16 the LayerNorm and RMSNorm forward's
-# half-warp rows, full (384: 48 vectors, 3 a lane on 16 lanes) and partly filled (328: 41)
+# partly filled warps (25 and 49 vectors of 8) and a full one; in bf16 the forward ring's half-warp rows, full
+# (384: 48 vectors, 3 a lane on 16 lanes) and partly filled (328: 41)
 @pytest.mark.parametrize("H", [200, 328, 384, 392, 1024])
 def test_the_row_ring_keeps_every_row_in_order(dtype, H):
     """The persistent ring kernels (rows <= 1024 wide, forward and backward) walk many rows per warp:

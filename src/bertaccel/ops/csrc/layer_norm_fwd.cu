@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 // TPR: lanes per row, 32 or 16. With 16 each half-warp owns its own rows (a warp works on two at a
 // time, the shuffles of both reductions in the same instructions): a 384-wide bf16 row is 48 vectors,
 // 3 per lane on 16 lanes against 2 on 32 with a quarter of them idle, and each row's chain of
-// reductions is one shuffle shorter (LayerNorm and RMSNorm only: see the dispatch). Both halves run every trip of the loop (the reductions' shuffles
+// reductions is one shuffle shorter (the residual form from a row count: see the dispatch). Both halves run every trip of the loop (the reductions' shuffles
 // need the whole warp); a half past the last row copies and stores nothing.
 constexpr int kRingWarps = kThreads / 32;
 
@@ -223,6 +223,15 @@ template <int ITEMS, bool RES>
 constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes * (RES ? 2 : 1); }
 template <int ITEMS, bool RES>
 constexpr int ring_stages() { return ring_stages_for(ring_stage_bytes<ITEMS, RES>()); }
+// Half-warp rows take half the stages (at least 2): as many rows in flight per warp as whole-warp rows (a stage
+// holds two rows). With all four, 2,112 warps of an H200 asked for 16,896 rows at the start - the whole of a
+// 16384-row input in flight before the first row was written, reads and writes no longer overlapped (16384 x 384,
+// us, 4 / 3 / 2 stages: LayerNorm 8.6-8.7 / 8.0-8.2 / 7.4, the residual form with dropout 17.6-18.4 / 16.3-16.9 /
+// 15.4-15.6; h200/ln_fwd_sweep_half_warp_03a2cfa.log for 4, h200/ln_fwd_sweep_half_warp_stages_cddd886.log).
+template <int ITEMS, bool RES, int TPR>
+constexpr int ring_stages_rows() {
+  return TPR == 32 ? ring_stages<ITEMS, RES>() : (ring_stages<ITEMS, RES>() / 2 < 2 ? 2 : ring_stages<ITEMS, RES>() / 2);
+}
 
 template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
@@ -233,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
   static_assert(TPR == 32 || TPR == 16, "a row on a warp or on half of one");
   constexpr int kRowsPerWarp = 32 / TPR;
-  constexpr int S = ring_stages<ITEMS, RES>();
+  constexpr int S = ring_stages_rows<ITEMS, RES, TPR>();
   constexpr int kStage = ITEMS * kRingItemBytes * (RES ? 2 : 1);  // one warp's rows (and residual rows)
   extern __shared__ __align__(16) unsigned char ring_smem[];
   begin_dependent_kernel();
@@ -389,7 +398,7 @@ void launch_ring(const at::Tensor& x, const W* bp, const T* rp, const at::Tensor
                  T* zp, float* mp, float* rsp, int64_t rows, int H, double eps, double p,
                  const at::PhiloxCudaState& philox, int64_t* rngp, cudaStream_t stream) {
   auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, TPR>;
-  constexpr int smem = ring_stages<ITEMS, RES>() * ring_stage_bytes<ITEMS, RES>();
+  constexpr int smem = ring_stages_rows<ITEMS, RES, TPR>() * ring_stage_bytes<ITEMS, RES>();
   const int device = x.get_device();
   const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
   static int blocks_per_sm[64] = {};  // this instantiation's, per device
@@ -410,10 +419,15 @@ int pick_rows() {
   return rows;
 }
 
-// BERTACCEL_LN_RING_HALF_WARP=0: the ring gives every row a whole warp (for comparing; read once per process).
-bool ring_half_warp_enabled() {
-  static const bool on = env_switch("BERTACCEL_LN_RING_HALF_WARP", 1) != 0;
-  return on;
+// Whether the forward ring puts a row on half a warp where its width allows (the dispatch): LayerNorm and
+// RMSNorm always, the residual form from kHalfWarpResidualRows rows. BERTACCEL_LN_RING_HALF_WARP=0: never (every
+// row on a whole warp, as before session 74); =1: the residual form at every row count too (for comparing; read
+// once per process).
+constexpr int64_t kHalfWarpResidualRows = 4096;
+bool ring_half_warp(bool residual, int64_t rows) {
+  static const int mode = env_switch("BERTACCEL_LN_RING_HALF_WARP", -1);
+  if (mode == 0 || mode == 1) return mode == 1;
+  return !residual || rows >= kHalfWarpResidualRows;
 }
 
 // -------------------------------------------------------------------------------- dispatch
@@ -457,29 +471,26 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
   const int64_t nvec = H / vec;
   if (vec == max_vec && nvec <= 32 * (kMaxElemsPerThread / max_vec) && nrows == 1 && ring_enabled()) {
     const int need = (int)((nvec + 31) / 32);  // vectors per lane
-    // LayerNorm and RMSNorm (not the residual form: below) put a row on half a warp where that leaves fewer
-    // lanes idle and takes at most 3 vectors a lane: 384-wide bf16 rows (48 vectors: 3 on 16 lanes, not 2 on
-    // 32 with 16 of the 64 slots empty), 128 and 320 wide. Measured (H200, 16384 x 384 bf16, no grad, two
-    // alternated rounds, us, half / whole warp; h200/ln_fwd_sweep_half_warp_03a2cfa.log): LayerNorm 8.5 / 8.7
-    // against 9.3 / 9.2 (67 -> 71% of copy), RMSNorm 7.1 / 7.3 against 7.7 / 7.8 (80 -> 86%); the residual
-    // form without dropout 13.5 / 13.6 against 12.9 / 12.8 (its 3-vector kernel at 127 registers), with
-    // p = 0.1 17.6 / 18.4 against 18.7 / 18.2, so it keeps the whole warp. At 2,048 rows level.
+    // A row on half a warp where that leaves fewer lanes idle and takes at most 3 vectors a lane: 384-wide bf16
+    // rows (48 vectors: 3 on 16 lanes, not 2 on 32 with 16 of the 64 slots empty), 128 and 320 wide; the residual
+    // form from kHalfWarpResidualRows rows (ring_half_warp). Measured (H200, bf16, no grad, two alternated rounds,
+    // us, half / whole warp; h200/ln_fwd_sweep_half_warp_stages_cddd886.log, half-warp rows on 2 stages):
+    // 16384 x 384 LayerNorm 7.4 / 7.4 against 9.2 / 9.2 (66 -> 81% of copy), RMSNorm 6.9 / 6.9 against 7.7 / 7.6
+    // (80 -> 87%), the residual form 12.0 / 11.9 against 12.8 / 12.8, with p = 0.1 15.6 / 15.4 against 18.4 / 18.2;
+    // at 2,048 rows LayerNorm and RMSNorm level, the residual form 4.2 / 4.1 against 3.7 / 3.6 (half as many warps,
+    // each with a longer chain), hence its threshold (docs/row-ops.md "Half-warp rows in the forward ring").
     const int half_need = (int)((nvec + 15) / 16);
-    const bool half = half_need <= 3 && half_need * 16 < need * 32 && ring_half_warp_enabled();
+    const bool half = half_need <= 3 && half_need * 16 < need * 32 && ring_half_warp(rp != nullptr, rows);
 #define BA_LN_RING(I, RES, TPR)                                                                                  \
   launch_ring<T, W, max_vec, I, RMS, RES, TPR>(x, bp, rp, gamma, betap, y, zp, mp, rsp, rows, (int)H, eps, p,    \
                                                philox, rngp, stream)
 #define BA_LN_RING_ITEMS(RES)                                                                                    \
   do {                                                                                                           \
-    if constexpr (!(RES)) {                                                                                      \
-      if (half) {                                                                                                \
-        if (half_need == 1) BA_LN_RING(1, RES, 16);                                                              \
-        else if (half_need == 2) BA_LN_RING(2, RES, 16);                                                         \
-        else BA_LN_RING(3, RES, 16);                                                                             \
-        break;                                                                                                   \
-      }                                                                                                          \
-    }                                                                                                            \
-    if (need == 1) BA_LN_RING(1, RES, 32);                                                                       \
+    if (half) {                                                                                                  \
+      if (half_need == 1) BA_LN_RING(1, RES, 16);                                                                \
+      else if (half_need == 2) BA_LN_RING(2, RES, 16);                                                           \
+      else BA_LN_RING(3, RES, 16);                                                                               \
+    } else if (need == 1) BA_LN_RING(1, RES, 32);                                                                \
     else if (need == 2) BA_LN_RING(2, RES, 32);                                                                  \
     else if (need == 3) BA_LN_RING(3, RES, 32);                                                                  \
     else if (need == 4 || max_vec == 8) BA_LN_RING(4, RES, 32);                                                  \
