@@ -90,7 +90,9 @@ inline bool ring_enabled() {
 // The forward rings (one row per warp, each lane copying 16-byte items): shared memory per block for
 // two blocks per SM on Hopper/Ampere, and the stages a block's `stage_bytes` allow within it - at most
 // four: six for the 384-wide bf16 LayerNorm row (half a 768-wide row's bytes in flight with four)
-// measured slower on the H100 (16384 rows: 11.9 against 11.0 us, same run).
+// measured slower on the H100 (16384 rows: 11.9 against 11.0 us, same run). The softmax ring takes
+// these; the LayerNorm family's forward ring runs two stages since session 74 (layer_norm_fwd.cu
+// kFwdRingStages: fewer measured faster there).
 constexpr int kRingItemBytes = 32 * 16;  // one item of a row: 16 bytes per lane
 constexpr int kRingBudget = 96 * 1024;
 constexpr int ring_stages_for(int stage_bytes) {

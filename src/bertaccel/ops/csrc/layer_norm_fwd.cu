@@ -208,30 +208,30 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 // 16-byte aligned tensors. A persistent grid (as many blocks as fit); each warp owns one row at a
 // time and walks the rows first, first + W, ... (W warps in the grid). The warp's rows reach shared
 // memory through a ring of S stages of cp.async copies, issued S rows ahead, so S rows per warp are
-// in flight without holding them in registers (16 warps per SM x 4 rows x 1.5 KB = 96 KB in flight on
-// an H100 SM for a 768-wide bf16 row, against one row per warp in the one-row-per-thread-group
-// kernel above). Weight and bias are read into registers once per warp, before the row loop. Each
+// in flight without holding them in registers (16 warps per SM x 2 rows x 1.5 KB = 48 KB in flight on
+// an SM for a 768-wide bf16 row, against one row per warp in the one-row-per-thread-group kernel
+// above; S = kFwdRingStages, below). Weight and bias are read into registers once per warp, before the row loop. Each
 // lane reads back only the 16-byte slots it copied itself: no barrier anywhere, warps run free.
 // TPR: lanes per row, 32 or 16. With 16 each half-warp owns its own rows (a warp works on two at a
 // time, the shuffles of both reductions in the same instructions): a 384-wide bf16 row is 48 vectors,
 // 3 per lane on 16 lanes against 2 on 32 with a quarter of them idle, and each row's chain of
-// reductions is one shuffle shorter (the residual form from a row count: see the dispatch). Both halves run every trip of the loop (the reductions' shuffles
-// need the whole warp); a half past the last row copies and stores nothing.
+// reductions is one shuffle shorter (the residual form from a row count: see the dispatch). Both halves
+// run every trip of the loop (the reductions' shuffles need the whole warp); a half past the last row
+// copies and stores nothing.
 constexpr int kRingWarps = kThreads / 32;
 
 template <int ITEMS, bool RES>
 constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes * (RES ? 2 : 1); }
-template <int ITEMS, bool RES>
-constexpr int ring_stages() { return ring_stages_for(ring_stage_bytes<ITEMS, RES>()); }
-// Half-warp rows take half the stages (at least 2): as many rows in flight per warp as whole-warp rows (a stage
-// holds two rows). With all four, 2,112 warps of an H200 asked for 16,896 rows at the start - the whole of a
-// 16384-row input in flight before the first row was written, reads and writes no longer overlapped (16384 x 384,
-// us, 4 / 3 / 2 stages: LayerNorm 8.6-8.7 / 8.0-8.2 / 7.4, the residual form with dropout 17.6-18.4 / 16.3-16.9 /
-// 15.4-15.6; h200/ln_fwd_sweep_half_warp_03a2cfa.log for 4, h200/ln_fwd_sweep_half_warp_stages_cddd886.log).
-template <int ITEMS, bool RES, int TPR>
-constexpr int ring_stages_rows() {
-  return TPR == 32 ? ring_stages<ITEMS, RES>() : (ring_stages<ITEMS, RES>() / 2 < 2 ? 2 : ring_stages<ITEMS, RES>() / 2);
-}
+// Two ring stages at every width: two rows in flight per warp (four for half-warp rows, a stage holding two).
+// More asked for too much of the input at once: with four, 2,112 warps of an H200 requested 8,448 whole-warp rows
+// (half of a 16384-row input) or 16,896 half-warp rows (all of it) before the first row was written, and reads and
+// writes stopped overlapping. Measured (H200, bf16, no grad, 16384 rows, two alternated rounds, us, 4 / 3 / 2
+// stages; h200/ln_fwd_sweep_stages_d48e50f.log, h200/ln_fwd_sweep_half_warp_stages_cddd886.log): the residual form
+// 768 wide 26.0-26.1 / 24.9-25.1 / 23.4, with p = 0.1 30.8 / 28.9-29.6 / 26.7-26.8; 1024 wide 33.3 / 33.2-33.3 /
+// 31.5-31.6; RMSNorm 768 13.4-13.5 / 13.5-13.6 / 13.2-13.3, 1024 19.0 / 18.4-18.6 / 18.4; LayerNorm 768 13.9 /
+// 13.8-14.0 / 13.6, 384 on half warps 8.6-8.7 / 8.0-8.2 / 7.4; at 2,048-8,192 rows level. (The softmax ring keeps
+// ring_stages_for's up to four: not measured with fewer.)
+constexpr int kFwdRingStages = 2;
 
 template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
   static_assert(TPR == 32 || TPR == 16, "a row on a warp or on half of one");
   constexpr int kRowsPerWarp = 32 / TPR;
-  constexpr int S = ring_stages_rows<ITEMS, RES, TPR>();
+  constexpr int S = kFwdRingStages;
   constexpr int kStage = ITEMS * kRingItemBytes * (RES ? 2 : 1);  // one warp's rows (and residual rows)
   extern __shared__ __align__(16) unsigned char ring_smem[];
   begin_dependent_kernel();
@@ -398,7 +398,7 @@ void launch_ring(const at::Tensor& x, const W* bp, const T* rp, const at::Tensor
                  T* zp, float* mp, float* rsp, int64_t rows, int H, double eps, double p,
                  const at::PhiloxCudaState& philox, int64_t* rngp, cudaStream_t stream) {
   auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, TPR>;
-  constexpr int smem = ring_stages_rows<ITEMS, RES, TPR>() * ring_stage_bytes<ITEMS, RES>();
+  constexpr int smem = kFwdRingStages * ring_stage_bytes<ITEMS, RES>();
   const int device = x.get_device();
   const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
   static int blocks_per_sm[64] = {};  // this instantiation's, per device
