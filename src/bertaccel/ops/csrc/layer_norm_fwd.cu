@@ -210,8 +210,9 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 // memory through a ring of S stages of cp.async copies, issued S rows ahead, so S rows per warp are
 // in flight without holding them in registers (16 warps per SM x 2 rows x 1.5 KB = 48 KB in flight on
 // an SM for a 768-wide bf16 row, against one row per warp in the one-row-per-thread-group kernel
-// above; S = kFwdRingStages, below). Weight and bias are read into registers once per warp, before the row loop. Each
-// lane reads back only the 16-byte slots it copied itself: no barrier anywhere, warps run free.
+// above; S = kFwdRingStages, below). Weight and bias are read into registers once per warp, before
+// the row loop. Each lane reads back only the 16-byte slots it copied itself: no barrier anywhere,
+// warps run free.
 // TPR: lanes per row, 32 or 16. With 16 each half-warp owns its own rows (a warp works on two at a
 // time, the shuffles of both reductions in the same instructions): a 384-wide bf16 row is 48 vectors,
 // 3 per lane on 16 lanes against 2 on 32 with a quarter of them idle, and each row's chain of
@@ -471,14 +472,16 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
   const int64_t nvec = H / vec;
   if (vec == max_vec && nvec <= 32 * (kMaxElemsPerThread / max_vec) && nrows == 1 && ring_enabled()) {
     const int need = (int)((nvec + 31) / 32);  // vectors per lane
-    // A row on half a warp where that leaves fewer lanes idle and takes at most 3 vectors a lane: 384-wide bf16
-    // rows (48 vectors: 3 on 16 lanes, not 2 on 32 with 16 of the 64 slots empty), 128 and 320 wide; the residual
-    // form from kHalfWarpResidualRows rows (ring_half_warp). Measured (H200, bf16, no grad, two alternated rounds,
-    // us, half / whole warp; h200/ln_fwd_sweep_half_warp_stages_cddd886.log, half-warp rows on 2 stages):
-    // 16384 x 384 LayerNorm 7.4 / 7.4 against 9.2 / 9.2 (66 -> 81% of copy), RMSNorm 6.9 / 6.9 against 7.7 / 7.6
-    // (80 -> 87%), the residual form 12.0 / 11.9 against 12.8 / 12.8, with p = 0.1 15.6 / 15.4 against 18.4 / 18.2;
-    // at 2,048 rows LayerNorm and RMSNorm level, the residual form 4.2 / 4.1 against 3.7 / 3.6 (half as many warps,
-    // each with a longer chain), hence its threshold (docs/row-ops.md "Half-warp rows in the forward ring").
+    // A row on half a warp where that leaves fewer lanes idle and takes at most 3 vectors a lane: 384-wide bf16 rows
+    // (48 vectors: 3 on 16 lanes, not 2 on 32 with 16 of the 64 slots empty), 128 and 320 wide; the residual form from
+    // kHalfWarpResidualRows rows (ring_half_warp). Measured (H200, bf16, no grad, us, half / whole warp, both on four
+    // stages then; h200/ln_fwd_sweep_half_warp_{03a2cfa,variants_aad2053}.log): 16384 x 384 LayerNorm 8.5-8.9 against
+    // 9.1-9.3, RMSNorm 7.1-7.4 against 7.5-7.8; on two stages the half-warp rows run 7.3-7.4 and 6.8-6.9 (whole-warp
+    // rows on two stages not measured at 16384 x 384). The residual form on half warps (two stages) against whole
+    // warps: 2,048 rows 4.0-4.2 against 3.5-3.6 (half as many warps, each with a longer chain: on whole warps below
+    // kHalfWarpResidualRows); 4,096 rows 5.2 against 5.2-5.3 and 8,192 rows 7.7 against 8.3-8.4 (whole warps on four
+    // stages; with p = 0.1 6.3-6.4 against 7.0-7.3 and 9.8-9.9 against 11.2-11.7;
+    // h200/ln_fwd_sweep_stages_d48e50f.log).
     const int half_need = (int)((nvec + 15) / 16);
     const bool half = half_need <= 3 && half_need * 16 < need * 32 && ring_half_warp(rp != nullptr, rows);
 #define BA_LN_RING(I, RES, TPR)                                                                                  \
