@@ -5,7 +5,7 @@
 #   STAGES="build headline e2e_graphs"                  bash scripts/gpu_check.sh   (graphed steps)
 #   STAGES="build e2e e2e_compile profile sweep mlm"    bash scripts/gpu_check.sh
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
-# (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep, e2e, e2e_eager_base, e2e_compile,
+# (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep (scripts/ln_fwd_sweep.py; LN_SWEEP_SETTINGS=, LN_SWEEP_ROUNDS=), e2e, e2e_eager_base, e2e_compile,
 # ln_bwd_sweep (scripts/ln_bwd_sweep.py; LN_BWD_SETTINGS= (space-separated settings, each one or more A=1,B=0), LN_BWD_ROUNDS=, LN_BWD_ARGS=), eager_overhead (scripts/eager_overhead.py: host us per eager call; EAGER_ARGS=), norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
 # ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm_epilogue_sweep (each epilogue on every schedule / tile width), step_gemms (one BERT step's GEMM calls timed alone - warm, cold, rewarmed, alternating - and in the step's order), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
@@ -502,9 +502,11 @@ if has ncu_rows; then  # hardware counters of the LayerNorm-family kernels (Nsig
   echo "ncu rows rc=$?"
   grep -E "^  [a-z_:]+.*\(|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall Long|Warp Cycles Per Issued|Duration|L2 Hit|Block Limit Reg|stalled" "$OUT/ncu_rows.txt" | cut -c1-110 | head -${NCU_LINES:-120}
 fi
-if has ln_sweep; then  # the LayerNorm-family forward kernels (issue 9): the ring against the one-row kernel
-  for setting in "" BERTACCEL_LN_RING=0; do env $setting python scripts/ln_fwd_sweep.py; done > "$OUT/ln_sweep.log" 2>&1
-  echo "ln sweep rc=$?"; grep SWEEP "$OUT/ln_sweep.log"
+if has ln_sweep; then  # the LayerNorm-family forward kernels (issue 9): the default against each of LN_SWEEP_SETTINGS
+  # (space-separated, each one or more A=1,B=0; default the one-row kernel, BERTACCEL_LN_RING=0), alternated for LN_SWEEP_ROUNDS
+  for round in $(seq ${LN_SWEEP_ROUNDS:-1}); do for setting in "" ${LN_SWEEP_SETTINGS:-BERTACCEL_LN_RING=0}; do
+    env ${setting//,/ } python scripts/ln_fwd_sweep.py; done; done > "$OUT/ln_sweep.log" 2>&1
+  echo "ln sweep rc=$?"; grep SWEEP "$OUT/ln_sweep.log" | sed 's/SWEEP //' | cut -c1-150
 fi
 if has ln_bwd_sweep; then  # the LayerNorm-family backward against the row count: fixed cost and rate, per setting (LN_BWD_SETTINGS,
   # alternated for LN_BWD_ROUNDS rounds), then one table of every cell, a column per setting (scripts/sweep_table.py)
