@@ -8,13 +8,6 @@ cd "$(git rev-parse --show-toplevel)"
 stage=${STAGE_SH:-../shared/gpu/stage.sh}
 [ -x "$stage" ] || { echo "stage_gpu.sh: $stage not found (set STAGE_SH)" >&2; exit 2; }
 "$stage" --imdb "${TRAIN_ROWS:-8500}" --minilm
-python3 - "${TEST_ROWS:-4000}" <<'PY'
-import gzip, sys
-path, n = ".carry/imdb/test.jsonl.gz", int(sys.argv[1])
-rows = gzip.open(path, "rt", encoding="utf-8").read().splitlines()[:n]
-with gzip.open(path, "wt", encoding="utf-8") as f:
-    f.write("\n".join(rows) + "\n")
-PY
 rm -f .carry/minilm/data_config.json
 # MiniLM's tokenizer.json (466 KB) is rebuilt from its vocab.txt by AutoTokenizer: the same BertTokenizer, the same ids
 # for the first 2,000 staged test rows at max_length 256 (checked in session 70).
@@ -23,6 +16,38 @@ rm -f .carry/minilm/tokenizer.json
 # checkout + .carry fits the device tool's 64 MiB (session 63: 68.1 MB with them, over). jsonargparse's typeshed_client and
 # importlib_resources stay: Lightning's CLI requires jsonargparse[signatures].
 rm -f .carry/wheels/datasets-*.whl .carry/wheels/dill-*.whl .carry/wheels/multiprocess-*.whl
+# The test rows: the first TEST_ROWS (default 4,000) of the shuffled test split, fewer (by 250, not under
+# MIN_TEST_ROWS, default 2,000) where the checkout and .carry would not fit the device tool's 64 MiB with 256 KiB
+# to spare (counted as the check below counts): the tree grows with every session's results (session 74 staged
+# 3,000 by hand). The fine-tune benchmarks' test accuracy is over the rows staged: compare runs of the same count.
+python3 - "${TEST_ROWS:-4000}" "${MIN_TEST_ROWS:-2000}" <<'PY'
+import gzip
+import os
+import subprocess
+import sys
+
+want, floor = int(sys.argv[1]), int(sys.argv[2])
+path, limit = ".carry/imdb/test.jsonl.gz", 64 * 1048576 - 262144
+rows = gzip.open(path, "rt", encoding="utf-8").read().splitlines()
+
+
+def tar_bytes(sizes):  # what a tar of these files takes: each rounded up to 512-byte blocks, plus a header
+    return sum((s + 511) // 512 * 512 + 512 for s in sizes)
+
+
+listed = subprocess.run(["git", "ls-files", "-z"], capture_output=True, check=True).stdout
+tracked = [p.decode() for p in listed.split(b"\0") if p]
+others = [os.path.join(d, f) for d, _, fs in os.walk(".carry") for f in fs]
+base = tar_bytes([os.path.getsize(p) for p in tracked + others if os.path.isfile(p) and p != path])
+n = min(want, len(rows))
+while True:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write("\n".join(rows[:n]) + "\n")
+    if base + tar_bytes([os.path.getsize(path)]) <= limit or n - 250 < floor:
+        break
+    n -= 250
+print(f"staged {n:,} test rows" + (f" (of the {want:,} asked: the 64 MiB limit)" if n < want else ""))
+PY
 # The device tool counts more than the files' bytes (session 63 refused 66,408,960 and took 65,206,172 of them). A tar's
 # count - every file rounded up to 512-byte blocks, plus a 512-byte header - explains session 70's refusal: 67,120,128
 # bytes by it (64.01 MiB), 66,097,243 of files; 63cdff5's tree, a few hundred KB smaller, was taken. Estimate that way.
