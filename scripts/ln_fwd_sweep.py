@@ -19,7 +19,8 @@ from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
 from bertaccel.ops.rms_norm import rms_norm
 
 ceil = copy_bandwidth_gbs()
-setting = " ".join(f"{k}={os.environ[k]}" for k in ("BERTACCEL_LN_RING", "BERTACCEL_LN_ROWS", "BERTACCEL_LN_RING_HALF_WARP") if k in os.environ) or "default"
+SWITCHES = ("BERTACCEL_LN_RING", "BERTACCEL_LN_ROWS", "BERTACCEL_LN_RING_HALF_WARP")
+setting = " ".join(f"{k}={os.environ[k]}" for k in SWITCHES if k in os.environ) or "default"
 for n, h in [(2048, 384), (4096, 384), (8192, 384), (2048, 768), (16384, 384), (16384, 768), (16384, 1024)]:
     sets = [(torch.randn(n, h, device="cuda", dtype=torch.bfloat16), torch.randn(h, device="cuda"),
              torch.randn(h, device="cuda"), torch.randn(h, device="cuda"),
