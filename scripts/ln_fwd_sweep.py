@@ -8,7 +8,9 @@ variables read once per process, so run once per setting:
   BERTACCEL_LN_RING_HALF_WARP=0|1  the ring gives every row a whole warp / the residual form half-warp rows at every
                        row count (by default a 384-wide bf16 row has half a warp, the residual form's from 4,096 rows)
   (neither)            the default: the persistent ring kernel for rows up to 1024 wide
-`for s in "" BERTACCEL_LN_RING=0; do env $s python scripts/ln_fwd_sweep.py; done`"""
+`for s in "" BERTACCEL_LN_RING=0; do env $s python scripts/ln_fwd_sweep.py; done`
+`--dtype float32` times float32 rows (the same shapes; the share of copy counts their 4-byte elements)."""
+import argparse
 import os
 
 import torch
@@ -18,20 +20,26 @@ from bertaccel.ops.layer_norm import layer_norm
 from bertaccel.ops.residual_layer_norm import bias_dropout_add_layer_norm
 from bertaccel.ops.rms_norm import rms_norm
 
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+dtype = getattr(torch, ap.parse_args().dtype)
+esize = torch.finfo(dtype).bits // 8
 ceil = copy_bandwidth_gbs()
 SWITCHES = ("BERTACCEL_LN_RING", "BERTACCEL_LN_ROWS", "BERTACCEL_LN_RING_HALF_WARP")
 setting = " ".join(f"{k}={os.environ[k]}" for k in SWITCHES if k in os.environ) or "default"
+if dtype != torch.bfloat16:
+    setting += f" {str(dtype)[6:]}"
 for n, h in [(2048, 384), (4096, 384), (8192, 384), (2048, 768), (16384, 384), (16384, 768), (16384, 1024)]:
-    sets = [(torch.randn(n, h, device="cuda", dtype=torch.bfloat16), torch.randn(h, device="cuda"),
+    sets = [(torch.randn(n, h, device="cuda", dtype=dtype), torch.randn(h, device="cuda"),
              torch.randn(h, device="cuda"), torch.randn(h, device="cuda"),
-             torch.randn(n, h, device="cuda", dtype=torch.bfloat16))
-            for _ in range(rotations(5 * n * h))]
+             torch.randn(n, h, device="cuda", dtype=dtype))
+            for _ in range(rotations(5 * n * h * esize // 2))]
     copy_us = graph_time_ms(lambda x, w, b, lb, r: x.clone(), sets) * 1e3
     with torch.no_grad():
         ln = graph_time_ms(lambda x, w, b, lb, r: layer_norm(x, w, b, 1e-12), sets) * 1e3
         rms = graph_time_ms(lambda x, w, b, lb, r: rms_norm(x, w, 1e-6), sets) * 1e3
         res = graph_time_ms(lambda x, w, b, lb, r: bias_dropout_add_layer_norm(x, lb, r, w, b, 0.0, 1e-12), sets) * 1e3
         drop = graph_time_ms(lambda x, w, b, lb, r: bias_dropout_add_layer_norm(x, lb, r, w, b, 0.1, 1e-12), sets) * 1e3
-    pct = lambda us, k: 100 * k * n * h * 2 / us / 1e3 / ceil  # noqa: E731 - k tensors of n x h bf16
+    pct = lambda us, k: 100 * k * n * h * esize / us / 1e3 / ceil  # noqa: E731 - k tensors of n x h
     print(f"SWEEP {setting} {n}x{h}: clone {copy_us:.1f}us ({pct(copy_us, 2):.0f}%) | LN {ln:.1f}us {pct(ln, 2):.0f}% | "
           f"RMS {rms:.1f}us {pct(rms, 2):.0f}% | resLN {res:.1f}us {pct(res, 3):.0f}% | resLN p=0.1 {drop:.1f}us {pct(drop, 3):.0f}%")

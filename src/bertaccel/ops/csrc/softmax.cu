@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "common.cuh"
+#include "erf_fast.cuh"  // ex2_approx_ftz
 
 namespace bertaccel {
 namespace {
@@ -54,7 +55,42 @@ struct MaskView {
     return make_float4(a.x, a.y, b.x, b.y);
   }
 
+  // The mask offsets of rows first, first + stride, ... without a division per row (the ring's warps walk their
+  // rows so): the (batch, head, query) of `first` once, then advanced by those of `stride` with carries.
+  // The stride's (batch, head, query) steps are the same for every warp: set by the launch (set_walk_stride), so
+  // that they are kernel parameters rather than registers.
+  int walk_dq = 0, walk_dh = 0;
+  int64_t walk_db = 0;
+  void set_walk_stride(int64_t stride) {
+    const int64_t dbh = stride / q_len;
+    walk_dq = (int)(stride % q_len);
+    walk_dh = (int)(dbh % heads);
+    walk_db = dbh / heads;
+  }
+  struct Walk {
+    int q, h;
+    int64_t b;
+  };
+  __device__ __forceinline__ Walk walk(int64_t first) const {
+    const int64_t bh = first / q_len;
+    return Walk{(int)(first % q_len), (int)(bh % heads), bh / heads};
+  }
+  __device__ __forceinline__ int64_t offset(const Walk& w) const { return w.b * sb + w.h * sh + w.q * sq; }
+  __device__ __forceinline__ void advance(Walk& w) const {
+    w.q += walk_dq;
+    const int cq = w.q >= q_len;
+    w.q -= cq ? q_len : 0;
+    w.h += walk_dh + cq;
+    const int ch = w.h >= heads;
+    w.h -= ch ? heads : 0;
+    w.b += walk_db + ch;
+  }
+
   __device__ __forceinline__ int64_t row_offset(int64_t row) const {
+    if (row <= 0xFFFFFFFFll) {  // 32-bit divisions where the row index fits (a 64-bit one is a ~70-instruction call)
+      const unsigned r = (unsigned)row, q = r % (unsigned)q_len, bh = r / (unsigned)q_len;
+      return (int64_t)(bh / (unsigned)heads) * sb + (int64_t)(bh % (unsigned)heads) * sh + (int64_t)q * sq;
+    }
     const int64_t q = row % q_len, bh = row / q_len;
     return (bh / heads) * sb + (bh % heads) * sh + q * sq;
   }
@@ -98,6 +134,17 @@ __device__ __forceinline__ void scale_and_mask(float (&v)[VEC], const MaskView m
   }
 }
 
+// exp(v - base) for a row whose max is base, on the MUFU's exp2 with denormal results flushed (__expf wraps the same
+// MUFU in a range fix-up: FSETP and two predicated FMULs per value, 6 instructions against 2-3 here; a probability
+// under 2^-126 becomes 0). For 16-bit outputs one FFMA, v * log2(e) - base * log2(e) (its rounding, |base| x 2^-24
+// relative, is far inside bf16's 2^-9); float32 outputs subtract first, as __expf's argument was, then scale.
+constexpr float kLog2e = 1.4426950408889634f;
+template <typename T>
+__device__ __forceinline__ float exp_from_max(float v, float base, float base_log2e) {
+  if constexpr (sizeof(T) == 2) return ex2_approx_ftz(fmaf(v, kLog2e, -base_log2e));
+  else return ex2_approx_ftz((v - base) * kLog2e);
+}
+
 template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                MaskView mask, int64_t rows, int S, int tpr, float scale) {
@@ -124,6 +171,7 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restri
   }
   mx = row_reduce(mx, tpr, red, local_row, MaxOp());
   const float base = mx == -INFINITY ? 0.f : mx;  // all keys masked: exp(-inf) = 0 everywhere
+  const float base_log2e = base * kLog2e;
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
@@ -131,7 +179,7 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const T* __restri
     if (active && c < nvec)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        v[k][j] = __expf(v[k][j] - base);
+        v[k][j] = exp_from_max<T>(v[k][j], base, base_log2e);
         sum += v[k][j];
       }
   }
@@ -159,11 +207,17 @@ constexpr int kRingWarps = kThreads / 32;
 template <int ITEMS>
 constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes; }
 
+// Two ring stages (two rows in flight per warp), as the LayerNorm family's forward ring (layer_norm_fwd.cu,
+// kFwdRingStages). Up to four (ring_stages_for) measured slower on an H200 (bf16, no grad, us, 4 / 2 stages, two
+// alternated rounds, benchmarks/results/h200/softmax_fwd_sweep_*): 64x12x256x256 75.5-75.9 / 73.8-73.9,
+// 32x12x512x512 118.6 / 116.7-116.8, 8x12x1024x1024 118.3-119.1 / 116.8-117.1.
+constexpr int kSoftmaxRingStages = 2;
+
 template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                        MaskView mask, int64_t rows, int S, float scale) {
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
-  constexpr int ST = ring_stages_for(ring_stage_bytes<ITEMS>());
+  constexpr int ST = kSoftmaxRingStages;
   constexpr int kStage = ITEMS * kRingItemBytes;  // one warp's row
   extern __shared__ __align__(16) unsigned char ring_smem[];
   begin_dependent_kernel();
@@ -184,8 +238,9 @@ __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* 
 #pragma unroll
   for (int st = 0; st < ST; ++st) issue(first + st * stride, st);
   int stage = 0;
-  for (int64_t row = first; row < rows; row += stride) {
-    const int64_t moff = mask.row_offset(row);
+  MaskView::Walk at = mask.walk(first);  // the launch set mask.walk_* for this stride
+  for (int64_t row = first; row < rows; row += stride, mask.advance(at)) {
+    const int64_t moff = mask.offset(at);
     cp_async_wait<ST - 1>();  // this row's group (the oldest pending) has landed
     const unsigned char* src = ring + stage * kStage;
     float v[ITEMS][VEC];
@@ -202,13 +257,14 @@ __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* 
     stage = stage + 1 == ST ? 0 : stage + 1;
     mx = row_reduce(mx, 32, nullptr, 0, MaxOp());
     const float base = mx == -INFINITY ? 0.f : mx;  // all keys masked: exp(-inf) = 0 everywhere
+    const float base_log2e = base * kLog2e;
     float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
       if (lane + k * 32 < nvec)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          v[k][j] = __expf(v[k][j] - base);
+          v[k][j] = exp_from_max<T>(v[k][j], base, base_log2e);
           sum += v[k][j];
         }
     sum = row_reduce(sum, 32, nullptr, 0, SumOp());
@@ -348,12 +404,14 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
   do {                                                                                                   \
     if constexpr (V == max_vec) {                                                                        \
       auto kernel = softmax_fwd_ring_kernel<T, V, I>;                                                    \
-      constexpr int smem = ring_stages_for(ring_stage_bytes<I>()) * ring_stage_bytes<I>();             \
+      constexpr int smem = kSoftmaxRingStages * ring_stage_bytes<I>();                                \
       static int per_sm[64] = {};                                                                        \
       const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, per_sm);     \
       const int64_t blocks = std::min<int64_t>((rows + kRingWarps - 1) / kRingWarps, fit);               \
+      MaskView walked = mv;                                                                              \
+      walked.set_walk_stride(blocks * kRingWarps);                                                       \
       launch_dependent(kernel, dim3((unsigned)blocks), dim3(kThreads), smem, stream, (const T*)x.data_ptr(), \
-                       (T*)y.data_ptr(), mv, rows, (int)S, (float)scale);                                \
+                       (T*)y.data_ptr(), walked, rows, (int)S, (float)scale);                            \
     }                                                                                                    \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), l.vec, l.items, BA_SOFTMAX_RING);
