@@ -87,17 +87,12 @@ inline bool ring_enabled() {
   return on;
 }
 
-// The forward rings (one row per warp, each lane copying 16-byte items): shared memory per block for
-// two blocks per SM on Hopper/Ampere, and the stages a block's `stage_bytes` allow within it - at most
-// four: six for the 384-wide bf16 LayerNorm row (half a 768-wide row's bytes in flight with four)
-// measured slower on the H100 (16384 rows: 11.9 against 11.0 us, same run). The softmax ring takes
-// these; the LayerNorm family's forward ring runs two stages since session 74 (layer_norm_fwd.cu
-// kFwdRingStages: fewer measured faster there).
+// The forward rings (a row per warp or half-warp, each lane copying 16-byte items into shared memory): both run two
+// stages, two rows in flight per warp (layer_norm_fwd.cu kFwdRingStages, softmax.cu kSoftmaxRingStages). Up to four
+// (within 96 KB a block) was the rule until sessions 74-75, which measured two faster on an H200 for both (with four,
+// 2,112 warps asked for half of a 16384-row LayerNorm input before writing a row); six for the 384-wide bf16
+// LayerNorm row measured slower on the H100 still earlier (16384 rows: 11.9 against 11.0 us).
 constexpr int kRingItemBytes = 32 * 16;  // one item of a row: 16 bytes per lane
-constexpr int kRingBudget = 96 * 1024;
-constexpr int ring_stages_for(int stage_bytes) {
-  return kRingBudget / stage_bytes > 4 ? 4 : (kRingBudget / stage_bytes < 2 ? 2 : kRingBudget / stage_bytes);
-}
 
 // Blocks per SM of one ring kernel on `device` (the attribute for its dynamic shared memory set
 // there first), queried once per kernel and device into `cached` (the caller's: one per kernel

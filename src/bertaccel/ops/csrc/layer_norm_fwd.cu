@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 // memory through a ring of S stages of cp.async copies, issued S rows ahead, so S rows per warp are
 // in flight without holding them in registers (16 warps per SM x 2 rows x 1.5 KB = 48 KB in flight on
 // an SM for a 768-wide bf16 row, against one row per warp in the one-row-per-thread-group kernel
-// above; S = kFwdRingStages, below). Weight and bias are read into registers once per warp, before
+// above; S = fwd_ring_stages, below). Weight and bias are read into registers once per warp, before
 // the row loop. Each lane reads back only the 16-byte slots it copied itself: no barrier anywhere,
 // warps run free.
 // TPR: lanes per row, 32 or 16. With 16 each half-warp owns its own rows (a warp works on two at a
@@ -223,16 +223,31 @@ constexpr int kRingWarps = kThreads / 32;
 
 template <int ITEMS, bool RES>
 constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes * (RES ? 2 : 1); }
-// Two ring stages at every width: two rows in flight per warp (four for half-warp rows, a stage holding two).
-// More asked for too much of the input at once: with four, 2,112 warps of an H200 requested 8,448 whole-warp rows
-// (half of a 16384-row input) or 16,896 half-warp rows (all of it) before the first row was written, and reads and
-// writes stopped overlapping. Measured (H200, bf16, no grad, 16384 rows, two alternated rounds, us, 4 / 3 / 2
-// stages; h200/ln_fwd_sweep_stages_d48e50f.log, h200/ln_fwd_sweep_half_warp_stages_cddd886.log): the residual form
-// 768 wide 26.0-26.1 / 24.9-25.1 / 23.4, with p = 0.1 30.8 / 28.9-29.6 / 26.7-26.8; 1024 wide 33.3 / 33.2-33.3 /
-// 31.5-31.6; RMSNorm 768 13.4-13.5 / 13.5-13.6 / 13.2-13.3, 1024 19.0 / 18.4-18.6 / 18.4; LayerNorm 768 13.9 /
-// 13.8-14.0 / 13.6, 384 on half warps 8.6-8.7 / 8.0-8.2 / 7.4; at 2,048-8,192 rows level. (The softmax ring keeps
-// ring_stages_for's up to four: not measured with fewer.)
+// Two ring stages: two rows in flight per warp (four for half-warp rows, a stage holding two), except the float32
+// LayerNorm and RMSNorm of 768-1024-wide rows (below). More asked for too much of the input at once: with four,
+// 2,112 warps of an H200 requested 8,448 whole-warp rows (half of a 16384-row input) or 16,896 half-warp rows (all of
+// it) before the first row was written, and reads and writes stopped overlapping. Measured (H200, bf16, no grad,
+// 16384 rows, two alternated rounds, us, 4 / 3 / 2 stages; h200/ln_fwd_sweep_stages_d48e50f.log,
+// h200/ln_fwd_sweep_half_warp_stages_cddd886.log): the residual form 768 wide 26.0-26.1 / 24.9-25.1 / 23.4, with
+// p = 0.1 30.8 / 28.9-29.6 / 26.7-26.8; 1024 wide 33.3 / 33.2-33.3 / 31.5-31.6; RMSNorm 768 13.4-13.5 / 13.5-13.6 /
+// 13.2-13.3, 1024 19.0 / 18.4-18.6 / 18.4; LayerNorm 768 13.9 / 13.8-14.0 / 13.6, 384 on half warps 8.6-8.7 /
+// 8.0-8.2 / 7.4; at 2,048-8,192 rows level. The softmax ring runs two stages too (softmax.cu).
 constexpr int kFwdRingStages = 2;
+// float32 rows (session 75, h200/ln_fwd_sweep_fp32_stages_s75b.log, us, up to four / two stages): the residual form
+// gains from two (384 wide 23.3 / 21.2-21.3, p = 0.1 26.0-26.1 / 23.4-23.6; 768 and 1024 level), as do LayerNorm and
+// RMSNorm at 384 (13.2 / 13.0-13.1, 12.6 / 12.5), but those two lose at 768-1024 (LayerNorm 1024 35.0 / 36.4, RMSNorm
+// 1024 34.2-34.5 / 36.0, RMSNorm 768 25.9-26.1 / 26.7): there they keep up to four stages in 96 KB a block (24-32 KB
+// stages: four at 768, three at 1024), the rule before session 74.
+constexpr int kFp32WideRingBudget = 96 * 1024;
+
+template <typename T, int ITEMS, bool RES>
+constexpr int fwd_ring_stages() {
+  if constexpr (sizeof(T) == 4 && !RES && ITEMS >= 6) {
+    constexpr int st = kFp32WideRingBudget / ring_stage_bytes<ITEMS, RES>();
+    return st > 4 ? 4 : (st < 2 ? 2 : st);
+  }
+  return kFwdRingStages;
+}
 
 template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
@@ -243,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
   static_assert(TPR == 32 || TPR == 16, "a row on a warp or on half of one");
   constexpr int kRowsPerWarp = 32 / TPR;
-  constexpr int S = kFwdRingStages;
+  constexpr int S = fwd_ring_stages<T, ITEMS, RES>();
   constexpr int kStage = ITEMS * kRingItemBytes * (RES ? 2 : 1);  // one warp's rows (and residual rows)
   extern __shared__ __align__(16) unsigned char ring_smem[];
   begin_dependent_kernel();
@@ -399,7 +414,7 @@ void launch_ring(const at::Tensor& x, const W* bp, const T* rp, const at::Tensor
                  T* zp, float* mp, float* rsp, int64_t rows, int H, double eps, double p,
                  const at::PhiloxCudaState& philox, int64_t* rngp, cudaStream_t stream) {
   auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, TPR>;
-  constexpr int smem = kFwdRingStages * ring_stage_bytes<ITEMS, RES>();
+  constexpr int smem = fwd_ring_stages<T, ITEMS, RES>() * ring_stage_bytes<ITEMS, RES>();
   const int device = x.get_device();
   const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
   static int blocks_per_sm[64] = {};  // this instantiation's, per device

@@ -208,9 +208,10 @@ template <int ITEMS>
 constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes; }
 
 // Two ring stages (two rows in flight per warp), as the LayerNorm family's forward ring (layer_norm_fwd.cu,
-// kFwdRingStages). Up to four (ring_stages_for) measured slower on an H200 (bf16, no grad, us, 4 / 2 stages, two
-// alternated rounds, benchmarks/results/h200/softmax_fwd_sweep_*): 64x12x256x256 75.5-75.9 / 73.8-73.9,
-// 32x12x512x512 118.6 / 116.7-116.8, 8x12x1024x1024 118.3-119.1 / 116.8-117.1.
+// kFwdRingStages). Up to four (96 KB a block, the rule before session 75) measured slower on an H200 (no grad, us,
+// 4 / 2 stages, two alternated rounds each, h200/softmax_fwd_sweep_stages_rowoff_s75b.log): bf16 64x12x256x256
+// 75.4-76.3 / 73.8-73.9, 32x12x512x512 118.3-119.3 / 116.7-116.8, 8x12x1024x1024 117.8-119.0 / 116.2-118.1; float32
+// 1024 keys 252.3-261.8 / 227.4-227.5, 256 keys 106.4-106.7 / 102.7-102.8, 512 keys level (217.4-217.9 / 219.4-220.0).
 constexpr int kSoftmaxRingStages = 2;
 
 template <typename T, int VEC, int ITEMS>
