@@ -493,8 +493,9 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
     // (48 vectors: 3 on 16 lanes, not 2 on 32 with 16 of the 64 slots empty), 128 and 320 wide; the residual form from
     // kHalfWarpResidualRows rows (ring_half_warp). Measured (H200, bf16, no grad, us, half / whole warp, both on four
     // stages then; h200/ln_fwd_sweep_half_warp_{03a2cfa,variants_aad2053}.log): 16384 x 384 LayerNorm 8.5-8.9 against
-    // 9.1-9.3, RMSNorm 7.1-7.4 against 7.5-7.8; on two stages the half-warp rows run 7.3-7.4 and 6.8-6.9 (whole-warp
-    // rows on two stages not measured at 16384 x 384). The residual form on half warps (two stages) against whole
+    // 9.1-9.3, RMSNorm 7.1-7.4 against 7.5-7.8; on two stages the half-warp rows run 7.3-7.4 and 6.8-7.0, whole-warp
+    // rows 8.7-8.9 and 7.3-7.4 (session 75, h200/ln_fwd_sweep_whole_warp_two_stages_s75a.log: the two changes gain
+    // together what neither does alone). The residual form on half warps (two stages) against whole
     // warps: 2,048 rows 4.0-4.2 against 3.5-3.6 (half as many warps, each with a longer chain: on whole warps below
     // kHalfWarpResidualRows); 4,096 rows 5.2 against 5.2-5.3 and 8,192 rows 7.7 against 8.3-8.4 (whole warps on four
     // stages; with p = 0.1 6.3-6.4 against 7.0-7.3 and 9.8-9.9 against 11.2-11.7;
