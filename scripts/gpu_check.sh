@@ -5,7 +5,7 @@
 #   STAGES="build headline e2e_graphs"                  bash scripts/gpu_check.sh   (graphed steps)
 #   STAGES="build e2e e2e_compile profile sweep mlm"    bash scripts/gpu_check.sh
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
-# (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep (scripts/ln_fwd_sweep.py; LN_SWEEP_SETTINGS=, LN_SWEEP_ROUNDS=), e2e, e2e_eager_base, e2e_compile,
+# (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep (scripts/ln_fwd_sweep.py; LN_SWEEP_SETTINGS=, LN_SWEEP_ROUNDS=), softmax_sweep (scripts/softmax_fwd_sweep.py, bf16 and float32), e2e, e2e_eager_base, e2e_compile,
 # ln_bwd_sweep (scripts/ln_bwd_sweep.py; LN_BWD_SETTINGS= (space-separated settings, each one or more A=1,B=0), LN_BWD_ROUNDS=, LN_BWD_ARGS=), eager_overhead (scripts/eager_overhead.py: host us per eager call; EAGER_ARGS=), norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
 # ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm_epilogue_sweep (each epilogue on every schedule / tile width), step_gemms (one BERT step's GEMM calls timed alone - warm, cold, rewarmed, alternating - and in the step's order), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
@@ -507,6 +507,10 @@ if has ln_sweep; then  # the LayerNorm-family forward kernels (issue 9): the def
   for round in $(seq ${LN_SWEEP_ROUNDS:-1}); do for setting in "" ${LN_SWEEP_SETTINGS:-BERTACCEL_LN_RING=0}; do
     env ${setting//,/ } python scripts/ln_fwd_sweep.py; done; done > "$OUT/ln_sweep.log" 2>&1
   echo "ln sweep rc=$?"; grep SWEEP "$OUT/ln_sweep.log" | sed 's/SWEEP //' | cut -c1-150
+fi
+if has softmax_sweep; then  # the attention softmax forward kernel beside a clone (scripts/softmax_fwd_sweep.py), bf16 and float32
+  for dt in bfloat16 float32; do python scripts/softmax_fwd_sweep.py --dtype $dt; done > "$OUT/softmax_sweep.log" 2>&1
+  echo "softmax sweep rc=$?"; sed 's/SOFTMAX //' "$OUT/softmax_sweep.log" | cut -c1-150
 fi
 if has ln_bwd_sweep; then  # the LayerNorm-family backward against the row count: fixed cost and rate, per setting (LN_BWD_SETTINGS,
   # alternated for LN_BWD_ROUNDS rounds), then one table of every cell, a column per setting (scripts/sweep_table.py)
