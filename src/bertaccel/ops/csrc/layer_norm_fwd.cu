@@ -245,8 +245,9 @@ constexpr int kFp32WideRingBudget = 96 * 1024;
 template <typename T, int ITEMS, bool RES>
 constexpr int fwd_ring_stages() {
   if constexpr (sizeof(T) == 4 && !RES && ITEMS >= 6) {
-    constexpr int st = kFp32WideRingBudget / ring_stage_bytes<ITEMS, RES>();
-    return st > 4 ? 4 : (st < 2 ? 2 : st);
+    constexpr int st = kFp32WideRingBudget / ring_stage_bytes<ITEMS, RES>();  // 4 at 6 items, 3 at 8
+    static_assert(st >= 2 && st <= 4, "float32 wide rows: two to four stages in the budget");
+    return st;
   }
   return kFwdRingStages;
 }

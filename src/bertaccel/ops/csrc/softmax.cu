@@ -244,7 +244,8 @@ __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* 
   // float32 rows divide (32-bit) per row: the walk's registers cost them a block per SM (1024 keys: 79 -> 90
   // registers, 3 -> 2 blocks, 228.8-229.9 -> 252.3-259.4 us; 256 keys 104 -> 109).
   constexpr bool kWalk = sizeof(T) == 2;
-  MaskView::Walk at = mask.walk(first);  // the launch set mask.walk_* for this stride
+  MaskView::Walk at{};
+  if constexpr (kWalk) at = mask.walk(first);  // the launch set mask.walk_* for this stride
   for (int64_t row = first; row < rows; row += stride) {
     int64_t moff;
     if constexpr (kWalk) {
