@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import graph_time_ms, measure_op, rotations
+from benchmarks.common import compile_static, graph_time_ms, measure_op, rotations
 from bertaccel.ops.bias_grad import column_sum, dense, dense_wgrad_path
 
 # tokens x N: 9,830 = 60% of 32 x 512 (packed IMDB at max_length 512); 384 / 1,152 MiniLM's bias and
@@ -33,7 +33,7 @@ def wgrad_rows() -> list[dict]:
         "cublas mm (no bias grad)": lambda dy, x: dy.t() @ x,
         "cublas mm + pytorch sum(0)": lambda dy, x: (dy.t() @ x, dy.sum(0)),
         "cublas mm + column_sum": lambda dy, x: (dy.t() @ x, column_sum(dy)),
-        "compile": torch.compile(lambda dy, x: (dy.t() @ x, dy.sum(0, dtype=torch.float32))),
+        "compile": compile_static(lambda dy, x: (dy.t() @ x, dy.sum(0, dtype=torch.float32))),
         "bertaccel dense_wgrad": torch.ops.bertaccel.dense_wgrad,
     }
     rows = []
@@ -55,7 +55,7 @@ def column_sum_rows(ceiling_gbs: float, dtype) -> list[dict]:
         "pytorch": lambda x: x.sum(0),  # what autograd runs for nn.Linear
         "pytorch sum(0, fp32)": lambda x: x.sum(0, dtype=torch.float32),
         "cublas ones @ x": lambda x: torch.ones(1, x.shape[0], device=x.device, dtype=x.dtype) @ x,
-        "compile": torch.compile(lambda x: x.sum(0, dtype=torch.float32)),
+        "compile": compile_static(lambda x: x.sum(0, dtype=torch.float32)),
         "bertaccel": column_sum,
     }
     rows = []

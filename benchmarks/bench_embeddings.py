@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import graph_time_ms, measure_op
+from benchmarks.common import compile_static, graph_time_ms, measure_op
 import bertaccel.ops.embeddings  # noqa: F401 - defines the embedding ops
 
 SHAPES = [(16, 128, 768), (128, 128, 384), (128, 128, 768), (32, 512, 1024)]
@@ -26,7 +26,7 @@ def run(ceiling_gbs: float, dtype=torch.bfloat16) -> list[dict]:
         return torch.ops.bertaccel.embedding_layer_norm(ids, pos, tt, word, position, token_type, w, b, 0.0, 1e-12,
                                                         dtype == torch.bfloat16, 0)
 
-    impls = {"pytorch": hf, "compile": torch.compile(hf), "bertaccel": ours}
+    impls = {"pytorch": hf, "compile": compile_static(hf), "bertaccel": ours}
     rows = []
     for bsz, seq, h in SHAPES:
         n = bsz * seq

@@ -26,7 +26,9 @@ import torch
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 
-from benchmarks.common import environment, graph_time_ms, kernel_env, kernel_times_us, print_table, write_json
+from benchmarks.common import (
+    compile_static, environment, graph_time_ms, kernel_env, kernel_times_us, print_table, write_json,
+)
 
 SHAPES = [(2048, 768, 3072), (16384, 768, 3072), (16384, 384, 1536)]  # tokens, hidden, inner (BERT-base, MiniLM)
 FAMILIES = {"hf": None, "hf-compile": None, "fused": ["residual_layer_norm", "bias_gelu"],
@@ -47,7 +49,7 @@ def make_block(name: str, hidden: int, inner: int, device: str):
         assert report.replaced, f"{name}: the swap replaced nothing"
     fn = layer[0].feed_forward_chunk
     if name == "hf-compile":
-        fn = torch.compile(fn)
+        fn = compile_static(fn)
     params = [p for n, p in layer.named_parameters() if "attention" not in n]
     return fn, params
 

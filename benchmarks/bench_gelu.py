@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import measure_op
+from benchmarks.common import compile_static, measure_op
 from bertaccel.ops.gelu import bias_gelu
 
 SHAPES = [(2048, 1536), (2048, 3072), (2048, 4096), (16384, 1536), (16384, 3072), (16384, 4096)]
@@ -17,7 +17,7 @@ def reference(x, bias):
 
 
 def run(ceiling_gbs: float, dtype=torch.bfloat16) -> list[dict]:
-    impls = {"pytorch": reference, "compile": torch.compile(reference), "bertaccel": bias_gelu}
+    impls = {"pytorch": reference, "compile": compile_static(reference), "bertaccel": bias_gelu}
     rows = []
     for n, f in SHAPES:
         s = torch.finfo(dtype).bits // 8

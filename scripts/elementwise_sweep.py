@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_gelu import SHAPES
-from benchmarks.common import copy_bandwidth_gbs, graph_time_ms, rotations
+from benchmarks.common import compile_static, copy_bandwidth_gbs, graph_time_ms, rotations
 from bertaccel.ops.gelu import bias_gelu
 
 ceil = copy_bandwidth_gbs()
 setting = f"BERTACCEL_GELU_UNROLL={os.environ['BERTACCEL_GELU_UNROLL']}" if "BERTACCEL_GELU_UNROLL" in os.environ else "default"
-compiled = torch.compile(lambda x, b: F.gelu(x + b))
+compiled = compile_static(lambda x, b: F.gelu(x + b))
 for n, f in SHAPES:
     sets = [(torch.randn(n, f, device="cuda", dtype=torch.bfloat16), torch.randn(f, device="cuda", dtype=torch.bfloat16))
             for _ in range(rotations(2 * n * f * 2))]

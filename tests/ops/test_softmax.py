@@ -8,7 +8,7 @@ import torch
 
 import bertaccel.ops.swap  # noqa: F401 - imports every op family
 from bertaccel.ops.softmax import softmax
-from tests.ops.conftest import DTYPES, check, cuda_kernel_names, cuda_test, leaves, poison, rand
+from tests.ops.conftest import DTYPES, FLOOR, check, cuda_kernel_names, cuda_test, leaves, poison, rand
 
 
 def _mask(kind, b, h, q, k):
@@ -109,3 +109,33 @@ def test_softmax_falls_back_to_the_reference_on_cpu():
 
     x, mask = rand(2, 3, 4, 10), torch.rand(2, 1, 1, 10) > 0.3
     assert torch.equal(softmax(x, mask, 0.5), softmax_reference(x, mask, 0.5).to(x.dtype))
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["key_padding", "full"])
+@pytest.mark.parametrize("shape", [(3, 5, 1031, 256), (4, 7, 333, 512), (2, 3, 2053, 1024)])
+def test_softmax_ring_rows_find_their_mask_rows(shape, layout, dtype):
+    """The forward ring's warps walk rows first, first + stride, ... and find each row's mask row by stepping
+    (batch, head, query) with carries (bf16) or by division (float32): with thousands of rows, a query count and a
+    head count that the grid stride does not divide, and a mask that differs per batch (key padding) or per (batch,
+    head, query) (full), every row must use its own mask row. Checked row by row - each row's error within twice
+    PyTorch's worst row's against float64 (plus a floor) - since one wrong row would hide in a whole-tensor norm."""
+    b, h, q, k = shape
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = (torch.randn(shape, device="cuda", generator=g) * 4).to(dtype)
+    if layout == "full":
+        mask = torch.randn(b, h, q, k, device="cuda", generator=g).to(dtype)
+    else:
+        keep = torch.rand(b, 1, 1, k, device="cuda", generator=g) > 0.3
+        keep[..., 0] = True
+        mask = torch.zeros(b, 1, 1, k, device="cuda", dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    ref = torch.softmax(x.double() * 0.125 + mask.double(), dim=-1)
+    th = torch.softmax(x * 0.125 + mask, dim=-1)
+    poison()
+    ours = softmax(x, mask, 0.125)
+
+    def worst_row(a):
+        return ((a.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+
+    assert worst_row(ours) <= 2 * worst_row(th) + FLOOR[dtype], (worst_row(ours), worst_row(th))

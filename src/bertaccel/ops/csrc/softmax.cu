@@ -214,7 +214,13 @@ constexpr int ring_stage_bytes() { return kRingWarps * ITEMS * kRingItemBytes; }
 // 1024 keys 252.3-261.8 / 227.4-227.5, 256 keys 106.4-106.7 / 102.7-102.8, 512 keys level (217.4-217.9 / 219.4-220.0).
 constexpr int kSoftmaxRingStages = 2;
 
-template <typename T, int VEC, int ITEMS>
+// BF16_MASK: the mask is additive bf16 and aligned for 4 keys a load (add_vec4; HF's mask of a bf16 model), so the
+// kernel converts it without testing its kind per load (a runtime kind issues both kinds' conversions, predicated).
+// Measured against the generic kernel on an H200 (session 76, no grad, us, two alternated rounds, HF's [b,1,1,k] bf16
+// mask, h200/softmax_fwd_sweep_bf16_mask_kernel_s76a.log): 64x12x256x256 57.3-57.5 -> 53.9-54.4 (89% of copy),
+// 32x12x512x512 115.6-115.7 -> 114.5, 8x12x1024x1024 112.5-113.5 -> 110.5-112.6. bf16 scores only: beside float32
+// scores the specialisation cost registers (70 -> 89 at 1024 keys, offline).
+template <typename T, int VEC, int ITEMS, bool BF16_MASK>
 __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                        MaskView mask, int64_t rows, int S, float scale) {
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
@@ -263,7 +269,21 @@ __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* 
       const int c = lane + k * 32;
       if (c >= nvec) continue;
       load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kRingItemBytes), v[k]);
-      scale_and_mask<VEC>(v[k], mask, moff, c, scale, mx);
+      if constexpr (BF16_MASK) {
+        const unsigned short* m = static_cast<const unsigned short*>(mask.add) + moff + c * VEC;
+#pragma unroll
+        for (int j = 0; j < VEC; j += 4) {
+          const uint2 w = *reinterpret_cast<const uint2*>(m + j);
+          v[k][j] = v[k][j] * scale + __uint_as_float(w.x << 16);
+          v[k][j + 1] = v[k][j + 1] * scale + __uint_as_float(w.x & 0xFFFF0000u);
+          v[k][j + 2] = v[k][j + 2] * scale + __uint_as_float(w.y << 16);
+          v[k][j + 3] = v[k][j + 3] * scale + __uint_as_float(w.y & 0xFFFF0000u);
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[k][j]);
+      } else {
+        scale_and_mask<VEC>(v[k], mask, moff, c, scale, mx);
+      }
     }
     // The stage is free once its values are read (the max depends on all of them): refill it.
     issue(row + ST * stride, stage);
@@ -416,10 +436,15 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
 #define BA_SOFTMAX_RING(V, I)                                                                            \
   do {                                                                                                   \
     if constexpr (V == max_vec) {                                                                        \
-      auto kernel = softmax_fwd_ring_kernel<T, V, I>;                                                    \
+      bool bf16_mask = false; /* bf16 scores only: beside float32 scores it cost registers */            \
+      auto kernel = softmax_fwd_ring_kernel<T, V, I, false>;                                             \
+      if constexpr (sizeof(T) == 2) {                                                                    \
+        bf16_mask = mv.add != nullptr && mv.add_vec4 && mv.add_kind == AddKind::kBFloat16;               \
+        if (bf16_mask) kernel = softmax_fwd_ring_kernel<T, V, I, true>;                                  \
+      }                                                                                                  \
       constexpr int smem = kSoftmaxRingStages * ring_stage_bytes<I>();                                \
-      static int per_sm[64] = {};                                                                        \
-      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, per_sm);     \
+      static int per_sm[2][64] = {};                                                                     \
+      const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, per_sm[bf16_mask]); \
       const int64_t blocks = std::min<int64_t>((rows + kRingWarps - 1) / kRingWarps, fit);               \
       MaskView walked = mv;                                                                              \
       walked.set_walk_stride(blocks * kRingWarps);                                                       \
