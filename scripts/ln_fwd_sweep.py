@@ -7,6 +7,7 @@ variables read once per process, so run once per setting:
   BERTACCEL_LN_ROWS=2  two rows per thread group in that kernel (turns the ring off too)
   BERTACCEL_LN_RING_HALF_WARP=0|1  the ring gives every row a whole warp / the residual form half-warp rows at every
                        row count (by default a 384-wide bf16 row has half a warp, the residual form's from 4,096 rows)
+  BERTACCEL_RING_ROWS_PER_WARP=R  the ring's grid sized for R rows a warp, more blocks than fit (0: persistent)
   (neither)            the default: the persistent ring kernel for rows up to 1024 wide
 `for s in "" BERTACCEL_LN_RING=0; do env $s python scripts/ln_fwd_sweep.py; done`
 `--dtype float32` times float32 rows (the same shapes; the share of copy counts their 4-byte elements).
@@ -34,7 +35,7 @@ dtype = getattr(torch, args.dtype)
 wdtype = torch.float32 if args.weights == "float32" else dtype
 esize = torch.finfo(dtype).bits // 8
 ceil = copy_bandwidth_gbs()
-SWITCHES = ("BERTACCEL_LN_RING", "BERTACCEL_LN_ROWS", "BERTACCEL_LN_RING_HALF_WARP")
+SWITCHES = ("BERTACCEL_LN_RING", "BERTACCEL_LN_ROWS", "BERTACCEL_LN_RING_HALF_WARP", "BERTACCEL_RING_ROWS_PER_WARP")
 setting = " ".join(f"{k}={os.environ[k]}" for k in SWITCHES if k in os.environ) or "default"
 if dtype != torch.bfloat16:
     setting += f" {str(dtype)[6:]}"

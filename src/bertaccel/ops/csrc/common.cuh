@@ -110,6 +110,26 @@ int ring_blocks_per_sm(Kernel kernel, int threads, int smem, int device, int (&c
   return cached[device];
 }
 
+// The forward rings' grid (BERTACCEL_RING_ROWS_PER_WARP, read once per process):
+//   0 or unset  persistent and balanced: k = ceil(row groups / blocks that fit) rounds a block, then ceil(row groups / k)
+//               blocks, so that every warp walks k rows (but the last block's) - filling every slot that fits leaves
+//               the warps of the last round partly idle (16384 rows of 8 a block on 264 slots: 7.76 rounds, 1,600 warps
+//               walking 8 rows and 512 walking 7; balanced: 256 blocks, 8 each)
+//   -1          persistent, as many blocks as fit (the rule until session 76)
+//   R > 0       ceil(row groups / R) blocks, more than fit at once: the hardware hands a finished SM the next block
+// The kernels are the same grid-stride loops under every setting. Session 76 (H200, bf16, 16384 rows, no grad,
+// h200/ln_fwd_sweep_rows_per_warp_s76c.log): R = 1 / 2 lose 1.5-7 us at 768-1024 wide (a warp pays its prologue and
+// weight loads for one or two rows); R = 8, which at 16384 rows is the balanced grid, gained on the fused residual
+// form at 1024 wide (31.5-31.9 -> 29.4-29.6 us).
+inline int64_t ring_grid_blocks(int64_t rows, int rows_per_block, int64_t fit) {
+  static const int per_warp = env_switch("BERTACCEL_RING_ROWS_PER_WARP", 0);
+  const int64_t need = (rows + rows_per_block - 1) / rows_per_block;
+  if (per_warp > 0) return std::max<int64_t>(1, (need + per_warp - 1) / per_warp);
+  if (need <= fit || per_warp < 0) return std::min<int64_t>(need, fit);
+  const int64_t rounds = (need + fit - 1) / fit;
+  return (need + rounds - 1) / rounds;
+}
+
 struct SumOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };
