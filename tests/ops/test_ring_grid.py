@@ -1,14 +1,16 @@
-"""The forward rings' grid (common.cuh `ring_grid_blocks`): persistent and balanced by default (every warp walks the
-same number of rows, every W-th), `BERTACCEL_RING_ROWS_PER_WARP=-1` as many blocks as fit, `=R` ceil(rows / R) warps -
-more blocks than fit at once, so each warp walks far fewer rows with a stride that is no longer a whole number of
-resident warps. The kernels are the same grid-stride loops, so every row must come out bit for bit as on the
-balanced grid: LayerNorm, RMSNorm, the residual form with dropout (its Philox draws are keyed by element, not by
-warp), and the softmax ring (whose bf16 warps step their mask rows by the grid's stride). The switch is read once
-per process: each setting runs in a child process that prints a digest of every output; the digests must agree
-across settings, and each child checks its outputs against float64 references too."""
+"""The forward rings' grid (common.cuh `ring_grid_blocks`): persistent, either as many blocks as fit (`fill`) or
+balanced (every warp walks the same number of rows, every W-th) - each op's rule picks one,
+`BERTACCEL_RING_ROWS_PER_WARP` overrides it (0 balanced, -1 fill, R > 0 ceil(rows / R) warps: more blocks than fit
+at once, each warp walking far fewer rows with a stride that is no longer a whole number of resident warps). The
+kernels are the same grid-stride loops, so every row must come out bit for bit under every grid: LayerNorm, RMSNorm,
+the residual form with dropout (its Philox draws are keyed by element, not by warp), and the softmax ring (whose
+bf16 warps step their mask rows by the grid's stride). The switch is read once per process: each setting runs in a
+child process that prints a digest of every output; the digests must agree across settings, and each child checks
+its outputs against float64 references too."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -38,31 +40,35 @@ def ring_grid_digests() -> None:
             h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
         print(f"DIGEST {name} {h.hexdigest()}")
 
-    per_warp = int(os.environ.get("BERTACCEL_RING_ROWS_PER_WARP", "0"))
+    setting = os.environ.get("BERTACCEL_RING_ROWS_PER_WARP")
+    per_warp = int(setting) if setting is not None else None
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def ring_ran(fn, kernel: str, rows: int, rows_per_block: int) -> None:
-        """fn() launched `kernel` on the grid the setting asks for (see ring_grid_blocks)."""
+    def ring_ran(fn, kernel: str, rows: int, rows_per_block: int, balanced_by_default: bool) -> None:
+        """fn() launched `kernel` on the grid the setting asks for (common.cuh ring_grid_blocks)."""
         grids = [grid for name, grid in cuda_kernel_grids(fn) if kernel in name]
         assert len(grids) == 1, (kernel, cuda_kernel_grids(fn))
-        need = -(-rows // rows_per_block)
-        blocks = grids[0][0]
-        if per_warp > 0:
+        need, blocks = -(-rows // rows_per_block), grids[0][0]
+        if per_warp is not None and per_warp > 0:
             assert blocks == -(-need // per_warp), (kernel, grids, need, per_warp)
         elif need > 8 * sms:  # more row groups than blocks fit (at most 8 of 256 threads on an SM)
-            if per_warp == 0:  # balanced: every block walks the same number of rounds, the last one at most fewer
+            if per_warp == 0 or (per_warp is None and balanced_by_default):  # every block walks the same rounds
                 rounds = -(-need // blocks)
                 assert blocks * (rounds - 1) < need <= blocks * rounds and -(-need // rounds) == blocks, (grids, need)
-            assert blocks % sms == 0 or per_warp == 0, (kernel, grids, sms)  # -1: every slot that fits
+            else:  # fill: every slot that fits
+                assert blocks % sms == 0, (kernel, grids, sms)
         else:
             assert blocks <= need, (kernel, grids, need)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
-        for rows, H, dt in [(16384, 768, torch.bfloat16), (4101, 384, torch.bfloat16), (999, 1024, torch.float32)]:
+        # the LayerNorm rule: balanced above 768 wide on two ring stages (bf16 here; float32 1024-wide rows run three)
+        for rows, H, dt in [(16384, 768, torch.bfloat16), (16384, 1024, torch.bfloat16), (4101, 384, torch.bfloat16),
+                            (9999, 1024, torch.float32)]:
             x = (torch.randn(rows, H, device="cuda", generator=g) * 2 + 1).to(dt)
             w, b = torch.randn(H, device="cuda", generator=g), torch.randn(H, device="cuda", generator=g)
-            ring_ran(lambda: layer_norm(x, w, b, 1e-5), "ln_fwd_ring_kernel", rows, 16 if H == 384 else 8)
+            ring_ran(lambda: layer_norm(x, w, b, 1e-5), "ln_fwd_ring_kernel", rows, 16 if H == 384 else 8,
+                     H > 768 and dt == torch.bfloat16)
             poison()
             y = layer_norm(x, w, b, 1e-5)
             check(y, F.layer_norm(x, (H,), w.to(dt), b.to(dt), 1e-5),
@@ -72,7 +78,7 @@ def ring_grid_digests() -> None:
             check(r, F.rms_norm(x, (H,), w.to(dt), 1e-5), F.rms_norm(x.double(), (H,), w.double(), 1e-5), dt,
                   f"rms_norm {rows}x{H}")
             digest(f"norms {rows}x{H}", y, r)
-        for rows, H in [(4101, 384), (2047, 768)]:
+        for rows, H in [(4101, 384), (2047, 768), (16384, 1024)]:
             x, res = (torch.randn(rows, H, device="cuda", generator=g).bfloat16() for _ in range(2))
             bias, w, b = (torch.randn(H, device="cuda", generator=g) for _ in range(3))
             torch.manual_seed(1)
@@ -93,7 +99,7 @@ def ring_grid_digests() -> None:
                 mask = keep if kind == "bool" else torch.zeros(bsz, 1, 1, k, device="cuda", dtype=dt).masked_fill(
                     ~keep, torch.finfo(dt).min)
                 add = torch.zeros(keep.shape, dtype=torch.float64, device="cuda").masked_fill(~keep, float("-inf"))
-            ring_ran(lambda: softmax(x, mask, 0.125), "softmax_fwd_ring_kernel", bsz * h * q, 8)
+            ring_ran(lambda: softmax(x, mask, 0.125), "softmax_fwd_ring_kernel", bsz * h * q, 8, False)
             poison()
             p = softmax(x, mask, 0.125)
             ref = torch.softmax(x.double() * 0.125 + add, dim=-1)
@@ -102,6 +108,7 @@ def ring_grid_digests() -> None:
     print("ring grid ok")
 
 
+@functools.lru_cache(maxsize=None)
 def child_digests(setting: str | None) -> dict[str, str]:
     r = run_in_child("from tests.ops.test_ring_grid import ring_grid_digests; ring_grid_digests()",
                      {"BERTACCEL_RING_ROWS_PER_WARP": setting})
@@ -111,8 +118,7 @@ def child_digests(setting: str | None) -> dict[str, str]:
 
 
 @cuda_test
-@pytest.mark.parametrize("setting", ["-1", "3"])
-def test_ring_grid_gives_the_balanced_grids_bits(setting):
-    balanced = child_digests(None)
-    other = child_digests(setting)
-    assert len(balanced) == 8 and other == balanced, (balanced, other)
+@pytest.mark.parametrize("setting", ["0", "-1", "3"], ids=["balanced", "fill", "3-rows-a-warp"])
+def test_ring_grids_give_the_same_bits(setting):
+    default, other = child_digests(None), child_digests(setting)
+    assert len(default) == 10 and other == default, (default, other)

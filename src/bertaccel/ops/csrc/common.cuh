@@ -110,22 +110,26 @@ int ring_blocks_per_sm(Kernel kernel, int threads, int smem, int device, int (&c
   return cached[device];
 }
 
-// The forward rings' grid (BERTACCEL_RING_ROWS_PER_WARP, read once per process):
-//   0 or unset  persistent and balanced: k = ceil(row groups / blocks that fit) rounds a block, then ceil(row groups / k)
-//               blocks, so that every warp walks k rows (but the last block's) - filling every slot that fits leaves
-//               the warps of the last round partly idle (16384 rows of 8 a block on 264 slots: 7.76 rounds, 1,600 warps
-//               walking 8 rows and 512 walking 7; balanced: 256 blocks, 8 each)
-//   -1          persistent, as many blocks as fit (the rule until session 76)
-//   R > 0       ceil(row groups / R) blocks, more than fit at once: the hardware hands a finished SM the next block
-// The kernels are the same grid-stride loops under every setting. Session 76 (H200, bf16, 16384 rows, no grad,
-// h200/ln_fwd_sweep_rows_per_warp_s76c.log): R = 1 / 2 lose 1.5-7 us at 768-1024 wide (a warp pays its prologue and
-// weight loads for one or two rows); R = 8, which at 16384 rows is the balanced grid, gained on the fused residual
-// form at 1024 wide (31.5-31.9 -> 29.4-29.6 us).
-inline int64_t ring_grid_blocks(int64_t rows, int rows_per_block, int64_t fit) {
-  static const int per_warp = env_switch("BERTACCEL_RING_ROWS_PER_WARP", 0);
+// The forward rings' grid. Two persistent forms: `fill` - as many blocks as fit, so that the warps of the last round
+// are partly idle (16384 rows of 8 a block on 264 slots: 7.76 rounds, 1,600 warps walking 8 rows and 512 walking 7) -
+// and `balanced` - k = ceil(row groups / slots) rounds a block, then ceil(row groups / k) blocks, every warp walking
+// k rows (the last block's fewer; 256 blocks there, some SMs holding one block less). The caller's rule picks one
+// (`balanced_by_default`); BERTACCEL_RING_ROWS_PER_WARP (read once per process) overrides it for comparing: 0 balanced
+// everywhere, -1 fill everywhere, R > 0 ceil(row groups / R) blocks - more than fit at once, the hardware handing a
+// finished SM the next block. The kernels are the same grid-stride loops under every form.
+// Measured on an H200 (session 76, no grad, us, two alternated rounds, h200/ln_fwd_sweep_rows_per_warp_s76c.log,
+// h200/ln_fwd_sweep_balanced_s76d.log, softmax_fwd_sweep_balanced_s76d.log; balanced / fill): bf16 16384 x 1024 LayerNorm
+// 18.7 / 19.1, RMSNorm 18.0-18.1 / 18.3, the residual form 29.1-29.2 / 31.2-31.3, with p = 0.1 34.3-34.4 / 36.2-36.8;
+// float32 residual 1024 54.3 / 60.4 (p = 0.1 64.4 / 71.7); at 384-768 wide within +-0.3 either way; the softmax ring
+// lost (bf16 64x12x256x256 57.7-58.0 / 53.7-53.9, 8x12x1024x1024 113.9-114.3 / 110.2-111.9, float32 256 keys 114.5 /
+// 102.2) and the float32 LayerNorm / RMSNorm at 1024 wide on three stages (one round: 35.5 / 35.0, 35.0 / 34.2).
+// R = 1 / 2 lost 1.5-7 us at 768-1024 wide (a warp pays its prologue and weight loads for one or two rows).
+inline int64_t ring_grid_blocks(int64_t rows, int rows_per_block, int64_t fit, bool balanced_by_default) {
+  static const int setting = env_switch("BERTACCEL_RING_ROWS_PER_WARP", -2);  // -2: unset
   const int64_t need = (rows + rows_per_block - 1) / rows_per_block;
-  if (per_warp > 0) return std::max<int64_t>(1, (need + per_warp - 1) / per_warp);
-  if (need <= fit || per_warp < 0) return std::min<int64_t>(need, fit);
+  if (setting > 0) return std::max<int64_t>(1, (need + setting - 1) / setting);
+  const bool balanced = setting == 0 || (setting == -2 && balanced_by_default);
+  if (need <= fit || !balanced) return std::min<int64_t>(need, fit);
   const int64_t rounds = (need + fit - 1) / fit;
   return (need + rounds - 1) / rounds;
 }

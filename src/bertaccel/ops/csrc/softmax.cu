@@ -445,7 +445,7 @@ at::Tensor softmax_fwd(const at::Tensor& x, const std::optional<at::Tensor>& mas
       constexpr int smem = kSoftmaxRingStages * ring_stage_bytes<I>();                                \
       static int per_sm[2][64] = {};                                                                     \
       const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, per_sm[bf16_mask]); \
-      const int64_t blocks = ring_grid_blocks(rows, kRingWarps, fit);                                   \
+      const int64_t blocks = ring_grid_blocks(rows, kRingWarps, fit, false); /* fill: balanced lost */    \
       MaskView walked = mv;                                                                              \
       walked.set_walk_stride(blocks * kRingWarps);                                                       \
       launch_dependent(kernel, dim3((unsigned)blocks), dim3(kThreads), smem, stream, (const T*)x.data_ptr(), \
