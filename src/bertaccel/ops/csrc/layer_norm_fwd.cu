@@ -417,14 +417,15 @@ void launch_ring(const at::Tensor& x, const W* bp, const T* rp, const at::Tensor
                  T* zp, float* mp, float* rsp, int64_t rows, int H, double eps, double p,
                  const at::PhiloxCudaState& philox, int64_t* rngp, cudaStream_t stream) {
   auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, TPR>;
-  constexpr int smem = fwd_ring_stages<T, ITEMS, RES>() * ring_stage_bytes<ITEMS, RES>();
+  constexpr int stages = fwd_ring_stages<T, ITEMS, RES>();
+  constexpr int smem = stages * ring_stage_bytes<ITEMS, RES>();
   const int device = x.get_device();
   const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
   static int blocks_per_sm[64] = {};  // this instantiation's, per device
   const int64_t fit = (int64_t)sms * ring_blocks_per_sm(kernel, kThreads, smem, device, blocks_per_sm);
   constexpr int kRowsPerBlock = kRingWarps * (32 / TPR);
   // balanced (common.cuh ring_grid_blocks) for rows wider than 768 on two stages, where it measured faster
-  const int64_t blocks = ring_grid_blocks(rows, kRowsPerBlock, fit, H > 768 && fwd_ring_stages<T, ITEMS, RES>() == 2);
+  const int64_t blocks = ring_grid_blocks(rows, kRowsPerBlock, fit, H > 768 && stages == 2);
   launch_dependent(kernel, dim3((unsigned)blocks), dim3(kThreads), smem, stream, (const T*)x.data_ptr(), bp, rp,
                    (const W*)gamma.data_ptr(), betap, (T*)y.data_ptr(), zp, mp, rsp, rows, H, (float)eps, (float)p, philox,
                    rngp);

@@ -43,13 +43,16 @@ struct MaskView {
     return add_kind == AddKind::kBFloat16 ? __uint_as_float((unsigned)h << 16)
                                           : __half2float(__ushort_as_half(h));
   }
+  // four bf16 keys read as two 32-bit words, widened (exact: the words shifted up or their low halves cleared)
+  __device__ __forceinline__ static float4 bf16x4(uint2 w) {
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xFFFF0000u), __uint_as_float(w.y << 16),
+                       __uint_as_float(w.y & 0xFFFF0000u));
+  }
   // keys i .. i + 3 (add_vec4: i % 4 == 0 and the row start aligned)
   __device__ __forceinline__ float4 add4_at(int64_t i) const {
     if (add_kind == AddKind::kFloat) return *reinterpret_cast<const float4*>(static_cast<const float*>(add) + i);
     const uint2 w = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(add) + i);
-    if (add_kind == AddKind::kBFloat16)
-      return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xFFFF0000u),
-                         __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xFFFF0000u));
+    if (add_kind == AddKind::kBFloat16) return bf16x4(w);
     const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
     const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
     return make_float4(a.x, a.y, b.x, b.y);
@@ -273,11 +276,11 @@ __global__ void __launch_bounds__(kThreads, 2) softmax_fwd_ring_kernel(const T* 
         const unsigned short* m = static_cast<const unsigned short*>(mask.add) + moff + c * VEC;
 #pragma unroll
         for (int j = 0; j < VEC; j += 4) {
-          const uint2 w = *reinterpret_cast<const uint2*>(m + j);
-          v[k][j] = v[k][j] * scale + __uint_as_float(w.x << 16);
-          v[k][j + 1] = v[k][j + 1] * scale + __uint_as_float(w.x & 0xFFFF0000u);
-          v[k][j + 2] = v[k][j + 2] * scale + __uint_as_float(w.y << 16);
-          v[k][j + 3] = v[k][j + 3] * scale + __uint_as_float(w.y & 0xFFFF0000u);
+          const float4 a = MaskView::bf16x4(*reinterpret_cast<const uint2*>(m + j));
+          v[k][j] = v[k][j] * scale + a.x;
+          v[k][j + 1] = v[k][j + 1] * scale + a.y;
+          v[k][j + 2] = v[k][j + 2] * scale + a.z;
+          v[k][j + 3] = v[k][j + 3] * scale + a.w;
         }
 #pragma unroll
         for (int j = 0; j < VEC; ++j) mx = fmaxf(mx, v[k][j]);
