@@ -1,9 +1,10 @@
 """The column sums of the partial rows (common.cuh's `launch_column_sums`: every LayerNorm-family backward's weight
 gradients, the bias gradients of bias + GELU and `column_sum`), under each block shape of
 `column_sums_kernel<COLS, SLICES, BATCH>`: the default (8 columns x 64 row slices) and the comparison shape
-`BERTACCEL_COLSUM=wide` (32 x 32). The switch is read once per process, so each setting runs in a child process: the kernel the setting names must be the one that ran, and `column_sum` (a few to ~800 partial rows,
-column counts that are not multiples of 8 or 32) and the LayerNorm backward's dweight / dbias within twice PyTorch's
-error of the float64 sums, the same bits on a second call."""
+`BERTACCEL_COLSUM=wide` (32 x 32), and `column_sum`'s row chunks under `BERTACCEL_COLSUM_CHUNK_ROWS`. The switches
+are read once per process, so each setting runs in a child process: the kernel the setting names must be the one that
+ran, and `column_sum` (a few to ~800 partial rows, column counts that are not multiples of 8 or 32) and the LayerNorm
+backward's dweight / dbias within twice PyTorch's error of the float64 sums, the same bits on a second call."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ import torch.nn.functional as F
 from tests.conftest import run_in_child
 from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves
 
-SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"}}
+# the partial-row kernel's two block shapes; `column_sum`'s row chunks by the default rule, by one wave of blocks only
+# (the rule before session 77), and at least 256 rows long
+SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"},
+            "one-wave-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "-1"},
+            "256-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "256"}}
 # the template arguments each setting must launch (the wide shape takes 12 or 16 loads by the partial-row count)
 KERNELS = {"": ("column_sums_kernel<8, 64, 8>",), "wide": ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")}
 
@@ -63,7 +68,7 @@ def check_column_sums() -> None:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_column_sums_under_each_kernel_setting(setting):
     code = "from tests.ops.test_column_sums import check_column_sums; check_column_sums()"
-    r = run_in_child(code, {"BERTACCEL_COLSUM": None, **SETTINGS[setting]})
+    r = run_in_child(code, {"BERTACCEL_COLSUM": None, "BERTACCEL_COLSUM_CHUNK_ROWS": None, **SETTINGS[setting]})
     assert r.returncode == 0 and "column sums ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
 
 
