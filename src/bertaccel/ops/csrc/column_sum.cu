@@ -86,18 +86,24 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   }();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int col_blocks = (int)((cols / VEC + kLanes - 1) / kLanes);
-  // Row chunks: one wave of blocks (`want` chunks a column block), but no shorter than the chunks that fill half a
-  // wave, up to 128 rows (16 a thread): at 16384 x 384 / 768 the one-wave chunks were 42 / 63 rows (5-8 a thread,
-  // one or two unrolled rounds) and their 391 / 261 partial rows cost a second kernel of 3.7 us; half a wave's 83 /
-  // 124 rows ran 1.3-1.5 us faster, as longer chunks did at 9,830 x 1,152 (session 77, H200). Small inputs keep the
-  // one-wave chunks (2,048 x 768: 32 rows; 64 lost 0.4 us), as do the widest (16384 x 2304: 187 rows; 256 lost 3 us).
-  // BERTACCEL_COLSUM_CHUNK_ROWS: -1 one wave only (before session 77); R > 0 at least R rows a chunk.
+  // Row chunks: one wave of blocks (`want` chunks a column block). Where that leaves a thread fewer than three
+  // unrolled rounds (96 rows a chunk), the chunks are lengthened to fill half a wave, in whole rounds, up to 128 rows
+  // (16 a thread): at 16384 x 384 / 768 the one-wave chunks were 42 / 63 rows and their 391 / 261 partial rows took a
+  // second kernel of 3.7 us; 64 / 128-row chunks ran 1.5 / 1.3 us faster, 128 rows at 9,830 x 1,152 0.9 us (session
+  // 77, H200). Chunks of a part of a round lost (47 rows at 2,048 x 2,304: 8.8 against 8.0-8.1 us), and so did
+  // longer chunks where one wave already gave three rounds (16384 x 1152: 104 -> 128 rows, +0.2 us; 2304: 187 -> 256,
+  // +3 us). BERTACCEL_COLSUM_CHUNK_ROWS: -1 one wave only (before session 77); R > 0 at least R rows a chunk.
   static const int chunk_rows = env_switch("BERTACCEL_COLSUM_CHUNK_ROWS", 0);
+  constexpr int kRound = kUnroll * kRowLanes;  // rows a block reads in one unrolled round
   const int64_t want = std::max<int64_t>(1, (int64_t)sms * per_sm / col_blocks);
-  const int64_t half_wave = std::max<int64_t>(1, (int64_t)sms * per_sm / 2 / col_blocks);
-  int64_t rpc64 = std::max<int64_t>(kUnroll * kRowLanes, (rows + want - 1) / want);
-  if (chunk_rows == 0) rpc64 = std::max<int64_t>(rpc64, std::min<int64_t>(128, (rows + half_wave - 1) / half_wave));
-  else if (chunk_rows > 0) rpc64 = std::max<int64_t>(rpc64, chunk_rows);
+  const int64_t half_wave = std::max<int64_t>(1, want / 2);
+  int64_t rpc64 = std::max<int64_t>(kRound, (rows + want - 1) / want);
+  if (chunk_rows == 0 && rpc64 < 3 * kRound) {
+    const int64_t half = (rows + half_wave - 1) / half_wave;
+    rpc64 = std::max<int64_t>(rpc64, std::min<int64_t>(128, (half + kRound - 1) / kRound * kRound));
+  } else if (chunk_rows > 0) {
+    rpc64 = std::max<int64_t>(rpc64, chunk_rows);
+  }
   const int rpc = (int)rpc64;
   const int chunks = (int)((rows + rpc - 1) / rpc);
   at::Tensor part = chunks > 1 ? at::empty({chunks, cols}, x.options().dtype(at::kFloat)) : out;
