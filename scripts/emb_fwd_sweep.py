@@ -7,6 +7,7 @@ alternate under scripts/ab_runs.sh:
 autocast (fp32 output, 4-byte writes) and with the output cast to bf16 inside the compiled function (the same bytes
 ours writes: the fair line for the inference form).
   bash scripts/ab_runs.sh --build ops /tmp/b/src 2 -- python scripts/emb_fwd_sweep.py
+`BERTACCEL_EMB_WARP_ROWS=0` (where the kernel has it) is named in each line.
 The share of copy counts the least bytes: three fp32 table rows read and one output row written a token."""
 import argparse
 import os
@@ -23,7 +24,8 @@ VOCAB = 30522
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--compile", action="store_true")
 args = ap.parse_args()
-tag = os.environ.get("BERTACCEL_AB", "")
+tag = " ".join([os.environ.get("BERTACCEL_AB", "")]
+               + [f"{k}={os.environ[k]}" for k in ("BERTACCEL_EMB_WARP_ROWS",) if k in os.environ])
 ceil = copy_bandwidth_gbs()
 ops = torch.ops.bertaccel
 
