@@ -15,6 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from bertaccel.ops import build
 from benchmarks.common import compile_static, copy_bandwidth_gbs, graph_time_ms, rotations
 import bertaccel.ops.embeddings  # noqa: F401 - defines the embedding ops
 
@@ -24,6 +25,7 @@ VOCAB = 30522
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--compile", action="store_true")
 args = ap.parse_args()
+assert build.load(), build.unavailable_reason()
 tag = " ".join([os.environ.get("BERTACCEL_AB", "")]
                + [f"{k}={os.environ[k]}" for k in ("BERTACCEL_EMB_WARP_ROWS",) if k in os.environ])
 ceil = copy_bandwidth_gbs()

@@ -1,0 +1,21 @@
+"""compute-sanitizer memcheck over odd shapes of the kernels the pending patches change (run by measure.sh in tree B)."""
+import torch
+from bertaccel.ops.layer_norm import layer_norm
+from bertaccel.ops.rms_norm import rms_norm
+import bertaccel.ops.embeddings  # noqa: F401
+import bertaccel.ops.bias_grad  # noqa: F401
+for dt in (torch.bfloat16, torch.float32):
+    for n, h in ((1, 768), (37, 384), (130, 768), (301, 1024), (4099, 768)):
+        x = torch.randn(n, h, device="cuda", dtype=dt); w = torch.randn(h, device="cuda"); b = torch.randn(h, device="cuda")
+        with torch.no_grad():
+            layer_norm(x, w, b, 1e-12); rms_norm(x, w, 1e-6)
+for bsz, seq, h in ((3, 37, 768), (2, 5, 384), (4, 129, 1024), (7, 129, 512), (3, 41, 1000)):
+    ids = torch.randint(1, 30522, (bsz, seq), device="cuda"); pos = torch.arange(seq, device="cuda").expand(bsz, seq).contiguous()
+    a = (ids, pos, torch.randint(0, 2, (bsz, seq), device="cuda"), torch.randn(30522, h, device="cuda"), torch.randn(512, h, device="cuda"),
+         torch.randn(2, h, device="cuda"), torch.randn(h, device="cuda"), torch.randn(h, device="cuda"))
+    with torch.no_grad():
+        torch.ops.bertaccel.embedding_layer_norm(*a, 0.0, 1e-12, True, 0); torch.ops.bertaccel.embedding_layer_norm_fwd(*a, 0.1, 1e-12, True, 0)
+        torch.ops.bertaccel.embedding_layer_norm_fwd(*a, 0.1, 1e-12, False, 0)
+for n, c, dt in ((16383, 384, torch.bfloat16), (9831, 1152, torch.bfloat16), (16385, 2304, torch.bfloat16), (5001, 64, torch.float32), (333, 37, torch.float32)):
+    torch.ops.bertaccel.column_sum(torch.randn(n, c, device="cuda").to(dt))
+torch.cuda.synchronize(); print("memcheck script ok")
