@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Measures what docs/pending holds (see its README) on a fresh H200, in two device calls of ~5-6 minutes each (each
+# Measures what docs/pending holds (see its README) on a fresh H200, in three device calls of ~4-6 minutes each (each
 # builds both trees, ~100 s):
-#   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh 1   # tests + memcheck of tree B, the LayerNorm forward sweeps
-#   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh 2   # the embeddings forward and column_sum sweeps
+#   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh 1   # tree B's cuda tests, compute-sanitizer memcheck
+#   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh 2   # the LayerNorm forward and embeddings forward sweeps
+#   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh 3   # the column_sum and bias + GELU backward sweeps
 # carrying .carry/env.sh and .carry/wheels. Tree A: this checkout; tree B: a copy with every pending patch applied (each
 # patch keeps a switch back to main's kernel: BERTACCEL_LN_RING_FAST=0, BERTACCEL_EMB_WARP_ROWS=0,
 # BERTACCEL_COLSUM_LANES=32). Logs under $OUT, a short table last.
@@ -20,13 +21,15 @@ AB_LOG_DIR=/tmp/builds bash scripts/ab_runs.sh --build ops /tmp/b/src 0 -- true 
 echo "build $(( $(date +%s) - t0 )) s" | tee -a $OUT/build.log
 
 if [ "$part" = 1 ]; then
-  # tests of tree B: the FAST ring, LayerNorm / RMSNorm, the ring grid, embeddings, column sums, bias gradients
+  # tests of tree B: the FAST ring, LayerNorm / RMSNorm, the ring grid, embeddings, column sums, bias gradients, GELU
   (cd /tmp/b && PYTHONPATH="/tmp/b/src:/tmp/b" timeout 300 python -m pytest -m cuda -q -p no:cacheprovider \
     tests/ops/test_ln_fwd_fast.py tests/ops/test_layer_norm.py tests/ops/test_rms_norm.py tests/ops/test_ring_grid.py \
     tests/ops/test_embeddings.py tests/ops/test_emb_fwd_warp_rows.py tests/ops/test_column_sums.py \
-    tests/ops/test_bias_grad.py 2>&1 | tail -15) > $OUT/tests_b.log
+    tests/ops/test_bias_grad.py tests/ops/test_gelu.py 2>&1 | tail -15) > $OUT/tests_b.log
   PYTHONPATH="$B" timeout 150 compute-sanitizer --tool memcheck python docs/pending/memcheck_pending.py \
     > $OUT/memcheck.log 2>&1
+  echo "== tests"; tail -2 $OUT/tests_b.log; echo "== memcheck"; tail -2 $OUT/memcheck.log
+elif [ "$part" = 2 ]; then
   # the LayerNorm / RMSNorm forward with the FAST ring on and off (tree B), alternated: bf16 two rounds, then float32,
   # then beside torch.compile (input-dtype weights)
   for r in 1 2; do for s in "" "BERTACCEL_LN_RING_FAST=0"; do
@@ -36,24 +39,32 @@ if [ "$part" = 1 ]; then
   PYTHONPATH="$B" timeout 120 python /tmp/b/scripts/ln_fwd_sweep.py --weights input --compile >> $OUT/ln_fwd_fast_sweep.log 2>&1
   BERTACCEL_LN_RING_FAST=0 PYTHONPATH="$B" timeout 60 python /tmp/b/scripts/ln_fwd_sweep.py --weights input \
     >> $OUT/ln_fwd_fast_sweep.log 2>&1
-  echo "== tests"; tail -2 $OUT/tests_b.log; echo "== memcheck"; tail -2 $OUT/memcheck.log
-  echo "== LN"; grep SWEEP $OUT/ln_fwd_fast_sweep.log | grep "16384x"
-else
-  # embeddings forward: A, B (warp rows + gamma/beta early), B with BERTACCEL_EMB_WARP_ROWS=0 (gamma/beta early alone);
-  # column_sum: A, B (16-lane blocks + the predicated last round), B with BERTACCEL_COLSUM_LANES=32 (the last round
-  # alone); alternated, two rounds, then beside torch.compile once
+  # embeddings forward: A, B (warp rows + gamma/beta early), B with BERTACCEL_EMB_WARP_ROWS=0 (gamma/beta early alone),
+  # alternated, two rounds, then beside torch.compile once
   for r in 1 2; do
     BERTACCEL_AB=A$r timeout 60 python scripts/emb_fwd_sweep.py
     BERTACCEL_AB=B$r PYTHONPATH="$B" timeout 60 python scripts/emb_fwd_sweep.py
     BERTACCEL_AB=B$r BERTACCEL_EMB_WARP_ROWS=0 PYTHONPATH="$B" timeout 60 python scripts/emb_fwd_sweep.py
   done > $OUT/emb_fwd_sweep.log 2>&1
   BERTACCEL_AB=B PYTHONPATH="$B" timeout 120 python scripts/emb_fwd_sweep.py --compile >> $OUT/emb_fwd_sweep.log 2>&1
+  echo "== LN"; grep SWEEP $OUT/ln_fwd_fast_sweep.log | grep "16384x"
+  echo "== EMB"; grep EMB $OUT/emb_fwd_sweep.log
+else
+  # column_sum: A, B (16-lane blocks + the predicated last round), B with BERTACCEL_COLSUM_LANES=32 (the last round
+  # alone), alternated, two rounds, then beside torch.compile once
   for r in 1 2; do
     BERTACCEL_AB=A$r timeout 60 python scripts/colsum_sweep.py
     BERTACCEL_AB=B$r PYTHONPATH="$B" timeout 60 python scripts/colsum_sweep.py
     BERTACCEL_AB=B$r BERTACCEL_COLSUM_LANES=32 PYTHONPATH="$B" timeout 60 python scripts/colsum_sweep.py
   done > $OUT/colsum_sweep.log 2>&1
   BERTACCEL_AB=B PYTHONPATH="$B" timeout 120 python scripts/colsum_sweep.py --compile >> $OUT/colsum_sweep.log 2>&1
-  echo "== EMB"; grep EMB $OUT/emb_fwd_sweep.log
+  # bias + GELU backward: A, B (the predicated last group; no switch: the same bits), alternated, then compile once
+  for r in 1 2; do
+    BERTACCEL_AB=A$r timeout 60 python scripts/elementwise_sweep.py --backward
+    BERTACCEL_AB=B$r PYTHONPATH="$B" timeout 60 python scripts/elementwise_sweep.py --backward
+  done > $OUT/gelu_bwd_sweep.log 2>&1
+  BERTACCEL_AB=B PYTHONPATH="$B" timeout 150 python scripts/elementwise_sweep.py --backward --compile \
+    >> $OUT/gelu_bwd_sweep.log 2>&1
   echo "== COLSUM"; grep COLSUM $OUT/colsum_sweep.log | grep -E "16384x(384|1152|2304)|compile"
+  echo "== GELU_BWD"; grep GELU_BWD $OUT/gelu_bwd_sweep.log | grep -E "16384x3072|9830x1536"
 fi

@@ -18,4 +18,8 @@ for bsz, seq, h in ((3, 37, 768), (2, 5, 384), (4, 129, 1024), (7, 129, 512), (3
         torch.ops.bertaccel.embedding_layer_norm_fwd(*a, 0.1, 1e-12, False, 0)
 for n, c, dt in ((16383, 384, torch.bfloat16), (9831, 1152, torch.bfloat16), (16385, 2304, torch.bfloat16), (5001, 64, torch.float32), (333, 37, torch.float32)):
     torch.ops.bertaccel.column_sum(torch.randn(n, c, device="cuda").to(dt))
+import bertaccel.ops.gelu  # noqa: F401,E402
+for n, f in ((1023, 3072), (7, 1000), (2047, 4096), (5, 4097)):
+    x = torch.randn(n, f, device="cuda", dtype=torch.bfloat16)
+    torch.ops.bertaccel.bias_gelu_bwd(torch.randn_like(x), x, torch.randn(f, device="cuda"), False)
 torch.cuda.synchronize(); print("memcheck script ok")
