@@ -3,10 +3,10 @@
 # builds both trees, ~100 s):
 #   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh 1   # tree B's cuda tests, compute-sanitizer memcheck
 #   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh 2   # the LayerNorm forward and embeddings forward sweeps
-#   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh 3   # the column_sum and bias + GELU backward sweeps
+#   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh 3   # column_sum, bias + GELU backward, embeddings scatter
 # carrying .carry/env.sh and .carry/wheels. Tree A: this checkout; tree B: a copy with every pending patch applied (each
 # patch keeps a switch back to main's kernel: BERTACCEL_LN_RING_FAST=0, BERTACCEL_EMB_WARP_ROWS=0,
-# BERTACCEL_COLSUM_LANES=32). Logs under $OUT, a short table last.
+# BERTACCEL_COLSUM_LANES=32, BERTACCEL_EMB_SCATTER=tokens). Logs under $OUT, a short table last.
 part=${1:-1}
 source .carry/env.sh
 export PYTHONPATH="$PWD/src:$PWD"; export BERTACCEL_CACHE=/tmp/bc; export BERTACCEL_COMMIT=${BERTACCEL_COMMIT:-unknown}
@@ -65,6 +65,13 @@ else
   done > $OUT/gelu_bwd_sweep.log 2>&1
   BERTACCEL_AB=B PYTHONPATH="$B" timeout 150 python scripts/elementwise_sweep.py --backward --compile \
     >> $OUT/gelu_bwd_sweep.log 2>&1
+  # the embeddings backward's scatter: A, B (a position of 16 sequences a block), B with BERTACCEL_EMB_SCATTER=tokens
+  for r in 1 2; do
+    BERTACCEL_AB=A$r timeout 60 python scripts/emb_scatter_sweep.py
+    BERTACCEL_AB=B$r PYTHONPATH="$B" timeout 60 python scripts/emb_scatter_sweep.py
+    BERTACCEL_AB=B$r BERTACCEL_EMB_SCATTER=tokens PYTHONPATH="$B" timeout 60 python scripts/emb_scatter_sweep.py
+  done > $OUT/emb_scatter_sweep.log 2>&1
+  echo "== SCATTER"; grep SCATTER $OUT/emb_scatter_sweep.log
   echo "== COLSUM"; grep COLSUM $OUT/colsum_sweep.log | grep -E "16384x(384|1152|2304)|compile"
   echo "== GELU_BWD"; grep GELU_BWD $OUT/gelu_bwd_sweep.log | grep -E "16384x3072|9830x1536"
 fi

@@ -22,4 +22,9 @@ import bertaccel.ops.gelu  # noqa: F401,E402
 for n, f in ((1023, 3072), (7, 1000), (2047, 4096), (5, 4097)):
     x = torch.randn(n, f, device="cuda", dtype=torch.bfloat16)
     torch.ops.bertaccel.bias_gelu_bwd(torch.randn_like(x), x, torch.randn(f, device="cuda"), False)
+for shape, h in (((32, 64), 768), ((17, 33), 384), ((9, 40), 1024), ((300,), 384), ((5, 7), 37)):
+    ids = torch.randint(1, 1000, shape, device="cuda")
+    pos = torch.arange(shape[-1], device="cuda").expand(shape).contiguous()
+    dz = torch.randn(*shape, h, device="cuda", dtype=torch.bfloat16)
+    torch.ops.bertaccel.embedding_tables_bwd(dz, ids, pos, torch.zeros_like(ids), 1000, 1024, 2, 0)
 torch.cuda.synchronize(); print("memcheck script ok")
