@@ -18,7 +18,9 @@ change mean identical kernels. `--loads-in-flight` (needs nvdisasm: $NVDISASM, o
 also builds a cubin and prints, per kernel, how many 16-byte global loads a thread has in flight at
 most (a load counts from its issue until an instruction reads or overwrites one of its registers): a
 row kernel meant to issue all of a row's loads before using any should show that many.
-`--sass DIR` writes each source's SASS to DIR/<source>.sass (nvdisasm, as above).
+`--sass DIR` writes each source's SASS to DIR/<source>.sass (nvdisasm, as above). `--instructions` prints each
+kernel's static SASS instruction count and its most frequent opcodes (every path counted once, the dropout branch
+too: compare instantiations or versions of one kernel, not kernels with each other).
 `--compare-ptx BEFORE AFTER` says per kernel whether its PTX is
 identical, the same instructions in another order (the same count of every opcode), or different
 (the opcodes whose counts moved).
@@ -251,6 +253,13 @@ def report_loads_in_flight(sass: str, name_filter: str) -> None:
             print(f"  {loads_in_flight(instructions):>3} loads in flight  {demangle(name).replace('void bertaccel::', '')[:110]}")
 
 
+def report_instructions(sass: str, name_filter: str) -> None:
+    for name, instructions in sorted(sass_functions(sass).items()):
+        if name_filter in name and "kernel" in name:
+            top = ", ".join(f"{op} {n}" for op, n in base_opcodes(instructions).most_common(8))
+            print(f"  {len(instructions):>5} instructions  {demangle(name).replace('void bertaccel::', '')[:100]}  ({top})")
+
+
 def compare_ptx(before: Path, after: Path) -> int:
     """Per kernel of each PTX file in both folders: identical / reordered / different."""
     different = 0
@@ -289,13 +298,15 @@ def main() -> int:
     ap.add_argument("--ptx", type=Path, help="also write each source's normalized PTX into this folder")
     ap.add_argument("--loads-in-flight", action="store_true",
                     help="also report each kernel's most 16-byte loads in flight (SASS, needs nvdisasm)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also report each kernel's static SASS instruction count and top opcodes (needs nvdisasm)")
     ap.add_argument("--sass", type=Path, help="also write each source's SASS (nvdisasm) into this folder (implies a cubin)")
     ap.add_argument("--compare-ptx", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
                     help="compare two --ptx folders kernel by kernel (no compiling)")
     ap.add_argument("--compare-loops", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
                     help="compare two --sass listings of one source: each kernel's main-loop instructions (no compiling)")
     args = ap.parse_args()
-    cubin = args.loads_in_flight or args.sass is not None
+    cubin = args.loads_in_flight or args.instructions or args.sass is not None
     if args.compare_ptx:
         return compare_ptx(*args.compare_ptx)
     if args.compare_loops:
@@ -343,6 +354,8 @@ def main() -> int:
             sass = disassemble(out) if cubin else None
             if sass is not None and args.loads_in_flight:
                 report_loads_in_flight(sass, args.filter)
+            if sass is not None and args.instructions:
+                report_instructions(sass, args.filter)
             if sass is not None and args.sass is not None:
                 args.sass.mkdir(parents=True, exist_ok=True)
                 (args.sass / f"{source}.sass").write_text(sass)

@@ -129,3 +129,12 @@ def test_main_loop_is_the_largest_backward_branch_range_and_compare_loops_prints
     assert cc.compare_loops(tmp_path / "a.sass", tmp_path / "b.sass", "") == 0
     out = capsys.readouterr().out
     assert "main loop     5 ->     3" in out and "'ISETP': '1->0'" in out and "'FSEL': '1->0'" in out
+
+
+def test_report_instructions_counts_each_kernels_sass_and_its_top_opcodes(capsys):
+    text = nvdisasm_listing("_Z8a_kernelv", ["FADD R1, R2, R3", "@P0 FADD R1, R1, R3", "FFMA.FTZ R4, R1, R1, R2", "EXIT"])
+    text += nvdisasm_listing("_Z5otherv", ["EXIT"])  # not a kernel by name: left out
+    cc.report_instructions(text, "")
+    out = capsys.readouterr().out
+    assert "4 instructions" in out and "a_kernel" in out and "FADD 2, FFMA 1, EXIT 1" in out
+    assert "other" not in out
