@@ -88,6 +88,11 @@ def compile_static(fn):
     return torch.compile(fn, dynamic=False)
 
 
+def run_tag(*switches: str) -> str:
+    """A sweep line's tag: the tree (BERTACCEL_AB, as scripts/ab_runs.sh sets it) and each of `switches` that is set."""
+    return " ".join([os.environ.get("BERTACCEL_AB", "")] + [f"{k}={os.environ[k]}" for k in switches if k in os.environ])
+
+
 def rotations(bytes_per_set: int, l2_bytes: int = 50 * 2**20) -> int:
     """How many input sets to rotate through so that their total exceeds 4x the L2 cache."""
     return max(2, min(64, -(-4 * l2_bytes // max(bytes_per_set, 1))))

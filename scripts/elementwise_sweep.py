@@ -6,8 +6,8 @@ setting is an environment variable read once per process, so run once per settin
                                tensor fills the GPU's resident threads)
 `for s in "" BERTACCEL_GELU_UNROLL=1 BERTACCEL_GELU_UNROLL=2 BERTACCEL_GELU_UNROLL=4; do env $s python scripts/elementwise_sweep.py; done`
 `--backward` times the backward instead (`bias_gelu_bwd`: dx and the fp32 bias gradient, fp32 bias as the model holds it)
-at the same shapes and at MiniLM's 9,830 tokens, with `--compile` beside torch.compile's backward of the same function
-(bf16 bias); BERTACCEL_AB (as scripts/ab_runs.sh sets it) tags the lines."""
+at the same shapes and at MiniLM's 9,830 tokens, for A/B runs of trees (BERTACCEL_AB, as scripts/ab_runs.sh sets it, tags
+the lines); against torch.compile's backward: `python -m benchmarks.bench_ops --ops gelu`."""
 import argparse
 import os
 
@@ -15,34 +15,23 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_gelu import SHAPES
-from benchmarks.common import compile_static, copy_bandwidth_gbs, graph_time_ms, rotations
+from benchmarks.common import compile_static, copy_bandwidth_gbs, graph_time_ms, rotations, run_tag
 from bertaccel.ops.gelu import bias_gelu
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--backward", action="store_true")
-ap.add_argument("--compile", action="store_true", help="with --backward: time compile's backward too")
 args = ap.parse_args()
 ceil = copy_bandwidth_gbs()
 if args.backward:
     from bertaccel.ops import build
 
     assert build.load(), build.unavailable_reason()
-    compiled_fwd = compile_static(lambda x, b: F.gelu(x + b))
     for n, f in [*SHAPES, (9830, 1536)]:
         sets = [(torch.randn(n, f, device="cuda", dtype=torch.bfloat16), torch.randn(f, device="cuda"),
                  torch.randn(n, f, device="cuda", dtype=torch.bfloat16)) for _ in range(rotations(3 * n * f * 2))]
         ours = graph_time_ms(lambda x, b, dy: torch.ops.bertaccel.bias_gelu_bwd(dy, x, b, False), sets) * 1e3
-        comp = float("nan")
-        if args.compile:  # compile's backward (AOTAutograd's kernel) replayed on saved forwards, as bench_ops times it
-            graphs = []
-            for x, b, dy in sets:
-                leaves = [x.detach().requires_grad_(True), b.bfloat16().requires_grad_(True)]
-                graphs.append((compiled_fwd(*leaves), leaves, dy))
-            grad = lambda y, leaves, dy: torch.autograd.grad(y, leaves, dy, retain_graph=True)  # noqa: E731
-            comp = graph_time_ms(grad, graphs) * 1e3
         pct = lambda us: 100 * 3 * n * f * 2 / us / 1e3 / ceil  # noqa: E731 - read x and dy, write dx
-        print(f"GELU_BWD {os.environ.get('BERTACCEL_AB', '')} {n}x{f}: bertaccel {ours:.1f}us {pct(ours):.0f}% | "
-              f"compile (bf16 bias) {comp:.1f}us {pct(comp):.0f}%", flush=True)
+        print(f"GELU_BWD {run_tag()} {n}x{f}: bertaccel {ours:.1f}us {pct(ours):.0f}%", flush=True)
     raise SystemExit
 setting = f"BERTACCEL_GELU_UNROLL={os.environ['BERTACCEL_GELU_UNROLL']}" if "BERTACCEL_GELU_UNROLL" in os.environ else "default"
 compiled = compile_static(lambda x, b: F.gelu(x + b))

@@ -10,36 +10,24 @@ ours writes: the fair line for the inference form).
 `BERTACCEL_EMB_WARP_ROWS=0` (where the kernel has it) is named in each line.
 The share of copy counts the least bytes: three fp32 table rows read and one output row written a token."""
 import argparse
-import os
 
 import torch
-import torch.nn.functional as F
 
 from bertaccel.ops import build
-from benchmarks.common import compile_static, copy_bandwidth_gbs, graph_time_ms, rotations
-import bertaccel.ops.embeddings  # noqa: F401 - defines the embedding ops
-
-SHAPES = [(16, 128, 768), (128, 128, 384), (128, 128, 768), (32, 512, 1024)]
-VOCAB = 30522
+from bertaccel.ops.embeddings import embeddings_reference
+from benchmarks.bench_embeddings import SHAPES, VOCAB
+from benchmarks.common import compile_static, copy_bandwidth_gbs, graph_time_ms, rotations, run_tag
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--compile", action="store_true")
 args = ap.parse_args()
 assert build.load(), build.unavailable_reason()
-tag = " ".join([os.environ.get("BERTACCEL_AB", "")]
-               + [f"{k}={os.environ[k]}" for k in ("BERTACCEL_EMB_WARP_ROWS",) if k in os.environ])
+tag = run_tag("BERTACCEL_EMB_WARP_ROWS")
 ceil = copy_bandwidth_gbs()
 ops = torch.ops.bertaccel
-
-
-def hf(ids, pos, tt, word, position, token_type, w, b):
-    h = F.embedding(ids, word) + F.embedding(tt, token_type) + F.embedding(pos, position)
-    return F.layer_norm(h, (h.shape[-1],), w, b, 1e-12)
-
-
-if args.compile:
-    compiled_fp32 = compile_static(hf)
-    compiled_bf16 = compile_static(lambda *a: hf(*a).to(torch.bfloat16))
+if args.compile:  # HF's computation (the sets' order: ids, positions, token types, the three tables, weight, bias)
+    compiled_fp32 = compile_static(lambda *a: embeddings_reference(*a, 1e-12))
+    compiled_bf16 = compile_static(lambda *a: embeddings_reference(*a, 1e-12).to(torch.bfloat16))
 
 for bsz, seq, h in SHAPES:
     n = bsz * seq
