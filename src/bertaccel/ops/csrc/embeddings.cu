@@ -57,6 +57,15 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
   constexpr bool kStaged = VEC == 4;
   float v[ITEMS][VEC];
   float sum = 0.f;
+  // item k (column vector c): word + token type + position rounded to the output dtype (HF's order: (w + t) + p),
+  // saved as z for the backward, added to the row's sum
+  const auto add_item = [&](int k, int c, const float (&pos_v)[VEC], const float (&type_v)[VEC]) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[k][j] = to_f(from_f<T>(v[k][j] + type_v[j] + pos_v[j]));
+    if (z != nullptr) store_f<T, VEC>(z + row * H + (int64_t)c * VEC, v[k]);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum += v[k][j];
+  };
   if constexpr (kStaged) {
     float a[ITEMS][VEC], b[ITEMS][VEC];
 #pragma unroll
@@ -71,13 +80,7 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
-      if (active && c < nvec) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v[k][j] = to_f(from_f<T>(v[k][j] + b[k][j] + a[k][j]));  // HF's order: (w + t) + p
-        if (z != nullptr) store_f<T, VEC>(z + row * H + (int64_t)c * VEC, v[k]);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) sum += v[k][j];
-      }
+      if (active && c < nvec) add_item(k, c, a[k], b[k]);
     }
   } else {
 #pragma unroll
@@ -88,11 +91,7 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
         load_f<float, VEC>(wr + c * VEC, v[k]);
         load_f<float, VEC>(pr + c * VEC, a);
         load_f<float, VEC>(tr + c * VEC, b);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v[k][j] = to_f(from_f<T>(v[k][j] + b[j] + a[j]));
-        if (z != nullptr) store_f<T, VEC>(z + row * H + (int64_t)c * VEC, v[k]);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) sum += v[k][j];
+        add_item(k, c, a, b);
       }
     }
   }
