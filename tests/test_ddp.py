@@ -20,8 +20,16 @@ DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.stra
 
 def bertaccel(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-m", "bertaccel", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    if out.returncode != 0:
+        failed(out)
     return out
+
+
+def failed(out: subprocess.CompletedProcess) -> None:
+    """Fail with the command's exit status and the ends of its output, whole: an assertion message is cut to a line
+    by pytest, which hides what a child process printed before it died."""
+    pytest.fail(f"exit {out.returncode}: {' '.join(map(str, out.args[1:]))}\n--- stdout (end)\n{out.stdout[-3000:]}"
+                f"\n--- stderr (end)\n{out.stderr[-8000:]}", pytrace=False)
 
 
 def _subprocess_env(**extra: str) -> dict[str, str]:
@@ -93,7 +101,8 @@ def test_ddp_resume_in_the_middle_of_an_epoch_equals_an_uninterrupted_run(tiny_c
         cfg = tiny_config(name, epochs=2, dataset=str(data), val_size=64)
         out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common, *extra], cwd=tmp_path,
                              capture_output=True, text=True, timeout=600, env=env)
-        assert (out.returncode == 0) == ok, (out.stdout[-2000:], out.stderr[-3000:])
+        if (out.returncode == 0) != ok:
+            failed(out)
         return tmp_path / "runs" / name / "checkpoints" / "last.ckpt"
 
     straight = torch.load(fit("ddp_straight"), weights_only=True)
@@ -153,7 +162,8 @@ def test_ddp_graph_mode_steps_sync_gradients_like_ddp(tiny_config, tmp_path):
         out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common, *extra], cwd=tmp_path,
                              capture_output=True, text=True, timeout=600,
                              env=dict(env, BERTACCEL_LAGGED_SIGTERM="1" if lagged_sigterm else "0"))
-        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        if out.returncode != 0:
+            failed(out)
         ckpt = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
         return ckpt, out.stdout + out.stderr
 
@@ -193,7 +203,8 @@ def test_ddp_ranks_train_on_rows_of_one_length_group_at_each_step(tiny_config, t
     out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *DDP, "--test_after_fit", "false",
                           "--trainer.callbacks", "tests.test_ddp.RecordRowLengths"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    if out.returncode != 0:
+        failed(out)
     steps = [[json.loads(line) for line in (marks / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
     assert len(steps[0]) == len(steps[1]) == 16  # 256 training rows, 8 per rank and step
     spread = 0
@@ -236,7 +247,8 @@ def test_ddp_graph_mode_steps_with_the_sync_overlapped_equal_the_sync_after_the_
                               "--trainer.accumulate_grad_batches", str(accumulate)], cwd=tmp_path,
                              capture_output=True, text=True, timeout=600, env={**env, **{k: ("always" if k == "BERTACCEL_EMBEDDING_ROW_SYNC" else "1") if overlap else "0"
                                                 for k in switches}})
-        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        if out.returncode != 0:
+            failed(out)
         assert (said in out.stdout + out.stderr) == overlap, (out.stdout[-2000:], out.stderr[-3000:])
         return torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
 
@@ -267,7 +279,8 @@ def test_ddp_graph_mode_sums_the_embedding_rows_by_default_where_they_pay(tiny_c
         out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", cfg, *common], cwd=tmp_path,
                              capture_output=True, text=True, timeout=600,
                              env=env if rows is None else {**env, "BERTACCEL_EMBEDDING_ROW_SYNC": rows})
-        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        if out.returncode != 0:
+            failed(out)
         return (torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True),
                 out.stdout + out.stderr)
 
@@ -317,7 +330,8 @@ def test_ddp_masked_lm_with_the_embedding_rows_sync_all_reduces_the_tied_table_w
                               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
                               "--trainer.logger.init_args.name", name], cwd=tmp_path, capture_output=True, text=True,
                              timeout=600, env={**env, "BERTACCEL_EMBEDDING_ROW_SYNC": "always" if rows == "1" else "0"})
-        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        if out.returncode != 0:
+            failed(out)
         said[rows] = out.stdout + out.stderr
         states[rows] = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
     assert "all-reduced whole" in said["1"] and "all-reduced whole" not in said["0"]
@@ -372,7 +386,8 @@ def test_ddp_sigterm_on_rank_0_stops_every_rank_at_the_same_batch(tiny_config, t
     assert started[0][:3] == [0, 1, 2] and max(started[0]) < 15, started  # stopped within the epoch
     if lagged:
         # every rank raises Lightning's SIGTERMException (a SystemExit without a code) after the same batch
-        assert out.returncode == 0, out.stderr[-3000:]
+        if out.returncode != 0:
+            failed(out)
     # (Lightning's own handling: its handler's broadcast and the launcher's kill race the other rank's exit,
     # and about one run in four rank 0 ends in a gloo "Connection reset by peer", status 1)
 
@@ -501,7 +516,8 @@ def _two_gpu_fit(tmp_path: Path, name: str, graphs: bool, precision: str = "32-t
     path.write_text(yaml.safe_dump(cfg))
     out = subprocess.run([sys.executable, "-m", "bertaccel", "fit", "-c", str(path)], cwd=tmp_path, capture_output=True,
                          text=True, timeout=600, env=env)
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    if out.returncode != 0:
+        failed(out)
     (tmp_path / f"{name}.log").write_text(out.stdout + out.stderr)
     ckpt = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     (metrics,) = (tmp_path / "runs" / name).rglob("metrics.csv")

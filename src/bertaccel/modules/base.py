@@ -43,6 +43,7 @@ from bertaccel.modules.train_step import (EmbeddingRowSync, all_reduce_grads, bu
                                           embedding_rows_pay, grad_sync_overlap_wanted, make_static_grads)
 from bertaccel.modules.weight_copies import Bf16WeightCopies
 from bertaccel.optim.schedule import LinearWarmupDecay
+from bertaccel.process_group_exit import destroy_process_group_at_exit
 from bertaccel.step_logging import DeviceWindow, logs_step_metrics
 
 log = logging.getLogger(__name__)
@@ -189,6 +190,7 @@ class BertModule(pl.LightningModule):
 
     # ----------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
+        destroy_process_group_at_exit()  # a gloo group left to interpreter finalization can abort a rank at exit
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         # Lightning reads `configure_optimizers`' schedulers next (strategy setup), as automatic optimization's
         # configs (their `monitor`, ReduceLROnPlateau) also when the steps will be graphed: Lightning steps them
