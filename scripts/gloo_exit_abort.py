@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 CHILD = textwrap.dedent(
     """
@@ -40,15 +41,9 @@ CHILD = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trial(destroy_at_exit: bool, collectives: int) -> tuple[int, int, str]:
     """The two ranks' exit codes and the stderr of one that failed."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()),
                DESTROY_AT_EXIT=str(int(destroy_at_exit)), COLLECTIVES=str(collectives))
     procs = [subprocess.Popen([sys.executable, "-c", CHILD], env=dict(env, RANK=str(r)), stderr=subprocess.PIPE,
                               text=True) for r in range(2)]

@@ -1,16 +1,17 @@
 """The default process group is destroyed at interpreter exit on every backend (Lightning does it for NCCL
 only; a gloo group left to finalization can abort a rank at exit), registered once, and only once a group
-exists. Each case runs in its own process: the group and the atexit handler are process-wide."""
+exists. Each case runs in its own process (PG_EXIT_CASE names it): the group and the atexit handler are
+process-wide."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
+
+from tests.conftest import run_in_child
 
 CHILD = textwrap.dedent(
     """
-    import os, sys, tempfile
+    import os, tempfile
     import torch
     import torch.distributed as dist
     from bertaccel.process_group_exit import destroy_process_group_at_exit
@@ -24,25 +25,26 @@ CHILD = textwrap.dedent(
     print("before init:", destroy_process_group_at_exit(), flush=True)
     store = tempfile.mkdtemp()
     dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
-    if sys.argv[1] == "module_setup":  # every bertaccel LightningModule registers it in its setup
+    case = os.environ["PG_EXIT_CASE"]
+    if case == "module_setup":  # every bertaccel LightningModule registers it in its setup
         import bertaccel.process_group_exit as pge
         from bertaccel.modules import BertClassifier
-        BertClassifier(config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                   intermediate_size=64, vocab_size=64), num_labels=2).setup("fit")
+        from tests.conftest import TINY_BERT
+        BertClassifier(config=TINY_BERT, num_labels=2).setup("fit")
         print("after setup:", pge._registered, flush=True)
     else:
         print("after init:", destroy_process_group_at_exit(), destroy_process_group_at_exit(), flush=True)
     t = torch.ones(3)
     dist.all_reduce(t, async_op=True).wait()
-    if sys.argv[1] == "destroy_first":  # the program destroyed it itself: the handler leaves it alone
+    if case == "destroy_first":  # the program destroyed it itself: the handler leaves it alone
         real()
     print("exiting", flush=True)
     """
 )
 
 
-def run_child(mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=300)
+def run_child(case: str):
+    return run_in_child(CHILD, {"PG_EXIT_CASE": case}, timeout=300)
 
 
 def test_the_group_is_destroyed_once_at_exit():
