@@ -35,7 +35,8 @@ dtype = getattr(torch, args.dtype)
 wdtype = torch.float32 if args.weights == "float32" else dtype
 esize = torch.finfo(dtype).bits // 8
 ceil = copy_bandwidth_gbs()
-SWITCHES = ("BERTACCEL_LN_RING", "BERTACCEL_LN_ROWS", "BERTACCEL_LN_RING_HALF_WARP", "BERTACCEL_RING_ROWS_PER_WARP")
+SWITCHES = ("BERTACCEL_LN_RING", "BERTACCEL_LN_ROWS", "BERTACCEL_LN_RING_HALF_WARP", "BERTACCEL_RING_ROWS_PER_WARP",
+            "BERTACCEL_LN_RING_FAST")
 setting = " ".join(f"{k}={os.environ[k]}" for k in SWITCHES if k in os.environ) or "default"
 if dtype != torch.bfloat16:
     setting += f" {str(dtype)[6:]}"

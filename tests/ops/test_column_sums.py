@@ -1,14 +1,17 @@
 """The column sums of the partial rows (common.cuh's `launch_column_sums`: every LayerNorm-family backward's weight
 gradients, the bias gradients of bias + GELU and `column_sum`), under each block shape of
 `column_sums_kernel<COLS, SLICES, BATCH>`: the default (8 columns x 64 row slices) and the comparison shape
-`BERTACCEL_COLSUM=wide` (32 x 32), and `column_sum`'s row chunks under `BERTACCEL_COLSUM_CHUNK_ROWS`. The switches
-are read once per process, so each setting runs in a child process: the kernel the setting names must be the one that
-ran, and `column_sum` (a few to ~800 partial rows, column counts that are not multiples of 8 or 32) and the LayerNorm
-backward's dweight / dbias within twice PyTorch's error of the float64 sums, the same bits on a second call."""
+`BERTACCEL_COLSUM=wide` (32 x 32), `column_sum`'s row chunks under `BERTACCEL_COLSUM_CHUNK_ROWS`, and its column
+blocks under `BERTACCEL_COLSUM_LANES` (16 column vectors a block where 32 would leave lanes idle, or 32 everywhere).
+The switches are read once per process, so each setting runs in a child process: the kernels the setting names must
+be the ones that ran, and `column_sum` (a few to ~800 partial rows, column counts that are not multiples of 8 or 32,
+row counts that leave each thread a part-round) and the LayerNorm backward's dweight / dbias within twice PyTorch's
+error of the float64 sums, the same bits on a second call."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -21,7 +24,8 @@ from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves
 # (the rule before session 77), and at least 256 rows long
 SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"},
             "one-wave-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "-1"},
-            "256-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "256"}}
+            "256-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "256"},
+            "32-lane-blocks": {"BERTACCEL_COLSUM_LANES": "32"}}
 # the template arguments each setting must launch (the wide shape takes 12 or 16 loads by the partial-row count)
 KERNELS = {"": ("column_sums_kernel<8, 64, 8>",), "wide": ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")}
 
@@ -35,12 +39,21 @@ def check_column_sums() -> None:
     assert build.load(), build.unavailable_reason()
     want = KERNELS[os.environ.get("BERTACCEL_COLSUM", "")]
     ops = torch.ops.bertaccel
-    for rows, cols, dtype in [(16384, 768, torch.bfloat16), (200000, 8, torch.float32), (65536, 37, torch.float32),
-                              (4099, 1000, torch.bfloat16), (100000, 3, torch.bfloat16)]:
+    lanes32 = os.environ.get("BERTACCEL_COLSUM_LANES") == "32"
+    # (rows, cols, dtype, the column vectors' lanes a block by default): 16 where the 16-byte column vectors are a
+    # multiple of 16 but not of 32 (384 and 1,152 bf16: 48 and 144; 64 float32: 16)
+    for rows, cols, dtype, lanes in [(16384, 768, torch.bfloat16, 32), (200000, 8, torch.float32, 32),
+                                     (65536, 37, torch.float32, 32), (4099, 1000, torch.bfloat16, 32),
+                                     (100000, 3, torch.bfloat16, 32), (16383, 384, torch.bfloat16, 16),
+                                     (9830, 1152, torch.bfloat16, 16), (5001, 64, torch.float32, 16),
+                                     (16385, 2304, torch.bfloat16, 32)]:
         x = torch.randn(rows, cols, device="cuda").to(dtype)
         names = cuda_kernel_names(lambda: ops.column_sum(x))
         sums = [n for n in names if "column_sums" in n]
         assert sums and all(any(k in n for k in want) for n in sums), (rows, cols, names)
+        main = [n for n in names if "column_sum_kernel" in n]
+        got_lanes = re.search(r"column_sum_kernel<[^>]*, (\d+)>", main[0]) if len(main) == 1 else None
+        assert got_lanes and int(got_lanes.group(1)) == (32 if lanes32 else lanes), (rows, cols, main)
         got = ops.column_sum(x)
         check(got, x.float().sum(0), x.double().sum(0), torch.float32, f"column_sum {rows}x{cols}")
         assert torch.equal(got, ops.column_sum(x)), f"{rows}x{cols}: a second call gave other bits"
@@ -68,7 +81,8 @@ def check_column_sums() -> None:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_column_sums_under_each_kernel_setting(setting):
     code = "from tests.ops.test_column_sums import check_column_sums; check_column_sums()"
-    r = run_in_child(code, {"BERTACCEL_COLSUM": None, "BERTACCEL_COLSUM_CHUNK_ROWS": None, **SETTINGS[setting]})
+    unset = {k: None for k in ("BERTACCEL_COLSUM", "BERTACCEL_COLSUM_CHUNK_ROWS", "BERTACCEL_COLSUM_LANES")}
+    r = run_in_child(code, {**unset, **SETTINGS[setting]})
     assert r.returncode == 0 and "column sums ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
 
 
@@ -80,3 +94,6 @@ def test_an_unknown_column_sums_shape_is_refused_with_the_values_it_takes():
     r = run_in_child(code, {"BERTACCEL_COLSUM": "8x128"})
     assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
     assert "BERTACCEL_COLSUM=8x128 is not a column-sums shape" in r.stdout and "wide" in r.stdout, r.stdout[-3000:]
+    r = run_in_child(code, {"BERTACCEL_COLSUM": None, "BERTACCEL_COLSUM_LANES": "24"})
+    assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "BERTACCEL_COLSUM_LANES=24 is not a column block" in r.stdout, r.stdout[-3000:]

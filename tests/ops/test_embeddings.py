@@ -3,11 +3,15 @@ the kernels against float64 references on the GPU (see conftest.py)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import bertaccel.ops.swap  # noqa: F401 - imports every op family
+from tests.conftest import run_in_child
 from tests.ops.conftest import DTYPES, check, cuda_test, leaves, poison, rand
 
 
@@ -100,20 +104,51 @@ def _tables_case(device, tokens_shape, H, V, P, T, dtype, seed=0):
     return dz, ids, pos, tt
 
 
+@cuda_test
+def test_an_unknown_scatter_order_is_refused_and_the_token_order_gives_the_same_gradients():
+    """BERTACCEL_EMB_SCATTER (read once per process: child processes) takes `positions` (the default) or `tokens`
+    (consecutive tokens a block, before session 78); both give the sums of the same rows."""
+    code = ("import torch, bertaccel.ops.swap; from bertaccel.ops import build; assert build.load()\n"
+            "from tests.ops.test_embeddings import _tables_case\n"
+            "dz, ids, pos, tt = _tables_case('cuda', (32, 64), 768, 1000, 512, 3, torch.bfloat16)\n"
+            "pos = torch.arange(64, device='cuda').expand(32, 64).contiguous()\n"
+            "try:\n    g = torch.ops.bertaccel.embedding_tables_bwd(dz, ids, pos, tt, 1000, 512, 3, 0)\n"
+            "    torch.save([t.cpu() for t in g], 'OUT')\n    print('ran')\n"
+            "except RuntimeError as e:\n    print('refused:', e)\n")
+    r = run_in_child(code, {"BERTACCEL_EMB_SCATTER": "rows"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "BERTACCEL_EMB_SCATTER=rows is not a scatter order" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    with tempfile.TemporaryDirectory() as d:
+        grads = {}
+        for order in ("tokens", "positions"):
+            path = os.path.join(d, f"{order}.pt")
+            r = run_in_child(code.replace("'OUT'", repr(path)), {"BERTACCEL_EMB_SCATTER": order})
+            assert r.returncode == 0 and "ran" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+            grads[order] = torch.load(path)
+    for a, b in zip(grads["tokens"], grads["positions"]):  # fp32 atomics in another order: the last bits may differ
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_embedding_tables_bwd_opcheck_cpu():
     dz, ids, pos, tt = _tables_case("cpu", (3, 11), 12, 20, 16, 3, torch.float32)
     torch.library.opcheck(torch.ops.bertaccel.embedding_tables_bwd.default, (dz, ids, pos, tt, 20, 16, 3, 0))
 
 
 @cuda_test
+@pytest.mark.parametrize("positions", ["random", "arange"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [((32, 256), 384), ((5, 77), 37), ((2, 513), 770), ((1, 1), 8)], ids=str)
-def test_embedding_tables_bwd_matches_the_sorted_backward(shape, dtype):
+@pytest.mark.parametrize("shape", [((32, 256), 384), ((5, 77), 37), ((2, 513), 770), ((1, 1), 8), ((17, 33), 768),
+                                   ((9, 40), 1024), ((300,), 384)], ids=str)
+def test_embedding_tables_bwd_matches_the_sorted_backward(shape, dtype, positions):
     """The atomic scatter against nn.Embedding's backward from the same (rounded) dz in fp64; padding
-    row zero; under deterministic algorithms it is PyTorch's sorted backward, bit for bit."""
+    row zero; under deterministic algorithms it is PyTorch's sorted backward, bit for bit. Batches of 8 or more
+    sequences are scattered a position of 16 sequences a block (17: a block of one sequence; 9: blocks of nine), fewer
+    and flat ids by consecutive tokens; `arange` positions (a padded batch's) merge into one atomic a block."""
     tokens_shape, H = shape
     V, P, T = 1000, 512, 3
     dz, ids, pos, tt = _tables_case("cuda", tokens_shape, H, V, P, T, dtype)
+    if positions == "arange":
+        pos = torch.arange(tokens_shape[-1], device="cuda").expand(tokens_shape).contiguous()
     got = torch.ops.bertaccel.embedding_tables_bwd(dz, ids, pos, tt, V, P, T, 0)
     dz64 = dz.double().reshape(-1, H)
     want = [torch.ops.aten.embedding_dense_backward(dz64, i.reshape(-1), n, pad, False)

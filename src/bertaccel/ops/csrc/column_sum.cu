@@ -3,11 +3,15 @@
 // on an H100 (few output columns: its reduction splits the rows over blocks with a global semaphore
 // and a narrow grid); the padded and unpadded MiniLM steps spent 0.21 / 0.30 ms per step in it.
 //
-// Grid (ceil(cols / VEC / 32), row chunks), block (32, 8). Thread (x, y) of block (bx, by) owns the
-// column vector bx * 32 + x (VEC columns, one 16-byte load) and walks rows y, y + 8, ... of chunk by,
-// kUnroll rows at a time with every load issued before the adds: a warp reads 512 contiguous bytes of
-// one row, a block 8 rows, one wave of blocks over the GPU with 4 loads in flight per thread. The 8 row lanes
-// meet in shared memory; each chunk writes one fp32 partial row, and `column_sums_kernel` (common.cuh,
+// Grid (ceil(cols / VEC / LANES), row chunks), block (LANES, 256 / LANES): LANES = 32, or 16 where the column
+// vectors are a multiple of 16 but not of 32 (MiniLM's 384 and 1,152: with 32 a block, the last column block had
+// half its lanes idle - a fifth of the blocks at 1,152 wide, half at 384 - and the wave's blocks uneven work).
+// Thread (x, y) of block (bx, by) owns the column vector bx * LANES + x (VEC columns, one 16-byte load) and walks
+// rows y, y + ROW_LANES, ... of chunk by, kUnroll rows at a time with every load issued before the adds, the last
+// part-round too (its missing rows read as zeros: the same sums in the same order as row by row, where the rows left
+// over after the whole rounds - 1 to 3 a thread, 16384 x 1152 / 2304 - were read one at a time, each waiting on the
+// last): a warp reads 512 contiguous bytes of one row (256 of two rows at 16 lanes), a block 8 (16) rows, one wave of
+// blocks over the GPU with 4 loads in flight per thread. The row lanes meet in shared memory; each chunk writes one fp32 partial row, and `column_sums_kernel` (common.cuh,
 // launched dependently) adds the partial rows: deterministic, no atomics. With one chunk the kernel
 // writes the sums themselves. Bytes: rows x cols x sizeof(T) read, cols x 4 x (2 x chunks + 1) for the
 // partials and the sums (~4% at 9,830 x 1,152).
@@ -23,13 +27,13 @@
 namespace bertaccel {
 namespace {
 
-constexpr int kLanes = 32;    // column vectors per block
-constexpr int kRowLanes = 8;  // rows a block reads at once
-constexpr int kUnroll = 4;    // rows in flight per thread
+constexpr int kThreads = 256;  // a block: LANES column vectors x kThreads / LANES rows at once
+constexpr int kUnroll = 4;     // rows in flight per thread
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kLanes * kRowLanes) column_sum_kernel(const T* __restrict__ x, float* __restrict__ out,
-                                                                        int64_t rows, int cols, int rows_per_chunk) {
+template <typename T, int VEC, int LANES>
+__global__ void __launch_bounds__(kThreads) column_sum_kernel(const T* __restrict__ x, float* __restrict__ out,
+                                                              int64_t rows, int cols, int rows_per_chunk) {
+  constexpr int kLanes = LANES, kRowLanes = kThreads / LANES;
   __shared__ float red[kRowLanes][kLanes * VEC + 1];
   begin_dependent_kernel();  // (the column sums of the partial rows may launch now: they wait for this grid)
   const int cv = blockIdx.x * kLanes + threadIdx.x;
@@ -51,37 +55,59 @@ __global__ void __launch_bounds__(kLanes * kRowLanes) column_sum_kernel(const T*
 #pragma unroll
         for (int j = 0; j < VEC; ++j) acc[j] += v[u][j];
     }
-    for (; r < r1; r += kRowLanes) {
-      float v[VEC];
-      load_f<T, VEC>(p + r * cols, v);
+    if (r < r1) {  // the last 1 to kUnroll - 1 rows: one round, its loads predicated
+      float v[kUnroll][VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) acc[j] += v[j];
+      for (int u = 0; u < kUnroll; ++u) {
+        if (r + u * kRowLanes < r1) {
+          load_f<T, VEC>(p + (r + u * kRowLanes) * cols, v[u]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) v[u][j] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] += v[u][j];
     }
   }
-  // the 8 row lanes of each column: through shared memory, summed by row lane 0 in a fixed order
+  // the row lanes of each column: through shared memory, then the block's LANES x VEC columns a thread each (the first
+  // LANES x VEC threads), its row lanes added in order - row lane 0's thread summed all VEC columns of its vector, at
+  // 16 lanes 128 loads and adds for 16 threads of the block, and spilled - and the partial row stored coalesced
 #pragma unroll
   for (int j = 0; j < VEC; ++j) red[threadIdx.y][threadIdx.x * VEC + j] = acc[j];
   __syncthreads();
-  if (threadIdx.y == 0 && live) {
+  const int e = threadIdx.y * kLanes + threadIdx.x;  // the block's column
+  const int col = blockIdx.x * kLanes * VEC + e;
+  if (e < kLanes * VEC && col < cols) {
+    float s = red[0][e];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      float s = red[0][threadIdx.x * VEC + j];
-#pragma unroll
-      for (int y = 1; y < kRowLanes; ++y) s += red[y][threadIdx.x * VEC + j];
-      out[(int64_t)blockIdx.y * cols + cv * VEC + j] = s;
-    }
+    for (int y = 1; y < kRowLanes; ++y) s += red[y][e];
+    out[(int64_t)blockIdx.y * cols + col] = s;
   }
+}
+
+// Column blocks of 16 column vectors where 32 would leave lanes idle (see the top); BERTACCEL_COLSUM_LANES=32 keeps
+// 32 everywhere (before session 78), to compare both in one run.
+inline int column_lanes(int64_t col_vecs) {
+  static const int setting = env_switch("BERTACCEL_COLSUM_LANES", 0);
+  BERTACCEL_CHECK(setting == 0 || setting == 16 || setting == 32,
+                  "BERTACCEL_COLSUM_LANES=%d is not a column block: unset it, or set 32 or 16", setting);
+  if (setting != 0) return setting;
+  return col_vecs % 32 != 0 && col_vecs % 16 == 0 ? 16 : 32;
 }
 
 // One wave: as many blocks as the GPU holds at once (the occupancy calculator's blocks per SM for this
 // instantiation: 6 for the 8-wide bf16 kernel at 40 registers offline, not the 8 its threads would
 // allow), split into column blocks and row chunks of at least one unrolled round of the block (32
 // rows). Sized for 8 per SM, the grid ran a second, partial wave (1,056 blocks against 792 resident).
-template <typename T, int VEC>
+template <typename T, int VEC, int LANES>
 void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t cols, cudaStream_t stream) {
+  constexpr int kLanes = LANES, kRowLanes = kThreads / LANES;
   static const int per_sm = [] {
     int b = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, column_sum_kernel<T, VEC>, kLanes * kRowLanes, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, column_sum_kernel<T, VEC, LANES>, kThreads, 0));
     return std::max(b, 1);
   }();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -93,6 +119,8 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   // 77, H200). Chunks of a part of a round lost (47 rows at 2,048 x 2,304: 8.8 against 8.0-8.1 us), and so did
   // longer chunks where one wave already gave three rounds (16384 x 1152: 104 -> 128 rows, +0.2 us; 2304: 187 -> 256,
   // +3 us). BERTACCEL_COLSUM_CHUNK_ROWS: -1 one wave only (before session 77); R > 0 at least R rows a chunk.
+  // (16-lane blocks read 16 rows at once: their rounds are 64 rows, the same four a thread; the cap stays 128 rows, so
+  // that 16384 x 1152's one-wave chunks of 187 rows - two rounds and a part-round a thread - stay one wave.)
   static const int chunk_rows = env_switch("BERTACCEL_COLSUM_CHUNK_ROWS", 0);
   constexpr int kRound = kUnroll * kRowLanes;  // rows a block reads in one unrolled round
   const int64_t want = std::max<int64_t>(1, (int64_t)sms * per_sm / col_blocks);
@@ -107,7 +135,7 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   const int rpc = (int)rpc64;
   const int chunks = (int)((rows + rpc - 1) / rpc);
   at::Tensor part = chunks > 1 ? at::empty({chunks, cols}, x.options().dtype(at::kFloat)) : out;
-  launch_dependent(column_sum_kernel<T, VEC>, dim3(col_blocks, chunks), dim3(kLanes, kRowLanes), 0, stream,
+  launch_dependent(column_sum_kernel<T, VEC, LANES>, dim3(col_blocks, chunks), dim3(kLanes, kRowLanes), 0, stream,
                    (const T*)x.data_ptr(), part.data_ptr<float>(), rows, (int)cols, rpc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (chunks > 1) launch_column_sums({{&part, &out}}, chunks, (int)cols, stream);
@@ -128,10 +156,14 @@ at::Tensor column_sum(const at::Tensor& x) {
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
     const int vec = pick_vec(cols, 16 / sizeof(T), {&x});
-    if (vec == 8) { if constexpr (sizeof(T) == 2) launch<T, 8>(x, out, rows, cols, stream); }
-    else if (vec == 4) launch<T, 4>(x, out, rows, cols, stream);
-    else if (vec == 2) launch<T, 2>(x, out, rows, cols, stream);
-    else launch<T, 1>(x, out, rows, cols, stream);
+    const bool lanes16 = column_lanes(cols / vec) == 16;
+#define BA_COLSUM_LAUNCH(V) \
+  (lanes16 ? launch<T, V, 16>(x, out, rows, cols, stream) : launch<T, V, 32>(x, out, rows, cols, stream))
+    if (vec == 8) { if constexpr (sizeof(T) == 2) BA_COLSUM_LAUNCH(8); }
+    else if (vec == 4) BA_COLSUM_LAUNCH(4);
+    else if (vec == 2) BA_COLSUM_LAUNCH(2);
+    else BA_COLSUM_LAUNCH(1);
+#undef BA_COLSUM_LAUNCH
   };
   if (x.scalar_type() == at::kBFloat16) run(__nv_bfloat16{});
   else run(float{});

@@ -22,21 +22,32 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
+// WARP_ROW: a warp per row holding exactly ITEMS 16-byte vectors a lane (H == 32 x ITEMS x VEC: 384, 768, 1024 and
+// the small BERTs' 128, 256, 512), the width a compile-time constant: no division by the threads a row, no per-item
+// width tests, shuffle-only reductions, index arithmetic with immediates. Otherwise H and tpr come at run time.
+template <typename T, int VEC, int ITEMS, bool WARP_ROW = false>
+__global__ void __launch_bounds__(kThreads, VEC == 4 ? 2 : 0) embedding_ln_fwd_kernel(
     const int64_t* __restrict__ ids, const int64_t* __restrict__ pos_ids, const int64_t* __restrict__ type_ids,
     const float* __restrict__ word, const float* __restrict__ pos, const float* __restrict__ type,
     const float* __restrict__ gamma, const float* __restrict__ beta, T* __restrict__ y, T* __restrict__ z,
-    float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int H, int tpr, float eps, float p,
-    at::PhiloxCudaState philox, int64_t* __restrict__ rng_out, int64_t n_word, int64_t n_pos, int64_t n_type) {
+    float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int run_H, int run_tpr, float eps,
+    float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out, int64_t n_word, int64_t n_pos, int64_t n_type) {
+  static_assert(!WARP_ROW || VEC == 4, "warp rows are 16-byte vectors of the fp32 tables");
   __shared__ float red[kThreads / 32];
   begin_dependent_kernel();
+  const int H = WARP_ROW ? 32 * ITEMS * VEC : run_H;
+  const int tpr = WARP_ROW ? 32 : run_tpr;
   const int nvec = H / VEC;
   const int local_row = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
   const int64_t row = (int64_t)blockIdx.x * (kThreads / tpr) + local_row;
   const bool active = row < rows;
   const DropoutSeed rng = launch_dropout_seed(p, philox, rng_out);
+  // a warp's rows are whole and its reductions warp-local (no block barrier): a warp past the end leaves now
+  if constexpr (WARP_ROW)
+    if (!active) return;
+  // item c of the row is real (always, for warp rows)
+  const auto real = [&](int c) { return WARP_ROW || (active && c < nvec); };
   const uint64_t seed = rng.seed, offset = rng.offset;
   const float* wr = word;
   const float* pr = pos;
@@ -56,6 +67,9 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
   // widths, unaligned tables) keep the item-by-item loads, which do not spill.
   constexpr bool kStaged = VEC == 4;
   float v[ITEMS][VEC];
+  // (staged: gamma and beta, read while the row's statistics reduce - in the registers the position and token-type
+  // rows held; read item by item after the statistics, each item's math waited for its two loads)
+  float g[kStaged ? ITEMS : 1][VEC], be[kStaged ? ITEMS : 1][VEC];
   float sum = 0.f;
   // item k (column vector c): word + token type + position rounded to the output dtype (HF's order: (w + t) + p),
   // saved as z for the backward, added to the row's sum
@@ -70,23 +84,29 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
     float a[ITEMS][VEC], b[ITEMS][VEC];
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
-      if (active && t + k * tpr < nvec) load_f<float, VEC>(wr + (t + k * tpr) * VEC, v[k]);
+      if (real(t + k * tpr)) load_f<float, VEC>(wr + (t + k * tpr) * VEC, v[k]);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
-      if (active && t + k * tpr < nvec) load_f<float, VEC>(pr + (t + k * tpr) * VEC, a[k]);
+      if (real(t + k * tpr)) load_f<float, VEC>(pr + (t + k * tpr) * VEC, a[k]);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
-      if (active && t + k * tpr < nvec) load_f<float, VEC>(tr + (t + k * tpr) * VEC, b[k]);
+      if (real(t + k * tpr)) load_f<float, VEC>(tr + (t + k * tpr) * VEC, b[k]);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
-      if (active && c < nvec) add_item(k, c, a[k], b[k]);
+      if (real(c)) add_item(k, c, a[k], b[k]);
     }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+      if (real(t + k * tpr)) load_f<float, VEC>(gamma + (t + k * tpr) * VEC, g[k]);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+      if (real(t + k * tpr)) load_f<float, VEC>(beta + (t + k * tpr) * VEC, be[k]);
   } else {
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int c = t + k * tpr;
-      if (active && c < nvec) {
+      if (real(c)) {
         float a[VEC], b[VEC];
         load_f<float, VEC>(wr + c * VEC, v[k]);
         load_f<float, VEC>(pr + c * VEC, a);
@@ -101,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int c = t + k * tpr;
-    if (active && c < nvec)
+    if (real(c))
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float d = v[k][j] - mean;
@@ -118,13 +138,16 @@ __global__ void __launch_bounds__(kThreads) embedding_ln_fwd_kernel(
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int c = t + k * tpr;
-    if (c < nvec) {
+    if (WARP_ROW || c < nvec) {
       const int64_t off = row * H + (int64_t)c * VEC;
-      float g[VEC], b[VEC], o[VEC];
-      load_f<float, VEC>(gamma + c * VEC, g);
-      load_f<float, VEC>(beta + c * VEC, b);
+      float o[VEC];
+      if constexpr (!kStaged) {
+        load_f<float, VEC>(gamma + c * VEC, g[0]);
+        load_f<float, VEC>(beta + c * VEC, be[0]);
+      }
+      const int s = kStaged ? k : 0;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = (v[k][j] - mean) * rstd * g[j] + b[j];
+      for (int j = 0; j < VEC; ++j) o[j] = (v[k][j] - mean) * rstd * g[s][j] + be[s][j];
       if (p > 0.f) {
         bool keep[VEC];
         dropout_keep<VEC>(seed, offset, off, p, keep);
@@ -184,20 +207,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding
     std::lock_guard<std::mutex> lock(gen->mutex_);
     philox = gen->philox_cuda_state((uint64_t)((rows * H + 3) / 4) * 4);
   }
-  const int rpb = kThreads / tpr;
+  // a warp a row of exactly 1-8 16-byte vectors a lane, width and threads fixed at compile time (embedding_ln_fwd_kernel's
+  // WARP_ROW); BERTACCEL_EMB_WARP_ROWS=0 keeps the general kernel, to compare the two in one run
+  static const bool warp_rows_on = env_switch("BERTACCEL_EMB_WARP_ROWS", 1) != 0;
+  const int64_t warp_items = vec == 4 && H % (32 * 4) == 0 ? H / (32 * 4) : 0;
+  const bool warp_row = warp_rows_on && (warp_items == 1 || warp_items == 2 || warp_items == 3 || warp_items == 4 ||
+                                         warp_items == 6 || warp_items == 8);
+  const int rpb = kThreads / (warp_row ? 32 : tpr);
   dim3 grid((unsigned)((rows + rpb - 1) / rpb));
   auto stream = at::cuda::getCurrentCUDAStream();
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
-#define BA_EMB_FWD(V, I)                                                                                        \
-  launch_dependent(embedding_ln_fwd_kernel<T, V, I>, grid, dim3(kThreads), 0, stream,                          \
+#define BA_EMB_FWD_KERNEL(KERNEL)                                                                               \
+  launch_dependent(KERNEL, grid, dim3(kThreads), 0, stream,                                                    \
       ids.data_ptr<int64_t>(), pos_ids.data_ptr<int64_t>(), type_ids.data_ptr<int64_t>(), word.data_ptr<float>(), \
       pos.data_ptr<float>(), type.data_ptr<float>(), gamma.data_ptr<float>(), beta.data_ptr<float>(),           \
       (T*)y.data_ptr(), save ? (T*)z.data_ptr() : nullptr, save ? mean.data_ptr<float>() : nullptr,             \
       save ? rstd.data_ptr<float>() : nullptr, rows, (int)H, tpr, (float)eps, (float)p, philox,                 \
       save ? rng.data_ptr<int64_t>() : nullptr, word.size(0), pos.size(0), type.size(0))
-    BA_DISPATCH_VEC_ITEMS(4, vec, items, BA_EMB_FWD);
+#define BA_EMB_FWD(V, I) BA_EMB_FWD_KERNEL((embedding_ln_fwd_kernel<T, V, I>))
+    if (warp_row) {
+      switch (warp_items) {
+        case 1: BA_EMB_FWD_KERNEL((embedding_ln_fwd_kernel<T, 4, 1, true>)); break;
+        case 2: BA_EMB_FWD_KERNEL((embedding_ln_fwd_kernel<T, 4, 2, true>)); break;
+        case 3: BA_EMB_FWD_KERNEL((embedding_ln_fwd_kernel<T, 4, 3, true>)); break;
+        case 4: BA_EMB_FWD_KERNEL((embedding_ln_fwd_kernel<T, 4, 4, true>)); break;
+        case 6: BA_EMB_FWD_KERNEL((embedding_ln_fwd_kernel<T, 4, 6, true>)); break;
+        default: BA_EMB_FWD_KERNEL((embedding_ln_fwd_kernel<T, 4, 8, true>)); break;
+      }
+    } else {
+      BA_DISPATCH_VEC_ITEMS(4, vec, items, BA_EMB_FWD);
+    }
 #undef BA_EMB_FWD
+#undef BA_EMB_FWD_KERNEL
   };
   if (out_bf16) run(__nv_bfloat16{});
   else run(float{});

@@ -7,7 +7,14 @@
 // 30522, 512 and 2 rows) to sum equal ids in a fixed order. Here one pass adds each token's dz row
 // into its three table rows with fp32 atomics (16-byte `red.global.add.v4.f32` on sm_90), summing
 // runs of equal ids (the token-type id of a whole batch, repeated words) in registers first, so the
-// 2-row token-type table sees one atomic per block and column instead of one per token. Atomics
+// 2-row token-type table sees one atomic per block and column instead of one per token. A block takes 16 tokens of
+// one position from 16 sequences of the batch ([batch, seq] ids: tokens b * seq + s, b = b0 .. b0 + 15), so that
+// the position rows - the same for every sequence of a padded batch - merge into one atomic per block and column too,
+// where 16 consecutive tokens of one sequence gave 16 (the position table took as many atomics as the word table; a
+// batch of fewer than 8 sequences, or flat ids, keeps consecutive tokens). Every block reads its 16 dz rows before
+// its first atomic (16 loads in flight a thread, where each token's load waited on the last's atomics), and a block is
+// as wide as the row's vectors (rounded to a warp, up to 256: 768 wide on 192 threads, where 128-thread blocks left
+// the second column block half idle). Atomics
 // make the order of the fp32 additions, and so the last bits, vary from run to run: under
 // torch.use_deterministic_algorithms(True) the callers use PyTorch's sorted backward instead.
 #include <ATen/Context.h>
@@ -35,8 +42,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_layer_norm_bwd(
   return {dz, dgamma, dbeta};
 }
 
-constexpr int kScatterThreads = 128;
-constexpr int kScatterTokens = 16;  // tokens per block: 512 blocks for 32 x 256 tokens (grid x), columns on y
+constexpr int kScatterMaxThreads = 256;  // a block's columns: the row's vectors rounded up to a warp, at most 256
+constexpr int kScatterTokens = 16;       // tokens per block: 512 blocks for 32 x 256 tokens (grid x), columns on y
 
 template <int VEC>
 __device__ __forceinline__ void add_row(float* dst, const float (&v)[VEC]) {
@@ -73,20 +80,23 @@ struct RunSum {
   }
 };
 
+// Block x takes position s = x % seq of sequences b0 = (x / seq) * 16 .. b0 + n - 1 (tokens first + k * seq); flat
+// ids run as one sequence position a token (seq = 1, seqs = tokens): 16 consecutive tokens.
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kScatterThreads) embedding_tables_bwd_kernel(
+__global__ void __launch_bounds__(kScatterMaxThreads) embedding_tables_bwd_kernel(
     const T* __restrict__ dz, const int64_t* __restrict__ ids, const int64_t* __restrict__ pos_ids,
     const int64_t* __restrict__ type_ids, float* __restrict__ dword, float* __restrict__ dpos,
-    float* __restrict__ dtype, int64_t tokens, int64_t H, int64_t word_rows, int64_t pos_rows, int64_t type_rows,
-    int64_t padding_idx) {
+    float* __restrict__ dtype, int64_t seqs, int64_t seq, int64_t H, int64_t word_rows, int64_t pos_rows,
+    int64_t type_rows, int64_t padding_idx) {
   __shared__ int64_t sid[3][kScatterTokens];
-  const int64_t first = (int64_t)blockIdx.x * kScatterTokens;
-  const int n = (int)min((int64_t)kScatterTokens, tokens - first);
+  const int64_t b0 = (int64_t)(blockIdx.x / seq) * kScatterTokens;
+  const int64_t first = b0 * seq + blockIdx.x % seq;
+  const int n = (int)min((int64_t)kScatterTokens, seqs - b0);
   for (int i = threadIdx.x; i < 3 * kScatterTokens; i += blockDim.x) {
     const int t = i / kScatterTokens, k = i % kScatterTokens;
     int64_t v = -1;
     if (k < n) {
-      v = (t == 0 ? ids : t == 1 ? pos_ids : type_ids)[first + k];
+      v = (t == 0 ? ids : t == 1 ? pos_ids : type_ids)[first + k * seq];
       const int64_t rows = t == 0 ? word_rows : t == 1 ? pos_rows : type_rows;
       if (v < 0 || v >= rows || (t == 0 && v == padding_idx)) v = -1;
     }
@@ -95,14 +105,18 @@ __global__ void __launch_bounds__(kScatterThreads) embedding_tables_bwd_kernel(
   __syncthreads();
   const int64_t col = ((int64_t)blockIdx.y * blockDim.x + threadIdx.x) * VEC;
   if (col >= H) return;
+  float v[kScatterTokens][VEC];  // every row's load issued before the first atomic
+#pragma unroll
+  for (int k = 0; k < kScatterTokens; ++k)
+    if (k < n) load_f<T, VEC>(dz + (first + k * seq) * H + col, v[k]);
   RunSum<VEC> word, pos, type;
-  for (int k = 0; k < n; ++k) {
-    float v[VEC];
-    load_f<T, VEC>(dz + (first + k) * H + col, v);
+#pragma unroll
+  for (int k = 0; k < kScatterTokens; ++k) {
+    if (k >= n) break;
     // a skipped id (-1) ends the table's run and starts none
-    if (sid[0][k] >= 0) word.add(sid[0][k], v, dword, H, col); else word.flush(dword, H, col);
-    if (sid[1][k] >= 0) pos.add(sid[1][k], v, dpos, H, col); else pos.flush(dpos, H, col);
-    if (sid[2][k] >= 0) type.add(sid[2][k], v, dtype, H, col); else type.flush(dtype, H, col);
+    if (sid[0][k] >= 0) word.add(sid[0][k], v[k], dword, H, col); else word.flush(dword, H, col);
+    if (sid[1][k] >= 0) pos.add(sid[1][k], v[k], dpos, H, col); else pos.flush(dpos, H, col);
+    if (sid[2][k] >= 0) type.add(sid[2][k], v[k], dtype, H, col); else type.flush(dtype, H, col);
   }
   word.flush(dword, H, col);
   pos.flush(dpos, H, col);
@@ -135,8 +149,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_tables_bwd(
              dtype = at::zeros({type_rows, H}, fopts);
   if (tokens == 0 || H == 0) return {dword, dpos, dtype};
   const int vec = pick_vec(H, 4, {&dz, &dword, &dpos, &dtype});
-  const int64_t col_blocks = (H / vec + kScatterThreads - 1) / kScatterThreads;
-  const int64_t tok_blocks = (tokens + kScatterTokens - 1) / kScatterTokens;
+  const int64_t col_vecs = H / vec;
+  const int threads = (int)std::min<int64_t>(kScatterMaxThreads, (col_vecs + 31) / 32 * 32);
+  const int64_t col_blocks = (col_vecs + threads - 1) / threads;
+  // [batch, seq] ids of 8 or more sequences: a block takes one position of 16 sequences (see the top); otherwise
+  // consecutive tokens. BERTACCEL_EMB_SCATTER=tokens keeps consecutive tokens everywhere (before session 78).
+  static const std::string order = env_value("BERTACCEL_EMB_SCATTER");
+  BERTACCEL_CHECK(order.empty() || order == "positions" || order == "tokens",
+                  "BERTACCEL_EMB_SCATTER=%s is not a scatter order: unset it or set positions (the default), or tokens",
+                  order.c_str());
+  const bool by_position = order != "tokens";
+  const int64_t seq = by_position && ids.dim() >= 2 && tokens / std::max<int64_t>(ids.size(-1), 1) >= 8 ? ids.size(-1) : 1;
+  const int64_t seqs = tokens / seq;
+  const int64_t tok_blocks = (seqs + kScatterTokens - 1) / kScatterTokens * seq;
   BERTACCEL_CHECK(tok_blocks < (1LL << 31) && col_blocks < 65536,
                   "bertaccel embedding_tables_bwd: %lld tokens x %lld columns is too many", (long long)tokens, (long long)H);
   dim3 grid((unsigned)tok_blocks, (unsigned)col_blocks);  // tokens on x: up to 2^31 - 1 blocks
@@ -144,9 +169,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_tables_bwd(
   auto run = [&](auto type_tag, auto vec_tag) {
     using T = decltype(type_tag);
     constexpr int V = decltype(vec_tag)::value;
-    embedding_tables_bwd_kernel<T, V><<<grid, kScatterThreads, 0, stream>>>(
+    embedding_tables_bwd_kernel<T, V><<<grid, threads, 0, stream>>>(
         (const T*)dz.data_ptr(), i0.data_ptr<int64_t>(), i1.data_ptr<int64_t>(), i2.data_ptr<int64_t>(),
-        dword.data_ptr<float>(), dpos.data_ptr<float>(), dtype.data_ptr<float>(), tokens, H, word_rows, pos_rows,
+        dword.data_ptr<float>(), dpos.data_ptr<float>(), dtype.data_ptr<float>(), seqs, seq, H, word_rows, pos_rows,
         type_rows, padding_idx);
   };
   auto by_vec = [&](auto type_tag) {

@@ -252,7 +252,10 @@ constexpr int fwd_ring_stages() {
   return kFwdRingStages;
 }
 
-template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR>
+// FAST: a row of exactly ITEMS vectors a lane (every BERT width: 384 on half warps, 768, 1024) with no linear bias,
+// no dropout and no saved sum - the LayerNorm and RMSNorm forward - so that no item is tested against the row's width
+// and no per-item branch on bias, dropout or z remains.
+template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR, bool FAST = false>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     const T* __restrict__ x, const W* __restrict__ bias, const T* __restrict__ residual,
     const W* __restrict__ gamma, const W* __restrict__ beta, T* __restrict__ y, T* __restrict__ z,
@@ -260,6 +263,8 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
   static_assert(TPR == 32 || TPR == 16, "a row on a warp or on half of one");
+  static_assert(!(FAST && RES), "FAST rows have no residual");
+  const int Hr = FAST ? ITEMS * TPR * VEC : H;  // the row's width, a constant for FAST rows
   constexpr int kRowsPerWarp = 32 / TPR;
   constexpr int S = fwd_ring_stages<T, ITEMS, RES>();
   constexpr int kStage = ITEMS * kRingItemBytes * (RES ? 2 : 1);  // one warp's rows (and residual rows)
@@ -268,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int li = lane % TPR, sub = lane / TPR;  // lane within the row, the warp's row slot
   unsigned char* ring = ring_smem + warp * S * kStage + lane * 16;
-  const int nvec = H / VEC;
+  const int nvec = Hr / VEC;
   const int64_t first = ((int64_t)blockIdx.x * kRingWarps + warp) * kRowsPerWarp + sub;
   const int64_t stride = (int64_t)gridDim.x * kRingWarps * kRowsPerWarp;
   const DropoutSeed rng = launch_dropout_seed(p, philox, rng_out);
@@ -281,9 +286,9 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k) {
         const int c = li + k * TPR;
-        if (c < nvec) {
-          cp_async16(dst + k * kRingItemBytes, x + row * H + (int64_t)c * VEC);
-          if constexpr (RES) cp_async16(dst + (ITEMS + k) * kRingItemBytes, residual + row * H + (int64_t)c * VEC);
+        if (FAST || c < nvec) {
+          cp_async16(dst + k * kRingItemBytes, x + row * Hr + (int64_t)c * VEC);
+          if constexpr (RES) cp_async16(dst + (ITEMS + k) * kRingItemBytes, residual + row * Hr + (int64_t)c * VEC);
         }
       }
     }
@@ -296,12 +301,12 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int c = li + k * TPR;
-    if (c < nvec) {
+    if (FAST || c < nvec) {
       load_f<W, VEC>(gamma + c * VEC, g[k]);
       if constexpr (!RMS) load_f<W, VEC>(beta + c * VEC, b[k]);
     }
   }
-  const float inv_h = 1.f / (float)H;
+  const float inv_h = 1.f / (float)Hr;
   int stage = 0;
   const uint32_t threshold = dropout_threshold(p);
   // The loop runs while the warp's first slot has a row (the second's row is one more, or none).
@@ -316,12 +321,12 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     constexpr bool kDrawWords = ITEMS <= 3;
     uint4 draws[kDrawWords ? ITEMS : 1];  // VEC == 4: the vector's two words in .x and .y
     uint32_t kept = 0xffffffffu;          // !kDrawWords: bit k * VEC + j: element j of vector k is kept
-    if (p > 0.f) {
+    if (!FAST && p > 0.f) {
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k) {
         const int c = li + k * TPR;
-        if (c < nvec) {
-          const int64_t i0 = row * H + (int64_t)c * VEC;
+        if (FAST || c < nvec) {
+          const int64_t i0 = row * Hr + (int64_t)c * VEC;
           if constexpr (kDrawWords) {
             draws[k] = dropout_draws(seed, offset, (uint64_t)i0 >> 3);
             if constexpr (VEC == 4) {  // draws 0-3 or 4-7 of the group (H is a multiple of 4)
@@ -344,16 +349,16 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int c = li + k * TPR;
-      if (c >= nvec) continue;
-      const int64_t off = row * H + (int64_t)c * VEC;
+      if (!FAST && c >= nvec) continue;
+      const int64_t off = row * Hr + (int64_t)c * VEC;
       load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kRingItemBytes), v[k]);
-      if (bias != nullptr) {
+      if (!FAST && bias != nullptr) {
         float bb[VEC];
         load_f<W, VEC>(bias + c * VEC, bb);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] += bb[j];
       }
-      if (p > 0.f)
+      if (!FAST && p > 0.f)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           bool keep;
@@ -367,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] += rr[j];
       }
-      if (z != nullptr || p > 0.f) {  // normalise exactly what is saved (with dropout also without z: see above)
+      if (!FAST && (z != nullptr || p > 0.f)) {  // normalise exactly what is saved (with dropout also without z: see above)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] = to_f(from_f<T>(v[k][j]));
         if (z != nullptr && active) store_f<T, VEC>(z + off, v[k]);
@@ -382,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     float sq = 0.f;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
-      if (li + k * TPR < nvec)
+      if (FAST || li + k * TPR < nvec)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const float d = v[k][j] - mean;
@@ -396,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int c = li + k * TPR;
-      if (c < nvec && active) {
+      if ((FAST || c < nvec) && active) {
         float o[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -405,18 +410,19 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
           else
             o[j] = (v[k][j] - mean) * rstd * g[k][j] + b[k][j];
         }
-        store_f<T, VEC>(y + row * H + (int64_t)c * VEC, o);
+        if constexpr (FAST) store_f_words<T, VEC>(y + row * Hr + (int64_t)c * VEC, o);
+        else store_f<T, VEC>(y + row * Hr + (int64_t)c * VEC, o);
       }
     }
   }
   cp_async_wait<0>();
 }
 
-template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR>
+template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR, bool FAST = false>
 void launch_ring(const at::Tensor& x, const W* bp, const T* rp, const at::Tensor& gamma, const W* betap, at::Tensor& y,
                  T* zp, float* mp, float* rsp, int64_t rows, int H, double eps, double p,
                  const at::PhiloxCudaState& philox, int64_t* rngp, cudaStream_t stream) {
-  auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, TPR>;
+  auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, TPR, FAST>;
   constexpr int stages = fwd_ring_stages<T, ITEMS, RES>();
   constexpr int smem = stages * ring_stage_bytes<ITEMS, RES>();
   const int device = x.get_device();
@@ -522,6 +528,29 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
       if (need <= 6) BA_LN_RING(6, RES, 32); else BA_LN_RING(8, RES, 32);                                        \
     }                                                                                                            \
   } while (0)
+    // The plain LayerNorm / RMSNorm (no residual, bias, dropout or saved sum) of rows that fill their lanes' items
+    // exactly - every BERT width - through the FAST kernel (ln_fwd_ring_kernel); BERTACCEL_LN_RING_FAST=0: never.
+    static const bool fast_enabled = env_switch("BERTACCEL_LN_RING_FAST", 1) != 0;
+#define BA_LN_RING_FAST(I, TPR)                                                                                  \
+  do {                                                                                                           \
+    launch_ring<T, W, max_vec, I, RMS, false, TPR, true>(x, bp, rp, gamma, betap, y, zp, mp, rsp, rows, (int)H, eps, \
+                                                         p, philox, rngp, stream);                               \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                                              \
+    return;                                                                                                      \
+  } while (0)
+    if (fast_enabled && rp == nullptr && bp == nullptr && zp == nullptr && p == 0) {
+      // bf16 RMSNorm 384 (half warps) keeps the general kernel: on the H200 in session 80 FAST took 7.0-7.1 us at
+      // 16384 rows against 6.8-7.0 (LayerNorm 384: 6.7-6.8 against 7.3; benchmarks/results/h200/ln_fwd_fast_sweep_s80.log)
+      if (half && nvec == 3 * 16 && !RMS) BA_LN_RING_FAST(3, 16);
+      if (!half && nvec == 3 * 32) BA_LN_RING_FAST(3, 32);
+      if constexpr (max_vec == 8) {
+        if (!half && nvec == 4 * 32) BA_LN_RING_FAST(4, 32);
+      } else {
+        if (!half && nvec == 6 * 32) BA_LN_RING_FAST(6, 32);
+        if (!half && nvec == 8 * 32) BA_LN_RING_FAST(8, 32);
+      }
+    }
+#undef BA_LN_RING_FAST
     if constexpr (!RMS) {
       if (rp != nullptr) BA_LN_RING_ITEMS(true); else BA_LN_RING_ITEMS(false);
     } else {

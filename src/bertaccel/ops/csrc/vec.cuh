@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cstdint>
 
 namespace bertaccel {
 
@@ -52,6 +53,24 @@ __device__ __forceinline__ void store_f(T* p, const float (&in)[VEC]) {
 #pragma unroll
   for (int j = 0; j < VEC; ++j) pk.v[j] = from_f<T>(in[j]);
   *reinterpret_cast<Pack<T, VEC>*>(p) = pk;
+}
+
+// store_f with bf16 pairs packed into 32-bit words and the words stored as one vector. The FAST forward ring stores
+// through it: there NVVM split one of each row's 16-byte bf16 stores, written element by element, into 2-, 4- and
+// 8-byte pieces that SASS kept (session 77, PTX and SASS of layer_norm_fwd.cu; the other kernels' stores stay whole).
+template <typename T, int VEC>
+__device__ __forceinline__ void store_f_words(T* p, const float (&in)[VEC]) {
+  if constexpr (__is_same(T, __nv_bfloat16) && VEC % 2 == 0) {
+    Pack<uint32_t, VEC / 2> w;
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+      w.v[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    *reinterpret_cast<Pack<uint32_t, VEC / 2>*>(p) = w;
+  } else {
+    store_f<T, VEC>(p, in);
+  }
 }
 
 }  // namespace bertaccel

@@ -1,4 +1,7 @@
-"""compute-sanitizer memcheck over odd shapes of the kernels the pending patches change (run by measure.sh in tree B)."""
+"""compute-sanitizer memcheck over odd shapes of the row kernels session 78 changed (LayerNorm / RMSNorm forward, the
+embeddings forward and its scatter, column sums, the bias + GELU backward):
+    compute-sanitizer --tool memcheck python scripts/memcheck_row_ops.py
+(session 80, H200, before they landed: 0 errors, benchmarks/results/h200/pending_memcheck_s80.log)."""
 import torch
 from bertaccel.ops.layer_norm import layer_norm
 from bertaccel.ops.rms_norm import rms_norm
