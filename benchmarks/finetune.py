@@ -338,7 +338,8 @@ def main(argv=None) -> None:
         ratio = f"{tr / base:.2f}" if tr and base else "-"
         te, acc = r.get("test_samples_per_s"), r.get("test_acc")
         p50, slowest = r.get("train_step_ms_p50"), (r.get("train_slowest_steps_ms") or [None])[0]
-        print(f"{v:<18} {tr or 0:>16,.0f} {ratio:>8} {te or 0:>15,.0f} {acc * 100 if acc else 0:>8.2f}% "
+        # a stage with fewer steps than the meter's warm-up measures nothing: '-', not 0
+        print(f"{v:<18} {tr or 0:>16,.0f} {ratio:>8} {f'{te:,.0f}' if te else '-':>15} {acc * 100 if acc else 0:>8.2f}% "
               f"{f'{p50:.2f}' if p50 else '-':>12} {f'{slowest:.1f}' if slowest else '-':>11}")
     if args.rounds > 1:
         print("\n" + "\n".join(round_lines(results, args.variants)))
