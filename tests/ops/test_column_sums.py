@@ -21,10 +21,11 @@ from tests.conftest import run_in_child
 from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves
 
 # the partial-row kernel's two block shapes; `column_sum`'s row chunks by the default rule, by one wave of blocks only
-# (the rule before session 77), and at least 256 rows long
+# (the rule before session 77), 256 rows long, and 40 rows (rounded up to a whole round: more chunks than one wave)
 SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"},
             "one-wave-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "-1"},
             "256-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "256"},
+            "40-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "40"},
             "32-lane-blocks": {"BERTACCEL_COLSUM_LANES": "32"}}
 # the template arguments each setting must launch (the wide shape takes 12 or 16 loads by the partial-row count)
 KERNELS = {"": ("column_sums_kernel<8, 64, 8>",), "wide": ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")}

@@ -118,7 +118,8 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   // second kernel of 3.7 us; 64 / 128-row chunks ran 1.5 / 1.3 us faster, 128 rows at 9,830 x 1,152 0.9 us (session
   // 77, H200). Chunks of a part of a round lost (47 rows at 2,048 x 2,304: 8.8 against 8.0-8.1 us), and so did
   // longer chunks where one wave already gave three rounds (16384 x 1152: 104 -> 128 rows, +0.2 us; 2304: 187 -> 256,
-  // +3 us). BERTACCEL_COLSUM_CHUNK_ROWS: -1 one wave only (before session 77); R > 0 at least R rows a chunk.
+  // +3 us). BERTACCEL_COLSUM_CHUNK_ROWS: -1 one wave only (before session 77); R > 0 R rows a chunk, rounded up to
+  // whole rounds (session 80; it was at least R, which could not ask for more chunks than one wave).
   // (16-lane blocks read 16 rows at once: their rounds are 64 rows, the same four a thread; the cap stays 128 rows, so
   // that 16384 x 1152's one-wave chunks of 187 rows - two rounds and a part-round a thread - stay one wave.)
   static const int chunk_rows = env_switch("BERTACCEL_COLSUM_CHUNK_ROWS", 0);
@@ -130,7 +131,7 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
     const int64_t half = (rows + half_wave - 1) / half_wave;
     rpc64 = std::max<int64_t>(rpc64, std::min<int64_t>(128, (half + kRound - 1) / kRound * kRound));
   } else if (chunk_rows > 0) {
-    rpc64 = std::max<int64_t>(rpc64, chunk_rows);
+    rpc64 = ((int64_t)chunk_rows + kRound - 1) / kRound * kRound;
   }
   const int rpc = (int)rpc64;
   const int chunks = (int)((rows + rpc - 1) / rpc);
