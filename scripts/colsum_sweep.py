@@ -17,7 +17,7 @@ from benchmarks.common import copy_bandwidth_gbs, graph_time_ms, rotations, run_
 SHAPES = [*BENCH_SHAPES, (16384, 1536)]  # + MiniLM's FFN intermediate bias
 
 assert build.load(), build.unavailable_reason()
-tag = run_tag("BERTACCEL_COLSUM_CHUNK_ROWS", "BERTACCEL_COLSUM_LANES", "BERTACCEL_COLSUM")
+tag = run_tag("BERTACCEL_COLSUM_CHUNK_ROWS", "BERTACCEL_COLSUM_CHUNK_ROUND", "BERTACCEL_COLSUM_LANES", "BERTACCEL_COLSUM")
 ceil = copy_bandwidth_gbs()
 for rows, cols in SHAPES:
     sets = [(torch.randn(rows, cols, device="cuda").bfloat16(),) for _ in range(rotations(rows * cols * 2))]

@@ -26,6 +26,8 @@ SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"},
             "one-wave-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "-1"},
             "256-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "256"},
             "40-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "40"},
+            "chunks-rounded-down": {"BERTACCEL_COLSUM_CHUNK_ROUND": "down"},
+            "chunks-rounded-up": {"BERTACCEL_COLSUM_CHUNK_ROUND": "up"},
             "32-lane-blocks": {"BERTACCEL_COLSUM_LANES": "32"}}
 # the template arguments each setting must launch (the wide shape takes 12 or 16 loads by the partial-row count)
 KERNELS = {"": ("column_sums_kernel<8, 64, 8>",), "wide": ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")}
@@ -82,7 +84,8 @@ def check_column_sums() -> None:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_column_sums_under_each_kernel_setting(setting):
     code = "from tests.ops.test_column_sums import check_column_sums; check_column_sums()"
-    unset = {k: None for k in ("BERTACCEL_COLSUM", "BERTACCEL_COLSUM_CHUNK_ROWS", "BERTACCEL_COLSUM_LANES")}
+    unset = {k: None for k in ("BERTACCEL_COLSUM", "BERTACCEL_COLSUM_CHUNK_ROWS", "BERTACCEL_COLSUM_LANES",
+                               "BERTACCEL_COLSUM_CHUNK_ROUND")}
     r = run_in_child(code, {**unset, **SETTINGS[setting]})
     assert r.returncode == 0 and "column sums ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
 

@@ -122,11 +122,23 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   // whole rounds (session 80; it was at least R, which could not ask for more chunks than one wave).
   // (16-lane blocks read 16 rows at once: their rounds are 64 rows, the same four a thread; the cap stays 128 rows, so
   // that 16384 x 1152's one-wave chunks of 187 rows - two rounds and a part-round a thread - stay one wave.)
+  // BERTACCEL_COLSUM_CHUNK_ROUND=down|up (session 80, to compare): the one-wave chunk rounded to whole rounds, down
+  // (more chunks than one wave) or up (fewer), where it ends in a part-round (16384 x 1152 on 16 lanes: 187 rows, two
+  // rounds of 64 and 59 rows of a third; 128-row chunks measured 13.0 us against 13.7 there, 16384 x 2304 24.3-24.6
+  // against 24.2). Unset: as it is.
   static const int chunk_rows = env_switch("BERTACCEL_COLSUM_CHUNK_ROWS", 0);
+  static const int chunk_round = [] {
+    const std::string v = env_value("BERTACCEL_COLSUM_CHUNK_ROUND");
+    BERTACCEL_CHECK(v.empty() || v == "down" || v == "up",
+                    "BERTACCEL_COLSUM_CHUNK_ROUND=%s is not a rounding: unset it, or set down or up", v.c_str());
+    return v.empty() ? 0 : v == "down" ? -1 : 1;
+  }();
   constexpr int kRound = kUnroll * kRowLanes;  // rows a block reads in one unrolled round
   const int64_t want = std::max<int64_t>(1, (int64_t)sms * per_sm / col_blocks);
   const int64_t half_wave = std::max<int64_t>(1, want / 2);
   int64_t rpc64 = std::max<int64_t>(kRound, (rows + want - 1) / want);
+  if (chunk_round < 0) rpc64 = std::max<int64_t>(kRound, rpc64 / kRound * kRound);
+  else if (chunk_round > 0) rpc64 = (rpc64 + kRound - 1) / kRound * kRound;
   if (chunk_rows == 0 && rpc64 < 3 * kRound) {
     const int64_t half = (rows + half_wave - 1) / half_wave;
     rpc64 = std::max<int64_t>(rpc64, std::min<int64_t>(128, (half + kRound - 1) / kRound * kRound));
