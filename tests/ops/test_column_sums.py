@@ -1,7 +1,8 @@
 """The column sums of the partial rows (common.cuh's `launch_column_sums`: every LayerNorm-family backward's weight
 gradients, the bias gradients of bias + GELU and `column_sum`), under each block shape of
-`column_sums_kernel<COLS, SLICES, BATCH>`: the default (8 columns x 64 row slices) and the comparison shape
-`BERTACCEL_COLSUM=wide` (32 x 32), `column_sum`'s row chunks under `BERTACCEL_COLSUM_CHUNK_ROWS`, and its column
+`column_sums_kernel<COLS, SLICES, BATCH>`: 8 columns x 64 row slices, and 32 x 32 for `column_sum`'s partial rows of
+2,048 columns and more (each shape everywhere under `BERTACCEL_COLSUM=narrow|wide`), `column_sum`'s row chunks under
+`BERTACCEL_COLSUM_CHUNK_ROWS` and `BERTACCEL_COLSUM_CHUNK_ROUND`, and its column
 blocks under `BERTACCEL_COLSUM_LANES` (16 column vectors a block where 32 would leave lanes idle, or 32 everywhere).
 The switches are read once per process, so each setting runs in a child process: the kernels the setting names must
 be the ones that ran, and `column_sum` (a few to ~800 partial rows, column counts that are not multiples of 8 or 32,
@@ -26,11 +27,23 @@ SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"},
             "one-wave-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "-1"},
             "256-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "256"},
             "40-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "40"},
+            "narrow": {"BERTACCEL_COLSUM": "narrow"},
             "chunks-rounded-down": {"BERTACCEL_COLSUM_CHUNK_ROUND": "down"},
             "chunks-rounded-up": {"BERTACCEL_COLSUM_CHUNK_ROUND": "up"},
+            "chunks-not-rounded": {"BERTACCEL_COLSUM_CHUNK_ROUND": "none"},
             "32-lane-blocks": {"BERTACCEL_COLSUM_LANES": "32"}}
-# the template arguments each setting must launch (the wide shape takes 12 or 16 loads by the partial-row count)
-KERNELS = {"": ("column_sums_kernel<8, 64, 8>",), "wide": ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")}
+# the template arguments of each shape (the wide shape takes 12 or 16 loads by the partial-row count)
+NARROW, WIDE = ("column_sums_kernel<8, 64, 8>",), ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")
+
+
+def partial_sums_kernels(column_sum_cols: int | None) -> tuple[str, ...]:
+    """The kernels the setting must launch for the partial rows: BERTACCEL_COLSUM's shape where set; unset, the wide
+    shape for column_sum's partial rows of 2,048 columns and more (session 80), the narrow one for the rest and for every
+    LayerNorm backward (column_sum_cols None)."""
+    forced = os.environ.get("BERTACCEL_COLSUM", "")
+    if forced:
+        return WIDE if forced == "wide" else NARROW
+    return WIDE if column_sum_cols is not None and column_sum_cols >= 2048 else NARROW
 
 
 def check_column_sums() -> None:
@@ -40,7 +53,6 @@ def check_column_sums() -> None:
     from bertaccel.ops.layer_norm import layer_norm
 
     assert build.load(), build.unavailable_reason()
-    want = KERNELS[os.environ.get("BERTACCEL_COLSUM", "")]
     ops = torch.ops.bertaccel
     lanes32 = os.environ.get("BERTACCEL_COLSUM_LANES") == "32"
     # (rows, cols, dtype, the column vectors' lanes a block by default): 16 where the 16-byte column vectors are a
@@ -53,6 +65,7 @@ def check_column_sums() -> None:
         x = torch.randn(rows, cols, device="cuda").to(dtype)
         names = cuda_kernel_names(lambda: ops.column_sum(x))
         sums = [n for n in names if "column_sums" in n]
+        want = partial_sums_kernels(cols)
         assert sums and all(any(k in n for k in want) for n in sums), (rows, cols, names)
         main = [n for n in names if "column_sum_kernel" in n]
         got_lanes = re.search(r"column_sum_kernel<[^>]*, (\d+)>", main[0]) if len(main) == 1 else None
@@ -73,7 +86,7 @@ def check_column_sums() -> None:
             return torch.autograd.grad(layer_norm(ins[0], ins[1], ins[2], 1e-5), ins, dy)
 
         names = cuda_kernel_names(ours)
-        assert any(k in n for n in names for k in want), (rows, H, names)
+        assert any(k in n for n in names for k in partial_sums_kernels(None)), (rows, H, names)
         got = ours()
         for name, a, t, r in list(zip(("dx", "dweight", "dbias"), got, th, ref))[1:]:
             check(a, t, r, torch.bfloat16, f"layer_norm {rows}x{H} {name}")

@@ -122,17 +122,19 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   // whole rounds (session 80; it was at least R, which could not ask for more chunks than one wave).
   // (16-lane blocks read 16 rows at once: their rounds are 64 rows, the same four a thread; the cap stays 128 rows, so
   // that 16384 x 1152's one-wave chunks of 187 rows - two rounds and a part-round a thread - stay one wave.)
-  // BERTACCEL_COLSUM_CHUNK_ROUND=down|up (session 80, to compare): the one-wave chunk rounded to whole rounds, down
-  // (more chunks than one wave) or up (fewer), where it ends in a part-round (16384 x 1152 on 16 lanes: 187 rows, two
-  // rounds of 64 and 59 rows of a third; 128-row chunks measured 13.0 us against 13.7 there, 16384 x 2304 24.3-24.6
-  // against 24.2). Unset: as it is.
+  // On 16-lane blocks the one-wave chunk is rounded down to whole rounds (more chunks than one wave): 16384 x 1152's
+  // 187 rows were two rounds of 64 and 59 rows of a third; 128-row chunks ran 12.9-13.0 us against 13.7 (session 80,
+  // H200, two rounds). On 32-lane blocks rounding down lost (16384 x 2304 24.2 -> 26.4 us, 3072 31.2 -> 33.1, 16384 x
+  // 1536 17.2 -> 17.6-17.7) and rounding up did not win (24.3-24.8, 31.5-32.0, 13.3-13.6 at 1152).
+  // BERTACCEL_COLSUM_CHUNK_ROUND=down|up|none takes one rounding on every block shape, to compare.
   static const int chunk_rows = env_switch("BERTACCEL_COLSUM_CHUNK_ROWS", 0);
-  static const int chunk_round = [] {
+  static const int forced_round = [] {  // -1 down, 1 up, 0 none, 2 unset (the rule)
     const std::string v = env_value("BERTACCEL_COLSUM_CHUNK_ROUND");
-    BERTACCEL_CHECK(v.empty() || v == "down" || v == "up",
-                    "BERTACCEL_COLSUM_CHUNK_ROUND=%s is not a rounding: unset it, or set down or up", v.c_str());
-    return v.empty() ? 0 : v == "down" ? -1 : 1;
+    BERTACCEL_CHECK(v.empty() || v == "down" || v == "up" || v == "none",
+                    "BERTACCEL_COLSUM_CHUNK_ROUND=%s is not a rounding: unset it, or set down, up or none", v.c_str());
+    return v.empty() ? 2 : v == "down" ? -1 : v == "up" ? 1 : 0;
   }();
+  const int chunk_round = forced_round != 2 ? forced_round : LANES == 16 ? -1 : 0;
   constexpr int kRound = kUnroll * kRowLanes;  // rows a block reads in one unrolled round
   const int64_t want = std::max<int64_t>(1, (int64_t)sms * per_sm / col_blocks);
   const int64_t half_wave = std::max<int64_t>(1, want / 2);
@@ -151,7 +153,7 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   launch_dependent(column_sum_kernel<T, VEC, LANES>, dim3(col_blocks, chunks), dim3(kLanes, kRowLanes), 0, stream,
                    (const T*)x.data_ptr(), part.data_ptr<float>(), rows, (int)cols, rpc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (chunks > 1) launch_column_sums({{&part, &out}}, chunks, (int)cols, stream);
+  if (chunks > 1) launch_column_sums({{&part, &out}}, chunks, (int)cols, stream, /*wide_here=*/cols >= 2048);
 }
 
 at::Tensor column_sum(const at::Tensor& x) {

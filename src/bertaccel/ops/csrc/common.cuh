@@ -263,11 +263,15 @@ static __global__ void __launch_bounds__(COLS * SLICES) column_sums_kernel(Colum
 }
 
 // The column sums of the defined (part, out) pairs, on `stream`: 8 columns x 64 slices a block, 8 loads a thread (one
-// round up to 512 partial rows). BERTACCEL_COLSUM=wide (read once per process) runs the shape before session 70 for
-// comparing: 32 x 32, 12 loads a thread up to 384 partial rows, 16 above. (4 x 128 and 8 x 128, 4 loads a thread, were
-// slower than both nearly everywhere in session 70's sweep and were taken out.)
+// round up to 512 partial rows), or where the caller asks for it (`wide`: column_sum's partial rows of 2,048 columns
+// and more, session 80) 32 x 32, 12 loads a thread up to 384 partial rows, 16 above - the shape before session 70.
+// BERTACCEL_COLSUM=narrow|wide (read once per process) takes one shape everywhere, for comparing. Measured (H200,
+// session 80, colsum_sweep, two rounds) for column_sum's 32-128 partial rows, narrow / wide: 2048x2304 7.4 / 6.8 us,
+// 16384x2304 24.2 / 23.9-24.0, 16384x3072 31.2 / 30.2-30.3, 16384x1536 17.2 / 17.2-17.3, but 16384x1152 13.7 /
+// 14.1-14.3, 16384x384 6.1 / 6.3-6.4, 2048x768 4.2 / 4.4. (4 x 128 and 8 x 128, 4 loads a thread, were slower than both
+// nearly everywhere in session 70's sweep and were taken out.)
 inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int parts,
-                               int cols, cudaStream_t stream) {
+                               int cols, cudaStream_t stream, bool wide_here = false) {
   ColumnSums m{};
   int n = 0;
   for (auto [part, out] : pairs)
@@ -277,13 +281,14 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  static const bool wide = [] {  // (a refusal leaves it unset: every call is refused)
+  static const int forced = [] {  // 0 unset, 1 narrow, 2 wide (a refusal leaves it unset: every call is refused)
     const std::string shape = env_value("BERTACCEL_COLSUM");
     BERTACCEL_CHECK(shape.empty() || shape == "narrow" || shape == "wide",
-                    "BERTACCEL_COLSUM=%s is not a column-sums shape: unset it or set narrow (8 x 64, the default), or set "
-                    "wide (32 x 32)", shape.c_str());
-    return shape == "wide";
+                    "BERTACCEL_COLSUM=%s is not a column-sums shape: unset it or set narrow (8 x 64), or set wide "
+                    "(32 x 32)", shape.c_str());
+    return shape.empty() ? 0 : shape == "narrow" ? 1 : 2;
   }();
+  const bool wide = forced == 0 ? wide_here : forced == 2;
 #define BA_COLSUM_RUN(COLS, SLICES, BATCH)                                                                           \
   launch_dependent(column_sums_kernel<COLS, SLICES, BATCH>, dim3((unsigned)((cols + COLS - 1) / COLS), (unsigned)n), \
                    dim3(COLS * SLICES), 0, stream, m, parts, cols)
