@@ -114,3 +114,13 @@ def test_an_unknown_column_sums_shape_is_refused_with_the_values_it_takes():
     r = run_in_child(code, {"BERTACCEL_COLSUM": None, "BERTACCEL_COLSUM_LANES": "24"})
     assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
     assert "BERTACCEL_COLSUM_LANES=24 is not a column block" in r.stdout, r.stdout[-3000:]
+
+
+@cuda_test
+def test_an_unknown_chunk_rounding_is_refused_with_the_values_it_takes():
+    code = ("import torch, bertaccel.ops.swap; from bertaccel.ops import build; assert build.load()\n"
+            "try:\n    torch.ops.bertaccel.column_sum(torch.randn(16384, 1152, device='cuda').bfloat16())\n"
+            "except RuntimeError as e:\n    print('refused:', e)\n")
+    r = run_in_child(code, {"BERTACCEL_COLSUM_CHUNK_ROUND": "nearest"})
+    assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "BERTACCEL_COLSUM_CHUNK_ROUND=nearest is not a rounding" in r.stdout and "none" in r.stdout, r.stdout[-3000:]

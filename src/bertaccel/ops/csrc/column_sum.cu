@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) column_sum_kernel(const T* __restric
 }
 
 // Column blocks of 16 column vectors where 32 would leave lanes idle (see the top); BERTACCEL_COLSUM_LANES=32 keeps
-// 32 everywhere (before session 78), to compare both in one run.
+// 32 everywhere (the blocks before session 80), to compare both in one run.
 inline int column_lanes(int64_t col_vecs) {
   static const int setting = env_switch("BERTACCEL_COLSUM_LANES", 0);
   BERTACCEL_CHECK(setting == 0 || setting == 16 || setting == 32,

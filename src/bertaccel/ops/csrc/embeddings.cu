@@ -208,7 +208,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding
     philox = gen->philox_cuda_state((uint64_t)((rows * H + 3) / 4) * 4);
   }
   // a warp a row of exactly 1-8 16-byte vectors a lane, width and threads fixed at compile time (embedding_ln_fwd_kernel's
-  // WARP_ROW); BERTACCEL_EMB_WARP_ROWS=0 keeps the general kernel, to compare the two in one run
+  // WARP_ROW); BERTACCEL_EMB_WARP_ROWS=0 keeps the general kernel, to compare the two in one run. Measured (H200,
+  // session 80, inference form, general / warp rows): 16x128x768 5.7 / 4.8-4.9 us, 128x128x384 17.8 / 13.1-13.2,
+  // 128x128x768 34.2 / 26.5-26.7, 32x512x1024 39.2-39.3 / 32.5-32.9 (torch.compile 5.6 / 14.5 / 28.0 / 38.4)
   static const bool warp_rows_on = env_switch("BERTACCEL_EMB_WARP_ROWS", 1) != 0;
   const int64_t warp_items = vec == 4 && H % (32 * 4) == 0 ? H / (32 * 4) : 0;
   const bool warp_row = warp_rows_on && (warp_items == 1 || warp_items == 2 || warp_items == 3 || warp_items == 4 ||

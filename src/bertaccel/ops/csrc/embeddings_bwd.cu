@@ -153,7 +153,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_tables_bwd(
   const int threads = (int)std::min<int64_t>(kScatterMaxThreads, (col_vecs + 31) / 32 * 32);
   const int64_t col_blocks = (col_vecs + threads - 1) / threads;
   // [batch, seq] ids of 8 or more sequences: a block takes one position of 16 sequences (see the top); otherwise
-  // consecutive tokens. BERTACCEL_EMB_SCATTER=tokens keeps consecutive tokens everywhere (before session 78).
+  // consecutive tokens. BERTACCEL_EMB_SCATTER=tokens keeps consecutive tokens everywhere (the order before session 80).
+  // Measured (H200, session 80, the scatter alone, tokens / positions): 16x128x768 10.7-11.2 / 9.6-9.9 us, 128x128x768
+  // 60.7-61.5 / 49.9-50.0, 32x512x1024 77.7-77.8 / 63.5-64.6 (the kernel before session 80: 14.1, 66-68, 81-83).
   static const std::string order = env_value("BERTACCEL_EMB_SCATTER");
   BERTACCEL_CHECK(order.empty() || order == "positions" || order == "tokens",
                   "BERTACCEL_EMB_SCATTER=%s is not a scatter order: unset it or set positions (the default), or tokens",
