@@ -6,7 +6,7 @@
 #   STAGES="build e2e e2e_compile profile sweep mlm"    bash scripts/gpu_check.sh
 # Stages: build, tests (cuda tests of the ops), graph_tests (cuda tests of the modules), ops
 # (benchmarks/bench_ops.py; OPS= picks families, OPS_RING_OFF=1 runs them again with the rows rings off, OPS_PDL_OFF=1 without programmatic dependent launch), ln_sweep (scripts/ln_fwd_sweep.py; LN_SWEEP_SETTINGS=, LN_SWEEP_ROUNDS=), softmax_sweep (scripts/softmax_fwd_sweep.py, bf16 and float32), e2e, e2e_eager_base, e2e_compile,
-# ln_bwd_sweep (scripts/ln_bwd_sweep.py; LN_BWD_SETTINGS= (space-separated settings, each one or more A=1,B=0), LN_BWD_ROUNDS=, LN_BWD_ARGS=), eager_overhead (scripts/eager_overhead.py: host us per eager call; EAGER_ARGS=), norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
+# ln_bwd_sweep (scripts/ln_bwd_sweep.py; LN_BWD_SETTINGS= (space-separated settings, each one or more A=1,B=0), LN_BWD_ROUNDS=, LN_BWD_ARGS=), colsum_shapes (the partial-row sums under each BERTACCEL_COLSUM shape: column_sum and the LayerNorm-family backward; COLSUM_SHAPES=, COLSUM_ROUNDS=), eager_overhead (scripts/eager_overhead.py: host us per eager call; EAGER_ARGS=), norm_forms (scripts/norm_forms.py: saving vs output-only LayerNorm/RMSNorm forward), e2e_graphs, e2e_gemm, gemm_build, gemm_tests (GEMM_TEST_K= a pytest -k expression; TESTS_K= for tests),
 # ffn_tests, ffn (benchmarks/bench_ffn.py: the feed-forward block; FFN_ARGS=), gemm_variants (#if variants of the GEMM built side by side, timed in turn: GEMM_VARIANTS=), gemm_epilogue_sweep (each epilogue on every schedule / tile width), step_gemms (one BERT step's GEMM calls timed alone - warm, cold, rewarmed, alternating - and in the step's order), gemm (our GEMM vs cuBLAS; GEMM_ARGS="--sweep --schedules 2"), gemm_kernels (scripts/gemm_kernels.py; GEMM_KERNELS_ARGS=), headline (benchmarks/finetune.py; FT_VARIANTS=), finetune (MiniLM IMDB through the CLI),
 # profile, sweep, mlm (short BERT-base masked-LM fit), nan_debug, host_profile, host_steps, startup,
 # multi_gpu (DDP 1 vs 2 GPUs and FSDP BERT-base; needs nvidia-h200-x2; MULTI_RUNS=, MULTI_ARGS=, MULTI_FSDP=0),
@@ -518,6 +518,20 @@ if has ln_bwd_sweep; then  # the LayerNorm-family backward against the row count
     env ${setting//,/ } python scripts/ln_bwd_sweep.py ${LN_BWD_ARGS:-}; done; done > "$OUT/ln_bwd_sweep.log" 2>&1
   echo "ln bwd sweep rc=$?"; grep -E "^(FIT|  kernels)" "$OUT/ln_bwd_sweep.log" | cut -c1-200
   python scripts/sweep_table.py "$OUT/ln_bwd_sweep.log"
+fi
+if has colsum_shapes; then  # the partial-row sums' block shapes (BERTACCEL_COLSUM; built in session 80 for this sweep):
+  # column_sum at its ten shapes, alternated, COLSUM_ROUNDS rounds, then the LayerNorm-family backward at 2,048 and 16,384
+  # rows under each shape (one round), one table a column per shape
+  shapes=${COLSUM_SHAPES:-"narrow wide 16x32 16x64 32x16 32x8 8x32"}
+  for round in $(seq ${COLSUM_ROUNDS:-2}); do for sh in default $shapes; do
+    if [ "$sh" = default ]; then BERTACCEL_AB=r$round python scripts/colsum_sweep.py
+    else BERTACCEL_COLSUM=$sh BERTACCEL_AB=r$round python scripts/colsum_sweep.py; fi; done; done > "$OUT/colsum_shapes_sweep.log" 2>&1
+  echo "colsum shapes rc=$?"; grep COLSUM "$OUT/colsum_shapes_sweep.log" | sed 's/BERTACCEL_//' | cut -c1-100
+  for sh in default $shapes; do
+    if [ "$sh" = default ]; then python scripts/ln_bwd_sweep.py --rows 2048 16384 --ops layer_norm rms_norm residual_layer_norm2
+    else BERTACCEL_COLSUM=$sh python scripts/ln_bwd_sweep.py --rows 2048 16384 --ops layer_norm rms_norm residual_layer_norm2; fi
+  done > "$OUT/colsum_shapes_ln_bwd.log" 2>&1
+  echo "ln bwd under each shape rc=$?"; python scripts/sweep_table.py "$OUT/colsum_shapes_ln_bwd.log"
 fi
 if has norm_forms; then  # LayerNorm / RMSNorm: the saving and the output-only forward form, same inputs
   for setting in "" BERTACCEL_LN_RING=0; do env $setting python scripts/norm_forms.py; done > "$OUT/norm_forms.log" 2>&1

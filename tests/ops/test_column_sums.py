@@ -1,7 +1,8 @@
 """The column sums of the partial rows (common.cuh's `launch_column_sums`: every LayerNorm-family backward's weight
 gradients, the bias gradients of bias + GELU and `column_sum`), under each block shape of
 `column_sums_kernel<COLS, SLICES, BATCH>`: 8 columns x 64 row slices, and 32 x 32 for `column_sum`'s partial rows of
-2,048 columns and more (each shape everywhere under `BERTACCEL_COLSUM=narrow|wide`), `column_sum`'s row chunks under
+2,048 columns and more (each shape everywhere under `BERTACCEL_COLSUM=narrow|wide`, and the comparison shapes it
+takes), `column_sum`'s row chunks under
 `BERTACCEL_COLSUM_CHUNK_ROWS` and `BERTACCEL_COLSUM_CHUNK_ROUND`, and its column
 blocks under `BERTACCEL_COLSUM_LANES` (16 column vectors a block where 32 would leave lanes idle, or 32 everywhere).
 The switches are read once per process, so each setting runs in a child process: the kernels the setting names must
@@ -28,12 +29,17 @@ SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"},
             "256-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "256"},
             "40-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "40"},
             "narrow": {"BERTACCEL_COLSUM": "narrow"},
+            **{f"shape-{k}": {"BERTACCEL_COLSUM": k} for k in ("16x32", "16x64", "32x16", "32x8", "8x32")},
             "chunks-rounded-down": {"BERTACCEL_COLSUM_CHUNK_ROUND": "down"},
             "chunks-rounded-up": {"BERTACCEL_COLSUM_CHUNK_ROUND": "up"},
             "chunks-not-rounded": {"BERTACCEL_COLSUM_CHUNK_ROUND": "none"},
             "32-lane-blocks": {"BERTACCEL_COLSUM_LANES": "32"}}
-# the template arguments of each shape (the wide shape takes 12 or 16 loads by the partial-row count)
+# the template arguments of each shape (the wide shape takes 12 or 16 loads by the partial-row count); the comparison
+# shapes BERTACCEL_COLSUM also takes (columns x row slices)
 NARROW, WIDE = ("column_sums_kernel<8, 64, 8>",), ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")
+SHAPES = {"narrow": NARROW, "wide": WIDE, "16x32": ("column_sums_kernel<16, 32, 12>",),
+          "16x64": ("column_sums_kernel<16, 64, 8>",), "32x16": ("column_sums_kernel<32, 16, 16>",),
+          "32x8": ("column_sums_kernel<32, 8, 16>",), "8x32": ("column_sums_kernel<8, 32, 12>",)}
 
 
 def partial_sums_kernels(column_sum_cols: int | None) -> tuple[str, ...]:
@@ -42,7 +48,7 @@ def partial_sums_kernels(column_sum_cols: int | None) -> tuple[str, ...]:
     LayerNorm backward (column_sum_cols None)."""
     forced = os.environ.get("BERTACCEL_COLSUM", "")
     if forced:
-        return WIDE if forced == "wide" else NARROW
+        return SHAPES[forced]
     return WIDE if column_sum_cols is not None and column_sum_cols >= 2048 else NARROW
 
 
@@ -110,7 +116,7 @@ def test_an_unknown_column_sums_shape_is_refused_with_the_values_it_takes():
             "except RuntimeError as e:\n    print('refused:', e)\n")
     r = run_in_child(code, {"BERTACCEL_COLSUM": "8x128"})
     assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
-    assert "BERTACCEL_COLSUM=8x128 is not a column-sums shape" in r.stdout and "wide" in r.stdout, r.stdout[-3000:]
+    assert "BERTACCEL_COLSUM=8x128 is not a column-sums shape" in r.stdout and "32x8" in r.stdout, r.stdout[-3000:]
     r = run_in_child(code, {"BERTACCEL_COLSUM": None, "BERTACCEL_COLSUM_LANES": "24"})
     assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
     assert "BERTACCEL_COLSUM_LANES=24 is not a column block" in r.stdout, r.stdout[-3000:]

@@ -265,7 +265,10 @@ static __global__ void __launch_bounds__(COLS * SLICES) column_sums_kernel(Colum
 // The column sums of the defined (part, out) pairs, on `stream`: 8 columns x 64 slices a block, 8 loads a thread (one
 // round up to 512 partial rows), or where the caller asks for it (`wide`: column_sum's partial rows of 2,048 columns
 // and more, session 80) 32 x 32, 12 loads a thread up to 384 partial rows, 16 above - the shape before session 70.
-// BERTACCEL_COLSUM=narrow|wide (read once per process) takes one shape everywhere, for comparing. Measured (H200,
+// BERTACCEL_COLSUM=narrow|wide (read once per process) takes one shape everywhere, for comparing; so do the shapes
+// 16x32, 16x64, 32x16, 32x8 and 8x32 (columns x slices; 8 loads a thread at 64 slices, 12 at 32, 16 at 16 and 8),
+// built for session 81's sweep of the partial-row sums (Nsight Compute in session 80: column_sum's 88-row partials
+// took 5.2-5.8 us in 8 x 64 where inductor's own second kernel took 2.9-3.1). Measured (H200,
 // session 80, colsum_sweep, two rounds) for column_sum's 32-128 partial rows, narrow / wide: 2048x2304 7.4 / 6.8 us,
 // 16384x2304 24.2 / 23.9-24.0, 16384x3072 31.2 / 30.2-30.3, 16384x1536 17.2 / 17.2-17.3, but 16384x1152 13.7 /
 // 14.1-14.3, 16384x384 6.1 / 6.3-6.4, 2048x768 4.2 / 4.4. (4 x 128 and 8 x 128, 4 loads a thread, were slower than both
@@ -281,20 +284,30 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  static const int forced = [] {  // 0 unset, 1 narrow, 2 wide (a refusal leaves it unset: every call is refused)
+  // 0 unset, 1 narrow, 2 wide, 3.. the comparison shapes below (a refusal leaves it unset: every call is refused)
+  static const char* const kShapes[] = {"", "narrow", "wide", "16x32", "16x64", "32x16", "32x8", "8x32"};
+  static const int forced = [] {
     const std::string shape = env_value("BERTACCEL_COLSUM");
-    BERTACCEL_CHECK(shape.empty() || shape == "narrow" || shape == "wide",
-                    "BERTACCEL_COLSUM=%s is not a column-sums shape: unset it or set narrow (8 x 64), or set wide "
-                    "(32 x 32)", shape.c_str());
-    return shape.empty() ? 0 : shape == "narrow" ? 1 : 2;
+    for (int i = 0; i < (int)(sizeof(kShapes) / sizeof(kShapes[0])); ++i)
+      if (shape == kShapes[i]) return i;
+    BERTACCEL_CHECK(false,
+                    "BERTACCEL_COLSUM=%s is not a column-sums shape: unset it or set narrow (8 x 64), wide (32 x 32), "
+                    "or one of 16x32, 16x64, 32x16, 32x8, 8x32 (columns x row slices)", shape.c_str());
+    return 0;
   }();
-  const bool wide = forced == 0 ? wide_here : forced == 2;
+  const int shape = forced != 0 ? forced : wide_here ? 2 : 1;
 #define BA_COLSUM_RUN(COLS, SLICES, BATCH)                                                                           \
   launch_dependent(column_sums_kernel<COLS, SLICES, BATCH>, dim3((unsigned)((cols + COLS - 1) / COLS), (unsigned)n), \
                    dim3(COLS * SLICES), 0, stream, m, parts, cols)
-  if (wide && parts <= 12 * 32) BA_COLSUM_RUN(32, 32, 12);
-  else if (wide) BA_COLSUM_RUN(32, 32, 16);
-  else BA_COLSUM_RUN(8, 64, 8);
+  switch (shape) {
+    case 2: if (parts <= 12 * 32) BA_COLSUM_RUN(32, 32, 12); else BA_COLSUM_RUN(32, 32, 16); break;
+    case 3: BA_COLSUM_RUN(16, 32, 12); break;
+    case 4: BA_COLSUM_RUN(16, 64, 8); break;
+    case 5: BA_COLSUM_RUN(32, 16, 16); break;
+    case 6: BA_COLSUM_RUN(32, 8, 16); break;
+    case 7: BA_COLSUM_RUN(8, 32, 12); break;
+    default: BA_COLSUM_RUN(8, 64, 8);
+  }
 #undef BA_COLSUM_RUN
 }
 
