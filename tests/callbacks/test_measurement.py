@@ -462,3 +462,43 @@ def test_profiler_step_times_recorded_against_unrecorded(monkeypatch):
     # 20, 10 ms, and 35 ms timed from the second cycle's warm-up step (the marks before it dropped)
     assert times == {"recorded": pytest.approx(20.0), "recorded_steps": 3, "unrecorded": pytest.approx(10.0),
                      "unrecorded_steps": 2}
+
+
+def test_evaluation_warm_up_is_its_own(tiny_data, tmp_path, caplog):
+    """`eval_warmup_steps` leaves out the first test batches alone: a test set of fewer batches than the training
+    warm-up is measured (48 rows in batches of 16: three batches, one left out), and without it nothing is - said."""
+    import logging
+
+    import lightning.pytorch as pl
+
+    from bertaccel.callbacks.throughput import ThroughputMeter
+    from bertaccel.data import TextClassificationDataModule
+    from bertaccel.modules import BertClassifier
+    from tests.conftest import TINY_BERT
+
+    results = {}
+    for eval_warmup in (1, None):
+        pl.seed_everything(1)
+        meter = ThroughputMeter(enabled=True, warmup_steps=10, eval_warmup_steps=eval_warmup)
+        dm = TextClassificationDataModule(dataset=str(tiny_data), tokenizer="sample:sentiment", max_length=32,
+                                          batch_size=16, val_size=0.2)
+        trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path, callbacks=[meter],
+                             accelerator="cpu", devices=1)
+        with caplog.at_level(logging.INFO):
+            trainer.test(BertClassifier(config=TINY_BERT, vocab_size=256, num_labels=2), datamodule=dm)
+        results[eval_warmup] = meter.results.get("test")
+    stats = results[1]
+    assert stats is not None and stats["steps"] == 2 and stats["samples_per_s"] > 0, stats
+    assert sorted(stats["slowest_steps_at"]) == [1.0, 2.0], stats  # the stage's steps 1 and 2: step 0 left out
+    assert results[None] is None
+    assert "fewer steps than warmup_steps=10; nothing measured" in caplog.text
+
+
+def test_negative_warm_ups_are_refused():
+    from bertaccel.callbacks.throughput import ThroughputMeter
+
+    with pytest.raises(ValueError, match="throughput.eval_warmup_steps must be at least 0"):
+        ThroughputMeter(eval_warmup_steps=-1)
+    with pytest.raises(ValueError, match="throughput.warmup_steps must be at least 0"):
+        ThroughputMeter(warmup_steps=-2)

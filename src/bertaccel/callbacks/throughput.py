@@ -14,7 +14,9 @@ How it stays honest:
   the next batch's fetch) is not the GPU's: with steps queued on the GPU the host may wait without the GPU
   waiting. `gpu_step_fraction` (the steps' GPU time over the wall time) says whether the GPU waited: ~1.0, it
   did not;
-- the first `warmup_steps` of every stage (compilation, cuDNN autotune, allocator growth) are excluded;
+- the first `warmup_steps` of every stage (compilation, cuDNN autotune, allocator growth, graph captures) are
+  excluded - `eval_warmup_steps` of validate / test / predict where set (an evaluation of fewer batches than the
+  training warm-up would measure nothing);
 - under DDP the numbers are global: samples, tokens and FLOPs summed over ranks, over the slowest
   rank's time; step times are each rank's own (`step_ms_p50_per_rank`);
 - MFU = the model's matmul FLOPs (src/bertaccel/modules/flops.py; the executed shape: padded, or the
@@ -105,6 +107,8 @@ class ThroughputMeter(pl.Callback):
     Args:
         enabled: Turn the meter on (off by default: it adds a little bookkeeping per step).
         warmup_steps: Steps at the start of each stage left out of every number.
+        eval_warmup_steps: The same for validate, test and predict (default: `warmup_steps`). An evaluation's first
+            batches hold its compile or graph capture; a test set of eight batches measures nothing at the default 10.
         log_every_n_steps: Write the running numbers (`throughput/...`) to the trainer's loggers every N training steps
             (0: only the file at the end of each stage), on the batches where Lightning would log with the same
             interval (its step count, so a resumed fit keeps them), past the warm-up.
@@ -113,9 +117,14 @@ class ThroughputMeter(pl.Callback):
     """
 
     def __init__(self, enabled: bool = False, warmup_steps: int = 10, log_every_n_steps: int = 50,
-                 peak_tflops: float | None = None, output_file: str = "benchmark_stats.json") -> None:
+                 peak_tflops: float | None = None, output_file: str = "benchmark_stats.json",
+                 eval_warmup_steps: int | None = None) -> None:
+        for name, value in (("warmup_steps", warmup_steps), ("eval_warmup_steps", eval_warmup_steps)):
+            if value is not None and value < 0:
+                raise ValueError(f"throughput.{name} must be at least 0, got {value}")
         self.enabled = enabled
         self.warmup_steps = warmup_steps
+        self.eval_warmup_steps = eval_warmup_steps
         self.log_every_n_steps = log_every_n_steps
         self.peak_tflops = peak_tflops
         self.output_file = output_file
@@ -135,6 +144,12 @@ class ThroughputMeter(pl.Callback):
             self._gc_t = None
 
     # -------------------------------------------------------------------------------- helpers
+    def _warmup(self, stage: str) -> int:
+        """The steps at the start of `stage` left out of its numbers."""
+        if stage != "train" and self.eval_warmup_steps is not None:
+            return self.eval_warmup_steps
+        return self.warmup_steps
+
     def _cuda(self, trainer) -> bool:
         return trainer.strategy.root_device.type == "cuda"
 
@@ -151,23 +166,24 @@ class ThroughputMeter(pl.Callback):
             st.paused_s += time.perf_counter() - st.paused_at
             st.paused_at = None
         now = time.perf_counter()
-        if st.steps == self.warmup_steps:
+        warmup = self._warmup(stage)
+        if st.steps == warmup:
             self._sync(trainer)
             now = time.perf_counter()
             st.t0 = now
             st.gc_at_t0 = self._gc_s
             if self._cuda(trainer):
                 torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
-        if st.steps >= self.warmup_steps and st.t_last_end is not None:
+        if st.steps >= warmup and st.t_last_end is not None:
             st.wait_s += now - st.t_last_end
-        if stage == "train" and st.steps > self.warmup_steps and logs_step_metrics(trainer, self.log_every_n_steps):
+        if stage == "train" and st.steps > warmup and logs_step_metrics(trainer, self.log_every_n_steps):
             # the running numbers of the steps before this one, read (synchronized) before this step is queued - on
             # the batch where Lightning's own step logging reads the device too, so the GPU's queue drains once
             # there and idles only while this step launches; written to the loggers at this step's end
             st.window = self._summary(trainer, stage)  # every rank (its collectives under DDP)
         st.t_start = now
         st.gc_at_start = self._gc_s
-        if self._cuda(trainer) and st.steps >= self.warmup_steps:
+        if self._cuda(trainer) and st.steps >= warmup:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             st.pending.append((ev, None))
@@ -176,7 +192,7 @@ class ThroughputMeter(pl.Callback):
         if not self.enabled or trainer.sanity_checking or stage not in self.stages:
             return
         st = self.stages[stage]
-        counted = st.steps >= self.warmup_steps
+        counted = st.steps >= self._warmup(stage)
         st.steps += 1
         if counted and isinstance(batch, dict) and "input_ids" in batch:
             ids = batch["input_ids"]
@@ -252,7 +268,7 @@ class ThroughputMeter(pl.Callback):
             elapsed = float(slowest)
             per_rank_p50 = [float(t) for t in gathered]
         out = {
-            "steps": float(st.steps - self.warmup_steps),
+            "steps": float(st.steps - self._warmup(stage)),
             "samples_per_s": samples / elapsed,
             "real_tokens_per_s": real / elapsed,
             "padded_tokens_per_s": padded / elapsed,
@@ -260,7 +276,7 @@ class ThroughputMeter(pl.Callback):
             "step_ms_mean": statistics.fmean(st.step_ms) if st.step_ms else float("nan"),
             "step_ms_p50": p50,
             "step_ms_p90": percentile(st.step_ms, 0.9),
-            "data_wait_ms_mean": 1e3 * st.wait_s / max(st.steps - self.warmup_steps, 1),
+            "data_wait_ms_mean": 1e3 * st.wait_s / max(st.steps - self._warmup(stage), 1),
             # this rank's steps' GPU time (events) over the wall time: ~1 when the GPU sets the pace (the
             # host's data wait was hidden behind queued steps), lower when the GPU waited for the host
             "gpu_step_fraction": 1e-3 * sum(st.step_ms) / elapsed_own if self._cuda(trainer) else float("nan"),
@@ -272,7 +288,7 @@ class ThroughputMeter(pl.Callback):
         if st.step_ms:  # where the time of a mean far above the median went: the 8 slowest steps
             slowest = heapq.nlargest(8, range(len(st.step_ms)), key=st.step_ms.__getitem__)
             out["slowest_steps_ms"] = [st.step_ms[i] for i in slowest]
-            out["slowest_steps_at"] = [float(i + self.warmup_steps) for i in slowest]  # steps of the stage
+            out["slowest_steps_at"] = [float(i + self._warmup(stage)) for i in slowest]  # steps of the stage
             # the host's garbage collection inside those steps (a stall the GPU felt when its queue ran dry)
             if len(st.step_gc_ms) == len(st.step_ms):
                 out["slowest_steps_gc_ms"] = [st.step_gc_ms[i] for i in slowest]
@@ -293,7 +309,8 @@ class ThroughputMeter(pl.Callback):
         del self.stages[stage]
         if not stats:
             if trainer.state.fn != "fit":
-                rank_zero_info(f"throughput ({stage}): fewer steps than warmup_steps={self.warmup_steps}; nothing measured")
+                name = "eval_warmup_steps" if stage != "train" and self.eval_warmup_steps is not None else "warmup_steps"
+                rank_zero_info(f"throughput ({stage}): fewer steps than {name}={self._warmup(stage)}; nothing measured")
             return
         stats.update(self._graph_fields(trainer.lightning_module, stage))
         self.results[stage] = stats
