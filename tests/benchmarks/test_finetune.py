@@ -47,3 +47,24 @@ def test_compile_stats_count_the_graphs_and_seconds_torch_compile_spends():
     f(torch.randn(5))
     graphs1, secs1 = compile_stats()
     assert graphs1 == graphs0 + 1 and secs1 > secs0
+
+
+def test_the_table_gives_ratios_to_both_plain_loops_and_dashes_for_what_was_not_measured(monkeypatch, tmp_path, capsys):
+    """The headline's table (run on the GPU host after every variant ran): each run against the eager and the compiled
+    plain loop, and '-' (not 0) for a test rate the meter did not measure."""
+    import torch
+
+    from benchmarks import finetune
+
+    fake = {"plain": {"train_samples_per_s": 2000.0, "test_samples_per_s": 3000.0, "test_acc": 0.88},
+            "plain-compile": {"train_samples_per_s": 8000.0, "test_samples_per_s": 250.0, "test_acc": 0.89},
+            "cli-recommended": {"train_samples_per_s": 12000.0, "test_samples_per_s": None, "test_acc": 0.888,
+                                "train_step_ms_p50": 2.5, "train_slowest_steps_ms": [3.1]}}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
+    monkeypatch.setattr(finetune, "run_variant", lambda args, v: dict(fake[v]))
+    finetune.main(["--data", str(tmp_path), "--model", str(tmp_path), "--runs", str(tmp_path),
+                   "--variants", "cli-recommended", "plain", "plain-compile"])
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0] in fake}
+    assert rows["cli-recommended"][1:5] == ["12,000", "6.00", "1.50", "-"], rows
+    assert rows["plain"][1:5] == ["2,000", "1.00", "0.25", "3,000"], rows
