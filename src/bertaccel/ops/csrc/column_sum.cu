@@ -128,13 +128,9 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   // 1536 17.2 -> 17.6-17.7) and rounding up did not win (24.3-24.8, 31.5-32.0, 13.3-13.6 at 1152).
   // BERTACCEL_COLSUM_CHUNK_ROUND=down|up|none takes one rounding on every block shape, to compare.
   static const int chunk_rows = env_switch("BERTACCEL_COLSUM_CHUNK_ROWS", 0);
-  static const int forced_round = [] {  // -1 down, 1 up, 0 none, 2 unset (the rule)
-    const std::string v = env_value("BERTACCEL_COLSUM_CHUNK_ROUND");
-    BERTACCEL_CHECK(v.empty() || v == "down" || v == "up" || v == "none",
-                    "BERTACCEL_COLSUM_CHUNK_ROUND=%s is not a rounding: unset it, or set down, up or none", v.c_str());
-    return v.empty() ? 2 : v == "down" ? -1 : v == "up" ? 1 : 0;
-  }();
-  const int chunk_round = forced_round != 2 ? forced_round : LANES == 16 ? -1 : 0;
+  static const int forced_round = env_choice("BERTACCEL_COLSUM_CHUNK_ROUND", {"", "down", "up", "none"}, "rounding");
+  constexpr int kRoundOf[] = {0, -1, 1, 0};  // -1 down, 1 up, 0 none
+  const int chunk_round = forced_round != 0 ? kRoundOf[forced_round] : LANES == 16 ? -1 : 0;
   constexpr int kRound = kUnroll * kRowLanes;  // rows a block reads in one unrolled round
   const int64_t want = std::max<int64_t>(1, (int64_t)sms * per_sm / col_blocks);
   const int64_t half_wave = std::max<int64_t>(1, want / 2);

@@ -284,17 +284,10 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  // 0 unset, 1 narrow, 2 wide, 3.. the comparison shapes below (a refusal leaves it unset: every call is refused)
-  static const char* const kShapes[] = {"", "narrow", "wide", "16x32", "16x64", "32x16", "32x8", "8x32"};
-  static const int forced = [] {
-    const std::string shape = env_value("BERTACCEL_COLSUM");
-    for (int i = 0; i < (int)(sizeof(kShapes) / sizeof(kShapes[0])); ++i)
-      if (shape == kShapes[i]) return i;
-    BERTACCEL_CHECK(false,
-                    "BERTACCEL_COLSUM=%s is not a column-sums shape: unset it or set narrow (8 x 64), wide (32 x 32), "
-                    "or one of 16x32, 16x64, 32x16, 32x8, 8x32 (columns x row slices)", shape.c_str());
-    return 0;
-  }();
+  // 0 unset, 1 narrow, 2 wide, 3.. the comparison shapes below
+  static const int forced =
+      env_choice("BERTACCEL_COLSUM", {"", "narrow", "wide", "16x32", "16x64", "32x16", "32x8", "8x32"},
+                 "column-sums shape (columns x row slices; narrow 8 x 64, wide 32 x 32)");
   const int shape = forced != 0 ? forced : wide_here ? 2 : 1;
 #define BA_COLSUM_RUN(COLS, SLICES, BATCH)                                                                           \
   launch_dependent(column_sums_kernel<COLS, SLICES, BATCH>, dim3((unsigned)((cols + COLS - 1) / COLS), (unsigned)n), \

@@ -156,11 +156,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_tables_bwd(
   // consecutive tokens. BERTACCEL_EMB_SCATTER=tokens keeps consecutive tokens everywhere (the order before session 80).
   // Measured (H200, session 80, the scatter alone, tokens / positions): 16x128x768 10.7-11.2 / 9.6-9.9 us, 128x128x768
   // 60.7-61.5 / 49.9-50.0, 32x512x1024 77.7-77.8 / 63.5-64.6 (the kernel before session 80: 14.1, 66-68, 81-83).
-  static const std::string order = env_value("BERTACCEL_EMB_SCATTER");
-  BERTACCEL_CHECK(order.empty() || order == "positions" || order == "tokens",
-                  "BERTACCEL_EMB_SCATTER=%s is not a scatter order: unset it or set positions (the default), or tokens",
-                  order.c_str());
-  const bool by_position = order != "tokens";
+  static const bool by_position =
+      env_choice("BERTACCEL_EMB_SCATTER", {"positions", "tokens"}, "scatter order (positions, the default)") == 0;
   const int64_t seq = by_position && ids.dim() >= 2 && tokens / std::max<int64_t>(ids.size(-1), 1) >= 8 ? ids.size(-1) : 1;
   const int64_t seqs = tokens / seq;
   const int64_t tok_blocks = (seqs + kScatterTokens - 1) / kScatterTokens * seq;

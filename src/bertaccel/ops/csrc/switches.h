@@ -2,7 +2,10 @@
 // read by the host code. Used by common.cuh's row ops, by pdl.cuh (which the GEMM includes too) and by the attention.
 #pragma once
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
+
+#include "check.h"
 
 namespace bertaccel {
 
@@ -21,6 +24,23 @@ inline int env_switch(const char* name, int fallback) {
 inline std::string env_value(const char* name) {
   const char* e = std::getenv(name);
   return e != nullptr ? e : "";
+}
+
+// A kernel switch that takes one of a few words: the index of the environment variable's value in `choices`, whose
+// first entry is what an unset variable means ("" unless the default also has a name). Any other value is refused,
+// naming the choices: "NAME=v is not a <what>: unset it or set a, b or c". Callers that read it once per process keep
+// the index in a function-local static (a refusal leaves it unset: every call is refused).
+inline int env_choice(const char* name, std::initializer_list<const char*> choices, const char* what) {
+  const std::string v = env_value(name);
+  std::string named;
+  int i = 0;
+  for (const char* c : choices) {
+    if (v == c || (i == 0 && v.empty())) return i;
+    if (*c != '\0') named += std::string(named.empty() ? "" : i + 1 == (int)choices.size() ? " or " : ", ") + c;
+    ++i;
+  }
+  BERTACCEL_CHECK(false, "%s=%s is not a %s: unset it or set %s", name, v.c_str(), what, named.c_str());
+  return 0;
 }
 
 // Whether the environment variable `name` is exactly `value`.
