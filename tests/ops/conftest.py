@@ -128,6 +128,17 @@ def check(ours, torch_same_dtype, ref, dtype, name):
     assert e_ours <= 2 * e_torch + FLOOR[dtype], f"{name}: error {e_ours:.2e} vs PyTorch {e_torch:.2e}"
 
 
+def outputs_in_child(module: str, function: str, env: dict[str, str | None], path: str) -> dict[str, torch.Tensor]:
+    """`function(path)` from `module`, run in a child process under `env` (kernel switches are read once per
+    process, so each setting needs its own), and the tensors it saved to `path` - for comparing kernels across
+    settings."""
+    from tests.conftest import run_in_child
+
+    r = run_in_child(f"from {module} import {function}; {function}({path!r}); print('outputs saved')", env)
+    assert r.returncode == 0 and "outputs saved" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    return torch.load(path)
+
+
 def _cuda_profile(fn) -> torch.profiler.profile:
     """torch.profiler's CUDA activity over fn(), synchronized."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

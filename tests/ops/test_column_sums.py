@@ -34,6 +34,9 @@ SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"},
             "chunks-rounded-up": {"BERTACCEL_COLSUM_CHUNK_ROUND": "up"},
             "chunks-not-rounded": {"BERTACCEL_COLSUM_CHUNK_ROUND": "none"},
             "32-lane-blocks": {"BERTACCEL_COLSUM_LANES": "32"}}
+# every column-sums switch unset: each child process runs its setting alone
+UNSET = dict.fromkeys(("BERTACCEL_COLSUM", "BERTACCEL_COLSUM_CHUNK_ROWS", "BERTACCEL_COLSUM_LANES",
+                       "BERTACCEL_COLSUM_CHUNK_ROUND"))
 # the template arguments of each shape (the wide shape takes 12 or 16 loads by the partial-row count); the comparison
 # shapes BERTACCEL_COLSUM also takes (columns x row slices)
 NARROW, WIDE = ("column_sums_kernel<8, 64, 8>",), ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")
@@ -103,30 +106,20 @@ def check_column_sums() -> None:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_column_sums_under_each_kernel_setting(setting):
     code = "from tests.ops.test_column_sums import check_column_sums; check_column_sums()"
-    unset = {k: None for k in ("BERTACCEL_COLSUM", "BERTACCEL_COLSUM_CHUNK_ROWS", "BERTACCEL_COLSUM_LANES",
-                               "BERTACCEL_COLSUM_CHUNK_ROUND")}
-    r = run_in_child(code, {**unset, **SETTINGS[setting]})
+    r = run_in_child(code, {**UNSET, **SETTINGS[setting]})
     assert r.returncode == 0 and "column sums ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
 
 
 @cuda_test
-def test_an_unknown_column_sums_shape_is_refused_with_the_values_it_takes():
+@pytest.mark.parametrize("env, says", [
+    ({"BERTACCEL_COLSUM": "8x128"}, ("BERTACCEL_COLSUM=8x128 is not a column-sums shape", "32x8")),
+    ({"BERTACCEL_COLSUM_LANES": "24"}, ("BERTACCEL_COLSUM_LANES=24 is not a column block",)),
+    ({"BERTACCEL_COLSUM_CHUNK_ROUND": "nearest"}, ("BERTACCEL_COLSUM_CHUNK_ROUND=nearest is not a rounding", "none")),
+], ids=["shape", "lanes", "chunk-rounding"])
+def test_an_unknown_column_sums_setting_is_refused_with_the_values_it_takes(env, says):
     code = ("import torch, bertaccel.ops.swap; from bertaccel.ops import build; assert build.load()\n"
             "try:\n    torch.ops.bertaccel.column_sum(torch.randn(4096, 64, device='cuda'))\n"
             "except RuntimeError as e:\n    print('refused:', e)\n")
-    r = run_in_child(code, {"BERTACCEL_COLSUM": "8x128"})
+    r = run_in_child(code, {**UNSET, **env})
     assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
-    assert "BERTACCEL_COLSUM=8x128 is not a column-sums shape" in r.stdout and "32x8" in r.stdout, r.stdout[-3000:]
-    r = run_in_child(code, {"BERTACCEL_COLSUM": None, "BERTACCEL_COLSUM_LANES": "24"})
-    assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
-    assert "BERTACCEL_COLSUM_LANES=24 is not a column block" in r.stdout, r.stdout[-3000:]
-
-
-@cuda_test
-def test_an_unknown_chunk_rounding_is_refused_with_the_values_it_takes():
-    code = ("import torch, bertaccel.ops.swap; from bertaccel.ops import build; assert build.load()\n"
-            "try:\n    torch.ops.bertaccel.column_sum(torch.randn(16384, 1152, device='cuda').bfloat16())\n"
-            "except RuntimeError as e:\n    print('refused:', e)\n")
-    r = run_in_child(code, {"BERTACCEL_COLSUM_CHUNK_ROUND": "nearest"})
-    assert r.returncode == 0 and "refused:" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
-    assert "BERTACCEL_COLSUM_CHUNK_ROUND=nearest is not a rounding" in r.stdout and "none" in r.stdout, r.stdout[-3000:]
+    assert all(text in r.stdout for text in says), r.stdout[-3000:]

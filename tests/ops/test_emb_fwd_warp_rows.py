@@ -16,8 +16,7 @@ import re
 
 import torch
 
-from tests.conftest import run_in_child
-from tests.ops.conftest import cuda_test
+from tests.ops.conftest import cuda_test, outputs_in_child
 
 # (batch, seq, hidden, output dtype): token counts that leave the last block part-filled (3 x 37 = 111 rows)
 CASES = [(3, 37, 768, "bfloat16"), (2, 5, 384, "bfloat16"), (1, 1, 1024, "bfloat16"), (7, 129, 512, "bfloat16"),
@@ -87,16 +86,12 @@ def warp_row_outputs(path: str) -> None:
                                                                  bf16, 0))
             assert not is_warp_row(kernel), (key, kernel)
     torch.save(saved, path)
-    print("warp rows ok")
 
 
 @functools.lru_cache(maxsize=None)
 def child_outputs(setting: str | None, folder: str) -> dict[str, torch.Tensor]:
-    path = os.path.join(folder, f"warp_rows_{setting}.pt")
-    r = run_in_child(f"from tests.ops.test_emb_fwd_warp_rows import warp_row_outputs; warp_row_outputs({path!r})",
-                     {"BERTACCEL_EMB_WARP_ROWS": setting})
-    assert r.returncode == 0 and "warp rows ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
-    return torch.load(path)
+    return outputs_in_child("tests.ops.test_emb_fwd_warp_rows", "warp_row_outputs",
+                            {"BERTACCEL_EMB_WARP_ROWS": setting}, os.path.join(folder, f"warp_rows_{setting}.pt"))
 
 
 @cuda_test

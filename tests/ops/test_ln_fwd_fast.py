@@ -19,8 +19,7 @@ import re
 
 import torch
 
-from tests.conftest import run_in_child
-from tests.ops.conftest import cuda_test
+from tests.ops.conftest import cuda_test, outputs_in_child
 
 CASES = [(16384, 768, "bfloat16"), (4101, 1024, "bfloat16"), (4099, 384, "bfloat16"), (999, 776, "bfloat16"),
          (333, 1000, "bfloat16"), (2047, 768, "float32"), (513, 1024, "float32"), (77, 384, "float32")]
@@ -78,16 +77,12 @@ def fast_outputs(path: str) -> None:
         for k, t in (("y", y), ("mean", mean), ("rstd", rstd), ("rms y", y2), ("rms rstd", rstd2)):
             saved[f"saved {k} {rows}x{H} {dtype}"] = t.detach().cpu()
     torch.save(saved, path)
-    print("fast ok")
 
 
 @functools.lru_cache(maxsize=None)
 def child_outputs(setting: str | None, folder: str) -> dict[str, torch.Tensor]:
-    path = os.path.join(folder, f"fast_{setting}.pt")
-    r = run_in_child(f"from tests.ops.test_ln_fwd_fast import fast_outputs; fast_outputs({path!r})",
-                     {"BERTACCEL_LN_RING_FAST": setting})
-    assert r.returncode == 0 and "fast ok" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
-    return torch.load(path)
+    return outputs_in_child("tests.ops.test_ln_fwd_fast", "fast_outputs", {"BERTACCEL_LN_RING_FAST": setting},
+                            os.path.join(folder, f"fast_{setting}.pt"))
 
 
 @cuda_test
