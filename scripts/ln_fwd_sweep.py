@@ -1,4 +1,5 @@
-"""LayerNorm / RMSNorm / residual LayerNorm forward time at BERT shapes (bf16, fp32 weights, no grad)
+"""LayerNorm / RMSNorm / residual LayerNorm forward time at BERT shapes (bf16, fp32 weights, no grad; the residual
+form's training forward too - y, the saved sum, mean and rstd, as a step with gradients runs it)
 for one setting of the forward kernel, beside a clone of the same bytes. The linear bias of the residual form is
 fp32, as the model's master bias is (a bf16 one is widened per call, a cast kernel the model does not run: until
 session 73 this script passed one). Settings are environment
@@ -58,11 +59,17 @@ for n, h in [(2048, 384), (4096, 384), (8192, 384), (2048, 768), (16384, 384), (
         rms = graph_time_ms(lambda x, w, b, lb, r: rms_norm(x, w, 1e-6), sets) * 1e3
         res = graph_time_ms(lambda x, w, b, lb, r: bias_dropout_add_layer_norm(x, lb, r, w, b, 0.0, 1e-12), sets) * 1e3
         drop = graph_time_ms(lambda x, w, b, lb, r: bias_dropout_add_layer_norm(x, lb, r, w, b, 0.1, 1e-12), sets) * 1e3
+        # the training forward the model runs (y, the saved sum z, mean, rstd): what a step's residual LayerNorms cost
+        train = graph_time_ms(lambda x, w, b, lb, r: torch.ops.bertaccel.layer_norm_fwd(x, lb, r, w, b, 0.0, 1e-12),
+                              sets) * 1e3
+        train_drop = graph_time_ms(lambda x, w, b, lb, r: torch.ops.bertaccel.layer_norm_fwd(x, lb, r, w, b, 0.1, 1e-12),
+                                   sets) * 1e3
         if args.compile:
             c_ln = graph_time_ms(lambda x, w, b, lb, r: compiled_ln(x, w, b), sets) * 1e3
             c_rms = graph_time_ms(lambda x, w, b, lb, r: compiled_rms(x, w), sets) * 1e3
     pct = lambda us, k: 100 * k * n * h * esize / us / 1e3 / ceil  # noqa: E731 - k tensors of n x h
     print(f"SWEEP {setting} {n}x{h}: clone {copy_us:.1f}us ({pct(copy_us, 2):.0f}%) | LN {ln:.1f}us {pct(ln, 2):.0f}% | "
           f"RMS {rms:.1f}us {pct(rms, 2):.0f}% | resLN {res:.1f}us {pct(res, 3):.0f}% | resLN p=0.1 {drop:.1f}us {pct(drop, 3):.0f}%"
+          f" | resLN train {train:.1f}us {pct(train, 4):.0f}% | train p=0.1 {train_drop:.1f}us {pct(train_drop, 4):.0f}%"
           + (f" | compile LN {c_ln:.1f}us {pct(c_ln, 2):.0f}% RMS {c_rms:.1f}us {pct(c_rms, 2):.0f}%" if args.compile else ""),
           flush=True)

@@ -1,5 +1,5 @@
 """compute-sanitizer memcheck over odd shapes of the row kernels session 78 changed (LayerNorm / RMSNorm forward, the
-embeddings forward and its scatter, column sums, the bias + GELU backward):
+embeddings forward and its scatter, column sums, the bias + GELU backward) and session 81's FAST residual LayerNorm:
     compute-sanitizer --tool memcheck python scripts/memcheck_row_ops.py
 (session 80, H200, before they landed: 0 errors, benchmarks/results/h200/pending_memcheck_s80.log)."""
 import torch
@@ -12,6 +12,16 @@ for dt in (torch.bfloat16, torch.float32):
         x = torch.randn(n, h, device="cuda", dtype=dt); w = torch.randn(h, device="cuda"); b = torch.randn(h, device="cuda")
         with torch.no_grad():
             layer_norm(x, w, b, 1e-12); rms_norm(x, w, 1e-6)
+# the residual forms (session 81's FAST residual kernels at the exact widths; 776 on the general kernel), odd row
+# counts, with and without dropout and the saved sum
+for dt in (torch.bfloat16, torch.float32):
+    for n, h in ((4099, 384), (37, 384), (1031, 768), (515, 1024), (33, 776)):
+        x, r = torch.randn(n, h, device="cuda", dtype=dt), torch.randn(n, h, device="cuda", dtype=dt)
+        w, b, lb = torch.randn(h, device="cuda"), torch.randn(h, device="cuda"), torch.randn(h, device="cuda")
+        with torch.no_grad():
+            for p in (0.0, 0.1):
+                torch.ops.bertaccel.layer_norm_fwd(x, lb, r, w, b, p, 1e-12)
+                torch.ops.bertaccel.layer_norm(x, lb, r, w, b, p, 1e-12)
 for bsz, seq, h in ((3, 37, 768), (2, 5, 384), (4, 129, 1024), (7, 129, 512), (3, 41, 1000)):
     ids = torch.randint(1, 30522, (bsz, seq), device="cuda"); pos = torch.arange(seq, device="cuda").expand(bsz, seq).contiguous()
     a = (ids, pos, torch.randint(0, 2, (bsz, seq), device="cuda"), torch.randn(30522, h, device="cuda"), torch.randn(512, h, device="cuda"),

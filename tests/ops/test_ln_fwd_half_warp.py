@@ -32,7 +32,8 @@ def check_half_warp() -> None:
     def ring_lanes(fn) -> int:  # lanes per row of the one forward ring kernel fn launched
         names = [n for n in cuda_kernel_names(fn) if "ln_fwd_ring_kernel" in n]
         assert len(names) == 1, names
-        m = re.search(r"ln_fwd_ring_kernel<[^>]*, (16|32)>", names[0])
+        # <T, W, VEC, ITEMS, RMS, RES, TPR, FAST, FEATS>: the seventh argument, whatever follows it
+        m = re.search(r"ln_fwd_ring_kernel<(?:[^,<>]+, ){6}(16|32)[,>]", names[0])
         assert m, names
         return int(m.group(1))
 

@@ -25,6 +25,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace bertaccel {
@@ -252,10 +254,24 @@ constexpr int fwd_ring_stages() {
   return kFwdRingStages;
 }
 
-// FAST: a row of exactly ITEMS vectors a lane (every BERT width: 384 on half warps, 768, 1024) with no linear bias,
-// no dropout and no saved sum - the LayerNorm and RMSNorm forward - so that no item is tested against the row's width
-// and no per-item branch on bias, dropout or z remains.
-template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR, bool FAST = false>
+// FAST: a row of exactly ITEMS vectors a lane (every BERT width: 384 on half warps, 768, 1024), so that no item is
+// tested against the row's width, with the dropout and the saved sum known at compile time (FEATS: kFastDropout |
+// kFastZ) instead of tested per item: the LayerNorm and RMSNorm forward (FEATS 0) and, since session 81, BERT's
+// residual forms - bias + residual (inference), + the saved sum (training), + dropout. The linear bias stays a per-row
+// test: known at compile time, ptxas hoisted its loads and the 1024-wide residual kernels spilled 88 bytes at 128
+// registers (offline, nvcc 13), where they now fit (see fast_residual_fits for the few that still do not).
+constexpr int kFastDropout = 1, kFastZ = 2;
+
+// The FAST residual kernels that fit 128 registers without spilling (offline, nvcc 13, sm_90): not the 1024-wide
+// rows with dropout (bf16 12 bytes spilled, float32 56), the float32 1024-wide inference form (12) or float32 768-wide
+// dropout without the saved sum (4); those keep the general kernel.
+template <typename T, int ITEMS, int FEATS>
+constexpr bool fast_residual_fits() {
+  constexpr bool dropout = (FEATS & kFastDropout) != 0, z = (FEATS & kFastZ) != 0;
+  if constexpr (sizeof(T) == 2) return !(ITEMS == 4 && dropout);
+  else return !(ITEMS == 8 && (dropout || !z)) && !(ITEMS == 6 && dropout && !z);
+}
+template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR, bool FAST = false, int FEATS = 0>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     const T* __restrict__ x, const W* __restrict__ bias, const T* __restrict__ residual,
     const W* __restrict__ gamma, const W* __restrict__ beta, T* __restrict__ y, T* __restrict__ z,
@@ -263,8 +279,11 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     float p, at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
   static_assert(VEC * sizeof(T) == 16, "the ring copies 16-byte vectors");
   static_assert(TPR == 32 || TPR == 16, "a row on a warp or on half of one");
-  static_assert(!(FAST && RES), "FAST rows have no residual");
+  static_assert(FAST || FEATS == 0, "FEATS names a FAST kernel's parts");
   const int Hr = FAST ? ITEMS * TPR * VEC : H;  // the row's width, a constant for FAST rows
+  // what a FAST row carries, known at compile time (the general kernel tests the arguments where they are used, as
+  // before session 81: its code is unchanged); the plain FAST kernels have no bias, the residual ones test it
+  constexpr bool kDropout = (FEATS & kFastDropout) != 0, kZ = (FEATS & kFastZ) != 0;
   constexpr int kRowsPerWarp = 32 / TPR;
   constexpr int S = fwd_ring_stages<T, ITEMS, RES>();
   constexpr int kStage = ITEMS * kRingItemBytes * (RES ? 2 : 1);  // one warp's rows (and residual rows)
@@ -321,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
     constexpr bool kDrawWords = ITEMS <= 3;
     uint4 draws[kDrawWords ? ITEMS : 1];  // VEC == 4: the vector's two words in .x and .y
     uint32_t kept = 0xffffffffu;          // !kDrawWords: bit k * VEC + j: element j of vector k is kept
-    if (!FAST && p > 0.f) {
+    if (FAST ? kDropout : p > 0.f) {
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k) {
         const int c = li + k * TPR;
@@ -352,13 +371,13 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
       if (!FAST && c >= nvec) continue;
       const int64_t off = row * Hr + (int64_t)c * VEC;
       load_f<T, VEC>(reinterpret_cast<const T*>(src + k * kRingItemBytes), v[k]);
-      if (!FAST && bias != nullptr) {
+      if ((!FAST || RES) && bias != nullptr) {
         float bb[VEC];
         load_f<W, VEC>(bias + c * VEC, bb);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] += bb[j];
       }
-      if (!FAST && p > 0.f)
+      if (FAST ? kDropout : p > 0.f)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           bool keep;
@@ -372,10 +391,13 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] += rr[j];
       }
-      if (!FAST && (z != nullptr || p > 0.f)) {  // normalise exactly what is saved (with dropout also without z: see above)
+      if (FAST ? kZ || kDropout : z != nullptr || p > 0.f) {  // normalise exactly what is saved (with dropout also without z: see above)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[k][j] = to_f(from_f<T>(v[k][j]));
-        if (z != nullptr && active) store_f<T, VEC>(z + off, v[k]);
+        if ((FAST ? kZ : z != nullptr) && active) {
+          if constexpr (FAST) store_f_v4<T, VEC>(z + off, v[k]);  // whole: see store_f_v4
+          else store_f<T, VEC>(z + off, v[k]);
+        }
       }
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum += v[k][j];
@@ -418,11 +440,11 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_ring_kernel(
   cp_async_wait<0>();
 }
 
-template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR, bool FAST = false>
+template <typename T, typename W, int VEC, int ITEMS, bool RMS, bool RES, int TPR, bool FAST = false, int FEATS = 0>
 void launch_ring(const at::Tensor& x, const W* bp, const T* rp, const at::Tensor& gamma, const W* betap, at::Tensor& y,
                  T* zp, float* mp, float* rsp, int64_t rows, int H, double eps, double p,
                  const at::PhiloxCudaState& philox, int64_t* rngp, cudaStream_t stream) {
-  auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, TPR, FAST>;
+  auto kernel = ln_fwd_ring_kernel<T, W, VEC, ITEMS, RMS, RES, TPR, FAST, FEATS>;
   constexpr int stages = fwd_ring_stages<T, ITEMS, RES>();
   constexpr int smem = stages * ring_stage_bytes<ITEMS, RES>();
   const int device = x.get_device();
@@ -528,28 +550,49 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& r
       if (need <= 6) BA_LN_RING(6, RES, 32); else BA_LN_RING(8, RES, 32);                                        \
     }                                                                                                            \
   } while (0)
-    // The plain LayerNorm / RMSNorm (no residual, bias, dropout or saved sum) of rows that fill their lanes' items
-    // exactly - every BERT width - through the FAST kernel (ln_fwd_ring_kernel); BERTACCEL_LN_RING_FAST=0: never.
-    static const bool fast_enabled = env_switch("BERTACCEL_LN_RING_FAST", 1) != 0;
-#define BA_LN_RING_FAST(I, TPR)                                                                                  \
+    // Rows that fill their lanes' items exactly - every BERT width - through a FAST kernel (ln_fwd_ring_kernel): the
+    // plain LayerNorm / RMSNorm (no residual, bias, dropout or saved sum), and BERT's residual LayerNorm with float32
+    // weights - bias + residual, with the saved sum (training) or without (inference), with dropout or without.
+    // BERTACCEL_LN_RING_FAST=0: never; =plain: the plain forms only (the rule before session 81).
+    static const int fast_mode = [] {  // 0 never, 1 the plain forms, 2 the residual forms too
+      const int choice = env_choice("BERTACCEL_LN_RING_FAST", {"1", "0", "plain"}, "setting (1, the default)");
+      return choice == 0 ? 2 : choice == 1 ? 0 : 1;
+    }();
+#define BA_LN_RING_FAST(I, TPR, RES, FEATS)                                                                      \
   do {                                                                                                           \
-    launch_ring<T, W, max_vec, I, RMS, false, TPR, true>(x, bp, rp, gamma, betap, y, zp, mp, rsp, rows, (int)H, eps, \
-                                                         p, philox, rngp, stream);                               \
-    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                                              \
-    return;                                                                                                      \
+    if constexpr (!RES || fast_residual_fits<T, I, FEATS>()) {                                                   \
+      launch_ring<T, W, max_vec, I, RMS, RES, TPR, true, FEATS>(x, bp, rp, gamma, betap, y, zp, mp, rsp, rows,     \
+                                                                (int)H, eps, p, philox, rngp, stream);           \
+      C10_CUDA_KERNEL_LAUNCH_CHECK();                                                                            \
+      return;                                                                                                    \
+    }                                                                                                            \
   } while (0)
-    if (fast_enabled && rp == nullptr && bp == nullptr && zp == nullptr && p == 0) {
+// the exact widths: I vectors a lane on TPR lanes (bf16 384 on half warps, 768, 1024; float32 384, 768, 1024)
+#define BA_LN_RING_FAST_WIDTHS(RES, FEATS, HALF_OK)                                                              \
+  do {                                                                                                           \
+    if ((HALF_OK) && half && nvec == 3 * 16) BA_LN_RING_FAST(3, 16, RES, FEATS);                                 \
+    if (!half && nvec == 3 * 32) BA_LN_RING_FAST(3, 32, RES, FEATS);                                             \
+    if constexpr (max_vec == 8) {                                                                                \
+      if (!half && nvec == 4 * 32) BA_LN_RING_FAST(4, 32, RES, FEATS);                                           \
+    } else {                                                                                                     \
+      if (!half && nvec == 6 * 32) BA_LN_RING_FAST(6, 32, RES, FEATS);                                           \
+      if (!half && nvec == 8 * 32) BA_LN_RING_FAST(8, 32, RES, FEATS);                                           \
+    }                                                                                                            \
+  } while (0)
+    if (fast_mode > 0 && rp == nullptr && bp == nullptr && zp == nullptr && p == 0) {
       // bf16 RMSNorm 384 (half warps) keeps the general kernel: on the H200 in session 80 FAST took 7.0-7.1 us at
       // 16384 rows against 6.8-7.0 (LayerNorm 384: 6.7-6.8 against 7.3; benchmarks/results/h200/ln_fwd_fast_sweep_s80.log)
-      if (half && nvec == 3 * 16 && !RMS) BA_LN_RING_FAST(3, 16);
-      if (!half && nvec == 3 * 32) BA_LN_RING_FAST(3, 32);
-      if constexpr (max_vec == 8) {
-        if (!half && nvec == 4 * 32) BA_LN_RING_FAST(4, 32);
-      } else {
-        if (!half && nvec == 6 * 32) BA_LN_RING_FAST(6, 32);
-        if (!half && nvec == 8 * 32) BA_LN_RING_FAST(8, 32);
+      BA_LN_RING_FAST_WIDTHS(false, 0, !RMS);
+    }
+    if constexpr (!RMS && std::is_same_v<W, float>) {
+      if (fast_mode > 1 && rp != nullptr && bp != nullptr) {
+        if (zp != nullptr && p > 0) BA_LN_RING_FAST_WIDTHS(true, kFastDropout | kFastZ, true);
+        if (zp != nullptr && p == 0) BA_LN_RING_FAST_WIDTHS(true, kFastZ, true);
+        if (zp == nullptr && p > 0) BA_LN_RING_FAST_WIDTHS(true, kFastDropout, true);  // training mode, no grad
+        if (zp == nullptr && p == 0) BA_LN_RING_FAST_WIDTHS(true, 0, true);
       }
     }
+#undef BA_LN_RING_FAST_WIDTHS
 #undef BA_LN_RING_FAST
     if constexpr (!RMS) {
       if (rp != nullptr) BA_LN_RING_ITEMS(true); else BA_LN_RING_ITEMS(false);

@@ -73,4 +73,24 @@ __device__ __forceinline__ void store_f_words(T* p, const float (&in)[VEC]) {
   }
 }
 
+// store_f as one 16-byte st.global.v4 (inline PTX), for a vector NVVM would otherwise split: in the FAST residual
+// forward ring (session 81, offline SASS) the first saved-sum vector of each row was stored as 4-byte words (float32,
+// and bf16 through store_f_words) or 2-byte halves (bf16 through store_f) where the general kernel's stayed whole.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_f_v4(T* p, const float (&in)[VEC]) {
+  static_assert(VEC * sizeof(T) == 16, "one 16-byte vector");
+  uint32_t w[4];
+  if constexpr (sizeof(T) == 2) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+      w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(in[i]);
+  }
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
+}
+
 }  // namespace bertaccel
