@@ -1,8 +1,8 @@
 """The column sums of the partial rows (common.cuh's `launch_column_sums`: every LayerNorm-family backward's weight
 gradients, the bias gradients of bias + GELU and `column_sum`), under each block shape of
-`column_sums_kernel<COLS, SLICES, BATCH>`: 8 columns x 64 row slices, and 32 x 32 for `column_sum`'s partial rows of
-2,048 columns and more (each shape everywhere under `BERTACCEL_COLSUM=narrow|wide`, and the comparison shapes it
-takes), `column_sum`'s row chunks under
+`column_sums_kernel<COLS, SLICES, BATCH>`: 8 columns x 64 row slices, and for `column_sum`'s partial rows 32 x 8 up to
+128 of them, 32 x 32 from 2,048 columns (each shape everywhere under `BERTACCEL_COLSUM=narrow|wide|32x8`, the comparison
+shapes it takes, and `by-width`: column_sum's rule before 32 x 8), `column_sum`'s row chunks under
 `BERTACCEL_COLSUM_CHUNK_ROWS` and `BERTACCEL_COLSUM_CHUNK_ROUND`, and its column
 blocks under `BERTACCEL_COLSUM_LANES` (16 column vectors a block where 32 would leave lanes idle, or 32 everywhere).
 The switches are read once per process, so each setting runs in a child process: the kernels the setting names must
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import run_in_child
-from tests.ops.conftest import check, cuda_kernel_names, cuda_test, leaves
+from tests.ops.conftest import check, cuda_kernel_grids, cuda_kernel_names, cuda_test, leaves
 
 # the partial-row kernel's two block shapes; `column_sum`'s row chunks by the default rule, by one wave of blocks only
 # (the rule before session 77), 256 rows long, and 40 rows (rounded up to a whole round: more chunks than one wave)
@@ -30,6 +30,7 @@ SETTINGS = {"default": {}, "wide": {"BERTACCEL_COLSUM": "wide"},
             "40-row-chunks": {"BERTACCEL_COLSUM_CHUNK_ROWS": "40"},
             "narrow": {"BERTACCEL_COLSUM": "narrow"},
             **{f"shape-{k}": {"BERTACCEL_COLSUM": k} for k in ("16x32", "16x64", "32x16", "32x8", "8x32")},
+            "by-width": {"BERTACCEL_COLSUM": "by-width"},
             "chunks-rounded-down": {"BERTACCEL_COLSUM_CHUNK_ROUND": "down"},
             "chunks-rounded-up": {"BERTACCEL_COLSUM_CHUNK_ROUND": "up"},
             "chunks-not-rounded": {"BERTACCEL_COLSUM_CHUNK_ROUND": "none"},
@@ -40,19 +41,26 @@ UNSET = dict.fromkeys(("BERTACCEL_COLSUM", "BERTACCEL_COLSUM_CHUNK_ROWS", "BERTA
 # the template arguments of each shape (the wide shape takes 12 or 16 loads by the partial-row count); the comparison
 # shapes BERTACCEL_COLSUM also takes (columns x row slices)
 NARROW, WIDE = ("column_sums_kernel<8, 64, 8>",), ("column_sums_kernel<32, 32, 12>", "column_sums_kernel<32, 32, 16>")
+FEW = ("column_sums_kernel<32, 8, 16>",)  # 32 x 8: column_sum's partial rows where one round of loads takes them all
+FEW_ROWS = 128
 SHAPES = {"narrow": NARROW, "wide": WIDE, "16x32": ("column_sums_kernel<16, 32, 12>",),
           "16x64": ("column_sums_kernel<16, 64, 8>",), "32x16": ("column_sums_kernel<32, 16, 16>",),
-          "32x8": ("column_sums_kernel<32, 8, 16>",), "8x32": ("column_sums_kernel<8, 32, 12>",)}
+          "32x8": FEW, "8x32": ("column_sums_kernel<8, 32, 12>",)}
 
 
-def partial_sums_kernels(column_sum_cols: int | None) -> tuple[str, ...]:
-    """The kernels the setting must launch for the partial rows: BERTACCEL_COLSUM's shape where set; unset, the wide
-    shape for column_sum's partial rows of 2,048 columns and more (session 80), the narrow one for the rest and for every
+def partial_sums_kernels(column_sum_cols: int | None, partial_rows: int = 0) -> tuple[str, ...]:
+    """The kernels the setting must launch for the partial rows: BERTACCEL_COLSUM's shape where set; unset, for
+    column_sum's partial rows 32 x 8 where there are at most 128 of them (session 81), else the wide shape from 2,048
+    columns (session 80) and the narrow one below (`by-width`: that rule without 32 x 8); the narrow shape for every
     LayerNorm backward (column_sum_cols None)."""
     forced = os.environ.get("BERTACCEL_COLSUM", "")
-    if forced:
+    if forced and forced != "by-width":
         return SHAPES[forced]
-    return WIDE if column_sum_cols is not None and column_sum_cols >= 2048 else NARROW
+    if column_sum_cols is None:
+        return NARROW
+    if not forced and partial_rows <= FEW_ROWS:
+        return FEW
+    return WIDE if column_sum_cols >= 2048 else NARROW
 
 
 def check_column_sums() -> None:
@@ -72,11 +80,13 @@ def check_column_sums() -> None:
                                      (9830, 1152, torch.bfloat16, 16), (5001, 64, torch.float32, 16),
                                      (16385, 2304, torch.bfloat16, 32)]:
         x = torch.randn(rows, cols, device="cuda").to(dtype)
-        names = cuda_kernel_names(lambda: ops.column_sum(x))
+        grids = cuda_kernel_grids(lambda: ops.column_sum(x))
+        names = [n for n, _ in grids]
         sums = [n for n in names if "column_sums" in n]
-        want = partial_sums_kernels(cols)
-        assert sums and all(any(k in n for k in want) for n in sums), (rows, cols, names)
         main = [n for n in names if "column_sum_kernel" in n]
+        partial_rows = [g[1] for n, g in grids if "column_sum_kernel" in n][0]  # the main kernel's row chunks
+        want = partial_sums_kernels(cols, partial_rows)
+        assert sums and all(any(k in n for k in want) for n in sums), (rows, cols, partial_rows, names)
         got_lanes = re.search(r"column_sum_kernel<[^>]*, (\d+)>", main[0]) if len(main) == 1 else None
         assert got_lanes and int(got_lanes.group(1)) == (32 if lanes32 else lanes), (rows, cols, main)
         got = ops.column_sum(x)

@@ -149,7 +149,12 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
   launch_dependent(column_sum_kernel<T, VEC, LANES>, dim3(col_blocks, chunks), dim3(kLanes, kRowLanes), 0, stream,
                    (const T*)x.data_ptr(), part.data_ptr<float>(), rows, (int)cols, rpc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (chunks > 1) launch_column_sums({{&part, &out}}, chunks, (int)cols, stream, /*wide_here=*/cols >= 2048);
+  // The partial rows' sums (common.cuh launch_column_sums): 32 x 8 blocks where one round of their loads takes every
+  // partial row, else 32 x 32 from 2,048 columns (session 80) and 8 x 64 below.
+  const auto shape = chunks <= kColumnSumsFewRows ? ColumnSumsShape::few
+                     : cols >= 2048              ? ColumnSumsShape::wide
+                                                 : ColumnSumsShape::narrow;
+  if (chunks > 1) launch_column_sums({{&part, &out}}, chunks, (int)cols, stream, shape);
 }
 
 at::Tensor column_sum(const at::Tensor& x) {

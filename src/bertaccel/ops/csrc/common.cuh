@@ -262,19 +262,25 @@ static __global__ void __launch_bounds__(COLS * SLICES) column_sums_kernel(Colum
   }
 }
 
-// The column sums of the defined (part, out) pairs, on `stream`: 8 columns x 64 slices a block, 8 loads a thread (one
-// round up to 512 partial rows), or where the caller asks for it (`wide`: column_sum's partial rows of 2,048 columns
-// and more, session 80) 32 x 32, 12 loads a thread up to 384 partial rows, 16 above - the shape before session 70.
-// BERTACCEL_COLSUM=narrow|wide (read once per process) takes one shape everywhere, for comparing; so do the shapes
-// 16x32, 16x64, 32x16, 32x8 and 8x32 (columns x slices; 8 loads a thread at 64 slices, 12 at 32, 16 at 16 and 8),
-// built for session 81's sweep of the partial-row sums (Nsight Compute in session 80: column_sum's 88-row partials
-// took 5.2-5.8 us in 8 x 64 where inductor's own second kernel took 2.9-3.1). Measured (H200,
-// session 80, colsum_sweep, two rounds) for column_sum's 32-128 partial rows, narrow / wide: 2048x2304 7.4 / 6.8 us,
-// 16384x2304 24.2 / 23.9-24.0, 16384x3072 31.2 / 30.2-30.3, 16384x1536 17.2 / 17.2-17.3, but 16384x1152 13.7 /
-// 14.1-14.3, 16384x384 6.1 / 6.3-6.4, 2048x768 4.2 / 4.4. (4 x 128 and 8 x 128, 4 loads a thread, were slower than both
-// nearly everywhere in session 70's sweep and were taken out.)
+// The column sums of the defined (part, out) pairs, on `stream`, in a block shape (columns x row slices) the caller
+// picks: `narrow` 8 x 64, 8 loads a thread (one round up to 512 partial rows) - every LayerNorm-family backward's
+// few hundred partial rows; `wide` 32 x 32, 12 loads a thread up to 384 partial rows, 16 above (the shape before
+// session 70); `few` 32 x 8, 16 loads a thread - one round up to 128 partial rows, what column_sum leaves (session 81).
+// BERTACCEL_COLSUM=narrow|wide|32x8 (read once per process) takes one shape everywhere, for comparing; so do the shapes
+// 16x32, 16x64, 32x16 and 8x32 (8 loads a thread at 64 slices, 12 at 32, 16 at 16); `by-width` keeps column_sum's
+// rule before session 81 (narrow below 2,048 columns, wide from). Measured (H200, session 81, colsum_sweep, two rounds,
+// h200/colsum_shapes_s81.log) on column_sum's 32-132 partial rows, by-width -> 32 x 8: 2048x768 4.2 -> 3.7-3.8 us,
+// 2048x2304 6.8 -> 5.3-5.4, 9830x384 5.3 -> 4.6-4.7, 9830x1152 9.9 -> 8.8-8.9, 16384x768 9.8-9.9 -> 9.1-9.2, 16384x2304
+// 23.8-24.0 -> 23.4-23.6, 16384x3072 30.1-30.4 -> 29.3-29.4, but 16384x1536 (132 partial rows: a second round of
+// loads) 17.2-17.3 -> 17.5-17.7; 16x64 was second, 16x32, 32x16, 8x32 between. On the LayerNorm-family backward
+// (ln_bwd_sweep at 2,048 and 16,384 rows, one round) 32 x 8 was the slowest shape (median 1.087x narrow; 16x64 0.991,
+// wide 1.010) and narrow stays. Nsight Compute in session 80: column_sum's 88-row partials took 5.2-5.8 us in 8 x 64
+// where inductor's own second kernel took 2.9-3.1. (4 x 128 and 8 x 128, 4 loads a thread, were slower than both nearly
+// everywhere in session 70's sweep and were taken out.)
+enum class ColumnSumsShape { narrow = 1, wide = 2, few = 6 };
+constexpr int kColumnSumsFewRows = 8 * 16;  // partial rows `few` reads in one round
 inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int parts,
-                               int cols, cudaStream_t stream, bool wide_here = false) {
+                               int cols, cudaStream_t stream, ColumnSumsShape here = ColumnSumsShape::narrow) {
   ColumnSums m{};
   int n = 0;
   for (auto [part, out] : pairs)
@@ -284,11 +290,12 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  // 0 unset, 1 narrow, 2 wide, 3.. the comparison shapes below
+  // 0 unset, 1 narrow, 2 wide, 3.. the other shapes (6: 32x8, `few`), 8 column_sum's rule before session 81
   static const int forced =
-      env_choice("BERTACCEL_COLSUM", {"", "narrow", "wide", "16x32", "16x64", "32x16", "32x8", "8x32"},
-                 "column-sums shape (columns x row slices; narrow 8 x 64, wide 32 x 32)");
-  const int shape = forced != 0 ? forced : wide_here ? 2 : 1;
+      env_choice("BERTACCEL_COLSUM", {"", "narrow", "wide", "16x32", "16x64", "32x16", "32x8", "8x32", "by-width"},
+                 "column-sums shape (columns x row slices; narrow 8 x 64, wide 32 x 32; by-width)");
+  const int shape = forced == 8 ? (here == ColumnSumsShape::narrow ? 1 : cols >= 2048 ? 2 : 1)
+                    : forced != 0 ? forced : (int)here;
 #define BA_COLSUM_RUN(COLS, SLICES, BATCH)                                                                           \
   launch_dependent(column_sums_kernel<COLS, SLICES, BATCH>, dim3((unsigned)((cols + COLS - 1) / COLS), (unsigned)n), \
                    dim3(COLS * SLICES), 0, stream, m, parts, cols)
