@@ -702,6 +702,15 @@ constexpr int64_t kTwoBlocks24Rows384 = 7168, kTwoBlocks24Rows384Emb = 12288, kT
 // / 40.7 (a 2-3% gain). The embeddings' form (84 bytes spilled) lost or tied there below 32,768 rows and keeps the
 // accumulators.
 constexpr int64_t kTwoBlocks32RowsPlain = 8192;
+// Rows wider than a warp (bf16 1032-8192 wide: 32 elements a thread on 64-256 threads a row, two barriers a row
+// reduction) ran one block - 8 warps - per SM until session 81, though the two-block instantiation fits 128 registers
+// without a spill (RMSNorm 111); two blocks hide the loads behind the other block's barriers. Measured (H200, session
+// 81, ln_bwd_sweep --widths 4096, BERTACCEL_LN_BWD_TWO_BLOCKS=1 against the default, alternated, two rounds,
+// h200/ln_bwd_sweep_4096_two_blocks_s81.log), us: RMSNorm 16384x4096 184.0-185.1 -> 119.8-121.0 (52 -> 81-83% of
+// copy; torch.compile's 136.4 in session 76), 8192 98.8-99.3 -> 67.3-67.4; LayerNorm 16384x4096 193.3-194.5 ->
+// 142.9-143.5, 8192 106.2-107.2 -> 84.6-84.8. So from kTwoBlocksWideRows rows (the row counts measured) the plain
+// LayerNorm and RMSNorm take two blocks there; the other forms and float32 keep one (not measured).
+constexpr int64_t kTwoBlocksWideRows = 8192;
 template <int MODE, typename T>
 inline bool bwd_two_blocks(int elems, int vec, int tpr, int64_t rows) {
   if (elems == 24) {
@@ -711,7 +720,8 @@ inline bool bwd_two_blocks(int elems, int vec, int tpr, int64_t rows) {
   }
   static const int setting = env_switch("BERTACCEL_LN_BWD_TWO_BLOCKS", -1);
   if (setting >= 0) return setting != 0;
-  if (sizeof(T) != 2 || vec != 8 || tpr > 32) return false;
+  if (sizeof(T) != 2 || vec != 8) return false;
+  if (tpr > 32) return (MODE == kRms || MODE == kPlain) && rows >= kTwoBlocksWideRows;
   return MODE == kRms || (MODE == kPlain && rows >= kTwoBlocks32RowsPlain);
 }
 
