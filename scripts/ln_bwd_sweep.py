@@ -24,14 +24,18 @@ ap.add_argument("--widths", nargs="+", type=int, default=[384, 768, 1024])
 ap.add_argument("--rows", nargs="+", type=int, default=[2048, 8192, 16384, 32768, 65536])
 ap.add_argument("--p", type=float, default=0.1, help="dropout of the residual and embeddings forms (their backward "
                 "regenerates the mask); a value other than 0.1 is named in the setting")
+ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+               help="the activations' dtype (the weights float32 either way); float32 is named in the setting")
 args = ap.parse_args()
 if not build.load():
     raise SystemExit(f"the CUDA ops are unavailable: {build.unavailable_reason()}")
 setting = " ".join([f"{k}={v}" for k, v in os.environ.items() if k.startswith("BERTACCEL_") and k not in ("BERTACCEL_CACHE", "BERTACCEL_COMMIT")]
-                   + ([f"p={args.p}"] if args.p != 0.1 else [])) or "default"
+                   + ([f"p={args.p}"] if args.p != 0.1 else [])
+                   + ([args.dtype] if args.dtype != "bfloat16" else [])) or "default"
 ceil = copy_bandwidth_gbs()
 print(f"copy ceiling {ceil:.0f} GB/s; setting: {setting}")
-bf = dict(device="cuda", dtype=torch.bfloat16)
+bf = dict(device="cuda", dtype=getattr(torch, args.dtype))  # the activations (named for the usual bf16)
+S = bf["dtype"].itemsize  # bytes an element
 
 
 def backward_call(op: str, n: int, h: int):
@@ -43,7 +47,7 @@ def backward_call(op: str, n: int, h: int):
     lb = torch.randn(h, **bf)
     if op == "rms_norm":
         _, rstd = ops.rms_norm_fwd(x, w, 1e-6)
-        return (lambda: ops.rms_norm_bwd(dy, x, w, rstd)), 3 * n * h * 2
+        return (lambda: ops.rms_norm_bwd(dy, x, w, rstd)), 3 * n * h * S
     if op == "embeddings":  # the LayerNorm part of the embeddings' backward (dropout --p; the tables' scatter not timed)
         seq = min(n, 512)
         ids = torch.randint(0, 30522, (n // seq, seq), device="cuda")
@@ -52,16 +56,16 @@ def backward_call(op: str, n: int, h: int):
         _, z, mean, rstd, rng = ops.embedding_layer_norm_fwd(ids, pos, torch.zeros_like(ids), *tables, w, b, args.p, 1e-12,
                                                              True, 0)
         dy = dy.view(z.shape)
-        return (lambda: ops.embedding_layer_norm_bwd(dy, z, w, mean, rstd, rng, args.p)), 3 * n * h * 2
+        return (lambda: ops.embedding_layer_norm_bwd(dy, z, w, mean, rstd, rng, args.p)), 3 * n * h * S
     fused = op.startswith("residual_layer_norm")
     p = args.p if fused else 0.0
     _, z, mean, rstd, rng = ops.layer_norm_fwd(x, lb if fused else None, r if fused else None, w, b, p, 1e-12)
     z = z if z.numel() else x  # the plain form saves its input
     if op == "residual_layer_norm2":  # dy2 read too
         dy2 = torch.randn(n, h, **bf)
-        return (lambda: ops.layer_norm_bwd2(dy, dy2, z, w, mean, rstd, rng, p)), 5 * n * h * 2
+        return (lambda: ops.layer_norm_bwd2(dy, dy2, z, w, mean, rstd, rng, p)), 5 * n * h * S
     # bytes: dy and the saved input read, dx written (+ dh for the residual form)
-    return (lambda: ops.layer_norm_bwd(dy, z, w, mean, rstd, rng, p, fused)), (4 if fused else 3) * n * h * 2
+    return (lambda: ops.layer_norm_bwd(dy, z, w, mean, rstd, rng, p, fused)), (4 if fused else 3) * n * h * S
 
 
 for op in args.ops:
