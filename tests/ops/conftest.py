@@ -211,6 +211,33 @@ def check_layer_norm_backward(rows: int, H: int, wdtype: torch.dtype, assert_ker
         assert torch.equal(a, a2), f"{rows}x{H}: a second call gave other bits"
 
 
+def check_rms_norm_backward(rows: int, H: int, wdtype: torch.dtype, assert_kernels) -> None:
+    """RMSNorm's backward at rows x H (bf16 activations, weights in wdtype), as check_layer_norm_backward: the kernels it
+    launched, its gradients within twice PyTorch's bf16 error of the float64 reference, the same bits on a second call."""
+    import torch.nn.functional as F
+
+    from bertaccel.ops.rms_norm import rms_norm
+
+    x = torch.randn(rows, H, device="cuda") * 3 + 1
+    w, dy = torch.randn(H, device="cuda"), torch.randn(rows, H, device="cuda")
+    ref_in = leaves(x.bfloat16().double(), w.to(wdtype).double())
+    ref = torch.autograd.grad(F.rms_norm(ref_in[0], (H,), ref_in[1], 1e-6), ref_in, dy.bfloat16().double())
+    th_in = leaves(x.bfloat16(), w.bfloat16())
+    th = torch.autograd.grad(F.rms_norm(th_in[0], (H,), th_in[1], 1e-6), th_in, dy.bfloat16())
+    poison()
+    ins = leaves(x.bfloat16(), w.to(wdtype))
+
+    def ours():
+        return torch.autograd.grad(rms_norm(ins[0], ins[1], 1e-6), ins, dy.bfloat16())
+
+    assert_kernels(cuda_kernel_names(ours))
+    got = ours()
+    for name, a, t, r in zip(("dx", "dweight"), got, th, ref):
+        check(a, t, r, torch.bfloat16, f"rms_norm {rows}x{H} weights {wdtype} {name}")
+    for a, a2 in zip(got, ours()):
+        assert torch.equal(a, a2), f"rms_norm {rows}x{H}: a second call gave other bits"
+
+
 def check_embeddings_layer_norm_backward(rows: int, H: int, assert_kernels) -> None:
     """The embeddings' form (kEmb) of the LayerNorm backward at rows x H without dropout (test_embeddings.py covers the
     dropout and the tables): `assert_kernels(names)` on the CUDA kernels it launched, its gradients within twice

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from tests.ops.conftest import (assert_passes_in_child, check, check_layer_norm_backward, cuda_kernel_grids,
-                                cuda_kernel_names, cuda_test, leaves, poison)
+from tests.ops.conftest import (assert_passes_in_child, check_layer_norm_backward, check_rms_norm_backward,
+                                cuda_kernel_grids, cuda_test)
 
 TWO_BLOCKS_WIDE_ROWS = 8192  # layer_norm_bwd.cuh kTwoBlocksWideRows
 
@@ -22,31 +22,6 @@ TWO_BLOCKS_WIDE_ROWS = 8192  # layer_norm_bwd.cuh kTwoBlocksWideRows
 def threads_a_row(H: int) -> int:  # 32 elements a thread (4 vectors of 8), a power of two
     need = -(-H // 32)
     return 1 << (need - 1).bit_length()
-
-
-def check_rms_norm_backward(rows: int, H: int, wdtype: torch.dtype, assert_kernels) -> None:
-    import torch.nn.functional as F
-
-    from bertaccel.ops.rms_norm import rms_norm
-
-    x = torch.randn(rows, H, device="cuda") * 3 + 1
-    w, dy = torch.randn(H, device="cuda"), torch.randn(rows, H, device="cuda")
-    ref_in = leaves(x.bfloat16().double(), w.to(wdtype).double())
-    ref = torch.autograd.grad(F.rms_norm(ref_in[0], (H,), ref_in[1], 1e-6), ref_in, dy.bfloat16().double())
-    th_in = leaves(x.bfloat16(), w.bfloat16())
-    th = torch.autograd.grad(F.rms_norm(th_in[0], (H,), th_in[1], 1e-6), th_in, dy.bfloat16())
-    poison()
-    ins = leaves(x.bfloat16(), w.to(wdtype))
-
-    def ours():
-        return torch.autograd.grad(rms_norm(ins[0], ins[1], 1e-6), ins, dy.bfloat16())
-
-    assert_kernels(cuda_kernel_names(ours))
-    got = ours()
-    for name, a, t, r in zip(("dx", "dweight"), got, th, ref):
-        check(a, t, r, torch.bfloat16, f"rms_norm {rows}x{H} weights {wdtype} {name}")
-    for a, a2 in zip(got, ours()):
-        assert torch.equal(a, a2), f"rms_norm {rows}x{H}: a second call gave other bits"
 
 
 def check_two_blocks_wide() -> None:

@@ -401,6 +401,16 @@ inline bool bwd_prefetch_enabled() {
   static const bool on = env_switch("BERTACCEL_LN_BWD_PREFETCH", 1) != 0;
   return on;
 }
+// BERTACCEL_LN_BWD_PREFETCH_PLAIN=1 (off by default; built in session 81, not yet measured): the plain LayerNorm's
+// and RMSNorm's bf16 rows within a warp (384-1024 wide) through the prefetching kernel too - the next row group's
+// loads in flight through this group's two passes, the accumulators in shared memory - in place of the register
+// kernel. Measured even on the H100 in session 15 (before the two-block register kernels and the word unpacking:
+// LayerNorm 23.1 / 23.3, 40.7 / 40.3 us; RMSNorm 36.6 / 36.3); the H200's higher bandwidth needs more bytes in flight
+// (session 81: the wide rows' backward gained 26-35% from a second block per SM), so it is measured again there.
+inline bool bwd_prefetch_plain() {
+  static const bool on = env_switch("BERTACCEL_LN_BWD_PREFETCH_PLAIN", 0) == 1;
+  return on;
+}
 // The fused form's bf16 rows 776-1024 wide (one a warp) through the prefetching kernel too, two blocks per SM, in place
 // of the ring kernel (one block per SM at 180-185 registers), which takes one gradient only - the two-gradient form
 // there (layer_norm_bwd2, BERT-large's) adds dy + dy2 in a kernel of its own first, a pass over three tensors the
@@ -858,6 +868,24 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_PREFETCH);
 #undef BA_LN_BWD_PREFETCH
 #undef BA_LN_BWD_PREFETCH_K
+      return;
+    }
+  }
+  // BERTACCEL_LN_BWD_PREFETCH_PLAIN=1 (bwd_prefetch_plain): the plain LayerNorm and RMSNorm through the prefetching
+  // kernel with its next rows, bf16 rows within a warp.
+  if constexpr ((MODE == kPlain || MODE == kRms) && sizeof(T) == 2) {
+    if (vec == max_vec && tpr <= 32 && items <= 4 && bwd_prefetch_plain()) {
+#define BA_LN_BWD_PREFETCH_PLAIN(V, I)                                                                    \
+  do {                                                                                                    \
+    if constexpr (V == max_vec && I <= 4) {                                                               \
+      auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, false, true>;                                \
+      constexpr int smem = bwd_prefetch_smem<MODE, V, I, false>();                                        \
+      const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                     \
+      BA_LN_BWD_RUN_SMEM(kernel, smem, warp_groups, (const T*)nullptr);                                   \
+    }                                                                                                     \
+  } while (0)
+      BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_PREFETCH_PLAIN);
+#undef BA_LN_BWD_PREFETCH_PLAIN
       return;
     }
   }
