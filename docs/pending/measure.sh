@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 81's last change checked on a fresh H200 in one device call (~7 minutes):
+# Session 81's last change checked on a fresh H200 in one device call (~8 minutes):
 #   BERTACCEL_COMMIT=<sha> bash docs/pending/measure.sh
 # carrying .carry/env.sh and .carry/wheels. What it checks (landed on main in 988e457 from one sweep at 4096 wide, its
 # cuda tests not yet run on a GPU): the plain LayerNorm and RMSNorm backward of bf16 rows wider than a warp on two
