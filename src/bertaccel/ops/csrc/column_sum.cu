@@ -150,11 +150,13 @@ void launch(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t co
                    (const T*)x.data_ptr(), part.data_ptr<float>(), rows, (int)cols, rpc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // The partial rows' sums (common.cuh launch_column_sums): 32 x 8 blocks where one round of their loads takes every
-  // partial row, else 32 x 32 from 2,048 columns (session 80) and 8 x 64 below.
-  const auto shape = chunks <= kColumnSumsFewRows ? ColumnSumsShape::few
-                     : cols >= 2048              ? ColumnSumsShape::wide
-                                                 : ColumnSumsShape::narrow;
-  if (chunks > 1) launch_column_sums({{&part, &out}}, chunks, (int)cols, stream, shape);
+  // partial row, else 32 x 32 from 2,048 columns (session 80) and 8 x 64 below - that rule alone under
+  // BERTACCEL_COLSUM=by-width (the rule before session 81).
+  if (chunks > 1) {
+    const bool few = chunks <= kColumnSumsFewRows && column_sums_setting() != ColumnSumsShape::by_width;
+    const auto shape = few ? ColumnSumsShape::few : cols >= 2048 ? ColumnSumsShape::wide : ColumnSumsShape::narrow;
+    launch_column_sums({{&part, &out}}, chunks, (int)cols, stream, shape);
+  }
 }
 
 at::Tensor column_sum(const at::Tensor& x) {

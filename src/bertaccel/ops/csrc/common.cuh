@@ -277,8 +277,17 @@ static __global__ void __launch_bounds__(COLS * SLICES) column_sums_kernel(Colum
 // wide 1.010) and narrow stays. Nsight Compute in session 80: column_sum's 88-row partials took 5.2-5.8 us in 8 x 64
 // where inductor's own second kernel took 2.9-3.1. (4 x 128 and 8 x 128, 4 loads a thread, were slower than both nearly
 // everywhere in session 70's sweep and were taken out.)
-enum class ColumnSumsShape { narrow = 1, wide = 2, few = 6 };
+// (in BERTACCEL_COLSUM's order: the setting's index is the shape)
+enum class ColumnSumsShape { unset, narrow, wide, c16x32, c16x64, c32x16, few /* 32 x 8 */, c8x32, by_width };
 constexpr int kColumnSumsFewRows = 8 * 16;  // partial rows `few` reads in one round
+// The shape BERTACCEL_COLSUM takes everywhere (read once per process); `unset` where none is, `by_width` where a caller
+// with a rule before session 81 (column_sum) is to keep it - every other caller's shape stays its own.
+inline ColumnSumsShape column_sums_setting() {
+  static const auto setting = (ColumnSumsShape)env_choice(
+      "BERTACCEL_COLSUM", {"", "narrow", "wide", "16x32", "16x64", "32x16", "32x8", "8x32", "by-width"},
+      "column-sums shape (columns x row slices; narrow 8 x 64, wide 32 x 32; by-width)");
+  return setting;
+}
 inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*, const at::Tensor*>> pairs, int parts,
                                int cols, cudaStream_t stream, ColumnSumsShape here = ColumnSumsShape::narrow) {
   ColumnSums m{};
@@ -290,23 +299,20 @@ inline void launch_column_sums(std::initializer_list<std::pair<const at::Tensor*
       ++n;
     }
   if (n == 0 || cols == 0) return;
-  // 0 unset, 1 narrow, 2 wide, 3.. the other shapes (6: 32x8, `few`), 8 column_sum's rule before session 81
-  static const int forced =
-      env_choice("BERTACCEL_COLSUM", {"", "narrow", "wide", "16x32", "16x64", "32x16", "32x8", "8x32", "by-width"},
-                 "column-sums shape (columns x row slices; narrow 8 x 64, wide 32 x 32; by-width)");
-  const int shape = forced == 8 ? (here == ColumnSumsShape::narrow ? 1 : cols >= 2048 ? 2 : 1)
-                    : forced != 0 ? forced : (int)here;
+  const ColumnSumsShape setting = column_sums_setting();
+  const ColumnSumsShape shape =
+      setting == ColumnSumsShape::unset || setting == ColumnSumsShape::by_width ? here : setting;
 #define BA_COLSUM_RUN(COLS, SLICES, BATCH)                                                                           \
   launch_dependent(column_sums_kernel<COLS, SLICES, BATCH>, dim3((unsigned)((cols + COLS - 1) / COLS), (unsigned)n), \
                    dim3(COLS * SLICES), 0, stream, m, parts, cols)
   switch (shape) {
-    case 2: if (parts <= 12 * 32) BA_COLSUM_RUN(32, 32, 12); else BA_COLSUM_RUN(32, 32, 16); break;
-    case 3: BA_COLSUM_RUN(16, 32, 12); break;
-    case 4: BA_COLSUM_RUN(16, 64, 8); break;
-    case 5: BA_COLSUM_RUN(32, 16, 16); break;
-    case 6: BA_COLSUM_RUN(32, 8, 16); break;
-    case 7: BA_COLSUM_RUN(8, 32, 12); break;
-    default: BA_COLSUM_RUN(8, 64, 8);
+    case ColumnSumsShape::wide: if (parts <= 12 * 32) BA_COLSUM_RUN(32, 32, 12); else BA_COLSUM_RUN(32, 32, 16); break;
+    case ColumnSumsShape::c16x32: BA_COLSUM_RUN(16, 32, 12); break;
+    case ColumnSumsShape::c16x64: BA_COLSUM_RUN(16, 64, 8); break;
+    case ColumnSumsShape::c32x16: BA_COLSUM_RUN(32, 16, 16); break;
+    case ColumnSumsShape::few: BA_COLSUM_RUN(32, 8, 16); break;
+    case ColumnSumsShape::c8x32: BA_COLSUM_RUN(8, 32, 12); break;
+    default: BA_COLSUM_RUN(8, 64, 8);  // narrow
   }
 #undef BA_COLSUM_RUN
 }

@@ -848,9 +848,10 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
   // The prefetching kernel where it measured faster (H100, 16384 rows, bf16, same run, 528e565): the
   // fused residual form at 384 and 768 wide, 32.7 vs 34.5 us and 53.0 vs 55.9 (the ring). Plain
   // LayerNorm and RMSNorm measured even (23.1 vs 23.3, 40.7 vs 40.3; 36.6 vs 36.3) and keep the
-  // kernels below; at 1024 wide (4 vectors per thread) it spilled at 128 registers and lost (75.4 vs 70.2).
-  if constexpr (MODE == kFused && sizeof(T) == 2) {  // bf16 rows with full 16-byte vectors, a row within a warp
-    if (prefetching) {
+  // kernels below - unless BERTACCEL_LN_BWD_PREFETCH_PLAIN=1 (bwd_prefetch_plain), bf16 rows within a warp; at 1024
+  // wide (4 vectors per thread) it spilled at 128 registers and lost (75.4 vs 70.2).
+  if constexpr ((MODE == kFused || MODE == kPlain || MODE == kRms) && sizeof(T) == 2) {  // bf16 rows, 16-byte vectors
+    if (prefetching || (MODE != kFused && vec == max_vec && tpr <= 32 && items <= 4 && bwd_prefetch_plain())) {
 #define BA_LN_BWD_PREFETCH_K(V, I, DY2)                                                                   \
   do {                                                                                                    \
     auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, DY2>;                                          \
@@ -861,31 +862,17 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& gam
 #define BA_LN_BWD_PREFETCH(V, I)                                                                          \
   do {                                                                                                    \
     if constexpr (V == max_vec && I <= 4) {                                                               \
-      if (dy2.defined()) BA_LN_BWD_PREFETCH_K(V, I, true);                                                \
-      else BA_LN_BWD_PREFETCH_K(V, I, false);                                                             \
+      if constexpr (MODE == kFused) { /* (only the fused form takes a second gradient) */                 \
+        if (dy2.defined()) BA_LN_BWD_PREFETCH_K(V, I, true);                                              \
+        else BA_LN_BWD_PREFETCH_K(V, I, false);                                                           \
+      } else {                                                                                            \
+        BA_LN_BWD_PREFETCH_K(V, I, false);                                                                \
+      }                                                                                                   \
     }                                                                                                     \
   } while (0)
       BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_PREFETCH);
 #undef BA_LN_BWD_PREFETCH
 #undef BA_LN_BWD_PREFETCH_K
-      return;
-    }
-  }
-  // BERTACCEL_LN_BWD_PREFETCH_PLAIN=1 (bwd_prefetch_plain): the plain LayerNorm and RMSNorm through the prefetching
-  // kernel with its next rows, bf16 rows within a warp.
-  if constexpr ((MODE == kPlain || MODE == kRms) && sizeof(T) == 2) {
-    if (vec == max_vec && tpr <= 32 && items <= 4 && bwd_prefetch_plain()) {
-#define BA_LN_BWD_PREFETCH_PLAIN(V, I)                                                                    \
-  do {                                                                                                    \
-    if constexpr (V == max_vec && I <= 4) {                                                               \
-      auto kernel = ln_bwd_prefetch_kernel<T, W, V, I, MODE, false, true>;                                \
-      constexpr int smem = bwd_prefetch_smem<MODE, V, I, false>();                                        \
-      const int64_t warp_groups = (rows + 32 / tpr - 1) / (32 / tpr);                                     \
-      BA_LN_BWD_RUN_SMEM(kernel, smem, warp_groups, (const T*)nullptr);                                   \
-    }                                                                                                     \
-  } while (0)
-      BA_DISPATCH_VEC_ITEMS(sizeof(T), vec, items, BA_LN_BWD_PREFETCH_PLAIN);
-#undef BA_LN_BWD_PREFETCH_PLAIN
       return;
     }
   }
