@@ -144,11 +144,15 @@ class ThroughputMeter(pl.Callback):
             self._gc_t = None
 
     # -------------------------------------------------------------------------------- helpers
+    def _warmup_setting(self, stage: str) -> tuple[str, int]:
+        """The setting that leaves steps at the start of `stage` out of its numbers: its name and value."""
+        if stage != "train" and self.eval_warmup_steps is not None:
+            return "eval_warmup_steps", self.eval_warmup_steps
+        return "warmup_steps", self.warmup_steps
+
     def _warmup(self, stage: str) -> int:
         """The steps at the start of `stage` left out of its numbers."""
-        if stage != "train" and self.eval_warmup_steps is not None:
-            return self.eval_warmup_steps
-        return self.warmup_steps
+        return self._warmup_setting(stage)[1]
 
     def _cuda(self, trainer) -> bool:
         return trainer.strategy.root_device.type == "cuda"
@@ -309,8 +313,8 @@ class ThroughputMeter(pl.Callback):
         del self.stages[stage]
         if not stats:
             if trainer.state.fn != "fit":
-                name = "eval_warmup_steps" if stage != "train" and self.eval_warmup_steps is not None else "warmup_steps"
-                rank_zero_info(f"throughput ({stage}): fewer steps than {name}={self._warmup(stage)}; nothing measured")
+                name, warmup = self._warmup_setting(stage)
+                rank_zero_info(f"throughput ({stage}): fewer steps than {name}={warmup}; nothing measured")
             return
         stats.update(self._graph_fields(trainer.lightning_module, stage))
         self.results[stage] = stats
