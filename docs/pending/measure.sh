@@ -16,8 +16,8 @@ python -c "from bertaccel.ops import build; assert build.load(verbose=True), bui
   || { tail -30 $OUT/build.log; exit 1; }
 echo "build $(( $(date +%s) - t0 )) s"
 timeout 300 python -m pytest -m cuda -q -p no:cacheprovider tests/ops/test_ln_bwd_two_blocks_wide.py \
-  tests/ops/test_ln_bwd_prefetch_plain.py tests/ops/test_rms_norm.py tests/ops/test_layer_norm.py \
-  -k "4096 or 8192 or wide_rows or prefetching" > $OUT/tests.log 2>&1
+  tests/ops/test_ln_bwd_prefetch_plain.py tests/ops/test_column_sums.py tests/ops/test_rms_norm.py tests/ops/test_layer_norm.py \
+  -k "4096 or 8192 or wide_rows or prefetching or default or by-width or shape-32x8 or refused" > $OUT/tests.log 2>&1
 for r in 1 2; do for s in X=0 BERTACCEL_LN_BWD_TWO_BLOCKS=0; do
   env $s timeout 90 python scripts/ln_bwd_sweep.py --ops rms_norm layer_norm --widths 1536 4096 8192 --rows 8192 16384
 done; done > $OUT/ln_bwd_sweep_wide.log 2>&1
